@@ -1,0 +1,117 @@
+//! `nanogpt bench`: time training steps (forward, backward, clipping, AdamW) on
+//! synthetic tokens, and report ms/step, tokens/s, MFU and peak RSS.
+
+use crate::kernels::matmul::{matmul, Mat};
+use crate::model::{Gpt, ModelConfig};
+use crate::optim::{clip_grad_norm, AdamW, AdamWConfig};
+use serde::Serialize;
+use std::time::Instant;
+
+/// What to time.
+#[derive(Clone, Debug)]
+pub struct BenchOptions {
+    pub model: ModelConfig,
+    pub batch_size: usize,
+    pub block_size: usize,
+    /// Timed steps (after `warmup` untimed ones).
+    pub steps: usize,
+    pub warmup: usize,
+    /// The FLOP/s that count as 100 % MFU; `None` measures this machine's f32 GEMM peak.
+    pub peak_gflops: Option<f64>,
+}
+
+/// What was measured.
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchReport {
+    pub threads: usize,
+    pub batch_size: usize,
+    pub block_size: usize,
+    pub params: usize,
+    /// Median over the timed steps.
+    pub ms_per_step: f64,
+    pub ms_per_step_min: f64,
+    pub tokens_per_sec: f64,
+    /// Training FLOPs per token (6·N + 12·L·C·T).
+    pub flops_per_token: f64,
+    pub achieved_gflops: f64,
+    pub peak_gflops: f64,
+    pub mfu: f64,
+    pub peak_rss_mb: f64,
+    pub activation_mb: f64,
+}
+
+/// Runs the benchmark in the current rayon pool.
+pub fn run(opts: &BenchOptions) -> Result<BenchReport, crate::model::ModelError> {
+    let (b, t) = (opts.batch_size, opts.block_size);
+    let mut gpt = Gpt::new(opts.model.clone(), b, t)?;
+    gpt.init_gpt2(1337);
+    let mut opt = AdamW::new(&gpt.layout, AdamWConfig::default());
+    let v = opts.model.vocab_size;
+    let inputs: Vec<u32> = (0..b * t).map(|i| (i * 7919 % v) as u32).collect();
+    let targets: Vec<i32> = (0..b * t).map(|i| ((i + 1) * 7919 % v) as i32).collect();
+    let mut times = Vec::with_capacity(opts.steps);
+    for step in 0..opts.warmup + opts.steps {
+        let start = Instant::now();
+        gpt.zero_grad();
+        gpt.forward(&inputs, &targets, b, t);
+        gpt.backward();
+        clip_grad_norm(&mut gpt.grads, 1.0);
+        opt.step(&mut gpt.params, &gpt.grads, 1e-4);
+        if step >= opts.warmup {
+            times.push(start.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    let median = times[times.len() / 2];
+    let tokens_per_sec = (b * t) as f64 / (median / 1e3);
+    let flops_per_token = opts.model.flops_per_token(t);
+    let achieved = tokens_per_sec * flops_per_token / 1e9;
+    let peak = opts.peak_gflops.unwrap_or_else(gemm_peak_gflops);
+    Ok(BenchReport {
+        threads: rayon::current_num_threads(),
+        batch_size: b,
+        block_size: t,
+        params: opts.model.num_params(),
+        ms_per_step: median,
+        ms_per_step_min: times[0],
+        tokens_per_sec,
+        flops_per_token,
+        achieved_gflops: achieved,
+        peak_gflops: peak,
+        mfu: achieved / peak,
+        peak_rss_mb: peak_rss_bytes().map_or(f64::NAN, |r| r as f64 / 1e6),
+        activation_mb: gpt.activation_floats() as f64 * 4.0 / 1e6,
+    })
+}
+
+/// Best of three 2048³ f32 GEMMs through the same library the model uses: the
+/// machine's practical matmul peak, in GFLOP/s.
+pub fn gemm_peak_gflops() -> f64 {
+    gemm_peak(2048)
+}
+
+/// A quicker estimate from 1024³ GEMMs (a few tenths of a second), for MFU in logs.
+pub fn gemm_peak_gflops_quick() -> f64 {
+    gemm_peak(1024)
+}
+
+fn gemm_peak(n: usize) -> f64 {
+    let a = vec![1.0f32; n * n];
+    let b = vec![0.5f32; n * n];
+    let mut c = vec![0.0f32; n * n];
+    (0..3)
+        .map(|_| {
+            let start = Instant::now();
+            matmul(&mut c, Mat::new(&a, n, n), Mat::new(&b, n, n), false);
+            2.0 * (n * n * n) as f64 / start.elapsed().as_secs_f64() / 1e9
+        })
+        .fold(0.0, f64::max)
+}
+
+/// The process's peak resident set size (Linux `VmHWM`), if the OS tells.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}

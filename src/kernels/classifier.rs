@@ -1,0 +1,243 @@
+//! The classifier (tied to `wte`) fused with softmax and cross-entropy.
+//!
+//! Logits are computed for a chunk of rows at a time into a caller-provided scratch
+//! buffer, turned into losses and, when training, straight into gradients, so the full
+//! `(N, V)` logits never exist. Only the real vocabulary `V` is computed: the padded
+//! rows of `wte` never receive probability and get no gradient.
+
+use super::matmul::{matmul, Mat};
+use rayon::prelude::*;
+
+/// Where the classifier's gradients go when training.
+pub struct ClassifierGrads<'a> {
+    /// (N, C): gradient w.r.t. the classifier input, **overwritten**.
+    pub dx: &'a mut [f32],
+    /// (Vp, C): gradient of the tied embedding, **accumulated**.
+    pub dwte: &'a mut [f32],
+    /// Multiplies the gradient of the mean loss (e.g. `1 / grad_accum_steps`).
+    pub scale: f32,
+}
+
+/// Mean cross-entropy of `softmax(x · wteᵀ)` against `targets`, ignoring targets of -1.
+///
+/// x: (N, C); wte: (≥V, C); targets: (N) in `[0, V)` or -1; losses: (N) per-row loss
+/// written (0 for ignored rows); scratch: (R, V) with R ≥ 1 rows, the chunk size.
+/// With `grads`, also computes the gradient of `scale · mean loss`.
+/// Returns the mean over valid rows (0 when there are none).
+#[allow(clippy::too_many_arguments)]
+pub fn classifier_forward(
+    x: &[f32],
+    wte: &[f32],
+    targets: &[i32],
+    losses: &mut [f32],
+    scratch: &mut [f32],
+    c: usize,
+    v: usize,
+    mut grads: Option<ClassifierGrads>,
+) -> f32 {
+    let n = targets.len();
+    assert!(x.len() == n * c && losses.len() == n && wte.len() >= v * c);
+    let chunk = (scratch.len() / v).min(n).max(1);
+    assert!(
+        scratch.len() >= v,
+        "classifier scratch must hold at least one row"
+    );
+    let count = targets.iter().filter(|&&t| t >= 0).count();
+    let grad_scale = grads
+        .as_ref()
+        .map_or(0.0, |g| g.scale / count.max(1) as f32);
+    let wte_v = Mat::new(&wte[..v * c], v, c);
+    for start in (0..n).step_by(chunk) {
+        let rows = chunk.min(n - start);
+        let logits = &mut scratch[..rows * v];
+        let x_chunk = &x[start * c..(start + rows) * c];
+        matmul(logits, Mat::new(x_chunk, rows, c), wte_v.t(), false);
+        let tgt = &targets[start..start + rows];
+        let with_grad = grads.is_some();
+        logits
+            .par_chunks_mut(v)
+            .zip(
+                tgt.par_iter()
+                    .zip(losses[start..start + rows].par_iter_mut()),
+            )
+            .for_each(|(row, (&target, loss))| {
+                *loss = softmax_row_loss(row, target, with_grad.then_some(grad_scale));
+            });
+        if let Some(g) = grads.as_mut() {
+            let dlogits = Mat::new(logits, rows, v);
+            matmul(
+                &mut g.dx[start * c..(start + rows) * c],
+                dlogits,
+                wte_v,
+                false,
+            );
+            let dwte = &mut g.dwte[..v * c];
+            matmul(dwte, dlogits.t(), Mat::new(x_chunk, rows, c), true);
+        }
+    }
+    if count == 0 {
+        return 0.0;
+    }
+    // A fixed summation order keeps the loss bit-identical across thread counts.
+    (losses.iter().map(|&l| l as f64).sum::<f64>() / count as f64) as f32
+}
+
+/// Cross-entropy of one row of logits; with `grad_scale`, the row is replaced by
+/// `grad_scale · (softmax − onehot(target))` (all zero for an ignored row).
+fn softmax_row_loss(row: &mut [f32], target: i32, grad_scale: Option<f32>) -> f32 {
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
+    let sum: f32 = row.iter().map(|&l| (l - max).exp()).sum();
+    let lse = max + sum.ln();
+    let loss = if target >= 0 {
+        lse - row[target as usize]
+    } else {
+        0.0
+    };
+    if let Some(s) = grad_scale {
+        if target < 0 {
+            row.fill(0.0);
+        } else {
+            let inv = s / sum;
+            row.iter_mut().for_each(|l| *l = (*l - max).exp() * inv);
+            row[target as usize] -= s;
+        }
+    }
+    loss
+}
+
+/// Inference logits `out = x · wte[..V]ᵀ`: out (N, V) written, x (N, C).
+pub fn classifier_logits(out: &mut [f32], x: &[f32], wte: &[f32], c: usize, v: usize) {
+    let n = x.len() / c;
+    matmul(
+        out,
+        Mat::new(x, n, c),
+        Mat::new(&wte[..v * c], v, c).t(),
+        false,
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::testutil::*;
+
+    fn reference_loss(x: &[f64], wte: &[f64], targets: &[i32], c: usize, v: usize) -> f64 {
+        let (mut total, mut count) = (0.0, 0);
+        for (r, &tg) in targets.iter().enumerate() {
+            if tg < 0 {
+                continue;
+            }
+            let logits: Vec<f64> = (0..v)
+                .map(|j| (0..c).map(|i| x[r * c + i] * wte[j * c + i]).sum())
+                .collect();
+            let max = logits.iter().cloned().fold(f64::MIN, f64::max);
+            let lse = max + logits.iter().map(|l| (l - max).exp()).sum::<f64>().ln();
+            total += lse - logits[tg as usize];
+            count += 1;
+        }
+        total / count as f64
+    }
+
+    fn check(n: usize, c: usize, v: usize, vp: usize, chunk_rows: usize) {
+        let x = rand_vec(n * c, 1);
+        let wte: Vec<f32> = rand_vec(vp * c, 2).iter().map(|w| 2.0 * w).collect();
+        let targets: Vec<i32> = (0..n)
+            .map(|r| {
+                if r % 4 == 1 {
+                    -1
+                } else {
+                    ((r * 7 + 3) % v) as i32
+                }
+            })
+            .collect();
+        let (x64, wte64) = (to_f64(&x), to_f64(&wte));
+        let mut losses = vec![0.0; n];
+        let mut scratch = vec![0.0; chunk_rows * v];
+        let mut dx = vec![f32::NAN; n * c];
+        let mut dwte = vec![0.25; vp * c];
+        let scale = 0.5;
+        let loss = classifier_forward(
+            &x,
+            &wte,
+            &targets,
+            &mut losses,
+            &mut scratch,
+            c,
+            v,
+            Some(ClassifierGrads {
+                dx: &mut dx,
+                dwte: &mut dwte,
+                scale,
+            }),
+        );
+        let want = reference_loss(&x64, &wte64, &targets, c, v);
+        assert!(
+            (loss as f64 - want).abs() < 1e-5 * want.abs(),
+            "{loss} vs {want}"
+        );
+
+        let f = |x: &[f64], w: &[f64]| scale as f64 * reference_loss(x, w, &targets, c, v);
+        let want_dx = numeric_grad(|p| f(p, &wte64), &x64, 1e-5);
+        assert_close("dx", &dx, &want_dx, 1e-4, 1e-6);
+        let mut want_dwte = numeric_grad(|p| f(&x64, p), &wte64, 1e-5);
+        want_dwte.iter_mut().for_each(|d| *d += 0.25);
+        assert_close("dwte", &dwte, &want_dwte, 1e-4, 1e-6);
+        // Padded rows are untouched.
+        assert!(dwte[v * c..].iter().all(|&d| d == 0.25));
+
+        // Without gradients the loss is the same and nothing else is touched.
+        let mut losses2 = vec![0.0; n];
+        let l2 = classifier_forward(&x, &wte, &targets, &mut losses2, &mut scratch, c, v, None);
+        assert_eq!(l2, loss);
+    }
+
+    #[test]
+    fn loss_and_gradients_match_reference() {
+        check(6, 8, 11, 16, 6); // one chunk
+        check(9, 5, 13, 64, 4); // several chunks, a partial last one
+        check(3, 4, 7, 7, 1); // one row per chunk, no padding
+    }
+
+    #[test]
+    fn all_targets_ignored_gives_zero_loss_and_gradient() {
+        let (n, c, v) = (3, 4, 5);
+        let x = rand_vec(n * c, 1);
+        let wte = rand_vec(v * c, 2);
+        let mut scratch = vec![0.0; n * v];
+        let mut losses = vec![1.0; n];
+        let mut dx = vec![1.0; n * c];
+        let mut dwte = vec![0.0; v * c];
+        let grads = ClassifierGrads {
+            dx: &mut dx,
+            dwte: &mut dwte,
+            scale: 1.0,
+        };
+        let loss = classifier_forward(
+            &x,
+            &wte,
+            &[-1; 3],
+            &mut losses,
+            &mut scratch,
+            c,
+            v,
+            Some(grads),
+        );
+        assert_eq!(loss, 0.0);
+        assert!(dx.iter().chain(&dwte).all(|&d| d == 0.0));
+    }
+
+    #[test]
+    fn logits_match_reference() {
+        let (n, c, v) = (3, 8, 10);
+        let x = rand_vec(n * c, 1);
+        let wte = rand_vec(16 * c, 2);
+        let mut out = vec![0.0; n * v];
+        classifier_logits(&mut out, &x, &wte, c, v);
+        for r in 0..n {
+            for j in 0..v {
+                let want: f32 = (0..c).map(|i| x[r * c + i] * wte[j * c + i]).sum();
+                assert!((out[r * v + j] - want).abs() < 1e-5);
+            }
+        }
+    }
+}

@@ -1,0 +1,112 @@
+//! Token + position embedding.
+
+use super::SharedMut;
+use rayon::prelude::*;
+
+/// `out[b,t,:] = wte[inp[b,t],:] + wpe[t,:]`.
+///
+/// out: (B, T, C) written; inp: (B, T) token ids < Vp; wte: (Vp, C); wpe: (≥T, C).
+pub fn encoder_forward(out: &mut [f32], inp: &[u32], wte: &[f32], wpe: &[f32], t: usize, c: usize) {
+    assert_eq!(out.len(), inp.len() * c);
+    out.par_chunks_mut(c).enumerate().for_each(|(row, o)| {
+        let tok = inp[row] as usize;
+        let pos = row % t;
+        let e = &wte[tok * c..(tok + 1) * c];
+        let p = &wpe[pos * c..(pos + 1) * c];
+        for ((o, &e), &p) in o.iter_mut().zip(e).zip(p) {
+            *o = e + p;
+        }
+    });
+}
+
+/// Accumulates `dwte[inp[b,t],:] += dout[b,t,:]` and `dwpe[t,:] += dout[b,t,:]`.
+///
+/// Parallel over channel blocks, so rows that share a token never race.
+pub fn encoder_backward(
+    dwte: &mut [f32],
+    dwpe: &mut [f32],
+    dout: &[f32],
+    inp: &[u32],
+    t: usize,
+    c: usize,
+) {
+    assert_eq!(dout.len(), inp.len() * c);
+    const BLOCK: usize = 64;
+    let blocks = c.div_ceil(BLOCK);
+    let dwte_ptr = SharedMut::new(dwte);
+    let dwpe_ptr = SharedMut::new(dwpe);
+    let (wte_len, wpe_len) = (dwte.len(), dwpe.len());
+    (0..blocks).into_par_iter().for_each(|blk| {
+        let lo = blk * BLOCK;
+        let hi = (lo + BLOCK).min(c);
+        for (row, &tok) in inp.iter().enumerate() {
+            let (tok, pos) = (tok as usize, row % t);
+            let d = &dout[row * c + lo..row * c + hi];
+            assert!((tok + 1) * c <= wte_len && (pos + 1) * c <= wpe_len);
+            // SAFETY: every task owns the channel columns [lo, hi) of both tables and
+            // touches no other column, so no two tasks write the same element; the
+            // bounds were checked just above.
+            unsafe {
+                let wte_row = dwte_ptr.get().add(tok * c + lo);
+                let wpe_row = dwpe_ptr.get().add(pos * c + lo);
+                for (i, &g) in d.iter().enumerate() {
+                    *wte_row.add(i) += g;
+                    *wpe_row.add(i) += g;
+                }
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::testutil::*;
+
+    #[test]
+    fn forward_adds_token_and_position_rows() {
+        let (b, t, c, vp) = (2, 3, 4, 5);
+        let wte = rand_vec(vp * c, 1);
+        let wpe = rand_vec(t * c, 2);
+        let inp = [4, 0, 4, 1, 2, 3];
+        let mut out = vec![0.0; b * t * c];
+        encoder_forward(&mut out, &inp, &wte, &wpe, t, c);
+        for (row, &tok) in inp.iter().enumerate() {
+            for ch in 0..c {
+                let want = wte[tok as usize * c + ch] + wpe[(row % t) * c + ch];
+                assert_eq!(out[row * c + ch], want);
+            }
+        }
+    }
+
+    #[test]
+    fn backward_matches_finite_differences() {
+        let (b, t, c, vp) = (2, 3, 70, 5);
+        let wte = rand_vec(vp * c, 1);
+        let wpe = rand_vec(t * c, 2);
+        let inp = [4u32, 0, 4, 1, 4, 3];
+        let w = rand_vec(b * t * c, 3);
+        let loss = |wte: &[f64], wpe: &[f64]| -> f64 {
+            let mut s = 0.0;
+            for (row, &tok) in inp.iter().enumerate() {
+                for ch in 0..c {
+                    let x = wte[tok as usize * c + ch] + wpe[(row % t) * c + ch];
+                    s += x * w[row * c + ch] as f64;
+                }
+            }
+            s
+        };
+        let (wte64, wpe64) = (to_f64(&wte), to_f64(&wpe));
+        let want_dwte = numeric_grad(|x| loss(x, &wpe64), &wte64, 1e-4);
+        let want_dwpe = numeric_grad(|x| loss(&wte64, x), &wpe64, 1e-4);
+        let mut dwte = vec![0.0; vp * c];
+        let mut dwpe = vec![0.0; t * c];
+        encoder_backward(&mut dwte, &mut dwpe, &w, &inp, t, c);
+        assert_close("dwte", &dwte, &want_dwte, 1e-5, 1e-6);
+        assert_close("dwpe", &dwpe, &want_dwpe, 1e-5, 1e-6);
+        // Accumulates: a second call doubles the gradients.
+        encoder_backward(&mut dwte, &mut dwpe, &w, &inp, t, c);
+        let twice: Vec<f64> = want_dwte.iter().map(|g| 2.0 * g).collect();
+        assert_close("dwte accumulated", &dwte, &twice, 1e-5, 1e-6);
+    }
+}

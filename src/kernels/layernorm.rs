@@ -1,0 +1,169 @@
+//! Layer normalisation over the channel dimension.
+
+use super::SharedMut;
+use crate::model::config::LAYER_NORM_EPS;
+use rayon::prelude::*;
+
+/// `out = (inp - mean) · rstd · weight + bias`, row by row.
+///
+/// inp, out: (N, C); mean, rstd: (N) written, kept for backward; weight: (C);
+/// bias: (C) or empty when the model has no biases.
+pub fn layernorm_forward(
+    out: &mut [f32],
+    mean: &mut [f32],
+    rstd: &mut [f32],
+    inp: &[f32],
+    weight: &[f32],
+    bias: &[f32],
+    c: usize,
+) {
+    let n = inp.len() / c;
+    assert!(out.len() == n * c && mean.len() == n && rstd.len() == n);
+    out.par_chunks_mut(c)
+        .zip(inp.par_chunks(c))
+        .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
+        .for_each(|((o, x), (m, r))| {
+            let mu = x.iter().sum::<f32>() / c as f32;
+            let var = x.iter().map(|&v| (v - mu) * (v - mu)).sum::<f32>() / c as f32;
+            let rs = 1.0 / (var + LAYER_NORM_EPS).sqrt();
+            if bias.is_empty() {
+                for ((o, &x), &w) in o.iter_mut().zip(x).zip(weight) {
+                    *o = (x - mu) * rs * w;
+                }
+            } else {
+                for (((o, &x), &w), &b) in o.iter_mut().zip(x).zip(weight).zip(bias) {
+                    *o = (x - mu) * rs * w + b;
+                }
+            }
+            *m = mu;
+            *r = rs;
+        });
+}
+
+/// Backward of [`layernorm_forward`].
+///
+/// `dinp` **accumulates** (`+=`): it is the residual stream's gradient, which already
+/// holds the skip connection's part. `dweight` and `dbias` accumulate as always
+/// (`dbias` is empty without biases).
+#[allow(clippy::too_many_arguments)]
+pub fn layernorm_backward(
+    dinp: &mut [f32],
+    dweight: &mut [f32],
+    dbias: &mut [f32],
+    dout: &[f32],
+    inp: &[f32],
+    weight: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    c: usize,
+) {
+    let n = inp.len() / c;
+    assert!(dinp.len() == n * c && dout.len() == n * c && mean.len() == n);
+    // Input gradient, row-parallel.
+    dinp.par_chunks_mut(c)
+        .zip(dout.par_chunks(c).zip(inp.par_chunks(c)))
+        .zip(mean.par_iter().zip(rstd))
+        .for_each(|((di, (dy, x)), (&mu, &rs))| {
+            let mut mean_dnorm = 0.0f32;
+            let mut mean_dnorm_xhat = 0.0f32;
+            for ((&dy, &x), &w) in dy.iter().zip(x).zip(weight) {
+                let dnorm = dy * w;
+                mean_dnorm += dnorm;
+                mean_dnorm_xhat += dnorm * (x - mu) * rs;
+            }
+            mean_dnorm /= c as f32;
+            mean_dnorm_xhat /= c as f32;
+            for (((di, &dy), &x), &w) in di.iter_mut().zip(dy).zip(x).zip(weight) {
+                let xhat = (x - mu) * rs;
+                *di += rs * (dy * w - mean_dnorm - xhat * mean_dnorm_xhat);
+            }
+        });
+    // Parameter gradients, parallel over channel blocks so no two tasks share an element.
+    const BLOCK: usize = 32;
+    let dw = SharedMut::new(dweight);
+    let db = SharedMut::new(dbias);
+    let has_bias = !dbias.is_empty();
+    assert!(dweight.len() == c && (!has_bias || dbias.len() == c));
+    (0..c.div_ceil(BLOCK)).into_par_iter().for_each(|blk| {
+        let (lo, hi) = (blk * BLOCK, ((blk + 1) * BLOCK).min(c));
+        let mut acc_w = [0.0f32; BLOCK];
+        let mut acc_b = [0.0f32; BLOCK];
+        for row in 0..n {
+            let (mu, rs) = (mean[row], rstd[row]);
+            let dy = &dout[row * c + lo..row * c + hi];
+            let x = &inp[row * c + lo..row * c + hi];
+            for (i, (&dy, &x)) in dy.iter().zip(x).enumerate() {
+                acc_w[i] += dy * (x - mu) * rs;
+                acc_b[i] += dy;
+            }
+        }
+        // SAFETY: this task alone owns channels [lo, hi) of dweight and dbias, whose
+        // lengths were checked to be C above.
+        unsafe {
+            for i in 0..hi - lo {
+                *dw.get().add(lo + i) += acc_w[i];
+                if has_bias {
+                    *db.get().add(lo + i) += acc_b[i];
+                }
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::testutil::*;
+
+    fn reference(x: &[f64], w: &[f64], b: &[f64], c: usize) -> Vec<f64> {
+        let mut out = vec![0.0; x.len()];
+        for (o, x) in out.chunks_mut(c).zip(x.chunks(c)) {
+            let mu = x.iter().sum::<f64>() / c as f64;
+            let var = x.iter().map(|v| (v - mu) * (v - mu)).sum::<f64>() / c as f64;
+            let rs = 1.0 / (var + LAYER_NORM_EPS as f64).sqrt();
+            for i in 0..c {
+                o[i] = (x[i] - mu) * rs * w[i] + b.get(i).copied().unwrap_or(0.0);
+            }
+        }
+        out
+    }
+
+    fn check(n: usize, c: usize, with_bias: bool) {
+        let x = rand_vec(n * c, 1);
+        let w: Vec<f32> = rand_vec(c, 2).iter().map(|v| 1.0 + 0.5 * v).collect();
+        let b = if with_bias { rand_vec(c, 3) } else { vec![] };
+        let g = rand_vec(n * c, 4);
+        let (x64, w64, b64) = (to_f64(&x), to_f64(&w), to_f64(&b));
+
+        let mut out = vec![0.0; n * c];
+        let (mut mean, mut rstd) = (vec![0.0; n], vec![0.0; n]);
+        layernorm_forward(&mut out, &mut mean, &mut rstd, &x, &w, &b, c);
+        assert_close("out", &out, &reference(&x64, &w64, &b64, c), 1e-5, 1e-5);
+
+        let prior = rand_vec(n * c, 5);
+        let mut dx = prior.clone();
+        let mut dw = vec![0.0; c];
+        let mut db = vec![0.0; b.len()];
+        layernorm_backward(&mut dx, &mut dw, &mut db, &g, &x, &w, &mean, &rstd, c);
+
+        let loss = |x: &[f64], w: &[f64], b: &[f64]| dot(&reference(x, w, b, c), &g);
+        let mut want_dx = numeric_grad(|v| loss(v, &w64, &b64), &x64, 1e-5);
+        for (d, &p) in want_dx.iter_mut().zip(&prior) {
+            *d += p as f64; // dinp accumulates onto what was there
+        }
+        assert_close("dinp", &dx, &want_dx, 1e-4, 1e-5);
+        let want_dw = numeric_grad(|v| loss(&x64, v, &b64), &w64, 1e-5);
+        assert_close("dweight", &dw, &want_dw, 1e-4, 1e-5);
+        if with_bias {
+            let want_db = numeric_grad(|v| loss(&x64, &w64, v), &b64, 1e-5);
+            assert_close("dbias", &db, &want_db, 1e-4, 1e-5);
+        }
+    }
+
+    #[test]
+    fn matches_reference_and_finite_differences() {
+        check(5, 8, true);
+        check(3, 70, true);
+        check(4, 33, false);
+    }
+}

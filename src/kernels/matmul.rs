@@ -1,0 +1,214 @@
+//! Linear layers, through the `gemm` crate.
+//!
+//! Weights are `(OC, C)` (PyTorch `nn.Linear` order): `out = inp · weightᵀ + bias`.
+
+use rayon::prelude::*;
+
+/// A read-only strided view of a matrix: element `(i, j)` is `data[i·rs + j·cs]`.
+#[derive(Clone, Copy)]
+pub struct Mat<'a> {
+    data: &'a [f32],
+    rows: usize,
+    cols: usize,
+    rs: usize,
+    cs: usize,
+}
+
+impl<'a> Mat<'a> {
+    /// A dense row-major `rows × cols` matrix.
+    pub fn new(data: &'a [f32], rows: usize, cols: usize) -> Mat<'a> {
+        assert_eq!(
+            data.len(),
+            rows * cols,
+            "matrix data does not match its shape"
+        );
+        Mat {
+            data,
+            rows,
+            cols,
+            rs: cols,
+            cs: 1,
+        }
+    }
+
+    /// The transpose, as a view (no copy).
+    pub fn t(self) -> Mat<'a> {
+        Mat {
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+            ..self
+        }
+    }
+}
+
+/// `dst = a · b` (or `dst += a · b` when `accumulate`), dst dense row-major `m × n`.
+pub fn matmul(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert_eq!(b.rows, k, "inner dimensions differ");
+    assert_eq!(dst.len(), m * n, "destination does not match m × n");
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            dst.fill(0.0);
+        }
+        return;
+    }
+    // SAFETY: `Mat::new` checked that each operand's data holds rows × cols elements
+    // and `t()` only swaps the strides, so every index gemm forms from (m, n, k) and the
+    // strides lies inside its slice; dst is exclusively borrowed and m × n long.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            a.data.as_ptr(),
+            a.cs as isize,
+            a.rs as isize,
+            b.data.as_ptr(),
+            b.cs as isize,
+            b.rs as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::Rayon(rayon::current_num_threads()),
+        );
+    }
+}
+
+/// `out = inp · weightᵀ + bias`.
+///
+/// out: (N, OC) written; inp: (N, C); weight: (OC, C); bias: (OC) or empty.
+pub fn linear_forward(
+    out: &mut [f32],
+    inp: &[f32],
+    weight: &[f32],
+    bias: &[f32],
+    c: usize,
+    oc: usize,
+) {
+    let n = inp.len() / c;
+    if !bias.is_empty() {
+        out.par_chunks_mut(oc)
+            .for_each(|row| row.copy_from_slice(bias));
+    }
+    let w = Mat::new(weight, oc, c);
+    matmul(out, Mat::new(inp, n, c), w.t(), !bias.is_empty());
+}
+
+/// Backward of [`linear_forward`]: `dinp = dout · weight` (**overwritten**),
+/// `dweight += doutᵀ · inp`, `dbias += Σ_rows dout` (accumulated; dbias may be empty).
+#[allow(clippy::too_many_arguments)]
+pub fn linear_backward(
+    dinp: &mut [f32],
+    dweight: &mut [f32],
+    dbias: &mut [f32],
+    dout: &[f32],
+    inp: &[f32],
+    weight: &[f32],
+    c: usize,
+    oc: usize,
+) {
+    let n = inp.len() / c;
+    let dout_m = Mat::new(dout, n, oc);
+    matmul(dinp, dout_m, Mat::new(weight, oc, c), false);
+    matmul(dweight, dout_m.t(), Mat::new(inp, n, c), true);
+    if !dbias.is_empty() {
+        bias_backward(dbias, dout, oc);
+    }
+}
+
+/// `dbias[o] += Σ_rows dout[row, o]`, parallel over column blocks.
+fn bias_backward(dbias: &mut [f32], dout: &[f32], oc: usize) {
+    const BLOCK: usize = 64;
+    dbias
+        .par_chunks_mut(BLOCK)
+        .enumerate()
+        .for_each(|(blk, db)| {
+            let cols = blk * BLOCK..blk * BLOCK + db.len();
+            for row in dout.chunks_exact(oc) {
+                for (d, &g) in db.iter_mut().zip(&row[cols.clone()]) {
+                    *d += g;
+                }
+            }
+        });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::testutil::*;
+
+    fn reference(x: &[f64], w: &[f64], b: &[f64], c: usize, oc: usize) -> Vec<f64> {
+        let n = x.len() / c;
+        let mut out = vec![0.0; n * oc];
+        for r in 0..n {
+            for o in 0..oc {
+                let dot: f64 = (0..c).map(|i| x[r * c + i] * w[o * c + i]).sum();
+                out[r * oc + o] = dot + b.get(o).copied().unwrap_or(0.0);
+            }
+        }
+        out
+    }
+
+    fn check(n: usize, c: usize, oc: usize, with_bias: bool) {
+        let x = rand_vec(n * c, 1);
+        let w = rand_vec(oc * c, 2);
+        let b = if with_bias { rand_vec(oc, 3) } else { vec![] };
+        let g = rand_vec(n * oc, 4);
+        let (x64, w64, b64) = (to_f64(&x), to_f64(&w), to_f64(&b));
+
+        let mut out = vec![f32::NAN; n * oc];
+        linear_forward(&mut out, &x, &w, &b, c, oc);
+        assert_close("out", &out, &reference(&x64, &w64, &b64, c, oc), 1e-5, 1e-5);
+
+        let mut dx = vec![f32::NAN; n * c];
+        let prior_dw = rand_vec(oc * c, 5);
+        let mut dw = prior_dw.clone();
+        let mut db = vec![0.5; b.len()];
+        linear_backward(&mut dx, &mut dw, &mut db, &g, &x, &w, c, oc);
+
+        let loss = |x: &[f64], w: &[f64], b: &[f64]| dot(&reference(x, w, b, c, oc), &g);
+        let want_dx = numeric_grad(|v| loss(v, &w64, &b64), &x64, 1e-4);
+        assert_close("dinp", &dx, &want_dx, 1e-4, 1e-5);
+        let mut want_dw = numeric_grad(|v| loss(&x64, v, &b64), &w64, 1e-4);
+        for (d, &p) in want_dw.iter_mut().zip(&prior_dw) {
+            *d += p as f64;
+        }
+        assert_close("dweight", &dw, &want_dw, 1e-4, 1e-5);
+        if with_bias {
+            let mut want_db = numeric_grad(|v| loss(&x64, &w64, v), &b64, 1e-4);
+            want_db.iter_mut().for_each(|d| *d += 0.5);
+            assert_close("dbias", &db, &want_db, 1e-4, 1e-5);
+        }
+    }
+
+    #[test]
+    fn matches_reference_and_finite_differences() {
+        check(5, 8, 12, true);
+        check(7, 33, 65, true);
+        check(3, 16, 4, false);
+    }
+
+    #[test]
+    fn large_product_matches_reference() {
+        // Big enough that gemm packs and splits across threads.
+        let (n, c, oc) = (96, 128, 200);
+        let x = rand_vec(n * c, 7);
+        let w = rand_vec(oc * c, 8);
+        let b = rand_vec(oc, 9);
+        let mut out = vec![0.0; n * oc];
+        linear_forward(&mut out, &x, &w, &b, c, oc);
+        let want = reference(&to_f64(&x), &to_f64(&w), &to_f64(&b), c, oc);
+        assert_close("out", &out, &want, 1e-5, 1e-4);
+    }
+}

@@ -1,0 +1,56 @@
+//! Helpers for kernel tests: random inputs, f64 central differences, and tolerant
+//! comparisons that report the worst element.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// `n` uniform values in `[-1, 1)`, reproducible from `seed`.
+pub fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect()
+}
+
+pub fn to_f64(x: &[f32]) -> Vec<f64> {
+    x.iter().map(|&v| v as f64).collect()
+}
+
+/// Central-difference gradient of the scalar `f` at `x`, in f64.
+pub fn numeric_grad(f: impl Fn(&[f64]) -> f64, x: &[f64], eps: f64) -> Vec<f64> {
+    let mut x = x.to_vec();
+    (0..x.len())
+        .map(|i| {
+            let orig = x[i];
+            x[i] = orig + eps;
+            let plus = f(&x);
+            x[i] = orig - eps;
+            let minus = f(&x);
+            x[i] = orig;
+            (plus - minus) / (2.0 * eps)
+        })
+        .collect()
+}
+
+/// Dot product in f64: the scalar "loss" `sum(out · w)` used to turn a kernel's output
+/// into something to differentiate (so `dout = w`).
+pub fn dot(a: &[f64], b: &[f32]) -> f64 {
+    a.iter().zip(b).map(|(&x, &y)| x * y as f64).sum()
+}
+
+/// Asserts `|got - want| <= atol + rtol·|want|` element-wise, naming the worst element.
+pub fn assert_close(what: &str, got: &[f32], want: &[f64], rtol: f64, atol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let mut worst = (0usize, 0.0f64);
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let excess = (g as f64 - w).abs() - (atol + rtol * w.abs());
+        if excess > worst.1 || !g.is_finite() {
+            worst = (i, excess.max(f64::MIN_POSITIVE));
+        }
+    }
+    let i = worst.0;
+    assert!(
+        worst.1 <= 0.0,
+        "{what}: element {i} is {} but should be {} (rtol {rtol}, atol {atol})",
+        got[i],
+        want[i]
+    );
+}

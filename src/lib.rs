@@ -1,0 +1,11 @@
+//! nanogpt: train and fine-tune GPT-2-class language models on CPUs.
+//!
+//! The numerical core is llm.c-style: hand-written forward/backward kernels
+//! ([`kernels`]) over flat parameter, gradient and activation buffers ([`model`]),
+//! an AdamW optimizer over the same buffers ([`optim`]).
+
+pub mod bench;
+pub mod kernels;
+pub mod model;
+pub mod optim;
+pub mod threads;

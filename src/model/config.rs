@@ -1,0 +1,158 @@
+//! Model hyper-parameters: the shape of a GPT-2-class network.
+
+use serde::{Deserialize, Serialize};
+
+/// The vocabulary is padded up to a multiple of this many rows so that the
+/// classifier matmul has friendly sizes (50257 → 50304). Padded rows are never
+/// trained and never receive probability.
+pub const VOCAB_PAD_MULTIPLE: usize = 64;
+
+/// Epsilon of every layer norm (PyTorch's and Hugging Face GPT-2's default).
+pub const LAYER_NORM_EPS: f32 = 1e-5;
+
+/// The architecture of a GPT-2-class model, with nanoGPT's key names.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    /// Real vocabulary size (V). The parameter arena holds `padded_vocab_size()` rows.
+    pub vocab_size: usize,
+    /// Maximum sequence length (rows of the position table).
+    pub block_size: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_embd: usize,
+    /// Biases in linear layers and layer norms (GPT-2 has them).
+    pub bias: bool,
+    /// Dropout probability applied where nanoGPT applies it (0 disables).
+    pub dropout: f32,
+}
+
+/// The preset names accepted by [`ModelConfig::preset`].
+pub const PRESETS: [&str; 4] = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"];
+
+impl ModelConfig {
+    /// OpenAI's GPT-2 sizes: `gpt2` (124M), `gpt2-medium` (350M), `gpt2-large` (774M),
+    /// `gpt2-xl` (1558M).
+    pub fn preset(name: &str) -> Option<ModelConfig> {
+        let (n_layer, n_head, n_embd) = match name {
+            "gpt2" => (12, 12, 768),
+            "gpt2-medium" => (24, 16, 1024),
+            "gpt2-large" => (36, 20, 1280),
+            "gpt2-xl" => (48, 25, 1600),
+            _ => return None,
+        };
+        Some(ModelConfig {
+            vocab_size: 50257,
+            block_size: 1024,
+            n_layer,
+            n_head,
+            n_embd,
+            bias: true,
+            dropout: 0.0,
+        })
+    }
+
+    /// Rows of the embedding table as stored: the vocabulary rounded up to
+    /// [`VOCAB_PAD_MULTIPLE`].
+    pub fn padded_vocab_size(&self) -> usize {
+        self.vocab_size.div_ceil(VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
+    }
+
+    /// Channels per attention head (HS = C / NH).
+    pub fn head_size(&self) -> usize {
+        self.n_embd / self.n_head
+    }
+
+    /// Checks that the shape can be built; the message names the offending key.
+    pub fn validate(&self) -> Result<(), String> {
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("block_size", self.block_size),
+            ("n_layer", self.n_layer),
+            ("n_head", self.n_head),
+            ("n_embd", self.n_embd),
+        ];
+        for (key, value) in positive {
+            if value == 0 {
+                return Err(format!("{key} must be at least 1"));
+            }
+        }
+        if !self.n_embd.is_multiple_of(self.n_head) {
+            return Err(format!(
+                "n_embd ({}) must be divisible by n_head ({})",
+                self.n_embd, self.n_head
+            ));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(format!("dropout must be in [0, 1), got {}", self.dropout));
+        }
+        Ok(())
+    }
+
+    /// Number of trainable parameters with the real (unpadded) vocabulary and the
+    /// classifier tied to `wte`, as GPT-2 counts them (124,439,808 for `gpt2`).
+    pub fn num_params(&self) -> usize {
+        let (c, b) = (self.n_embd, self.bias as usize);
+        let ln = c + b * c;
+        let per_layer = 2 * ln
+            + (3 * c * c + b * 3 * c)
+            + (c * c + b * c)
+            + (4 * c * c + b * 4 * c)
+            + (4 * c * c + b * c);
+        self.vocab_size * c + self.block_size * c + self.n_layer * per_layer + ln
+    }
+
+    /// Training FLOPs per token for forward + backward: 6·N for the matmuls (N counting
+    /// the classifier but not the position table) plus 12·L·C·T for attention, as in
+    /// the PaLM paper's appendix and nanoGPT's `estimate_mfu`.
+    pub fn flops_per_token(&self, t: usize) -> f64 {
+        let n = (self.num_params() - self.block_size * self.n_embd) as f64;
+        6.0 * n + 12.0 * (self.n_layer * self.n_embd * t) as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpt2_parameter_counts_match_openai() {
+        assert_eq!(
+            ModelConfig::preset("gpt2").unwrap().num_params(),
+            124_439_808
+        );
+        assert_eq!(
+            ModelConfig::preset("gpt2-medium").unwrap().num_params(),
+            354_823_168
+        );
+        assert_eq!(
+            ModelConfig::preset("gpt2-large").unwrap().num_params(),
+            774_030_080
+        );
+        assert_eq!(
+            ModelConfig::preset("gpt2-xl").unwrap().num_params(),
+            1_557_611_200
+        );
+        assert!(ModelConfig::preset("gpt3").is_none());
+    }
+
+    #[test]
+    fn vocabulary_is_padded_to_a_multiple_of_64() {
+        let cfg = ModelConfig::preset("gpt2").unwrap();
+        assert_eq!(cfg.padded_vocab_size(), 50304);
+        let small = ModelConfig {
+            vocab_size: 65,
+            ..cfg
+        };
+        assert_eq!(small.padded_vocab_size(), 128);
+    }
+
+    #[test]
+    fn validate_names_the_bad_key() {
+        let mut cfg = ModelConfig::preset("gpt2").unwrap();
+        cfg.n_head = 7;
+        assert!(cfg.validate().unwrap_err().contains("n_head"));
+        cfg.n_head = 12;
+        cfg.n_layer = 0;
+        assert!(cfg.validate().unwrap_err().contains("n_layer"));
+    }
+}

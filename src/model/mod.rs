@@ -1,0 +1,832 @@
+//! The GPT-2 model: configuration, parameter layout, activations, and the forward and
+//! backward passes that string the kernels together.
+//!
+//! ```text
+//! x = drop(wte[tokens] + wpe)                       (B, T, C)
+//! for each block:  x = x + drop(attn(ln_1(x)))
+//!                  x = x + drop(mlp(ln_2(x)))
+//! loss = cross_entropy(ln_f(x) · wteᵀ, targets)      logits never stored whole
+//! ```
+
+pub mod activations;
+pub mod config;
+pub mod init;
+pub mod layout;
+
+pub use activations::Activations;
+pub use config::ModelConfig;
+pub use layout::{ParamLayout, TensorInfo};
+
+use crate::kernels::attention::{attention_backward, attention_forward};
+use crate::kernels::classifier::{classifier_forward, classifier_logits, ClassifierGrads};
+use crate::kernels::dropout::{self, Dropout};
+use crate::kernels::encoder::{encoder_backward, encoder_forward};
+use crate::kernels::gelu::{gelu_backward, gelu_forward};
+use crate::kernels::layernorm::{layernorm_backward, layernorm_forward};
+use crate::kernels::matmul::{linear_backward, linear_forward};
+use crate::kernels::residual::residual_add_inplace;
+use activations::LayerActs;
+use layout::LayerRanges;
+
+/// Errors from building a model out of a parameter buffer.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("invalid model config: {0}")]
+    Config(String),
+    #[error("parameter buffer holds {got} floats but this config needs {want}")]
+    ParamCount { got: usize, want: usize },
+}
+
+/// Shape of one pass.
+#[derive(Clone, Copy, Debug)]
+struct Dims {
+    b: usize,
+    t: usize,
+    c: usize,
+    nh: usize,
+}
+
+impl Dims {
+    fn bt(&self) -> usize {
+        self.b * self.t
+    }
+}
+
+/// Dropout site numbers within a block, for deriving mask seeds.
+const SITE_ATTN_PROBS: u64 = 1;
+const SITE_ATTN_RESID: u64 = 2;
+const SITE_MLP_RESID: u64 = 3;
+const SITES_PER_LAYER: u64 = 4;
+
+/// A GPT-2 with its parameters, gradients and activation buffers.
+pub struct Gpt {
+    pub config: ModelConfig,
+    pub layout: ParamLayout,
+    /// All parameters, laid out by `layout`.
+    pub params: Vec<f32>,
+    /// Gradients, same layout as `params`.
+    pub grads: Vec<f32>,
+    acts: Activations,
+    max_b: usize,
+    max_t: usize,
+    training: bool,
+    grad_scale: f32,
+    /// Seed of the next training pass's dropout masks.
+    dropout_seed: u64,
+    /// The last training forward's shape and mask seed, which backward needs.
+    pending: Option<(Dims, u64)>,
+}
+
+impl Gpt {
+    /// A model with all-zero parameters whose activations fit batches up to
+    /// `max_b × max_t` (`max_t ≤ block_size`). Call [`Gpt::init_gpt2`] or fill `params`.
+    pub fn new(config: ModelConfig, max_b: usize, max_t: usize) -> Result<Gpt, ModelError> {
+        config.validate().map_err(ModelError::Config)?;
+        if max_t > config.block_size || max_b == 0 || max_t == 0 {
+            return Err(ModelError::Config(format!(
+                "batch shape {max_b}×{max_t} must be at least 1×1 with T ≤ block_size ({})",
+                config.block_size
+            )));
+        }
+        let layout = ParamLayout::new(&config);
+        let acts = Activations::new(&config, max_b, max_t);
+        Ok(Gpt {
+            params: vec![0.0; layout.len],
+            grads: vec![0.0; layout.len],
+            layout,
+            acts,
+            max_b,
+            max_t,
+            config,
+            training: true,
+            grad_scale: 1.0,
+            dropout_seed: 0,
+            pending: None,
+        })
+    }
+
+    /// A model over an existing parameter buffer (laid out by `ParamLayout::new`).
+    pub fn from_params(
+        config: ModelConfig,
+        params: Vec<f32>,
+        max_b: usize,
+        max_t: usize,
+    ) -> Result<Gpt, ModelError> {
+        let mut gpt = Gpt::new(config, max_b, max_t)?;
+        if params.len() != gpt.layout.len {
+            return Err(ModelError::ParamCount {
+                got: params.len(),
+                want: gpt.layout.len,
+            });
+        }
+        gpt.params = params;
+        Ok(gpt)
+    }
+
+    /// nanoGPT's GPT-2 initialisation from `seed` (see [`init::init_gpt2`]).
+    pub fn init_gpt2(&mut self, seed: u64) {
+        init::init_gpt2(&mut self.params, &self.layout, &self.config, seed);
+    }
+
+    /// Training mode (like `model.train()` in PyTorch): dropout is active and
+    /// `forward` prepares `backward`. Off (`model.eval()`): neither.
+    pub fn set_training(&mut self, on: bool) {
+        self.training = on;
+        self.pending = None;
+    }
+
+    /// Multiplies the gradients of the following backward passes, e.g. by
+    /// `1 / gradient_accumulation_steps` so accumulated gradients are a mean.
+    pub fn set_grad_scale(&mut self, scale: f32) {
+        self.grad_scale = scale;
+    }
+
+    /// Seeds the dropout masks of the next training forward (each forward then
+    /// advances the seed). Set it per micro-step for runs that resume exactly.
+    pub fn set_dropout_seed(&mut self, seed: u64) {
+        self.dropout_seed = seed;
+    }
+
+    /// Floats held by the activation arena.
+    pub fn activation_floats(&self) -> usize {
+        self.acts.num_floats()
+    }
+
+    pub fn zero_grad(&mut self) {
+        self.grads.fill(0.0);
+    }
+
+    /// Mean cross-entropy of the next-token predictions (targets of -1 are ignored).
+    ///
+    /// inputs, targets: (B, T). In training mode the classifier's gradient is computed
+    /// in the same pass (the `(B, T, V)` logits are never kept) and `backward` must
+    /// follow to complete it; gradients then accumulate into `grads`.
+    pub fn forward(&mut self, inputs: &[u32], targets: &[i32], b: usize, t: usize) -> f32 {
+        let dims = self.check_batch(inputs, b, t);
+        assert_eq!(targets.len(), b * t, "targets must be B·T long");
+        let seed = self.dropout_seed;
+        let dropout = (self.training && self.config.dropout > 0.0).then_some(seed);
+        self.trunk_forward(inputs, dims, dropout);
+        let (c, v, bt) = (dims.c, self.config.vocab_size, dims.bt());
+        let acts = &mut self.acts;
+        let grads = self.training.then(|| ClassifierGrads {
+            dx: &mut acts.dbtc[..bt * c],
+            dwte: &mut self.grads[self.layout.wte.clone()],
+            scale: self.grad_scale,
+        });
+        let loss = classifier_forward(
+            &acts.lnf[..bt * c],
+            &self.params[self.layout.wte.clone()],
+            targets,
+            &mut acts.losses[..bt],
+            &mut acts.logits_chunk,
+            c,
+            v,
+            grads,
+        );
+        if self.training {
+            self.pending = Some((dims, seed));
+            self.dropout_seed = dropout::mix64(seed.wrapping_add(1));
+        }
+        loss
+    }
+
+    /// Completes the gradient of the last training `forward`, accumulating into `grads`.
+    pub fn backward(&mut self) {
+        let (dims, seed) = self
+            .pending
+            .take()
+            .expect("backward() needs a forward() in training mode first");
+        let dropout = (self.config.dropout > 0.0).then_some(seed);
+        let (bt, c) = (dims.bt(), dims.c);
+        let Gpt {
+            params,
+            grads,
+            acts,
+            layout,
+            ..
+        } = self;
+        // The classifier left d(lnf) in dbtc; the residual stream gradient starts at 0.
+        acts.dres[..bt * c].fill(0.0);
+        let last_res = match acts.layers.last() {
+            Some(l) => &l.res3[..bt * c],
+            None => &acts.encoded[..bt * c],
+        };
+        let (dw, db) = split_two(grads, layout.ln_f_w.clone(), layout.ln_f_b.clone());
+        layernorm_backward(
+            &mut acts.dres[..bt * c],
+            dw,
+            db,
+            &acts.dbtc[..bt * c],
+            last_res,
+            &params[layout.ln_f_w.clone()],
+            &acts.lnf_mean[..bt],
+            &acts.lnf_rstd[..bt],
+            c,
+        );
+        for l in (0..layout.layers.len()).rev() {
+            let (before, this) = acts.layers.split_at_mut(l);
+            let x = before
+                .last()
+                .map_or(&acts.encoded[..bt * c], |p| &p.res3[..bt * c]);
+            let scratch = Scratch {
+                dres: &mut acts.dres,
+                dbtc: &mut acts.dbtc,
+                dbranch: &mut acts.dbranch,
+                d4c: &mut acts.d4c,
+            };
+            let drop = dropout.map(|s| layer_dropout(s, l, self.config.dropout));
+            layer_backward(
+                params,
+                grads,
+                &layout.layers[l],
+                &this[0],
+                x,
+                scratch,
+                dims,
+                drop,
+            );
+        }
+        if let Some(s) = dropout {
+            let mask = Dropout {
+                p: self.config.dropout,
+                seed: Dropout::derive(s, 0),
+            };
+            dropout::apply(&mut acts.dres[..bt * c], mask, 0);
+        }
+        let (dwte, dwpe) = split_two(grads, layout.wte.clone(), layout.wpe.clone());
+        encoder_backward(
+            dwte,
+            dwpe,
+            &acts.dres[..bt * c],
+            &acts.inputs[..bt],
+            dims.t,
+            c,
+        );
+    }
+
+    /// Logits of the last position of each sequence: (B, V), real vocabulary only.
+    /// Runs without dropout and leaves gradients alone.
+    pub fn logits_last(&mut self, inputs: &[u32], b: usize, t: usize) -> &[f32] {
+        let dims = self.check_batch(inputs, b, t);
+        self.trunk_forward(inputs, dims, None);
+        let (c, v) = (dims.c, self.config.vocab_size);
+        let acts = &mut self.acts;
+        for (row, x) in acts.last_x[..b * c].chunks_mut(c).enumerate() {
+            let last = (row * t + t - 1) * c;
+            x.copy_from_slice(&acts.lnf[last..last + c]);
+        }
+        let wte = &self.params[self.layout.wte.clone()];
+        classifier_logits(
+            &mut acts.last_logits[..b * v],
+            &acts.last_x[..b * c],
+            wte,
+            c,
+            v,
+        );
+        self.pending = None;
+        &acts.last_logits[..b * v]
+    }
+
+    /// All logits, (B, T, V). Allocates the full matrix: for tests and tools, never
+    /// for training.
+    pub fn logits(&mut self, inputs: &[u32], b: usize, t: usize) -> Vec<f32> {
+        let dims = self.check_batch(inputs, b, t);
+        self.trunk_forward(inputs, dims, None);
+        let (c, v, bt) = (dims.c, self.config.vocab_size, dims.bt());
+        let mut out = vec![0.0; bt * v];
+        let wte = &self.params[self.layout.wte.clone()];
+        classifier_logits(&mut out, &self.acts.lnf[..bt * c], wte, c, v);
+        self.pending = None;
+        out
+    }
+
+    fn check_batch(&mut self, inputs: &[u32], b: usize, t: usize) -> Dims {
+        assert!(
+            b <= self.max_b && t <= self.max_t && b * t > 0,
+            "batch {b}×{t} exceeds the model's buffers ({}×{})",
+            self.max_b,
+            self.max_t
+        );
+        assert_eq!(inputs.len(), b * t, "inputs must be B·T long");
+        let vp = self.config.padded_vocab_size() as u32;
+        assert!(
+            inputs.iter().all(|&tok| tok < vp),
+            "token id beyond the vocabulary"
+        );
+        Dims {
+            b,
+            t,
+            c: self.config.n_embd,
+            nh: self.config.n_head,
+        }
+    }
+
+    /// Embedding, all blocks and the final layer norm; fills `acts` for `dims`.
+    fn trunk_forward(&mut self, inputs: &[u32], dims: Dims, dropout: Option<u64>) {
+        let (bt, c) = (dims.bt(), dims.c);
+        let Gpt {
+            params,
+            acts,
+            layout,
+            config,
+            ..
+        } = self;
+        acts.inputs[..bt].copy_from_slice(inputs);
+        let wte = &params[layout.wte.clone()];
+        let wpe = &params[layout.wpe.clone()];
+        encoder_forward(&mut acts.encoded[..bt * c], inputs, wte, wpe, dims.t, c);
+        if let Some(s) = dropout {
+            let mask = Dropout {
+                p: config.dropout,
+                seed: Dropout::derive(s, 0),
+            };
+            dropout::apply(&mut acts.encoded[..bt * c], mask, 0);
+        }
+        for l in 0..layout.layers.len() {
+            let (before, this) = acts.layers.split_at_mut(l);
+            let x = before
+                .last()
+                .map_or(&acts.encoded[..bt * c], |p| &p.res3[..bt * c]);
+            let drop = dropout.map(|s| layer_dropout(s, l, config.dropout));
+            layer_forward(params, &layout.layers[l], &mut this[0], x, dims, drop);
+        }
+        let last = acts.layers.last().map_or(&acts.encoded, |l| &l.res3);
+        layernorm_forward(
+            &mut acts.lnf[..bt * c],
+            &mut acts.lnf_mean[..bt],
+            &mut acts.lnf_rstd[..bt],
+            &last[..bt * c],
+            &params[layout.ln_f_w.clone()],
+            &params[layout.ln_f_b.clone()],
+            c,
+        );
+    }
+}
+
+/// The three dropout masks of one block for one pass.
+#[derive(Clone, Copy)]
+struct LayerDropout {
+    attn_probs: Dropout,
+    attn_resid: Dropout,
+    mlp_resid: Dropout,
+}
+
+fn layer_dropout(pass_seed: u64, layer: usize, p: f32) -> LayerDropout {
+    let site = |s: u64| Dropout {
+        p,
+        seed: Dropout::derive(pass_seed, 1 + layer as u64 * SITES_PER_LAYER + s),
+    };
+    LayerDropout {
+        attn_probs: site(SITE_ATTN_PROBS),
+        attn_resid: site(SITE_ATTN_RESID),
+        mlp_resid: site(SITE_MLP_RESID),
+    }
+}
+
+/// One block forward: `x` (B, T, C) in, `a.res3` out.
+fn layer_forward(
+    p: &[f32],
+    w: &LayerRanges,
+    a: &mut LayerActs,
+    x: &[f32],
+    d: Dims,
+    drop: Option<LayerDropout>,
+) {
+    let (bt, c) = (d.bt(), d.c);
+    let (ln1, qkv, atty) = (
+        &mut a.ln1[..bt * c],
+        &mut a.qkv[..bt * 3 * c],
+        &mut a.atty[..bt * c],
+    );
+    let (m1, r1) = (&mut a.ln1_mean[..bt], &mut a.ln1_rstd[..bt]);
+    layernorm_forward(
+        ln1,
+        m1,
+        r1,
+        x,
+        &p[w.ln_1_w.clone()],
+        &p[w.ln_1_b.clone()],
+        c,
+    );
+    linear_forward(
+        qkv,
+        ln1,
+        &p[w.c_attn_w.clone()],
+        &p[w.c_attn_b.clone()],
+        c,
+        3 * c,
+    );
+    let lse = &mut a.att_lse[..d.b * d.nh * d.t];
+    attention_forward(
+        atty,
+        lse,
+        qkv,
+        d.b,
+        d.t,
+        c,
+        d.nh,
+        drop.map(|m| m.attn_probs),
+    );
+    let res2 = &mut a.res2[..bt * c];
+    linear_forward(
+        res2,
+        atty,
+        &p[w.attn_proj_w.clone()],
+        &p[w.attn_proj_b.clone()],
+        c,
+        c,
+    );
+    if let Some(m) = drop {
+        dropout::apply(res2, m.attn_resid, 0);
+    }
+    residual_add_inplace(res2, x);
+
+    let (ln2, fch, gelu) = (
+        &mut a.ln2[..bt * c],
+        &mut a.fch[..bt * 4 * c],
+        &mut a.fch_gelu[..bt * 4 * c],
+    );
+    let (m2, r2) = (&mut a.ln2_mean[..bt], &mut a.ln2_rstd[..bt]);
+    layernorm_forward(
+        ln2,
+        m2,
+        r2,
+        res2,
+        &p[w.ln_2_w.clone()],
+        &p[w.ln_2_b.clone()],
+        c,
+    );
+    linear_forward(
+        fch,
+        ln2,
+        &p[w.c_fc_w.clone()],
+        &p[w.c_fc_b.clone()],
+        c,
+        4 * c,
+    );
+    gelu_forward(gelu, fch);
+    let res3 = &mut a.res3[..bt * c];
+    linear_forward(
+        res3,
+        gelu,
+        &p[w.mlp_proj_w.clone()],
+        &p[w.mlp_proj_b.clone()],
+        4 * c,
+        c,
+    );
+    if let Some(m) = drop {
+        dropout::apply(res3, m.mlp_resid, 0);
+    }
+    residual_add_inplace(res3, res2);
+}
+
+/// Backward scratch shared by all blocks (see [`Activations`]).
+struct Scratch<'a> {
+    dres: &'a mut [f32],
+    dbtc: &'a mut [f32],
+    dbranch: &'a mut [f32],
+    d4c: &'a mut [f32],
+}
+
+/// One block backward. On entry `s.dres` holds d(block output); on return, d(block
+/// input) `x`. Parameter gradients accumulate into `g`.
+#[allow(clippy::too_many_arguments)]
+fn layer_backward(
+    p: &[f32],
+    g: &mut [f32],
+    w: &LayerRanges,
+    a: &LayerActs,
+    x: &[f32],
+    s: Scratch,
+    d: Dims,
+    drop: Option<LayerDropout>,
+) {
+    let (bt, c) = (d.bt(), d.c);
+    let dres = &mut s.dres[..bt * c];
+    let dbtc = &mut s.dbtc[..bt * c];
+
+    // MLP branch: res3 = res2 + drop(gelu(ln2 · W_fcᵀ) · W_projᵀ).
+    let dmlp_out = branch_grad(dres, s.dbranch, drop.map(|m| m.mlp_resid));
+    let dgelu = &mut s.d4c[..bt * 4 * c];
+    let (dw, db) = split_two(g, w.mlp_proj_w.clone(), w.mlp_proj_b.clone());
+    linear_backward(
+        dgelu,
+        dw,
+        db,
+        dmlp_out,
+        &a.fch_gelu[..bt * 4 * c],
+        &p[w.mlp_proj_w.clone()],
+        4 * c,
+        c,
+    );
+    gelu_backward(dgelu, &a.fch[..bt * 4 * c]);
+    let (dw, db) = split_two(g, w.c_fc_w.clone(), w.c_fc_b.clone());
+    linear_backward(
+        dbtc,
+        dw,
+        db,
+        dgelu,
+        &a.ln2[..bt * c],
+        &p[w.c_fc_w.clone()],
+        c,
+        4 * c,
+    );
+    let (dw, db) = split_two(g, w.ln_2_w.clone(), w.ln_2_b.clone());
+    let res2 = &a.res2[..bt * c];
+    let (m2, r2) = (&a.ln2_mean[..bt], &a.ln2_rstd[..bt]);
+    layernorm_backward(dres, dw, db, dbtc, res2, &p[w.ln_2_w.clone()], m2, r2, c);
+
+    // Attention branch: res2 = x + drop(attn(ln1 · W_attnᵀ) · W_projᵀ).
+    let dattn_out = branch_grad(dres, s.dbranch, drop.map(|m| m.attn_resid));
+    let (dw, db) = split_two(g, w.attn_proj_w.clone(), w.attn_proj_b.clone());
+    let atty = &a.atty[..bt * c];
+    linear_backward(
+        dbtc,
+        dw,
+        db,
+        dattn_out,
+        atty,
+        &p[w.attn_proj_w.clone()],
+        c,
+        c,
+    );
+    let dqkv = &mut s.d4c[..bt * 3 * c];
+    let (qkv, lse) = (&a.qkv[..bt * 3 * c], &a.att_lse[..d.b * d.nh * d.t]);
+    attention_backward(
+        dqkv,
+        dbtc,
+        qkv,
+        atty,
+        lse,
+        d.b,
+        d.t,
+        c,
+        d.nh,
+        drop.map(|m| m.attn_probs),
+    );
+    let (dw, db) = split_two(g, w.c_attn_w.clone(), w.c_attn_b.clone());
+    linear_backward(
+        dbtc,
+        dw,
+        db,
+        dqkv,
+        &a.ln1[..bt * c],
+        &p[w.c_attn_w.clone()],
+        c,
+        3 * c,
+    );
+    let (dw, db) = split_two(g, w.ln_1_w.clone(), w.ln_1_b.clone());
+    let (m1, r1) = (&a.ln1_mean[..bt], &a.ln1_rstd[..bt]);
+    layernorm_backward(dres, dw, db, dbtc, x, &p[w.ln_1_w.clone()], m1, r1, c);
+}
+
+/// The gradient reaching a residual branch's output: `dres` itself, or a copy with the
+/// branch's dropout mask applied.
+fn branch_grad<'a>(dres: &'a [f32], dbranch: &'a mut [f32], mask: Option<Dropout>) -> &'a [f32] {
+    match mask {
+        None => dres,
+        Some(m) => {
+            let out = &mut dbranch[..dres.len()];
+            out.copy_from_slice(dres);
+            dropout::apply(out, m, 0);
+            out
+        }
+    }
+}
+
+/// Two disjoint mutable sub-slices of one buffer (`second` may be empty).
+fn split_two(
+    buf: &mut [f32],
+    first: std::ops::Range<usize>,
+    second: std::ops::Range<usize>,
+) -> (&mut [f32], &mut [f32]) {
+    if second.is_empty() {
+        return (&mut buf[first], &mut []);
+    }
+    assert!(
+        first.end <= second.start,
+        "ranges must be ordered and disjoint"
+    );
+    let (lo, hi) = buf.split_at_mut(second.start);
+    (&mut lo[first], &mut hi[..second.len()])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::testutil::rand_vec;
+
+    fn tiny(bias: bool, dropout: f32) -> ModelConfig {
+        ModelConfig {
+            vocab_size: 37,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            bias,
+            dropout,
+        }
+    }
+
+    fn batch(b: usize, t: usize, v: usize) -> (Vec<u32>, Vec<i32>) {
+        let inputs = (0..b * t).map(|i| ((i * 11 + 5) % v) as u32).collect();
+        let targets = (0..b * t)
+            .map(|i| {
+                if i % 5 == 3 {
+                    -1
+                } else {
+                    ((i * 7 + 2) % v) as i32
+                }
+            })
+            .collect();
+        (inputs, targets)
+    }
+
+    /// A model with random (not GPT-2-init) weights so every path carries signal.
+    fn model(cfg: ModelConfig, b: usize, t: usize) -> Gpt {
+        let mut gpt = Gpt::new(cfg, b, t).unwrap();
+        let real = gpt.config.vocab_size * gpt.config.n_embd;
+        let noise = rand_vec(gpt.params.len(), 9);
+        for (i, (p, n)) in gpt.params.iter_mut().zip(noise).enumerate() {
+            *p = 0.3 * n;
+            if (real..gpt.layout.wte.end).contains(&i) {
+                *p = 0.0;
+            }
+        }
+        gpt
+    }
+
+    fn loss_at(gpt: &mut Gpt, x: &[u32], y: &[i32], b: usize, t: usize, seed: u64) -> f64 {
+        gpt.set_dropout_seed(seed);
+        let loss = gpt.forward(x, y, b, t) as f64;
+        gpt.pending = None;
+        loss
+    }
+
+    /// Whole-model backward against central differences of the f32 forward, on a
+    /// sample of parameters from every tensor (with the same dropout masks).
+    fn check_gradients(bias: bool, dropout: f32) {
+        let (b, t) = (2, 5);
+        let mut gpt = model(tiny(bias, dropout), b, t);
+        let (x, y) = batch(b, t, gpt.config.vocab_size);
+        gpt.zero_grad();
+        gpt.set_dropout_seed(77);
+        gpt.forward(&x, &y, b, t);
+        gpt.backward();
+        let grads = gpt.grads.clone();
+        let eps = 1e-2f32;
+        for tensor in gpt.layout.tensors.clone() {
+            let mut range = tensor.range();
+            if tensor.name == "transformer.wte.weight" {
+                range.end = range.start + gpt.config.vocab_size * gpt.config.n_embd;
+            }
+            for i in range.step_by(7) {
+                let orig = gpt.params[i];
+                gpt.params[i] = orig + eps;
+                let plus = loss_at(&mut gpt, &x, &y, b, t, 77);
+                gpt.params[i] = orig - eps;
+                let minus = loss_at(&mut gpt, &x, &y, b, t, 77);
+                gpt.params[i] = orig;
+                let numeric = (plus - minus) / (2.0 * eps as f64);
+                let analytic = grads[i] as f64;
+                assert!(
+                    (numeric - analytic).abs() <= 2e-3 + 2e-2 * numeric.abs(),
+                    "{} [{}]: backward {analytic} vs finite difference {numeric}",
+                    tensor.name,
+                    i - tensor.offset
+                );
+            }
+        }
+        let vp_rows = gpt.config.vocab_size * gpt.config.n_embd..gpt.layout.wte.end;
+        assert!(
+            grads[vp_rows].iter().all(|&g| g == 0.0),
+            "padded rows get no gradient"
+        );
+    }
+
+    #[test]
+    fn backward_matches_finite_differences() {
+        check_gradients(true, 0.0);
+        check_gradients(false, 0.0);
+    }
+
+    #[test]
+    fn backward_matches_finite_differences_with_dropout() {
+        check_gradients(true, 0.2);
+    }
+
+    #[test]
+    fn accumulated_half_batches_equal_one_full_batch() {
+        let (b, t) = (4, 6);
+        let cfg = tiny(true, 0.0);
+        let (x, y) = batch(b, t, cfg.vocab_size);
+        // Targets without ignored rows, so each half has the same count.
+        let y: Vec<i32> = y.iter().map(|&v| v.max(0)).collect();
+        let mut full = model(cfg.clone(), b, t);
+        full.zero_grad();
+        let loss = full.forward(&x, &y, b, t);
+        full.backward();
+
+        let mut acc = model(cfg, b, t);
+        acc.zero_grad();
+        acc.set_grad_scale(0.5);
+        let half = b / 2 * t;
+        let mut losses = 0.0;
+        for k in 0..2 {
+            let r = k * half..(k + 1) * half;
+            losses += 0.5 * acc.forward(&x[r.clone()], &y[r], b / 2, t);
+            acc.backward();
+        }
+        assert!((losses - loss).abs() < 1e-6);
+        for (i, (a, f)) in acc.grads.iter().zip(&full.grads).enumerate() {
+            assert!(
+                (a - f).abs() <= 1e-6 + 1e-4 * f.abs(),
+                "grad {i}: {a} vs {f}"
+            );
+        }
+    }
+
+    #[test]
+    fn eval_mode_ignores_dropout_and_leaves_gradients_alone() {
+        let (b, t) = (2, 8);
+        let mut gpt = model(tiny(true, 0.5), b, t);
+        let (x, y) = batch(b, t, gpt.config.vocab_size);
+        gpt.set_training(false);
+        gpt.zero_grad();
+        let first = gpt.forward(&x, &y, b, t);
+        assert_eq!(first, gpt.forward(&x, &y, b, t), "no dropout in eval");
+        assert!(gpt.grads.iter().all(|&g| g == 0.0));
+        gpt.set_training(true);
+        let a = gpt.forward(&x, &y, b, t);
+        gpt.backward();
+        let b2 = gpt.forward(&x, &y, b, t);
+        assert_ne!(a, b2, "each training pass draws new masks");
+    }
+
+    #[test]
+    fn logits_agree_with_the_loss_and_the_last_position() {
+        let (b, t) = (2, 6);
+        let mut gpt = model(tiny(true, 0.0), b, t);
+        let v = gpt.config.vocab_size;
+        let (x, y) = batch(b, t, v);
+        gpt.set_training(false);
+        let loss = gpt.forward(&x, &y, b, t) as f64;
+        let logits = gpt.logits(&x, b, t);
+        let (mut total, mut n) = (0.0f64, 0);
+        for (row, &target) in y.iter().enumerate() {
+            if target < 0 {
+                continue;
+            }
+            let l = &logits[row * v..(row + 1) * v];
+            let max = l.iter().cloned().fold(f32::MIN, f32::max) as f64;
+            let lse = max + l.iter().map(|&z| (z as f64 - max).exp()).sum::<f64>().ln();
+            total += lse - l[target as usize] as f64;
+            n += 1;
+        }
+        assert!((total / n as f64 - loss).abs() < 1e-5);
+        let last = gpt.logits_last(&x, b, t).to_vec();
+        for row in 0..b {
+            // Equal up to the GEMM's summation order, which depends on the row count.
+            let full = &logits[(row * t + t - 1) * v..(row * t + t) * v];
+            let got = &last[row * v..(row + 1) * v];
+            assert!(got.iter().zip(full).all(|(a, b)| (a - b).abs() < 1e-6));
+        }
+        // A shorter sequence through the same buffers gives a causal prefix.
+        let short: Vec<u32> = x[..3].to_vec();
+        let prefix = gpt.logits_last(&short, 1, 3).to_vec();
+        let want = &logits[2 * v..3 * v];
+        assert!(prefix.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-5));
+    }
+
+    #[test]
+    fn training_is_bit_identical_across_runs() {
+        let run = || {
+            let (b, t) = (2, 8);
+            let mut gpt = model(tiny(true, 0.1), b, t);
+            gpt.set_dropout_seed(5);
+            let (x, y) = batch(b, t, gpt.config.vocab_size);
+            let mut opt = crate::optim::AdamW::new(&gpt.layout, Default::default());
+            (0..5)
+                .map(|_| {
+                    gpt.zero_grad();
+                    let loss = gpt.forward(&x, &y, b, t);
+                    gpt.backward();
+                    crate::optim::clip_grad_norm(&mut gpt.grads, 1.0);
+                    opt.step(&mut gpt.params, &gpt.grads, 1e-3);
+                    loss
+                })
+                .collect::<Vec<f32>>()
+        };
+        let first = run();
+        assert_eq!(first, run());
+        assert!(first[4] < first[0], "the loss goes down: {first:?}");
+    }
+
+    #[test]
+    fn from_params_checks_the_length() {
+        let cfg = tiny(true, 0.0);
+        let err = Gpt::from_params(cfg, vec![0.0; 3], 1, 4).err().unwrap();
+        assert!(err.to_string().contains("needs"));
+    }
+}

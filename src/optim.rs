@@ -1,0 +1,305 @@
+//! AdamW over the flat parameter buffer, global-norm gradient clipping, and
+//! nanoGPT's learning-rate schedule.
+
+use crate::model::ParamLayout;
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+use std::ops::Range;
+
+/// AdamW hyper-parameters (the learning rate is given per step).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AdamWConfig {
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+}
+
+impl Default for AdamWConfig {
+    /// nanoGPT's defaults (PyTorch's eps).
+    fn default() -> Self {
+        AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        }
+    }
+}
+
+/// Floats per parallel task of the update.
+const PIECE: usize = 1 << 16;
+
+/// A stretch of the arena updated with one weight-decay setting.
+#[derive(Clone, Debug)]
+struct Piece {
+    range: Range<usize>,
+    decay: bool,
+}
+
+/// AdamW with decoupled weight decay on the tensors of rank ≥ 2 only; first and
+/// second moments in buffers with the parameters' layout.
+pub struct AdamW {
+    pub config: AdamWConfig,
+    /// First moment, same layout as the parameters.
+    pub m: Vec<f32>,
+    /// Second moment.
+    pub v: Vec<f32>,
+    /// Updates taken so far (for bias correction).
+    pub step: u64,
+    pieces: Vec<Piece>,
+}
+
+impl AdamW {
+    pub fn new(layout: &ParamLayout, config: AdamWConfig) -> AdamW {
+        let mut pieces = Vec::new();
+        for tensor in &layout.tensors {
+            let range = tensor.range();
+            for start in range.clone().step_by(PIECE) {
+                pieces.push(Piece {
+                    range: start..(start + PIECE).min(range.end),
+                    decay: tensor.decays(),
+                });
+            }
+        }
+        AdamW {
+            config,
+            m: vec![0.0; layout.len],
+            v: vec![0.0; layout.len],
+            step: 0,
+            pieces,
+        }
+    }
+
+    /// One update of every parameter with learning rate `lr`.
+    pub fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32) {
+        assert!(params.len() == self.m.len() && grads.len() == self.m.len());
+        self.step += 1;
+        let c = self.config;
+        let t = self.step as i32;
+        // PyTorch's formulation: p ← p·(1 − lr·wd) − (lr / bc1) · m / (√v / √bc2 + eps).
+        let bc1 = 1.0 - (c.beta1 as f64).powi(t);
+        let bc2_sqrt = (1.0 - (c.beta2 as f64).powi(t)).sqrt();
+        let step_size = (lr as f64 / bc1) as f32;
+        let inv_bc2_sqrt = (1.0 / bc2_sqrt) as f32;
+        let params = crate::kernels::SharedMut::new(params);
+        let (m, v) = (
+            crate::kernels::SharedMut::new(&mut self.m),
+            crate::kernels::SharedMut::new(&mut self.v),
+        );
+        self.pieces.par_iter().for_each(|piece| {
+            let r = piece.range.clone();
+            // SAFETY: pieces are disjoint sub-ranges of the tensors, which the layout
+            // guarantees do not overlap and lie inside the arena (len checked above);
+            // each task touches only its own piece of params, m and v.
+            let (p, m, v) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(params.get().add(r.start), r.len()),
+                    std::slice::from_raw_parts_mut(m.get().add(r.start), r.len()),
+                    std::slice::from_raw_parts_mut(v.get().add(r.start), r.len()),
+                )
+            };
+            let decay = if piece.decay {
+                1.0 - lr * c.weight_decay
+            } else {
+                1.0
+            };
+            for (((p, m), v), &g) in p.iter_mut().zip(m).zip(v).zip(&grads[r]) {
+                *m = c.beta1 * *m + (1.0 - c.beta1) * g;
+                *v = c.beta2 * *v + (1.0 - c.beta2) * g * g;
+                let denom = v.sqrt() * inv_bc2_sqrt + c.eps;
+                *p = *p * decay - step_size * *m / denom;
+            }
+        });
+    }
+}
+
+/// Sum of squares of all gradients, in f64, with a fixed reduction order (so the
+/// result is bit-identical for any thread count). Across ranks, add these up before
+/// taking the root.
+pub fn grad_sq_sum(grads: &[f32]) -> f64 {
+    const PARTS: usize = 256;
+    let mut partial = [0.0f64; PARTS];
+    let chunk = grads.len().div_ceil(PARTS).max(1);
+    grads
+        .par_chunks(chunk)
+        .zip(partial.par_iter_mut())
+        .for_each(|(g, s)| *s = g.iter().map(|&x| (x as f64) * (x as f64)).sum());
+    partial.iter().sum()
+}
+
+/// Multiplies every gradient by `factor`.
+pub fn scale_grads(grads: &mut [f32], factor: f32) {
+    grads
+        .par_chunks_mut(PIECE)
+        .for_each(|g| g.iter_mut().for_each(|x| *x *= factor));
+}
+
+/// The factor PyTorch's `clip_grad_norm_` applies for a global `norm`: `max_norm /
+/// (norm + 1e-6)` when that is below 1, else 1.
+pub fn clip_factor(norm: f32, max_norm: f32) -> f32 {
+    let coef = max_norm / (norm + 1e-6);
+    if coef < 1.0 {
+        coef
+    } else {
+        1.0
+    }
+}
+
+/// Clips the gradients to global L2 norm `max_norm` like PyTorch's
+/// `clip_grad_norm_`; returns the norm before clipping.
+pub fn clip_grad_norm(grads: &mut [f32], max_norm: f32) -> f32 {
+    let norm = grad_sq_sum(grads).sqrt() as f32;
+    let factor = clip_factor(norm, max_norm);
+    if factor < 1.0 {
+        scale_grads(grads, factor);
+    }
+    norm
+}
+
+/// nanoGPT's learning-rate schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LrSchedule {
+    pub learning_rate: f32,
+    pub min_lr: f32,
+    pub warmup_iters: u64,
+    pub lr_decay_iters: u64,
+    /// Off: the rate is `learning_rate` throughout.
+    pub decay_lr: bool,
+}
+
+impl LrSchedule {
+    /// Linear warm-up over `warmup_iters` (reaching `learning_rate` at iteration
+    /// `warmup_iters`), cosine decay to `min_lr` at `lr_decay_iters`, `min_lr` after.
+    pub fn lr_at(&self, it: u64) -> f32 {
+        if !self.decay_lr {
+            return self.learning_rate;
+        }
+        let (lr, min_lr) = (self.learning_rate as f64, self.min_lr as f64);
+        if it < self.warmup_iters {
+            return (lr * (it + 1) as f64 / (self.warmup_iters + 1) as f64) as f32;
+        }
+        if it > self.lr_decay_iters {
+            return self.min_lr;
+        }
+        let span = (self.lr_decay_iters - self.warmup_iters).max(1) as f64;
+        let ratio = (it - self.warmup_iters) as f64 / span;
+        let coeff = 0.5 * (1.0 + (std::f64::consts::PI * ratio).cos());
+        (min_lr + coeff * (lr - min_lr)) as f32
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::ModelConfig;
+
+    fn schedule() -> LrSchedule {
+        LrSchedule {
+            learning_rate: 1e-3,
+            min_lr: 1e-4,
+            warmup_iters: 10,
+            lr_decay_iters: 110,
+            decay_lr: true,
+        }
+    }
+
+    #[test]
+    fn schedule_warms_up_decays_and_floors() {
+        let s = schedule();
+        assert!((s.lr_at(0) - 1e-3 / 11.0).abs() < 1e-9);
+        assert!((s.lr_at(9) - 1e-3 * 10.0 / 11.0).abs() < 1e-9);
+        assert!(
+            (s.lr_at(10) - 1e-3).abs() < 1e-9,
+            "peak right after warm-up"
+        );
+        assert!((s.lr_at(60) - 5.5e-4).abs() < 1e-9, "half-way is the mean");
+        assert!((s.lr_at(110) - 1e-4).abs() < 1e-9);
+        assert_eq!(s.lr_at(111), 1e-4);
+        assert_eq!(s.lr_at(1_000_000), 1e-4);
+        for it in 10..110 {
+            assert!(s.lr_at(it + 1) <= s.lr_at(it), "monotone decay at {it}");
+        }
+        let flat = LrSchedule {
+            decay_lr: false,
+            ..s
+        };
+        assert!([0, 5, 50, 500].iter().all(|&it| flat.lr_at(it) == 1e-3));
+    }
+
+    #[test]
+    fn clipping_scales_to_the_max_norm() {
+        let mut g = vec![3.0f32, 4.0, 0.0, 0.0];
+        let norm = clip_grad_norm(&mut g, 1.0);
+        assert_eq!(norm, 5.0);
+        let after = grad_sq_sum(&g).sqrt();
+        assert!((after - 1.0).abs() < 1e-5, "{after}");
+        let mut small = vec![0.3f32, 0.4];
+        assert!((clip_grad_norm(&mut small, 1.0) - 0.5).abs() < 1e-7);
+        assert_eq!(small, vec![0.3, 0.4], "below the max: untouched");
+    }
+
+    #[test]
+    fn grad_norm_is_independent_of_thread_count() {
+        let g: Vec<f32> = (0..1_000_003u64)
+            .map(|i| ((i * 7919) % 1000) as f32 * 1e-3)
+            .collect();
+        let norms: Vec<f64> = [1, 2, 3]
+            .iter()
+            .map(|&n| {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(n)
+                    .build()
+                    .unwrap();
+                pool.install(|| grad_sq_sum(&g))
+            })
+            .collect();
+        assert!(norms.windows(2).all(|w| w[0] == w[1]), "{norms:?}");
+    }
+
+    #[test]
+    fn adamw_matches_a_hand_computed_step_and_decays_only_matrices() {
+        let cfg = ModelConfig {
+            vocab_size: 8,
+            block_size: 4,
+            n_layer: 1,
+            n_head: 1,
+            n_embd: 4,
+            bias: true,
+            dropout: 0.0,
+        };
+        let layout = ParamLayout::new(&cfg);
+        let c = AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            weight_decay: 0.5,
+        };
+        let mut opt = AdamW::new(&layout, c);
+        let mut params = vec![1.0f32; layout.len];
+        let grads = vec![0.1f32; layout.len];
+        let lr = 0.01;
+        opt.step(&mut params, &grads, lr);
+        // Step 1: m̂ = g, v̂ = g², so the Adam part moves by lr·g/(|g| + eps) ≈ lr.
+        let adam = lr * 0.1 / (0.1 + 1e-8);
+        let bias = layout.get("transformer.h.0.attn.c_attn.bias").unwrap();
+        let weight = layout.get("transformer.h.0.attn.c_attn.weight").unwrap();
+        let want_bias = 1.0 - adam;
+        let want_weight = 1.0 * (1.0 - lr * 0.5) - adam;
+        assert!(params[bias.range()]
+            .iter()
+            .all(|&p| (p - want_bias).abs() < 1e-6));
+        assert!(params[weight.range()]
+            .iter()
+            .all(|&p| (p - want_weight).abs() < 1e-6));
+        // Step 2 with a different gradient, against the formula in f64.
+        let grads2 = vec![-0.3f32; layout.len];
+        let before = params[weight.offset] as f64;
+        opt.step(&mut params, &grads2, lr);
+        let m = 0.9 * (0.1 * 0.1) + 0.1 * -0.3;
+        let v = 0.99 * (0.01 * 0.01) + 0.01 * 0.09;
+        let (mhat, vhat) = (m / (1.0 - 0.81), v / (1.0 - 0.99f64.powi(2)));
+        let want = before * (1.0 - 0.01 * 0.5) - 0.01 * mhat / (vhat.sqrt() + 1e-8);
+        assert!((params[weight.offset] as f64 - want).abs() < 1e-6);
+    }
+}
