@@ -5,6 +5,8 @@
 //! an AdamW optimizer over the same buffers ([`optim`]).
 
 pub mod bench;
+pub mod config;
+pub mod data;
 pub mod kernels;
 pub mod model;
 pub mod optim;

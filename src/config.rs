@@ -1,0 +1,683 @@
+//! Training configuration: nanoGPT's key names, read from defaults, then a TOML
+//! file, then `key=value` overrides from the command line.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use toml::{Table, Value};
+
+/// The quick-start preset (`configs/train_shakespeare_char.toml`), built in so that
+/// `nanogpt train` without arguments works from any directory.
+pub const QUICK_START_TOML: &str = include_str!("../configs/train_shakespeare_char.toml");
+
+/// nanoGPT settings that only mean something to PyTorch; named in the error.
+const PYTORCH_ONLY_KEYS: [&str; 6] = [
+    "device",
+    "compile",
+    "backend",
+    "wandb_log",
+    "wandb_project",
+    "wandb_run_name",
+];
+
+/// Numeric precision of the matmuls (master weights are always f32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    Float32,
+    /// Matmul operands rounded to bf16 with f32 accumulation (autocast semantics).
+    Bfloat16,
+}
+
+impl Dtype {
+    pub const NAMES: [&'static str; 2] = ["float32", "bfloat16"];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Dtype::Float32 => "float32",
+            Dtype::Bfloat16 => "bfloat16",
+        }
+    }
+}
+
+/// Where the initial weights come from (the `init_from` key).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum InitFrom {
+    /// Fresh GPT-2 initialisation.
+    Scratch,
+    /// The checkpoint in `out_dir`.
+    Resume,
+    /// Pretrained weights: a name such as `gpt2` or a Hugging Face model directory.
+    Pretrained(String),
+}
+
+/// Every setting of a training run. Keys and defaults follow nanoGPT's train.py
+/// unless a field says otherwise; the vocabulary size comes from the dataset's
+/// `meta.json`, not from here.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    // I/O
+    pub out_dir: PathBuf,
+    /// Evaluate every this many iterations; 0 never evaluates.
+    pub eval_interval: u64,
+    pub log_interval: u64,
+    /// Batches per split in each evaluation.
+    pub eval_iters: u64,
+    /// Evaluate once and exit.
+    pub eval_only: bool,
+    /// Save a checkpoint at every evaluation, not only when val loss improves.
+    pub always_save_checkpoint: bool,
+    /// `scratch`, `resume`, or pretrained weights (`gpt2`, `gpt2-medium`, ... or a
+    /// directory); see [`TrainConfig::init`].
+    pub init_from: String,
+    // data
+    /// A prepared directory, `data/<name>`, or the built-in `shakespeare_char` /
+    /// `shakespeare`. Default `shakespeare_char`, the quick start (nanoGPT's is
+    /// `openwebtext`, which is not available offline).
+    pub dataset: String,
+    /// Micro-steps per optimizer step. Default 1, suiting the quick start preset
+    /// (nanoGPT's default is 40 = 5 × 8 GPUs, set in `configs/train_gpt2.toml`).
+    pub gradient_accumulation_steps: usize,
+    /// Sequences per micro-step.
+    pub batch_size: usize,
+    pub block_size: usize,
+    // model
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_embd: usize,
+    pub dropout: f32,
+    /// Biases in linear layers and layer norms (nanoGPT's default: false).
+    pub bias: bool,
+    // AdamW
+    pub learning_rate: f64,
+    pub max_iters: u64,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    /// Clip gradients to this global norm; 0 disables clipping.
+    pub grad_clip: f64,
+    // learning-rate schedule: linear warmup, then cosine decay to `min_lr`
+    pub decay_lr: bool,
+    pub warmup_iters: u64,
+    pub lr_decay_iters: u64,
+    pub min_lr: f64,
+    // system
+    pub seed: u64,
+    pub dtype: Dtype,
+    /// Worker threads; 0 uses every core.
+    pub threads: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            out_dir: PathBuf::from("out"),
+            eval_interval: 2000,
+            log_interval: 1,
+            eval_iters: 200,
+            eval_only: false,
+            always_save_checkpoint: true,
+            init_from: "scratch".to_string(),
+            dataset: "shakespeare_char".to_string(),
+            gradient_accumulation_steps: 1,
+            batch_size: 12,
+            block_size: 1024,
+            n_layer: 12,
+            n_head: 12,
+            n_embd: 768,
+            dropout: 0.0,
+            bias: false,
+            learning_rate: 6e-4,
+            max_iters: 600_000,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            grad_clip: 1.0,
+            decay_lr: true,
+            warmup_iters: 2000,
+            lr_decay_iters: 600_000,
+            min_lr: 6e-5,
+            seed: 1337,
+            dtype: Dtype::Float32,
+            threads: 0,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Defaults, then the TOML file at `path` (if any), then `key=value`
+    /// overrides; the result is validated.
+    pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<TrainConfig> {
+        match path {
+            None => Self::parse("", "defaults", overrides),
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("cannot read config file {}", path.display()))?;
+                Self::parse(&text, &path.display().to_string(), overrides)
+            }
+        }
+    }
+
+    /// The built-in quick start: the Shakespeare char model of nanoGPT's README.
+    pub fn quick_start() -> TrainConfig {
+        Self::quick_start_with(&[]).expect("the built-in preset is valid (checked by tests)")
+    }
+
+    /// The quick start with `key=value` overrides applied.
+    pub fn quick_start_with(overrides: &[String]) -> Result<TrainConfig> {
+        Self::parse(
+            QUICK_START_TOML,
+            "built-in configs/train_shakespeare_char.toml",
+            overrides,
+        )
+    }
+
+    /// Defaults, then the TOML `text` (from `origin`, named in errors), then
+    /// overrides; validated.
+    pub fn parse(text: &str, origin: &str, overrides: &[String]) -> Result<TrainConfig> {
+        let defaults = Table::try_from(TrainConfig::default())
+            .context("internal error: the defaults do not serialise")?;
+        let mut merged = defaults.clone();
+        let file: Table =
+            toml::from_str(text).map_err(|e| anyhow!("{origin}: invalid TOML: {e}"))?;
+        for (key, value) in file {
+            let checked = check_entry(&defaults, &key, value)
+                .with_context(|| file_location(origin, text, &key))?;
+            merged.insert(key, checked);
+        }
+        for raw in overrides {
+            let (key, value) = parse_override(&defaults, raw)
+                .with_context(|| format!("command-line override `{raw}`"))?;
+            merged.insert(key, value);
+        }
+        let config: TrainConfig = Value::Table(merged)
+            .try_into()
+            .map_err(|e| anyhow!("{origin}: {}", e.message()))?;
+        config
+            .validate()
+            .with_context(|| format!("invalid configuration ({origin} and overrides)"))?;
+        Ok(config)
+    }
+
+    /// Checks values that are well-typed but impossible; the error names each key
+    /// at fault and what it allows.
+    pub fn validate(&self) -> Result<()> {
+        let mut problems = Vec::new();
+        self.check_sizes(&mut problems);
+        self.check_optimizer(&mut problems);
+        self.check_schedule(&mut problems);
+        self.check_names(&mut problems);
+        match problems.is_empty() {
+            true => Ok(()),
+            false => bail!(problems.join("; ")),
+        }
+    }
+
+    fn check_sizes(&self, problems: &mut Vec<String>) {
+        let sizes = [
+            ("batch_size", self.batch_size),
+            ("block_size", self.block_size),
+            ("n_layer", self.n_layer),
+            ("n_head", self.n_head),
+            ("n_embd", self.n_embd),
+            (
+                "gradient_accumulation_steps",
+                self.gradient_accumulation_steps,
+            ),
+            ("log_interval", self.log_interval as usize),
+        ];
+        for (key, value) in sizes {
+            if value == 0 {
+                problems.push(format!("`{key}` must be at least 1, got 0"));
+            }
+        }
+        if self.n_head > 0 && !self.n_embd.is_multiple_of(self.n_head) {
+            problems.push(format!(
+                "`n_embd` ({}) must be a multiple of `n_head` ({})",
+                self.n_embd, self.n_head
+            ));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            problems.push(format!("`dropout` must be in [0, 1), got {}", self.dropout));
+        }
+        if self.eval_iters == 0 && (self.eval_interval > 0 || self.eval_only) {
+            problems.push(
+                "`eval_iters` must be at least 1 when evaluating (set `eval_interval = 0` \
+                 to never evaluate)"
+                    .to_string(),
+            );
+        }
+    }
+
+    fn check_optimizer(&self, problems: &mut Vec<String>) {
+        if !(self.learning_rate.is_finite() && self.learning_rate > 0.0) {
+            problems.push(format!(
+                "`learning_rate` must be a positive number, got {}",
+                self.learning_rate
+            ));
+        }
+        let non_negative = [
+            ("weight_decay", self.weight_decay),
+            ("grad_clip", self.grad_clip),
+            ("min_lr", self.min_lr),
+        ];
+        for (key, value) in non_negative {
+            if !(value.is_finite() && value >= 0.0) {
+                problems.push(format!("`{key}` must be a number ≥ 0, got {value}"));
+            }
+        }
+        for (key, value) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&value) {
+                problems.push(format!("`{key}` must be in [0, 1), got {value}"));
+            }
+        }
+    }
+
+    fn check_schedule(&self, problems: &mut Vec<String>) {
+        if !self.decay_lr {
+            return;
+        }
+        if self.min_lr > self.learning_rate {
+            problems.push(format!(
+                "`min_lr` ({}) must not exceed `learning_rate` ({}) when `decay_lr` is true",
+                self.min_lr, self.learning_rate
+            ));
+        }
+        if self.warmup_iters > self.lr_decay_iters {
+            problems.push(format!(
+                "`warmup_iters` ({}) must not exceed `lr_decay_iters` ({}) when `decay_lr` \
+                 is true",
+                self.warmup_iters, self.lr_decay_iters
+            ));
+        }
+    }
+
+    fn check_names(&self, problems: &mut Vec<String>) {
+        let names = [
+            ("out_dir", self.out_dir.as_os_str().is_empty()),
+            ("dataset", self.dataset.is_empty()),
+            ("init_from", self.init_from.is_empty()),
+        ];
+        for (key, empty) in names {
+            if empty {
+                problems.push(format!("`{key}` must not be empty"));
+            }
+        }
+    }
+
+    /// `init_from` interpreted.
+    pub fn init(&self) -> InitFrom {
+        match self.init_from.as_str() {
+            "scratch" => InitFrom::Scratch,
+            "resume" => InitFrom::Resume,
+            other => InitFrom::Pretrained(other.to_string()),
+        }
+    }
+
+    /// Tokens per optimizer step on one process (nanoGPT prints this).
+    pub fn tokens_per_iter(&self) -> usize {
+        self.gradient_accumulation_steps * self.batch_size * self.block_size
+    }
+
+    /// Every valid key, sorted.
+    pub fn keys() -> Vec<String> {
+        Table::try_from(TrainConfig::default())
+            .map(|t| t.keys().cloned().collect())
+            .unwrap_or_default()
+    }
+}
+
+/// "config.toml line 3" for the line setting `key`, or just the origin.
+fn file_location(origin: &str, text: &str, key: &str) -> String {
+    let line = text.lines().position(|line| {
+        let line = line.trim_start().trim_start_matches(['"', '\'']);
+        line.strip_prefix(key).is_some_and(|rest| {
+            rest.trim_start_matches(['"', '\''])
+                .trim_start()
+                .starts_with('=')
+        })
+    });
+    match line {
+        Some(n) => format!("{origin} line {}", n + 1),
+        None => origin.to_string(),
+    }
+}
+
+/// Checks one user-given `key = value` against the key's default; returns the
+/// value in the key's type (an integer given for a float key becomes a float).
+fn check_entry(defaults: &Table, key: &str, value: Value) -> Result<Value> {
+    let Some(default) = defaults.get(key) else {
+        return Err(unknown_key(defaults, key));
+    };
+    let value = match (default, value) {
+        (Value::Integer(_), Value::Integer(i)) if i < 0 => {
+            bail!("key `{key}` must be a non-negative integer, got {i}")
+        }
+        (Value::Float(_), Value::Integer(i)) => Value::Float(i as f64),
+        (d, v) if std::mem::discriminant(d) == std::mem::discriminant(&v) => v,
+        (d, v) => bail!(
+            "key `{key}` expects {}, got {} {v}",
+            type_name(d),
+            v.type_str()
+        ),
+    };
+    if key == "dtype" {
+        let name = value.as_str().unwrap_or_default();
+        if !Dtype::NAMES.contains(&name) {
+            bail!(
+                "key `dtype` must be one of {}, got \"{name}\"",
+                Dtype::NAMES.join(", ")
+            );
+        }
+    }
+    Ok(value)
+}
+
+fn type_name(value: &Value) -> &'static str {
+    match value {
+        Value::Integer(_) => "a non-negative integer",
+        Value::Float(_) => "a number",
+        Value::Boolean(_) => "true or false",
+        Value::String(_) => "a string",
+        _ => "a value of another type",
+    }
+}
+
+/// Reads `key=value` (or nanoGPT's `--key=value`), typing the value after the
+/// key's default: strings may be bare (`init_from=resume`), booleans may be
+/// Python-style (`True`).
+fn parse_override(defaults: &Table, raw: &str) -> Result<(String, Value)> {
+    let Some((key, text)) = raw.trim_start_matches("--").split_once('=') else {
+        bail!("expected key=value, e.g. max_iters=100");
+    };
+    let (key, text) = (key.trim(), text.trim());
+    let Some(default) = defaults.get(key) else {
+        return Err(unknown_key(defaults, key));
+    };
+    let value = match default {
+        Value::String(_) => Value::String(unquote(text)),
+        Value::Boolean(_) => match text.to_ascii_lowercase().as_str() {
+            "true" => Value::Boolean(true),
+            "false" => Value::Boolean(false),
+            _ => bail!("key `{key}` expects true or false, got `{text}`"),
+        },
+        Value::Float(_) => match parse_toml_value(text) {
+            Some(v @ (Value::Float(_) | Value::Integer(_))) => v,
+            _ => match text.parse::<f64>() {
+                Ok(x) => Value::Float(x),
+                Err(_) => bail!("key `{key}` expects a number, got `{text}`"),
+            },
+        },
+        _ => match parse_toml_value(text) {
+            Some(v @ Value::Integer(_)) => v,
+            _ => bail!("key `{key}` expects {}, got `{text}`", type_name(default)),
+        },
+    };
+    Ok((key.to_string(), check_entry(defaults, key, value)?))
+}
+
+fn parse_toml_value(text: &str) -> Option<Value> {
+    let mut table: Table = toml::from_str(&format!("v = {text}")).ok()?;
+    table.remove("v")
+}
+
+/// A TOML-quoted string's contents, or the text itself.
+fn unquote(text: &str) -> String {
+    match parse_toml_value(text) {
+        Some(Value::String(s)) if text.starts_with(['"', '\'']) => s,
+        _ => text.to_string(),
+    }
+}
+
+fn unknown_key(defaults: &Table, key: &str) -> anyhow::Error {
+    if PYTORCH_ONLY_KEYS.contains(&key) {
+        return anyhow!(
+            "key `{key}` is a PyTorch setting of nanoGPT with no meaning here; remove it"
+        );
+    }
+    let closest = defaults
+        .keys()
+        .min_by_key(|valid| edit_distance(key, valid))
+        .map(String::as_str)
+        .unwrap_or_default();
+    let all: Vec<&str> = defaults.keys().map(String::as_str).collect();
+    anyhow!(
+        "unknown key `{key}`; did you mean `{closest}`? (valid keys: {})",
+        all.join(", ")
+    )
+}
+
+/// Levenshtein distance between two short strings.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let substitute = diagonal + usize::from(ca != cb);
+            diagonal = row[j + 1];
+            row[j + 1] = substitute.min(row[j] + 1).min(row[j + 1] + 1);
+        }
+    }
+    row[b.len()]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn overrides(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn err_of(text: &str, over: &[&str]) -> String {
+        format!(
+            "{:#}",
+            TrainConfig::parse(text, "test.toml", &overrides(over)).unwrap_err()
+        )
+    }
+
+    #[test]
+    fn defaults_follow_nanogpt() {
+        let c = TrainConfig::load(None, &[]).unwrap();
+        assert_eq!(c, TrainConfig::default());
+        assert_eq!(
+            (c.batch_size, c.block_size, c.n_layer, c.n_embd),
+            (12, 1024, 12, 768)
+        );
+        assert_eq!((c.learning_rate, c.min_lr, c.beta2), (6e-4, 6e-5, 0.95));
+        assert_eq!((c.seed, c.gradient_accumulation_steps), (1337, 1));
+        assert_eq!(c.tokens_per_iter(), 12 * 1024);
+        assert_eq!(c.init(), InitFrom::Scratch);
+    }
+
+    #[test]
+    fn every_preset_loads_and_validates() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+        let mut count = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "toml") {
+                TrainConfig::load(Some(&path), &[])
+                    .unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
+                count += 1;
+            }
+        }
+        assert!(count >= 3, "{count} presets");
+    }
+
+    #[test]
+    fn presets_hold_nanogpt_values() {
+        let q = TrainConfig::quick_start();
+        assert_eq!(
+            (q.n_layer, q.n_head, q.n_embd, q.block_size, q.batch_size),
+            (4, 4, 128, 64, 12)
+        );
+        assert_eq!(
+            (q.max_iters, q.lr_decay_iters, q.eval_iters),
+            (2000, 2000, 20)
+        );
+        assert_eq!((q.learning_rate, q.min_lr, q.beta2), (1e-3, 1e-4, 0.99));
+        assert_eq!(q.dataset, "shakespeare_char");
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let gpt2 = TrainConfig::load(Some(&root.join("configs/train_gpt2.toml")), &[]).unwrap();
+        assert_eq!(
+            (gpt2.gradient_accumulation_steps, gpt2.max_iters),
+            (40, 600_000)
+        );
+        assert_eq!(gpt2.tokens_per_iter(), 491_520);
+        let ft =
+            TrainConfig::load(Some(&root.join("configs/finetune_shakespeare.toml")), &[]).unwrap();
+        assert_eq!(ft.init(), InitFrom::Pretrained("gpt2".into()));
+        assert_eq!(
+            (
+                ft.learning_rate,
+                ft.decay_lr,
+                ft.gradient_accumulation_steps
+            ),
+            (3e-5, false, 32)
+        );
+    }
+
+    #[test]
+    fn overrides_accept_bare_strings_python_booleans_and_dashes() {
+        let c = TrainConfig::parse(
+            "max_iters = 5000\n",
+            "t",
+            &overrides(&[
+                "max_iters=100",
+                "init_from=resume",
+                "--eval_only=True",
+                "learning_rate=1e-3",
+                "min_lr=.0001",
+                "out_dir='out x'",
+                "dtype=bfloat16",
+                "dropout=0",
+            ]),
+        )
+        .unwrap();
+        assert_eq!(c.max_iters, 100);
+        assert_eq!(c.init(), InitFrom::Resume);
+        assert!(c.eval_only);
+        assert_eq!((c.learning_rate, c.min_lr, c.dropout), (1e-3, 1e-4, 0.0));
+        assert_eq!(c.out_dir, PathBuf::from("out x"));
+        assert_eq!(c.dtype, Dtype::Bfloat16);
+    }
+
+    #[test]
+    fn file_integer_for_float_key_is_accepted() {
+        let c = TrainConfig::parse("learning_rate = 1\nmin_lr = 0", "t", &[]).unwrap();
+        assert_eq!((c.learning_rate, c.min_lr), (1.0, 0.0));
+    }
+
+    #[test]
+    fn unknown_key_suggests_closest() {
+        let err = err_of("batch_size = 4\nmax_iter = 10\n", &[]);
+        assert!(err.contains("test.toml line 2"), "{err}");
+        assert!(
+            err.contains("`max_iter`") && err.contains("did you mean `max_iters`"),
+            "{err}"
+        );
+        let err = err_of("", &["lerning_rate=1"]);
+        assert!(err.contains("did you mean `learning_rate`"), "{err}");
+        let err = err_of("compile = true", &[]);
+        assert!(
+            err.contains("`compile`") && err.contains("PyTorch"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn wrong_types_name_key_type_and_value() {
+        let err = err_of("max_iters = \"lots\"", &[]);
+        assert!(err.contains("test.toml line 1"), "{err}");
+        assert!(
+            err.contains("`max_iters` expects a non-negative integer, got string \"lots\""),
+            "{err}"
+        );
+        let err = err_of("", &["max_iters=abc"]);
+        assert!(
+            err.contains("max_iters=abc") && err.contains("got `abc`"),
+            "{err}"
+        );
+        let err = err_of("", &["bias=yes"]);
+        assert!(err.contains("`bias` expects true or false"), "{err}");
+        let err = err_of("batch_size = -2", &[]);
+        assert!(
+            err.contains("`batch_size` must be a non-negative integer, got -2"),
+            "{err}"
+        );
+        let err = err_of("", &["dtype=float16"]);
+        assert!(
+            err.contains("`dtype` must be one of float32, bfloat16"),
+            "{err}"
+        );
+        let err = err_of("", &["max_iters"]);
+        assert!(err.contains("key=value"), "{err}");
+    }
+
+    #[test]
+    fn toml_syntax_errors_name_file_and_line() {
+        let err = err_of("batch_size = 4\nblock_size = = 3\n", &[]);
+        assert!(
+            err.contains("test.toml: invalid TOML") && err.contains("line 2"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn impossible_values_are_refused_by_key() {
+        let cases: [(&[&str], &str); 9] = [
+            (&["batch_size=0"], "`batch_size` must be at least 1"),
+            (
+                &["n_embd=100", "n_head=12"],
+                "`n_embd` (100) must be a multiple of `n_head` (12)",
+            ),
+            (&["dropout=1.0"], "`dropout` must be in [0, 1)"),
+            (
+                &["min_lr=1", "learning_rate=0.1"],
+                "`min_lr` (1) must not exceed `learning_rate`",
+            ),
+            (
+                &["warmup_iters=10", "lr_decay_iters=5"],
+                "`warmup_iters` (10) must not exceed",
+            ),
+            (&["eval_iters=0"], "`eval_iters` must be at least 1"),
+            (
+                &["learning_rate=0"],
+                "`learning_rate` must be a positive number",
+            ),
+            (&["beta2=1"], "`beta2` must be in [0, 1)"),
+            (&["dataset=''"], "`dataset` must not be empty"),
+        ];
+        for (over, expected) in cases {
+            let err = err_of("", over);
+            assert!(err.contains(expected), "{over:?}: {err}");
+        }
+        // Off switches make the related checks moot.
+        TrainConfig::parse("", "t", &overrides(&["eval_iters=0", "eval_interval=0"])).unwrap();
+        TrainConfig::parse(
+            "",
+            "t",
+            &overrides(&["decay_lr=False", "min_lr=1", "learning_rate=0.1"]),
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn edit_distance_counts_edits() {
+        assert_eq!(edit_distance("max_iter", "max_iters"), 1);
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+        assert_eq!(edit_distance("", "abc"), 3);
+    }
+
+    #[test]
+    fn keys_list_every_field() {
+        let keys = TrainConfig::keys();
+        assert_eq!(keys.len(), 29);
+        assert!(keys.contains(&"gradient_accumulation_steps".to_string()));
+    }
+}

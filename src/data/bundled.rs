@@ -1,0 +1,154 @@
+//! The tiny Shakespeare text built into the binary, and the mapping from a
+//! config's `dataset` name to a prepared directory.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+
+use super::meta::{Meta, TokenizerKind};
+use super::prepare::{prepare_source, PrepareOptions};
+use super::readers::{Source, BUNDLED_SHAKESPEARE};
+use super::Split;
+
+/// Karpathy's tiny Shakespeare (1,115,394 characters), embedded so that the quick
+/// start works from any directory.
+pub const SHAKESPEARE_TEXT: &str = include_str!("../../data/shakespeare/input.txt");
+
+/// Built-in dataset names, as in nanoGPT: the bundled text as characters or as
+/// GPT-2 tokens.
+const BUILT_IN: [(&str, TokenizerKind); 2] = [
+    ("shakespeare_char", TokenizerKind::Char),
+    ("shakespeare", TokenizerKind::Gpt2),
+];
+
+/// Prepares the bundled Shakespeare into `dir` unless it already holds a prepared
+/// dataset (`meta.json`, `train.bin` and `val.bin`) with that tokenizer.
+pub fn ensure_bundled_shakespeare(dir: &Path, tokenizer: TokenizerKind) -> Result<()> {
+    if is_prepared(dir, tokenizer)? {
+        return Ok(());
+    }
+    let options = PrepareOptions {
+        tokenizer,
+        ..PrepareOptions::new(BUNDLED_SHAKESPEARE, dir)
+    };
+    prepare_source(&Source::Bundled, &options).with_context(|| {
+        format!(
+            "cannot prepare the bundled Shakespeare text in {}",
+            dir.display()
+        )
+    })?;
+    Ok(())
+}
+
+fn is_prepared(dir: &Path, tokenizer: TokenizerKind) -> Result<bool> {
+    let complete = [
+        Meta::FILE_NAME,
+        Split::Train.file_name(),
+        Split::Val.file_name(),
+    ]
+    .iter()
+    .all(|name| dir.join(name).exists());
+    if !complete {
+        return Ok(false);
+    }
+    let meta = Meta::load(dir)?;
+    if meta.tokenizer != tokenizer {
+        bail!(
+            "{} holds {} tokens, but this dataset needs {} tokens; delete the folder to \
+             have it prepared again",
+            dir.display(),
+            meta.tokenizer,
+            tokenizer
+        );
+    }
+    Ok(true)
+}
+
+/// The directory for a config's `dataset`: an existing directory of that name;
+/// else for the built-in `shakespeare_char` / `shakespeare`, `data/<name>` under
+/// the current directory, prepared on first use; else an existing `data/<name>`.
+pub fn resolve_dataset(name: &str) -> Result<PathBuf> {
+    resolve_dataset_in(Path::new(""), name)
+}
+
+fn resolve_dataset_in(root: &Path, name: &str) -> Result<PathBuf> {
+    if name.is_empty() {
+        bail!("the `dataset` key is empty; name a prepared folder or `shakespeare_char`");
+    }
+    let direct = root.join(name);
+    if direct.is_dir() {
+        return Ok(direct);
+    }
+    let under_data = root.join("data").join(name);
+    if let Some((_, tokenizer)) = BUILT_IN.iter().find(|(n, _)| *n == name) {
+        ensure_bundled_shakespeare(&under_data, *tokenizer)?;
+        return Ok(under_data);
+    }
+    if under_data.is_dir() {
+        return Ok(under_data);
+    }
+    bail!(
+        "dataset `{name}`: no folder {} or {}; prepare one with `nanogpt prepare SOURCE \
+         --out {}`, or use the built-in `shakespeare_char` or `shakespeare`",
+        direct.display(),
+        under_data.display(),
+        under_data.display()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::testutil::TempDir;
+
+    #[test]
+    fn bundled_text_is_tiny_shakespeare() {
+        assert_eq!(SHAKESPEARE_TEXT.chars().count(), 1_115_394);
+        assert!(SHAKESPEARE_TEXT.starts_with("First Citizen:\nBefore we proceed"));
+    }
+
+    #[test]
+    fn built_in_name_is_prepared_once_under_data() {
+        let root = TempDir::new("bundled-resolve");
+        let dir = resolve_dataset_in(root.path(), "shakespeare_char").unwrap();
+        assert_eq!(dir, root.path().join("data/shakespeare_char"));
+        let meta = Meta::load(&dir).unwrap();
+        assert_eq!((meta.tokenizer, meta.vocab_size), (TokenizerKind::Char, 65));
+        let written = std::fs::metadata(dir.join("train.bin"))
+            .unwrap()
+            .modified()
+            .unwrap();
+        resolve_dataset_in(root.path(), "shakespeare_char").unwrap();
+        let again = std::fs::metadata(dir.join("train.bin"))
+            .unwrap()
+            .modified()
+            .unwrap();
+        assert_eq!(written, again, "second use does not prepare again");
+    }
+
+    #[test]
+    fn existing_folder_wins_and_unknown_name_explains() {
+        let root = TempDir::new("bundled-unknown");
+        std::fs::create_dir_all(root.path().join("data/owt")).unwrap();
+        assert_eq!(
+            resolve_dataset_in(root.path(), "owt").unwrap(),
+            root.path().join("data/owt")
+        );
+        let err = resolve_dataset_in(root.path(), "openwebtext")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("openwebtext") && err.contains("nanogpt prepare"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn wrong_tokenizer_in_folder_is_reported() {
+        let root = TempDir::new("bundled-mismatch");
+        let dir = root.path().join("data/shakespeare_char");
+        ensure_bundled_shakespeare(&dir, TokenizerKind::Char).unwrap();
+        let err = ensure_bundled_shakespeare(&dir, TokenizerKind::Gpt2).unwrap_err();
+        assert!(err.to_string().contains("holds char tokens"), "{err}");
+    }
+}

@@ -1,0 +1,462 @@
+//! Token files and batches.
+//!
+//! A [`TokenFile`] memory-maps a `train.bin` / `val.bin`. Training batches are
+//! random windows like nanoGPT's `get_batch`, but the offsets of each optimizer
+//! step's global batch are a pure function of `(seed, draw, iteration)`
+//! ([`batch_offsets`]): micro-step `k` of `B` rows takes rows `k·B .. (k+1)·B`,
+//! ranks can slice the same global batch, and a resumed run sees the same data.
+//! Evaluation over a whole file uses sequential windows ([`eval_window_offsets`]).
+
+use std::fs::File;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, ensure, Context, Result};
+use memmap2::Mmap;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
+
+use super::meta::Meta;
+use super::Split;
+
+/// A memory-mapped `.bin` file of uint16 little-endian token ids.
+pub struct TokenFile {
+    path: PathBuf,
+    map: Mmap,
+}
+
+impl std::fmt::Debug for TokenFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "TokenFile({}, {} tokens)",
+            self.path.display(),
+            self.len()
+        )
+    }
+}
+
+impl TokenFile {
+    /// Maps `path`, refusing a missing, empty or odd-length file.
+    pub fn open(path: &Path) -> Result<TokenFile> {
+        if cfg!(target_endian = "big") {
+            bail!("token files are little-endian and this machine is big-endian: unsupported");
+        }
+        let file = File::open(path).with_context(|| {
+            format!(
+                "cannot open token file {}; prepare the dataset with `nanogpt prepare`",
+                path.display()
+            )
+        })?;
+        let bytes = file
+            .metadata()
+            .with_context(|| format!("cannot read {}", path.display()))?
+            .len();
+        ensure!(
+            bytes > 0,
+            "token file {} is empty; prepare the dataset again with `nanogpt prepare`",
+            path.display()
+        );
+        ensure!(
+            bytes.is_multiple_of(2),
+            "token file {} has an odd length ({bytes} bytes), so it is not uint16 tokens \
+             (truncated copy?); prepare the dataset again",
+            path.display()
+        );
+        // SAFETY: the map is read-only and lives as long as `self`. Files are only
+        // ever replaced by rename (see `prepare`), which leaves a live map intact;
+        // truncating the file in place while it is mapped is not supported.
+        let map = unsafe { Mmap::map(&file) }
+            .with_context(|| format!("cannot memory-map {}", path.display()))?;
+        ensure!(
+            bytemuck::try_cast_slice::<u8, u16>(&map).is_ok(),
+            "cannot view {} as uint16 tokens (unaligned map)",
+            path.display()
+        );
+        Ok(TokenFile {
+            path: path.to_path_buf(),
+            map,
+        })
+    }
+
+    /// Opens `dir/train.bin` or `dir/val.bin`, checking its length against `meta`.
+    pub fn open_split(dir: &Path, split: Split, meta: &Meta) -> Result<TokenFile> {
+        let file = TokenFile::open(&dir.join(split.file_name()))?;
+        let expected = meta.tokens(split);
+        ensure!(
+            file.len() as u64 == expected,
+            "{} holds {} tokens but {} says {expected}: the files come from different \
+             runs of prepare; prepare the dataset again",
+            file.path.display(),
+            file.len(),
+            dir.join(Meta::FILE_NAME).display()
+        );
+        Ok(file)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Number of tokens.
+    pub fn len(&self) -> usize {
+        self.map.len() / 2
+    }
+
+    /// Always false: empty files are refused on open.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn tokens(&self) -> &[u16] {
+        bytemuck::try_cast_slice(&self.map).expect("alignment was checked on open")
+    }
+
+    /// Checks, in parallel, that every token id is below `vocab_size`.
+    pub fn check_vocab(&self, vocab_size: usize) -> Result<()> {
+        const CHUNK: usize = 1 << 20;
+        let bad = self
+            .tokens()
+            .par_chunks(CHUNK)
+            .enumerate()
+            .find_map_first(|(c, chunk)| {
+                let i = chunk.iter().position(|&t| usize::from(t) >= vocab_size)?;
+                Some((c * CHUNK + i, chunk[i]))
+            });
+        match bad {
+            None => Ok(()),
+            Some((position, id)) => bail!(
+                "{} has token id {id} at position {position}, outside the vocabulary of \
+                 {vocab_size} from meta.json: the files do not belong together; prepare \
+                 the dataset again",
+                self.path.display()
+            ),
+        }
+    }
+
+    /// Checks that the file holds at least one training window of `block_size`.
+    pub fn check_block_size(&self, block_size: usize) -> Result<()> {
+        ensure!(
+            self.len() > block_size,
+            "{} has {} tokens, too few for one window of block_size {block_size} (+1 \
+             target); use a smaller block_size or more data",
+            self.path.display(),
+            self.len()
+        );
+        Ok(())
+    }
+}
+
+/// Which file a batch reads and for what: training steps and the two evaluations
+/// draw from independent random streams, so evaluating never shifts training data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Draw {
+    /// The batches of optimizer steps (from `train.bin`).
+    Train,
+    /// Loss estimates on `train.bin`.
+    EvalTrain,
+    /// Loss estimates on `val.bin`.
+    EvalVal,
+}
+
+impl Draw {
+    /// The file this draw reads.
+    pub fn split(self) -> Split {
+        match self {
+            Draw::Train | Draw::EvalTrain => Split::Train,
+            Draw::EvalVal => Split::Val,
+        }
+    }
+
+    fn tag(self) -> u64 {
+        match self {
+            Draw::Train => 1,
+            Draw::EvalTrain => 2,
+            Draw::EvalVal => 3,
+        }
+    }
+}
+
+/// Start offsets of the `rows` windows of one global batch, each uniform in
+/// `0..=data_len - block_size - 1` so every window of `block_size + 1` tokens fits.
+///
+/// A pure function of its arguments: `rows = batch_size × gradient_accumulation_steps`
+/// and micro-step `k` uses rows `k·batch_size .. (k+1)·batch_size`. For evaluation,
+/// pass `Draw::EvalTrain` / `Draw::EvalVal` with `iter = 0..eval_iters` to score the
+/// same batches at every evaluation.
+pub fn batch_offsets(
+    seed: u64,
+    draw: Draw,
+    iter: u64,
+    rows: usize,
+    data_len: usize,
+    block_size: usize,
+) -> Result<Vec<usize>> {
+    let mut offsets = vec![0; rows];
+    batch_offsets_into(seed, draw, iter, data_len, block_size, &mut offsets)?;
+    Ok(offsets)
+}
+
+/// [`batch_offsets`] writing into the caller's buffer (one row per element).
+pub fn batch_offsets_into(
+    seed: u64,
+    draw: Draw,
+    iter: u64,
+    data_len: usize,
+    block_size: usize,
+    offsets: &mut [usize],
+) -> Result<()> {
+    ensure!(
+        block_size > 0 && data_len > block_size,
+        "{data_len} tokens are too few for one window of block_size {block_size} (+1 \
+         target); use a smaller block_size or more data"
+    );
+    let max = (data_len - block_size - 1) as u64;
+    let mut rng = batch_rng(seed, draw, iter);
+    for offset in offsets {
+        // Drawn as u64 so that every platform sees the same numbers.
+        *offset = rng.gen_range(0..=max) as usize;
+    }
+    Ok(())
+}
+
+/// A generator keyed by all three inputs (no mixing, so no collisions).
+fn batch_rng(seed: u64, draw: Draw, iter: u64) -> ChaCha8Rng {
+    let mut key = [0u8; 32];
+    key[..8].copy_from_slice(&seed.to_le_bytes());
+    key[8..16].copy_from_slice(&draw.tag().to_le_bytes());
+    key[16..24].copy_from_slice(&iter.to_le_bytes());
+    key[24..].copy_from_slice(b"nGPTdata");
+    ChaCha8Rng::from_seed(key)
+}
+
+/// Copies the windows starting at `offsets` into `inputs` (tokens `o .. o+T`) and
+/// `targets` (tokens `o+1 .. o+T+1`), row after row; both hold
+/// `offsets.len() × block_size` elements. Allocates nothing.
+pub fn fill_batch(
+    tokens: &[u16],
+    offsets: &[usize],
+    block_size: usize,
+    inputs: &mut [u32],
+    targets: &mut [i32],
+) -> Result<()> {
+    let cells = offsets.len() * block_size;
+    ensure!(
+        inputs.len() == cells && targets.len() == cells,
+        "batch buffers hold {} inputs and {} targets, but {} rows × block_size \
+         {block_size} need {cells}",
+        inputs.len(),
+        targets.len(),
+        offsets.len()
+    );
+    let rows = inputs
+        .chunks_exact_mut(block_size)
+        .zip(targets.chunks_exact_mut(block_size));
+    for (&offset, (input, target)) in offsets.iter().zip(rows) {
+        let end = offset.saturating_add(block_size + 1);
+        let Some(window) = tokens.get(offset..end) else {
+            bail!(
+                "window at offset {offset} (+{} tokens) runs past the {} tokens of the data",
+                block_size + 1,
+                tokens.len()
+            );
+        };
+        for (slot, &t) in input.iter_mut().zip(&window[..block_size]) {
+            *slot = u32::from(t);
+        }
+        for (slot, &t) in target.iter_mut().zip(&window[1..]) {
+            *slot = i32::from(t);
+        }
+    }
+    Ok(())
+}
+
+/// How many whole, non-overlapping evaluation windows the data holds: window `k`
+/// reads inputs `k·T .. k·T+T` and targets `k·T+1 .. k·T+T+1`.
+pub fn eval_window_count(data_len: usize, block_size: usize) -> usize {
+    match block_size {
+        0 => 0,
+        t => data_len.saturating_sub(1) / t,
+    }
+}
+
+/// Start offsets of evaluation windows `windows` (see [`eval_window_count`]), for
+/// [`fill_batch`].
+pub fn eval_window_offsets(windows: Range<usize>, block_size: usize) -> Vec<usize> {
+    windows.map(|k| k * block_size).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::meta::TokenizerKind;
+    use crate::data::testutil::TempDir;
+
+    fn write_tokens(dir: &TempDir, name: &str, tokens: &[u16]) -> PathBuf {
+        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        dir.write(name, bytes)
+    }
+
+    #[test]
+    fn token_file_reads_little_endian_u16() {
+        let dir = TempDir::new("loader-read");
+        let path = dir.write("t.bin", [1u8, 0, 0, 1, 255, 255]);
+        let file = TokenFile::open(&path).unwrap();
+        assert_eq!(file.len(), 3);
+        assert_eq!(file.tokens(), &[1, 256, 65535]);
+    }
+
+    #[test]
+    fn token_file_refuses_missing_empty_and_odd_files() {
+        let dir = TempDir::new("loader-bad");
+        let missing = dir.path().join("none.bin");
+        let err = format!("{:#}", TokenFile::open(&missing).unwrap_err());
+        assert!(
+            err.contains("none.bin") && err.contains("nanogpt prepare"),
+            "{err}"
+        );
+        let empty = dir.write("empty.bin", []);
+        let err = TokenFile::open(&empty).unwrap_err().to_string();
+        assert!(
+            err.contains("empty.bin") && err.contains("is empty"),
+            "{err}"
+        );
+        let odd = dir.write("odd.bin", [1, 2, 3]);
+        let err = TokenFile::open(&odd).unwrap_err().to_string();
+        assert!(
+            err.contains("odd.bin") && err.contains("odd length (3 bytes)"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn open_split_checks_meta_counts() {
+        let dir = TempDir::new("loader-split");
+        write_tokens(&dir, "train.bin", &[1, 2, 3]);
+        let mut meta = Meta {
+            tokenizer: TokenizerKind::Gpt2,
+            vocab_size: 50257,
+            train_tokens: 3,
+            val_tokens: 1,
+            chars: None,
+            source: String::new(),
+        };
+        assert_eq!(
+            TokenFile::open_split(dir.path(), Split::Train, &meta)
+                .unwrap()
+                .len(),
+            3
+        );
+        meta.train_tokens = 4;
+        let err = TokenFile::open_split(dir.path(), Split::Train, &meta).unwrap_err();
+        assert!(err.to_string().contains("holds 3 tokens but"), "{err}");
+    }
+
+    #[test]
+    fn check_vocab_finds_first_bad_token() {
+        let dir = TempDir::new("loader-vocab");
+        let path = write_tokens(&dir, "t.bin", &[0, 5, 64, 70, 2]);
+        let file = TokenFile::open(&path).unwrap();
+        file.check_vocab(71).unwrap();
+        let err = file.check_vocab(65).unwrap_err().to_string();
+        assert!(err.contains("id 70 at position 3"), "{err}");
+    }
+
+    #[test]
+    fn short_data_is_refused_with_block_size() {
+        let dir = TempDir::new("loader-short");
+        let path = write_tokens(&dir, "t.bin", &[1; 64]);
+        let file = TokenFile::open(&path).unwrap();
+        file.check_block_size(63).unwrap();
+        let err = file.check_block_size(64).unwrap_err().to_string();
+        assert!(
+            err.contains("t.bin")
+                && err.contains("64 tokens")
+                && err.contains("smaller block_size")
+        );
+        let err = batch_offsets(1, Draw::Train, 0, 2, 64, 64)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("block_size 64"), "{err}");
+    }
+
+    #[test]
+    fn batch_offsets_are_a_pure_function_of_seed_draw_iter() {
+        let a = batch_offsets(1337, Draw::Train, 7, 64, 10_000, 256).unwrap();
+        assert_eq!(
+            a,
+            batch_offsets(1337, Draw::Train, 7, 64, 10_000, 256).unwrap()
+        );
+        assert_ne!(
+            a,
+            batch_offsets(1337, Draw::Train, 8, 64, 10_000, 256).unwrap()
+        );
+        assert_ne!(
+            a,
+            batch_offsets(1338, Draw::Train, 7, 64, 10_000, 256).unwrap()
+        );
+        assert_ne!(
+            a,
+            batch_offsets(1337, Draw::EvalTrain, 7, 64, 10_000, 256).unwrap()
+        );
+        // A prefix of a larger batch is the smaller batch: ranks can slice rows.
+        let more = batch_offsets(1337, Draw::Train, 7, 128, 10_000, 256).unwrap();
+        assert_eq!(&more[..64], &a[..]);
+        let mut buf = [0usize; 64];
+        batch_offsets_into(1337, Draw::Train, 7, 10_000, 256, &mut buf).unwrap();
+        assert_eq!(&buf[..], &a[..]);
+    }
+
+    #[test]
+    fn batch_offsets_golden_values() {
+        // Pinned so a dependency upgrade cannot silently change resumed runs.
+        let got = batch_offsets(1337, Draw::Train, 0, 4, 1_000_000, 1024).unwrap();
+        assert_eq!(got, GOLDEN);
+    }
+
+    const GOLDEN: [usize; 4] = [745_014, 4_574, 128_343, 154_125];
+
+    #[test]
+    fn batch_offsets_cover_the_whole_inclusive_range() {
+        let (len, block) = (20, 16); // offsets 0..=3
+        let mut seen = [0usize; 4];
+        for iter in 0..200 {
+            for o in batch_offsets(5, Draw::EvalVal, iter, 8, len, block).unwrap() {
+                seen[o] += 1;
+            }
+        }
+        assert!(seen.iter().all(|&n| n > 300), "{seen:?}");
+        let tight = batch_offsets(5, Draw::Train, 0, 8, 17, 16).unwrap();
+        assert_eq!(tight, vec![0; 8]);
+    }
+
+    #[test]
+    fn fill_batch_copies_shifted_windows() {
+        let tokens: Vec<u16> = (0..100).collect();
+        let mut inputs = [0u32; 8];
+        let mut targets = [0i32; 8];
+        fill_batch(&tokens, &[0, 95], 4, &mut inputs, &mut targets).unwrap();
+        assert_eq!(inputs, [0, 1, 2, 3, 95, 96, 97, 98]);
+        assert_eq!(targets, [1, 2, 3, 4, 96, 97, 98, 99]);
+        let err = fill_batch(&tokens, &[0, 96], 4, &mut inputs, &mut targets).unwrap_err();
+        assert!(err.to_string().contains("offset 96"), "{err}");
+        let err = fill_batch(&tokens, &[0], 4, &mut inputs, &mut targets).unwrap_err();
+        assert!(err.to_string().contains("need 4"), "{err}");
+    }
+
+    #[test]
+    fn eval_windows_tile_the_data() {
+        assert_eq!(eval_window_count(10, 3), 3);
+        assert_eq!(eval_window_count(9, 3), 2);
+        assert_eq!(eval_window_count(3, 3), 0);
+        assert_eq!(eval_window_count(0, 3), 0);
+        let tokens: Vec<u16> = (0..10).collect();
+        let offsets = eval_window_offsets(1..3, 3);
+        assert_eq!(offsets, [3, 6]);
+        let (mut inputs, mut targets) = ([0u32; 6], [0i32; 6]);
+        fill_batch(&tokens, &offsets, 3, &mut inputs, &mut targets).unwrap();
+        assert_eq!(inputs, [3, 4, 5, 6, 7, 8]);
+        assert_eq!(targets, [4, 5, 6, 7, 8, 9]);
+    }
+}

@@ -1,0 +1,251 @@
+//! `meta.json`: what a prepared dataset holds and how it was tokenized.
+
+use std::fmt;
+use std::path::Path;
+use std::str::FromStr;
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+use super::output::AtomicFile;
+use super::tokenizer::GPT2_VOCAB_SIZE;
+use super::{Split, MAX_VOCAB_SIZE};
+
+/// How text was turned into token ids.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenizerKind {
+    /// GPT-2's byte-level BPE (tiktoken's `r50k_base`), vocabulary 50257.
+    Gpt2,
+    /// One token per character; the vocabulary is the corpus's sorted character set.
+    Char,
+}
+
+impl TokenizerKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TokenizerKind::Gpt2 => "gpt2",
+            TokenizerKind::Char => "char",
+        }
+    }
+}
+
+impl fmt::Display for TokenizerKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for TokenizerKind {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "gpt2" => Ok(TokenizerKind::Gpt2),
+            "char" => Ok(TokenizerKind::Char),
+            other => bail!("unknown tokenizer `{other}`: use `gpt2` (BPE) or `char`"),
+        }
+    }
+}
+
+/// The contents of `meta.json` next to `train.bin` and `val.bin`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Meta {
+    pub tokenizer: TokenizerKind,
+    /// Number of distinct token ids; every id in the `.bin` files is below it.
+    pub vocab_size: usize,
+    pub train_tokens: u64,
+    pub val_tokens: u64,
+    /// The vocabulary of a char-level dataset, in id order.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chars: Option<String>,
+    /// Where the text came from (informational).
+    #[serde(default)]
+    pub source: String,
+}
+
+impl Meta {
+    pub const FILE_NAME: &'static str = "meta.json";
+
+    /// Reads and checks `dir/meta.json`.
+    ///
+    /// A directory prepared by nanoGPT's GPT-2 scripts (train.bin and val.bin, no
+    /// meta file) is read as GPT-2 tokens, as nanoGPT's train.py assumes.
+    pub fn load(dir: &Path) -> Result<Meta> {
+        let path = dir.join(Self::FILE_NAME);
+        if !path.exists() {
+            return Self::without_meta_file(dir);
+        }
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        let meta: Meta = serde_json::from_str(&text).with_context(|| {
+            format!(
+                "{} is not a valid dataset description; prepare the data again with \
+                 `nanogpt prepare SOURCE --out {}`",
+                path.display(),
+                dir.display()
+            )
+        })?;
+        meta.check()
+            .with_context(|| format!("{} is inconsistent", path.display()))?;
+        Ok(meta)
+    }
+
+    /// Writes `dir/meta.json` atomically.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        let mut file = AtomicFile::create(&dir.join(Self::FILE_NAME))?;
+        serde_json::to_writer_pretty(file.writer(), self)
+            .with_context(|| format!("cannot write {}", file.dest().display()))?;
+        file.commit()
+    }
+
+    /// Token count recorded for one split.
+    pub fn tokens(&self, split: Split) -> u64 {
+        match split {
+            Split::Train => self.train_tokens,
+            Split::Val => self.val_tokens,
+        }
+    }
+
+    /// Checks that the fields agree with each other; the message says which one is off.
+    pub fn check(&self) -> Result<()> {
+        if self.vocab_size == 0 || self.vocab_size > MAX_VOCAB_SIZE {
+            bail!(
+                "vocab_size {} must be between 1 and {MAX_VOCAB_SIZE} (uint16 token ids)",
+                self.vocab_size
+            );
+        }
+        match (self.tokenizer, &self.chars) {
+            (TokenizerKind::Gpt2, _) if self.vocab_size != GPT2_VOCAB_SIZE => bail!(
+                "tokenizer gpt2 has vocab_size {GPT2_VOCAB_SIZE}, the file says {}",
+                self.vocab_size
+            ),
+            (TokenizerKind::Gpt2, _) => Ok(()),
+            (TokenizerKind::Char, None) => bail!("tokenizer char needs a `chars` field"),
+            (TokenizerKind::Char, Some(chars)) => check_chars(chars, self.vocab_size),
+        }
+    }
+
+    fn without_meta_file(dir: &Path) -> Result<Meta> {
+        let train = dir.join(Split::Train.file_name());
+        let val = dir.join(Split::Val.file_name());
+        let prepare_hint = format!(
+            "prepare it with `nanogpt prepare SOURCE --out {}`",
+            dir.display()
+        );
+        if dir.join("meta.pkl").exists() {
+            bail!(
+                "{} holds nanoGPT's meta.pkl, which is not read here (pickle is unsafe); {}",
+                dir.display(),
+                prepare_hint
+            );
+        }
+        if !train.exists() || !val.exists() {
+            bail!(
+                "{} is not a prepared dataset (no {}); {}",
+                dir.display(),
+                Self::FILE_NAME,
+                prepare_hint
+            );
+        }
+        Ok(Meta {
+            tokenizer: TokenizerKind::Gpt2,
+            vocab_size: GPT2_VOCAB_SIZE,
+            train_tokens: token_count(&train)?,
+            val_tokens: token_count(&val)?,
+            chars: None,
+            source: format!("{} (nanoGPT layout, no meta.json)", dir.display()),
+        })
+    }
+}
+
+fn check_chars(chars: &str, vocab_size: usize) -> Result<()> {
+    let list: Vec<char> = chars.chars().collect();
+    if list.len() != vocab_size {
+        bail!(
+            "`chars` has {} characters but vocab_size is {vocab_size}",
+            list.len()
+        );
+    }
+    if list.windows(2).any(|w| w[0] >= w[1]) {
+        bail!("`chars` must be sorted and free of duplicates");
+    }
+    Ok(())
+}
+
+fn token_count(path: &Path) -> Result<u64> {
+    let bytes = std::fs::metadata(path)
+        .with_context(|| format!("cannot read {}", path.display()))?
+        .len();
+    Ok(bytes / 2)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::testutil::TempDir;
+
+    fn char_meta() -> Meta {
+        Meta {
+            tokenizer: TokenizerKind::Char,
+            vocab_size: 3,
+            train_tokens: 10,
+            val_tokens: 2,
+            chars: Some("\nab".into()),
+            source: "test".into(),
+        }
+    }
+
+    #[test]
+    fn save_then_load_round_trips() {
+        let dir = TempDir::new("meta-roundtrip");
+        char_meta().save(dir.path()).unwrap();
+        assert_eq!(Meta::load(dir.path()).unwrap(), char_meta());
+        let json = std::fs::read_to_string(dir.path().join("meta.json")).unwrap();
+        assert!(json.contains("\"tokenizer\": \"char\""), "{json}");
+    }
+
+    #[test]
+    fn missing_meta_names_directory_and_fix() {
+        let dir = TempDir::new("meta-missing");
+        let err = format!("{:#}", Meta::load(dir.path()).unwrap_err());
+        assert!(err.contains("not a prepared dataset"), "{err}");
+        assert!(err.contains("nanogpt prepare"), "{err}");
+    }
+
+    #[test]
+    fn nanogpt_gpt2_layout_without_meta_is_gpt2() {
+        let dir = TempDir::new("meta-nanogpt");
+        std::fs::write(dir.path().join("train.bin"), [0u8; 20]).unwrap();
+        std::fs::write(dir.path().join("val.bin"), [0u8; 6]).unwrap();
+        let meta = Meta::load(dir.path()).unwrap();
+        assert_eq!(meta.tokenizer, TokenizerKind::Gpt2);
+        assert_eq!((meta.train_tokens, meta.val_tokens), (10, 3));
+        assert_eq!(meta.vocab_size, 50257);
+    }
+
+    #[test]
+    fn inconsistent_meta_is_refused() {
+        let dir = TempDir::new("meta-bad");
+        let mut meta = char_meta();
+        meta.vocab_size = 4;
+        std::fs::write(
+            dir.path().join("meta.json"),
+            serde_json::to_string(&meta).unwrap(),
+        )
+        .unwrap();
+        let err = format!("{:#}", Meta::load(dir.path()).unwrap_err());
+        assert!(err.contains("meta.json"), "{err}");
+        assert!(err.contains("vocab_size is 4"), "{err}");
+    }
+
+    #[test]
+    fn tokenizer_kind_parses_and_rejects() {
+        assert_eq!(
+            "char".parse::<TokenizerKind>().unwrap(),
+            TokenizerKind::Char
+        );
+        let err = "bpe".parse::<TokenizerKind>().unwrap_err().to_string();
+        assert!(err.contains("gpt2") && err.contains("bpe"), "{err}");
+    }
+}

@@ -1,0 +1,49 @@
+//! Text data: preparing token files from text and feeding them to training.
+//!
+//! - [`prepare()`] turns a text source (the bundled Shakespeare, `.txt`, `.jsonl` or
+//!   `.parquet` files) into nanoGPT's format: `train.bin` / `val.bin` (uint16
+//!   little-endian token ids) plus a [`Meta`] file, `meta.json`.
+//! - [`Tokenizer`] encodes prompts and decodes samples for a prepared dataset.
+//! - [`loader`] memory-maps the `.bin` files and cuts them into batches that are a
+//!   pure function of `(seed, iteration)`.
+//! - [`resolve_dataset`] maps a config's `dataset` key to a directory, preparing the
+//!   bundled Shakespeare on first use.
+
+mod bundled;
+pub mod loader;
+mod meta;
+mod output;
+mod prepare;
+pub mod readers;
+#[cfg(test)]
+mod testutil;
+mod tokenizer;
+
+pub use bundled::{ensure_bundled_shakespeare, resolve_dataset, SHAKESPEARE_TEXT};
+pub use loader::{
+    batch_offsets, batch_offsets_into, eval_window_count, eval_window_offsets, fill_batch, Draw,
+    TokenFile,
+};
+pub use meta::{Meta, TokenizerKind};
+pub use prepare::{prepare, PrepareOptions, PrepareSummary};
+pub use tokenizer::{StreamDecoder, Tokenizer, GPT2_EOT, GPT2_VOCAB_SIZE};
+
+/// The two token files of a prepared dataset.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Split {
+    Train,
+    Val,
+}
+
+impl Split {
+    /// The file name nanoGPT uses for this split.
+    pub fn file_name(self) -> &'static str {
+        match self {
+            Split::Train => "train.bin",
+            Split::Val => "val.bin",
+        }
+    }
+}
+
+/// The largest vocabulary whose ids fit the uint16 `.bin` format (ids 0..=65535).
+pub const MAX_VOCAB_SIZE: usize = u16::MAX as usize + 1;

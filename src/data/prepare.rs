@@ -1,0 +1,654 @@
+//! `nanogpt prepare`: text → `train.bin`, `val.bin`, `meta.json`.
+//!
+//! The source is streamed in batches of pieces; each batch is tokenized in parallel
+//! (rayon) and appended, in order, to the `.bin` files. Outputs are written under
+//! temporary names and renamed into place only when complete.
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use rayon::prelude::*;
+
+use super::meta::{Meta, TokenizerKind};
+use super::output::TokenWriter;
+use super::readers::{ProgressUnit, Source};
+use super::tokenizer::Tokenizer;
+use super::Split;
+
+/// Text handed to the tokenizer threads at once.
+const BATCH_BYTES: usize = 16 << 20;
+/// Validation share of a single document (nanoGPT's shakespeare split: 90/10).
+pub const DEFAULT_VAL_FRACTION_SINGLE: f64 = 0.1;
+/// Validation share of a multi-document corpus (nanoGPT's openwebtext split).
+pub const DEFAULT_VAL_FRACTION_DOCUMENTS: f64 = 0.0005;
+
+/// What `nanogpt prepare` was asked to do.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PrepareOptions {
+    /// `shakespeare`, a `.txt` / `.jsonl` / `.parquet` file, or a directory of them.
+    pub source: String,
+    /// Where `train.bin`, `val.bin` and `meta.json` go (created if missing).
+    pub out_dir: PathBuf,
+    pub tokenizer: TokenizerKind,
+    /// Share of the text that goes to `val.bin`; `None` picks
+    /// [`DEFAULT_VAL_FRACTION_SINGLE`] for one document and
+    /// [`DEFAULT_VAL_FRACTION_DOCUMENTS`] for many.
+    pub val_fraction: Option<f64>,
+    /// JSONL field / parquet column holding the text.
+    pub text_column: String,
+    /// Draw a progress bar (only ever when stderr is a terminal).
+    pub show_progress: bool,
+}
+
+impl PrepareOptions {
+    /// Options with the defaults: GPT-2 tokens, default split, column `text`.
+    pub fn new(source: impl Into<String>, out_dir: impl Into<PathBuf>) -> PrepareOptions {
+        PrepareOptions {
+            source: source.into(),
+            out_dir: out_dir.into(),
+            tokenizer: TokenizerKind::Gpt2,
+            val_fraction: None,
+            text_column: "text".to_string(),
+            show_progress: true,
+        }
+    }
+}
+
+/// What [`prepare`] wrote.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PrepareSummary {
+    pub out_dir: PathBuf,
+    /// The `meta.json` that was written.
+    pub meta: Meta,
+    /// Non-empty documents read (1 for a single-document source).
+    pub documents: u64,
+    /// Of which went to `val.bin` (0 for a single document, split by position).
+    pub val_documents: u64,
+}
+
+impl fmt::Display for PrepareSummary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "wrote {} train and {} val tokens ({} tokenizer, vocab {}) from {} document(s) \
+             to {}",
+            self.meta.train_tokens,
+            self.meta.val_tokens,
+            self.meta.tokenizer,
+            self.meta.vocab_size,
+            self.documents,
+            self.out_dir.display()
+        )
+    }
+}
+
+/// Tokenizes a text source into `train.bin`, `val.bin` and `meta.json`.
+pub fn prepare(opts: &PrepareOptions) -> Result<PrepareSummary> {
+    let source = Source::resolve(&opts.source, &opts.text_column)?;
+    prepare_source(&source, opts)
+}
+
+/// [`prepare`] for an already resolved source (`opts.source` is not read).
+pub(crate) fn prepare_source(source: &Source, opts: &PrepareOptions) -> Result<PrepareSummary> {
+    let single = source.is_single_document();
+    let fraction = opts.val_fraction.unwrap_or(if single {
+        DEFAULT_VAL_FRACTION_SINGLE
+    } else {
+        DEFAULT_VAL_FRACTION_DOCUMENTS
+    });
+    check_fraction(fraction)?;
+    let needs_scan = single || opts.tokenizer == TokenizerKind::Char;
+    let scan = match needs_scan {
+        true => scan(
+            source,
+            opts.tokenizer == TokenizerKind::Char,
+            opts.show_progress,
+        )?,
+        false => Scan::default(),
+    };
+    let tokenizer = match opts.tokenizer {
+        TokenizerKind::Gpt2 => Tokenizer::gpt2(),
+        TokenizerKind::Char if scan.chars.is_empty() => bail!(empty_corpus(source)),
+        TokenizerKind::Char => Tokenizer::char_level(scan.chars.iter().copied())?,
+    };
+    std::fs::create_dir_all(&opts.out_dir)
+        .with_context(|| format!("cannot create output folder {}", opts.out_dir.display()))?;
+    let mut out = Outputs::create(&opts.out_dir)?;
+    let bar = progress_bar(source, "tokenizing", opts.show_progress)?;
+    let docs = if single {
+        let train_chars = (scan.char_count as f64 * (1.0 - fraction)) as u64;
+        write_single_document(source, &tokenizer, train_chars, &mut out, &bar)?
+    } else {
+        write_documents(source, &tokenizer, fraction, &mut out, &bar)?
+    };
+    bar.finish_and_clear();
+    check_outputs(source, &out, &docs)?;
+    let meta = Meta {
+        tokenizer: opts.tokenizer,
+        vocab_size: tokenizer.vocab_size(),
+        train_tokens: out.train.tokens(),
+        val_tokens: out.val.tokens(),
+        chars: match &tokenizer {
+            Tokenizer::Char { chars } => Some(chars.iter().collect()),
+            Tokenizer::Gpt2(_) => None,
+        },
+        source: source.describe(),
+    };
+    out.commit()?;
+    meta.save(&opts.out_dir)?;
+    Ok(PrepareSummary {
+        out_dir: opts.out_dir.clone(),
+        meta,
+        documents: docs.train + docs.val,
+        val_documents: docs.val,
+    })
+}
+
+fn check_fraction(fraction: f64) -> Result<()> {
+    if !(fraction > 0.0 && fraction < 1.0) {
+        bail!(
+            "--val-fraction {fraction} is out of range: it must be above 0 and below 1 \
+             (e.g. 0.1 keeps 10% of the text for validation)"
+        );
+    }
+    Ok(())
+}
+
+fn empty_corpus(source: &Source) -> String {
+    format!(
+        "source {} contains no text; check the path (and --text-column for .jsonl / \
+         .parquet)",
+        source.describe()
+    )
+}
+
+fn check_outputs(source: &Source, out: &Outputs, docs: &DocCounts) -> Result<()> {
+    let (train, val) = (out.train.tokens(), out.val.tokens());
+    if train == 0 && val == 0 {
+        bail!(empty_corpus(source));
+    }
+    if source.is_single_document() && (train == 0 || val == 0) {
+        bail!(
+            "source {} is too short to split into train and val ({train} and {val} \
+             tokens); use more text or a different --val-fraction",
+            source.describe()
+        );
+    }
+    if val == 0 || train == 0 {
+        bail!(
+            "source {} has {} non-empty document(s): splitting by document needs at least \
+             2 (pass a single .txt file instead to split one text by position)",
+            source.describe(),
+            docs.train + docs.val
+        );
+    }
+    Ok(())
+}
+
+/// A bar over the source's bytes or rows, hidden unless stderr is a terminal.
+fn progress_bar(source: &Source, label: &'static str, show: bool) -> Result<ProgressBar> {
+    if !show || !std::io::stderr().is_terminal() {
+        return Ok(ProgressBar::hidden());
+    }
+    let (total, unit) = source.progress_total()?;
+    let template = match unit {
+        ProgressUnit::Bytes => {
+            "{msg} [{bar:40}] {binary_bytes}/{binary_total_bytes} \
+             ({binary_bytes_per_sec}, eta {eta})"
+        }
+        ProgressUnit::Rows => {
+            "{msg} [{bar:40}] {human_pos}/{human_len} rows ({per_sec}, eta {eta})"
+        }
+    };
+    let style = ProgressStyle::with_template(template)
+        .context("progress bar template")?
+        .progress_chars("=> ");
+    Ok(ProgressBar::new(total)
+        .with_style(style)
+        .with_message(label))
+}
+
+/// Streams the source in batches of about [`BATCH_BYTES`] of text.
+fn for_each_batch(
+    source: &Source,
+    bar: &ProgressBar,
+    mut handle: impl FnMut(Vec<String>) -> Result<()>,
+) -> Result<()> {
+    let mut batch = Vec::new();
+    let mut bytes = 0;
+    for piece in source.pieces()? {
+        let piece = piece?;
+        bar.inc(piece.progress);
+        bytes += piece.text.len();
+        batch.push(piece.text);
+        if bytes >= BATCH_BYTES {
+            handle(std::mem::take(&mut batch))?;
+            bytes = 0;
+        }
+    }
+    if !batch.is_empty() {
+        handle(batch)?;
+    }
+    Ok(())
+}
+
+/// What the first pass learns: the character set and the length in characters.
+#[derive(Default)]
+struct Scan {
+    chars: BTreeSet<char>,
+    char_count: u64,
+}
+
+fn scan(source: &Source, collect_chars: bool, show: bool) -> Result<Scan> {
+    let bar = progress_bar(source, "scanning", show)?;
+    let mut total = Scan::default();
+    for_each_batch(source, &bar, |batch| {
+        let part = batch
+            .par_iter()
+            .map(|text| Scan {
+                chars: match collect_chars {
+                    true => distinct_chars(text),
+                    false => BTreeSet::new(),
+                },
+                char_count: text.chars().count() as u64,
+            })
+            .reduce(Scan::default, merge_scans);
+        total = merge_scans(std::mem::take(&mut total), part);
+        Ok(())
+    })?;
+    bar.finish_and_clear();
+    Ok(total)
+}
+
+fn merge_scans(mut a: Scan, b: Scan) -> Scan {
+    a.chars.extend(b.chars);
+    a.char_count += b.char_count;
+    a
+}
+
+fn distinct_chars(text: &str) -> BTreeSet<char> {
+    let mut ascii = [false; 128];
+    let mut set = BTreeSet::new();
+    for c in text.chars() {
+        match c.is_ascii() {
+            true => ascii[c as usize] = true,
+            false => {
+                set.insert(c);
+            }
+        }
+    }
+    set.extend((0..128u8).filter(|&b| ascii[b as usize]).map(char::from));
+    set
+}
+
+/// Tokenizes texts in parallel, keeping their order.
+fn encode_all(tokenizer: &Tokenizer, texts: &[&str]) -> Result<Vec<Vec<u16>>> {
+    texts
+        .par_iter()
+        .map(|text| {
+            let ids = tokenizer.encode(text)?;
+            ids.into_iter()
+                .map(|id| {
+                    u16::try_from(id).with_context(|| format!("token id {id} does not fit uint16"))
+                })
+                .collect()
+        })
+        .collect()
+}
+
+struct Outputs {
+    train: TokenWriter,
+    val: TokenWriter,
+}
+
+impl Outputs {
+    fn create(dir: &Path) -> Result<Outputs> {
+        Ok(Outputs {
+            train: TokenWriter::create(&dir.join(Split::Train.file_name()))?,
+            val: TokenWriter::create(&dir.join(Split::Val.file_name()))?,
+        })
+    }
+
+    fn write(&mut self, split: Split, tokens: &[u16]) -> Result<()> {
+        match split {
+            Split::Train => self.train.write(tokens),
+            Split::Val => self.val.write(tokens),
+        }
+    }
+
+    fn commit(self) -> Result<()> {
+        self.train.commit()?;
+        self.val.commit()
+    }
+}
+
+#[derive(Default)]
+struct DocCounts {
+    train: u64,
+    val: u64,
+}
+
+/// One document split by position: its first `train_chars` characters are train,
+/// the rest val, each tokenized on its own (like nanoGPT's shakespeare preps, and
+/// without end-of-text tokens: there is no document boundary to mark).
+fn write_single_document(
+    source: &Source,
+    tokenizer: &Tokenizer,
+    train_chars: u64,
+    out: &mut Outputs,
+    bar: &ProgressBar,
+) -> Result<DocCounts> {
+    let mut seen = 0u64;
+    for_each_batch(source, bar, |batch| {
+        let mut parts: Vec<(&str, Split)> = Vec::new();
+        for text in &batch {
+            let (train, val) = split_at_char(text, train_chars.saturating_sub(seen));
+            seen += text.chars().count() as u64;
+            parts.extend([(train, Split::Train), (val, Split::Val)]);
+        }
+        parts.retain(|(text, _)| !text.is_empty());
+        let texts: Vec<&str> = parts.iter().map(|(text, _)| *text).collect();
+        let encoded = encode_all(tokenizer, &texts)
+            .with_context(|| format!("cannot tokenize {}", source.describe()))?;
+        for ((_, split), tokens) in parts.iter().zip(encoded) {
+            out.write(*split, &tokens)?;
+        }
+        Ok(())
+    })?;
+    Ok(DocCounts { train: 1, val: 0 })
+}
+
+/// Splits `text` before its `n`-th character (or keeps it whole if shorter).
+fn split_at_char(text: &str, n: u64) -> (&str, &str) {
+    let n = usize::try_from(n).unwrap_or(usize::MAX);
+    match text.char_indices().nth(n) {
+        Some((at, _)) => text.split_at(at),
+        None => (text, ""),
+    }
+}
+
+/// Many documents: each goes whole to train or val, followed by the end-of-text
+/// token where the vocabulary has one.
+fn write_documents(
+    source: &Source,
+    tokenizer: &Tokenizer,
+    fraction: f64,
+    out: &mut Outputs,
+    bar: &ProgressBar,
+) -> Result<DocCounts> {
+    let eot = tokenizer.eot().map(|id| id as u16);
+    let mut router = DocRouter::new(fraction);
+    let mut index = 0u64;
+    for_each_batch(source, bar, |batch| {
+        let texts: Vec<&str> = batch.iter().map(String::as_str).collect();
+        let encoded = encode_all(tokenizer, &texts)
+            .with_context(|| format!("cannot tokenize {}", source.describe()))?;
+        for mut tokens in encoded {
+            if !tokens.is_empty() {
+                tokens.extend(eot);
+                router.route(index, tokens, out)?;
+            }
+            index += 1;
+        }
+        Ok(())
+    })?;
+    router.finish(out)
+}
+
+/// Whether document `index` belongs to val: a fixed hash of the index, so the
+/// split does not depend on batching, threads or the number of documents.
+pub(crate) fn is_val_document(index: u64, fraction: f64) -> bool {
+    let hash = splitmix64(index ^ 0x7661_6c5f_7370_6c74);
+    ((hash >> 11) as f64 / (1u64 << 53) as f64) < fraction
+}
+
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Sends documents to train or val. While val is still empty, the latest train
+/// document is held back, so that a corpus whose hashes picked no val document
+/// still gets one: its last document.
+struct DocRouter {
+    fraction: f64,
+    held: Option<Vec<u16>>,
+    counts: DocCounts,
+}
+
+impl DocRouter {
+    fn new(fraction: f64) -> DocRouter {
+        DocRouter {
+            fraction,
+            held: None,
+            counts: DocCounts::default(),
+        }
+    }
+
+    fn route(&mut self, index: u64, tokens: Vec<u16>, out: &mut Outputs) -> Result<()> {
+        if is_val_document(index, self.fraction) {
+            self.release_held(out)?;
+            out.write(Split::Val, &tokens)?;
+            self.counts.val += 1;
+        } else if self.counts.val == 0 {
+            self.release_held(out)?;
+            self.held = Some(tokens);
+        } else {
+            out.write(Split::Train, &tokens)?;
+            self.counts.train += 1;
+        }
+        Ok(())
+    }
+
+    fn release_held(&mut self, out: &mut Outputs) -> Result<()> {
+        if let Some(held) = self.held.take() {
+            out.write(Split::Train, &held)?;
+            self.counts.train += 1;
+        }
+        Ok(())
+    }
+
+    fn finish(mut self, out: &mut Outputs) -> Result<DocCounts> {
+        if let Some(last) = self.held.take() {
+            let split = match self.counts.val == 0 && self.counts.train > 0 {
+                true => Split::Val,
+                false => Split::Train,
+            };
+            out.write(split, &last)?;
+            match split {
+                Split::Val => self.counts.val += 1,
+                Split::Train => self.counts.train += 1,
+            }
+        }
+        Ok(self.counts)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::loader::TokenFile;
+    use crate::data::testutil::TempDir;
+
+    fn opts(source: &Path, out: &Path, tokenizer: TokenizerKind) -> PrepareOptions {
+        PrepareOptions {
+            tokenizer,
+            show_progress: false,
+            ..PrepareOptions::new(source.to_str().unwrap(), out)
+        }
+    }
+
+    fn read_bin(path: &Path) -> Vec<u16> {
+        TokenFile::open(path).unwrap().tokens().to_vec()
+    }
+
+    #[test]
+    fn bundled_shakespeare_char_matches_nanogpt_counts() {
+        let dir = TempDir::new("prep-char");
+        let options = PrepareOptions {
+            tokenizer: TokenizerKind::Char,
+            show_progress: false,
+            ..PrepareOptions::new("shakespeare", dir.path())
+        };
+        let summary = prepare_source(&Source::Bundled, &options).unwrap();
+        // nanoGPT's data/shakespeare_char/prepare.py reports these numbers.
+        assert_eq!(summary.meta.vocab_size, 65);
+        assert_eq!(summary.meta.train_tokens, 1_003_854);
+        assert_eq!(summary.meta.val_tokens, 111_540);
+        let chars = summary.meta.chars.clone().unwrap();
+        assert!(chars.starts_with("\n !$&',-.3:;?ABC"), "{chars:?}");
+        let train = read_bin(&dir.path().join("train.bin"));
+        let t = Tokenizer::from_meta(&Meta::load(dir.path()).unwrap()).unwrap();
+        assert_eq!(
+            t.decode(&train[..14].iter().map(|&x| x as u32).collect::<Vec<_>>()),
+            "First Citizen:"
+        );
+        assert_eq!(&train[..5], &[18, 47, 56, 57, 58]);
+    }
+
+    #[test]
+    fn bundled_shakespeare_gpt2_matches_nanogpt_counts() {
+        let dir = TempDir::new("prep-gpt2");
+        let options = PrepareOptions {
+            show_progress: false,
+            ..PrepareOptions::new("shakespeare", dir.path())
+        };
+        let summary = prepare_source(&Source::Bundled, &options).unwrap();
+        // nanoGPT's data/shakespeare/prepare.py reports these numbers.
+        assert_eq!(summary.meta.train_tokens, 301_966);
+        assert_eq!(summary.meta.val_tokens, 36_059);
+        let val_bytes = std::fs::metadata(dir.path().join("val.bin")).unwrap().len();
+        assert_eq!(val_bytes, 2 * 36_059);
+        assert_eq!(
+            &read_bin(&dir.path().join("train.bin"))[..3],
+            &[5962, 22307, 25]
+        );
+    }
+
+    #[test]
+    fn txt_file_split_by_position_with_fraction() {
+        let dir = TempDir::new("prep-txt");
+        let src = dir.write("in.txt", "abcdefghij".repeat(10)); // 100 chars
+        let out = dir.path().join("out");
+        let mut o = opts(&src, &out, TokenizerKind::Char);
+        o.val_fraction = Some(0.25);
+        let summary = prepare(&o).unwrap();
+        assert_eq!(
+            (summary.meta.train_tokens, summary.meta.val_tokens),
+            (75, 25)
+        );
+        assert_eq!(&read_bin(&out.join("val.bin"))[..3], &[5, 6, 7]); // "fgh"
+    }
+
+    #[test]
+    fn documents_get_eot_and_at_least_one_val_document() {
+        let dir = TempDir::new("prep-docs");
+        dir.write("docs/a.txt", "Hello world");
+        dir.write("docs/b.txt", "Hello");
+        dir.write("docs/c.txt", "");
+        let out = dir.path().join("out");
+        let summary = prepare(&opts(&dir.path().join("docs"), &out, TokenizerKind::Gpt2)).unwrap();
+        assert_eq!((summary.documents, summary.val_documents), (2, 1));
+        assert_eq!(read_bin(&out.join("train.bin")), [15496, 995, 50256]);
+        assert_eq!(read_bin(&out.join("val.bin")), [15496, 50256]);
+        let meta = Meta::load(&out).unwrap();
+        assert_eq!(
+            (meta.train_tokens, meta.val_tokens, meta.vocab_size),
+            (3, 2, 50257)
+        );
+    }
+
+    #[test]
+    fn document_split_follows_fraction() {
+        let val = (0..20_000u64).filter(|&i| is_val_document(i, 0.1)).count();
+        assert!((1_800..2_200).contains(&val), "{val} of 20000");
+        let val = (0..100_000u64)
+            .filter(|&i| is_val_document(i, 0.0005))
+            .count();
+        assert!((30..70).contains(&val), "{val} of 100000");
+    }
+
+    #[test]
+    fn jsonl_documents_split_by_hash_with_fraction() {
+        let dir = TempDir::new("prep-jsonl");
+        let lines: String = (0..2_000)
+            .map(|i| format!("{{\"text\": \"d{i}\"}}\n"))
+            .collect();
+        let src = dir.write("docs.jsonl", lines);
+        let out = dir.path().join("out");
+        let mut o = opts(&src, &out, TokenizerKind::Char);
+        o.val_fraction = Some(0.1);
+        let summary = prepare(&o).unwrap();
+        let expected = (0..2_000).filter(|&i| is_val_document(i, 0.1)).count() as u64;
+        assert_eq!(summary.val_documents, expected);
+        assert_eq!(summary.documents, 2_000);
+        let total = summary.meta.train_tokens + summary.meta.val_tokens;
+        let chars: u64 = (0..2_000).map(|i| format!("d{i}").len() as u64).sum();
+        assert_eq!(total, chars, "char datasets have no end-of-text token");
+    }
+
+    #[test]
+    fn parquet_source_prepares() {
+        let dir = TempDir::new("prep-parquet");
+        let src = dir.path().join("x.parquet");
+        crate::data::testutil::write_parquet(
+            &src,
+            &["Hello world", "Hello"],
+            parquet::basic::Compression::SNAPPY,
+        );
+        let out = dir.path().join("out");
+        let mut o = opts(&src, &out, TokenizerKind::Gpt2);
+        o.text_column = "body".into();
+        let summary = prepare(&o).unwrap();
+        assert_eq!(summary.meta.train_tokens + summary.meta.val_tokens, 5);
+    }
+
+    #[test]
+    fn empty_and_unsplittable_corpora_are_refused() {
+        let dir = TempDir::new("prep-empty");
+        let src = dir.write("empty.txt", "");
+        let err = prepare(&opts(&src, &dir.path().join("o"), TokenizerKind::Char)).unwrap_err();
+        assert!(err.to_string().contains("contains no text"), "{err}");
+        let err = prepare(&opts(&src, &dir.path().join("o"), TokenizerKind::Gpt2)).unwrap_err();
+        assert!(err.to_string().contains("contains no text"), "{err}");
+        let src = dir.write("one/a.txt", "just one");
+        let err = prepare(&opts(
+            src.parent().unwrap(),
+            &dir.path().join("o"),
+            TokenizerKind::Gpt2,
+        ))
+        .unwrap_err();
+        assert!(err.to_string().contains("at least 2"), "{err}");
+        assert!(
+            !dir.path().join("o/train.bin").exists(),
+            "no partial output"
+        );
+    }
+
+    #[test]
+    fn bad_fraction_is_refused() {
+        let dir = TempDir::new("prep-frac");
+        let src = dir.write("in.txt", "text");
+        let mut o = opts(&src, dir.path(), TokenizerKind::Char);
+        o.val_fraction = Some(1.0);
+        let err = prepare(&o).unwrap_err().to_string();
+        assert!(err.contains("--val-fraction"), "{err}");
+    }
+
+    #[test]
+    fn vocab_beyond_uint16_is_refused() {
+        let dir = TempDir::new("prep-vocab");
+        let text: String = (0x4E00u32..0x4E00 + 70_000)
+            .filter_map(char::from_u32)
+            .collect();
+        let src = dir.write("wide.txt", text);
+        let err = prepare(&opts(&src, dir.path(), TokenizerKind::Char)).unwrap_err();
+        assert!(err.to_string().contains("uint16"), "{err}");
+    }
+}

@@ -1,0 +1,292 @@
+//! Text sources for `nanogpt prepare`, read as a stream of [`Piece`]s so that a
+//! corpus of many gigabytes never sits in memory at once.
+//!
+//! Multi-document sources (a directory of `.txt`, `.jsonl`, `.parquet`) yield one
+//! piece per document. Single-document sources (the bundled Shakespeare, one
+//! `.txt`) yield the document in chunks cut just before a line break that follows
+//! printable ASCII: GPT-2's pre-tokenizer always ends a token there, so encoding
+//! chunk by chunk gives exactly the tokens of encoding the whole text.
+
+mod jsonl;
+mod parquet;
+mod text;
+
+use std::fs::File;
+use std::io::Cursor;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+
+use super::bundled::SHAKESPEARE_TEXT;
+use jsonl::JsonlDocs;
+use text::TextChunks;
+
+/// Name that selects the bundled tiny Shakespeare text.
+pub const BUNDLED_SHAKESPEARE: &str = "shakespeare";
+
+/// A run of text from a source, with how far it advanced the source's progress.
+#[derive(Debug)]
+pub struct Piece {
+    pub text: String,
+    /// Progress made by reading this piece, in the source's [`ProgressUnit`].
+    pub progress: u64,
+}
+
+/// What a source's progress counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProgressUnit {
+    Bytes,
+    Rows,
+}
+
+/// A stream of pieces; errors name the file and position.
+pub type Pieces = Box<dyn Iterator<Item = Result<Piece>> + Send>;
+
+/// Where `nanogpt prepare` reads text from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// The tiny Shakespeare text built into the binary (one document).
+    Bundled,
+    /// One `.txt` file, read as one document.
+    TextFile(PathBuf),
+    /// `.txt` files, each one document, in name order.
+    TextFiles(Vec<PathBuf>),
+    /// JSON Lines files: one document per line, in the string field `field`.
+    Jsonl { files: Vec<PathBuf>, field: String },
+    /// Parquet files: one document per row, in the string column `column`.
+    Parquet { files: Vec<PathBuf>, column: String },
+}
+
+impl Source {
+    /// Interprets the SOURCE argument: `shakespeare`, a file, or a directory.
+    /// `text_column` names the JSONL field / parquet column holding the text.
+    pub fn resolve(spec: &str, text_column: &str) -> Result<Source> {
+        let path = Path::new(spec);
+        if !path.exists() {
+            if spec == BUNDLED_SHAKESPEARE {
+                return Ok(Source::Bundled);
+            }
+            bail!(
+                "source `{spec}` does not exist; give a .txt, .jsonl or .parquet file, a \
+                 directory of them, or `{BUNDLED_SHAKESPEARE}` for the bundled text"
+            );
+        }
+        if path.is_dir() {
+            return Self::from_dir(path, text_column);
+        }
+        match extension(path).as_str() {
+            "txt" => Ok(Source::TextFile(path.to_path_buf())),
+            "jsonl" => Ok(Source::jsonl(vec![path.to_path_buf()], text_column)),
+            "parquet" => Ok(Source::parquet(vec![path.to_path_buf()], text_column)),
+            _ => bail!(
+                "source {}: unsupported file type; use a .txt, .jsonl or .parquet file \
+                 (rename a plain-text file to .txt)",
+                path.display()
+            ),
+        }
+    }
+
+    fn jsonl(files: Vec<PathBuf>, field: &str) -> Source {
+        Source::Jsonl {
+            files,
+            field: field.to_string(),
+        }
+    }
+
+    fn parquet(files: Vec<PathBuf>, column: &str) -> Source {
+        Source::Parquet {
+            files,
+            column: column.to_string(),
+        }
+    }
+
+    fn from_dir(dir: &Path, text_column: &str) -> Result<Source> {
+        let mut files = Vec::new();
+        for entry in
+            std::fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))?
+        {
+            let path = entry
+                .with_context(|| format!("cannot list {}", dir.display()))?
+                .path();
+            if path.is_file() {
+                files.push(path);
+            }
+        }
+        files.sort();
+        let of_kind = |ext: &str| -> Vec<PathBuf> {
+            files
+                .iter()
+                .filter(|p| extension(p) == ext)
+                .cloned()
+                .collect()
+        };
+        let (txt, jsonl, parquet) = (of_kind("txt"), of_kind("jsonl"), of_kind("parquet"));
+        let kinds = [!txt.is_empty(), !jsonl.is_empty(), !parquet.is_empty()];
+        match kinds {
+            [true, false, false] => Ok(Source::TextFiles(txt)),
+            [false, true, false] => Ok(Source::jsonl(jsonl, text_column)),
+            [false, false, true] => Ok(Source::parquet(parquet, text_column)),
+            [false, false, false] => bail!(
+                "directory {} holds no .txt, .jsonl or .parquet files; pass the folder \
+                 that directly contains them",
+                dir.display()
+            ),
+            _ => bail!(
+                "directory {} mixes .txt, .jsonl and .parquet files; put each kind in its \
+                 own folder and prepare one of them",
+                dir.display()
+            ),
+        }
+    }
+
+    /// True when the source is one document, split into train/val by position.
+    pub fn is_single_document(&self) -> bool {
+        matches!(self, Source::Bundled | Source::TextFile(_))
+    }
+
+    /// A short description for `meta.json`.
+    pub fn describe(&self) -> String {
+        let list = |files: &[PathBuf]| match files {
+            [] => "no files".to_string(),
+            [one] => one.display().to_string(),
+            [first, ..] => format!(
+                "{} ({} files)",
+                first.parent().unwrap_or(Path::new(".")).display(),
+                files.len()
+            ),
+        };
+        match self {
+            Source::Bundled => "bundled tiny Shakespeare".to_string(),
+            Source::TextFile(path) => path.display().to_string(),
+            Source::TextFiles(files) => list(files),
+            Source::Jsonl { files, field } => format!("{} (field `{field}`)", list(files)),
+            Source::Parquet { files, column } => format!("{} (column `{column}`)", list(files)),
+        }
+    }
+
+    /// Total progress the pieces will add up to, for a progress bar.
+    pub fn progress_total(&self) -> Result<(u64, ProgressUnit)> {
+        let bytes = |files: &[PathBuf]| -> Result<u64> { files.iter().map(|f| file_len(f)).sum() };
+        Ok(match self {
+            Source::Bundled => (SHAKESPEARE_TEXT.len() as u64, ProgressUnit::Bytes),
+            Source::TextFile(path) => (file_len(path)?, ProgressUnit::Bytes),
+            Source::TextFiles(files) | Source::Jsonl { files, .. } => {
+                (bytes(files)?, ProgressUnit::Bytes)
+            }
+            Source::Parquet { files, .. } => {
+                let rows = files
+                    .iter()
+                    .map(|f| parquet::parquet_rows(f))
+                    .sum::<Result<u64>>()?;
+                (rows, ProgressUnit::Rows)
+            }
+        })
+    }
+
+    /// Opens the source for one pass over its text.
+    pub fn pieces(&self) -> Result<Pieces> {
+        Ok(match self {
+            Source::Bundled => Box::new(TextChunks::new(
+                Cursor::new(SHAKESPEARE_TEXT.as_bytes()),
+                "bundled Shakespeare".into(),
+            )),
+            Source::TextFile(path) => {
+                Box::new(TextChunks::new(open(path)?, path.display().to_string()))
+            }
+            Source::TextFiles(files) => Box::new(
+                files
+                    .clone()
+                    .into_iter()
+                    .map(|path| text::read_text_file(&path)),
+            ),
+            Source::Jsonl { files, field } => {
+                Box::new(JsonlDocs::new(files.clone(), field.clone()))
+            }
+            Source::Parquet { files, column } => {
+                let column = column.clone();
+                let per_file = files
+                    .clone()
+                    .into_iter()
+                    .map(move |path| parquet::parquet_docs(path, &column));
+                Box::new(per_file.flat_map(|docs| match docs {
+                    Ok(iter) => iter,
+                    Err(e) => Box::new(std::iter::once(Err(e))) as Pieces,
+                }))
+            }
+        })
+    }
+}
+
+fn extension(path: &Path) -> String {
+    path.extension()
+        .map(|e| e.to_string_lossy().to_ascii_lowercase())
+        .unwrap_or_default()
+}
+
+fn file_len(path: &Path) -> Result<u64> {
+    Ok(std::fs::metadata(path)
+        .with_context(|| format!("cannot read {}", path.display()))?
+        .len())
+}
+
+fn open(path: &Path) -> Result<File> {
+    File::open(path).with_context(|| format!("cannot open {}", path.display()))
+}
+
+/// The error for bytes that are not UTF-8, naming where and how to fix it.
+fn not_utf8(name: &str, offset: u64) -> anyhow::Error {
+    anyhow::anyhow!(
+        "{name}: not valid UTF-8 at byte offset {offset}; convert the text to UTF-8 \
+         first, e.g. `iconv -f LATIN1 -t UTF-8 INPUT > OUTPUT`"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::testutil::{texts, TempDir};
+
+    #[test]
+    fn txt_directory_reads_files_in_name_order() {
+        let dir = TempDir::new("readers-dir");
+        dir.write("b.txt", "second");
+        dir.write("a.txt", "first");
+        dir.write("notes.md", "ignored");
+        let source = Source::resolve(dir.path().to_str().unwrap(), "text").unwrap();
+        assert!(!source.is_single_document());
+        assert_eq!(texts(&source), ["first", "second"]);
+        assert_eq!(source.progress_total().unwrap(), (11, ProgressUnit::Bytes));
+    }
+
+    #[test]
+    fn mixed_or_empty_directory_is_refused() {
+        let dir = TempDir::new("readers-mixed");
+        let err = Source::resolve(dir.path().to_str().unwrap(), "text").unwrap_err();
+        assert!(
+            err.to_string().contains("no .txt, .jsonl or .parquet"),
+            "{err}"
+        );
+        dir.write("a.txt", "x");
+        dir.write("b.jsonl", "{}");
+        let err = Source::resolve(dir.path().to_str().unwrap(), "text").unwrap_err();
+        assert!(err.to_string().contains("mixes"), "{err}");
+    }
+
+    #[test]
+    fn unknown_source_and_extension_are_explained() {
+        let err = Source::resolve("/no/such/corpus.txt", "text")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("does not exist"), "{err}");
+        let dir = TempDir::new("readers-ext");
+        let path = dir.write("x.csv", "a,b");
+        let err = Source::resolve(path.to_str().unwrap(), "text")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("unsupported file type"), "{err}");
+        assert_eq!(
+            Source::resolve("shakespeare", "text").unwrap(),
+            Source::Bundled
+        );
+    }
+}

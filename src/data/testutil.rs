@@ -1,0 +1,100 @@
+//! Helpers shared by the data tests.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use parquet::basic::Compression;
+use parquet::data_type::{ByteArray, ByteArrayType, Int64Type};
+use parquet::file::properties::WriterProperties;
+use parquet::file::writer::SerializedFileWriter;
+use parquet::schema::parser::parse_message_type;
+
+use super::readers::Source;
+
+/// A fresh directory under the system temp dir, removed on drop.
+pub(crate) struct TempDir(PathBuf);
+
+impl TempDir {
+    pub(crate) fn new(label: &str) -> TempDir {
+        static COUNTER: AtomicUsize = AtomicUsize::new(0);
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let path =
+            std::env::temp_dir().join(format!("nanogpt-test-{label}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir_all(&path).expect("create temp dir");
+        TempDir(path)
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        &self.0
+    }
+
+    /// Writes `contents` to `name` inside the directory and returns its path.
+    pub(crate) fn write(&self, name: &str, contents: impl AsRef<[u8]>) -> PathBuf {
+        let path = self.0.join(name);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent).expect("create parent dir");
+        }
+        std::fs::write(&path, contents).expect("write test file");
+        path
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Writes a parquet file with an int64 `id` column and a string `body` column.
+pub(crate) fn write_parquet(path: &Path, bodies: &[&str], compression: Compression) {
+    let schema = Arc::new(
+        parse_message_type("message doc { required int64 id; required binary body (UTF8); }")
+            .expect("valid schema"),
+    );
+    let props = Arc::new(
+        WriterProperties::builder()
+            .set_compression(compression)
+            .build(),
+    );
+    let file = std::fs::File::create(path).expect("create parquet file");
+    let mut writer = SerializedFileWriter::new(file, schema, props).expect("parquet writer");
+    let mut group = writer.next_row_group().expect("row group");
+    let ids: Vec<i64> = (0..bodies.len() as i64).collect();
+    let mut col = group.next_column().expect("id column").expect("id column");
+    col.typed::<Int64Type>()
+        .write_batch(&ids, None, None)
+        .expect("write ids");
+    col.close().expect("close ids");
+    let values: Vec<ByteArray> = bodies.iter().map(|b| ByteArray::from(*b)).collect();
+    let mut col = group
+        .next_column()
+        .expect("body column")
+        .expect("body column");
+    col.typed::<ByteArrayType>()
+        .write_batch(&values, None, None)
+        .expect("write bodies");
+    col.close().expect("close bodies");
+    group.close().expect("close row group");
+    writer.close().expect("close parquet file");
+}
+
+/// Every piece of `source`'s text, unwrapped.
+pub(crate) fn texts(source: &Source) -> Vec<String> {
+    source
+        .pieces()
+        .expect("open source")
+        .map(|p| p.expect("read piece").text)
+        .collect()
+}
+
+/// The first error `source` yields while reading.
+pub(crate) fn texts_err(source: &Source) -> String {
+    source
+        .pieces()
+        .expect("open source")
+        .find_map(|p| p.err())
+        .expect("an error")
+        .to_string()
+}
