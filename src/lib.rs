@@ -5,9 +5,17 @@
 //! an AdamW optimizer over the same buffers ([`optim`]).
 
 pub mod bench;
+pub mod checkpoint;
+pub mod cli;
 pub mod config;
 pub mod data;
+pub mod eval;
 pub mod kernels;
+pub mod metrics;
 pub mod model;
 pub mod optim;
+pub mod progress;
+pub mod sample;
+pub mod source;
 pub mod threads;
+pub mod train;

@@ -10,6 +10,7 @@
 
 pub mod activations;
 pub mod config;
+pub mod decode;
 pub mod init;
 pub mod layout;
 

@@ -1,0 +1,97 @@
+//! `nanogpt bench`.
+
+use crate::bench::{run as run_bench, BenchOptions};
+use crate::model::ModelConfig;
+use anyhow::{bail, Context};
+use clap::Args;
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Model preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl).
+    #[arg(long, default_value = "gpt2")]
+    pub model: String,
+    /// Architecture overrides, e.g. `n_layer=4 n_embd=128 n_head=4 vocab_size=65`.
+    pub overrides: Vec<String>,
+    #[arg(long, default_value_t = 4)]
+    pub batch_size: usize,
+    #[arg(long, default_value_t = 256)]
+    pub block_size: usize,
+    /// Timed steps; the median is reported.
+    #[arg(long, default_value_t = 5)]
+    pub steps: usize,
+    /// Untimed steps first.
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    /// Threads (0: one per core).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// GFLOP/s counted as 100 % MFU (default: measure this machine's f32 GEMM peak).
+    #[arg(long)]
+    pub peak_gflops: Option<f64>,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn model_config(args: &BenchArgs) -> anyhow::Result<ModelConfig> {
+    let mut cfg = ModelConfig::preset(&args.model).with_context(|| {
+        format!(
+            "unknown model preset '{}': use gpt2, gpt2-medium, gpt2-large or gpt2-xl",
+            args.model
+        )
+    })?;
+    for kv in &args.overrides {
+        let (key, value) = kv
+            .split_once('=')
+            .with_context(|| format!("'{kv}' is not key=value (e.g. n_layer=4)"))?;
+        let num = || -> anyhow::Result<usize> {
+            value
+                .parse()
+                .with_context(|| format!("{key} must be a whole number, got '{value}'"))
+        };
+        match key {
+            "n_layer" => cfg.n_layer = num()?,
+            "n_head" => cfg.n_head = num()?,
+            "n_embd" => cfg.n_embd = num()?,
+            "vocab_size" => cfg.vocab_size = num()?,
+            "bias" => {
+                cfg.bias = value
+                    .parse()
+                    .with_context(|| format!("bias must be true or false, got '{value}'"))?
+            }
+            _ => bail!(
+                "unknown architecture key '{key}': use n_layer, n_head, n_embd, vocab_size or bias"
+            ),
+        }
+    }
+    cfg.block_size = cfg.block_size.max(args.block_size);
+    cfg.validate().map_err(anyhow::Error::msg)?;
+    Ok(cfg)
+}
+
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    if args.steps == 0 || args.batch_size == 0 || args.block_size == 0 {
+        bail!("--steps, --batch-size and --block-size must be at least 1");
+    }
+    crate::threads::init_pool(args.threads);
+    let opts = BenchOptions {
+        model: model_config(&args)?,
+        batch_size: args.batch_size,
+        block_size: args.block_size,
+        steps: args.steps,
+        warmup: args.warmup,
+        peak_gflops: args.peak_gflops,
+    };
+    let r = run_bench(&opts)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!(
+            "{} params, B={} T={}, {} threads: {:.1} ms/step (median of {}, min {:.1}), {:.0} tokens/s, \
+             {:.1} GFLOP/s = {:.1}% MFU of {:.1} GFLOP/s, peak RSS {:.0} MB, activations {:.0} MB",
+            r.params, r.batch_size, r.block_size, r.threads, r.ms_per_step, args.steps, r.ms_per_step_min,
+            r.tokens_per_sec, r.achieved_gflops, 100.0 * r.mfu, r.peak_gflops, r.peak_rss_mb, r.activation_mb
+        );
+    }
+    Ok(())
+}

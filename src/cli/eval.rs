@@ -1,0 +1,77 @@
+//! `nanogpt eval --init-from SRC --data FILE`.
+
+use crate::data::{TokenFile, Tokenizer};
+use crate::eval::evaluate_tokens;
+use crate::model::Gpt;
+use crate::source::load_model;
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct EvalArgs {
+    /// A training run's out_dir.
+    #[arg(long)]
+    pub init_from: String,
+    /// A .bin token file (uint16, nanoGPT's format) or a .txt file, tokenised with
+    /// the model's tokenizer.
+    #[arg(long)]
+    pub data: PathBuf,
+    /// Window length (default: the model's block size).
+    #[arg(long)]
+    pub block_size: Option<usize>,
+    #[arg(long, default_value_t = 8)]
+    pub batch_size: usize,
+    /// Print one JSON object {"loss", "perplexity", "tokens"}.
+    #[arg(long)]
+    pub json: bool,
+    /// Threads (0: one per core).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+}
+
+pub fn run(args: EvalArgs) -> Result<()> {
+    crate::threads::init_pool(args.threads);
+    let loaded = load_model(&args.init_from)?;
+    let t = args.block_size.unwrap_or(loaded.config.block_size);
+    if t == 0 || t > loaded.config.block_size || args.batch_size == 0 {
+        bail!(
+            "--block-size must be 1..={} (the model's block size) and --batch-size at least 1",
+            loaded.config.block_size
+        );
+    }
+    let tokens = read_tokens(&args, &loaded.meta, loaded.config.vocab_size)?;
+    let mut model = Gpt::from_params(loaded.config, loaded.params, args.batch_size, t)?;
+    let report = evaluate_tokens(&mut model, &tokens, t, args.batch_size, |_, _| {})?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!(
+            "loss {:.4}, perplexity {:.2}, over {} tokens",
+            report.loss, report.perplexity, report.tokens
+        );
+    }
+    Ok(())
+}
+
+/// The tokens of `--data`: a .bin file as is, anything else read as UTF-8 text.
+fn read_tokens(args: &EvalArgs, meta: &crate::data::Meta, vocab: usize) -> Result<Vec<u16>> {
+    let path = &args.data;
+    if path.extension().is_some_and(|e| e == "bin") {
+        let file = TokenFile::open(path)?;
+        file.check_vocab(vocab)?;
+        return Ok(file.tokens().to_vec());
+    }
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let text = String::from_utf8(bytes).map_err(|e| {
+        anyhow::anyhow!(
+            "{} is not UTF-8 text (invalid byte at offset {}); convert it, e.g. with iconv -t UTF-8",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        )
+    })?;
+    let ids = Tokenizer::from_meta(meta)?
+        .encode(&text)
+        .with_context(|| format!("cannot tokenise {}", path.display()))?;
+    Ok(ids.into_iter().map(|id| id as u16).collect())
+}

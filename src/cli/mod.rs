@@ -1,0 +1,44 @@
+//! The `nanogpt` command line: one subcommand per job.
+
+mod bench;
+mod eval;
+mod prepare;
+mod sample;
+mod train;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "nanogpt",
+    version,
+    about = "Train and fine-tune GPT-2-class models on CPUs"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Tokenise text into train.bin / val.bin / meta.json (nanoGPT's format).
+    Prepare(prepare::PrepareArgs),
+    /// Train or fine-tune; with no arguments, the Shakespeare quick start.
+    Train(train::TrainArgs),
+    /// Mean loss and perplexity of a model over a token or text file.
+    Eval(eval::EvalArgs),
+    /// Generate text from a trained model.
+    Sample(sample::SampleArgs),
+    /// Time training steps on synthetic tokens: ms/step, tokens/s, MFU, peak RSS.
+    Bench(bench::BenchArgs),
+}
+
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Prepare(args) => prepare::run(args),
+        Command::Train(args) => train::run(args),
+        Command::Eval(args) => eval::run(args),
+        Command::Sample(args) => sample::run(args),
+        Command::Bench(args) => bench::run(args),
+    }
+}

@@ -1,0 +1,60 @@
+//! `nanogpt eval`: the mean next-token cross-entropy of a model over a token file.
+//!
+//! Deterministic and exhaustive: window `k` has inputs `tokens[k·T .. k·T+T]` and
+//! targets `tokens[k·T+1 .. k·T+T+1]` for every `k` whose window fits, so every token
+//! after the first is predicted exactly once (a tail that fills no window is dropped).
+
+use crate::data::{eval_window_count, eval_window_offsets, fill_batch};
+use crate::model::Gpt;
+use anyhow::{bail, Result};
+use serde::Serialize;
+
+/// The result of an evaluation.
+#[derive(Clone, Copy, Debug, Serialize, PartialEq)]
+pub struct EvalReport {
+    /// Mean cross-entropy per predicted token, in nats.
+    pub loss: f64,
+    pub perplexity: f64,
+    /// Tokens predicted.
+    pub tokens: usize,
+}
+
+/// Evaluates `model` (built for batches up to `batch_size × block_size`) on `tokens`.
+pub fn evaluate_tokens(
+    model: &mut Gpt,
+    tokens: &[u16],
+    block_size: usize,
+    batch_size: usize,
+    mut on_batch: impl FnMut(usize, usize),
+) -> Result<EvalReport> {
+    let windows = eval_window_count(tokens.len(), block_size);
+    if windows == 0 {
+        bail!(
+            "{} tokens are too few for one window of {block_size} (+1 target); use a smaller --block-size",
+            tokens.len()
+        );
+    }
+    model.set_training(false);
+    let mut inputs = vec![0u32; batch_size * block_size];
+    let mut targets = vec![0i32; batch_size * block_size];
+    let mut total = 0.0f64;
+    for start in (0..windows).step_by(batch_size) {
+        let b = batch_size.min(windows - start);
+        let offsets = eval_window_offsets(start..start + b, block_size);
+        let (x, y) = (
+            &mut inputs[..b * block_size],
+            &mut targets[..b * block_size],
+        );
+        fill_batch(tokens, &offsets, block_size, x, y)?;
+        // Every target is valid, so the batch mean times its size is its sum.
+        total += model.forward(x, y, b, block_size) as f64 * (b * block_size) as f64;
+        on_batch(start + b, windows);
+    }
+    let count = windows * block_size;
+    let loss = total / count as f64;
+    Ok(EvalReport {
+        loss,
+        perplexity: loss.exp(),
+        tokens: count,
+    })
+}

@@ -1,0 +1,579 @@
+//! Incremental decoding with a key/value cache, for generation.
+//!
+//! [`Gpt::logits_last`](super::Gpt::logits_last) recomputes every position on each
+//! call; a [`Decoder`] keeps each layer's keys and values instead, so a new token
+//! costs one row through the matmuls plus attention over the cached positions:
+//!
+//! ```text
+//! feed(tokens (B, p)):  x = wte[tokens] + wpe[len..len+p]               (B·p, C)
+//!   for each block:  qkv = ln_1(x) · W_attnᵀ;  append k, v to the cache
+//!                    x  += attn(q, K[0..=pos], V[0..=pos]) · W_projᵀ
+//!                    x  += gelu(ln_2(x) · W_fcᵀ) · W_projᵀ
+//!   logits = ln_f(x[last new row]) · wteᵀ                               (B, V)
+//! ```
+//!
+//! It runs the same kernels as the training forward, without dropout (inference).
+
+use super::config::ModelConfig;
+use super::layout::{LayerRanges, ParamLayout};
+use crate::kernels::classifier::classifier_logits;
+use crate::kernels::encoder::encoder_forward;
+use crate::kernels::gelu::gelu_forward;
+use crate::kernels::layernorm::layernorm_forward;
+use crate::kernels::matmul::linear_forward;
+use crate::kernels::residual::residual_add_inplace;
+use crate::kernels::SharedMut;
+use rayon::prelude::*;
+
+/// Sizes fixed when the decoder is built.
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    /// Sequences decoded together (B).
+    b: usize,
+    /// Positions the cache holds per sequence.
+    max_len: usize,
+    c: usize,
+    nh: usize,
+    hs: usize,
+    /// Real vocabulary (V) and stored rows of `wte` (Vp).
+    v: usize,
+    vp: usize,
+    n_layer: usize,
+}
+
+impl Shape {
+    /// Floats of one layer's key (or value) cache: (B, NH, max_len, HS).
+    fn cache_floats(&self) -> usize {
+        self.b * self.nh * self.max_len * self.hs
+    }
+}
+
+/// Working buffers of one `feed`, sized for `B·max_len` rows (the largest prefill);
+/// a call over `n = B·p` rows uses the leading `n·…` elements.
+struct Scratch {
+    /// (n, C) residual stream.
+    x: Vec<f32>,
+    /// (n, C) layer-norm output; at the end, ln_f of the last rows (B, C).
+    ln: Vec<f32>,
+    /// (n) layer-norm statistics (needed by the kernel, unused afterwards).
+    mean: Vec<f32>,
+    rstd: Vec<f32>,
+    /// (n, 4C): first the (n, 3C) query/key/value rows, then the MLP's pre-activation.
+    wide: Vec<f32>,
+    /// (n, 4C) the MLP's hidden layer after GELU.
+    hidden: Vec<f32>,
+    /// (n, C) attention output, heads concatenated.
+    atty: Vec<f32>,
+    /// (n, C) a residual branch's output; at the end, the last rows (B, C).
+    branch: Vec<f32>,
+    /// (B, NH, max_len) attention scores of one query row per (sequence, head).
+    scores: Vec<f32>,
+    /// (B, V) logits of the last new position.
+    logits: Vec<f32>,
+}
+
+/// A KV-cached forward pass over `B` sequences that advance together.
+///
+/// Owns its caches and scratch (all allocated in [`Decoder::new`]; [`Decoder::feed`]
+/// allocates nothing of its own) and borrows the parameters only per call, so one set
+/// of weights can serve several decoders.
+pub struct Decoder {
+    shape: Shape,
+    /// Positions cached per sequence.
+    len: usize,
+    /// Keys of every layer: (L, B, NH, max_len, HS), so each head's keys are contiguous.
+    keys: Vec<f32>,
+    /// Values, laid out like `keys`.
+    values: Vec<f32>,
+    buf: Scratch,
+}
+
+impl Decoder {
+    /// A cache for `batch` sequences of up to `max_len` (≤ block_size) positions.
+    ///
+    /// # Panics
+    /// If the config is invalid, `batch` or `max_len` is 0, or `max_len > block_size`.
+    pub fn new(config: &ModelConfig, batch: usize, max_len: usize) -> Decoder {
+        config.validate().expect("a valid model config");
+        assert!(
+            batch > 0 && max_len > 0 && max_len <= config.block_size,
+            "decoder shape {batch}×{max_len} must be at least 1×1 with length ≤ block_size ({})",
+            config.block_size
+        );
+        let shape = Shape {
+            b: batch,
+            max_len,
+            c: config.n_embd,
+            nh: config.n_head,
+            hs: config.head_size(),
+            v: config.vocab_size,
+            vp: config.padded_vocab_size(),
+            n_layer: config.n_layer,
+        };
+        let (rows, c) = (batch * max_len, shape.c);
+        let cache = shape.n_layer * shape.cache_floats();
+        Decoder {
+            shape,
+            len: 0,
+            keys: vec![0.0; cache],
+            values: vec![0.0; cache],
+            buf: Scratch {
+                x: vec![0.0; rows * c],
+                ln: vec![0.0; rows * c],
+                mean: vec![0.0; rows],
+                rstd: vec![0.0; rows],
+                wide: vec![0.0; rows * 4 * c],
+                hidden: vec![0.0; rows * 4 * c],
+                atty: vec![0.0; rows * c],
+                branch: vec![0.0; rows * c],
+                scores: vec![0.0; batch * shape.nh * max_len],
+                logits: vec![0.0; batch * shape.v],
+            },
+        }
+    }
+
+    /// Feeds `p` new tokens per sequence and returns the logits of the last new
+    /// position, (B, V) over the real vocabulary.
+    ///
+    /// tokens: (B, p) row-major, ids < Vp. Their keys and values are appended to the
+    /// cache, and each attends causally to every cached position up to its own
+    /// (including the new ones before it). `p > 1` prefills a prompt in one pass
+    /// (`B·p` rows through each matmul); `p = 1` is a decoding step.
+    ///
+    /// # Panics
+    /// If the shapes disagree with the decoder or the parameters, a token id is not in
+    /// the padded vocabulary, or the cache would exceed `max_len` positions.
+    pub fn feed(
+        &mut self,
+        params: &[f32],
+        layout: &ParamLayout,
+        tokens: &[u32],
+        p: usize,
+    ) -> &[f32] {
+        self.check(params, layout, tokens, p);
+        let s = self.shape;
+        let (n, c) = (s.b * p, s.c);
+        let wpe = &params[layout.wpe.clone()][self.len * c..];
+        let x = &mut self.buf.x[..n * c];
+        encoder_forward(x, tokens, &params[layout.wte.clone()], wpe, p, c);
+        let per_layer = s.cache_floats();
+        let caches = self
+            .keys
+            .chunks_exact_mut(per_layer)
+            .zip(self.values.chunks_exact_mut(per_layer));
+        for (w, (keys, values)) in layout.layers.iter().zip(caches) {
+            let cache = LayerCache { keys, values };
+            block_forward(params, w, cache, &mut self.buf, s, self.len, p);
+        }
+        self.len += p;
+        final_logits(params, layout, &mut self.buf, s, p)
+    }
+
+    /// Positions cached per sequence.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing is cached yet.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Positions the cache can hold per sequence.
+    pub fn max_len(&self) -> usize {
+        self.shape.max_len
+    }
+
+    /// Sequences decoded together (B).
+    pub fn batch(&self) -> usize {
+        self.shape.b
+    }
+
+    /// Forgets every cached position (the buffers are kept).
+    pub fn reset(&mut self) {
+        self.len = 0;
+    }
+
+    fn check(&self, params: &[f32], layout: &ParamLayout, tokens: &[u32], p: usize) {
+        let s = self.shape;
+        assert_eq!(params.len(), layout.len, "params do not match the layout");
+        assert!(
+            layout.layers.len() == s.n_layer && layout.wte.len() == s.vp * s.c,
+            "the layout is not this decoder's model"
+        );
+        assert!(
+            p > 0 && tokens.len() == s.b * p,
+            "tokens must be (B, p) with p ≥ 1"
+        );
+        assert!(
+            self.len + p <= s.max_len,
+            "{} cached + {p} new positions exceed the decoder's {}",
+            self.len,
+            s.max_len
+        );
+        assert!(
+            tokens.iter().all(|&t| (t as usize) < s.vp),
+            "token id beyond the vocabulary"
+        );
+    }
+}
+
+/// One layer's key and value caches, each (B, NH, max_len, HS).
+struct LayerCache<'a> {
+    keys: &'a mut [f32],
+    values: &'a mut [f32],
+}
+
+/// One block over the `n = B·p` new rows: `buf.x` (n, C) is updated in place, and the
+/// new keys and values are appended to `cache` at positions `start..start + p`.
+fn block_forward(
+    p: &[f32],
+    w: &LayerRanges,
+    cache: LayerCache,
+    buf: &mut Scratch,
+    s: Shape,
+    start: usize,
+    new: usize,
+) {
+    let (n, c) = (s.b * new, s.c);
+    let x = &mut buf.x[..n * c];
+    let ln = &mut buf.ln[..n * c];
+    let (mean, rstd) = (&mut buf.mean[..n], &mut buf.rstd[..n]);
+    let branch = &mut buf.branch[..n * c];
+
+    let (w1, b1) = (&p[w.ln_1_w.clone()], &p[w.ln_1_b.clone()]);
+    layernorm_forward(ln, mean, rstd, x, w1, b1, c);
+    let qkv = &mut buf.wide[..n * 3 * c];
+    linear_forward(
+        qkv,
+        ln,
+        &p[w.c_attn_w.clone()],
+        &p[w.c_attn_b.clone()],
+        c,
+        3 * c,
+    );
+    let atty = &mut buf.atty[..n * c];
+    cached_attention(atty, qkv, cache, &mut buf.scores, s, start, new);
+    let (wp, bp) = (&p[w.attn_proj_w.clone()], &p[w.attn_proj_b.clone()]);
+    linear_forward(branch, atty, wp, bp, c, c);
+    residual_add_inplace(x, branch);
+
+    let (w2, b2) = (&p[w.ln_2_w.clone()], &p[w.ln_2_b.clone()]);
+    layernorm_forward(ln, mean, rstd, x, w2, b2, c);
+    let fch = &mut buf.wide[..n * 4 * c];
+    linear_forward(
+        fch,
+        ln,
+        &p[w.c_fc_w.clone()],
+        &p[w.c_fc_b.clone()],
+        c,
+        4 * c,
+    );
+    let hidden = &mut buf.hidden[..n * 4 * c];
+    gelu_forward(hidden, fch);
+    let (wm, bm) = (&p[w.mlp_proj_w.clone()], &p[w.mlp_proj_b.clone()]);
+    linear_forward(branch, hidden, wm, bm, 4 * c, c);
+    residual_add_inplace(x, branch);
+}
+
+/// ln_f and the classifier on the last new row of each sequence: returns (B, V).
+fn final_logits<'a>(
+    p: &[f32],
+    layout: &ParamLayout,
+    buf: &'a mut Scratch,
+    s: Shape,
+    new: usize,
+) -> &'a [f32] {
+    let (b, c) = (s.b, s.c);
+    let last = &mut buf.branch[..b * c];
+    for (seq, row) in last.chunks_exact_mut(c).enumerate() {
+        let at = (seq * new + new - 1) * c;
+        row.copy_from_slice(&buf.x[at..at + c]);
+    }
+    let lnf = &mut buf.ln[..b * c];
+    let (mean, rstd) = (&mut buf.mean[..b], &mut buf.rstd[..b]);
+    let (wf, bf) = (&p[layout.ln_f_w.clone()], &p[layout.ln_f_b.clone()]);
+    layernorm_forward(lnf, mean, rstd, last, wf, bf, c);
+    let logits = &mut buf.logits[..b * s.v];
+    classifier_logits(logits, lnf, &p[layout.wte.clone()], c, s.v);
+    logits
+}
+
+/// Causal attention of `new` rows per sequence against one layer's cache.
+///
+/// - `qkv`: (B, new, 3C) the new rows' queries, keys and values (head `h` in channels
+///   `h·HS..(h+1)·HS` of each third); the keys and values are first copied into
+///   `cache` at positions `start..start + new`.
+/// - `out`: (B, new, C) written: the row at absolute position `pos` is the softmax
+///   (scale 1/√HS, max-subtracted) of its scores against cached keys `0..=pos`,
+///   applied to the matching values.
+/// - `scores`: (B, NH, max_len) scratch, one row per task.
+///
+/// Parallel over (sequence, head); each task owns that head's cache slices.
+fn cached_attention(
+    out: &mut [f32],
+    qkv: &[f32],
+    cache: LayerCache,
+    scores: &mut [f32],
+    s: Shape,
+    start: usize,
+    new: usize,
+) {
+    let (c, hs, span) = (s.c, s.hs, s.max_len * s.hs);
+    assert!(out.len() == s.b * new * c && qkv.len() == s.b * new * 3 * c);
+    let out_ptr = SharedMut::new(out);
+    let scale = 1.0 / (hs as f32).sqrt();
+    cache
+        .keys
+        .par_chunks_exact_mut(span)
+        .zip(cache.values.par_chunks_exact_mut(span))
+        .zip(scores.par_chunks_exact_mut(s.max_len))
+        .enumerate()
+        .for_each(|(bh, ((keys, values), scores))| {
+            let (b, h) = (bh / s.nh, bh % s.nh);
+            let rows = &qkv[b * new * 3 * c..(b + 1) * new * 3 * c];
+            for (i, row) in rows.chunks_exact(3 * c).enumerate() {
+                let at = (start + i) * hs..(start + i + 1) * hs;
+                keys[at.clone()].copy_from_slice(&row[c + h * hs..c + (h + 1) * hs]);
+                values[at].copy_from_slice(&row[2 * c + h * hs..2 * c + (h + 1) * hs]);
+            }
+            for (i, row) in rows.chunks_exact(3 * c).enumerate() {
+                let q = &row[h * hs..(h + 1) * hs];
+                let n_keys = start + i + 1;
+                // SAFETY: `out` is (B, new, C) (checked above) and this task alone
+                // writes channels h·HS..(h+1)·HS of its sequence b's rows, so the
+                // slices of distinct tasks are disjoint; `out` is not otherwise used
+                // until every task has finished.
+                let o = unsafe {
+                    let at = (b * new + i) * c + h * hs;
+                    std::slice::from_raw_parts_mut(out_ptr.get().add(at), hs)
+                };
+                let ctx = HeadCache { keys, values, hs };
+                attend_one(o, q, ctx, &mut scores[..n_keys], scale);
+            }
+        });
+}
+
+/// One head's cached keys and values, each (max_len, HS).
+#[derive(Clone, Copy)]
+struct HeadCache<'a> {
+    keys: &'a [f32],
+    values: &'a [f32],
+    hs: usize,
+}
+
+/// `out = softmax(scale · K q) · V` over the first `scores.len()` cached positions.
+///
+/// out, q: (HS); scores: (n) scratch.
+fn attend_one(out: &mut [f32], q: &[f32], head: HeadCache, scores: &mut [f32], scale: f32) {
+    let hs = head.hs;
+    let mut max = f32::NEG_INFINITY;
+    for (sc, k) in scores.iter_mut().zip(head.keys.chunks_exact(hs)) {
+        *sc = scale * dot(q, k);
+        max = max.max(*sc);
+    }
+    let mut sum = 0.0f32;
+    for sc in scores.iter_mut() {
+        *sc = (*sc - max).exp();
+        sum += *sc;
+    }
+    out.fill(0.0);
+    for (&w, v) in scores.iter().zip(head.values.chunks_exact(hs)) {
+        for (o, &v) in out.iter_mut().zip(v) {
+            *o += w * v;
+        }
+    }
+    let inv = 1.0 / sum;
+    out.iter_mut().for_each(|o| *o *= inv);
+}
+
+/// Dot product with eight independent partial sums, so the loop vectorises.
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    const LANES: usize = 8;
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    let mut acc = [0.0f32; LANES];
+    for (x, y) in ca.zip(cb) {
+        for j in 0..LANES {
+            acc[j] += x[j] * y[j];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::kernels::testutil::rand_vec;
+    use crate::model::Gpt;
+
+    pub(crate) fn small(bias: bool) -> ModelConfig {
+        ModelConfig {
+            vocab_size: 53,
+            block_size: 16,
+            n_layer: 2,
+            n_head: 4,
+            n_embd: 32,
+            bias,
+            dropout: 0.0,
+        }
+    }
+
+    /// A model with uniform random weights (padded vocabulary rows 0), whose buffers
+    /// fit `max_b` sequences of a whole block.
+    pub(crate) fn random_gpt(cfg: ModelConfig, max_b: usize, seed: u64) -> Gpt {
+        let t = cfg.block_size;
+        let mut gpt = Gpt::new(cfg, max_b, t).unwrap();
+        let real = gpt.config.vocab_size * gpt.config.n_embd;
+        let pad = real..gpt.layout.wte.end;
+        let noise = rand_vec(gpt.params.len(), seed);
+        for (i, (p, n)) in gpt.params.iter_mut().zip(noise).enumerate() {
+            *p = if pad.contains(&i) { 0.0 } else { 0.3 * n };
+        }
+        gpt.set_training(false);
+        gpt
+    }
+
+    fn tokens(n: usize, v: usize, salt: usize) -> Vec<u32> {
+        (0..n)
+            .map(|i| ((i * 17 + salt * 5 + 3) % v) as u32)
+            .collect()
+    }
+
+    /// Asserts `|got - want| ≤ 1e-5 · (1 + |want|)` element-wise.
+    fn assert_close(what: &str, got: &[f32], want: &[f32]) {
+        assert_eq!(got.len(), want.len(), "{what}: length");
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                "{what}: logit {i} is {g}, recomputed {w}"
+            );
+        }
+    }
+
+    /// (B, T) rows of `seqs` cut to their first `t` tokens.
+    fn prefix(seqs: &[Vec<u32>], t: usize) -> Vec<u32> {
+        seqs.iter().flat_map(|s| s[..t].iter().copied()).collect()
+    }
+
+    fn check_against_recompute(bias: bool) {
+        let (b, prompt) = (2, 5);
+        let mut gpt = random_gpt(small(bias), b, 3);
+        let (v, block) = (gpt.config.vocab_size, gpt.config.block_size);
+        let seqs: Vec<Vec<u32>> = (0..b).map(|i| tokens(block, v, i)).collect();
+        let mut dec = Decoder::new(&gpt.config, b, block);
+        let got = dec.feed(&gpt.params, &gpt.layout, &prefix(&seqs, prompt), prompt);
+        let got = got.to_vec();
+        let want = gpt.logits_last(&prefix(&seqs, prompt), b, prompt);
+        assert_close("prefill", &got, want);
+        for t in prompt + 1..=block {
+            let step: Vec<u32> = seqs.iter().map(|s| s[t - 1]).collect();
+            let got = dec.feed(&gpt.params, &gpt.layout, &step, 1).to_vec();
+            assert_eq!(dec.len(), t);
+            let want = gpt.logits_last(&prefix(&seqs, t), b, t);
+            assert_close(&format!("step to length {t}"), &got, want);
+        }
+    }
+
+    #[test]
+    fn prefill_then_steps_match_full_recompute() {
+        check_against_recompute(true);
+    }
+
+    #[test]
+    fn prefill_then_steps_match_full_recompute_without_bias() {
+        check_against_recompute(false);
+    }
+
+    #[test]
+    fn chunked_prefill_equals_one_pass() {
+        let gpt = random_gpt(small(true), 1, 4);
+        let seq = tokens(12, gpt.config.vocab_size, 1);
+        let mut whole = Decoder::new(&gpt.config, 1, 16);
+        let want = whole.feed(&gpt.params, &gpt.layout, &seq, 12).to_vec();
+        let mut chunked = Decoder::new(&gpt.config, 1, 16);
+        for range in [0..3, 3..8, 8..9, 9..12] {
+            let p = range.len();
+            chunked.feed(&gpt.params, &gpt.layout, &seq[range], p);
+        }
+        assert_eq!(chunked.len(), 12);
+        assert_close("chunked", &chunked.buf.logits, &want);
+        // The caches agree too, so what follows agrees.
+        let a = whole.feed(&gpt.params, &gpt.layout, &[7], 1).to_vec();
+        let b = chunked.feed(&gpt.params, &gpt.layout, &[7], 1).to_vec();
+        assert_close("next step", &b, &a);
+    }
+
+    #[test]
+    fn batch_of_three_equals_three_separate_runs() {
+        let gpt = random_gpt(small(false), 1, 5);
+        let v = gpt.config.vocab_size;
+        let seqs: Vec<Vec<u32>> = (0..3).map(|i| tokens(10, v, 7 * i)).collect();
+        let (prompt, total) = (4, 10);
+        let mut batch = Decoder::new(&gpt.config, 3, total);
+        let mut singles: Vec<Decoder> = (0..3)
+            .map(|_| Decoder::new(&gpt.config, 1, total))
+            .collect();
+        let mut fed = prompt;
+        let mut got = batch
+            .feed(&gpt.params, &gpt.layout, &prefix(&seqs, prompt), prompt)
+            .to_vec();
+        loop {
+            for (i, (single, seq)) in singles.iter_mut().zip(&seqs).enumerate() {
+                let new = if fed == prompt {
+                    &seq[..prompt]
+                } else {
+                    &seq[fed - 1..fed]
+                };
+                let want = single.feed(&gpt.params, &gpt.layout, new, new.len());
+                assert_close(
+                    &format!("sequence {i} at length {fed}"),
+                    &got[i * v..(i + 1) * v],
+                    want,
+                );
+            }
+            if fed == total {
+                break;
+            }
+            fed += 1;
+            let step: Vec<u32> = seqs.iter().map(|s| s[fed - 1]).collect();
+            got = batch.feed(&gpt.params, &gpt.layout, &step, 1).to_vec();
+        }
+    }
+
+    #[test]
+    fn reset_starts_over() {
+        let gpt = random_gpt(small(true), 1, 6);
+        let seq = tokens(6, gpt.config.vocab_size, 2);
+        let mut dec = Decoder::new(&gpt.config, 1, 8);
+        assert!(dec.is_empty());
+        let first = dec.feed(&gpt.params, &gpt.layout, &seq, 6).to_vec();
+        dec.reset();
+        assert_eq!(dec.len(), 0);
+        let again = dec.feed(&gpt.params, &gpt.layout, &seq, 6);
+        assert_eq!(again, &first[..], "same input, same buffers: identical");
+        assert_eq!((dec.len(), dec.max_len(), dec.batch()), (6, 8, 1));
+    }
+
+    #[test]
+    #[should_panic(expected = "exceed the decoder")]
+    fn feeding_past_max_len_panics() {
+        let gpt = random_gpt(small(true), 1, 6);
+        let mut dec = Decoder::new(&gpt.config, 1, 4);
+        dec.feed(&gpt.params, &gpt.layout, &[1, 2, 3], 3);
+        dec.feed(&gpt.params, &gpt.layout, &[4, 5], 2);
+    }
+
+    #[test]
+    fn dot_matches_a_plain_sum() {
+        let (a, b) = (rand_vec(67, 1), rand_vec(67, 2));
+        let want: f64 = a.iter().zip(&b).map(|(&x, &y)| x as f64 * y as f64).sum();
+        assert!((dot(&a, &b) as f64 - want).abs() < 1e-5);
+    }
+}

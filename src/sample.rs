@@ -1,0 +1,415 @@
+//! Text generation with the semantics of nanoGPT's `sample.py` / `GPT.generate`, over
+//! the KV-cached [`Decoder`].
+//!
+//! Each step: the model sees the last `block_size` tokens of each sequence; the logits
+//! of its last position are divided by the temperature, cut to the `top_k` largest,
+//! turned into probabilities by a softmax over the real vocabulary, and one token is
+//! drawn from them.
+
+use crate::model::decode::Decoder;
+use crate::model::{ModelConfig, ParamLayout};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// Generation settings; the defaults are those of nanoGPT's `sample.py`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SampleOptions {
+    /// Sequences generated together, as one batch (B).
+    pub num_samples: usize,
+    /// Tokens generated per sequence.
+    pub max_new_tokens: usize,
+    /// Divides the logits: < 1 sharpens, > 1 flattens. `0` means greedy decoding
+    /// (always the most likely token, the first one on ties); must not be negative.
+    pub temperature: f32,
+    /// Keep only the `k` most likely tokens (with every token tied with the k-th).
+    /// `None`, `Some(0)` and `Some(k ≥ V)` keep the whole vocabulary.
+    pub top_k: Option<usize>,
+    /// Seeds the sampling RNG: the same seed gives the same samples.
+    pub seed: u64,
+}
+
+impl Default for SampleOptions {
+    fn default() -> Self {
+        SampleOptions {
+            num_samples: 10,
+            max_new_tokens: 500,
+            temperature: 0.8,
+            top_k: Some(200),
+            seed: 1337,
+        }
+    }
+}
+
+/// Generates `max_new_tokens` tokens after `prompt` for each of `num_samples`
+/// sequences, decoded together as one batch. Returns the new ids per sample (without
+/// the prompt); `on_token(sample, id)` also receives each id as it is drawn (steps in
+/// order, samples in order within a step), so a caller can stream text.
+///
+/// The model sees at most the last `block_size` tokens, as in nanoGPT: a prompt that
+/// is longer is cropped, and once a sequence outgrows the block the window slides.
+///
+/// # Panics
+/// If `prompt` is empty or holds an id outside the padded vocabulary, if the
+/// temperature is negative or not finite, or if `params` does not match `layout`.
+pub fn generate(
+    params: &[f32],
+    layout: &ParamLayout,
+    config: &ModelConfig,
+    prompt: &[u32],
+    opts: &SampleOptions,
+    mut on_token: impl FnMut(usize, u32),
+) -> Vec<Vec<u32>> {
+    assert!(!prompt.is_empty(), "generation needs a non-empty prompt");
+    let b = opts.num_samples;
+    if b == 0 || opts.max_new_tokens == 0 {
+        return vec![Vec::new(); b];
+    }
+    let block = config.block_size;
+    // The longest context ever fed: the prompt and all but the last new token, cropped.
+    let longest = (prompt.len() + opts.max_new_tokens - 1).min(block);
+    let mut dec = Decoder::new(config, b, longest);
+    let mut sampler = Sampler::new(config.vocab_size, opts.temperature, opts.top_k);
+    let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
+    let total = prompt.len() + opts.max_new_tokens;
+    let mut seqs: Vec<Vec<u32>> = (0..b)
+        .map(|_| {
+            let mut s = Vec::with_capacity(total);
+            s.extend_from_slice(prompt);
+            s
+        })
+        .collect();
+    let mut window = Vec::with_capacity(b * block);
+    for _ in 0..opts.max_new_tokens {
+        let logits = next_logits(&mut dec, params, layout, &seqs, block, &mut window);
+        for (i, (row, seq)) in logits
+            .chunks_exact(config.vocab_size)
+            .zip(&mut seqs)
+            .enumerate()
+        {
+            let token = sampler.pick(row, &mut rng);
+            seq.push(token);
+            on_token(i, token);
+        }
+    }
+    seqs.into_iter()
+        .map(|s| s[prompt.len()..].to_vec())
+        .collect()
+}
+
+/// Logits (B, V) after the last `block_size` tokens of every sequence (all of the
+/// same length), feeding the decoder only what it has not seen when it can.
+///
+/// While the sequences fit in the block, the window starts at position 0 and only the
+/// newest token is fed. Once they outgrow it, the window slides by one token per step,
+/// which shifts every cached position (position embeddings are absolute), so the cache
+/// is reset and the whole window re-prefilled: like nanoGPT, which recomputes the
+/// whole context every step, each token past the block costs a forward over
+/// `block_size` rows instead of one.
+fn next_logits<'a>(
+    dec: &'a mut Decoder,
+    params: &[f32],
+    layout: &ParamLayout,
+    seqs: &[Vec<u32>],
+    block: usize,
+    window: &mut Vec<u32>,
+) -> &'a [f32] {
+    let n = seqs[0].len();
+    let cached = dec.len();
+    if cached > 0 && cached + 1 == n && n <= block {
+        window.clear();
+        window.extend(seqs.iter().map(|s| s[n - 1]));
+        return dec.feed(params, layout, window, 1);
+    }
+    let start = n.saturating_sub(block);
+    window.clear();
+    window.extend(seqs.iter().flat_map(|s| s[start..].iter().copied()));
+    dec.reset();
+    dec.feed(params, layout, window, n - start)
+}
+
+/// Draws one token from a row of logits: temperature, top-k, softmax, sampling.
+///
+/// Holds a scratch row, so drawing allocates nothing.
+pub struct Sampler {
+    temperature: f32,
+    /// Tokens kept by top-k; `None` keeps all.
+    top_k: Option<usize>,
+    /// (V) the logits sorted partially for top-k, then the unnormalised probabilities.
+    scratch: Vec<f32>,
+}
+
+impl Sampler {
+    /// A sampler over a vocabulary of `v` tokens; see [`SampleOptions`] for the meaning
+    /// of `temperature` and `top_k`.
+    pub fn new(v: usize, temperature: f32, top_k: Option<usize>) -> Sampler {
+        assert!(
+            temperature >= 0.0 && temperature.is_finite(),
+            "temperature must be finite and ≥ 0, got {temperature}"
+        );
+        Sampler {
+            temperature,
+            top_k: top_k.filter(|&k| k > 0 && k < v),
+            scratch: vec![0.0; v],
+        }
+    }
+
+    /// The token drawn from `logits` (V): the argmax when the temperature is 0, else a
+    /// draw from `softmax(logits / temperature)` restricted to the top-k tokens.
+    pub fn pick(&mut self, logits: &[f32], rng: &mut impl Rng) -> u32 {
+        assert_eq!(logits.len(), self.scratch.len(), "logits must be (V)");
+        if self.temperature == 0.0 {
+            return argmax(logits) as u32;
+        }
+        let threshold = self.top_k_threshold(logits);
+        let max = logits.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
+        // softmax(l / T) = softmax((l − max) / T): subtracting first keeps tiny
+        // temperatures from overflowing to inf.
+        let inv_t = 1.0 / self.temperature;
+        let mut sum = 0.0f64;
+        for (p, &l) in self.scratch.iter_mut().zip(logits) {
+            *p = if l >= threshold {
+                ((l - max) * inv_t).exp()
+            } else {
+                0.0
+            };
+            sum += *p as f64;
+        }
+        draw(&self.scratch, sum, rng) as u32
+    }
+
+    /// The smallest logit kept by top-k (the k-th largest value, so ties with it are
+    /// kept too, like torch's `topk` threshold), or -inf when nothing is cut.
+    fn top_k_threshold(&mut self, logits: &[f32]) -> f32 {
+        let Some(k) = self.top_k else {
+            return f32::NEG_INFINITY;
+        };
+        self.scratch.copy_from_slice(logits);
+        let (_, kth, _) = self
+            .scratch
+            .select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
+        *kth
+    }
+}
+
+/// Index of the largest value; the first one on ties.
+fn argmax(x: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in x.iter().enumerate() {
+        if v > x[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// Index drawn with probability `weights[i] / sum` (`sum` = Σ weights, accumulated in
+/// f64 in index order).
+fn draw(weights: &[f32], sum: f64, rng: &mut impl Rng) -> usize {
+    let u = rng.gen::<f64>() * sum;
+    let mut acc = 0.0f64;
+    let mut last_nonzero = 0;
+    for (i, &w) in weights.iter().enumerate() {
+        if w > 0.0 {
+            acc += w as f64;
+            last_nonzero = i;
+            if u < acc {
+                return i;
+            }
+        }
+    }
+    // Only reachable through rounding when u lands on the very end of the range.
+    last_nonzero
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::decode::tests::{random_gpt, small};
+    use crate::model::Gpt;
+
+    fn opts(temperature: f32, top_k: Option<usize>, seed: u64) -> SampleOptions {
+        SampleOptions {
+            num_samples: 3,
+            max_new_tokens: 12,
+            temperature,
+            top_k,
+            seed,
+        }
+    }
+
+    fn run(gpt: &Gpt, prompt: &[u32], o: &SampleOptions) -> Vec<Vec<u32>> {
+        generate(&gpt.params, &gpt.layout, &gpt.config, prompt, o, |_, _| {})
+    }
+
+    #[test]
+    fn defaults_are_nanogpts() {
+        let d = SampleOptions::default();
+        assert_eq!((d.num_samples, d.max_new_tokens, d.seed), (10, 500, 1337));
+        assert_eq!((d.temperature, d.top_k), (0.8, Some(200)));
+    }
+
+    #[test]
+    fn same_seed_same_samples_other_seed_other_samples() {
+        let gpt = random_gpt(small(true), 1, 11);
+        let prompt = [1, 2, 3];
+        let a = run(&gpt, &prompt, &opts(1.0, None, 42));
+        assert_eq!(a.len(), 3);
+        assert!(a.iter().all(|s| s.len() == 12));
+        assert_eq!(a, run(&gpt, &prompt, &opts(1.0, None, 42)));
+        assert_ne!(a, run(&gpt, &prompt, &opts(1.0, None, 43)));
+        assert_ne!(a[0], a[1], "samples in one batch differ");
+    }
+
+    #[test]
+    fn callback_streams_every_token_in_order() {
+        let gpt = random_gpt(small(false), 1, 12);
+        let o = opts(0.8, Some(10), 7);
+        let mut streamed = vec![Vec::new(); 3];
+        let mut order = Vec::new();
+        let out = generate(&gpt.params, &gpt.layout, &gpt.config, &[5], &o, |i, t| {
+            streamed[i].push(t);
+            order.push(i);
+        });
+        assert_eq!(streamed, out);
+        let want: Vec<usize> = (0..12).flat_map(|_| 0..3).collect();
+        assert_eq!(
+            order, want,
+            "steps in order, samples in order within a step"
+        );
+    }
+
+    #[test]
+    fn top_k_one_and_tiny_temperature_are_greedy() {
+        let gpt = random_gpt(small(true), 1, 13);
+        let prompt = [4, 8, 15, 16];
+        let greedy = run(&gpt, &prompt, &opts(0.0, None, 1));
+        assert!(
+            greedy.iter().all(|s| s == &greedy[0]),
+            "greedy ignores the RNG"
+        );
+        assert_eq!(greedy, run(&gpt, &prompt, &opts(0.8, Some(1), 2)));
+        assert_eq!(greedy, run(&gpt, &prompt, &opts(1e-6, None, 3)));
+        assert_eq!(greedy, run(&gpt, &prompt, &opts(1e-30, Some(5), 4)));
+    }
+
+    /// Greedy decoding past block_size against a reference that recomputes
+    /// `Gpt::logits_last` on the cropped context (the last block_size tokens) each step.
+    #[test]
+    fn greedy_past_the_block_matches_full_recompute() {
+        let mut gpt = random_gpt(small(true), 1, 14);
+        let (block, v) = (gpt.config.block_size, gpt.config.vocab_size);
+        let prompt: Vec<u32> = (0..5).map(|i| (i * 7 % v) as u32).collect();
+        let mut o = opts(0.0, None, 0);
+        o.num_samples = 2;
+        o.max_new_tokens = 2 * block + 3;
+        let got = run(&gpt, &prompt, &o);
+
+        let mut seq = prompt.clone();
+        for _ in 0..o.max_new_tokens {
+            let ctx = &seq[seq.len().saturating_sub(block)..];
+            let logits = gpt.logits_last(ctx, 1, ctx.len());
+            seq.push(argmax(logits) as u32);
+        }
+        assert_eq!(got[0], seq[prompt.len()..]);
+        assert_eq!(got[1], got[0]);
+    }
+
+    #[test]
+    fn a_prompt_longer_than_the_block_is_cropped() {
+        let gpt = random_gpt(small(false), 1, 15);
+        let block = gpt.config.block_size;
+        let tail: Vec<u32> = (0..block as u32).map(|i| i * 3 % 53).collect();
+        let long: Vec<u32> = [vec![9; 5], tail.clone()].concat();
+        let o = opts(0.9, Some(20), 8);
+        assert_eq!(run(&gpt, &long, &o), run(&gpt, &tail, &o));
+    }
+
+    /// Empirical frequencies over many draws from fixed logits.
+    fn frequencies(logits: &[f32], temperature: f32, top_k: Option<usize>) -> Vec<f64> {
+        let draws = 100_000;
+        let mut sampler = Sampler::new(logits.len(), temperature, top_k);
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let mut counts = vec![0usize; logits.len()];
+        for _ in 0..draws {
+            counts[sampler.pick(logits, &mut rng) as usize] += 1;
+        }
+        counts.iter().map(|&n| n as f64 / draws as f64).collect()
+    }
+
+    fn softmax(logits: &[f64]) -> Vec<f64> {
+        let e: Vec<f64> = logits.iter().map(|l| l.exp()).collect();
+        let s: f64 = e.iter().sum();
+        e.iter().map(|x| x / s).collect()
+    }
+
+    fn assert_freqs(got: &[f64], want: &[f64]) {
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            // 100k draws: the standard error is below 0.0016.
+            assert!(
+                (g - w).abs() < 0.01,
+                "token {i}: frequency {g}, probability {w}"
+            );
+        }
+    }
+
+    #[test]
+    fn draws_follow_the_softmax() {
+        let logits = [1.0f32, 2.0, 0.5, -1.0, 1.5];
+        let t = 0.8;
+        let want = softmax(&logits.map(|l| l as f64 / t as f64));
+        assert_freqs(&frequencies(&logits, t, None), &want);
+        // k ≥ V keeps everything.
+        assert_freqs(&frequencies(&logits, t, Some(9)), &want);
+    }
+
+    #[test]
+    fn top_k_renormalises_over_the_kept_tokens() {
+        let logits = [1.0f32, 2.0, 0.5, -1.0, 1.5];
+        let kept = softmax(&[2.0, 1.5, 1.0]);
+        let want = [kept[2], kept[0], 0.0, 0.0, kept[1]];
+        let got = frequencies(&logits, 1.0, Some(3));
+        assert_freqs(&got, &want);
+        assert_eq!((got[2], got[3]), (0.0, 0.0), "cut tokens are never drawn");
+    }
+
+    #[test]
+    fn top_k_keeps_ties_with_the_kth_value() {
+        let logits = [3.0f32, 1.0, 3.0, 0.0];
+        let got = frequencies(&logits, 1.0, Some(1));
+        assert_freqs(&got, &[0.5, 0.0, 0.5, 0.0]);
+    }
+
+    #[test]
+    fn argmax_takes_the_first_maximum() {
+        assert_eq!(argmax(&[0.5, 2.0, -1.0, 2.0]), 1);
+        let mut s = Sampler::new(4, 0.0, None);
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        assert_eq!(s.pick(&[0.5, 2.0, -1.0, 2.0], &mut rng), 1);
+    }
+
+    /// Speed of greedy decoding for a GPT-2 124M-shaped model with random weights.
+    /// `cargo test --release -- --ignored --nocapture decode_speed` (threads from
+    /// RAYON_NUM_THREADS).
+    #[test]
+    #[ignore = "benchmark: needs a release build and ~1 GB"]
+    fn decode_speed_gpt2_124m() {
+        let cfg = ModelConfig::preset("gpt2").unwrap();
+        let mut gpt = Gpt::new(cfg, 1, 1).unwrap();
+        gpt.init_gpt2(1);
+        let (steps, prompt) = (64, 16);
+        let mut dec = Decoder::new(&gpt.config, 1, prompt + steps);
+        let tokens: Vec<u32> = (0..prompt as u32).map(|i| i * 1000 + 7).collect();
+        let mut next = argmax(dec.feed(&gpt.params, &gpt.layout, &tokens, prompt)) as u32;
+        let start = std::time::Instant::now();
+        for _ in 0..steps {
+            next = argmax(dec.feed(&gpt.params, &gpt.layout, &[next], 1)) as u32;
+        }
+        let secs = start.elapsed().as_secs_f64();
+        println!(
+            "greedy decoding, gpt2 124M, batch 1, {} threads: {:.1} tokens/s",
+            rayon::current_num_threads(),
+            steps as f64 / secs
+        );
+        assert!(secs > 0.0 && (next as usize) < gpt.config.vocab_size);
+    }
+}

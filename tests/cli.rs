@@ -1,0 +1,301 @@
+//! The `nanogpt` binary end to end on tiny data: prepare, train, resume, eval,
+//! sample, and the errors a user sees. Nothing here needs the network.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const BIN: &str = env!("CARGO_BIN_EXE_nanogpt");
+
+fn nanogpt(dir: &Path, args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .current_dir(dir)
+        .env("RAYON_NUM_THREADS", "2")
+        .output()
+        .expect("run nanogpt")
+}
+
+fn ok(dir: &Path, args: &[&str]) -> String {
+    let out = nanogpt(dir, args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "nanogpt {args:?} failed:\n{stderr}");
+    String::from_utf8(out.stdout).expect("utf-8 output")
+}
+
+/// Runs and expects failure; returns stderr.
+fn fails(dir: &Path, args: &[&str]) -> String {
+    let out = nanogpt(dir, args);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "nanogpt {args:?} should have failed");
+    assert!(
+        !stderr.contains("panicked"),
+        "a panic instead of an error:\n{stderr}"
+    );
+    assert!(
+        stderr.starts_with("error: "),
+        "unexpected error format:\n{stderr}"
+    );
+    stderr
+}
+
+fn temp_dir(tag: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("nanogpt-cli-{tag}-"))
+        .tempdir()
+        .expect("temp dir")
+}
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+fn read_json(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn tokens_in(path: &Path) -> usize {
+    std::fs::metadata(path).unwrap().len() as usize / 2
+}
+
+/// A tiny, fast model on the bundled Shakespeare (characters).
+const TINY: [&str; 11] = [
+    "dataset=shakespeare_char",
+    "n_layer=2",
+    "n_head=2",
+    "n_embd=32",
+    "block_size=16",
+    "batch_size=4",
+    "eval_iters=2",
+    "log_interval=1",
+    "warmup_iters=2",
+    "learning_rate=3e-3",
+    "dropout=0.1",
+];
+
+fn train(dir: &Path, extra: &[&str]) -> String {
+    let mut args = vec!["train"];
+    args.extend(TINY);
+    args.extend(extra);
+    ok(dir, &args)
+}
+
+/// The step rows of `metrics.jsonl`: (iter, loss).
+fn step_losses(out_dir: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(out_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|row| row.get("loss").is_some())
+        .map(|row| (row["iter"].as_u64().unwrap(), row["loss"].as_f64().unwrap()))
+        .collect()
+}
+
+#[test]
+fn prepare_reads_every_source_kind_with_both_tokenizers() {
+    let dir = temp_dir("prepare");
+    let d = dir.path();
+    std::fs::write(d.join("one.txt"), "hello world, hello text.\n".repeat(50)).unwrap();
+    std::fs::create_dir(d.join("docs")).unwrap();
+    for (i, text) in ["first doc. ", "second doc! ", "third doc? "]
+        .iter()
+        .enumerate()
+    {
+        std::fs::write(d.join(format!("docs/{i}.txt")), text.repeat(20)).unwrap();
+    }
+    let jsonl: String = (0..6)
+        .map(|i| format!("{{\"text\": \"line {i} of the corpus\", \"id\": {i}}}\n"))
+        .collect();
+    std::fs::write(d.join("docs.jsonl"), jsonl).unwrap();
+    let parquet = fixture("docs.parquet");
+    let sources = [
+        "shakespeare",
+        "one.txt",
+        "docs",
+        "docs.jsonl",
+        parquet.to_str().unwrap(),
+    ];
+    for source in sources {
+        for tokenizer in ["gpt2", "char"] {
+            let out = format!("out-{}-{tokenizer}", source.len());
+            ok(
+                d,
+                &["prepare", source, "--out", &out, "--tokenizer", tokenizer],
+            );
+            let meta = read_json(&d.join(&out).join("meta.json"));
+            assert_eq!(meta["tokenizer"], tokenizer);
+            let train = tokens_in(&d.join(&out).join("train.bin"));
+            let val = tokens_in(&d.join(&out).join("val.bin"));
+            assert_eq!(meta["train_tokens"], train as u64, "{source} {tokenizer}");
+            assert_eq!(meta["val_tokens"], val as u64, "{source} {tokenizer}");
+            assert!(
+                train > 0 && val > 0,
+                "{source} {tokenizer}: {train} / {val}"
+            );
+        }
+    }
+    // nanoGPT's published counts for the bundled text.
+    let meta = read_json(&d.join("out-11-char/meta.json"));
+    assert_eq!(meta["train_tokens"], 1_003_854);
+    assert_eq!(meta["val_tokens"], 111_540);
+    assert_eq!(meta["vocab_size"], 65);
+    let meta = read_json(&d.join("out-11-gpt2/meta.json"));
+    assert_eq!(meta["train_tokens"], 301_966);
+    assert_eq!(meta["val_tokens"], 36_059);
+}
+
+#[test]
+fn prepare_refuses_bad_input_clearly() {
+    let dir = temp_dir("prepare-bad");
+    let d = dir.path();
+    std::fs::write(d.join("latin1.txt"), b"caf\xe9 au lait").unwrap();
+    let err = fails(d, &["prepare", "latin1.txt", "--out", "x"]);
+    assert!(err.contains("latin1.txt") && err.contains("UTF-8"), "{err}");
+    let err = fails(d, &["prepare", "missing.txt", "--out", "x"]);
+    assert!(err.contains("missing.txt"), "{err}");
+    assert!(
+        !d.join("x/train.bin").exists(),
+        "nothing written on failure"
+    );
+}
+
+#[test]
+fn train_writes_checkpoint_metrics_and_plot_then_eval_and_sample_use_it() {
+    let dir = temp_dir("train");
+    let d = dir.path();
+    let stdout = train(d, &["max_iters=6", "eval_interval=3", "out_dir=run"]);
+    assert!(stdout.contains("step 6: train loss"), "{stdout}");
+    let run = d.join("run");
+    for file in ["ckpt.safetensors", "ckpt.json", "metrics.jsonl", "loss.png"] {
+        assert!(run.join(file).is_file(), "{file} missing");
+    }
+    let losses = step_losses(&run);
+    assert_eq!(
+        losses.iter().map(|r| r.0).collect::<Vec<_>>(),
+        (0..=6).collect::<Vec<_>>()
+    );
+    assert!(losses.iter().all(|r| r.1.is_finite() && r.1 > 0.0));
+    let evals = std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("val_loss"))
+        .count();
+    assert_eq!(evals, 3, "evaluations at 0, 3 and 6");
+
+    // eval: every whole window of val.bin, one JSON object.
+    let data = d.join("data/shakespeare_char/val.bin");
+    let json = ok(
+        d,
+        &[
+            "eval",
+            "--init-from",
+            "run",
+            "--data",
+            data.to_str().unwrap(),
+            "--json",
+        ],
+    );
+    let report: serde_json::Value = serde_json::from_str(json.trim()).expect("one JSON object");
+    let windows = (tokens_in(&data) - 1) / 16;
+    assert_eq!(report["tokens"], (windows * 16) as u64);
+    let loss = report["loss"].as_f64().unwrap();
+    let ppl = report["perplexity"].as_f64().unwrap();
+    assert!(loss > 0.5 && loss < 5.0, "{loss}");
+    assert!((ppl - loss.exp()).abs() < 1e-6 * ppl);
+    // The same data as text gives the same number (char tokenizer round trip).
+    let text = &nanogpt::data::SHAKESPEARE_TEXT[1_003_854..];
+    std::fs::write(d.join("val.txt"), text).unwrap();
+    let json = ok(
+        d,
+        &["eval", "--init-from", "run", "--data", "val.txt", "--json"],
+    );
+    let from_text: serde_json::Value = serde_json::from_str(json.trim()).unwrap();
+    assert_eq!(from_text, report);
+
+    // sample: prompt, then the requested number of new characters, deterministically.
+    let args = [
+        "sample",
+        "--out-dir",
+        "run",
+        "--start",
+        "ROMEO:",
+        "--num-samples",
+        "2",
+        "--max-new-tokens",
+        "40",
+        "--seed",
+        "7",
+    ];
+    let first = ok(d, &args);
+    assert!(first.starts_with("ROMEO:"), "{first}");
+    let samples: Vec<&str> = first
+        .split("---------------\n")
+        .filter(|s| !s.is_empty())
+        .collect();
+    assert_eq!(samples.len(), 2, "{first}");
+    for s in &samples {
+        let text = s.strip_suffix('\n').expect("each sample ends its line");
+        assert_eq!(text.chars().count(), "ROMEO:".len() + 40, "{s:?}");
+    }
+    assert_eq!(first, ok(d, &args), "same seed, same samples");
+}
+
+#[test]
+fn resumed_run_repeats_the_uninterrupted_losses_exactly() {
+    let dir = temp_dir("resume");
+    let d = dir.path();
+    let common = ["eval_interval=4", "always_save_checkpoint=true"];
+    let mut straight = common.to_vec();
+    straight.extend(["max_iters=9", "out_dir=straight"]);
+    train(d, &straight);
+
+    // Stop after iteration 4 (checkpoint taken before it), then resume to 9.
+    let mut first = common.to_vec();
+    first.extend(["max_iters=4", "out_dir=split"]);
+    train(d, &first);
+    let mut second = common.to_vec();
+    second.extend(["max_iters=9", "out_dir=split", "init_from=resume"]);
+    let stdout = train(d, &second);
+    assert!(
+        stdout.contains("step 4:"),
+        "resumes at iteration 4: {stdout}"
+    );
+
+    let a = step_losses(&d.join("straight"));
+    let b = step_losses(&d.join("split"));
+    assert_eq!(a.len(), 10);
+    assert_eq!(a, b, "bit-identical losses after resuming");
+}
+
+#[test]
+fn config_mistakes_are_refused_with_the_key_named() {
+    let dir = temp_dir("config");
+    let d = dir.path();
+    let err = fails(d, &["train", "max_iter=3"]);
+    assert!(
+        err.contains("max_iter") && err.contains("max_iters"),
+        "{err}"
+    );
+    let err = fails(d, &["train", "batch_size=many"]);
+    assert!(err.contains("batch_size"), "{err}");
+    let err = fails(d, &["train", "n_embd=100", "n_head=3"]);
+    assert!(err.contains("n_embd") && err.contains("n_head"), "{err}");
+    let err = fails(d, &["train", "block_size=0"]);
+    assert!(err.contains("block_size"), "{err}");
+    std::fs::write(d.join("bad.toml"), "learning_rate = \"fast\"\n").unwrap();
+    let err = fails(d, &["train", "bad.toml"]);
+    assert!(
+        err.contains("bad.toml") && err.contains("learning_rate"),
+        "{err}"
+    );
+    let err = fails(d, &["train", "missing.toml"]);
+    assert!(err.contains("missing.toml"), "{err}");
+    let err = fails(d, &["train", "init_from=resume", "out_dir=nothing-here"]);
+    assert!(err.contains("no checkpoint"), "{err}");
+    let err = fails(
+        d,
+        &["eval", "--init-from", "nothing-here", "--data", "x.bin"],
+    );
+    assert!(err.contains("nothing-here"), "{err}");
+}
