@@ -18,6 +18,8 @@ pub struct BenchOptions {
     pub warmup: usize,
     /// The FLOP/s that count as 100 % MFU; `None` measures this machine's f32 GEMM peak.
     pub peak_gflops: Option<f64>,
+    /// Time the step by kernel family (see [`crate::profile`]).
+    pub profile: bool,
 }
 
 /// What was measured.
@@ -38,6 +40,9 @@ pub struct BenchReport {
     pub mfu: f64,
     pub peak_rss_mb: f64,
     pub activation_mb: f64,
+    /// With `profile`: (kernel family, ms per step), largest first.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub profile: Vec<(&'static str, f64)>,
 }
 
 /// Runs the benchmark in the current rayon pool.
@@ -51,8 +56,14 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport, crate::model::ModelError>
     let targets: Vec<i32> = (0..b * t).map(|i| ((i + 1) * 7919 % v) as i32).collect();
     let mut times = Vec::with_capacity(opts.steps);
     for step in 0..opts.warmup + opts.steps {
+        if step == opts.warmup && opts.profile {
+            crate::profile::enable();
+        }
         let start = Instant::now();
-        gpt.zero_grad();
+        {
+            let _t = crate::profile::scope(crate::profile::Section::ZeroGrad);
+            gpt.zero_grad();
+        }
         gpt.forward(&inputs, &targets, b, t);
         gpt.backward();
         clip_grad_norm(&mut gpt.grads, 1.0);
@@ -66,6 +77,10 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport, crate::model::ModelError>
     let tokens_per_sec = (b * t) as f64 / (median / 1e3);
     let flops_per_token = opts.model.flops_per_token(t);
     let achieved = tokens_per_sec * flops_per_token / 1e9;
+    let profile = crate::profile::totals()
+        .into_iter()
+        .map(|(name, secs)| (name, secs * 1e3 / opts.steps as f64))
+        .collect();
     let peak = opts.peak_gflops.unwrap_or_else(gemm_peak_gflops);
     Ok(BenchReport {
         threads: rayon::current_num_threads(),
@@ -81,6 +96,7 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport, crate::model::ModelError>
         mfu: achieved / peak,
         peak_rss_mb: peak_rss_bytes().map_or(f64::NAN, |r| r as f64 / 1e6),
         activation_mb: gpt.activation_floats() as f64 * 4.0 / 1e6,
+        profile,
     })
 }
 

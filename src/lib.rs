@@ -14,6 +14,7 @@ pub mod kernels;
 pub mod metrics;
 pub mod model;
 pub mod optim;
+pub mod profile;
 pub mod progress;
 pub mod sample;
 pub mod source;

@@ -30,10 +30,12 @@ impl Default for AdamWConfig {
 /// Floats per parallel task of the update.
 const PIECE: usize = 1 << 16;
 
-/// A stretch of the arena updated with one weight-decay setting.
+/// A stretch of the arena updated with one weight-decay setting; its moments (and
+/// gradients, in `step_shard`) start at `slot` of the state buffers.
 #[derive(Clone, Debug)]
 struct Piece {
     range: Range<usize>,
+    slot: usize,
     decay: bool,
 }
 
@@ -52,20 +54,38 @@ pub struct AdamW {
 
 impl AdamW {
     pub fn new(layout: &ParamLayout, config: AdamWConfig) -> AdamW {
+        AdamW::for_shard(layout, config, &[(0..layout.len, 0)], layout.len)
+    }
+
+    /// AdamW over part of the arena, for ZeRO-1: `shard` lists arena ranges and the
+    /// offset (slot) of each in the state buffers, which hold `state_len` floats. `m`
+    /// and `v` then cover only the shard; update it with [`AdamW::step_shard`].
+    /// Parameters outside every tensor (alignment gaps) are never touched.
+    pub fn for_shard(
+        layout: &ParamLayout,
+        config: AdamWConfig,
+        shard: &[(Range<usize>, usize)],
+        state_len: usize,
+    ) -> AdamW {
         let mut pieces = Vec::new();
-        for tensor in &layout.tensors {
-            let range = tensor.range();
-            for start in range.clone().step_by(PIECE) {
-                pieces.push(Piece {
-                    range: start..(start + PIECE).min(range.end),
-                    decay: tensor.decays(),
-                });
+        for (part, slot) in shard {
+            assert!(slot + part.len() <= state_len, "shard slot out of range");
+            for tensor in &layout.tensors {
+                let t = tensor.range();
+                let range = t.start.max(part.start)..t.end.min(part.end);
+                for start in range.clone().step_by(PIECE) {
+                    pieces.push(Piece {
+                        range: start..(start + PIECE).min(range.end),
+                        slot: slot + start - part.start,
+                        decay: tensor.decays(),
+                    });
+                }
             }
         }
         AdamW {
             config,
-            m: vec![0.0; layout.len],
-            v: vec![0.0; layout.len],
+            m: vec![0.0; state_len],
+            v: vec![0.0; state_len],
             step: 0,
             pieces,
         }
@@ -73,7 +93,21 @@ impl AdamW {
 
     /// One update of every parameter with learning rate `lr`.
     pub fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32) {
+        let _t = crate::profile::scope(crate::profile::Section::AdamW);
         assert!(params.len() == self.m.len() && grads.len() == self.m.len());
+        self.update(params, grads, lr);
+    }
+
+    /// One update of the shard this optimizer was built for ([`AdamW::for_shard`]):
+    /// `params` is the whole arena, `grads` is laid out like `m` and `v`.
+    pub fn step_shard(&mut self, params: &mut [f32], grads: &[f32], lr: f32) {
+        assert_eq!(grads.len(), self.m.len(), "shard gradients");
+        let end = self.pieces.iter().map(|p| p.range.end).max().unwrap_or(0);
+        assert!(end <= params.len(), "the arena is shorter than the shard");
+        self.update(params, grads, lr);
+    }
+
+    fn update(&mut self, params: &mut [f32], grads: &[f32], lr: f32) {
         self.step += 1;
         let c = self.config;
         let t = self.step as i32;
@@ -89,14 +123,17 @@ impl AdamW {
         );
         self.pieces.par_iter().for_each(|piece| {
             let r = piece.range.clone();
+            let s = piece.slot..piece.slot + r.len();
             // SAFETY: pieces are disjoint sub-ranges of the tensors, which the layout
-            // guarantees do not overlap and lie inside the arena (len checked above);
-            // each task touches only its own piece of params, m and v.
+            // guarantees do not overlap and lie inside the arena (len checked by the
+            // callers); their slots are disjoint too and lie inside m and v
+            // (checked in `for_shard`). Each task touches only its own piece of
+            // params, m and v.
             let (p, m, v) = unsafe {
                 (
                     std::slice::from_raw_parts_mut(params.get().add(r.start), r.len()),
-                    std::slice::from_raw_parts_mut(m.get().add(r.start), r.len()),
-                    std::slice::from_raw_parts_mut(v.get().add(r.start), r.len()),
+                    std::slice::from_raw_parts_mut(m.get().add(s.start), s.len()),
+                    std::slice::from_raw_parts_mut(v.get().add(s.start), s.len()),
                 )
             };
             let decay = if piece.decay {
@@ -104,7 +141,7 @@ impl AdamW {
             } else {
                 1.0
             };
-            for (((p, m), v), &g) in p.iter_mut().zip(m).zip(v).zip(&grads[r]) {
+            for (((p, m), v), &g) in p.iter_mut().zip(m).zip(v).zip(&grads[s]) {
                 *m = c.beta1 * *m + (1.0 - c.beta1) * g;
                 *v = c.beta2 * *v + (1.0 - c.beta2) * g * g;
                 let denom = v.sqrt() * inv_bc2_sqrt + c.eps;
@@ -149,6 +186,7 @@ pub fn clip_factor(norm: f32, max_norm: f32) -> f32 {
 /// Clips the gradients to global L2 norm `max_norm` like PyTorch's
 /// `clip_grad_norm_`; returns the norm before clipping.
 pub fn clip_grad_norm(grads: &mut [f32], max_norm: f32) -> f32 {
+    let _t = crate::profile::scope(crate::profile::Section::GradNorm);
     let norm = grad_sq_sum(grads).sqrt() as f32;
     let factor = clip_factor(norm, max_norm);
     if factor < 1.0 {
@@ -255,6 +293,51 @@ mod tests {
             })
             .collect();
         assert!(norms.windows(2).all(|w| w[0] == w[1]), "{norms:?}");
+    }
+
+    #[test]
+    fn sharded_steps_equal_the_full_step() {
+        let cfg = ModelConfig {
+            vocab_size: 8,
+            block_size: 4,
+            n_layer: 2,
+            n_head: 1,
+            n_embd: 4,
+            bias: true,
+            dropout: 0.0,
+        };
+        let layout = ParamLayout::new(&cfg);
+        let n = layout.len;
+        let init: Vec<f32> = (0..n).map(|i| (i % 13) as f32 * 0.1 - 0.6).collect();
+        let grads: Vec<Vec<f32>> = (0..3)
+            .map(|s| (0..n).map(|i| ((i * 7 + s) % 11) as f32 * 0.01 - 0.05).collect())
+            .collect();
+        let mut full = AdamW::new(&layout, AdamWConfig::default());
+        let mut want = init.clone();
+        for g in &grads {
+            full.step(&mut want, g, 1e-2);
+        }
+        // Three uneven shards, each with two ranges stored out of arena order.
+        let cuts = [0, n / 5, n / 3, n / 2, 2 * n / 3, 4 * n / 5, n];
+        let mut got = init.clone();
+        for s in 0..3 {
+            let (a, b) = (cuts[2 * s]..cuts[2 * s + 1], cuts[2 * s + 1]..cuts[2 * s + 2]);
+            let shard = [(b.clone(), 1), (a.clone(), 1 + b.len())];
+            let len = 1 + a.len() + b.len();
+            let mut opt = AdamW::for_shard(&layout, AdamWConfig::default(), &shard, len);
+            let mut p = init.clone();
+            for g in &grads {
+                let mut sg = vec![0.0; len];
+                sg[1..1 + b.len()].copy_from_slice(&g[b.clone()]);
+                sg[1 + b.len()..].copy_from_slice(&g[a.clone()]);
+                opt.step_shard(&mut p, &sg, 1e-2);
+            }
+            assert_eq!(opt.m[1..1 + b.len()], full.m[b.clone()]);
+            assert_eq!(opt.v[1 + b.len()..], full.v[a.clone()]);
+            got[a.clone()].copy_from_slice(&p[a]);
+            got[b.clone()].copy_from_slice(&p[b]);
+        }
+        assert_eq!(got, want);
     }
 
     #[test]

@@ -28,6 +28,9 @@ pub struct BenchArgs {
     /// GFLOP/s counted as 100 % MFU (default: measure this machine's f32 GEMM peak).
     #[arg(long)]
     pub peak_gflops: Option<f64>,
+    /// Also report the time per step of each kernel family.
+    #[arg(long)]
+    pub profile: bool,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -81,6 +84,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         steps: args.steps,
         warmup: args.warmup,
         peak_gflops: args.peak_gflops,
+        profile: args.profile,
     };
     let r = run_bench(&opts)?;
     if args.json {
@@ -92,6 +96,24 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             r.params, r.batch_size, r.block_size, r.threads, r.ms_per_step, args.steps, r.ms_per_step_min,
             r.tokens_per_sec, r.achieved_gflops, 100.0 * r.mfu, r.peak_gflops, r.peak_rss_mb, r.activation_mb
         );
+        print_profile(&r.profile, r.ms_per_step);
     }
     Ok(())
+}
+
+fn print_profile(rows: &[(&str, f64)], step_ms: f64) {
+    if rows.is_empty() {
+        return;
+    }
+    println!("{:<22} {:>10} {:>7}", "kernel family", "ms/step", "share");
+    for (name, ms) in rows {
+        println!("{name:<22} {ms:>10.2} {:>6.1}%", 100.0 * ms / step_ms);
+    }
+    let covered: f64 = rows.iter().map(|r| r.1).sum();
+    println!(
+        "{:<22} {:>10.2} {:>6.1}%",
+        "(other)",
+        step_ms - covered,
+        100.0 * (step_ms - covered) / step_ms
+    );
 }

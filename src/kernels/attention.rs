@@ -15,6 +15,7 @@
 use rayon::prelude::*;
 
 use super::dropout::Dropout;
+use super::fastmath::{exp_fast, fmadd};
 
 /// Query rows per block.
 const BQ: usize = 32;
@@ -24,10 +25,6 @@ const BK: usize = BQ;
 /// Head channels held in one stack tile. Larger heads are processed in chunks of this
 /// many channels, re-transposing each chunk per tile and accumulating in the output.
 const DT: usize = 128;
-
-/// Exponent below which [`exp_fast`] returns exactly zero (`e^-86 ≈ 4.5e-38`), so that
-/// its results are never subnormal.
-const EXP_MIN: f32 = -86.0;
 
 /// Causal self-attention forward (flash-style; no `T × T` buffer).
 ///
@@ -51,6 +48,7 @@ pub fn attention_forward(
     nh: usize,
     dropout: Option<Dropout>,
 ) {
+    let _t = crate::profile::scope(crate::profile::Section::Attention);
     let g = Geom::new(t, c, nh);
     assert_eq!(qkv.len(), b * t * 3 * c, "qkv must be (B, T, 3C)");
     assert_eq!(out.len(), b * t * c, "out must be (B, T, C)");
@@ -77,6 +75,7 @@ pub fn attention_backward(
     nh: usize,
     dropout: Option<Dropout>,
 ) {
+    let _t = crate::profile::scope(crate::profile::Section::AttentionBackward);
     let g = Geom::new(t, c, nh);
     assert_eq!(dqkv.len(), b * t * 3 * c, "dqkv must be (B, T, 3C)");
     assert_eq!(qkv.len(), b * t * 3 * c, "qkv must be (B, T, 3C)");
@@ -431,49 +430,12 @@ mod x86 {
     }
 }
 
-/// `a·b + c`, fused if `fma`.
-#[inline(always)]
-fn fmadd(fma: bool, a: f32, b: f32, c: f32) -> f32 {
-    if fma {
-        a.mul_add(b, c)
-    } else {
-        a * b + c
-    }
-}
-
 #[inline(always)]
 fn fmax(a: f32, b: f32) -> f32 {
     if a > b {
         a
     } else {
         b
-    }
-}
-
-/// `e^x` to within about 2 ulp, branch-free so that loops over it vectorise; exactly
-/// `0` for `x < EXP_MIN` (including `-inf`).
-#[inline(always)]
-fn exp_fast(fma: bool, x: f32) -> f32 {
-    // e^x = 2^n · e^f with n = round(x / ln 2) and |f| <= ln(2) / 2.
-    const ROUND: f32 = 12_582_912.0; // 1.5 · 2^23: adding it rounds to an integer
-    const LN2_HI: f32 = 0.693_359_4; // few mantissa bits: n · LN2_HI is exact
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    let xc = x.clamp(EXP_MIN, 88.0);
-    let shifted = fmadd(fma, xc, std::f32::consts::LOG2_E, ROUND);
-    let n = shifted - ROUND;
-    let f = fmadd(fma, -n, LN2_LO, fmadd(fma, -n, LN2_HI, xc));
-    // Taylor series of e^f to degree 7: truncation error below 1e-8 for |f| <= 0.35.
-    let mut p = 1.0 / 5040.0;
-    for coef in [720.0, 120.0, 24.0, 6.0, 2.0, 1.0, 1.0] {
-        p = fmadd(fma, p, f, 1.0 / coef);
-    }
-    // The low bits of `shifted` hold n (|n| <= 127), so 2^n is built from them directly.
-    let n_int = (shifted.to_bits() as i32).wrapping_sub(0x4B40_0000);
-    let pow2 = f32::from_bits((n_int + 127).wrapping_shl(23) as u32);
-    if x < EXP_MIN {
-        0.0
-    } else {
-        p * pow2
     }
 }
 
@@ -1270,26 +1232,5 @@ mod tests {
         assert!(one.2.iter().any(|&x| x != 0));
         assert_eq!(one, run(2));
         assert_eq!(one, run(3));
-    }
-
-    #[test]
-    fn exp_fast_is_accurate() {
-        for fma in [false, true] {
-            for i in -2000..=2000 {
-                let x = i as f32 * 0.0437;
-                let got = exp_fast(fma, x) as f64;
-                let want = (x as f64).exp();
-                if x < EXP_MIN {
-                    assert_eq!(got, 0.0);
-                } else {
-                    assert!(
-                        (got - want).abs() <= 3e-7 * want,
-                        "exp({x}) = {got}, want {want}"
-                    );
-                }
-            }
-        }
-        assert_eq!(exp_fast(false, f32::NEG_INFINITY), 0.0);
-        assert_eq!(exp_fast(false, 0.0), 1.0);
     }
 }

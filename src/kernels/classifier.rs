@@ -35,6 +35,7 @@ pub fn classifier_forward(
     v: usize,
     mut grads: Option<ClassifierGrads>,
 ) -> f32 {
+    let _t = crate::profile::scope(crate::profile::Section::Classifier);
     let n = targets.len();
     assert!(x.len() == n * c && losses.len() == n && wte.len() >= v * c);
     let chunk = (scratch.len() / v).min(n).max(1);

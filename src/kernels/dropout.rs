@@ -61,6 +61,7 @@ const CHUNK: usize = 4096;
 /// `x[i] *= mask(i)` in place, with `i` counted from `first_index`. Forward and backward
 /// are the same operation (the mask is its own Jacobian), so this serves both.
 pub fn apply(x: &mut [f32], mask: Dropout, first_index: u64) {
+    let _t = crate::profile::scope(crate::profile::Section::Dropout);
     x.par_chunks_mut(CHUNK).enumerate().for_each(|(k, chunk)| {
         let base = first_index + (k * CHUNK) as u64;
         for (i, v) in chunk.iter_mut().enumerate() {

@@ -7,6 +7,7 @@ use rayon::prelude::*;
 ///
 /// out: (B, T, C) written; inp: (B, T) token ids < Vp; wte: (Vp, C); wpe: (≥T, C).
 pub fn encoder_forward(out: &mut [f32], inp: &[u32], wte: &[f32], wpe: &[f32], t: usize, c: usize) {
+    let _t = crate::profile::scope(crate::profile::Section::Encoder);
     assert_eq!(out.len(), inp.len() * c);
     out.par_chunks_mut(c).enumerate().for_each(|(row, o)| {
         let tok = inp[row] as usize;
@@ -30,6 +31,7 @@ pub fn encoder_backward(
     t: usize,
     c: usize,
 ) {
+    let _t = crate::profile::scope(crate::profile::Section::Encoder);
     assert_eq!(dout.len(), inp.len() * c);
     const BLOCK: usize = 64;
     let blocks = c.div_ceil(BLOCK);

@@ -17,6 +17,7 @@ pub fn layernorm_forward(
     bias: &[f32],
     c: usize,
 ) {
+    let _t = crate::profile::scope(crate::profile::Section::LayerNorm);
     let n = inp.len() / c;
     assert!(out.len() == n * c && mean.len() == n && rstd.len() == n);
     out.par_chunks_mut(c)
@@ -57,6 +58,7 @@ pub fn layernorm_backward(
     rstd: &[f32],
     c: usize,
 ) {
+    let _t = crate::profile::scope(crate::profile::Section::LayerNorm);
     let n = inp.len() / c;
     assert!(dinp.len() == n * c && dout.len() == n * c && mean.len() == n);
     // Input gradient, row-parallel.

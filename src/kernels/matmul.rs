@@ -96,6 +96,7 @@ pub fn linear_forward(
     c: usize,
     oc: usize,
 ) {
+    let _t = crate::profile::scope(crate::profile::Section::MatmulForward);
     let n = inp.len() / c;
     if !bias.is_empty() {
         out.par_chunks_mut(oc)
@@ -118,6 +119,7 @@ pub fn linear_backward(
     c: usize,
     oc: usize,
 ) {
+    let _t = crate::profile::scope(crate::profile::Section::MatmulBackward);
     let n = inp.len() / c;
     let dout_m = Mat::new(dout, n, oc);
     matmul(dinp, dout_m, Mat::new(weight, oc, c), false);

@@ -18,6 +18,7 @@ pub mod attention;
 pub mod classifier;
 pub mod dropout;
 pub mod encoder;
+pub(crate) mod fastmath;
 pub mod gelu;
 pub mod layernorm;
 pub mod matmul;

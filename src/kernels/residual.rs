@@ -6,6 +6,7 @@ const CHUNK: usize = 4096;
 
 /// `out = a + b`; any shape.
 pub fn residual_forward(out: &mut [f32], a: &[f32], b: &[f32]) {
+    let _t = crate::profile::scope(crate::profile::Section::Residual);
     assert!(out.len() == a.len() && a.len() == b.len());
     out.par_chunks_mut(CHUNK)
         .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
@@ -18,6 +19,7 @@ pub fn residual_forward(out: &mut [f32], a: &[f32], b: &[f32]) {
 
 /// `x += y`, in place: the residual add done where the branch output already sits.
 pub fn residual_add_inplace(x: &mut [f32], y: &[f32]) {
+    let _t = crate::profile::scope(crate::profile::Section::Residual);
     assert_eq!(x.len(), y.len());
     x.par_chunks_mut(CHUNK)
         .zip(y.par_chunks(CHUNK))
