@@ -106,8 +106,15 @@ pub struct TrainConfig {
     // system
     pub seed: u64,
     pub dtype: Dtype,
-    /// Worker threads; 0 uses every core.
+    /// Worker threads; 0 uses every core (with several ranks on a host, its share).
     pub threads: usize,
+    // multi-node (MPI)
+    /// 0: every rank keeps the whole AdamW state; 1: ZeRO-1, the AdamW state is
+    /// sharded across ranks (reduce-scatter, local update, all-gather).
+    pub zero_stage: u8,
+    /// Abort the job when a collective waits this many seconds for another rank
+    /// (stopped, hung or unreachable); 0 waits forever.
+    pub collective_timeout_s: f64,
 }
 
 impl Default for TrainConfig {
@@ -142,6 +149,8 @@ impl Default for TrainConfig {
             seed: 1337,
             dtype: Dtype::Float32,
             threads: 0,
+            zero_stage: 0,
+            collective_timeout_s: 300.0,
         }
     }
 }
@@ -209,6 +218,7 @@ impl TrainConfig {
         self.check_optimizer(&mut problems);
         self.check_schedule(&mut problems);
         self.check_names(&mut problems);
+        self.check_distributed(&mut problems);
         match problems.is_empty() {
             true => Ok(()),
             false => bail!(problems.join("; ")),
@@ -305,6 +315,42 @@ impl TrainConfig {
                 problems.push(format!("`{key}` must not be empty"));
             }
         }
+    }
+
+    fn check_distributed(&self, problems: &mut Vec<String>) {
+        if self.zero_stage > 1 {
+            problems.push(format!(
+                "`zero_stage` must be 0 (replicated optimizer state) or 1 (sharded), got {}",
+                self.zero_stage
+            ));
+        }
+        let t = self.collective_timeout_s;
+        if !(t.is_finite() && t >= 0.0) {
+            problems.push(format!(
+                "`collective_timeout_s` must be a number of seconds ≥ 0 (0 = no timeout), got {t}"
+            ));
+        }
+    }
+
+    /// With `world_size` ranks: `gradient_accumulation_steps` counts the micro-steps
+    /// of the whole job (nanoGPT's meaning), so every rank must get the same number.
+    pub fn check_world_size(&self, world_size: usize) -> Result<()> {
+        let a = self.gradient_accumulation_steps;
+        if world_size > 1 && !a.is_multiple_of(world_size) {
+            let lower = a / world_size * world_size;
+            let upper = lower + world_size;
+            let options = if lower > 0 {
+                format!("{lower} or {upper}")
+            } else {
+                upper.to_string()
+            };
+            bail!(
+                "`gradient_accumulation_steps` ({a}) is the number of micro-steps per optimizer \
+                 step across all ranks and must be a multiple of the number of ranks \
+                 ({world_size}); use {options}, or run on a number of ranks that divides {a}"
+            );
+        }
+        Ok(())
     }
 
     /// `init_from` interpreted.
@@ -668,6 +714,26 @@ mod tests {
     }
 
     #[test]
+    fn distributed_keys_are_checked() {
+        let c = TrainConfig::parse("zero_stage = 1\ncollective_timeout_s = 20", "t", &[]).unwrap();
+        assert_eq!((c.zero_stage, c.collective_timeout_s), (1, 20.0));
+        assert!(err_of("", &["zero_stage=2"]).contains("`zero_stage` must be 0"));
+        let err = err_of("", &["collective_timeout_s=-1"]);
+        assert!(err.contains("`collective_timeout_s` must be"), "{err}");
+        let c =
+            TrainConfig::parse("", "t", &overrides(&["gradient_accumulation_steps=5"])).unwrap();
+        c.check_world_size(1).unwrap();
+        c.check_world_size(5).unwrap();
+        let err = c.check_world_size(2).unwrap_err().to_string();
+        assert!(
+            err.contains("multiple of the number of ranks (2)") && err.contains("use 4 or 6"),
+            "{err}"
+        );
+        let err = c.check_world_size(8).unwrap_err().to_string();
+        assert!(err.contains("use 8,"), "{err}");
+    }
+
+    #[test]
     fn edit_distance_counts_edits() {
         assert_eq!(edit_distance("max_iter", "max_iters"), 1);
         assert_eq!(edit_distance("kitten", "sitting"), 3);
@@ -677,7 +743,7 @@ mod tests {
     #[test]
     fn keys_list_every_field() {
         let keys = TrainConfig::keys();
-        assert_eq!(keys.len(), 29);
+        assert_eq!(keys.len(), 31);
         assert!(keys.contains(&"gradient_accumulation_steps".to_string()));
     }
 }

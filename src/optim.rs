@@ -310,7 +310,11 @@ mod tests {
         let n = layout.len;
         let init: Vec<f32> = (0..n).map(|i| (i % 13) as f32 * 0.1 - 0.6).collect();
         let grads: Vec<Vec<f32>> = (0..3)
-            .map(|s| (0..n).map(|i| ((i * 7 + s) % 11) as f32 * 0.01 - 0.05).collect())
+            .map(|s| {
+                (0..n)
+                    .map(|i| ((i * 7 + s) % 11) as f32 * 0.01 - 0.05)
+                    .collect()
+            })
             .collect();
         let mut full = AdamW::new(&layout, AdamWConfig::default());
         let mut want = init.clone();
@@ -321,7 +325,10 @@ mod tests {
         let cuts = [0, n / 5, n / 3, n / 2, 2 * n / 3, 4 * n / 5, n];
         let mut got = init.clone();
         for s in 0..3 {
-            let (a, b) = (cuts[2 * s]..cuts[2 * s + 1], cuts[2 * s + 1]..cuts[2 * s + 2]);
+            let (a, b) = (
+                cuts[2 * s]..cuts[2 * s + 1],
+                cuts[2 * s + 1]..cuts[2 * s + 2],
+            );
             let shard = [(b.clone(), 1), (a.clone(), 1 + b.len())];
             let len = 1 + a.len() + b.len();
             let mut opt = AdamW::for_shard(&layout, AdamWConfig::default(), &shard, len);

@@ -1,7 +1,10 @@
-//! Where a model for evaluation or sampling comes from: a training run's `out_dir`.
+//! Where a model for evaluation, sampling or export comes from: a training run's
+//! `out_dir`, or pretrained Hugging Face GPT-2 weights (`gpt2`, `gpt2-medium`, ...,
+//! a model directory, a `.safetensors` file, or a Hub id; see [`crate::hf`]).
 
-use crate::checkpoint::Checkpoint;
-use crate::data::Meta;
+use crate::checkpoint::{checkpoint_path, Checkpoint};
+use crate::data::{Meta, TokenizerKind, GPT2_VOCAB_SIZE};
+use crate::hf::Pretrained;
 use crate::model::{ModelConfig, ParamLayout};
 use anyhow::{bail, Context, Result};
 use std::path::Path;
@@ -14,19 +17,47 @@ pub struct LoadedModel {
     pub meta: Meta,
 }
 
-/// Loads the model named by `src`: an `out_dir` holding `ckpt.safetensors`.
+/// Loads the model named by `src`: an `out_dir` holding `ckpt.safetensors` (or that
+/// file itself), or pretrained weights (a Hugging Face model directory with
+/// `config.json`, a `.safetensors` file, `gpt2`, `gpt2-medium`, `gpt2-large`,
+/// `gpt2-xl` or another Hub id, resolved through the local Hugging Face cache or a
+/// download).
 pub fn load_model(src: &str) -> Result<LoadedModel> {
-    let dir = Path::new(src);
-    if !dir.is_dir() {
-        bail!("{src} is not a directory; pass the out_dir of a training run (it holds ckpt.safetensors)");
+    if src == "scratch" || src == "resume" {
+        bail!(
+            "`{src}` names no model here; pass a training run's out_dir, a Hugging Face model \
+             directory or .safetensors file, or a pretrained name such as gpt2"
+        );
     }
+    let path = Path::new(src);
+    if path.is_dir() && checkpoint_path(path).exists() {
+        return load_checkpoint(path);
+    }
+    if path.is_file() && is_checkpoint_file(path) {
+        return load_checkpoint(path.parent().unwrap_or(Path::new(".")));
+    }
+    if path.is_dir() && !looks_like_hf_dir(path) {
+        bail!(
+            "{src} holds neither a training checkpoint ({}) nor a Hugging Face model (config.json + \
+             model.safetensors); pass the out_dir of a training run or a model directory",
+            checkpoint_path(path).display()
+        );
+    }
+    load_pretrained(src)
+}
+
+fn load_checkpoint(dir: &Path) -> Result<LoadedModel> {
     let ckpt = Checkpoint::open(dir)?;
     let config = ckpt.state.model.clone();
     let layout = ParamLayout::new(&config);
     let mut params = vec![0.0; layout.len];
     ckpt.load_params(&layout, &mut params)?;
-    let meta: Meta = serde_json::from_value(ckpt.state.tokenizer.clone())
-        .with_context(|| format!("the checkpoint in {src} has no valid tokenizer description"))?;
+    let meta: Meta = serde_json::from_value(ckpt.state.tokenizer.clone()).with_context(|| {
+        format!(
+            "the checkpoint in {} has no valid tokenizer description",
+            dir.display()
+        )
+    })?;
     Ok(LoadedModel {
         config: ModelConfig {
             dropout: 0.0,
@@ -35,4 +66,45 @@ pub fn load_model(src: &str) -> Result<LoadedModel> {
         params,
         meta,
     })
+}
+
+/// Pretrained GPT-2 weights, with the whole position table; the tokenizer is
+/// GPT-2's BPE.
+fn load_pretrained(src: &str) -> Result<LoadedModel> {
+    let pretrained = Pretrained::open(src)?;
+    let (config, params) = pretrained.load(None, 0.0)?;
+    Ok(LoadedModel {
+        config,
+        params,
+        meta: gpt2_meta(&pretrained.location),
+    })
+}
+
+/// The tokenizer description of a pretrained GPT-2 (no token counts: no dataset).
+pub fn gpt2_meta(location: &Path) -> Meta {
+    Meta {
+        tokenizer: TokenizerKind::Gpt2,
+        vocab_size: GPT2_VOCAB_SIZE,
+        train_tokens: 0,
+        val_tokens: 0,
+        chars: None,
+        source: location.display().to_string(),
+    }
+}
+
+fn looks_like_hf_dir(dir: &Path) -> bool {
+    [
+        "config.json",
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "pytorch_model.bin",
+    ]
+    .iter()
+    .any(|f| dir.join(f).exists())
+}
+
+/// A nanogpt `ckpt.safetensors` (by its metadata tag), rather than HF weights.
+fn is_checkpoint_file(path: &Path) -> bool {
+    path.file_name().is_some_and(|n| n == "ckpt.safetensors")
+        && path.parent().is_some_and(|d| Checkpoint::open(d).is_ok())
 }

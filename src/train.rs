@@ -9,18 +9,31 @@
 //! The global batch of an iteration is a pure function of `(seed, iter)`, and the
 //! dropout masks of `(seed, iter, micro-step)`, so a resumed run repeats exactly what
 //! an uninterrupted one would have done.
+//!
+//! Data parallel ([`crate::dist`]): with W ranks, rank r runs micro-steps
+//! `r·A/W .. (r+1)·A/W` of the same global batch (A = `gradient_accumulation_steps`,
+//! the global count), the gradients are summed across ranks once per step (started
+//! layer by layer during the last micro-step's backward), and the loss, gradient
+//! norm and evaluation are global, so any number of ranks follows the same
+//! trajectory as one process. Only rank 0 writes files and progress.
 
 use crate::checkpoint::{self, Checkpoint, CheckpointState};
 use crate::config::{Dtype, InitFrom, TrainConfig};
 use crate::data::{self, batch_offsets, fill_batch, Draw, Meta, Split, TokenFile};
+use crate::dist::{Collective, CommReport, DataParallel, Single};
 use crate::kernels::dropout::mix64;
 use crate::metrics::{plot_loss, MetricsLog, Row};
 use crate::model::{Gpt, ModelConfig};
 use crate::optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule};
 use crate::progress::Progress;
 use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// With several ranks, check that all hold the same weights this often (and at
+/// every evaluation).
+const REPLICA_CHECK_EVERY: u64 = 100;
 
 /// What a finished run reports.
 #[derive(Clone, Debug)]
@@ -38,6 +51,7 @@ pub struct TrainOutcome {
 pub struct Trainer {
     pub cfg: TrainConfig,
     pub model: Gpt,
+    /// The optimizer; with `zero_stage = 1` on several ranks, this rank's shard.
     pub opt: AdamW,
     pub meta: Meta,
     train: TokenFile,
@@ -45,7 +59,12 @@ pub struct Trainer {
     schedule: LrSchedule,
     pub iter_num: u64,
     pub best_val_loss: f32,
-    metrics: MetricsLog,
+    /// Rank 0's metrics log (other ranks write nothing).
+    metrics: Option<MetricsLog>,
+    /// The ranks of the job ([`Single`] without MPI).
+    comm: Box<dyn Collective>,
+    /// Gradient reduction and sharded state, with more than one rank.
+    dp: Option<DataParallel>,
     /// One micro-batch: B·T inputs and targets, B offsets.
     inputs: Vec<u32>,
     targets: Vec<i32>,
@@ -56,21 +75,40 @@ pub struct Trainer {
 impl Trainer {
     /// Resolves the data, builds or loads the model and opens the output directory.
     pub fn new(cfg: TrainConfig) -> Result<Trainer> {
+        Trainer::with_collective(cfg, Box::new(Single))
+    }
+
+    /// [`Trainer::new`] as one rank of `comm`: rank 0 builds or loads the model and
+    /// every rank starts from its weights.
+    pub fn with_collective(cfg: TrainConfig, comm: Box<dyn Collective>) -> Result<Trainer> {
         if cfg.dtype == Dtype::Bfloat16 {
             bail!("dtype = \"bfloat16\" is not available yet; use dtype=float32");
         }
-        let data_dir = data::resolve_dataset(&cfg.dataset)?;
-        let meta = Meta::load(&data_dir)?;
-        let train = TokenFile::open_split(&data_dir, Split::Train, &meta)?;
-        let val = TokenFile::open_split(&data_dir, Split::Val, &meta)?;
-        for file in [&train, &val] {
-            file.check_block_size(cfg.block_size)?;
-            file.check_vocab(meta.vocab_size)?;
+        cfg.check_world_size(comm.world_size())?;
+        comm.set_timeout(Duration::from_secs_f64(cfg.collective_timeout_s));
+        let root = comm.rank() == 0;
+        // Rank 0 prepares a built-in dataset first, so ranks sharing its directory
+        // find it ready (ranks on other hosts prepare their own copy).
+        if !root {
+            comm.barrier_patient();
         }
-        prepare_out_dir(&cfg)?;
-        let (model, opt, iter_num, best_val_loss) = build_model(&cfg, &meta)?;
+        let (meta, train, val) = open_data(&cfg)?;
+        if root {
+            prepare_out_dir(&cfg)?;
+            comm.barrier_patient();
+        }
+        let (model, opt, iter_num, best_val_loss, dp) = if comm.world_size() == 1 {
+            let (model, opt, iter_num, best) = build_model(&cfg, &meta)?;
+            (model, opt, iter_num, best, None)
+        } else {
+            let (model, opt, iter_num, best, dp) = start_distributed(&cfg, &meta, &*comm)?;
+            (model, opt, iter_num, best, Some(dp))
+        };
         let resume_from = (cfg.init() == InitFrom::Resume).then_some(iter_num);
-        let metrics = MetricsLog::open(&cfg.out_dir, resume_from)?;
+        let metrics = match root {
+            true => Some(MetricsLog::open(&cfg.out_dir, resume_from)?),
+            false => None,
+        };
         let schedule = LrSchedule {
             learning_rate: cfg.learning_rate as f32,
             min_lr: cfg.min_lr as f32,
@@ -79,11 +117,15 @@ impl Trainer {
             decay_lr: cfg.decay_lr,
         };
         let bt = cfg.batch_size * cfg.block_size;
+        let peak_gflops = match root {
+            true => crate::bench::gemm_peak_gflops_quick(),
+            false => 0.0,
+        };
         Ok(Trainer {
             inputs: vec![0; bt],
             targets: vec![0; bt],
             offsets: vec![0; cfg.batch_size],
-            peak_gflops: crate::bench::gemm_peak_gflops_quick(),
+            peak_gflops,
             cfg,
             model,
             opt,
@@ -94,13 +136,32 @@ impl Trainer {
             iter_num,
             best_val_loss,
             metrics,
+            comm,
+            dp,
         })
+    }
+
+    /// This process's rank (0 without MPI).
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// Ranks in the job.
+    pub fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    /// Communication figures so far (with more than one rank).
+    pub fn comm_report(&self) -> Option<CommReport> {
+        let dp = self.dp.as_ref()?;
+        Some(dp.report(&*self.comm, self.cfg.tokens_per_iter()))
     }
 
     /// Runs to `max_iters` (nanoGPT trains iterations `start..=max_iters`, evaluating
     /// at every multiple of `eval_interval`, the last one included).
     pub fn run(&mut self) -> Result<TrainOutcome> {
-        let mut progress = Progress::new(self.iter_num, self.cfg.max_iters + 1);
+        let root = self.rank() == 0;
+        let mut progress = root.then(|| Progress::new(self.iter_num, self.cfg.max_iters + 1));
         let mut last_eval = None;
         let mut final_train_loss = None;
         loop {
@@ -108,9 +169,10 @@ impl Trainer {
             if self.cfg.eval_interval > 0 && iter.is_multiple_of(self.cfg.eval_interval) {
                 let (train_loss, val_loss) = self.evaluate()?;
                 last_eval = Some((train_loss, val_loss));
-                progress.println(&format!(
-                    "step {iter}: train loss {train_loss:.4}, val loss {val_loss:.4}"
-                ));
+                say(
+                    &mut progress,
+                    &format!("step {iter}: train loss {train_loss:.4}, val loss {val_loss:.4}"),
+                );
                 self.after_eval(iter, train_loss, val_loss, &mut progress)?;
             }
             if self.cfg.eval_only {
@@ -118,15 +180,28 @@ impl Trainer {
             }
             let start = Instant::now();
             let (loss, lr, grad_norm) = self.train_step(iter)?;
-            let secs = start.elapsed().as_secs_f64();
+            let elapsed = start.elapsed();
+            if let Some(dp) = &mut self.dp {
+                dp.record_step(elapsed);
+            }
             final_train_loss = Some(loss);
-            self.log_step(iter, loss, lr, grad_norm, secs, &mut progress)?;
+            self.log_step(
+                iter,
+                loss,
+                lr,
+                grad_norm,
+                elapsed.as_secs_f64(),
+                &mut progress,
+            )?;
             self.iter_num += 1;
             if self.iter_num > self.cfg.max_iters {
                 break;
             }
         }
-        progress.finish();
+        if let Some(p) = &mut progress {
+            p.finish();
+        }
+        self.write_comm_report()?;
         Ok(TrainOutcome {
             out_dir: self.cfg.out_dir.clone(),
             iter_num: self.iter_num,
@@ -136,8 +211,9 @@ impl Trainer {
         })
     }
 
-    /// One optimizer step at iteration `iter`: every micro-step's forward and
-    /// backward, clipping, AdamW. Returns (mean loss, lr, pre-clip gradient norm).
+    /// One optimizer step at iteration `iter`: this rank's micro-steps' forward and
+    /// backward, the gradient reduction across ranks, clipping, AdamW. Returns
+    /// (mean loss over all ranks, lr, pre-clip gradient norm).
     pub fn train_step(&mut self, iter: u64) -> Result<(f32, f32, f32)> {
         let accum = self.cfg.gradient_accumulation_steps;
         let (b, t) = (self.cfg.batch_size, self.cfg.block_size);
@@ -149,11 +225,17 @@ impl Trainer {
             self.train.len(),
             t,
         )?;
+        // This rank's share of the global batch's micro-steps.
+        let per_rank = accum / self.world_size();
+        let mine = self.rank() * per_rank..(self.rank() + 1) * per_rank;
         self.model.set_training(true);
         self.model.set_grad_scale(1.0 / accum as f32);
         self.model.zero_grad();
         let mut loss = 0.0f32;
         for (k, rows) in global.chunks_exact(b).enumerate() {
+            if !mine.contains(&k) {
+                continue;
+            }
             fill_batch(
                 self.train.tokens(),
                 rows,
@@ -164,32 +246,52 @@ impl Trainer {
             self.model
                 .set_dropout_seed(dropout_seed(self.cfg.seed, iter, k));
             loss += self.model.forward(&self.inputs, &self.targets, b, t) / accum as f32;
-            self.model.backward();
+            match &mut self.dp {
+                // The last micro-step: reduce each layer as backward finishes it.
+                Some(dp) if k + 1 == mine.end => dp.backward_reduce(&*self.comm, &mut self.model),
+                _ => self.model.backward(),
+            }
         }
-        let grad_norm = if self.cfg.grad_clip > 0.0 {
-            clip_grad_norm(&mut self.model.grads, self.cfg.grad_clip as f32)
-        } else {
-            crate::optim::grad_sq_sum(&self.model.grads).sqrt() as f32
-        };
         let lr = self.schedule.lr_at(iter);
-        self.opt.step(&mut self.model.params, &self.model.grads, lr);
+        let grad_clip = self.cfg.grad_clip as f32;
+        let grad_norm = match &mut self.dp {
+            None => {
+                let grad_norm = if grad_clip > 0.0 {
+                    clip_grad_norm(&mut self.model.grads, grad_clip)
+                } else {
+                    crate::optim::grad_sq_sum(&self.model.grads).sqrt() as f32
+                };
+                self.opt.step(&mut self.model.params, &self.model.grads, lr);
+                grad_norm
+            }
+            Some(dp) => {
+                loss = dp.global_loss(&*self.comm, loss);
+                let (comm, model) = (&*self.comm, &mut self.model);
+                let norm = dp.clip_and_step(comm, model, &mut self.opt, grad_clip, lr);
+                if (iter + 1).is_multiple_of(REPLICA_CHECK_EVERY) {
+                    dp.check_replicas(comm, &model.params, iter + 1)?;
+                }
+                norm
+            }
+        };
         Ok((loss, lr, grad_norm))
     }
 
     /// nanoGPT's `estimate_loss`: the mean loss of `eval_iters` batches of each split,
-    /// without dropout. The batches are the same at every evaluation.
+    /// without dropout. The batches are the same at every evaluation; with several
+    /// ranks, each evaluates every W-th of them and the sums are added up.
     pub fn evaluate(&mut self) -> Result<(f32, f32)> {
         let (b, t) = (self.cfg.batch_size, self.cfg.block_size);
+        let (rank, world) = (self.rank() as u64, self.world_size());
         self.model.set_training(false);
-        let mut means = [0.0f32; 2];
-        for (mean, draw) in means.iter_mut().zip([Draw::EvalTrain, Draw::EvalVal]) {
+        let mut totals = [0.0f64; 2];
+        for (total, draw) in totals.iter_mut().zip([Draw::EvalTrain, Draw::EvalVal]) {
             let file = if draw == Draw::EvalVal {
                 &self.val
             } else {
                 &self.train
             };
-            let mut total = 0.0f64;
-            for k in 0..self.cfg.eval_iters {
+            for k in (rank..self.cfg.eval_iters).step_by(world) {
                 let offsets = &mut self.offsets;
                 data::loader::batch_offsets_into(self.cfg.seed, draw, k, file.len(), t, offsets)?;
                 fill_batch(
@@ -199,12 +301,16 @@ impl Trainer {
                     &mut self.inputs,
                     &mut self.targets,
                 )?;
-                total += self.model.forward(&self.inputs, &self.targets, b, t) as f64;
+                *total += self.model.forward(&self.inputs, &self.targets, b, t) as f64;
             }
-            *mean = (total / self.cfg.eval_iters.max(1) as f64) as f32;
         }
+        self.comm.all_reduce_sum_f64(&mut totals);
         self.model.set_training(true);
-        Ok((means[0], means[1]))
+        if let Some(dp) = &mut self.dp {
+            dp.check_replicas(&*self.comm, &self.model.params, self.iter_num)?;
+        }
+        let n = self.cfg.eval_iters.max(1) as f64;
+        Ok(((totals[0] / n) as f32, (totals[1] / n) as f32))
     }
 
     fn after_eval(
@@ -212,32 +318,47 @@ impl Trainer {
         iter: u64,
         train_loss: f32,
         val_loss: f32,
-        progress: &mut Progress,
+        progress: &mut Option<Progress>,
     ) -> Result<()> {
-        self.metrics.append(Row::Eval {
-            iter,
-            train_loss,
-            val_loss,
-        })?;
-        if let Err(e) = plot_loss(self.metrics.rows(), &self.cfg.out_dir.join("loss.png")) {
-            progress.println(&format!("warning: loss.png not updated: {e:#}"));
+        if let Some(metrics) = &mut self.metrics {
+            metrics.append(Row::Eval {
+                iter,
+                train_loss,
+                val_loss,
+            })?;
+            if let Err(e) = plot_loss(metrics.rows(), &self.cfg.out_dir.join("loss.png")) {
+                say(progress, &format!("warning: loss.png not updated: {e:#}"));
+            }
         }
+        // The losses are global, so every rank takes the same branch here.
         let improved = val_loss < self.best_val_loss;
         if improved {
             self.best_val_loss = val_loss;
         }
         if iter > 0 && (improved || self.cfg.always_save_checkpoint) {
             self.save_checkpoint(iter)?;
-            progress.println(&format!(
-                "saving checkpoint to {}",
-                checkpoint::checkpoint_path(&self.cfg.out_dir).display()
-            ));
+            say(
+                progress,
+                &format!(
+                    "saving checkpoint to {}",
+                    checkpoint::checkpoint_path(&self.cfg.out_dir).display()
+                ),
+            );
         }
         Ok(())
     }
 
-    /// Writes the state from which iteration `iter` (not yet trained) resumes.
-    pub fn save_checkpoint(&self, iter: u64) -> Result<()> {
+    /// Writes the state from which iteration `iter` (not yet trained) resumes. With
+    /// several ranks every rank calls it (sharded AdamW moments are gathered to
+    /// rank 0) and rank 0 writes: the checkpoint does not depend on the world size.
+    pub fn save_checkpoint(&mut self, iter: u64) -> Result<()> {
+        let gathered = match &mut self.dp {
+            Some(dp) => dp.gather_moments(&*self.comm, &self.opt),
+            None => None,
+        };
+        if self.rank() != 0 {
+            return Ok(());
+        }
         let state = CheckpointState {
             model: self.model.config.clone(),
             train_config: serde_json::to_value(&self.cfg)?,
@@ -245,9 +366,12 @@ impl Trainer {
             best_val_loss: self.best_val_loss,
             adam_step: self.opt.step,
             tokenizer: serde_json::to_value(&self.meta)?,
-            world_size: 1,
+            world_size: self.world_size(),
         };
-        let moments = Some((self.opt.m.as_slice(), self.opt.v.as_slice()));
+        let moments = match &gathered {
+            Some((m, v)) => Some((m.as_slice(), v.as_slice())),
+            None => Some((self.opt.m.as_slice(), self.opt.v.as_slice())),
+        };
         checkpoint::save(
             &self.cfg.out_dir,
             &state,
@@ -264,16 +388,20 @@ impl Trainer {
         lr: f32,
         grad_norm: f32,
         secs: f64,
-        progress: &mut Progress,
+        progress: &mut Option<Progress>,
     ) -> Result<()> {
+        let (Some(metrics), Some(progress)) = (&mut self.metrics, progress) else {
+            return Ok(());
+        };
+        // Tokens of the whole job (all ranks) per second.
         let tokens = self.cfg.tokens_per_iter() as f64;
         let tokens_per_sec = tokens / secs;
         let flops = self.model.config.flops_per_token(self.cfg.block_size) * tokens_per_sec;
-        let mfu = flops / (self.peak_gflops * 1e9);
+        let mfu = flops / (self.peak_gflops * 1e9 * self.comm.world_size() as f64);
         let ms = secs * 1e3;
         progress.step(iter, loss);
         if self.cfg.log_interval > 0 && iter.is_multiple_of(self.cfg.log_interval) {
-            self.metrics.append(Row::Step {
+            metrics.append(Row::Step {
                 iter,
                 loss,
                 lr,
@@ -289,6 +417,110 @@ impl Trainer {
         }
         Ok(())
     }
+
+    /// Rank 0: `out_dir/comm.json` and a summary line (with more than one rank).
+    fn write_comm_report(&self) -> Result<()> {
+        let Some(report) = self.comm_report().filter(|_| self.rank() == 0) else {
+            return Ok(());
+        };
+        let path = self.cfg.out_dir.join("comm.json");
+        let text = serde_json::to_string_pretty(&report)?;
+        checkpoint::write_atomic(&path, |tmp| {
+            std::fs::write(tmp, &text).with_context(|| format!("cannot write {}", tmp.display()))
+        })?;
+        println!(
+            "{} ranks: {:.1} ms/step, of which computing {:.1}, waiting for the gradient \
+             reduction {:.1} ({:.0}% of its {:.1} ms hidden behind backward), other \
+             collectives {:.1}; {:.0} tokens/s per rank",
+            report.world_size,
+            report.step_ms,
+            report.compute_ms,
+            report.exposed_reduce_ms,
+            report.hidden_fraction * 100.0,
+            report.reduce_alone_ms,
+            report.other_comm_ms,
+            report.tokens_per_sec_per_rank
+        );
+        Ok(())
+    }
+}
+
+/// A line above rank 0's progress bar; nothing on other ranks.
+fn say(progress: &mut Option<Progress>, line: &str) {
+    if let Some(p) = progress {
+        p.println(line);
+    }
+}
+
+/// The dataset of `cfg` and its two splits, checked against the config.
+fn open_data(cfg: &TrainConfig) -> Result<(Meta, TokenFile, TokenFile)> {
+    let data_dir = data::resolve_dataset(&cfg.dataset)?;
+    let meta = Meta::load(&data_dir)?;
+    let train = TokenFile::open_split(&data_dir, Split::Train, &meta)?;
+    let val = TokenFile::open_split(&data_dir, Split::Val, &meta)?;
+    for file in [&train, &val] {
+        file.check_block_size(cfg.block_size)?;
+        file.check_vocab(meta.vocab_size)?;
+    }
+    Ok((meta, train, val))
+}
+
+/// What rank 0 tells the others before sending the weights.
+#[derive(Serialize, Deserialize)]
+struct StartHeader {
+    model: ModelConfig,
+    adam: AdamWConfig,
+    iter_num: u64,
+    /// None: no evaluation yet (infinite).
+    best_val_loss: Option<f32>,
+    adam_step: u64,
+}
+
+/// Several ranks: rank 0 builds or loads the model (any `init_from`); every rank
+/// then holds its weights (and AdamW state), checked by checksum.
+fn start_distributed(
+    cfg: &TrainConfig,
+    meta: &Meta,
+    comm: &dyn Collective,
+) -> Result<(Gpt, AdamW, u64, f32, DataParallel)> {
+    let built = match comm.rank() {
+        0 => Some(build_model(cfg, meta)?),
+        _ => None,
+    };
+    let mut bytes = Vec::new();
+    if let Some((model, opt, iter_num, best)) = &built {
+        bytes = serde_json::to_vec(&StartHeader {
+            model: model.config.clone(),
+            adam: opt.config,
+            iter_num: *iter_num,
+            best_val_loss: best.is_finite().then_some(*best),
+            adam_step: opt.step,
+        })?;
+    }
+    comm.broadcast_bytes(&mut bytes, 0);
+    let header: StartHeader =
+        serde_json::from_slice(&bytes).context("internal error: bad start header from rank 0")?;
+    let (mut model, root_opt) = match built {
+        Some((model, opt, ..)) => (model, Some(opt)),
+        None => (
+            Gpt::new(header.model.clone(), cfg.batch_size, cfg.block_size)?,
+            None,
+        ),
+    };
+    let mut dp = DataParallel::new(comm, &model, cfg.zero_stage);
+    let moments = header.adam_step > 0;
+    let opt = dp.start(
+        comm,
+        &mut model,
+        root_opt,
+        header.adam,
+        header.adam_step,
+        moments,
+        header.iter_num,
+    )?;
+    dp.calibrate(comm, &model);
+    let best = header.best_val_loss.unwrap_or(f32::INFINITY);
+    Ok((model, opt, header.iter_num, best, dp))
 }
 
 /// Seed of the dropout masks of micro-step `k` of iteration `iter`.
@@ -354,43 +586,90 @@ fn build_model(cfg: &TrainConfig, meta: &Meta) -> Result<(Gpt, AdamW, u64, f32)>
             }
             Ok((model, opt, state.iter_num, state.best_val_loss))
         }
-        InitFrom::Pretrained(name) => bail!(
-            "init_from={name}: loading pretrained weights is not available yet; use init_from=scratch or resume"
-        ),
+        InitFrom::Pretrained(name) => {
+            let model = load_pretrained(cfg, meta, &name)?;
+            let opt = AdamW::new(&model.layout, adam_cfg);
+            Ok((model, opt, 0, f32::INFINITY))
+        }
     }
 }
 
-/// The architecture comes from the checkpoint; the config may not contradict it.
+/// The architecture comes from the checkpoint (the config is told where it differs);
+/// the data and the window length must fit it.
 fn check_resume_compatible(cfg: &TrainConfig, meta: &Meta, state: &CheckpointState) -> Result<()> {
     let m = &state.model;
-    let pairs = [
+    let out = cfg.out_dir.display();
+    if meta.vocab_size != m.vocab_size {
+        bail!(
+            "cannot resume from {out}: the checkpoint's vocabulary has {} tokens but the dataset's \
+             meta.json says {}; resume on the dataset the run was trained on",
+            m.vocab_size,
+            meta.vocab_size
+        );
+    }
+    if cfg.block_size > m.block_size {
+        bail!(
+            "cannot resume from {out}: block_size {} is longer than the checkpoint's {}; use block_size <= {}",
+            cfg.block_size,
+            m.block_size,
+            m.block_size
+        );
+    }
+    // As in nanoGPT, the checkpoint's architecture wins over the config's.
+    let ignored = [
         ("n_layer", cfg.n_layer, m.n_layer),
         ("n_head", cfg.n_head, m.n_head),
         ("n_embd", cfg.n_embd, m.n_embd),
-        (
-            "vocab_size (from the dataset's meta.json)",
-            meta.vocab_size,
-            m.vocab_size,
-        ),
+        ("bias", cfg.bias as usize, m.bias as usize),
     ];
-    for (key, want, have) in pairs {
-        if want != have {
-            bail!(
-                "cannot resume from {}: the checkpoint has {key} = {have} but the config says {want}; \
-                 use the run's original settings",
-                cfg.out_dir.display()
-            );
+    for (key, config, checkpoint) in ignored {
+        if config != checkpoint {
+            eprintln!("note: resuming with the checkpoint's {key} = {checkpoint} (the config's {config} is ignored)");
         }
     }
-    if cfg.block_size > m.block_size || cfg.bias != m.bias {
+    Ok(())
+}
+
+/// The pretrained model `name` (see [`crate::hf`]) for fine-tuning: its architecture
+/// wins over the config's (which is told when it differs), `block_size` crops the
+/// position table, `dropout` applies. The dataset must be GPT-2 tokens.
+fn load_pretrained(cfg: &TrainConfig, meta: &Meta, name: &str) -> Result<Gpt> {
+    let pretrained = crate::hf::Pretrained::open(name)
+        .with_context(|| format!("init_from={name}: cannot load the pretrained model"))?;
+    let model_cfg = pretrained.model_config(Some(cfg.block_size), cfg.dropout)?;
+    if meta.tokenizer != data::TokenizerKind::Gpt2 || meta.vocab_size > model_cfg.vocab_size {
         bail!(
-            "cannot resume from {}: the checkpoint has block_size {} and bias {}, the config block_size {} and bias {}",
-            cfg.out_dir.display(),
-            m.block_size,
-            m.bias,
-            cfg.block_size,
-            cfg.bias
+            "init_from={name} is a GPT-2 with {} tokens, but dataset {} holds {} tokens (vocabulary {}); \
+             fine-tuning needs text prepared with GPT-2's tokenizer: `nanogpt prepare SOURCE --out DIR \
+             --tokenizer gpt2`, then dataset=DIR",
+            model_cfg.vocab_size,
+            cfg.dataset,
+            meta.tokenizer,
+            meta.vocab_size
         );
     }
-    Ok(())
+    let ignored: Vec<String> = [
+        ("n_layer", cfg.n_layer, model_cfg.n_layer),
+        ("n_head", cfg.n_head, model_cfg.n_head),
+        ("n_embd", cfg.n_embd, model_cfg.n_embd),
+        ("bias", cfg.bias as usize, 1),
+    ]
+    .iter()
+    .filter(|(_, mine, theirs)| mine != theirs)
+    .map(|(key, mine, theirs)| match *key {
+        "bias" => format!("bias = {} (it has biases)", *mine != 0),
+        _ => format!("{key} = {mine} (it has {theirs})"),
+    })
+    .collect();
+    if !ignored.is_empty() {
+        eprintln!(
+            "note: the architecture comes from {}: ignoring {} from the config",
+            pretrained.location.display(),
+            ignored.join(", ")
+        );
+    }
+    let (b, t) = (cfg.batch_size, cfg.block_size);
+    let mut model = Gpt::new(model_cfg, b, t)?;
+    pretrained.load_params(&model.layout, &model.config, &mut model.params)?;
+    Ok(model)
 }

@@ -10,7 +10,8 @@ use std::path::PathBuf;
 
 #[derive(Args, Debug)]
 pub struct EvalArgs {
-    /// A training run's out_dir.
+    /// A training run's out_dir, a Hugging Face model directory or name (gpt2, ...),
+    /// or a .safetensors file.
     #[arg(long)]
     pub init_from: String,
     /// A .bin token file (uint16, nanoGPT's format) or a .txt file, tokenised with
@@ -73,5 +74,11 @@ fn read_tokens(args: &EvalArgs, meta: &crate::data::Meta, vocab: usize) -> Resul
     let ids = Tokenizer::from_meta(meta)?
         .encode(&text)
         .with_context(|| format!("cannot tokenise {}", path.display()))?;
+    if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
+        bail!(
+            "{} encodes to token {id}, beyond the model's vocabulary of {vocab}; evaluate text the model's tokenizer covers",
+            path.display()
+        );
+    }
     Ok(ids.into_iter().map(|id| id as u16).collect())
 }

@@ -2,6 +2,7 @@
 
 mod bench;
 mod eval;
+mod export;
 mod prepare;
 mod sample;
 mod train;
@@ -29,6 +30,8 @@ pub enum Command {
     Eval(eval::EvalArgs),
     /// Generate text from a trained model.
     Sample(sample::SampleArgs),
+    /// Write a trained model as a Hugging Face GPT-2 directory (transformers opens it).
+    Export(export::ExportArgs),
     /// Time training steps on synthetic tokens: ms/step, tokens/s, MFU, peak RSS.
     Bench(bench::BenchArgs),
 }
@@ -39,6 +42,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Train(args) => train::run(args),
         Command::Eval(args) => eval::run(args),
         Command::Sample(args) => sample::run(args),
+        Command::Export(args) => export::run(args),
         Command::Bench(args) => bench::run(args),
     }
 }

@@ -98,6 +98,12 @@ fn stream(
     if ids.is_empty() {
         bail!("the prompt is empty after tokenisation; pass some text with --start");
     }
+    if let Some(&id) = ids.iter().find(|&&id| id as usize >= config.vocab_size) {
+        bail!(
+            "the prompt encodes to token {id}, beyond this model's vocabulary of {}; use a prompt the model's tokenizer covers",
+            config.vocab_size
+        );
+    }
     let mut out = std::io::stdout().lock();
     write!(out, "{prompt}")?;
     let mut live = tokenizer.stream_decoder();

@@ -18,29 +18,62 @@ pub struct TrainArgs {
 const QUICK_START_SAMPLE_TOKENS: usize = 300;
 
 pub fn run(args: TrainArgs) -> Result<()> {
+    // First, so that every later error can name this rank and abort the job.
+    let comm = crate::dist::init()?;
     let (config_path, overrides) = split_args(&args.args);
     let cfg = match config_path {
         Some(path) => TrainConfig::load(Some(Path::new(path)), overrides)?,
         None => TrainConfig::quick_start_with(overrides)?,
     };
-    let threads = crate::threads::init_pool(cfg.threads);
-    println!(
-        "training: {} threads, {} tokens per iteration ({} micro-steps × {} × {})",
-        threads,
-        cfg.tokens_per_iter(),
-        cfg.gradient_accumulation_steps,
-        cfg.batch_size,
-        cfg.block_size
-    );
-    let mut trainer = Trainer::new(cfg)?;
-    println!(
-        "model: {:.2}M parameters, data: {} train / {} val tokens ({} tokenizer)",
-        trainer.model.config.num_params() as f64 / 1e6,
-        trainer.meta.train_tokens,
-        trainer.meta.val_tokens,
-        trainer.meta.tokenizer
-    );
+    let (root, world) = (comm.rank() == 0, comm.world_size());
+    let threads = crate::threads::init_pool(match cfg.threads {
+        0 => crate::dist::default_threads(comm.local_size()),
+        n => n,
+    });
+    let launched = crate::dist::launched_by_mpi();
+    if let Some(warning) = launched
+        .then(|| crate::dist::binding_warning(comm.local_size()))
+        .flatten()
+    {
+        match world {
+            1 => eprintln!("warning: {warning}"),
+            _ => eprintln!("warning: rank {} of {world}: {warning}", comm.rank()),
+        }
+    }
+    if root {
+        println!(
+            "training: {} threads, {} tokens per iteration ({} micro-steps × {} × {})",
+            threads,
+            cfg.tokens_per_iter(),
+            cfg.gradient_accumulation_steps,
+            cfg.batch_size,
+            cfg.block_size
+        );
+        if world > 1 {
+            println!(
+                "data parallel: {world} ranks ({}), {} micro-steps each, {} threads per rank \
+                 on this host, ZeRO stage {}",
+                comm.describe(),
+                cfg.gradient_accumulation_steps / world,
+                threads,
+                cfg.zero_stage
+            );
+        }
+    }
+    let mut trainer = Trainer::with_collective(cfg, comm)?;
+    if root {
+        println!(
+            "model: {:.2}M parameters, data: {} train / {} val tokens ({} tokenizer)",
+            trainer.model.config.num_params() as f64 / 1e6,
+            trainer.meta.train_tokens,
+            trainer.meta.val_tokens,
+            trainer.meta.tokenizer
+        );
+    }
     let outcome = trainer.run()?;
+    if !root {
+        return Ok(());
+    }
     if let Some((train_loss, val_loss)) = outcome.last_eval {
         println!("done: train loss {train_loss:.4}, val loss {val_loss:.4}");
     }

@@ -194,6 +194,34 @@ impl Gpt {
 
     /// Completes the gradient of the last training `forward`, accumulating into `grads`.
     pub fn backward(&mut self) {
+        self.backward_with(|_, _| {});
+    }
+
+    /// The ranges of the arena whose gradients [`Gpt::backward_with`] reports final,
+    /// in the order it reports them: `ln_f`, the last block down to the first, then
+    /// the embeddings (`wte` and `wpe`). Descending, and together they tile `0..len`
+    /// exactly (alignment gaps included), so they can serve as all-reduce buckets.
+    pub fn grad_buckets(&self) -> Vec<std::ops::Range<usize>> {
+        let layers = &self.layout.layers;
+        let mut out = Vec::with_capacity(layers.len() + 2);
+        let mut hi = self.layout.len;
+        if let Some(last) = layers.last().filter(|l| l.span.end < hi) {
+            out.push(last.span.end..hi);
+            hi = last.span.end;
+        }
+        for span in layers.iter().rev().map(|l| &l.span) {
+            out.push(span.start..hi);
+            hi = span.start;
+        }
+        out.push(0..hi);
+        out
+    }
+
+    /// [`Gpt::backward`], calling `done(range, grads)` as soon as the gradients in
+    /// `range` are final for this pass: once per range of [`Gpt::grad_buckets`], in
+    /// that order, with the whole gradient buffer to read from. Data-parallel
+    /// training starts each bucket's all-reduce there, while backward continues.
+    pub fn backward_with(&mut self, mut done: impl FnMut(std::ops::Range<usize>, &[f32])) {
         let (dims, seed) = self
             .pending
             .take()
@@ -225,6 +253,12 @@ impl Gpt {
             &acts.lnf_rstd[..bt],
             c,
         );
+        // The ranges of `grad_buckets`, computed as we go (no allocation here).
+        let mut hi = layout.len;
+        if let Some(last) = layout.layers.last().filter(|l| l.span.end < hi) {
+            done(last.span.end..hi, grads); // ln_f
+            hi = last.span.end;
+        }
         for l in (0..layout.layers.len()).rev() {
             let (before, this) = acts.layers.split_at_mut(l);
             let x = before
@@ -247,6 +281,9 @@ impl Gpt {
                 dims,
                 drop,
             );
+            let start = layout.layers[l].span.start;
+            done(start..hi, grads);
+            hi = start;
         }
         if let Some(s) = dropout {
             let mask = Dropout {
@@ -264,6 +301,7 @@ impl Gpt {
             dims.t,
             c,
         );
+        done(0..hi, grads); // wte, wpe
     }
 
     /// Logits of the last position of each sequence: (B, V), real vocabulary only.
@@ -822,6 +860,32 @@ mod tests {
         let first = run();
         assert_eq!(first, run());
         assert!(first[4] < first[0], "the loss goes down: {first:?}");
+    }
+
+    #[test]
+    fn backward_with_reports_each_bucket_once_final() {
+        let (b, t) = (2, 6);
+        for bias in [true, false] {
+            let mut gpt = model(tiny(bias, 0.1), b, t);
+            let (x, y) = batch(b, t, gpt.config.vocab_size);
+            let buckets = gpt.grad_buckets();
+            assert_eq!(buckets.len(), gpt.config.n_layer + 2);
+            assert_eq!(buckets.last().unwrap().start, 0);
+            assert_eq!(buckets[0].end, gpt.layout.len);
+            assert!(buckets.windows(2).all(|w| w[1].end == w[0].start), "tiles");
+            gpt.zero_grad();
+            gpt.set_dropout_seed(3);
+            gpt.forward(&x, &y, b, t);
+            let mut seen = Vec::new();
+            gpt.backward_with(|range, grads| seen.push((range.clone(), grads[range].to_vec())));
+            assert_eq!(
+                seen.iter().map(|(r, _)| r.clone()).collect::<Vec<_>>(),
+                buckets
+            );
+            for (range, at_report) in seen {
+                assert_eq!(gpt.grads[range].to_vec(), at_report, "final when reported");
+            }
+        }
     }
 
     #[test]

@@ -1,0 +1,362 @@
+//! Data parallelism across processes: the [`Collective`] operations training needs,
+//! a single-process backend ([`Single`], the default build) and an MPI backend
+//! (`mpi` cargo feature), launched the ordinary MPI way:
+//!
+//! ```text
+//! mpirun -f hosts -n 3 -ppn 1 nanogpt train CONFIG.toml       # MPICH, Intel MPI
+//! mpirun --hostfile hosts -n 3 --map-by node nanogpt train ...  # Open MPI
+//! srun -N 3 --ntasks-per-node 1 nanogpt train ...               # Slurm
+//! ```
+//!
+//! Rank and world size come from MPI. [`DataParallel`] holds what a training run
+//! needs on top: the gradient buckets, the buffers of the overlapped all-reduce and
+//! of ZeRO-1, and the communication timings.
+
+mod parallel;
+mod plan;
+mod watchdog;
+
+#[cfg(feature = "mpi")]
+mod mpi;
+
+pub use parallel::{params_checksum, CommReport, DataParallel};
+pub use plan::{Bucket, GradPlan};
+pub use watchdog::Watchdog;
+
+use anyhow::Result;
+use std::ops::Range;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+/// What an overlapped gradient reduction does with each bucket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reduce {
+    /// Every rank receives the sum of the bucket (ZeRO stage 0).
+    AllReduce,
+    /// Rank `r` receives the sum of the `r`-th of `world_size` equal blocks of the
+    /// bucket (ZeRO stage 1).
+    ReduceScatter,
+}
+
+/// The backward pass as [`Collective::reduce_during_backward`] drives it: called
+/// once, it runs backward and calls the hook `(range, grads)` for each bucket as
+/// soon as that bucket's gradients are final (see `Gpt::backward_with`).
+pub type BackwardFn<'f> = dyn FnMut(&mut dyn FnMut(Range<usize>, &[f32])) + 'f;
+
+/// Timings of one overlapped reduction.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct OverlapTimes {
+    /// Waiting for the reductions after backward returned: the part of the
+    /// communication that computation did not hide.
+    pub exposed: Duration,
+}
+
+/// The collective operations of data-parallel training, over all ranks of the job.
+/// Every rank must make the same calls in the same order. Buffers are `f32` unless
+/// named otherwise; sums are element-wise.
+pub trait Collective {
+    fn rank(&self) -> usize;
+    fn world_size(&self) -> usize;
+    /// Ranks on this host (sharing its cores).
+    fn local_size(&self) -> usize;
+    /// This host's name, for messages.
+    fn host(&self) -> String;
+    /// The backend's name and version, for the log.
+    fn describe(&self) -> String;
+    /// Abort the job when a collective makes no progress for this long (0: never).
+    fn set_timeout(&self, timeout: Duration);
+    fn barrier(&self);
+    /// Like [`Collective::barrier`], for phases where one rank may legitimately
+    /// work for long (preparing data, loading a model) while the others wait.
+    fn barrier_patient(&self);
+    /// `recv = Σ_ranks send`.
+    fn all_reduce_sum(&self, send: &[f32], recv: &mut [f32]);
+    /// Sums a few `f64` values across ranks, in place.
+    fn all_reduce_sum_f64(&self, values: &mut [f64]);
+    /// Copies `root`'s `buf` to every rank.
+    fn broadcast(&self, buf: &mut [f32], root: usize);
+    /// Copies `root`'s bytes (any length) to every rank.
+    fn broadcast_bytes(&self, buf: &mut Vec<u8>, root: usize);
+    /// `recv` (len n) = block `rank` of `Σ_ranks send` (len n · world_size).
+    fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]);
+    /// `recv` (len n · world_size) = every rank's `send` (len n), in rank order.
+    fn all_gather(&self, send: &[f32], recv: &mut [f32]);
+    fn all_gather_u64(&self, value: u64) -> Vec<u64>;
+    /// On `root`, `recv` (len n · world_size) = every rank's `send` (len n), in rank
+    /// order; elsewhere `recv` is not used (pass an empty slice).
+    fn gather(&self, send: &[f32], recv: &mut [f32], root: usize);
+    /// Block `rank` of `root`'s `send` (len n · world_size) into `recv` (len n);
+    /// `send` is only read on `root`.
+    fn scatter(&self, send: &[f32], recv: &mut [f32], root: usize);
+    /// Runs `backward`, reducing each bucket as soon as it is reported: its
+    /// gradients are copied to the start of `send[bucket.send]` (the rest of that
+    /// range is zeroed) and a non-blocking reduction into `recv[bucket.recv]` starts
+    /// at once. Returns when every reduction has completed.
+    fn reduce_during_backward(
+        &self,
+        kind: Reduce,
+        buckets: &[Bucket],
+        send: &mut [f32],
+        recv: &mut [f32],
+        backward: &mut BackwardFn,
+    ) -> OverlapTimes;
+    /// Ends the whole job at once (every rank), with exit code `code`.
+    fn abort(&self, code: i32) -> !;
+}
+
+/// One process: every collective is a copy or nothing.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Single;
+
+impl Collective for Single {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        1
+    }
+    fn local_size(&self) -> usize {
+        1
+    }
+    fn host(&self) -> String {
+        "localhost".into()
+    }
+    fn describe(&self) -> String {
+        "single process".into()
+    }
+    fn set_timeout(&self, _: Duration) {}
+    fn barrier(&self) {}
+    fn barrier_patient(&self) {}
+    fn all_reduce_sum(&self, send: &[f32], recv: &mut [f32]) {
+        recv.copy_from_slice(send);
+    }
+    fn all_reduce_sum_f64(&self, _: &mut [f64]) {}
+    fn broadcast(&self, _: &mut [f32], _: usize) {}
+    fn broadcast_bytes(&self, _: &mut Vec<u8>, _: usize) {}
+    fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]) {
+        recv.copy_from_slice(send);
+    }
+    fn all_gather(&self, send: &[f32], recv: &mut [f32]) {
+        recv.copy_from_slice(send);
+    }
+    fn all_gather_u64(&self, value: u64) -> Vec<u64> {
+        vec![value]
+    }
+    fn gather(&self, send: &[f32], recv: &mut [f32], _: usize) {
+        recv.copy_from_slice(send);
+    }
+    fn scatter(&self, send: &[f32], recv: &mut [f32], _: usize) {
+        recv.copy_from_slice(send);
+    }
+    fn reduce_during_backward(
+        &self,
+        _: Reduce,
+        buckets: &[Bucket],
+        _: &mut [f32],
+        recv: &mut [f32],
+        backward: &mut BackwardFn,
+    ) -> OverlapTimes {
+        let mut i = 0;
+        backward(&mut |range, grads| {
+            let b = &buckets[i];
+            assert_eq!(range, b.arena, "buckets reported out of plan");
+            recv[b.recv.start..b.recv.start + range.len()].copy_from_slice(&grads[range]);
+            i += 1;
+        });
+        assert_eq!(i, buckets.len(), "every bucket reported");
+        OverlapTimes::default()
+    }
+    fn abort(&self, code: i32) -> ! {
+        std::process::exit(code)
+    }
+}
+
+/// The job this process belongs to, once [`init`] has run.
+#[derive(Clone, Debug)]
+pub struct JobInfo {
+    pub rank: usize,
+    pub world_size: usize,
+    pub host: String,
+}
+
+static JOB: OnceLock<JobInfo> = OnceLock::new();
+
+/// This process's place in the job, if [`init`] ran.
+pub fn job() -> Option<&'static JobInfo> {
+    JOB.get()
+}
+
+/// The collective for this process: MPI's world when launched by an MPI launcher
+/// (mpirun, mpiexec, srun) and built with the `mpi` feature, else [`Single`].
+/// Launched as several processes without MPI support, it refuses (each process
+/// would otherwise train alone and overwrite the others' files).
+pub fn init() -> Result<Box<dyn Collective>> {
+    let comm = init_backend()?;
+    let _ = JOB.set(JobInfo {
+        rank: comm.rank(),
+        world_size: comm.world_size(),
+        host: comm.host(),
+    });
+    Ok(comm)
+}
+
+#[cfg(feature = "mpi")]
+fn init_backend() -> Result<Box<dyn Collective>> {
+    if launched_by_mpi() {
+        return Ok(Box::new(mpi::Mpi::init()?));
+    }
+    Ok(Box::new(Single))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn init_backend() -> Result<Box<dyn Collective>> {
+    if let Some(n) = launcher_world_size().filter(|&n| n > 1) {
+        anyhow::bail!(
+            "started as one of {n} processes (mpirun/srun), but this nanogpt was built without \
+             MPI support, so each process would train alone; rebuild with \
+             `cargo build --release --features mpi` (see docs/multinode.md)"
+        );
+    }
+    Ok(Box::new(Single))
+}
+
+/// Environment variables that MPI launchers set in every process they start.
+const LAUNCHER_VARS: [&str; 6] = [
+    "OMPI_COMM_WORLD_SIZE", // Open MPI
+    "PMI_SIZE",             // MPICH (Hydra), Intel MPI, srun --mpi=pmi2
+    "PMI_RANK",
+    "PMIX_RANK", // PMIx: Open MPI 5, srun --mpi=pmix
+    "MPI_LOCALNRANKS",
+    "SLURM_STEP_NUM_TASKS", // inside an srun step
+];
+
+/// Whether this process was started by an MPI launcher. `NANOGPT_MPI=0` or `1`
+/// overrides the guess.
+pub fn launched_by_mpi() -> bool {
+    match std::env::var("NANOGPT_MPI").as_deref() {
+        Ok("0") => return false,
+        Ok("1") => return true,
+        _ => {}
+    }
+    LAUNCHER_VARS.iter().any(|v| std::env::var_os(v).is_some())
+}
+
+/// The number of processes a launcher says it started, where it says so.
+pub fn launcher_world_size() -> Option<usize> {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
+}
+
+/// Worker threads per rank when the config says `threads = 0`: this host's cores
+/// shared among its ranks (the cores this process may run on, divided by the
+/// number of ranks on the host), at least one.
+pub fn default_threads(local_ranks: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / local_ranks.max(1)).max(1)
+}
+
+/// The host's online cores (`/sys/devices/system/cpu/online`), if known.
+pub fn host_cores() -> Option<usize> {
+    let text = std::fs::read_to_string("/sys/devices/system/cpu/online").ok()?;
+    parse_cpu_list(text.trim())
+}
+
+/// Counts the CPUs of a Linux CPU list such as `0-3,8,10-11`.
+fn parse_cpu_list(list: &str) -> Option<usize> {
+    let mut n = 0;
+    for part in list.split(',').filter(|p| !p.is_empty()) {
+        n += match part.split_once('-') {
+            Some((a, b)) => b.parse::<usize>().ok()? + 1 - a.parse::<usize>().ok()?,
+            None => part.parse::<usize>().map(|_| 1).ok()?,
+        };
+    }
+    Some(n)
+}
+
+/// A warning when the launcher pinned this rank to fewer cores than its share of
+/// the host (Open MPI binds each rank to one core when it starts two or fewer).
+pub fn binding_warning(local_ranks: usize) -> Option<String> {
+    let usable = std::thread::available_parallelism().ok()?.get();
+    let share = host_cores()? / local_ranks.max(1);
+    (usable < share).then(|| {
+        format!(
+            "this rank may only run on {usable} of its {share} cores (the MPI launcher bound \
+             it to them); with Open MPI add `--bind-to none`, or set `threads` and the \
+             launcher's binding to match"
+        )
+    })
+}
+
+/// Ends the process after an error: alone, prints `error: ...` and exits 1; in a
+/// job of several ranks, names the rank and host and aborts the whole job
+/// (`MPI_Abort`), so no other rank is left waiting.
+pub fn fail(err: &anyhow::Error) -> ! {
+    match job() {
+        Some(job) if job.world_size > 1 => {
+            eprintln!(
+                "error: rank {} of {} (host {}): {err:#}",
+                job.rank, job.world_size, job.host
+            );
+            abort_job(1)
+        }
+        _ => {
+            eprintln!("error: {err:#}");
+            std::process::exit(1)
+        }
+    }
+}
+
+/// Aborts every rank of the job (or this process, without MPI).
+pub fn abort_job(code: i32) -> ! {
+    #[cfg(feature = "mpi")]
+    mpi::abort_world(code);
+    #[allow(unreachable_code)]
+    std::process::exit(code)
+}
+
+/// Shuts MPI down after a successful run (a no-op without MPI). Call once, after
+/// every [`Collective`] has been dropped.
+pub fn finish() {
+    #[cfg(feature = "mpi")]
+    mpi::finalize();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn single_reduce_during_backward_copies_each_bucket() {
+        let grads: Vec<f32> = (0..10).map(|i| i as f32).collect();
+        let plan = GradPlan::new(&[6..10, 2..6, 0..2], 10, 1, 0, 0);
+        let mut recv = vec![0.0; plan.recv_len];
+        let mut send = vec![0.0; plan.send_len];
+        Single.reduce_during_backward(
+            Reduce::AllReduce,
+            &plan.buckets,
+            &mut send,
+            &mut recv,
+            &mut |hook| {
+                for r in [6..10, 2..6, 0..2] {
+                    hook(r, &grads);
+                }
+            },
+        );
+        assert_eq!(recv, grads);
+    }
+
+    #[test]
+    fn cpu_lists_are_counted() {
+        assert_eq!(parse_cpu_list("0-3,8,10-11"), Some(7));
+        assert_eq!(parse_cpu_list("0"), Some(1));
+        assert_eq!(parse_cpu_list("x"), None);
+    }
+
+    #[test]
+    fn default_threads_share_the_cores() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert_eq!(default_threads(1), cores);
+        assert_eq!(default_threads(cores * 4), 1);
+    }
+}

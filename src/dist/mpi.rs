@@ -1,0 +1,315 @@
+//! The MPI backend (cargo feature `mpi`): MPI's world communicator through the `mpi`
+//! crate (rsmpi), over Open MPI, MPICH or Intel MPI.
+//!
+//! Only the thread that initialised MPI calls it (`MPI_THREAD_FUNNELED`); the rayon
+//! workers never do. The one exception is `MPI_Abort` from the watchdog thread or a
+//! panic hook, which ends the job anyway.
+
+use super::{BackwardFn, Bucket, Collective, OverlapTimes, Reduce, Watchdog};
+use anyhow::{bail, Result};
+use mpi::collective::{CommunicatorCollectives, Root, SystemOperation};
+use mpi::environment::Universe;
+use mpi::topology::{Communicator, SimpleCommunicator};
+use mpi::Threading;
+use std::ops::Range;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// MPI stays initialised from [`Mpi::init`] until [`finalize`]: errors are
+/// reported (and the job aborted) while it is still up.
+static UNIVERSE: Mutex<Option<Universe>> = Mutex::new(None);
+
+/// The MPI world as a [`Collective`].
+pub struct Mpi {
+    world: SimpleCommunicator,
+    rank: usize,
+    size: usize,
+    local: usize,
+    host: String,
+    watchdog: Watchdog,
+    /// Start each bucket's reduction during backward (default); `NANOGPT_OVERLAP=0`
+    /// waits for each at once instead, to measure what overlapping saves.
+    overlap: bool,
+}
+
+impl Mpi {
+    /// `MPI_Init_thread`, then the rank, world size and ranks on this host.
+    pub fn init() -> Result<Mpi> {
+        let Some((universe, _)) = mpi::initialize_with_threading(Threading::Funneled) else {
+            bail!("MPI was already initialised in this process");
+        };
+        let world = universe.world();
+        let (rank, size) = (world.rank() as usize, world.size() as usize);
+        // Ranks sharing memory with this one: the ranks on this host.
+        let local = world.split_shared(world.rank()).size() as usize;
+        let host = mpi::environment::processor_name().unwrap_or_else(|_| "?".into());
+        *UNIVERSE.lock().unwrap_or_else(|e| e.into_inner()) = Some(universe);
+        let who = format!("rank {rank} of {size} (host {host})");
+        if size > 1 {
+            // A panic on one rank must not leave the others waiting for it.
+            let prev = std::panic::take_hook();
+            std::panic::set_hook(Box::new(move |info| {
+                prev(info);
+                abort_world(101);
+            }));
+        }
+        let watchdog = Watchdog::new(who, |msg| {
+            eprintln!("error: {msg}");
+            abort_world(3);
+        });
+        Ok(Mpi {
+            world,
+            rank,
+            size,
+            local,
+            host,
+            watchdog,
+            overlap: std::env::var("NANOGPT_OVERLAP").as_deref() != Ok("0"),
+        })
+    }
+
+    fn root(&self, root: usize) -> mpi::topology::Process<'_> {
+        self.world.process_at_rank(root as i32)
+    }
+}
+
+/// `MPI_Abort` on the world (every rank ends), or a plain exit when MPI is not up.
+pub fn abort_world(code: i32) -> ! {
+    if mpi::environment::is_initialized() && !mpi::environment::is_finalized() {
+        // Give the launcher a moment to forward the message just printed: some
+        // (Hydra) tear the output channels down as soon as a rank aborts.
+        std::thread::sleep(Duration::from_millis(300));
+        // SAFETY: MPI is initialised and not finalised; MPI_Abort on the world
+        // communicator does not return (it ends every process of the job).
+        unsafe {
+            mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, code);
+        }
+    }
+    std::process::exit(code)
+}
+
+/// How long `MPI_Finalize` may take before the process leaves without it.
+const FINALIZE_GRACE: Duration = Duration::from_secs(15);
+
+/// `MPI_Finalize`, if [`Mpi::init`] ran. Some MPI versions (Debian's MPICH 4.0.2
+/// over UCX, across hosts) sometimes never return from it; the run's work is done
+/// and written by then, so after [`FINALIZE_GRACE`] the process exits anyway.
+pub fn finalize() {
+    let universe = UNIVERSE.lock().unwrap_or_else(|e| e.into_inner()).take();
+    if universe.is_some() {
+        let _ = std::thread::Builder::new()
+            .name("finalize-watchdog".into())
+            .spawn(|| {
+                std::thread::sleep(FINALIZE_GRACE);
+                eprintln!(
+                    "warning: MPI_Finalize has not returned after {} s (a known hang of some \
+                     MPI versions); the run is complete, exiting without it",
+                    FINALIZE_GRACE.as_secs()
+                );
+                std::process::exit(0);
+            });
+    }
+    drop(universe);
+}
+
+/// MPI counts are C ints.
+fn count(n: usize) -> usize {
+    assert!(
+        n <= i32::MAX as usize,
+        "an MPI message of {n} elements is too large"
+    );
+    n
+}
+
+/// Disjoint `ranges` of `buf` as separate mutable slices, in the order given.
+fn split_disjoint<'b>(buf: &'b mut [f32], ranges: &[Range<usize>]) -> Vec<Option<&'b mut [f32]>> {
+    let mut order: Vec<usize> = (0..ranges.len()).collect();
+    order.sort_by_key(|&i| ranges[i].start);
+    let mut out: Vec<Option<&'b mut [f32]>> = (0..ranges.len()).map(|_| None).collect();
+    let (mut rest, mut at) = (buf, 0);
+    for i in order {
+        let r = &ranges[i];
+        assert!(r.start >= at, "bucket ranges overlap");
+        let tail = std::mem::take(&mut rest);
+        let (_, tail) = tail.split_at_mut(r.start - at);
+        let (piece, tail) = tail.split_at_mut(r.len());
+        out[i] = Some(piece);
+        rest = tail;
+        at = r.end;
+    }
+    out
+}
+
+impl Collective for Mpi {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.size
+    }
+
+    fn local_size(&self) -> usize {
+        self.local
+    }
+
+    fn host(&self) -> String {
+        self.host.clone()
+    }
+
+    fn describe(&self) -> String {
+        let lib = mpi::environment::library_version().unwrap_or_default();
+        let first = lib.lines().next().unwrap_or("");
+        let first = first.trim_matches(|c: char| c == '\0' || c.is_whitespace());
+        format!("MPI ({first})")
+    }
+
+    fn set_timeout(&self, timeout: Duration) {
+        self.watchdog.set_timeout(timeout);
+    }
+
+    fn barrier(&self) {
+        let _g = self.watchdog.arm("barrier", 1);
+        self.world.barrier();
+    }
+
+    fn barrier_patient(&self) {
+        let _g = self.watchdog.arm("barrier (waiting for rank 0)", 30);
+        self.world.barrier();
+    }
+
+    fn all_reduce_sum(&self, send: &[f32], recv: &mut [f32]) {
+        assert_eq!(send.len(), recv.len());
+        count(send.len());
+        let _g = self.watchdog.arm("all-reduce", 1);
+        self.world
+            .all_reduce_into(send, recv, SystemOperation::sum());
+    }
+
+    fn all_reduce_sum_f64(&self, values: &mut [f64]) {
+        let send = values.to_vec();
+        let _g = self.watchdog.arm("all-reduce", 1);
+        self.world
+            .all_reduce_into(&send[..], values, SystemOperation::sum());
+    }
+
+    fn broadcast(&self, buf: &mut [f32], root: usize) {
+        let _g = self.watchdog.arm("broadcast", 1);
+        // Pieces of at most 2^28 floats keep every count a valid C int.
+        for piece in buf.chunks_mut(1 << 28) {
+            self.root(root).broadcast_into(piece);
+        }
+    }
+
+    fn broadcast_bytes(&self, buf: &mut Vec<u8>, root: usize) {
+        // Rank 0 may be loading a model meanwhile: be patient.
+        let _g = self.watchdog.arm("broadcast (waiting for rank 0)", 30);
+        let mut len = buf.len() as u64;
+        self.root(root).broadcast_into(&mut len);
+        buf.resize(count(len as usize), 0);
+        self.root(root).broadcast_into(&mut buf[..]);
+    }
+
+    fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]) {
+        assert_eq!(send.len(), recv.len() * self.size);
+        count(send.len());
+        let _g = self.watchdog.arm("reduce-scatter", 1);
+        self.world
+            .reduce_scatter_block_into(send, recv, SystemOperation::sum());
+    }
+
+    fn all_gather(&self, send: &[f32], recv: &mut [f32]) {
+        assert_eq!(send.len() * self.size, recv.len());
+        count(recv.len());
+        let _g = self.watchdog.arm("all-gather", 1);
+        self.world.all_gather_into(send, recv);
+    }
+
+    fn all_gather_u64(&self, value: u64) -> Vec<u64> {
+        let mut out = vec![0u64; self.size];
+        let _g = self.watchdog.arm("all-gather", 1);
+        self.world.all_gather_into(&value, &mut out[..]);
+        out
+    }
+
+    fn gather(&self, send: &[f32], recv: &mut [f32], root: usize) {
+        let _g = self.watchdog.arm("gather", 1);
+        if self.rank == root {
+            assert_eq!(send.len() * self.size, recv.len());
+            count(recv.len());
+            self.root(root).gather_into_root(send, recv);
+        } else {
+            self.root(root).gather_into(send);
+        }
+    }
+
+    fn scatter(&self, send: &[f32], recv: &mut [f32], root: usize) {
+        let _g = self.watchdog.arm("scatter", 1);
+        if self.rank == root {
+            assert_eq!(recv.len() * self.size, send.len());
+            count(send.len());
+            self.root(root).scatter_into_root(send, recv);
+        } else {
+            self.root(root).scatter_into(recv);
+        }
+    }
+
+    fn reduce_during_backward(
+        &self,
+        kind: Reduce,
+        buckets: &[Bucket],
+        send: &mut [f32],
+        recv: &mut [f32],
+        backward: &mut BackwardFn,
+    ) -> OverlapTimes {
+        let send_ranges: Vec<_> = buckets.iter().map(|b| b.send.clone()).collect();
+        let recv_ranges: Vec<_> = buckets.iter().map(|b| b.recv.clone()).collect();
+        let mut sends = split_disjoint(send, &send_ranges);
+        let mut recvs = split_disjoint(recv, &recv_ranges);
+        let (world, watchdog, overlap) = (&self.world, &self.watchdog, self.overlap);
+        let mut exposed = Duration::ZERO;
+        mpi::request::multiple_scope(buckets.len(), |scope, requests| {
+            let mut done = Vec::with_capacity(buckets.len());
+            let mut i = 0;
+            backward(&mut |range, grads| {
+                let b = &buckets[i];
+                assert_eq!(range, b.arena, "buckets reported out of plan");
+                let s = sends[i].take().expect("each bucket once");
+                let n = range.len();
+                s[..n].copy_from_slice(&grads[range]);
+                s[n..].fill(0.0);
+                let s: &[f32] = s;
+                let r = recvs[i].take().expect("each bucket once");
+                count(s.len());
+                let sum = SystemOperation::sum();
+                let request = match kind {
+                    Reduce::AllReduce => world.immediate_all_reduce_into(scope, s, r, sum),
+                    Reduce::ReduceScatter => {
+                        world.immediate_reduce_scatter_block_into(scope, s, r, sum)
+                    }
+                };
+                requests.add(request);
+                if overlap {
+                    // MPI moves data only inside MPI calls: give it a turn per layer.
+                    requests.test_some(&mut done);
+                } else {
+                    let start = Instant::now();
+                    let _g = watchdog.arm("gradient reduction", 1);
+                    requests.wait_all(&mut done);
+                    exposed += start.elapsed();
+                }
+                i += 1;
+            });
+            assert_eq!(i, buckets.len(), "every bucket reported");
+            let start = Instant::now();
+            let _g = watchdog.arm("gradient reduction", 1);
+            requests.wait_all(&mut done);
+            exposed += start.elapsed();
+        });
+        OverlapTimes { exposed }
+    }
+
+    fn abort(&self, code: i32) -> ! {
+        abort_world(code)
+    }
+}

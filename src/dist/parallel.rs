@@ -1,0 +1,374 @@
+//! The data-parallel side of a training step: gradients reduced once per optimizer
+//! step, overlapped with backward; the global loss and gradient norm; the update,
+//! replicated (ZeRO stage 0) or sharded (stage 1); the start-up broadcast and the
+//! checks that every rank holds the same weights.
+
+use super::{Collective, GradPlan, Reduce};
+use crate::model::Gpt;
+use crate::optim::{clip_factor, grad_sq_sum, scale_grads, AdamW, AdamWConfig};
+use anyhow::{bail, Result};
+use rayon::prelude::*;
+use serde::Serialize;
+use std::time::{Duration, Instant};
+
+/// Communication figures of a run, written to `out_dir/comm.json` by rank 0.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct CommReport {
+    pub world_size: usize,
+    pub zero_stage: u8,
+    pub backend: String,
+    /// Optimizer steps measured (the run's first step, a warm-up, is left out).
+    pub steps: u64,
+    /// Mean wall time of a step, ms.
+    pub step_ms: f64,
+    /// Mean time of a step not spent waiting for other ranks, ms.
+    pub compute_ms: f64,
+    /// Mean wait per step for the gradient reduction after backward (not hidden), ms.
+    pub exposed_reduce_ms: f64,
+    /// Mean time per step in the other collectives (loss, norm, all-gather), ms.
+    pub other_comm_ms: f64,
+    /// The gradient reduction alone, nothing to hide it behind (measured at start), ms.
+    pub reduce_alone_ms: f64,
+    /// Share of the gradient reduction hidden behind backward: 1 − exposed / alone.
+    pub hidden_fraction: f64,
+    /// Gradient bytes each rank contributes per step.
+    pub grad_bytes: usize,
+    /// Tokens per second per rank (global tokens / step time / world size).
+    pub tokens_per_sec_per_rank: f64,
+}
+
+/// Buffers and timings of data-parallel training on one rank.
+pub struct DataParallel {
+    pub plan: GradPlan,
+    send: Vec<f32>,
+    recv: Vec<f32>,
+    steps: u64,
+    /// The first step has been seen (and left out of the figures).
+    warm: bool,
+    step_time: Duration,
+    exposed: Duration,
+    other: Duration,
+    reduce_alone: Duration,
+}
+
+impl DataParallel {
+    /// Plans the buckets of `model` for `comm`'s ranks and allocates the buffers
+    /// (stage 0: two arena-sized buffers; stage 1: about 1 + 1/W of one).
+    pub fn new(comm: &dyn Collective, model: &Gpt, zero_stage: u8) -> DataParallel {
+        let plan = GradPlan::new(
+            &model.grad_buckets(),
+            model.layout.len,
+            comm.world_size(),
+            comm.rank(),
+            zero_stage,
+        );
+        DataParallel {
+            send: vec![0.0; plan.send_len],
+            recv: vec![0.0; plan.recv_len],
+            plan,
+            steps: 0,
+            warm: false,
+            step_time: Duration::ZERO,
+            exposed: Duration::ZERO,
+            other: Duration::ZERO,
+            reduce_alone: Duration::ZERO,
+        }
+    }
+
+    fn kind(&self) -> Reduce {
+        match self.plan.zero_stage {
+            0 => Reduce::AllReduce,
+            _ => Reduce::ReduceScatter,
+        }
+    }
+
+    /// Rank 0's weights (and, when `moments`, its AdamW state at `adam_step`) on
+    /// every rank. `root_opt` is rank 0's full optimizer (None elsewhere). Returns
+    /// this rank's optimizer: full at stage 0, its shard at stage 1.
+    #[allow(clippy::too_many_arguments)]
+    pub fn start(
+        &mut self,
+        comm: &dyn Collective,
+        model: &mut Gpt,
+        root_opt: Option<AdamW>,
+        config: AdamWConfig,
+        adam_step: u64,
+        moments: bool,
+        iter: u64,
+    ) -> Result<AdamW> {
+        comm.broadcast(&mut model.params, 0);
+        let mut opt = if self.plan.zero_stage == 0 {
+            let mut opt = root_opt.unwrap_or_else(|| AdamW::new(&model.layout, config));
+            if moments {
+                comm.broadcast(&mut opt.m, 0);
+                comm.broadcast(&mut opt.v, 0);
+            }
+            opt
+        } else {
+            let plan = &self.plan;
+            let mut opt = AdamW::for_shard(&model.layout, config, &plan.shard(), plan.shard_len);
+            if moments {
+                let s = plan.shard_len;
+                for which in 0..2 {
+                    if let Some(full) = &root_opt {
+                        let src = if which == 0 { &full.m } else { &full.v };
+                        for q in 0..plan.world_size {
+                            plan.pack_shard(q, src, &mut self.send[q * s..(q + 1) * s]);
+                        }
+                    }
+                    let dst = if which == 0 { &mut opt.m } else { &mut opt.v };
+                    comm.scatter(&self.send, dst, 0);
+                }
+                self.send.fill(0.0);
+            }
+            opt
+        };
+        opt.step = adam_step;
+        self.check_replicas(comm, &model.params, iter)?;
+        Ok(opt)
+    }
+
+    /// The last local micro-step's backward, each bucket's reduction started as soon
+    /// as backward has finished it. Stage 0: `model.grads` then holds the sum over
+    /// ranks; stage 1: this rank's shard of it is held here.
+    pub fn backward_reduce(&mut self, comm: &dyn Collective, model: &mut Gpt) {
+        let kind = self.kind();
+        let times = comm.reduce_during_backward(
+            kind,
+            &self.plan.buckets,
+            &mut self.send,
+            &mut self.recv,
+            &mut |hook| model.backward_with(|range, grads| hook(range, grads)),
+        );
+        self.exposed += times.exposed;
+        if kind == Reduce::AllReduce {
+            // Every bucket of `recv` was overwritten: it is the summed gradient.
+            std::mem::swap(&mut model.grads, &mut self.recv);
+        }
+    }
+
+    /// Measures the gradient reduction with nothing to hide it behind (the
+    /// reference for [`CommReport::hidden_fraction`]); the gradients are not
+    /// touched. Collective: every rank calls it.
+    pub fn calibrate(&mut self, comm: &dyn Collective, model: &Gpt) {
+        let kind = self.kind();
+        let mut best = Duration::MAX;
+        for _ in 0..2 {
+            let start = Instant::now();
+            let buckets = self.plan.buckets.clone();
+            comm.reduce_during_backward(
+                kind,
+                &self.plan.buckets,
+                &mut self.send,
+                &mut self.recv,
+                &mut |hook| {
+                    for b in &buckets {
+                        hook(b.arena.clone(), &model.grads);
+                    }
+                },
+            );
+            best = best.min(start.elapsed());
+        }
+        self.reduce_alone = best;
+    }
+
+    /// The mean loss over every rank's micro-steps (each already divided by the
+    /// global number of micro-steps).
+    pub fn global_loss(&mut self, comm: &dyn Collective, local: f32) -> f32 {
+        let start = Instant::now();
+        let mut v = [local as f64];
+        comm.all_reduce_sum_f64(&mut v);
+        self.other += start.elapsed();
+        v[0] as f32
+    }
+
+    /// Clipping to the global norm (when `grad_clip > 0`) and the AdamW step at
+    /// `lr`, after [`DataParallel::backward_reduce`]. Returns the pre-clip norm.
+    pub fn clip_and_step(
+        &mut self,
+        comm: &dyn Collective,
+        model: &mut Gpt,
+        opt: &mut AdamW,
+        grad_clip: f32,
+        lr: f32,
+    ) -> f32 {
+        if self.plan.zero_stage == 0 {
+            // Every rank holds the same summed gradients: same norm, same update.
+            let norm = grad_sq_sum(&model.grads).sqrt() as f32;
+            if grad_clip > 0.0 {
+                let factor = clip_factor(norm, grad_clip);
+                if factor < 1.0 {
+                    scale_grads(&mut model.grads, factor);
+                }
+            }
+            opt.step(&mut model.params, &model.grads, lr);
+            return norm;
+        }
+        let start = Instant::now();
+        let mut sq = [grad_sq_sum(&self.recv)];
+        comm.all_reduce_sum_f64(&mut sq);
+        let norm = sq[0].sqrt() as f32;
+        let mut comm_time = start.elapsed();
+        if grad_clip > 0.0 {
+            let factor = clip_factor(norm, grad_clip);
+            if factor < 1.0 {
+                scale_grads(&mut self.recv, factor);
+            }
+        }
+        opt.step_shard(&mut model.params, &self.recv, lr);
+        let start = Instant::now();
+        self.all_gather_params(comm, &mut model.params);
+        comm_time += start.elapsed();
+        self.other += comm_time;
+        norm
+    }
+
+    /// Stage 1: every rank's updated pieces into every rank's parameters.
+    fn all_gather_params(&mut self, comm: &dyn Collective, params: &mut [f32]) {
+        let (plan, s) = (&self.plan, self.plan.shard_len);
+        // Both buffers are free until the next step's reduction, which overwrites
+        // (and zero-pads) every bucket of them: `recv` (the shard's gradients, used)
+        // carries this rank's pieces, `send` receives everyone's.
+        plan.pack_shard(plan.rank, params, &mut self.recv);
+        comm.all_gather(&self.recv, &mut self.send);
+        for q in 0..plan.world_size {
+            plan.unpack_shard(q, &self.send[q * s..(q + 1) * s], params);
+        }
+    }
+
+    /// The full AdamW moments for a checkpoint: `Some` on rank 0, `None` elsewhere.
+    /// At stage 0 (replicated) nothing is sent and `None` means "use your own".
+    /// Collective at stage 1: every rank calls it.
+    pub fn gather_moments(
+        &mut self,
+        comm: &dyn Collective,
+        opt: &AdamW,
+    ) -> Option<(Vec<f32>, Vec<f32>)> {
+        if self.plan.zero_stage == 0 {
+            return None;
+        }
+        let (plan, s) = (&self.plan, self.plan.shard_len);
+        let root = plan.rank == 0;
+        let mut out = Vec::new();
+        for state in [&opt.m, &opt.v] {
+            let recv: &mut [f32] = if root { &mut self.send } else { &mut [] };
+            comm.gather(state, recv, 0);
+            if root {
+                let mut full = vec![0.0; plan.arena_len];
+                for q in 0..plan.world_size {
+                    plan.unpack_shard(q, &self.send[q * s..(q + 1) * s], &mut full);
+                }
+                out.push(full);
+            }
+        }
+        let v = out.pop()?;
+        let m = out.pop()?;
+        Some((m, v))
+    }
+
+    /// Checks that every rank holds bit-identical parameters (a checksum per rank,
+    /// compared); the error names the ranks that differ.
+    pub fn check_replicas(
+        &mut self,
+        comm: &dyn Collective,
+        params: &[f32],
+        iter: u64,
+    ) -> Result<()> {
+        let start = Instant::now();
+        let sums = comm.all_gather_u64(params_checksum(params));
+        self.other += start.elapsed();
+        let differ: Vec<String> = sums
+            .iter()
+            .enumerate()
+            .filter(|(_, &s)| s != sums[0])
+            .map(|(r, s)| format!("rank {r} has {s:016x}"))
+            .collect();
+        if !differ.is_empty() {
+            bail!(
+                "the ranks' parameters differ at iteration {iter}: rank 0 has checksum {:016x}, {};                  a host computed differently (faulty memory or CPU, or a different binary);                  resume from the last checkpoint",
+                sums[0],
+                differ.join(", ")
+            );
+        }
+        Ok(())
+    }
+
+    /// Adds one step's wall time (the step itself measures it). The first step
+    /// (buffers touched for the first time, connections opened) is left out.
+    pub fn record_step(&mut self, elapsed: Duration) {
+        if !self.warm {
+            self.warm = true;
+            (self.exposed, self.other) = (Duration::ZERO, Duration::ZERO);
+            return;
+        }
+        self.steps += 1;
+        self.step_time += elapsed;
+    }
+
+    /// The figures so far, for a step of `tokens` global tokens.
+    pub fn report(&self, comm: &dyn Collective, tokens: usize) -> CommReport {
+        let n = self.steps.max(1) as f64;
+        let ms = |d: Duration| d.as_secs_f64() * 1e3 / n;
+        let (step, exposed, other) = (ms(self.step_time), ms(self.exposed), ms(self.other));
+        let alone = self.reduce_alone.as_secs_f64() * 1e3;
+        let hidden = if alone > 0.0 {
+            (1.0 - exposed / alone).clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
+        let per_rank = if step > 0.0 {
+            tokens as f64 / (step / 1e3) / comm.world_size() as f64
+        } else {
+            0.0
+        };
+        CommReport {
+            world_size: comm.world_size(),
+            zero_stage: self.plan.zero_stage,
+            backend: comm.describe(),
+            steps: self.steps,
+            step_ms: step,
+            compute_ms: step - exposed - other,
+            exposed_reduce_ms: exposed,
+            other_comm_ms: other,
+            reduce_alone_ms: alone,
+            hidden_fraction: hidden,
+            grad_bytes: self.plan.arena_len * 4,
+            tokens_per_sec_per_rank: per_rank,
+        }
+    }
+}
+
+/// A 64-bit checksum of the parameters' bytes, the same for any thread count.
+pub fn params_checksum(params: &[f32]) -> u64 {
+    const CHUNK: usize = 1 << 16;
+    let parts: Vec<u64> = params
+        .par_chunks(CHUNK)
+        .map(|c| {
+            c.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| {
+                (h ^ x.to_bits() as u64).wrapping_mul(0x0000_0100_0000_01b3)
+            })
+        })
+        .collect();
+    parts.iter().fold(params.len() as u64, |h, &p| {
+        crate::kernels::dropout::mix64(h ^ p).wrapping_add(0x9e37_79b9_7f4a_7c15)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn checksum_sees_one_changed_bit_and_ignores_threads() {
+        let a: Vec<f32> = (0..300_000).map(|i| i as f32 * 1e-3).collect();
+        let mut b = a.clone();
+        b[123_456] = f32::from_bits(b[123_456].to_bits() ^ 1);
+        assert_ne!(params_checksum(&a), params_checksum(&b));
+        let one = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap()
+            .install(|| params_checksum(&a));
+        assert_eq!(one, params_checksum(&a));
+    }
+}

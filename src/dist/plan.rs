@@ -1,0 +1,204 @@
+//! Where each gradient bucket travels, and (ZeRO-1) which rank owns which part of the
+//! arena.
+//!
+//! Buckets are the ranges `Gpt::grad_buckets` reports, in backward order. With ZeRO
+//! stage 0 a bucket is all-reduced in place of itself: send and receive buffers have
+//! the arena's layout. With stage 1, bucket `b` of `n_b` floats is cut into
+//! `world_size` pieces of `p_b = ⌈n_b / W⌉` floats (the last ones may be short or
+//! empty); rank `q` owns piece `q` of every bucket. Its shard — optimizer moments,
+//! reduced gradients — stores those pieces one after the other, piece `b` at slot
+//! `S_b = Σ_{b'<b} p_b'`, `S = Σ p_b` floats in all, the same for every rank. The
+//! send buffer holds bucket `b` at `P_b = W · S_b`, zero-padded to `W · p_b`, so one
+//! reduce-scatter per bucket delivers each rank its piece.
+
+use std::ops::Range;
+
+/// One gradient bucket of a [`GradPlan`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Bucket {
+    /// Its range of the arena.
+    pub arena: Range<usize>,
+    /// Its range of the send buffer (at least `arena.len()` floats).
+    pub send: Range<usize>,
+    /// Where this rank's result lands in the receive buffer.
+    pub recv: Range<usize>,
+}
+
+/// The buckets and the shard layout of a data-parallel run.
+#[derive(Clone, Debug)]
+pub struct GradPlan {
+    pub world_size: usize,
+    pub rank: usize,
+    /// 0 (replicated optimizer state) or 1 (sharded).
+    pub zero_stage: u8,
+    pub arena_len: usize,
+    pub buckets: Vec<Bucket>,
+    pub send_len: usize,
+    pub recv_len: usize,
+    /// Floats of every rank's shard (stage 1; the arena length at stage 0).
+    pub shard_len: usize,
+    /// Per bucket: piece length `p_b` and shard slot `S_b` (stage 1).
+    pieces: Vec<(usize, usize)>,
+}
+
+impl GradPlan {
+    /// The plan for buckets `ranges` (which tile `0..arena_len`) on `world_size`
+    /// ranks, seen from `rank`.
+    pub fn new(
+        ranges: &[Range<usize>],
+        arena_len: usize,
+        world_size: usize,
+        rank: usize,
+        zero_stage: u8,
+    ) -> GradPlan {
+        assert!(rank < world_size && zero_stage <= 1);
+        assert_eq!(
+            ranges.iter().map(|r| r.len()).sum::<usize>(),
+            arena_len,
+            "buckets must tile the arena"
+        );
+        let w = world_size;
+        let mut buckets = Vec::with_capacity(ranges.len());
+        let mut pieces = Vec::with_capacity(ranges.len());
+        let mut slot = 0;
+        for r in ranges {
+            if zero_stage == 0 {
+                buckets.push(Bucket {
+                    arena: r.clone(),
+                    send: r.clone(),
+                    recv: r.clone(),
+                });
+                pieces.push((r.len(), r.start));
+            } else {
+                let p = r.len().div_ceil(w);
+                buckets.push(Bucket {
+                    arena: r.clone(),
+                    send: w * slot..w * (slot + p),
+                    recv: slot..slot + p,
+                });
+                pieces.push((p, slot));
+                slot += p;
+            }
+        }
+        let (send_len, recv_len, shard_len) = match zero_stage {
+            0 => (arena_len, arena_len, arena_len),
+            _ => (w * slot, slot, slot),
+        };
+        GradPlan {
+            world_size,
+            rank,
+            zero_stage,
+            arena_len,
+            buckets,
+            send_len,
+            recv_len,
+            shard_len,
+            pieces,
+        }
+    }
+
+    /// The arena range of rank `q`'s piece of bucket `b` (stage 1; may be empty).
+    pub fn piece(&self, b: usize, q: usize) -> Range<usize> {
+        let arena = &self.buckets[b].arena;
+        let p = self.pieces[b].0;
+        let start = (arena.start + q * p).min(arena.end);
+        start..(start + p).min(arena.end)
+    }
+
+    /// This rank's shard for `AdamW::for_shard`: (arena range, slot) of each piece.
+    pub fn shard(&self) -> Vec<(Range<usize>, usize)> {
+        if self.zero_stage == 0 {
+            return vec![(0..self.arena_len, 0)];
+        }
+        (0..self.buckets.len())
+            .map(|b| (self.piece(b, self.rank), self.pieces[b].1))
+            .filter(|(r, _)| !r.is_empty())
+            .collect()
+    }
+
+    /// Copies rank `q`'s pieces of `arena` into `shard` (`shard_len` floats; the
+    /// padding of short pieces is left alone).
+    pub fn pack_shard(&self, q: usize, arena: &[f32], shard: &mut [f32]) {
+        for b in 0..self.buckets.len() {
+            let r = self.piece(b, q);
+            let slot = self.pieces[b].1;
+            shard[slot..slot + r.len()].copy_from_slice(&arena[r]);
+        }
+    }
+
+    /// Copies rank `q`'s shard back into its pieces of `arena`.
+    pub fn unpack_shard(&self, q: usize, shard: &[f32], arena: &mut [f32]) {
+        for b in 0..self.buckets.len() {
+            let r = self.piece(b, q);
+            let slot = self.pieces[b].1;
+            arena[r.clone()].copy_from_slice(&shard[slot..slot + r.len()]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TILES: [Range<usize>; 4] = [90..100, 40..90, 7..40, 0..7];
+
+    #[test]
+    fn stage_0_reduces_each_bucket_in_place() {
+        let plan = GradPlan::new(&TILES, 100, 3, 1, 0);
+        assert_eq!(
+            (plan.send_len, plan.recv_len, plan.shard_len),
+            (100, 100, 100)
+        );
+        for (b, t) in plan.buckets.iter().zip(TILES) {
+            assert_eq!((&b.arena, &b.send, &b.recv), (&t, &t, &t));
+        }
+        assert_eq!(plan.shard(), vec![(0..100, 0)]);
+    }
+
+    #[test]
+    fn stage_1_pieces_partition_every_bucket() {
+        for w in 1..=4 {
+            let plans: Vec<_> = (0..w)
+                .map(|r| GradPlan::new(&TILES, 100, w, r, 1))
+                .collect();
+            let s = plans[0].shard_len;
+            assert_eq!(plans[0].send_len, w * s);
+            // Every arena float is owned by exactly one rank.
+            let mut owner = vec![usize::MAX; 100];
+            for (q, plan) in plans.iter().enumerate() {
+                assert_eq!(plan.shard_len, s, "same shard size on every rank");
+                for (range, slot) in plan.shard() {
+                    assert!(slot + range.len() <= s);
+                    for i in range {
+                        assert_eq!(owner[i], usize::MAX, "owned twice");
+                        owner[i] = q;
+                    }
+                }
+            }
+            assert!(owner.iter().all(|&o| o < w), "w={w}: {owner:?}");
+            // Reduce-scatter of a bucket hands rank q its piece: send block q of the
+            // bucket is exactly piece q of the arena.
+            for (b, bucket) in plans[0].buckets.iter().enumerate() {
+                let p = bucket.recv.len();
+                assert_eq!(bucket.send.len(), w * p);
+                for q in 0..w {
+                    let piece = plans[0].piece(b, q);
+                    assert_eq!(
+                        piece.start,
+                        (bucket.arena.start + q * p).min(bucket.arena.end)
+                    );
+                    assert_eq!(plans[q].buckets[b].recv, bucket.recv, "same slots");
+                }
+            }
+            // Packing every rank's shard and unpacking it restores the arena.
+            let arena: Vec<f32> = (0..100).map(|i| i as f32).collect();
+            let mut back = vec![0.0; 100];
+            for (q, plan) in plans.iter().enumerate() {
+                let mut shard = vec![-1.0; s];
+                plan.pack_shard(q, &arena, &mut shard);
+                plan.unpack_shard(q, &shard, &mut back);
+            }
+            assert_eq!(back, arena);
+        }
+    }
+}

@@ -1,0 +1,148 @@
+//! A thread that ends the job when a collective makes no progress.
+//!
+//! MPI notices a dead process, but not a stopped one, a hung host or a cut link: the
+//! other ranks would wait in their next collective forever. Each blocking collective
+//! arms the watchdog for its duration; if one stays armed longer than
+//! `collective_timeout_s`, the watchdog reports which operation and rank waited,
+//! then runs its action (for MPI: `MPI_Abort`, which ends every rank).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+type Action = Box<dyn Fn(String) + Send + Sync>;
+
+struct State {
+    origin: Instant,
+    /// The timeout in milliseconds; 0 = off.
+    timeout_ms: AtomicU64,
+    /// When the current wait began (ms since `origin`, plus one); 0 = not waiting.
+    armed_at: AtomicU64,
+    /// Multiple of the timeout the current wait may last.
+    patience: AtomicU64,
+    what: Mutex<&'static str>,
+    who: String,
+    action: Action,
+}
+
+/// Arms the watchdog while a collective runs; see [`Watchdog::arm`].
+pub struct Watchdog {
+    state: Arc<State>,
+    started: std::sync::Once,
+}
+
+/// Disarms on drop.
+pub struct Armed<'a>(&'a Watchdog);
+
+impl Drop for Armed<'_> {
+    fn drop(&mut self) {
+        self.0.state.armed_at.store(0, Ordering::SeqCst);
+    }
+}
+
+impl Watchdog {
+    /// A watchdog for `who` (e.g. "rank 1 of 3 (host h2)") that calls `action`
+    /// with its message when a wait times out. Off until [`Watchdog::set_timeout`].
+    pub fn new(who: String, action: impl Fn(String) + Send + Sync + 'static) -> Watchdog {
+        Watchdog {
+            state: Arc::new(State {
+                origin: Instant::now(),
+                timeout_ms: AtomicU64::new(0),
+                armed_at: AtomicU64::new(0),
+                patience: AtomicU64::new(1),
+                what: Mutex::new(""),
+                who,
+                action: Box::new(action),
+            }),
+            started: std::sync::Once::new(),
+        }
+    }
+
+    /// Sets the timeout (zero turns the watchdog off) and starts its thread.
+    pub fn set_timeout(&self, timeout: Duration) {
+        let ms = timeout.as_millis().min(u64::MAX as u128) as u64;
+        self.state.timeout_ms.store(ms, Ordering::SeqCst);
+        if ms > 0 {
+            self.started.call_once(|| {
+                let state = Arc::clone(&self.state);
+                std::thread::Builder::new()
+                    .name("collective-watchdog".into())
+                    .spawn(move || watch(&state))
+                    .expect("cannot start the collective watchdog thread");
+            });
+        }
+    }
+
+    /// Arms the watchdog for the wait `what` until the guard drops; the wait may last
+    /// `patience` timeouts.
+    pub fn arm(&self, what: &'static str, patience: u32) -> Armed<'_> {
+        *self.state.what.lock().unwrap_or_else(|e| e.into_inner()) = what;
+        self.state
+            .patience
+            .store(patience.max(1) as u64, Ordering::SeqCst);
+        let now = self.state.origin.elapsed().as_millis() as u64 + 1;
+        self.state.armed_at.store(now, Ordering::SeqCst);
+        Armed(self)
+    }
+}
+
+fn watch(state: &State) {
+    loop {
+        let timeout = state.timeout_ms.load(Ordering::SeqCst);
+        let poll = (timeout / 10).clamp(20, 1000);
+        std::thread::sleep(Duration::from_millis(poll));
+        let armed_at = state.armed_at.load(Ordering::SeqCst);
+        if timeout == 0 || armed_at == 0 {
+            continue;
+        }
+        let limit = timeout.saturating_mul(state.patience.load(Ordering::SeqCst));
+        let now = state.origin.elapsed().as_millis() as u64 + 1;
+        if now.saturating_sub(armed_at) > limit {
+            let what = *state.what.lock().unwrap_or_else(|e| e.into_inner());
+            (state.action)(format!(
+                "{}: {what} made no progress for {:.0} s (collective_timeout_s = {:.0}): \
+                 another rank is stopped, hung or unreachable; aborting the job",
+                state.who,
+                limit as f64 / 1e3,
+                timeout as f64 / 1e3
+            ));
+            // The action normally ends the process; if it returns, report once.
+            state.armed_at.store(0, Ordering::SeqCst);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+
+    #[test]
+    fn fires_only_for_a_wait_longer_than_the_timeout() {
+        let (tx, rx) = mpsc::channel();
+        let tx = Mutex::new(tx);
+        let dog = Watchdog::new("rank 1 of 2 (host h)".into(), move |msg| {
+            let _ = tx.lock().unwrap().send(msg);
+        });
+        dog.set_timeout(Duration::from_millis(200));
+        {
+            let _g = dog.arm("all-reduce", 1);
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        std::thread::sleep(Duration::from_millis(400));
+        assert!(rx.try_recv().is_err(), "a short wait does not fire");
+        {
+            let _g = dog.arm("broadcast", 1);
+            let msg = rx.recv_timeout(Duration::from_secs(5)).expect("fires");
+            assert!(
+                msg.contains("rank 1 of 2") && msg.contains("broadcast"),
+                "{msg}"
+            );
+        }
+        {
+            let _g = dog.arm("barrier", 10);
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        assert!(rx.try_recv().is_err(), "patience multiplies the timeout");
+    }
+}

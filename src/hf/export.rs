@@ -1,0 +1,291 @@
+//! The engine's parameters out to a Hugging Face GPT-2 model directory:
+//! `config.json`, `model.safetensors` (HF key names, Conv1D `[in, out]` weights,
+//! the real vocabulary only, no `lm_head`: it is tied), `generation_config.json`,
+//! and for GPT-2-tokenized models the tokenizer files. `GPT2LMHeadModel.from_pretrained`
+//! opens the directory and computes the same logits.
+//!
+//! Every file is written atomically. A directory that already holds other files is
+//! refused unless it is a previous export (whose files are replaced, others kept).
+
+use super::tokenizer_files;
+use super::weights::transpose;
+use crate::checkpoint::write_atomic;
+use crate::data::{TokenizerKind, GPT2_EOT, GPT2_VOCAB_SIZE};
+use crate::model::{ModelConfig, ParamLayout};
+use anyhow::{bail, Context, Result};
+use safetensors::tensor::{Dtype, View};
+use safetensors::SafeTensors;
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// The files an export writes (besides the tokenizer's).
+pub const MODEL_FILES: [&str; 3] = ["config.json", "model.safetensors", "generation_config.json"];
+/// Marks our `model.safetensors` (metadata key `producer`).
+const PRODUCER: &str = "nanogpt";
+
+/// What was written.
+#[derive(Clone, Debug)]
+pub struct ExportSummary {
+    pub dir: PathBuf,
+    pub files: Vec<String>,
+    /// Parameters written (real vocabulary, tied classifier counted once).
+    pub parameters: usize,
+}
+
+/// One output tensor, produced when the writer asks for it.
+struct Out<'a> {
+    shape: Vec<usize>,
+    data: Source<'a>,
+}
+
+enum Source<'a> {
+    Slice(&'a [f32]),
+    /// `[rows, cols]` in the arena, written as `[cols, rows]`.
+    Transposed {
+        src: &'a [f32],
+        rows: usize,
+        cols: usize,
+    },
+    Zeros,
+}
+
+impl View for Out<'_> {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        let owned = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        match &self.data {
+            Source::Slice(s) if cfg!(target_endian = "little") => {
+                Cow::Borrowed(bytemuck::cast_slice(s))
+            }
+            Source::Slice(s) => Cow::Owned(owned(s)),
+            Source::Transposed { src, rows, cols } => {
+                let mut t = vec![0.0f32; rows * cols];
+                transpose(src, *rows, *cols, &mut t);
+                Cow::Owned(owned(&t))
+            }
+            Source::Zeros => Cow::Owned(vec![0u8; self.data_len()]),
+        }
+    }
+
+    fn data_len(&self) -> usize {
+        self.shape.iter().product::<usize>() * 4
+    }
+}
+
+/// Writes the model (`params` laid out for `cfg`) to the Hugging Face directory
+/// `dir`. `tokenizer` decides the token ids in the configs and whether GPT-2's
+/// tokenizer files are written.
+pub fn export(
+    params: &[f32],
+    cfg: &ModelConfig,
+    tokenizer: Option<TokenizerKind>,
+    dir: &Path,
+) -> Result<ExportSummary> {
+    let layout = ParamLayout::new(cfg);
+    if params.len() != layout.len {
+        bail!(
+            "internal error: {} parameters for a layout of {}",
+            params.len(),
+            layout.len
+        );
+    }
+    let gpt2_tokens = tokenizer == Some(TokenizerKind::Gpt2) && cfg.vocab_size >= GPT2_VOCAB_SIZE;
+    let mut names: Vec<&str> = MODEL_FILES.to_vec();
+    if gpt2_tokens {
+        names.extend(tokenizer_files::FILE_NAMES);
+    }
+    check_destination(dir)?;
+    std::fs::create_dir_all(dir).with_context(|| {
+        format!(
+            "cannot create {}; check the path and permissions",
+            dir.display()
+        )
+    })?;
+
+    let tensors = hf_tensors(params, &layout, cfg);
+    let metadata = HashMap::from([
+        ("format".to_string(), "pt".to_string()),
+        (
+            "producer".to_string(),
+            format!("{PRODUCER} {}", env!("CARGO_PKG_VERSION")),
+        ),
+    ]);
+    write_atomic(&dir.join("model.safetensors"), |tmp| {
+        safetensors::serialize_to_file(tensors, &Some(metadata), tmp)
+            .with_context(|| format!("cannot write {}", tmp.display()))
+    })?;
+    let eot = gpt2_tokens.then_some(GPT2_EOT);
+    write_text(&dir.join("generation_config.json"), &generation_config(eot))?;
+    if gpt2_tokens {
+        for (name, text) in tokenizer_files::gpt2_tokenizer_files(cfg.block_size)? {
+            write_text(&dir.join(name), &text)?;
+        }
+    }
+    write_text(&dir.join("config.json"), &config_json(cfg, eot))?;
+    Ok(ExportSummary {
+        dir: dir.to_path_buf(),
+        files: names.iter().map(|s| s.to_string()).collect(),
+        parameters: cfg.num_params(),
+    })
+}
+
+/// The tensors in Hugging Face's names and layout.
+fn hf_tensors<'a>(
+    params: &'a [f32],
+    layout: &ParamLayout,
+    cfg: &ModelConfig,
+) -> Vec<(String, Out<'a>)> {
+    let (v, c) = (cfg.vocab_size, cfg.n_embd);
+    let mut out = Vec::new();
+    let wte = &params[layout.wte.start..layout.wte.start + v * c];
+    out.push(("transformer.wte.weight".to_string(), slice(wte, vec![v, c])));
+    for t in &layout.tensors {
+        if t.name == "transformer.wte.weight" {
+            continue;
+        }
+        let src = &params[t.range()];
+        let conv1d = t.shape.len() == 2 && t.name.contains(".h.");
+        let tensor = if conv1d {
+            let (rows, cols) = (t.shape[0], t.shape[1]);
+            Out {
+                shape: vec![cols, rows],
+                data: Source::Transposed { src, rows, cols },
+            }
+        } else {
+            slice(src, t.shape.clone())
+        };
+        out.push((t.name.clone(), tensor));
+    }
+    if !cfg.bias {
+        // Trained without biases: zeros are exactly equivalent.
+        let mut zeros = vec![("transformer.ln_f.bias".to_string(), c)];
+        for i in 0..cfg.n_layer {
+            for (name, n) in [
+                ("ln_1.bias", c),
+                ("attn.c_attn.bias", 3 * c),
+                ("attn.c_proj.bias", c),
+                ("ln_2.bias", c),
+                ("mlp.c_fc.bias", 4 * c),
+                ("mlp.c_proj.bias", c),
+            ] {
+                zeros.push((format!("transformer.h.{i}.{name}"), n));
+            }
+        }
+        for (name, n) in zeros {
+            out.push((
+                name,
+                Out {
+                    shape: vec![n],
+                    data: Source::Zeros,
+                },
+            ));
+        }
+    }
+    out
+}
+
+fn slice(s: &[f32], shape: Vec<usize>) -> Out<'_> {
+    Out {
+        shape,
+        data: Source::Slice(s),
+    }
+}
+
+fn config_json(cfg: &ModelConfig, eot: Option<u32>) -> String {
+    let json = serde_json::json!({
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.block_size,
+        "n_ctx": cfg.block_size,
+        "n_embd": cfg.n_embd,
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "n_inner": null,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": crate::model::config::LAYER_NORM_EPS as f64,
+        "initializer_range": 0.02,
+        // Dropout is a training setting, not part of the weights: GPT-2's defaults.
+        "resid_pdrop": 0.1,
+        "embd_pdrop": 0.1,
+        "attn_pdrop": 0.1,
+        "scale_attn_weights": true,
+        "scale_attn_by_inverse_layer_idx": false,
+        "reorder_and_upcast_attn": false,
+        "tie_word_embeddings": true,
+        "use_cache": true,
+        "bos_token_id": eot,
+        "eos_token_id": eot,
+        "torch_dtype": "float32",
+    });
+    serde_json::to_string_pretty(&json).expect("JSON values serialise") + "\n"
+}
+
+fn generation_config(eot: Option<u32>) -> String {
+    let json = match eot {
+        Some(id) => serde_json::json!({"bos_token_id": id, "eos_token_id": id}),
+        None => serde_json::json!({}),
+    };
+    serde_json::to_string_pretty(&json).expect("JSON values serialise") + "\n"
+}
+
+fn write_text(path: &Path, text: &str) -> Result<()> {
+    write_atomic(path, |tmp| {
+        std::fs::write(tmp, text).with_context(|| format!("cannot write {}", tmp.display()))
+    })
+}
+
+/// A new or empty directory, one holding only files an export writes, or a
+/// previous export; anything else is refused.
+fn check_destination(dir: &Path) -> Result<()> {
+    if !dir.exists() {
+        return Ok(());
+    }
+    if !dir.is_dir() {
+        bail!("{} is a file; export needs a directory path", dir.display());
+    }
+    let ours =
+        |name: &str| MODEL_FILES.contains(&name) || tokenizer_files::FILE_NAMES.contains(&name);
+    let mut foreign: Vec<String> = std::fs::read_dir(dir)
+        .with_context(|| format!("cannot read {}", dir.display()))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|name| !ours(name))
+        .collect();
+    if foreign.is_empty() || is_previous_export(dir) {
+        return Ok(());
+    }
+    foreign.sort();
+    let shown: Vec<_> = foreign.iter().take(5).cloned().collect();
+    bail!(
+        "{} already holds files that a nanogpt export did not write ({}{}); export into a new or \
+         empty directory (nothing was written)",
+        dir.display(),
+        shown.join(", "),
+        if foreign.len() > 5 { ", ..." } else { "" }
+    )
+}
+
+/// `dir/model.safetensors` carries our producer mark.
+fn is_previous_export(dir: &Path) -> bool {
+    let Ok(file) = std::fs::File::open(dir.join("model.safetensors")) else {
+        return false;
+    };
+    // SAFETY: read-only private map, dropped before we replace the file.
+    let Ok(map) = (unsafe { memmap2::Mmap::map(&file) }) else {
+        return false;
+    };
+    SafeTensors::read_metadata(&map)
+        .ok()
+        .and_then(|(_, m)| m.metadata().clone())
+        .and_then(|m| m.get("producer").cloned())
+        .is_some_and(|p| p.starts_with(PRODUCER))
+}

@@ -1,0 +1,122 @@
+//! Hugging Face GPT-2 models in and out: pretrained weights for fine-tuning,
+//! evaluation and sampling, and export of a trained model back to a model directory
+//! that `transformers` (and the tools built on its format) opens unchanged.
+//!
+//! - [`resolve`]: what `init_from = "gpt2"` (or a path, or a Hub id) names: a local
+//!   directory or `.safetensors` file, the Hugging Face cache, or a download.
+//! - [`config`]: `config.json`, checked against what the engine can represent.
+//! - [`weights`]: safetensors (single file, sharded with an index) into the flat
+//!   parameter arena: keys with or without `transformer.`, Conv1D `[in, out]`
+//!   weights transposed, attention-mask buffers skipped, `lm_head` tied to `wte`,
+//!   the vocabulary padded. Pickle (`pytorch_model.bin`) is refused, never read.
+//! - [`export`]: the arena back to `config.json` + `model.safetensors` +
+//!   `generation_config.json` (+ GPT-2's tokenizer files, from [`tokenizer_files`]).
+//!
+//! ```no_run
+//! # fn main() -> anyhow::Result<()> {
+//! let model = nanogpt::hf::Pretrained::open("gpt2")?; // dir, cache, or download
+//! let (config, params) = model.load(Some(256), 0.0)?; // block_size cropped to 256
+//! # Ok(()) }
+//! ```
+
+pub mod config;
+pub mod export;
+pub mod resolve;
+pub mod tokenizer_files;
+pub mod weights;
+
+pub use config::HfConfig;
+pub use export::{export, ExportSummary};
+pub use resolve::{HubEnv, Located};
+
+use crate::model::{ModelConfig, ParamLayout};
+use anyhow::Result;
+use std::path::{Path, PathBuf};
+use weights::WeightFiles;
+
+/// A pretrained GPT-2 found and opened: its config read and checked, its weight
+/// files indexed (tensors are read by [`Pretrained::load_params`]).
+pub struct Pretrained {
+    /// The model directory (or the `.safetensors` file) the weights come from.
+    pub location: PathBuf,
+    pub config: HfConfig,
+    weights: WeightFiles,
+}
+
+impl Pretrained {
+    /// Opens `spec` (see [`resolve::locate`]), with the Hub settings of the
+    /// process environment (`HF_HUB_CACHE`, `HF_HOME`, `HF_HUB_OFFLINE`, ...).
+    pub fn open(spec: &str) -> Result<Pretrained> {
+        Self::open_with(spec, &HubEnv::from_process_env())
+    }
+
+    /// Opens `spec` with explicit Hub settings.
+    pub fn open_with(spec: &str, env: &HubEnv) -> Result<Pretrained> {
+        let located = resolve::locate(spec, env)?;
+        match located {
+            Located::Dir(dir) => Self::open_dir(&dir),
+            Located::File(file) => Self::open_file(&file),
+        }
+    }
+
+    /// A Hugging Face model directory: `config.json` and `model.safetensors` (or
+    /// shards listed in `model.safetensors.index.json`).
+    pub fn open_dir(dir: &Path) -> Result<Pretrained> {
+        let weights = WeightFiles::open_dir(dir)?;
+        let config = HfConfig::load(&dir.join("config.json"))?;
+        config.check(&dir.join("config.json"))?;
+        Ok(Pretrained {
+            location: dir.to_path_buf(),
+            config,
+            weights,
+        })
+    }
+
+    /// A lone `.safetensors` file; its config is the `config.json` beside it, or,
+    /// without one, read off the tensor shapes (see [`weights::WeightFiles::infer_config`]).
+    pub fn open_file(file: &Path) -> Result<Pretrained> {
+        let weights = WeightFiles::open_file(file)?;
+        let beside = file.with_file_name("config.json");
+        let config = if beside.is_file() {
+            let config = HfConfig::load(&beside)?;
+            config.check(&beside)?;
+            config
+        } else {
+            weights.infer_config()?
+        };
+        Ok(Pretrained {
+            location: file.to_path_buf(),
+            config,
+            weights,
+        })
+    }
+
+    /// The engine's config for this model: the pretrained architecture, the
+    /// position table cropped to `block_size` (default: all of `n_positions`), and
+    /// `dropout`.
+    pub fn model_config(&self, block_size: Option<usize>, dropout: f32) -> Result<ModelConfig> {
+        self.config
+            .model_config(block_size, dropout, &self.location)
+    }
+
+    /// Copies the weights into `params`, laid out by `layout` (built from
+    /// [`Pretrained::model_config`]). Every tensor of the layout is written,
+    /// padded vocabulary rows with zeros.
+    pub fn load_params(
+        &self,
+        layout: &ParamLayout,
+        cfg: &ModelConfig,
+        params: &mut [f32],
+    ) -> Result<()> {
+        self.weights.load_into(&self.config, layout, cfg, params)
+    }
+
+    /// The model config and a parameter arena filled with the weights.
+    pub fn load(&self, block_size: Option<usize>, dropout: f32) -> Result<(ModelConfig, Vec<f32>)> {
+        let cfg = self.model_config(block_size, dropout)?;
+        let layout = ParamLayout::new(&cfg);
+        let mut params = vec![0.0; layout.len];
+        self.load_params(&layout, &cfg, &mut params)?;
+        Ok((cfg, params))
+    }
+}
