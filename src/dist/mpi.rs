@@ -1,9 +1,13 @@
 //! The MPI backend (cargo feature `mpi`): MPI's world communicator through the `mpi`
 //! crate (rsmpi), over Open MPI, MPICH or Intel MPI.
 //!
-//! Only the thread that initialised MPI calls it (`MPI_THREAD_FUNNELED`); the rayon
-//! workers never do. The one exception is `MPI_Abort` from the watchdog thread or a
-//! panic hook, which ends the job anyway.
+//! The thread that initialised MPI makes every call, the rayon workers none, with
+//! two exceptions: `MPI_Abort` from the watchdog thread or a panic hook (which ends
+//! the job anyway), and a progress thread that pokes MPI while backward computes, so
+//! the per-layer reductions move (MPI moves data only inside MPI calls). The
+//! progress thread needs `MPI_THREAD_MULTIPLE` and runs when some ranks are on other
+//! hosts (`NANOGPT_PROGRESS_THREAD=0|1` overrides); otherwise progress is made
+//! between layers only.
 
 use super::{BackwardFn, Bucket, Collective, OverlapTimes, Reduce, Watchdog};
 use anyhow::{bail, Result};
@@ -12,6 +16,7 @@ use mpi::environment::Universe;
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::Threading;
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -30,12 +35,15 @@ pub struct Mpi {
     /// Start each bucket's reduction during backward (default); `NANOGPT_OVERLAP=0`
     /// waits for each at once instead, to measure what overlapping saves.
     overlap: bool,
+    /// Drive MPI's progress from a second thread during backward.
+    progress_thread: bool,
 }
 
 impl Mpi {
     /// `MPI_Init_thread`, then the rank, world size and ranks on this host.
     pub fn init() -> Result<Mpi> {
-        let Some((universe, _)) = mpi::initialize_with_threading(Threading::Funneled) else {
+        let Some((universe, threading)) = mpi::initialize_with_threading(Threading::Multiple)
+        else {
             bail!("MPI was already initialised in this process");
         };
         let world = universe.world();
@@ -65,6 +73,15 @@ impl Mpi {
             host,
             watchdog,
             overlap: std::env::var("NANOGPT_OVERLAP").as_deref() != Ok("0"),
+            // Across hosts the network moves data by itself once MPI has been poked;
+            // within a host (shared memory) the copies are the CPU's work anyway and
+            // the extra thread only costs (measured).
+            progress_thread: threading == Threading::Multiple
+                && match std::env::var("NANOGPT_PROGRESS_THREAD").as_deref() {
+                    Ok("0") => false,
+                    Ok("1") => true,
+                    _ => local < size,
+                },
         })
     }
 
@@ -110,6 +127,28 @@ pub fn finalize() {
             });
     }
     drop(universe);
+}
+
+/// Makes MPI progress (an `MPI_Iprobe`, which matches nothing: collectives do not
+/// use the point-to-point tags it sees) every millisecond until `stop`.
+fn progress_until(stop: &AtomicBool) {
+    let mut flag = 0;
+    let mut status = std::mem::MaybeUninit::<mpi::ffi::MPI_Status>::uninit();
+    while !stop.load(Ordering::Relaxed) {
+        // SAFETY: MPI runs with MPI_THREAD_MULTIPLE (checked before this thread is
+        // started), is initialised, and is not finalised while the reduction that
+        // owns this thread runs; flag and status are valid for writing.
+        unsafe {
+            mpi::ffi::MPI_Iprobe(
+                mpi::ffi::RSMPI_ANY_SOURCE,
+                mpi::ffi::RSMPI_ANY_TAG,
+                mpi::ffi::RSMPI_COMM_WORLD,
+                &mut flag,
+                status.as_mut_ptr(),
+            );
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 /// MPI counts are C ints.
@@ -268,43 +307,50 @@ impl Collective for Mpi {
         let mut recvs = split_disjoint(recv, &recv_ranges);
         let (world, watchdog, overlap) = (&self.world, &self.watchdog, self.overlap);
         let mut exposed = Duration::ZERO;
-        mpi::request::multiple_scope(buckets.len(), |scope, requests| {
-            let mut done = Vec::with_capacity(buckets.len());
-            let mut i = 0;
-            backward(&mut |range, grads| {
-                let b = &buckets[i];
-                assert_eq!(range, b.arena, "buckets reported out of plan");
-                let s = sends[i].take().expect("each bucket once");
-                let n = range.len();
-                s[..n].copy_from_slice(&grads[range]);
-                s[n..].fill(0.0);
-                let s: &[f32] = s;
-                let r = recvs[i].take().expect("each bucket once");
-                count(s.len());
-                let sum = SystemOperation::sum();
-                let request = match kind {
-                    Reduce::AllReduce => world.immediate_all_reduce_into(scope, s, r, sum),
-                    Reduce::ReduceScatter => {
-                        world.immediate_reduce_scatter_block_into(scope, s, r, sum)
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|threads| {
+            if overlap && self.progress_thread {
+                threads.spawn(|| progress_until(&stop));
+            }
+            mpi::request::multiple_scope(buckets.len(), |scope, requests| {
+                let mut done = Vec::with_capacity(buckets.len());
+                let mut i = 0;
+                backward(&mut |range, grads| {
+                    let b = &buckets[i];
+                    assert_eq!(range, b.arena, "buckets reported out of plan");
+                    let s = sends[i].take().expect("each bucket once");
+                    let n = range.len();
+                    s[..n].copy_from_slice(&grads[range]);
+                    s[n..].fill(0.0);
+                    let s: &[f32] = s;
+                    let r = recvs[i].take().expect("each bucket once");
+                    count(s.len());
+                    let sum = SystemOperation::sum();
+                    let request = match kind {
+                        Reduce::AllReduce => world.immediate_all_reduce_into(scope, s, r, sum),
+                        Reduce::ReduceScatter => {
+                            world.immediate_reduce_scatter_block_into(scope, s, r, sum)
+                        }
+                    };
+                    requests.add(request);
+                    if overlap {
+                        // MPI moves data only inside MPI calls: give it a turn per layer.
+                        requests.test_some(&mut done);
+                    } else {
+                        let start = Instant::now();
+                        let _g = watchdog.arm("gradient reduction", 1);
+                        requests.wait_all(&mut done);
+                        exposed += start.elapsed();
                     }
-                };
-                requests.add(request);
-                if overlap {
-                    // MPI moves data only inside MPI calls: give it a turn per layer.
-                    requests.test_some(&mut done);
-                } else {
-                    let start = Instant::now();
-                    let _g = watchdog.arm("gradient reduction", 1);
-                    requests.wait_all(&mut done);
-                    exposed += start.elapsed();
-                }
-                i += 1;
+                    i += 1;
+                });
+                assert_eq!(i, buckets.len(), "every bucket reported");
+                let start = Instant::now();
+                let _g = watchdog.arm("gradient reduction", 1);
+                requests.wait_all(&mut done);
+                exposed += start.elapsed();
             });
-            assert_eq!(i, buckets.len(), "every bucket reported");
-            let start = Instant::now();
-            let _g = watchdog.arm("gradient reduction", 1);
-            requests.wait_all(&mut done);
-            exposed += start.elapsed();
+            stop.store(true, Ordering::Relaxed);
         });
         OverlapTimes { exposed }
     }
