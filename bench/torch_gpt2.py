@@ -10,7 +10,7 @@ implementation, as nanoGPT uses on CPU), on synthetic tokens.
     .venv/bin/python bench/torch_gpt2.py --n-layer 4 --n-head 4 --n-embd 128 --vocab-size 65 \
         --batch-size 12 --block-size 64 --steps 50 --threads 2     # the quick-start shape
 
-bench/compare.sh runs this and nanogpt alternately and prints the ratios.
+bench/compare.py runs this and nanogpt alternately and prints the ratios.
 """
 
 import argparse
@@ -81,6 +81,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
     ap.add_argument("--fused", action="store_true", help="fused AdamW")
+    ap.add_argument("--bf16", action="store_true", help="torch.autocast('cpu', bfloat16)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
 
@@ -102,7 +103,8 @@ def main():
     times = []
     for i in range(a.warmup + a.steps):
         start = time.perf_counter()
-        loss = step_model(x, y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):
+            loss = step_model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -117,7 +119,7 @@ def main():
         "ms_per_step_min": min(times),
         "tokens_per_sec": b * t / (ms / 1e3),
         "flops_per_token": flops_per_token,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6,
     }
     if a.json:
         print(json.dumps(report))

@@ -147,6 +147,13 @@ impl Trainer {
     }
 
     /// Ranks in the job.
+    /// Every rank waits here until rank 0 arrives (a no-op on one process): call it
+    /// after rank 0's final output (the quick start's sample can take a while), so no
+    /// rank enters `MPI_Finalize` and its grace period while rank 0 still works.
+    pub fn wait_for_root(&self) {
+        self.comm.barrier_patient();
+    }
+
     pub fn world_size(&self) -> usize {
         self.comm.world_size()
     }

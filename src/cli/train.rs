@@ -1,7 +1,7 @@
 //! `nanogpt train [CONFIG.toml] [key=value ...]`.
 
 use crate::config::TrainConfig;
-use crate::train::Trainer;
+use crate::train::{TrainOutcome, Trainer};
 use anyhow::Result;
 use clap::Args;
 use std::path::Path;
@@ -71,15 +71,21 @@ pub fn run(args: TrainArgs) -> Result<()> {
         );
     }
     let outcome = trainer.run()?;
-    if !root {
-        return Ok(());
+    if root {
+        report_outcome(&mut trainer, &outcome, config_path.is_none())?;
     }
+    trainer.wait_for_root();
+    Ok(())
+}
+
+/// Rank 0's closing lines: the last evaluation, the quick start's sample, a hint.
+fn report_outcome(trainer: &mut Trainer, outcome: &TrainOutcome, quick_start: bool) -> Result<()> {
     if let Some((train_loss, val_loss)) = outcome.last_eval {
         println!("done: train loss {train_loss:.4}, val loss {val_loss:.4}");
     }
-    if config_path.is_none() && !trainer.cfg.eval_only {
+    if quick_start && !trainer.cfg.eval_only {
         println!("\nA sample from the trained model:\n");
-        super::sample::print_sample(&mut trainer, QUICK_START_SAMPLE_TOKENS)?;
+        super::sample::print_sample(trainer, QUICK_START_SAMPLE_TOKENS)?;
     }
     println!(
         "\nsample more with: nanogpt sample --out-dir {}",
