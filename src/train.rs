@@ -154,6 +154,12 @@ impl Trainer {
         self.comm.barrier_patient();
     }
 
+    /// The GEMM peak (GFLOP/s, this rank's threads) that MFU is reported against;
+    /// measured on rank 0 when the trainer starts.
+    pub fn peak_gflops(&self) -> f64 {
+        self.peak_gflops
+    }
+
     pub fn world_size(&self) -> usize {
         self.comm.world_size()
     }
@@ -417,8 +423,15 @@ impl Trainer {
                 mfu: Some(mfu),
                 grad_norm: Some(grad_norm),
             })?;
+            // Above 100 % only when the peak measured at start was depressed by
+            // other work on the machine: say so rather than print it bare.
+            let busy = if mfu > 1.0 {
+                " (the peak measured at start was low: machine busy)"
+            } else {
+                ""
+            };
             progress.log(&format!(
-                "iter {iter}: loss {loss:.4}, lr {lr:.2e}, time {ms:.1}ms, {tokens_per_sec:.0} tok/s, mfu {:.1}%",
+                "iter {iter}: loss {loss:.4}, lr {lr:.2e}, time {ms:.1}ms, {tokens_per_sec:.0} tok/s, mfu {:.1}%{busy}",
                 mfu * 100.0
             ));
         }

@@ -69,6 +69,10 @@ pub fn run(args: TrainArgs) -> Result<()> {
             trainer.meta.val_tokens,
             trainer.meta.tokenizer
         );
+        println!(
+            "mfu: against this machine's f32 GEMM peak, {:.0} GFLOP/s per rank, measured now",
+            trainer.peak_gflops()
+        );
     }
     let outcome = trainer.run()?;
     if root {
