@@ -458,7 +458,12 @@ impl Trainer {
         let path = checkpoint::interval_path(&self.cfg.out_dir, iter);
         self.save_checkpoint_to(&path, iter)?;
         if self.rank() == 0 {
-            checkpoint::prune_interval_checkpoints(&self.cfg.out_dir, self.cfg.keep_last)?;
+            // The new checkpoint is in place: failing to delete old ones is not fatal.
+            if let Err(e) =
+                checkpoint::prune_interval_checkpoints(&self.cfg.out_dir, self.cfg.keep_last)
+            {
+                eprintln!("warning: {e:#}");
+            }
         }
         Ok(path)
     }
