@@ -8,7 +8,7 @@
 use crate::model::{ModelConfig, ParamLayout, TensorInfo};
 use anyhow::{bail, Context, Result};
 use safetensors::tensor::{Dtype, TensorView};
-use safetensors::SafeTensors;
+use safetensors::{SafeTensorError, SafeTensors};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::fs::File;
@@ -37,12 +37,74 @@ pub struct CheckpointState {
     pub world_size: usize,
 }
 
-/// Paths of the checkpoint files in an output directory.
+/// The best-val (or `always_save_checkpoint`) checkpoint of an output directory.
 pub fn checkpoint_path(out_dir: &Path) -> PathBuf {
     out_dir.join("ckpt.safetensors")
 }
 
-/// Writes `params` (and the AdamW moments when given) with `state`, atomically.
+/// The interval (or signal) checkpoint that resumes at iteration `iter`:
+/// `ckpt-000500.safetensors`.
+pub fn interval_path(out_dir: &Path, iter: u64) -> PathBuf {
+    out_dir.join(format!("ckpt-{iter:06}.safetensors"))
+}
+
+/// The iteration in an interval checkpoint's file name.
+fn interval_iter(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix("ckpt-")?.strip_suffix(".safetensors")?;
+    match digits.bytes().all(|b| b.is_ascii_digit()) {
+        true => digits.parse().ok(),
+        false => None,
+    }
+}
+
+/// The interval checkpoints in `out_dir`, oldest first.
+pub fn interval_checkpoints(out_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    let mut found = Vec::new();
+    let entries =
+        std::fs::read_dir(out_dir).with_context(|| format!("cannot list {}", out_dir.display()))?;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        if let Some(iter) = name.to_str().and_then(interval_iter) {
+            found.push((iter, entry.path()));
+        }
+    }
+    found.sort();
+    Ok(found)
+}
+
+/// Deletes all but the newest `keep` interval checkpoints (and their `.json`
+/// copies); returns the deleted checkpoints. Call only once the newest is in place.
+pub fn prune_interval_checkpoints(out_dir: &Path, keep: usize) -> Result<Vec<PathBuf>> {
+    let all = interval_checkpoints(out_dir)?;
+    let old = &all[..all.len().saturating_sub(keep)];
+    for (_, path) in old {
+        std::fs::remove_file(path)
+            .with_context(|| format!("cannot delete the old checkpoint {}", path.display()))?;
+        let _ = std::fs::remove_file(path.with_extension("json"));
+    }
+    Ok(old.iter().map(|(_, p)| p.clone()).collect())
+}
+
+/// Temporary files that an interrupted write left in `out_dir` (never loaded).
+pub fn leftover_temp_files(out_dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(out_dir) else {
+        return Vec::new();
+    };
+    let mut found: Vec<PathBuf> = entries
+        .flatten()
+        .filter(|e| {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            name.starts_with(".ckpt") && name.contains(".safetensors.tmp-")
+        })
+        .map(|e| e.path())
+        .collect();
+    found.sort();
+    found
+}
+
+/// Writes `params` (and the AdamW moments when given) with `state`, atomically, to
+/// `out_dir/ckpt.safetensors`.
 pub fn save(
     out_dir: &Path,
     state: &CheckpointState,
@@ -50,6 +112,35 @@ pub fn save(
     params: &[f32],
     moments: Option<(&[f32], &[f32])>,
 ) -> Result<()> {
+    save_to(&checkpoint_path(out_dir), state, layout, params, moments)
+}
+
+/// Writes the checkpoint `dest` (and its state as `dest` with extension `.json`),
+/// each atomically. Refuses non-finite parameters or moments: a checkpoint must
+/// always be worth resuming from.
+pub fn save_to(
+    dest: &Path,
+    state: &CheckpointState,
+    layout: &ParamLayout,
+    params: &[f32],
+    moments: Option<(&[f32], &[f32])>,
+) -> Result<()> {
+    let mut buffers = vec![("parameters", params)];
+    if let Some((m, v)) = moments {
+        buffers.extend([("AdamW first moments", m), ("AdamW second moments", v)]);
+    }
+    for (what, buf) in buffers {
+        if let Some(t) = layout.tensors.iter().find(|t| !all_finite(&buf[t.range()])) {
+            bail!(
+                "refusing to write {} for iteration {}: the {what} of {} hold NaN or infinite \
+                 values (the previous checkpoint is kept); lower learning_rate or set grad_clip, \
+                 then resume from the previous checkpoint",
+                dest.display(),
+                state.iter_num,
+                t.name
+            );
+        }
+    }
     let mut views: Vec<(String, TensorView)> = Vec::new();
     for t in &layout.tensors {
         let view = |buf| f32_view(buf, t);
@@ -64,15 +155,36 @@ pub fn save(
         ("format".to_string(), FORMAT.to_string()),
         ("state".to_string(), state_json),
     ]);
-    let dest = checkpoint_path(out_dir);
-    write_atomic(&dest, |tmp| {
+    let not_saved = || {
+        let dir = dest.parent().unwrap_or(Path::new("."));
+        format!(
+            "the checkpoint of iteration {} was not saved (free disk space or fix the \
+             permissions of {}, then continue with init_from=resume)",
+            state.iter_num,
+            dir.display()
+        )
+    };
+    write_atomic(dest, |tmp| {
         safetensors::serialize_to_file(views, &Some(metadata), tmp)
-            .with_context(|| format!("cannot write {}", tmp.display()))
-    })?;
+            .map_err(|e| match e {
+                // The OS's own words ("No space left on device (os error 28)").
+                SafeTensorError::IoError(io) => anyhow::Error::new(io),
+                other => anyhow::anyhow!("{other}"),
+            })
+            .with_context(|| format!("cannot write {}", tmp.display()))?;
+        crate::fault::during_checkpoint(state.iter_num, tmp);
+        Ok(())
+    })
+    .with_context(not_saved)?;
     let pretty = serde_json::to_string_pretty(state)?;
-    write_atomic(&out_dir.join("ckpt.json"), |tmp| {
+    write_atomic(&dest.with_extension("json"), |tmp| {
         std::fs::write(tmp, pretty).with_context(|| format!("cannot write {}", tmp.display()))
     })
+    .with_context(not_saved)
+}
+
+fn all_finite(values: &[f32]) -> bool {
+    values.iter().all(|x| x.is_finite())
 }
 
 fn f32_view<'a>(buf: &'a [f32], t: &TensorInfo) -> Result<TensorView<'a>> {
@@ -84,7 +196,10 @@ fn f32_view<'a>(buf: &'a [f32], t: &TensorInfo) -> Result<TensorView<'a>> {
 /// then fsyncs it, renames it into place and fsyncs the directory. On failure the
 /// previous `dest` is untouched and the temporary file removed.
 pub fn write_atomic(dest: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let dir = dest.parent().unwrap_or(Path::new("."));
+    let dir = match dest.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
     let name = dest.file_name().context("destination has no file name")?;
     let tmp = dir.join(format!(
         ".{}.tmp-{}",
@@ -96,8 +211,9 @@ pub fn write_atomic(dest: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Res
             .and_then(|f| f.sync_all())
             .with_context(|| format!("cannot sync {} to disk", tmp.display()))?;
         std::fs::rename(&tmp, dest)
-            .with_context(|| format!("cannot move {} into place", dest.display()))?;
-        // The rename is durable only once the directory entry is on disk.
+            .with_context(|| format!("cannot move {} into place", tmp.display()))?;
+        // The rename is durable only once the directory entry is on disk. Some file
+        // systems cannot sync a directory; the file itself is complete either way.
         if let Ok(d) = File::open(dir) {
             let _ = d.sync_all();
         }
@@ -108,7 +224,7 @@ pub fn write_atomic(dest: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Res
     }
     result.with_context(|| {
         format!(
-            "{} was not written; any previous copy is intact",
+            "{} was not written (any previous copy is intact)",
             dest.display()
         )
     })
@@ -121,16 +237,86 @@ pub struct Checkpoint {
     pub state: CheckpointState,
 }
 
+/// The checkpoint [`Checkpoint::open_latest`] chose, with what it noticed.
+pub struct Latest {
+    pub checkpoint: Checkpoint,
+    /// Lines for the user: leftover temporary files, damaged checkpoints skipped.
+    pub notes: Vec<String>,
+}
+
 impl Checkpoint {
     /// Opens `out_dir/ckpt.safetensors` and reads its state.
     pub fn open(out_dir: &Path) -> Result<Checkpoint> {
         let path = checkpoint_path(out_dir);
-        let file = File::open(&path).with_context(|| {
-            format!(
-                "no checkpoint at {}: start a run with init_from=scratch first, or set out_dir to the run to resume",
-                path.display()
-            )
-        })?;
+        if !path.exists() {
+            return Err(no_checkpoint(out_dir));
+        }
+        Checkpoint::open_file(&path)
+    }
+
+    /// The checkpoint to resume from: of `ckpt.safetensors` and the interval
+    /// checkpoints `ckpt-NNNNNN.safetensors`, the complete one with the highest
+    /// `iter_num`. Damaged ones are skipped (with a note); temporary files of
+    /// interrupted writes are never read (a note names them).
+    pub fn open_latest(out_dir: &Path) -> Result<Latest> {
+        let mut candidates: Vec<PathBuf> = match out_dir.is_dir() {
+            true => interval_checkpoints(out_dir)?
+                .into_iter()
+                .map(|(_, p)| p)
+                .collect(),
+            false => Vec::new(),
+        };
+        let best = checkpoint_path(out_dir);
+        if best.exists() {
+            candidates.push(best);
+        }
+        let mut notes: Vec<String> = leftover_temp_files(out_dir)
+            .iter()
+            .map(|p| {
+                format!(
+                    "ignoring {}, left by an interrupted checkpoint write (safe to delete)",
+                    p.display()
+                )
+            })
+            .collect();
+        let mut chosen: Option<Checkpoint> = None;
+        let mut damaged = Vec::new();
+        for path in candidates {
+            match Checkpoint::open_file(&path) {
+                // Ties: the interval checkpoint (listed first) is kept.
+                Ok(c)
+                    if chosen
+                        .as_ref()
+                        .is_none_or(|b| c.state.iter_num > b.state.iter_num) =>
+                {
+                    chosen = Some(c)
+                }
+                Ok(_) => {}
+                Err(e) => damaged.push(format!("{e:#}")),
+            }
+        }
+        let Some(checkpoint) = chosen else {
+            match damaged.is_empty() {
+                true => return Err(no_checkpoint(out_dir)),
+                false => bail!(
+                    "no usable checkpoint in {}: {}",
+                    out_dir.display(),
+                    damaged.join("; ")
+                ),
+            }
+        };
+        notes.extend(
+            damaged
+                .into_iter()
+                .map(|e| format!("skipping a checkpoint: {e}")),
+        );
+        Ok(Latest { checkpoint, notes })
+    }
+
+    /// Opens one checkpoint file and reads its state.
+    pub fn open_file(path: &Path) -> Result<Checkpoint> {
+        let path = path.to_path_buf();
+        let file = File::open(&path).with_context(|| format!("cannot open {}", path.display()))?;
         // SAFETY: the map is read-only and private to this process; checkpoints are
         // replaced by rename, never rewritten in place, so the mapped file does not
         // change under us.
@@ -150,6 +336,11 @@ impl Checkpoint {
             .and_then(|s| Ok(serde_json::from_str(s)?))
             .map_err(|e| damaged(&path, e))?;
         Ok(Checkpoint { path, map, state })
+    }
+
+    /// The file this checkpoint was read from.
+    pub fn path(&self) -> &Path {
+        &self.path
     }
 
     /// Copies the parameters into `params` (laid out by `layout`).
@@ -208,6 +399,13 @@ pub fn copy_f32(dst: &mut [f32], bytes: &[u8]) {
             }
         }
     }
+}
+
+fn no_checkpoint(out_dir: &Path) -> anyhow::Error {
+    anyhow::anyhow!(
+        "no checkpoint at {}: start a run with init_from=scratch first, or set out_dir to the run to resume",
+        checkpoint_path(out_dir).display()
+    )
 }
 
 fn damaged(path: &Path, err: impl std::fmt::Display) -> anyhow::Error {
@@ -337,12 +535,76 @@ mod tests {
             bail!("disk full")
         })
         .unwrap_err();
-        assert!(format!("{err:#}").contains("previous copy is intact"));
+        assert!(format!("{err:#}").contains("any previous copy is intact"));
         assert_eq!(std::fs::read(&dest).unwrap(), b"old");
         assert_eq!(
             std::fs::read_dir(&dir).unwrap().count(),
             1,
             "temporary file removed"
         );
+    }
+
+    #[test]
+    fn refuses_non_finite_values_and_keeps_the_previous_file() {
+        let (_, layout, state) = setup();
+        let dir = temp_dir("nonfinite");
+        let params = vec![0.5; layout.len];
+        save(&dir, &state, &layout, &params, None).unwrap();
+        let before = std::fs::read(checkpoint_path(&dir)).unwrap();
+        let t = &layout.tensors[1];
+        let mut bad = params.clone();
+        bad[t.range().start] = f32::INFINITY;
+        let err = save(&dir, &state, &layout, &bad, None).unwrap_err();
+        assert!(
+            err.to_string().contains(&format!(
+                "for iteration 250: the parameters of {} hold NaN or infinite values",
+                t.name
+            )),
+            "{err}"
+        );
+        let mut v = vec![0.0; layout.len];
+        v[t.range().end - 1] = f32::NAN;
+        let err = save(&dir, &state, &layout, &params, Some((&params, &v))).unwrap_err();
+        assert!(
+            err.to_string().contains("the AdamW second moments of"),
+            "{err}"
+        );
+        assert_eq!(std::fs::read(checkpoint_path(&dir)).unwrap(), before);
+    }
+
+    #[test]
+    fn the_latest_complete_checkpoint_is_chosen_and_old_ones_pruned() {
+        let (_, layout, mut state) = setup();
+        let dir = temp_dir("latest");
+        let params = vec![0.25; layout.len];
+        for iter in [100, 200, 300] {
+            state.iter_num = iter;
+            save_to(&interval_path(&dir, iter), &state, &layout, &params, None).unwrap();
+        }
+        state.iter_num = 250;
+        save(&dir, &state, &layout, &params, None).unwrap();
+        // The newest is damaged (truncated), and a write was interrupted.
+        let newest = interval_path(&dir, 300);
+        let bytes = std::fs::read(&newest).unwrap();
+        std::fs::write(&newest, &bytes[..bytes.len() - 10]).unwrap();
+        std::fs::write(dir.join(".ckpt-000400.safetensors.tmp-1"), b"partial").unwrap();
+        let latest = Checkpoint::open_latest(&dir).unwrap();
+        assert_eq!(latest.checkpoint.state.iter_num, 250);
+        assert_eq!(latest.checkpoint.path(), checkpoint_path(&dir));
+        assert_eq!(latest.notes.len(), 2, "{:?}", latest.notes);
+        assert!(latest.notes[0].contains(".ckpt-000400.safetensors.tmp-1"));
+        assert!(latest.notes[1].contains("damaged or truncated"));
+        std::fs::remove_file(checkpoint_path(&dir)).unwrap();
+        std::fs::remove_file(&newest).unwrap();
+        let latest = Checkpoint::open_latest(&dir).unwrap();
+        assert_eq!(latest.checkpoint.path(), interval_path(&dir, 200));
+
+        let removed = prune_interval_checkpoints(&dir, 1).unwrap();
+        assert_eq!(removed, [interval_path(&dir, 100)]);
+        assert!(!dir.join("ckpt-000100.json").exists());
+        assert!(dir.join("ckpt-000200.json").exists());
+        assert_eq!(interval_iter("ckpt-1234567.safetensors"), Some(1_234_567));
+        assert_eq!(interval_iter("ckpt-12a.safetensors"), None);
+        assert_eq!(interval_iter("ckpt.safetensors"), None);
     }
 }

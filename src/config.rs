@@ -69,6 +69,15 @@ pub struct TrainConfig {
     pub eval_only: bool,
     /// Save a checkpoint at every evaluation, not only when val loss improves.
     pub always_save_checkpoint: bool,
+    /// Also write `ckpt-NNNNNN.safetensors` every this many iterations (0: never),
+    /// for resuming after a crash; `init_from = "resume"` takes the newest checkpoint.
+    pub ckpt_interval: u64,
+    /// How many of those interval checkpoints to keep (older ones are deleted once
+    /// a newer one is safely written).
+    pub keep_last: usize,
+    /// Stop the run when this many optimizer steps in a row have a non-finite loss
+    /// or gradient norm (each such step is skipped).
+    pub max_nonfinite_steps: u64,
     /// `scratch`, `resume`, or pretrained weights (`gpt2`, `gpt2-medium`, ... or a
     /// directory); see [`TrainConfig::init`].
     pub init_from: String,
@@ -126,6 +135,9 @@ impl Default for TrainConfig {
             eval_iters: 200,
             eval_only: false,
             always_save_checkpoint: true,
+            ckpt_interval: 0,
+            keep_last: 2,
+            max_nonfinite_steps: 5,
             init_from: "scratch".to_string(),
             dataset: "shakespeare_char".to_string(),
             gradient_accumulation_steps: 1,
@@ -237,6 +249,8 @@ impl TrainConfig {
                 self.gradient_accumulation_steps,
             ),
             ("log_interval", self.log_interval as usize),
+            ("keep_last", self.keep_last),
+            ("max_nonfinite_steps", self.max_nonfinite_steps as usize),
         ];
         for (key, value) in sizes {
             if value == 0 {
@@ -741,9 +755,34 @@ mod tests {
     }
 
     #[test]
+    fn checkpoint_and_fault_keys_are_checked() {
+        let cfg = TrainConfig::default();
+        assert_eq!(
+            (cfg.ckpt_interval, cfg.keep_last, cfg.max_nonfinite_steps),
+            (0, 2, 5)
+        );
+        for key in ["keep_last", "max_nonfinite_steps"] {
+            let err = TrainConfig::parse("", "test", &[format!("{key}=0")]).unwrap_err();
+            assert!(
+                format!("{err:#}").contains(&format!("`{key}` must be at least 1, got 0")),
+                "{err:#}"
+            );
+        }
+        let cfg = TrainConfig::parse("ckpt_interval = 500\nkeep_last = 3", "test", &[]).unwrap();
+        assert_eq!((cfg.ckpt_interval, cfg.keep_last), (500, 3));
+    }
+
+    #[test]
     fn keys_list_every_field() {
         let keys = TrainConfig::keys();
-        assert_eq!(keys.len(), 31);
-        assert!(keys.contains(&"gradient_accumulation_steps".to_string()));
+        assert_eq!(keys.len(), 34);
+        for key in [
+            "gradient_accumulation_steps",
+            "ckpt_interval",
+            "keep_last",
+            "max_nonfinite_steps",
+        ] {
+            assert!(keys.contains(&key.to_string()), "{key}");
+        }
     }
 }

@@ -2,10 +2,12 @@ use clap::Parser;
 
 fn main() {
     let cli = nanogpt::cli::Cli::parse();
-    if let Err(err) = nanogpt::cli::run(cli) {
+    let code = match nanogpt::cli::run(cli) {
+        Ok(code) => code,
         // `error: ...` with the whole context chain on one line (file, problem,
         // fix); in a multi-rank job it names the rank and aborts every rank.
-        nanogpt::dist::fail(&err);
-    }
+        Err(err) => nanogpt::dist::fail(&err),
+    };
     nanogpt::dist::finish();
+    std::process::exit(code)
 }

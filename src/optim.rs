@@ -186,13 +186,23 @@ pub fn clip_factor(norm: f32, max_norm: f32) -> f32 {
 /// Clips the gradients to global L2 norm `max_norm` like PyTorch's
 /// `clip_grad_norm_`; returns the norm before clipping.
 pub fn clip_grad_norm(grads: &mut [f32], max_norm: f32) -> f32 {
+    let norm = grad_norm(grads);
+    clip_to_norm(grads, norm, max_norm);
+    norm
+}
+
+/// The global L2 norm of the gradients (one process).
+pub fn grad_norm(grads: &[f32]) -> f32 {
     let _t = crate::profile::scope(crate::profile::Section::GradNorm);
-    let norm = grad_sq_sum(grads).sqrt() as f32;
+    grad_sq_sum(grads).sqrt() as f32
+}
+
+/// Scales gradients of global norm `norm` down to `max_norm` (if above it).
+pub fn clip_to_norm(grads: &mut [f32], norm: f32, max_norm: f32) {
     let factor = clip_factor(norm, max_norm);
     if factor < 1.0 {
         scale_grads(grads, factor);
     }
-    norm
 }
 
 /// nanoGPT's learning-rate schedule.

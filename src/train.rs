@@ -4,7 +4,9 @@
 //! for iter in start..=max_iters:
 //!     every eval_interval: estimate train/val loss, checkpoint if val improved
 //!     for each micro-step: forward + backward on its rows of the global batch
-//!     clip to grad_clip, AdamW step at lr(iter), log
+//!     clip to grad_clip, AdamW step at lr(iter) (skipped if the loss or norm is
+//!         not finite), log
+//!     every ckpt_interval, or on SIGINT/SIGTERM: checkpoint (then stop, for a signal)
 //! ```
 //! The global batch of an iteration is a pure function of `(seed, iter)`, and the
 //! dropout masks of `(seed, iter, micro-step)`, so a resumed run repeats exactly what
@@ -21,11 +23,13 @@ use crate::checkpoint::{self, Checkpoint, CheckpointState};
 use crate::config::{Dtype, InitFrom, TrainConfig};
 use crate::data::{self, batch_offsets, fill_batch, Draw, Meta, Split, TokenFile};
 use crate::dist::{Collective, CommReport, DataParallel, Single};
+use crate::fault;
 use crate::kernels::dropout::mix64;
 use crate::metrics::{plot_loss, MetricsLog, Row};
 use crate::model::{Gpt, ModelConfig};
-use crate::optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule};
+use crate::optim::{clip_to_norm, grad_norm, AdamW, AdamWConfig, LrSchedule};
 use crate::progress::Progress;
+use crate::shutdown::{self, StopSignal};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -45,6 +49,22 @@ pub struct TrainOutcome {
     /// The last evaluation's losses, if any ran.
     pub last_eval: Option<(f32, f32)>,
     pub final_train_loss: Option<f32>,
+    /// Set when a signal stopped the run: the signal and the checkpoint written.
+    pub stopped: Option<(StopSignal, PathBuf)>,
+}
+
+/// What one optimizer step did.
+#[derive(Clone, Copy, Debug)]
+pub struct StepOutcome {
+    /// Mean loss over all ranks' micro-steps.
+    pub loss: f32,
+    pub lr: f32,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f32,
+    /// False when the loss or the norm was not finite and the update was skipped.
+    pub applied: bool,
+    /// A signal asked some rank to stop (the same answer on every rank).
+    pub stop: Option<StopSignal>,
 }
 
 /// A run in progress: the model, its optimizer, the data and the bookkeeping.
@@ -70,6 +90,8 @@ pub struct Trainer {
     targets: Vec<i32>,
     offsets: Vec<usize>,
     peak_gflops: f64,
+    /// Steps skipped in a row for a non-finite loss or gradient norm.
+    nonfinite_in_row: u64,
 }
 
 impl Trainer {
@@ -126,6 +148,7 @@ impl Trainer {
             targets: vec![0; bt],
             offsets: vec![0; cfg.batch_size],
             peak_gflops,
+            nonfinite_in_row: 0,
             cfg,
             model,
             opt,
@@ -177,6 +200,7 @@ impl Trainer {
         let mut progress = root.then(|| Progress::new(self.iter_num, self.cfg.max_iters + 1));
         let mut last_eval = None;
         let mut final_train_loss = None;
+        let mut stopped = None;
         loop {
             let iter = self.iter_num;
             if self.cfg.eval_interval > 0 && iter.is_multiple_of(self.cfg.eval_interval) {
@@ -192,21 +216,35 @@ impl Trainer {
                 break;
             }
             let start = Instant::now();
-            let (loss, lr, grad_norm) = self.train_step(iter)?;
+            let step = self.train_step(iter)?;
             let elapsed = start.elapsed();
             if let Some(dp) = &mut self.dp {
                 dp.record_step(elapsed);
             }
-            final_train_loss = Some(loss);
+            final_train_loss = Some(step.loss);
+            let secs = elapsed.as_secs_f64();
             self.log_step(
                 iter,
-                loss,
-                lr,
-                grad_norm,
-                elapsed.as_secs_f64(),
+                step.loss,
+                step.lr,
+                step.grad_norm,
+                secs,
                 &mut progress,
             )?;
+            self.count_nonfinite(iter, &step, &mut progress)?;
             self.iter_num += 1;
+            if let Some(signal) = step.stop {
+                stopped = Some((signal, self.save_latest(self.iter_num)?));
+                break;
+            }
+            let every = self.cfg.ckpt_interval;
+            if every > 0 && self.iter_num.is_multiple_of(every) {
+                let path = self.save_latest(self.iter_num)?;
+                say(
+                    &mut progress,
+                    &format!("saving checkpoint to {}", path.display()),
+                );
+            }
             if self.iter_num > self.cfg.max_iters {
                 break;
             }
@@ -221,13 +259,49 @@ impl Trainer {
             best_val_loss: self.best_val_loss,
             last_eval,
             final_train_loss,
+            stopped,
         })
     }
 
+    /// After a step: a warning for a skipped one, and an error once
+    /// `max_nonfinite_steps` were skipped in a row.
+    fn count_nonfinite(
+        &mut self,
+        iter: u64,
+        step: &StepOutcome,
+        progress: &mut Option<Progress>,
+    ) -> Result<()> {
+        if step.applied {
+            self.nonfinite_in_row = 0;
+            return Ok(());
+        }
+        self.nonfinite_in_row += 1;
+        let (n, max) = (self.nonfinite_in_row, self.cfg.max_nonfinite_steps);
+        let what = format!("loss {}, gradient norm {}", step.loss, step.grad_norm);
+        if n >= max {
+            bail!(
+                "{n} optimizer steps in a row (iterations {}..={iter}) had a non-finite loss or \
+                 gradient norm ({what}), so training stopped (max_nonfinite_steps = {max}); the \
+                 checkpoints hold only finite values: lower learning_rate, set grad_clip or check \
+                 the data, then continue with init_from=resume",
+                iter + 1 - n
+            );
+        }
+        say(
+            progress,
+            &format!(
+                "warning: iteration {iter}: {what} is not finite; update skipped ({n} in a row, \
+                 the run stops at max_nonfinite_steps = {max})"
+            ),
+        );
+        Ok(())
+    }
+
     /// One optimizer step at iteration `iter`: this rank's micro-steps' forward and
-    /// backward, the gradient reduction across ranks, clipping, AdamW. Returns
-    /// (mean loss over all ranks, lr, pre-clip gradient norm).
-    pub fn train_step(&mut self, iter: u64) -> Result<(f32, f32, f32)> {
+    /// backward, the gradient reduction across ranks, clipping, AdamW (skipped when
+    /// the loss or gradient norm is not finite). The stop request of a signal is
+    /// sampled here, and with several ranks agreed on with the loss's all-reduce.
+    pub fn train_step(&mut self, iter: u64) -> Result<StepOutcome> {
         let accum = self.cfg.gradient_accumulation_steps;
         let (b, t) = (self.cfg.batch_size, self.cfg.block_size);
         let global = batch_offsets(
@@ -265,29 +339,51 @@ impl Trainer {
                 _ => self.model.backward(),
             }
         }
+        fault::during_step(iter);
+        if fault::nan_grad(iter) {
+            match self.dp {
+                None => self.model.grads[self.model.layout.tensors[0].range().start] = f32::NAN,
+                Some(_) => loss = f32::NAN,
+            }
+        }
         let lr = self.schedule.lr_at(iter);
         let grad_clip = self.cfg.grad_clip as f32;
-        let grad_norm = match &mut self.dp {
+        let (grad_norm, applied, stop) = match &mut self.dp {
             None => {
-                let grad_norm = if grad_clip > 0.0 {
-                    clip_grad_norm(&mut self.model.grads, grad_clip)
-                } else {
-                    crate::optim::grad_sq_sum(&self.model.grads).sqrt() as f32
-                };
-                self.opt.step(&mut self.model.params, &self.model.grads, lr);
-                grad_norm
+                let norm = grad_norm(&self.model.grads);
+                let applied = loss.is_finite() && norm.is_finite();
+                if applied {
+                    if grad_clip > 0.0 {
+                        clip_to_norm(&mut self.model.grads, norm, grad_clip);
+                    }
+                    self.opt.step(&mut self.model.params, &self.model.grads, lr);
+                }
+                (norm, applied, shutdown::requested())
             }
             Some(dp) => {
-                loss = dp.global_loss(&*self.comm, loss);
+                let (global_loss, stop) =
+                    dp.global_loss_and_stop(&*self.comm, loss, shutdown::requested());
+                loss = global_loss;
                 let (comm, model) = (&*self.comm, &mut self.model);
-                let norm = dp.clip_and_step(comm, model, &mut self.opt, grad_clip, lr);
+                let opt = &mut self.opt;
+                let (norm, applied) =
+                    dp.clip_and_step(comm, model, opt, grad_clip, lr, loss.is_finite());
                 if (iter + 1).is_multiple_of(REPLICA_CHECK_EVERY) {
                     dp.check_replicas(comm, &model.params, iter + 1)?;
                 }
-                norm
+                (norm, applied, stop)
             }
         };
-        Ok((loss, lr, grad_norm))
+        if fault::nan_param(iter) {
+            self.model.params[self.model.layout.tensors[0].range().start] = f32::NAN;
+        }
+        Ok(StepOutcome {
+            loss,
+            lr,
+            grad_norm,
+            applied,
+            stop,
+        })
     }
 
     /// nanoGPT's `estimate_loss`: the mean loss of `eval_iters` batches of each split,
@@ -315,6 +411,7 @@ impl Trainer {
                     &mut self.targets,
                 )?;
                 *total += self.model.forward(&self.inputs, &self.targets, b, t) as f64;
+                fault::during_eval(self.iter_num);
             }
         }
         self.comm.all_reduce_sum_f64(&mut totals);
@@ -361,10 +458,34 @@ impl Trainer {
         Ok(())
     }
 
-    /// Writes the state from which iteration `iter` (not yet trained) resumes. With
-    /// several ranks every rank calls it (sharded AdamW moments are gathered to
-    /// rank 0) and rank 0 writes: the checkpoint does not depend on the world size.
+    /// Writes `out_dir/ckpt.safetensors`, the state from which iteration `iter`
+    /// (not yet trained) resumes. See [`Trainer::save_checkpoint_to`].
     pub fn save_checkpoint(&mut self, iter: u64) -> Result<()> {
+        let path = checkpoint::checkpoint_path(&self.cfg.out_dir);
+        self.save_checkpoint_to(&path, iter)
+    }
+
+    /// Writes the interval checkpoint `ckpt-NNNNNN.safetensors` for iteration
+    /// `iter`, then deletes interval checkpoints beyond the newest `keep_last`.
+    pub fn save_latest(&mut self, iter: u64) -> Result<PathBuf> {
+        let path = checkpoint::interval_path(&self.cfg.out_dir, iter);
+        self.save_checkpoint_to(&path, iter)?;
+        if self.rank() == 0 {
+            // The new checkpoint is in place: failing to delete old ones is not fatal.
+            if let Err(e) =
+                checkpoint::prune_interval_checkpoints(&self.cfg.out_dir, self.cfg.keep_last)
+            {
+                eprintln!("warning: {e:#}");
+            }
+        }
+        Ok(path)
+    }
+
+    /// Writes the state from which iteration `iter` (not yet trained) resumes to
+    /// `path`. With several ranks every rank calls it (sharded AdamW moments are
+    /// gathered to rank 0) and rank 0 writes: the checkpoint does not depend on the
+    /// world size. A failed write leaves the previous file intact and is an error.
+    pub fn save_checkpoint_to(&mut self, path: &std::path::Path, iter: u64) -> Result<()> {
         let gathered = match &mut self.dp {
             Some(dp) => dp.gather_moments(&*self.comm, &self.opt),
             None => None,
@@ -385,13 +506,8 @@ impl Trainer {
             Some((m, v)) => Some((m.as_slice(), v.as_slice())),
             None => Some((self.opt.m.as_slice(), self.opt.v.as_slice())),
         };
-        checkpoint::save(
-            &self.cfg.out_dir,
-            &state,
-            &self.model.layout,
-            &self.model.params,
-            moments,
-        )
+        let (layout, params) = (&self.model.layout, &self.model.params);
+        checkpoint::save_to(path, &state, layout, params, moments)
     }
 
     fn log_step(
@@ -591,8 +707,17 @@ fn build_model(cfg: &TrainConfig, meta: &Meta) -> Result<(Gpt, AdamW, u64, f32)>
             Ok((model, opt, 0, f32::INFINITY))
         }
         InitFrom::Resume => {
-            let ckpt = Checkpoint::open(&cfg.out_dir)?;
+            let latest = Checkpoint::open_latest(&cfg.out_dir)?;
+            for note in &latest.notes {
+                eprintln!("note: {note}");
+            }
+            let ckpt = latest.checkpoint;
             let state = &ckpt.state;
+            println!(
+                "resuming from {} at iteration {}",
+                ckpt.path().display(),
+                state.iter_num
+            );
             check_resume_compatible(cfg, meta, state)?;
             let model_cfg = ModelConfig {
                 dropout: cfg.dropout,

@@ -391,3 +391,43 @@ fn a_stopped_rank_trips_the_watchdog() {
     assert!(stderr.contains("made no progress for 3 s"), "{stderr}");
     assert!(took < Duration::from_secs(30), "ended after {took:?}");
 }
+
+#[test]
+fn sigterm_to_one_rank_stops_every_rank_at_the_same_step() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // Only rank 1 is signalled; rank 0 learns of it with the step's loss all-reduce,
+    // writes the checkpoint and says so. Disagreeing ranks would hang (watchdog).
+    let (out, took) = fault("sigterm", "-TERM", "collective_timeout_s=20");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(took < Duration::from_secs(30), "ended after {took:?}");
+    assert_eq!(out.status.code(), Some(143), "{stdout}\n{stderr}");
+    assert!(!stderr.contains("made no progress"), "{stderr}");
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("stopped by SIGTERM after iteration "))
+        .unwrap_or_else(|| panic!("no stop line:\n{stdout}\n{stderr}"));
+    let last: u64 = line["stopped by SIGTERM after iteration ".len()..]
+        .split(':')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let ckpt = format!("sigterm/ckpt-{:06}.safetensors", last + 1);
+    assert!(line.contains(&ckpt), "{line}");
+    let saved = Checkpoint::open_file(&workdir().join(&ckpt)).unwrap();
+    assert_eq!(saved.state.iter_num, last + 1);
+    // It resumes from there.
+    let until = format!("max_iters={}", last + 3);
+    let stdout = train(
+        2,
+        "sigterm",
+        &["gradient_accumulation_steps=2", &until, "init_from=resume"],
+    );
+    assert!(
+        stdout.contains(&format!("resuming from {ckpt} at iteration {}", last + 1)),
+        "{stdout}"
+    );
+}

@@ -36,13 +36,15 @@ pub enum Command {
     Bench(bench::BenchArgs),
 }
 
-pub fn run(cli: Cli) -> anyhow::Result<()> {
+/// Runs the command; returns the process's exit status (non-zero only for a
+/// training run stopped by a signal: 130 for SIGINT, 143 for SIGTERM).
+pub fn run(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
-        Command::Prepare(args) => prepare::run(args),
+        Command::Prepare(args) => prepare::run(args).map(|()| 0),
         Command::Train(args) => train::run(args),
-        Command::Eval(args) => eval::run(args),
-        Command::Sample(args) => sample::run(args),
-        Command::Export(args) => export::run(args),
-        Command::Bench(args) => bench::run(args),
+        Command::Eval(args) => eval::run(args).map(|()| 0),
+        Command::Sample(args) => sample::run(args).map(|()| 0),
+        Command::Export(args) => export::run(args).map(|()| 0),
+        Command::Bench(args) => bench::run(args).map(|()| 0),
     }
 }

@@ -17,9 +17,12 @@ pub struct TrainArgs {
 /// Characters of the sample printed after the quick start.
 const QUICK_START_SAMPLE_TOKENS: usize = 300;
 
-pub fn run(args: TrainArgs) -> Result<()> {
+/// Trains; returns the process's exit status (0, or 130/143 when SIGINT/SIGTERM
+/// stopped the run after writing a checkpoint).
+pub fn run(args: TrainArgs) -> Result<i32> {
     // First, so that every later error can name this rank and abort the job.
     let comm = crate::dist::init()?;
+    crate::fault::init()?;
     let (config_path, overrides) = split_args(&args.args);
     let cfg = match config_path {
         Some(path) => TrainConfig::load(Some(Path::new(path)), overrides)?,
@@ -74,12 +77,28 @@ pub fn run(args: TrainArgs) -> Result<()> {
             trainer.peak_gflops()
         );
     }
+    if !trainer.cfg.eval_only {
+        // From here on, SIGINT/SIGTERM end the run at a step boundary with a checkpoint.
+        crate::shutdown::install()?;
+    }
     let outcome = trainer.run()?;
+    if let Some((signal, path)) = &outcome.stopped {
+        if root {
+            println!(
+                "stopped by {} after iteration {}: checkpoint written to {}; continue with \
+                 init_from=resume",
+                signal.name(),
+                outcome.iter_num - 1,
+                path.display()
+            );
+        }
+        return Ok(signal.exit_code());
+    }
     if root {
         report_outcome(&mut trainer, &outcome, config_path.is_none())?;
     }
     trainer.wait_for_root();
-    Ok(())
+    Ok(0)
 }
 
 /// Rank 0's closing lines: the last evaluation, the quick start's sample, a hint.

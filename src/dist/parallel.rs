@@ -5,7 +5,8 @@
 
 use super::{Collective, GradPlan, Reduce};
 use crate::model::Gpt;
-use crate::optim::{clip_factor, grad_sq_sum, scale_grads, AdamW, AdamWConfig};
+use crate::optim::{clip_to_norm, grad_sq_sum, AdamW, AdamWConfig};
+use crate::shutdown::{self, StopSignal};
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 use serde::Serialize;
@@ -173,17 +174,27 @@ impl DataParallel {
     }
 
     /// The mean loss over every rank's micro-steps (each already divided by the
-    /// global number of micro-steps).
-    pub fn global_loss(&mut self, comm: &dyn Collective, local: f32) -> f32 {
+    /// global number of micro-steps), and whether any rank was asked to stop by a
+    /// signal: one all-reduce of three numbers, so every rank stops at the same step.
+    pub fn global_loss_and_stop(
+        &mut self,
+        comm: &dyn Collective,
+        local: f32,
+        stop: Option<StopSignal>,
+    ) -> (f32, Option<StopSignal>) {
         let start = Instant::now();
-        let mut v = [local as f64];
+        let [interrupts, terminations] = shutdown::as_counts(stop);
+        let mut v = [local as f64, interrupts, terminations];
         comm.all_reduce_sum_f64(&mut v);
         self.other += start.elapsed();
-        v[0] as f32
+        (v[0] as f32, shutdown::from_counts(stop, [v[1], v[2]]))
     }
 
     /// Clipping to the global norm (when `grad_clip > 0`) and the AdamW step at
-    /// `lr`, after [`DataParallel::backward_reduce`]. Returns the pre-clip norm.
+    /// `lr`, after [`DataParallel::backward_reduce`]. The step is skipped (the
+    /// parameters and moments stay as they are) unless both `loss_finite` and the
+    /// norm are finite; the loss and the norm are global values, so every rank
+    /// decides alike. Returns the pre-clip norm and whether the step was taken.
     pub fn clip_and_step(
         &mut self,
         comm: &dyn Collective,
@@ -191,36 +202,39 @@ impl DataParallel {
         opt: &mut AdamW,
         grad_clip: f32,
         lr: f32,
-    ) -> f32 {
+        loss_finite: bool,
+    ) -> (f32, bool) {
         if self.plan.zero_stage == 0 {
             // Every rank holds the same summed gradients: same norm, same update.
             let norm = grad_sq_sum(&model.grads).sqrt() as f32;
+            if !(loss_finite && norm.is_finite()) {
+                return (norm, false);
+            }
             if grad_clip > 0.0 {
-                let factor = clip_factor(norm, grad_clip);
-                if factor < 1.0 {
-                    scale_grads(&mut model.grads, factor);
-                }
+                clip_to_norm(&mut model.grads, norm, grad_clip);
             }
             opt.step(&mut model.params, &model.grads, lr);
-            return norm;
+            return (norm, true);
         }
         let start = Instant::now();
         let mut sq = [grad_sq_sum(&self.recv)];
         comm.all_reduce_sum_f64(&mut sq);
         let norm = sq[0].sqrt() as f32;
         let mut comm_time = start.elapsed();
+        if !(loss_finite && norm.is_finite()) {
+            // No rank updates its shard, so the replicas stay equal without a gather.
+            self.other += comm_time;
+            return (norm, false);
+        }
         if grad_clip > 0.0 {
-            let factor = clip_factor(norm, grad_clip);
-            if factor < 1.0 {
-                scale_grads(&mut self.recv, factor);
-            }
+            clip_to_norm(&mut self.recv, norm, grad_clip);
         }
         opt.step_shard(&mut model.params, &self.recv, lr);
         let start = Instant::now();
         self.all_gather_params(comm, &mut model.params);
         comm_time += start.elapsed();
         self.other += comm_time;
-        norm
+        (norm, true)
     }
 
     /// Stage 1: every rank's updated pieces into every rank's parameters.

@@ -1,0 +1,156 @@
+//! Fault injection, for tests only: `NANOGPT_FAULT=KIND:ITER[:ARG]` makes a training
+//! run fail on purpose at one chosen point, so that the tests in
+//! `tests/reliability.rs` can check that a crash there loses nothing. Users never
+//! set it; unset, every hook below is a no-op (one relaxed load).
+//!
+//! | `NANOGPT_FAULT`              | at iteration ITER                                   |
+//! |------------------------------|-----------------------------------------------------|
+//! | `kill-during-step:ITER`      | SIGKILL after backward, before the AdamW update      |
+//! | `kill-during-eval:ITER`      | SIGKILL after the first batch of the evaluation      |
+//! | `kill-during-checkpoint:ITER`| SIGKILL with half of the checkpoint's temp file written |
+//! | `pause-during-step:ITER:MS`  | sleep MS ms after backward (time to send a signal)   |
+//! | `nan-grad:ITER:COUNT`        | a NaN gradient in iterations ITER..ITER+COUNT        |
+//! | `nan-param:ITER`             | a NaN parameter after the update of iteration ITER   |
+//!
+//! For checkpoints, ITER is the iteration the checkpoint resumes at. With several
+//! ranks every rank applies the fault, except `nan-grad`, which poisons this rank's
+//! loss instead (the gradients are reduced inside backward).
+
+use anyhow::{bail, Context, Result};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+/// The environment variable read by [`init`].
+pub const ENV: &str = "NANOGPT_FAULT";
+
+/// One injected fault.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    KillDuringStep(u64),
+    KillDuringEval(u64),
+    KillDuringCheckpoint(u64),
+    PauseDuringStep { iter: u64, ms: u64 },
+    NanGrad { from: u64, count: u64 },
+    NanParam(u64),
+}
+
+static FAULT: OnceLock<Option<Fault>> = OnceLock::new();
+
+/// Reads `NANOGPT_FAULT` once; a malformed value is an error (a typo in a test
+/// should not silently test nothing).
+pub fn init() -> Result<()> {
+    let parsed = match std::env::var(ENV) {
+        Ok(spec) if !spec.is_empty() => Some(parse(&spec).with_context(|| {
+            format!("{ENV}={spec} (a test-only setting): unset it for normal runs")
+        })?),
+        _ => None,
+    };
+    let _ = FAULT.set(parsed);
+    Ok(())
+}
+
+fn get() -> Option<Fault> {
+    FAULT.get().copied().flatten()
+}
+
+/// Parses `KIND:ITER[:ARG]`.
+pub fn parse(spec: &str) -> Result<Fault> {
+    let parts: Vec<&str> = spec.split(':').collect();
+    let num = |i: usize| -> Result<u64> {
+        let s = parts.get(i).context("missing a number")?;
+        s.parse().with_context(|| format!("`{s}` is not a number"))
+    };
+    let fault = match (parts[0], parts.len()) {
+        ("kill-during-step", 2) => Fault::KillDuringStep(num(1)?),
+        ("kill-during-eval", 2) => Fault::KillDuringEval(num(1)?),
+        ("kill-during-checkpoint", 2) => Fault::KillDuringCheckpoint(num(1)?),
+        ("pause-during-step", 3) => Fault::PauseDuringStep {
+            iter: num(1)?,
+            ms: num(2)?,
+        },
+        ("nan-grad", 3) => Fault::NanGrad {
+            from: num(1)?,
+            count: num(2)?,
+        },
+        ("nan-param", 2) => Fault::NanParam(num(1)?),
+        _ => bail!(
+            "expected kill-during-step:ITER, kill-during-eval:ITER, kill-during-checkpoint:ITER, \
+             pause-during-step:ITER:MS, nan-grad:ITER:COUNT or nan-param:ITER"
+        ),
+    };
+    Ok(fault)
+}
+
+/// Ends this process as `kill -9` would: no destructors, no flushing.
+fn kill_self(what: &str) -> ! {
+    eprintln!("fault injection: SIGKILL {what}");
+    let _ = signal_hook::low_level::raise(signal_hook::consts::SIGKILL);
+    // SIGKILL cannot be caught; this is never reached.
+    std::process::abort()
+}
+
+/// In a training step, between backward and the update.
+pub fn during_step(iter: u64) {
+    match get() {
+        Some(Fault::KillDuringStep(i)) if i == iter => kill_self(&format!("in step {iter}")),
+        Some(Fault::PauseDuringStep { iter: i, ms }) if i == iter => {
+            eprintln!("fault injection: pausing {ms} ms in step {iter}");
+            std::thread::sleep(Duration::from_millis(ms));
+        }
+        _ => {}
+    }
+}
+
+/// In the evaluation at `iter`, after its first batch.
+pub fn during_eval(iter: u64) {
+    if get() == Some(Fault::KillDuringEval(iter)) {
+        kill_self(&format!("in the evaluation at iteration {iter}"));
+    }
+}
+
+/// After the checkpoint that resumes at `iter` has been written to `tmp` (not yet
+/// renamed into place): cuts `tmp` to half its length, then dies.
+pub fn during_checkpoint(iter: u64, tmp: &std::path::Path) {
+    if get() != Some(Fault::KillDuringCheckpoint(iter)) {
+        return;
+    }
+    if let Ok(f) = std::fs::OpenOptions::new().write(true).open(tmp) {
+        let half = f.metadata().map_or(0, |m| m.len() / 2);
+        let _ = f.set_len(half).and_then(|()| f.sync_all());
+    }
+    kill_self(&format!("writing the checkpoint of iteration {iter}"));
+}
+
+/// Whether iteration `iter` gets a NaN gradient.
+pub fn nan_grad(iter: u64) -> bool {
+    matches!(get(), Some(Fault::NanGrad { from, count }) if (from..from + count).contains(&iter))
+}
+
+/// Whether iteration `iter`'s update is followed by a NaN parameter.
+pub fn nan_param(iter: u64) -> bool {
+    get() == Some(Fault::NanParam(iter))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_kind_and_refuses_typos() {
+        assert_eq!(
+            parse("kill-during-step:7").unwrap(),
+            Fault::KillDuringStep(7)
+        );
+        assert_eq!(
+            parse("pause-during-step:3:1500").unwrap(),
+            Fault::PauseDuringStep { iter: 3, ms: 1500 }
+        );
+        assert_eq!(
+            parse("nan-grad:2:4").unwrap(),
+            Fault::NanGrad { from: 2, count: 4 }
+        );
+        for bad in ["kill-during-stp:7", "kill-during-step", "nan-grad:x:1", ""] {
+            assert!(parse(bad).is_err(), "{bad}");
+        }
+    }
+}

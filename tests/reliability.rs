@@ -1,0 +1,553 @@
+//! Crash safety of training, driving the binary: runs killed with SIGKILL mid-step,
+//! mid-evaluation and mid-checkpoint resume with the losses of a run that was never
+//! interrupted; SIGINT/SIGTERM checkpoint and exit 130/143; non-finite steps are
+//! skipped and stop the run when they persist; a checkpoint that cannot be written
+//! (file-size limit, permissions) stops the run and leaves the previous one intact.
+//!
+//! The exact points of failure come from the test-only `NANOGPT_FAULT` hook
+//! (src/fault.rs).
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_nanogpt");
+
+/// A tiny, fast model on the bundled Shakespeare (characters), dropout on, with an
+/// evaluation every 4 iterations and an interval checkpoint every 3.
+const TINY: [&str; 14] = [
+    "dataset=shakespeare_char",
+    "n_layer=2",
+    "n_head=2",
+    "n_embd=32",
+    "block_size=16",
+    "batch_size=4",
+    "eval_iters=2",
+    "log_interval=1",
+    "warmup_iters=2",
+    "learning_rate=3e-3",
+    "dropout=0.1",
+    "eval_interval=4",
+    "ckpt_interval=3",
+    "out_dir=run",
+];
+
+fn temp_dir(tag: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("nanogpt-rel-{tag}-"))
+        .tempdir()
+        .expect("temp dir")
+}
+
+/// `nanogpt train TINY... extra...` in `dir`, with `NANOGPT_FAULT=fault` if given.
+fn command(dir: &Path, extra: &[&str], fault: Option<&str>) -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.arg("train")
+        .args(TINY)
+        .args(extra)
+        .current_dir(dir)
+        .env("RAYON_NUM_THREADS", "2")
+        .env_remove("NANOGPT_FAULT");
+    if let Some(fault) = fault {
+        cmd.env("NANOGPT_FAULT", fault);
+    }
+    cmd
+}
+
+fn run(dir: &Path, extra: &[&str], fault: Option<&str>) -> Output {
+    command(dir, extra, fault).output().expect("run nanogpt")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Trains successfully; returns stdout.
+fn train(dir: &Path, extra: &[&str]) -> String {
+    let out = run(dir, extra, None);
+    assert!(
+        out.status.success(),
+        "nanogpt train {extra:?} failed:\n{}",
+        text(&out.stderr)
+    );
+    text(&out.stdout)
+}
+
+/// An error exit: status 1, one `error: ` line, no panic. Returns stderr.
+fn assert_error(out: &Output) -> String {
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(!stderr.contains("panicked"), "a panic:\n{stderr}");
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(last.starts_with("error: "), "{stderr}");
+    stderr
+}
+
+/// The step rows of `metrics.jsonl`: (iter, loss bits), for exact comparison.
+fn step_losses(out_dir: &Path) -> Vec<(u64, u32)> {
+    std::fs::read_to_string(out_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|row| row.get("loss").is_some())
+        .map(|row| {
+            let loss = row["loss"].as_f64().map_or(f32::NAN, |l| l as f32);
+            (row["iter"].as_u64().unwrap(), loss.to_bits())
+        })
+        .collect()
+}
+
+/// The losses of an uninterrupted run to `max_iters` (in its own directory).
+fn reference(max_iters: u64) -> Vec<(u64, u32)> {
+    let dir = temp_dir("reference");
+    train(dir.path(), &[&format!("max_iters={max_iters}")]);
+    let losses = step_losses(&dir.path().join("run"));
+    assert_eq!(losses.len() as u64, max_iters + 1);
+    losses
+}
+
+/// Resumes `dir/run` to `max_iters`; returns stdout and stderr.
+fn resume(dir: &Path, max_iters: u64) -> (String, String) {
+    let out = run(
+        dir,
+        &[&format!("max_iters={max_iters}"), "init_from=resume"],
+        None,
+    );
+    let stderr = text(&out.stderr);
+    assert!(out.status.success(), "resume failed:\n{stderr}");
+    (text(&out.stdout), stderr)
+}
+
+fn files(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+fn temp_files(dir: &Path) -> Vec<String> {
+    files(dir)
+        .into_iter()
+        .filter(|n| n.contains(".tmp"))
+        .collect()
+}
+
+/// Kills a run with `fault`, resumes it and compares every loss with an
+/// uninterrupted run's, bit for bit; returns the resumed run's stdout and stderr.
+fn kill_and_resume(tag: &str, fault: &str, resumes_from: &str) -> (String, String) {
+    let dir = temp_dir(tag);
+    let d = dir.path();
+    let out = run(d, &["max_iters=12"], Some(fault));
+    assert_eq!(
+        out.status.signal(),
+        Some(9),
+        "{fault}: killed by SIGKILL:\n{}",
+        text(&out.stderr)
+    );
+    let (stdout, stderr) = resume(d, 12);
+    assert!(
+        stdout.contains(&format!("resuming from run/{resumes_from}")),
+        "{fault}: {stdout}"
+    );
+    assert_eq!(
+        step_losses(&d.join("run")),
+        reference(12),
+        "{fault}: the resumed losses differ from the uninterrupted run's"
+    );
+    (stdout, stderr)
+}
+
+#[test]
+fn interval_checkpoints_keep_the_newest_and_resume_picks_the_latest() {
+    let dir = temp_dir("interval");
+    let d = dir.path();
+    train(d, &["max_iters=10", "keep_last=2"]);
+    let run_dir = d.join("run");
+    // Interval checkpoints at 3, 6, 9: the newest two are kept, with their JSON.
+    assert_eq!(
+        files(&run_dir),
+        [
+            "ckpt-000006.json",
+            "ckpt-000006.safetensors",
+            "ckpt-000009.json",
+            "ckpt-000009.safetensors",
+            "ckpt.json",
+            "ckpt.safetensors",
+            "loss.png",
+            "metrics.jsonl"
+        ]
+    );
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("ckpt-000009.json")).unwrap())
+            .unwrap();
+    assert_eq!(state["iter_num"], 9);
+    assert_eq!(state["adam_step"], 9);
+    // ckpt.safetensors is from the evaluation at 8; the interval one at 9 is newer.
+    let (stdout, _) = resume(d, 12);
+    assert!(
+        stdout.contains("resuming from run/ckpt-000009.safetensors at iteration 9"),
+        "{stdout}"
+    );
+    assert_eq!(step_losses(&run_dir), reference(12));
+}
+
+#[test]
+fn killed_mid_step_resumes_exactly() {
+    // Killed in iteration 7, before its update: the checkpoint at 6 is the latest.
+    kill_and_resume("step", "kill-during-step:7", "ckpt-000006.safetensors");
+}
+
+#[test]
+fn killed_mid_evaluation_resumes_exactly() {
+    // Killed in the evaluation at 8, before it could save: 6 is the latest.
+    kill_and_resume("eval", "kill-during-eval:8", "ckpt-000006.safetensors");
+}
+
+#[test]
+fn killed_mid_checkpoint_write_resumes_from_the_previous_one() {
+    // Killed with half of ckpt-000009's temporary file written: the evaluation's
+    // checkpoint at 8 is the newest complete one; the temporary file is ignored.
+    let (_, stderr) = kill_and_resume(
+        "ckpt",
+        "kill-during-checkpoint:9",
+        "ckpt.safetensors at iteration 8",
+    );
+    assert!(
+        stderr.contains("note: ignoring run/.ckpt-000009.safetensors.tmp-")
+            && stderr.contains("left by an interrupted checkpoint write"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn killed_at_an_arbitrary_moment_resumes_exactly() {
+    let dir = temp_dir("anytime");
+    let d = dir.path();
+    let mut child = command(
+        d,
+        &["max_iters=300", "ckpt_interval=20", "eval_interval=50"],
+        None,
+    )
+    .stdout(Stdio::null())
+    .stderr(Stdio::null())
+    .spawn()
+    .unwrap();
+    let metrics = d.join("run/metrics.jsonl");
+    let start = Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count()) < 60 {
+        assert!(child.try_wait().unwrap().is_none(), "the run ended early");
+        assert!(start.elapsed() < Duration::from_secs(60), "no progress");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child.kill().unwrap(); // SIGKILL
+    assert_eq!(child.wait().unwrap().signal(), Some(9));
+    let out = run(
+        d,
+        &["max_iters=300", "eval_interval=50", "init_from=resume"],
+        None,
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let dir2 = temp_dir("anytime-ref");
+    train(dir2.path(), &["max_iters=300", "eval_interval=50"]);
+    assert_eq!(
+        step_losses(&d.join("run")),
+        step_losses(&dir2.path().join("run"))
+    );
+}
+
+/// Starts a run that pauses 1.5 s in iteration 5 and sends it `signals` (with
+/// `gap` between them) once it pauses; returns its output and how long it took
+/// to exit after the last signal.
+fn signal_during_pause(d: &Path, signals: &[&str], gap: Duration) -> (Output, Duration) {
+    let mut child = command(
+        d,
+        &["max_iters=12", "ckpt_interval=0"],
+        Some("pause-during-step:5:1500"),
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut seen = String::new();
+    while !seen.contains("fault injection: pausing") {
+        let mut line = String::new();
+        assert!(
+            stderr.read_line(&mut line).unwrap() > 0,
+            "the run ended before pausing:\n{seen}"
+        );
+        seen.push_str(&line);
+    }
+    let pid = child.id().to_string();
+    for (i, signal) in signals.iter().enumerate() {
+        if i > 0 {
+            std::thread::sleep(gap);
+        }
+        let sent = Command::new("kill")
+            .args([signal, pid.as_str()])
+            .status()
+            .unwrap();
+        assert!(sent.success(), "kill {signal}");
+    }
+    let sent = Instant::now();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stderr, &mut rest).unwrap();
+    let mut out = child.wait_with_output().unwrap();
+    let took = sent.elapsed();
+    out.stderr = (seen + &rest).into_bytes();
+    (out, took)
+}
+
+fn signal_checkpoints_and_resumes(tag: &str, signal: &str, name: &str, code: i32) {
+    let dir = temp_dir(tag);
+    let d = dir.path();
+    let (out, _) = signal_during_pause(d, &[signal], Duration::ZERO);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(code), "{stdout}\n{stderr}");
+    // The step in progress finishes; its checkpoint resumes at 6. No interval
+    // checkpoints are configured, so this one is written for the signal alone.
+    let line = format!(
+        "stopped by {name} after iteration 5: checkpoint written to run/ckpt-000006.safetensors; \
+         continue with init_from=resume"
+    );
+    assert!(stdout.contains(&line), "{stdout}");
+    assert!(!stdout.contains("iter 6:"), "no step after the signal");
+    let (stdout, _) = resume(d, 12);
+    assert!(
+        stdout.contains("resuming from run/ckpt-000006.safetensors at iteration 6"),
+        "{stdout}"
+    );
+    assert_eq!(step_losses(&d.join("run")), reference(12));
+}
+
+#[test]
+fn sigint_finishes_the_step_checkpoints_and_exits_130() {
+    signal_checkpoints_and_resumes("sigint", "-INT", "SIGINT", 130);
+}
+
+#[test]
+fn sigterm_finishes_the_step_checkpoints_and_exits_143() {
+    signal_checkpoints_and_resumes("sigterm", "-TERM", "SIGTERM", 143);
+}
+
+#[test]
+fn a_second_sigint_exits_at_once() {
+    let dir = temp_dir("sigint2");
+    let d = dir.path();
+    let (out, took) = signal_during_pause(d, &["-INT", "-INT"], Duration::from_millis(200));
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(130), "{stdout}");
+    // Still inside the 1.5 s pause: the step was not finished, nothing written.
+    assert!(took < Duration::from_millis(1000), "took {took:?}");
+    assert!(!stdout.contains("stopped by"), "{stdout}");
+    assert!(!d.join("run/ckpt-000006.safetensors").exists());
+    // The evaluation's checkpoint at 4 is intact and resumes exactly.
+    let (stdout, _) = resume(d, 12);
+    assert!(
+        stdout.contains("resuming from run/ckpt.safetensors at iteration 4"),
+        "{stdout}"
+    );
+    assert_eq!(step_losses(&d.join("run")), reference(12));
+}
+
+fn checkpoint_state(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+#[test]
+fn a_non_finite_gradient_skips_the_update_and_the_run_goes_on() {
+    let dir = temp_dir("nan-skip");
+    let d = dir.path();
+    let out = run(d, &["max_iters=12"], Some("nan-grad:5:2"));
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    for (iter, n) in [(5, 1), (6, 2)] {
+        let warning = format!("warning: iteration {iter}: loss ");
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(&warning))
+            .unwrap_or_else(|| panic!("no warning for {iter}:\n{stdout}"));
+        assert!(
+            line.contains("gradient norm NaN is not finite; update skipped")
+                && line.contains(&format!(
+                    "({n} in a row, the run stops at max_nonfinite_steps = 5)"
+                )),
+            "{line}"
+        );
+    }
+    assert!(!stdout.contains("warning: iteration 7"), "{stdout}");
+    // Two updates fewer than iterations; the losses before the fault are the
+    // reference's, the ones after differ (the model missed two updates).
+    let state = checkpoint_state(&d.join("run/ckpt-000012.json"));
+    assert_eq!(state["iter_num"], 12);
+    assert_eq!(state["adam_step"], 10);
+    let (got, want) = (step_losses(&d.join("run")), reference(12));
+    assert_eq!(got[..6], want[..6], "identical up to iteration 5's loss");
+    assert_ne!(got[7], want[7]);
+}
+
+#[test]
+fn persistent_non_finite_steps_stop_the_run() {
+    let dir = temp_dir("nan-stop");
+    let d = dir.path();
+    let out = run(
+        d,
+        &["max_iters=12", "max_nonfinite_steps=3"],
+        Some("nan-grad:5:100"),
+    );
+    let stderr = assert_error(&out);
+    assert!(
+        stderr.contains(
+            "error: 3 optimizer steps in a row (iterations 5..=7) had a non-finite loss or \
+             gradient norm"
+        ) && stderr.contains("max_nonfinite_steps = 3"),
+        "{stderr}"
+    );
+    // The checkpoint at 6 (after the skipped step 5) holds the finite weights.
+    let state = checkpoint_state(&d.join("run/ckpt-000006.json"));
+    assert_eq!(state["adam_step"], 5);
+    assert!(temp_files(&d.join("run")).is_empty());
+}
+
+#[test]
+fn non_finite_parameters_are_never_checkpointed() {
+    let dir = temp_dir("nan-param");
+    let d = dir.path();
+    // A NaN weight after iteration 4's update: iteration 5 is skipped (NaN loss),
+    // then the checkpoint at 6 is refused.
+    let out = run(d, &["max_iters=12"], Some("nan-param:4"));
+    let stderr = assert_error(&out);
+    assert!(
+        stderr.contains(
+            "refusing to write run/ckpt-000006.safetensors for iteration 6: the parameters of"
+        ) && stderr.contains("hold NaN or infinite values (the previous checkpoint is kept)"),
+        "{stderr}"
+    );
+    assert!(text(&out.stdout).contains("warning: iteration 5: loss NaN"));
+    let run_dir = d.join("run");
+    assert!(!run_dir.join("ckpt-000006.safetensors").exists());
+    assert!(run_dir.join("ckpt-000003.safetensors").exists());
+    assert!(temp_files(&run_dir).is_empty());
+}
+
+fn snapshot(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    files(dir)
+        .into_iter()
+        .filter(|n| n.starts_with("ckpt"))
+        .map(|n| {
+            let bytes = std::fs::read(dir.join(&n)).unwrap();
+            (n, bytes)
+        })
+        .collect()
+}
+
+#[test]
+fn a_full_disk_stops_the_run_and_keeps_the_previous_checkpoint() {
+    let dir = temp_dir("full");
+    let d = dir.path();
+    train(d, &["max_iters=4", "ckpt_interval=2"]);
+    let run_dir = d.join("run");
+    let before = snapshot(&run_dir);
+    assert_eq!(
+        before.len(),
+        6,
+        "ckpt-000002, ckpt-000004, ckpt: each with JSON"
+    );
+    let ckpt_len = std::fs::metadata(run_dir.join("ckpt.safetensors"))
+        .unwrap()
+        .len();
+    // Files may grow to 60% of a checkpoint (in 512-byte blocks): the metrics and
+    // the plot fit, a checkpoint does not. SIGXFSZ is ignored so that the write
+    // fails with EFBIG ("File too large"), as on a full disk.
+    let blocks = ckpt_len * 6 / 10 / 512;
+    let script = format!(
+        "trap '' XFSZ; ulimit -f {blocks}; exec \"$0\" \"$@\" max_iters=8 ckpt_interval=2 init_from=resume"
+    );
+    let mut cmd = command(d, &[], None);
+    let args: Vec<String> = std::iter::once(BIN.to_string())
+        .chain(cmd.get_args().map(|a| a.to_string_lossy().into_owned()))
+        .collect();
+    cmd = Command::new("sh");
+    cmd.arg("-c")
+        .arg(script)
+        .args(args)
+        .current_dir(d)
+        .env("RAYON_NUM_THREADS", "2")
+        .env_remove("NANOGPT_FAULT");
+    let out = cmd.output().unwrap();
+    let stderr = assert_error(&out);
+    // Resuming at 4 evaluates first and (always_save_checkpoint) rewrites ckpt.safetensors.
+    assert!(
+        stderr.contains(
+            "error: the checkpoint of iteration 4 was not saved (free disk space or fix the \
+             permissions of run, then continue with init_from=resume): run/ckpt.safetensors was \
+             not written (any previous copy is intact): cannot write run/.ckpt.safetensors.tmp-"
+        ) && stderr.trim_end().ends_with("File too large (os error 27)"),
+        "{stderr}"
+    );
+    assert_eq!(snapshot(&run_dir), before, "the checkpoints are untouched");
+    assert!(temp_files(&run_dir).is_empty(), "{:?}", files(&run_dir));
+    // Without the limit the run continues exactly.
+    resume(d, 8);
+    assert_eq!(step_losses(&run_dir), reference(8));
+}
+
+/// Whether this process can write into a read-only directory (root can).
+fn ignores_permissions(dir: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    let probe = dir.join("probe");
+    std::fs::create_dir(&probe).unwrap();
+    std::fs::set_permissions(&probe, std::fs::Permissions::from_mode(0o555)).unwrap();
+    let writable = std::fs::write(probe.join("x"), b"x").is_ok();
+    std::fs::set_permissions(&probe, std::fs::Permissions::from_mode(0o755)).unwrap();
+    writable
+}
+
+#[test]
+fn a_read_only_out_dir_stops_the_run_and_keeps_the_previous_checkpoint() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = temp_dir("readonly");
+    let d = dir.path();
+    if ignores_permissions(d) {
+        eprintln!("skipped: this user (root?) writes into read-only directories anyway");
+        return;
+    }
+    train(d, &["max_iters=4", "ckpt_interval=2"]);
+    let run_dir = d.join("run");
+    let before = snapshot(&run_dir);
+    let mode = |m| std::fs::Permissions::from_mode(m);
+    std::fs::set_permissions(&run_dir, mode(0o555)).unwrap();
+    // A fresh run into the same out_dir can still rewrite metrics.jsonl (the file
+    // itself is writable) but cannot create a checkpoint beside it.
+    let out = run(d, &["max_iters=8", "ckpt_interval=2"], None);
+    std::fs::set_permissions(&run_dir, mode(0o755)).unwrap();
+    let stderr = assert_error(&out);
+    assert!(
+        stderr.contains("error: the checkpoint of iteration 2 was not saved")
+            && stderr.contains(
+                "run/ckpt-000002.safetensors was not written (any previous copy is intact)"
+            )
+            && stderr
+                .trim_end()
+                .ends_with("Permission denied (os error 13)"),
+        "{stderr}"
+    );
+    assert_eq!(snapshot(&run_dir), before);
+    let (stdout, _) = resume(d, 8);
+    assert!(stdout.contains("at iteration 4"), "{stdout}");
+}
+
+#[test]
+fn a_malformed_fault_setting_is_refused() {
+    let dir = temp_dir("fault-typo");
+    let out = run(dir.path(), &["max_iters=2"], Some("kill-during-stp:1"));
+    let stderr = assert_error(&out);
+    assert!(
+        stderr.contains("NANOGPT_FAULT=kill-during-stp:1"),
+        "{stderr}"
+    );
+}
