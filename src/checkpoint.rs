@@ -28,6 +28,8 @@ pub struct CheckpointState {
     pub train_config: serde_json::Value,
     /// The next iteration to run: resuming starts here.
     pub iter_num: u64,
+    /// Infinite before the first evaluation (JSON has no infinity: written as null).
+    #[serde(deserialize_with = "f32_or_infinity")]
     pub best_val_loss: f32,
     /// AdamW updates taken (its bias-correction step).
     pub adam_step: u64,
@@ -35,6 +37,12 @@ pub struct CheckpointState {
     pub tokenizer: serde_json::Value,
     /// Ranks that trained it (informative: checkpoints are world-size independent).
     pub world_size: usize,
+}
+
+/// An `f32` that JSON wrote as `null` because it was infinite (serde_json writes
+/// non-finite floats as null).
+fn f32_or_infinity<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f32, D::Error> {
+    Ok(Option::<f32>::deserialize(d)?.unwrap_or(f32::INFINITY))
 }
 
 /// The best-val (or `always_save_checkpoint`) checkpoint of an output directory.

@@ -2,12 +2,12 @@
 //! `out_dir`, or pretrained Hugging Face GPT-2 weights (`gpt2`, `gpt2-medium`, ...,
 //! a model directory, a `.safetensors` file, or a Hub id; see [`crate::hf`]).
 
-use crate::checkpoint::{checkpoint_path, Checkpoint};
+use crate::checkpoint::{checkpoint_path, interval_checkpoints, Checkpoint};
 use crate::data::{Meta, TokenizerKind, GPT2_VOCAB_SIZE};
 use crate::hf::Pretrained;
 use crate::model::{ModelConfig, ParamLayout};
 use anyhow::{bail, Context, Result};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// Weights and tokenizer of a trained model, ready to build a `Gpt` from.
 pub struct LoadedModel {
@@ -17,11 +17,12 @@ pub struct LoadedModel {
     pub meta: Meta,
 }
 
-/// Loads the model named by `src`: an `out_dir` holding `ckpt.safetensors` (or that
-/// file itself), or pretrained weights (a Hugging Face model directory with
-/// `config.json`, a `.safetensors` file, `gpt2`, `gpt2-medium`, `gpt2-large`,
-/// `gpt2-xl` or another Hub id, resolved through the local Hugging Face cache or a
-/// download).
+/// Loads the model named by `src`: a training run's `out_dir` (its best-val
+/// `ckpt.safetensors`, else its newest interval checkpoint `ckpt-NNNNNN.safetensors`),
+/// one of those checkpoint files itself, or pretrained weights (a Hugging Face model
+/// directory with `config.json`, a `.safetensors` file, `gpt2`, `gpt2-medium`,
+/// `gpt2-large`, `gpt2-xl` or another Hub id, resolved through the local Hugging Face
+/// cache or a download).
 pub fn load_model(src: &str) -> Result<LoadedModel> {
     if src == "scratch" || src == "resume" {
         bail!(
@@ -30,32 +31,45 @@ pub fn load_model(src: &str) -> Result<LoadedModel> {
         );
     }
     let path = Path::new(src);
-    if path.is_dir() && checkpoint_path(path).exists() {
-        return load_checkpoint(path);
+    if path.is_dir() {
+        if let Some(ckpt) = run_checkpoint(path)? {
+            return load_checkpoint(&ckpt);
+        }
+        if !looks_like_hf_dir(path) {
+            bail!(
+                "{src} holds neither a training checkpoint ({} or ckpt-NNNNNN.safetensors) nor \
+                 a Hugging Face model (config.json + model.safetensors); pass the out_dir of a \
+                 training run or a model directory",
+                checkpoint_path(path).display()
+            );
+        }
     }
     if path.is_file() && is_checkpoint_file(path) {
-        return load_checkpoint(path.parent().unwrap_or(Path::new(".")));
-    }
-    if path.is_dir() && !looks_like_hf_dir(path) {
-        bail!(
-            "{src} holds neither a training checkpoint ({}) nor a Hugging Face model (config.json + \
-             model.safetensors); pass the out_dir of a training run or a model directory",
-            checkpoint_path(path).display()
-        );
+        return load_checkpoint(path);
     }
     load_pretrained(src)
 }
 
-fn load_checkpoint(dir: &Path) -> Result<LoadedModel> {
-    let ckpt = Checkpoint::open(dir)?;
+/// The checkpoint of a run directory to evaluate or sample: the best-val one when
+/// present (as nanoGPT's `ckpt.pt`), else the newest interval checkpoint.
+fn run_checkpoint(dir: &Path) -> Result<Option<PathBuf>> {
+    let best = checkpoint_path(dir);
+    if best.exists() {
+        return Ok(Some(best));
+    }
+    Ok(interval_checkpoints(dir)?.pop().map(|(_, p)| p))
+}
+
+fn load_checkpoint(file: &Path) -> Result<LoadedModel> {
+    let ckpt = Checkpoint::open_file(file)?;
     let config = ckpt.state.model.clone();
     let layout = ParamLayout::new(&config);
     let mut params = vec![0.0; layout.len];
     ckpt.load_params(&layout, &mut params)?;
     let meta: Meta = serde_json::from_value(ckpt.state.tokenizer.clone()).with_context(|| {
         format!(
-            "the checkpoint in {} has no valid tokenizer description",
-            dir.display()
+            "the checkpoint {} has no valid tokenizer description",
+            file.display()
         )
     })?;
     Ok(LoadedModel {
@@ -105,6 +119,11 @@ fn looks_like_hf_dir(dir: &Path) -> bool {
 
 /// A nanogpt `ckpt.safetensors` (by its metadata tag), rather than HF weights.
 fn is_checkpoint_file(path: &Path) -> bool {
-    path.file_name().is_some_and(|n| n == "ckpt.safetensors")
-        && path.parent().is_some_and(|d| Checkpoint::open(d).is_ok())
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    let named = name == "ckpt.safetensors"
+        || name
+            .strip_prefix("ckpt-")
+            .and_then(|r| r.strip_suffix(".safetensors"))
+            .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()));
+    named && Checkpoint::open_file(path).is_ok()
 }

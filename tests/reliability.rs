@@ -551,3 +551,58 @@ fn a_malformed_fault_setting_is_refused() {
         "{stderr}"
     );
 }
+
+/// A run that only has interval checkpoints (no evaluation, so no best-val
+/// `ckpt.safetensors`) can still be evaluated and sampled: the run directory means
+/// its newest checkpoint, and an interval checkpoint file can be named directly.
+#[test]
+fn eval_and_sample_read_interval_checkpoints() {
+    let dir = temp_dir("interval-eval");
+    train(dir.path(), &["max_iters=7", "eval_interval=0"]);
+    let run_dir = dir.path().join("run");
+    assert!(!run_dir.join("ckpt.safetensors").exists());
+    let eval = |init_from: &str| {
+        let out = Command::new(BIN)
+            .args([
+                "eval",
+                "--init-from",
+                init_from,
+                "--block-size",
+                "16",
+                "--json",
+            ])
+            .args(["--data", "data/shakespeare_char/val.bin"])
+            .current_dir(dir.path())
+            .output()
+            .expect("run nanogpt eval");
+        assert!(
+            out.status.success(),
+            "eval {init_from}: {}",
+            text(&out.stderr)
+        );
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        report["loss"].as_f64().unwrap()
+    };
+    // Interval checkpoints resuming at 3 and 6; the directory means the newest.
+    let newest = eval("run");
+    assert_eq!(newest, eval("run/ckpt-000006.safetensors"));
+    let older = eval("run/ckpt-000003.safetensors");
+    assert_ne!(
+        newest, older,
+        "the directory must not mean an older checkpoint"
+    );
+    let out = Command::new(BIN)
+        .args(["sample", "--out-dir", "run", "--max-new-tokens", "20"])
+        .args(["--num-samples", "1", "--seed", "1"])
+        .current_dir(dir.path())
+        .output()
+        .expect("run nanogpt sample");
+    assert!(out.status.success(), "sample: {}", text(&out.stderr));
+    assert!(out.stdout.len() >= 20, "{}", text(&out.stdout));
+    // Its state has no best val loss yet (infinite, null in JSON): resuming works.
+    let stdout = train(
+        dir.path(),
+        &["max_iters=8", "eval_interval=0", "init_from=resume"],
+    );
+    assert!(stdout.contains("at iteration 6"), "{stdout}");
+}
