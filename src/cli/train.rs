@@ -69,6 +69,9 @@ pub fn run(args: TrainArgs) -> Result<()> {
             trainer.meta.val_tokens,
             trainer.meta.tokenizer
         );
+        if trainer.cfg.dtype == crate::config::Dtype::Bfloat16 {
+            println!("bf16 matmuls: {}", crate::kernels::bf16::matmul_path());
+        }
     }
     let outcome = trainer.run()?;
     if !root {

@@ -16,6 +16,9 @@ pub struct ClassifierGrads<'a> {
     pub dwte: &'a mut [f32],
     /// Multiplies the gradient of the mean loss (e.g. `1 / grad_accum_steps`).
     pub scale: f32,
+    /// bf16 autocast: round the logits' gradient to bf16 before it enters the two
+    /// backward matmuls (`x` and `wte` must already hold bf16 values).
+    pub bf16: bool,
 }
 
 /// Mean cross-entropy of `softmax(x · wteᵀ)` against `targets`, ignoring targets of -1.
@@ -65,6 +68,9 @@ pub fn classifier_forward(
                 *loss = softmax_row_loss(row, target, with_grad.then_some(grad_scale));
             });
         if let Some(g) = grads.as_mut() {
+            if g.bf16 {
+                super::bf16::round_in_place(logits);
+            }
             let dlogits = Mat::new(logits, rows, v);
             matmul(
                 &mut g.dx[start * c..(start + rows) * c],
@@ -169,6 +175,7 @@ mod tests {
                 dx: &mut dx,
                 dwte: &mut dwte,
                 scale,
+                bf16: false,
             }),
         );
         let want = reference_loss(&x64, &wte64, &targets, c, v);
@@ -212,6 +219,7 @@ mod tests {
             dx: &mut dx,
             dwte: &mut dwte,
             scale: 1.0,
+            bf16: false,
         };
         let loss = classifier_forward(
             &x,
@@ -240,5 +248,97 @@ mod tests {
                 assert!((out[r * v + j] - want).abs() < 1e-5);
             }
         }
+    }
+
+    #[test]
+    fn bf16_gradients_use_rounded_logit_gradients() {
+        use crate::kernels::bf16::round;
+        let (n, c, v, chunk) = (7, 12, 9, 3);
+        let rounded = |x: Vec<f32>| x.into_iter().map(round).collect::<Vec<f32>>();
+        let x = rounded(rand_vec(n * c, 11));
+        let wte = rounded(rand_vec(v * c, 12).iter().map(|w| 3.0 * w).collect());
+        let targets: Vec<i32> = (0..n).map(|r| ((r * 5 + 1) % v) as i32).collect();
+        let scale = 0.5f32;
+        let (mut dx, mut dwte) = (vec![0.0; n * c], vec![0.0; v * c]);
+        let mut losses = vec![0.0; n];
+        let mut scratch = vec![0.0; chunk * v];
+        let grads = ClassifierGrads {
+            dx: &mut dx,
+            dwte: &mut dwte,
+            scale,
+            bf16: true,
+        };
+        let loss = classifier_forward(
+            &x,
+            &wte,
+            &targets,
+            &mut losses,
+            &mut scratch,
+            c,
+            v,
+            Some(grads),
+        );
+        let want = reference_loss(&to_f64(&x), &to_f64(&wte), &targets, c, v);
+        assert!((loss as f64 - want).abs() < 1e-5 * want, "{loss} vs {want}");
+        // Reference: f64 softmax gradient, rounded to bf16, then exact f64 products.
+        let mut dlogits = vec![0.0f64; n * v];
+        for r in 0..n {
+            let logits: Vec<f64> = (0..v)
+                .map(|j| {
+                    (0..c)
+                        .map(|i| x[r * c + i] as f64 * wte[j * c + i] as f64)
+                        .sum()
+                })
+                .collect();
+            let max = logits.iter().cloned().fold(f64::MIN, f64::max);
+            let sum: f64 = logits.iter().map(|l| (l - max).exp()).sum();
+            for j in 0..v {
+                let onehot = (j == targets[r] as usize) as u8 as f64;
+                let g = scale as f64 / n as f64 * ((logits[j] - max).exp() / sum - onehot);
+                dlogits[r * v + j] = round(g as f32) as f64;
+            }
+        }
+        let mut want_dx = vec![0.0; n * c];
+        let mut want_dwte = vec![0.0; v * c];
+        for r in 0..n {
+            for j in 0..v {
+                for i in 0..c {
+                    want_dx[r * c + i] += dlogits[r * v + j] * wte[j * c + i] as f64;
+                    want_dwte[j * c + i] += dlogits[r * v + j] * x[r * c + i] as f64;
+                }
+            }
+        }
+        // f32 softmax may land one bf16 ulp (2^-8 relative) away from the f64 one.
+        assert_close("dx", &dx, &want_dx, 8e-3, 1e-4);
+        assert_close("dwte", &dwte, &want_dwte, 8e-3, 1e-4);
+        // And the rounding happened: every term of dx is a product of bf16 values, so
+        // the result differs from the unrounded gradient by more than f32 noise.
+        let mut unrounded = vec![0.0f32; n * c];
+        let mut unrounded_w = vec![0.0f32; v * c];
+        let grads = ClassifierGrads {
+            dx: &mut unrounded,
+            dwte: &mut unrounded_w,
+            scale,
+            bf16: false,
+        };
+        classifier_forward(
+            &x,
+            &wte,
+            &targets,
+            &mut losses,
+            &mut scratch,
+            c,
+            v,
+            Some(grads),
+        );
+        let max_diff = dx
+            .iter()
+            .zip(&unrounded)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(
+            max_diff > 1e-6,
+            "bf16 rounding changed nothing ({max_diff})"
+        );
     }
 }

@@ -213,4 +213,42 @@ mod tests {
         let want = reference(&to_f64(&x), &to_f64(&w), &to_f64(&b), c, oc);
         assert_close("out", &out, &want, 1e-5, 1e-4);
     }
+
+    #[test]
+    fn bf16_operands_give_the_bf16_gemm_result() {
+        // Products of bf16 values are exact in f32, so the f32 GEMM over bf16-rounded
+        // operands differs from an exact bf16 GEMM with f32 accumulation only by the
+        // f32 summation order. The reference sums the exact products in f64.
+        use crate::kernels::bf16::round;
+        let (n, c, oc) = (64, 96, 80);
+        let r = |v: Vec<f32>| -> Vec<f32> { v.into_iter().map(round).collect() };
+        let (x, w, g) = (
+            r(rand_vec(n * c, 1)),
+            r(rand_vec(oc * c, 2)),
+            r(rand_vec(n * oc, 3)),
+        );
+        let mut out = vec![0.0; n * oc];
+        linear_forward(&mut out, &x, &w, &[], c, oc);
+        let want = reference(&to_f64(&x), &to_f64(&w), &[], c, oc);
+        assert_close("out", &out, &want, 1e-6, 1e-6);
+        let (mut dx, mut dw) = (vec![0.0; n * c], vec![0.0; oc * c]);
+        linear_backward(&mut dx, &mut dw, &mut [], &g, &x, &w, c, oc);
+        let (x64, w64, g64) = (to_f64(&x), to_f64(&w), to_f64(&g));
+        let want_dx: Vec<f64> = (0..n * c)
+            .map(|e| {
+                (0..oc)
+                    .map(|o| g64[e / c * oc + o] * w64[o * c + e % c])
+                    .sum()
+            })
+            .collect();
+        let want_dw: Vec<f64> = (0..oc * c)
+            .map(|e| {
+                (0..n)
+                    .map(|i| g64[i * oc + e / c] * x64[i * c + e % c])
+                    .sum()
+            })
+            .collect();
+        assert_close("dinp", &dx, &want_dx, 1e-6, 1e-6);
+        assert_close("dweight", &dw, &want_dw, 1e-6, 1e-6);
+    }
 }
