@@ -311,10 +311,8 @@ fn bfloat16_training_reports_its_matmul_path_and_its_checkpoint_serves_eval_and_
         "dtype=bfloat16",
     ];
     let stdout = train(d, &extra);
-    assert!(
-        stdout.contains("bf16 matmuls: emulated via f32 GEMM"),
-        "{stdout}"
-    );
+    let path = format!("bf16 matmuls: {}", nanogpt::kernels::bf16_gemm::path());
+    assert!(stdout.contains(&path), "{stdout}");
     let losses = step_losses(&d.join("run"));
     assert_eq!(losses.len(), 5);
     assert!(losses.iter().all(|r| r.1.is_finite() && r.1 > 0.0));

@@ -96,7 +96,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         },
     };
     if opts.dtype == Dtype::Bfloat16 {
-        eprintln!("bf16 matmuls: {}", crate::kernels::bf16::matmul_path());
+        eprintln!("bf16 matmuls: {}", crate::kernels::bf16_gemm::path());
     }
     let r = run_bench(&opts)?;
     if args.json {

@@ -70,7 +70,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
             trainer.meta.tokenizer
         );
         if trainer.cfg.dtype == crate::config::Dtype::Bfloat16 {
-            println!("bf16 matmuls: {}", crate::kernels::bf16::matmul_path());
+            println!("bf16 matmuls: {}", crate::kernels::bf16_gemm::path());
         }
     }
     let outcome = trainer.run()?;

@@ -4,8 +4,8 @@
 //! bf16 value is exactly an f32, and the product of two bf16 values is exact in f32
 //! (8 + 8 significant bits fit in 24), so a GEMM over bf16-rounded f32 operands with
 //! f32 accumulation computes what a bf16 GEMM with f32 accumulation computes, up to
-//! the summation order. That is how matmuls run here when the CPU has no bf16 dot
-//! product instruction in use (see [`matmul_path`]).
+//! the summation order. That is how matmuls run where the CPU has no bf16 dot
+//! product instruction, and for small products (see [`super::bf16_gemm`]).
 //!
 //! Rounding from f32 is round-to-nearest-even; NaN stays NaN (quiet), infinities and
 //! signed zeros are kept, subnormals round like any other value (bf16 has f32's
@@ -96,11 +96,6 @@ pub fn load(dst: &mut [f32], src: &[Bf16]) {
     dst.par_chunks_mut(TASK)
         .zip(src.par_chunks(TASK))
         .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, s)| *d = s.to_f32()));
-}
-
-/// How bf16 matmuls run on this machine, for the start-of-run report.
-pub fn matmul_path() -> &'static str {
-    "emulated via f32 GEMM (bf16-rounded operands, f32 accumulation)"
 }
 
 #[cfg(test)]

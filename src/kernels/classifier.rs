@@ -16,9 +16,6 @@ pub struct ClassifierGrads<'a> {
     pub dwte: &'a mut [f32],
     /// Multiplies the gradient of the mean loss (e.g. `1 / grad_accum_steps`).
     pub scale: f32,
-    /// bf16 autocast: round the logits' gradient to bf16 before it enters the two
-    /// backward matmuls (`x` and `wte` must already hold bf16 values).
-    pub bf16: bool,
 }
 
 /// Mean cross-entropy of `softmax(x · wteᵀ)` against `targets`, ignoring targets of -1.
@@ -29,6 +26,39 @@ pub struct ClassifierGrads<'a> {
 /// Returns the mean over valid rows (0 when there are none).
 #[allow(clippy::too_many_arguments)]
 pub fn classifier_forward(
+    x: &[f32],
+    wte: &[f32],
+    targets: &[i32],
+    losses: &mut [f32],
+    scratch: &mut [f32],
+    c: usize,
+    v: usize,
+    grads: Option<ClassifierGrads>,
+) -> f32 {
+    forward_impl::<false>(x, wte, targets, losses, scratch, c, v, grads)
+}
+
+/// [`classifier_forward`] under bf16 autocast: `x` and `wte` hold bf16 values, and
+/// the logits' gradient is rounded to bf16 before it enters the two backward
+/// matmuls; softmax and loss are f32. The matmuls stay on the f32 GEMM (exact
+/// products of the bf16 values): the AVX512-BF16 kernel would repack all of `wte`
+/// for every chunk of rows.
+#[allow(clippy::too_many_arguments)]
+pub fn classifier_forward_bf16(
+    x: &[f32],
+    wte: &[f32],
+    targets: &[i32],
+    losses: &mut [f32],
+    scratch: &mut [f32],
+    c: usize,
+    v: usize,
+    grads: Option<ClassifierGrads>,
+) -> f32 {
+    forward_impl::<true>(x, wte, targets, losses, scratch, c, v, grads)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn forward_impl<const BF16: bool>(
     x: &[f32],
     wte: &[f32],
     targets: &[i32],
@@ -68,7 +98,7 @@ pub fn classifier_forward(
                 *loss = softmax_row_loss(row, target, with_grad.then_some(grad_scale));
             });
         if let Some(g) = grads.as_mut() {
-            if g.bf16 {
+            if BF16 {
                 super::bf16::round_in_place(logits);
             }
             let dlogits = Mat::new(logits, rows, v);
@@ -175,7 +205,6 @@ mod tests {
                 dx: &mut dx,
                 dwte: &mut dwte,
                 scale,
-                bf16: false,
             }),
         );
         let want = reference_loss(&x64, &wte64, &targets, c, v);
@@ -219,7 +248,6 @@ mod tests {
             dx: &mut dx,
             dwte: &mut dwte,
             scale: 1.0,
-            bf16: false,
         };
         let loss = classifier_forward(
             &x,
@@ -266,9 +294,8 @@ mod tests {
             dx: &mut dx,
             dwte: &mut dwte,
             scale,
-            bf16: true,
         };
-        let loss = classifier_forward(
+        let loss = classifier_forward_bf16(
             &x,
             &wte,
             &targets,
@@ -319,7 +346,6 @@ mod tests {
             dx: &mut unrounded,
             dwte: &mut unrounded_w,
             scale,
-            bf16: false,
         };
         classifier_forward(
             &x,

@@ -2,16 +2,17 @@
 //!
 //! Weights are `(OC, C)` (PyTorch `nn.Linear` order): `out = inp · weightᵀ + bias`.
 
+use super::bf16_gemm::matmul_bf16;
 use rayon::prelude::*;
 
 /// A read-only strided view of a matrix: element `(i, j)` is `data[i·rs + j·cs]`.
 #[derive(Clone, Copy)]
 pub struct Mat<'a> {
-    data: &'a [f32],
-    rows: usize,
-    cols: usize,
-    rs: usize,
-    cs: usize,
+    pub(crate) data: &'a [f32],
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) rs: usize,
+    pub(crate) cs: usize,
 }
 
 impl<'a> Mat<'a> {
@@ -96,6 +97,32 @@ pub fn linear_forward(
     c: usize,
     oc: usize,
 ) {
+    forward_with(matmul, out, inp, weight, bias, c, oc)
+}
+
+/// [`linear_forward`] for bf16 autocast: `inp` and `weight` hold bf16 values and the
+/// product runs on [`matmul_bf16`] (f32 accumulation, f32 bias and output).
+pub fn linear_forward_bf16(
+    out: &mut [f32],
+    inp: &[f32],
+    weight: &[f32],
+    bias: &[f32],
+    c: usize,
+    oc: usize,
+) {
+    forward_with(matmul_bf16, out, inp, weight, bias, c, oc)
+}
+
+#[inline(always)]
+fn forward_with(
+    gemm: impl Fn(&mut [f32], Mat, Mat, bool),
+    out: &mut [f32],
+    inp: &[f32],
+    weight: &[f32],
+    bias: &[f32],
+    c: usize,
+    oc: usize,
+) {
     let _t = crate::profile::scope(crate::profile::Section::MatmulForward);
     let n = inp.len() / c;
     if !bias.is_empty() {
@@ -103,7 +130,7 @@ pub fn linear_forward(
             .for_each(|row| row.copy_from_slice(bias));
     }
     let w = Mat::new(weight, oc, c);
-    matmul(out, Mat::new(inp, n, c), w.t(), !bias.is_empty());
+    gemm(out, Mat::new(inp, n, c), w.t(), !bias.is_empty());
 }
 
 /// Backward of [`linear_forward`]: `dinp = dout · weight` (**overwritten**),
@@ -119,11 +146,43 @@ pub fn linear_backward(
     c: usize,
     oc: usize,
 ) {
+    backward_with(matmul, dinp, dweight, dbias, dout, inp, weight, c, oc)
+}
+
+/// [`linear_backward`] for bf16 autocast: `dout`, `inp` and `weight` hold bf16
+/// values; both products run on [`matmul_bf16`], gradients are f32.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_backward_bf16(
+    dinp: &mut [f32],
+    dweight: &mut [f32],
+    dbias: &mut [f32],
+    dout: &[f32],
+    inp: &[f32],
+    weight: &[f32],
+    c: usize,
+    oc: usize,
+) {
+    backward_with(matmul_bf16, dinp, dweight, dbias, dout, inp, weight, c, oc)
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn backward_with(
+    gemm: impl Fn(&mut [f32], Mat, Mat, bool),
+    dinp: &mut [f32],
+    dweight: &mut [f32],
+    dbias: &mut [f32],
+    dout: &[f32],
+    inp: &[f32],
+    weight: &[f32],
+    c: usize,
+    oc: usize,
+) {
     let _t = crate::profile::scope(crate::profile::Section::MatmulBackward);
     let n = inp.len() / c;
     let dout_m = Mat::new(dout, n, oc);
-    matmul(dinp, dout_m, Mat::new(weight, oc, c), false);
-    matmul(dweight, dout_m.t(), Mat::new(inp, n, c), true);
+    gemm(dinp, dout_m, Mat::new(weight, oc, c), false);
+    gemm(dweight, dout_m.t(), Mat::new(inp, n, c), true);
     if !dbias.is_empty() {
         bias_backward(dbias, dout, oc);
     }

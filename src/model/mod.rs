@@ -23,12 +23,16 @@ pub use layout::{ParamLayout, TensorInfo};
 use crate::config::Dtype;
 use crate::kernels::attention::{attention_backward, attention_forward};
 use crate::kernels::bf16;
-use crate::kernels::classifier::{classifier_forward, classifier_logits, ClassifierGrads};
+use crate::kernels::classifier::{
+    classifier_forward, classifier_forward_bf16, classifier_logits, ClassifierGrads,
+};
 use crate::kernels::dropout::{self, Dropout};
 use crate::kernels::encoder::{encoder_backward, encoder_forward};
 use crate::kernels::gelu::{gelu_backward, gelu_forward};
 use crate::kernels::layernorm::{layernorm_backward, layernorm_forward};
-use crate::kernels::matmul::{linear_backward, linear_forward};
+use crate::kernels::matmul::{
+    linear_backward, linear_backward_bf16, linear_forward, linear_forward_bf16,
+};
 use crate::kernels::residual::residual_add_inplace;
 use activations::{HalfScratch, LayerActs};
 use layout::LayerRanges;
@@ -230,9 +234,12 @@ impl Gpt {
             dx: &mut acts.dbtc[..bt * c],
             dwte: &mut self.grads[self.layout.wte.clone()],
             scale: self.grad_scale,
-            bf16: self.dtype == Dtype::Bfloat16,
         });
-        let loss = classifier_forward(
+        let classifier = match self.dtype {
+            Dtype::Float32 => classifier_forward,
+            Dtype::Bfloat16 => classifier_forward_bf16,
+        };
+        let loss = classifier(
             &acts.lnf[..bt * c],
             wte,
             targets,
@@ -753,7 +760,7 @@ fn layer_forward_bf16(
     bf16::round_and_store(wide, &mut h.ln1[..bt * c]);
     let qkv = &mut a.qkv[..bt * 3 * c];
     let (wt, b) = (&wr[r.c_attn_w.clone()], &p[r.c_attn_b.clone()]);
-    linear_forward(qkv, wide, wt, b, c, 3 * c);
+    linear_forward_bf16(qkv, wide, wt, b, c, 3 * c);
     bf16::round_in_place(qkv);
     let lse = &mut a.att_lse[..d.b * d.nh * d.t];
     let probs = drop.map(|m| m.attn_probs);
@@ -761,7 +768,7 @@ fn layer_forward_bf16(
     bf16::round_and_store(wide, &mut h.atty[..bt * c]);
     let res2 = &mut a.res2[..bt * c];
     let (wt, b) = (&wr[r.attn_proj_w.clone()], &p[r.attn_proj_b.clone()]);
-    linear_forward(res2, wide, wt, b, c, c);
+    linear_forward_bf16(res2, wide, wt, b, c, c);
     if let Some(m) = drop {
         dropout::apply(res2, m.attn_resid, 0);
     }
@@ -773,14 +780,14 @@ fn layer_forward_bf16(
     bf16::round_and_store(wide, &mut h.ln2[..bt * c]);
     let pre_gelu = &mut s.pre_gelu[..bt * 4 * c];
     let (wt, b) = (&wr[r.c_fc_w.clone()], &p[r.c_fc_b.clone()]);
-    linear_forward(pre_gelu, wide, wt, b, c, 4 * c);
+    linear_forward_bf16(pre_gelu, wide, wt, b, c, 4 * c);
     bf16::round_and_store(pre_gelu, &mut h.fch[..bt * 4 * c]);
     let gelu = &mut s.gelu[..bt * 4 * c];
     gelu_forward(gelu, pre_gelu);
     bf16::round_in_place(gelu);
     let res3 = &mut a.res3[..bt * c];
     let (wt, b) = (&wr[r.mlp_proj_w.clone()], &p[r.mlp_proj_b.clone()]);
-    linear_forward(res3, gelu, wt, b, 4 * c, c);
+    linear_forward_bf16(res3, gelu, wt, b, 4 * c, c);
     if let Some(m) = drop {
         dropout::apply(res3, m.mlp_resid, 0);
     }
@@ -821,14 +828,14 @@ fn layer_backward_bf16(
     bf16::round_in_place(d4c);
     let (dw, db) = split_two(g, r.mlp_proj_w.clone(), r.mlp_proj_b.clone());
     let wt = &wr[r.mlp_proj_w.clone()];
-    linear_backward(wide4c, dw, db, dround, d4c, wt, 4 * c, c);
+    linear_backward_bf16(wide4c, dw, db, dround, d4c, wt, 4 * c, c);
     // wide4c now holds d(gelu output); d4c ← pre-GELU again, for GELU's derivative.
     bf16::load(d4c, &h.fch[..bt * 4 * c]);
     gelu_backward(wide4c, d4c);
     bf16::round_in_place(wide4c);
     bf16::load(wide, &h.ln2[..bt * c]);
     let (dw, db) = split_two(g, r.c_fc_w.clone(), r.c_fc_b.clone());
-    linear_backward(dbtc, dw, db, wide4c, wide, &wr[r.c_fc_w.clone()], c, 4 * c);
+    linear_backward_bf16(dbtc, dw, db, wide4c, wide, &wr[r.c_fc_w.clone()], c, 4 * c);
     let (dw, db) = split_two(g, r.ln_2_w.clone(), r.ln_2_b.clone());
     let res2 = &a.res2[..bt * c];
     let (m2, r2) = (&a.ln2_mean[..bt], &a.ln2_rstd[..bt]);
@@ -842,7 +849,7 @@ fn layer_backward_bf16(
     bf16::load(wide, &h.atty[..bt * c]);
     let (dw, db) = split_two(g, r.attn_proj_w.clone(), r.attn_proj_b.clone());
     let wt = &wr[r.attn_proj_w.clone()];
-    linear_backward(dbtc, dw, db, dround, wide, wt, c, c);
+    linear_backward_bf16(dbtc, dw, db, dround, wide, wt, c, c);
     let dqkv = &mut d4c[..bt * 3 * c];
     let (qkv, lse) = (&a.qkv[..bt * 3 * c], &a.att_lse[..d.b * d.nh * d.t]);
     let probs = drop.map(|m| m.attn_probs);
@@ -850,7 +857,7 @@ fn layer_backward_bf16(
     bf16::round_in_place(dqkv);
     bf16::load(wide, &h.ln1[..bt * c]);
     let (dw, db) = split_two(g, r.c_attn_w.clone(), r.c_attn_b.clone());
-    linear_backward(dbtc, dw, db, dqkv, wide, &wr[r.c_attn_w.clone()], c, 3 * c);
+    linear_backward_bf16(dbtc, dw, db, dqkv, wide, &wr[r.c_attn_w.clone()], c, 3 * c);
     let (dw, db) = split_two(g, r.ln_1_w.clone(), r.ln_1_b.clone());
     let (m1, r1) = (&a.ln1_mean[..bt], &a.ln1_rstd[..bt]);
     layernorm_backward(dres, dw, db, dbtc, x, &p[r.ln_1_w.clone()], m1, r1, c);

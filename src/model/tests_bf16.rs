@@ -17,6 +17,20 @@ fn tiny(bias: bool) -> ModelConfig {
     }
 }
 
+/// Large enough that the big matmuls take the AVX512-BF16 kernel where the CPU has
+/// it (m·n·k ≥ 2^20 at B·T = 128), so both GEMM paths are covered.
+fn medium(bias: bool) -> ModelConfig {
+    ModelConfig {
+        vocab_size: 37,
+        block_size: 16,
+        n_layer: 2,
+        n_head: 4,
+        n_embd: 64,
+        bias,
+        dropout: 0.0,
+    }
+}
+
 fn model(cfg: ModelConfig, b: usize, t: usize, seed: u64) -> Gpt {
     let mut gpt = Gpt::new(cfg, b, t).unwrap();
     let real = gpt.config.vocab_size * gpt.config.n_embd;
@@ -189,9 +203,13 @@ fn reference_loss(gpt: &Gpt, x: &[u32], y: &[i32], b: usize, t: usize, bf16: boo
 
 #[test]
 fn bf16_loss_matches_a_reference_that_rounds_the_same_way() {
-    let (b, t) = (2, 8);
-    for bias in [true, false] {
-        let mut gpt = model(tiny(bias), b, t, 21);
+    for (cfg, b, t) in [
+        (tiny(true), 2, 8),
+        (tiny(false), 2, 8),
+        (medium(true), 8, 16),
+    ] {
+        let bias = cfg.bias;
+        let mut gpt = model(cfg, b, t, 21);
         let (x, y) = batch(b, t, gpt.config.vocab_size);
         gpt.set_training(false);
         let f32_loss = gpt.forward(&x, &y, b, t) as f64;
@@ -240,12 +258,11 @@ fn bf16_gradients_are_close_to_f32_ones() {
     // Tolerance: each bf16 rounding has relative error ≤ 2^-9; over the few matmuls
     // of a 2-layer model the gradient of every tensor stays within 3 % (relative L2
     // norm) of f32's, with cosine similarity above 0.999.
-    let (b, t) = (2, 8);
-    for dropout in [0.0, 0.2] {
-        let cfg = ModelConfig {
-            dropout,
-            ..tiny(true)
-        };
+    let dropout = ModelConfig {
+        dropout: 0.2,
+        ..tiny(true)
+    };
+    for (cfg, b, t) in [(tiny(true), 2, 8), (dropout, 2, 8), (medium(false), 8, 16)] {
         let mut gpt = model(cfg, b, t, 33);
         let (x, y) = batch(b, t, gpt.config.vocab_size);
         let grads_of = |gpt: &mut Gpt| {
