@@ -1,6 +1,11 @@
-//! A bf16 GEMM on AVX512-BF16 (`vdpbf16ps`), picked at run time for the large
-//! matmuls of `dtype = "bfloat16"`; everything else takes the f32 GEMM over
-//! bf16-rounded operands ([`super::matmul::matmul`]), which computes the same products.
+//! A bf16 GEMM on AVX512-BF16 (`vdpbf16ps`) for the large matmuls of
+//! `dtype = "bfloat16"`, opt-in with `NANOGPT_BF16_GEMM=avx512bf16` on CPUs that have
+//! the instruction. By default every bf16 matmul takes the f32 GEMM over bf16-valued
+//! operands ([`super::matmul::matmul`]), which computes the same products: on the
+//! development machine this kernel measured at parity with it on GPT-2 124M shapes
+//! and 1.45× slower on the quick-start shapes (docs/PERFORMANCE.md). That is what
+//! one would see if `vdpbf16ps` (the work of two f32 FMAs) issued at half the FMA
+//! rate on that core; not verified. AMX is not used.
 //!
 //! `vdpbf16ps` multiplies pairs of bf16 values along `k` (exact in f32) and adds both
 //! products to an f32 accumulator lane. Operands are packed once per call into bf16
@@ -41,13 +46,22 @@ pub fn available() -> bool {
     })
 }
 
+/// Whether bf16 matmuls use this kernel: the CPU has AVX512-BF16 and the environment
+/// sets `NANOGPT_BF16_GEMM=avx512bf16` (read once).
+pub fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        available() && std::env::var("NANOGPT_BF16_GEMM").is_ok_and(|v| v == "avx512bf16")
+    })
+}
+
 /// `dst = a · b` (or `+=` when `accumulate`) for operands that hold bf16 values
 /// (exactly representable; other values are rounded to nearest even while packing).
-/// Uses the AVX512-BF16 kernel for large products when the CPU has it, else the f32
+/// Uses the AVX512-BF16 kernel for large products when [`enabled`], else the f32
 /// GEMM; both accumulate in f32.
 pub fn matmul_bf16(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
     let macs = a.rows * a.cols * b.cols;
-    if available() && macs >= MIN_MACS {
+    if enabled() && macs >= MIN_MACS {
         native(dst, a, b, accumulate);
     } else {
         matmul(dst, a, b, accumulate);
@@ -204,10 +218,13 @@ mod x86 {
 
 /// How bf16 matmuls run on this machine, for the start-of-run report.
 pub fn path() -> &'static str {
-    if available() {
+    if enabled() {
         "AVX512-BF16 (vdpbf16ps) for the large linear layers, f32 GEMM over bf16 values elsewhere; AMX not used"
+    } else if available() {
+        "emulated via f32 GEMM (bf16 operands, f32 accumulation); AVX512-BF16 present but not used \
+         (slower here; NANOGPT_BF16_GEMM=avx512bf16 selects it); AMX not used"
     } else {
-        "emulated via f32 GEMM (bf16-rounded operands, f32 accumulation); no AVX512-BF16 on this CPU"
+        "emulated via f32 GEMM (bf16 operands, f32 accumulation); no AVX512-BF16 on this CPU"
     }
 }
 
@@ -282,7 +299,8 @@ mod tests {
 
     #[test]
     fn small_products_take_the_f32_gemm() {
-        // Below MIN_MACS, matmul_bf16 is the f32 GEMM, bit for bit.
+        // Below MIN_MACS (and whenever the kernel is not enabled), matmul_bf16 is the
+        // f32 GEMM, bit for bit.
         let (m, k, n) = (16, 16, 48);
         let (a, b) = (rounded(m * k, 6), rounded(k * n, 7));
         let (mut x, mut y) = (vec![0.0; m * n], vec![0.0; m * n]);
