@@ -1,6 +1,7 @@
 //! `nanogpt bench`: time training steps (forward, backward, clipping, AdamW) on
 //! synthetic tokens, and report ms/step, tokens/s, MFU and peak RSS.
 
+use crate::config::Dtype;
 use crate::kernels::matmul::{matmul, Mat};
 use crate::model::{Gpt, ModelConfig};
 use crate::optim::{clip_grad_norm, AdamW, AdamWConfig};
@@ -20,11 +21,14 @@ pub struct BenchOptions {
     pub peak_gflops: Option<f64>,
     /// Time the step by kernel family (see [`crate::profile`]).
     pub profile: bool,
+    /// Matmul precision (bfloat16: autocast, see [`Gpt::set_dtype`]).
+    pub dtype: Dtype,
 }
 
 /// What was measured.
 #[derive(Clone, Debug, Serialize)]
 pub struct BenchReport {
+    pub dtype: Dtype,
     pub threads: usize,
     pub batch_size: usize,
     pub block_size: usize,
@@ -50,6 +54,7 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport, crate::model::ModelError>
     let (b, t) = (opts.batch_size, opts.block_size);
     let mut gpt = Gpt::new(opts.model.clone(), b, t)?;
     gpt.init_gpt2(1337);
+    gpt.set_dtype(opts.dtype);
     let mut opt = AdamW::new(&gpt.layout, AdamWConfig::default());
     let v = opts.model.vocab_size;
     let inputs: Vec<u32> = (0..b * t).map(|i| (i * 7919 % v) as u32).collect();
@@ -68,6 +73,7 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport, crate::model::ModelError>
         gpt.backward();
         clip_grad_norm(&mut gpt.grads, 1.0);
         opt.step(&mut gpt.params, &gpt.grads, 1e-4);
+        gpt.sync_bf16_weights();
         if step >= opts.warmup {
             times.push(start.elapsed().as_secs_f64() * 1e3);
         }
@@ -83,6 +89,7 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport, crate::model::ModelError>
         .collect();
     let peak = opts.peak_gflops.unwrap_or_else(gemm_peak_gflops);
     Ok(BenchReport {
+        dtype: opts.dtype,
         threads: rayon::current_num_threads(),
         batch_size: b,
         block_size: t,
@@ -95,7 +102,7 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport, crate::model::ModelError>
         peak_gflops: peak,
         mfu: achieved / peak,
         peak_rss_mb: peak_rss_bytes().map_or(f64::NAN, |r| r as f64 / 1e6),
-        activation_mb: gpt.activation_floats() as f64 * 4.0 / 1e6,
+        activation_mb: gpt.activation_bytes() as f64 / 1e6,
         profile,
     })
 }

@@ -20,7 +20,7 @@
 //! trajectory as one process. Only rank 0 writes files and progress.
 
 use crate::checkpoint::{self, Checkpoint, CheckpointState};
-use crate::config::{Dtype, InitFrom, TrainConfig};
+use crate::config::{InitFrom, TrainConfig};
 use crate::data::{self, batch_offsets, fill_batch, Draw, Meta, Split, TokenFile};
 use crate::dist::{Collective, CommReport, DataParallel, Single};
 use crate::fault;
@@ -103,9 +103,6 @@ impl Trainer {
     /// [`Trainer::new`] as one rank of `comm`: rank 0 builds or loads the model and
     /// every rank starts from its weights.
     pub fn with_collective(cfg: TrainConfig, comm: Box<dyn Collective>) -> Result<Trainer> {
-        if cfg.dtype == Dtype::Bfloat16 {
-            bail!("dtype = \"bfloat16\" is not available yet; use dtype=float32");
-        }
         cfg.check_world_size(comm.world_size())?;
         comm.set_timeout(Duration::from_secs_f64(cfg.collective_timeout_s));
         let root = comm.rank() == 0;
@@ -119,13 +116,16 @@ impl Trainer {
             prepare_out_dir(&cfg)?;
             comm.barrier_patient();
         }
-        let (model, opt, iter_num, best_val_loss, dp) = if comm.world_size() == 1 {
+        let (mut model, opt, iter_num, best_val_loss, dp) = if comm.world_size() == 1 {
             let (model, opt, iter_num, best) = build_model(&cfg, &meta)?;
             (model, opt, iter_num, best, None)
         } else {
             let (model, opt, iter_num, best, dp) = start_distributed(&cfg, &meta, &*comm)?;
             (model, opt, iter_num, best, Some(dp))
         };
+        // Master weights and optimizer state stay f32; with bfloat16 the model makes
+        // its bf16 weight copy here and after every optimizer step.
+        model.set_dtype(cfg.dtype);
         let resume_from = (cfg.init() == InitFrom::Resume).then_some(iter_num);
         let metrics = match root {
             true => Some(MetricsLog::open(&cfg.out_dir, resume_from)?),
@@ -377,6 +377,7 @@ impl Trainer {
         if fault::nan_param(iter) {
             self.model.params[self.model.layout.tensors[0].range().start] = f32::NAN;
         }
+        self.model.sync_bf16_weights();
         Ok(StepOutcome {
             loss,
             lr,

@@ -299,3 +299,83 @@ fn config_mistakes_are_refused_with_the_key_named() {
     );
     assert!(err.contains("nothing-here"), "{err}");
 }
+
+#[test]
+fn bfloat16_training_reports_its_matmul_path_and_its_checkpoint_serves_eval_and_sample() {
+    let dir = temp_dir("bf16");
+    let d = dir.path();
+    let extra = [
+        "max_iters=4",
+        "eval_interval=4",
+        "out_dir=run",
+        "dtype=bfloat16",
+    ];
+    let stdout = train(d, &extra);
+    let path = format!("bf16 matmuls: {}", nanogpt::kernels::bf16_gemm::path());
+    assert!(stdout.contains(&path), "{stdout}");
+    let losses = step_losses(&d.join("run"));
+    assert_eq!(losses.len(), 5);
+    assert!(losses.iter().all(|r| r.1.is_finite() && r.1 > 0.0));
+    // The checkpoint holds f32 master weights: eval and sample read it as usual.
+    let data = d.join("data/shakespeare_char/val.bin");
+    let data = data.to_str().unwrap();
+    let json = ok(d, &["eval", "--init-from", "run", "--data", data, "--json"]);
+    let report: serde_json::Value = serde_json::from_str(json.trim()).unwrap();
+    let loss = report["loss"].as_f64().unwrap();
+    assert!(loss > 0.5 && loss < 5.0, "{loss}");
+    let args = [
+        "sample",
+        "--out-dir",
+        "run",
+        "--start",
+        "A",
+        "--max-new-tokens",
+        "10",
+    ];
+    let text = ok(d, &args);
+    assert!(text.starts_with('A'), "{text}");
+    // And training resumes from it in bf16 where it stopped.
+    let resumed = train(
+        d,
+        &[
+            "max_iters=6",
+            "eval_interval=6",
+            "out_dir=run",
+            "dtype=bfloat16",
+            "init_from=resume",
+        ],
+    );
+    assert!(resumed.contains("step 6: train loss"), "{resumed}");
+}
+
+#[test]
+fn bench_takes_a_dtype() {
+    let dir = temp_dir("bench-dtype");
+    let d = dir.path();
+    let tiny = ["n_layer=1", "n_head=2", "n_embd=32", "vocab_size=65"];
+    let mut report = Vec::new();
+    for dtype in ["float32", "bfloat16"] {
+        let mut args = vec![
+            "bench",
+            "--batch-size",
+            "2",
+            "--block-size",
+            "16",
+            "--steps",
+            "1",
+        ];
+        args.extend(["--peak-gflops", "100", "--json", "--dtype", dtype]);
+        args.extend(tiny);
+        let json = ok(d, &args);
+        let r: serde_json::Value = serde_json::from_str(json.trim()).expect("one JSON object");
+        assert_eq!(r["dtype"], dtype);
+        assert!(r["ms_per_step"].as_f64().unwrap() > 0.0);
+        report.push(r["activation_mb"].as_f64().unwrap());
+    }
+    assert!(
+        report[1] < report[0],
+        "bf16 activations are smaller: {report:?}"
+    );
+    let err = fails(d, &["bench", "--dtype", "float16"]);
+    assert!(err.contains("float16") && err.contains("bfloat16"), "{err}");
+}

@@ -1,6 +1,7 @@
 //! `nanogpt bench`.
 
 use crate::bench::{run as run_bench, BenchOptions};
+use crate::config::Dtype;
 use crate::model::ModelConfig;
 use anyhow::{bail, Context};
 use clap::Args;
@@ -22,6 +23,10 @@ pub struct BenchArgs {
     /// Untimed steps first.
     #[arg(long, default_value_t = 1)]
     pub warmup: usize,
+    /// Matmul precision: float32, or bfloat16 (autocast: bf16 operands, f32
+    /// accumulation, f32 master weights and optimizer state).
+    #[arg(long, default_value = "float32", value_parser = clap::builder::PossibleValuesParser::new(Dtype::NAMES))]
+    pub dtype: String,
     /// Threads (0: one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -85,15 +90,22 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         warmup: args.warmup,
         peak_gflops: args.peak_gflops,
         profile: args.profile,
+        dtype: match args.dtype.as_str() {
+            "bfloat16" => Dtype::Bfloat16,
+            _ => Dtype::Float32,
+        },
     };
+    if opts.dtype == Dtype::Bfloat16 {
+        eprintln!("bf16 matmuls: {}", crate::kernels::bf16_gemm::path());
+    }
     let r = run_bench(&opts)?;
     if args.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
         println!(
-            "{} params, B={} T={}, {} threads: {:.1} ms/step (median of {}, min {:.1}), {:.0} tokens/s, \
+            "{} params, {}, B={} T={}, {} threads: {:.1} ms/step (median of {}, min {:.1}), {:.0} tokens/s, \
              {:.1} GFLOP/s = {:.1}% MFU of {:.1} GFLOP/s, peak RSS {:.0} MB, activations {:.0} MB",
-            r.params, r.batch_size, r.block_size, r.threads, r.ms_per_step, args.steps, r.ms_per_step_min,
+            r.params, r.dtype.as_str(), r.batch_size, r.block_size, r.threads, r.ms_per_step, args.steps, r.ms_per_step_min,
             r.tokens_per_sec, r.achieved_gflops, 100.0 * r.mfu, r.peak_gflops, r.peak_rss_mb, r.activation_mb
         );
         print_profile(&r.profile, r.ms_per_step);

@@ -76,6 +76,9 @@ pub fn run(args: TrainArgs) -> Result<i32> {
             "mfu: against this machine's f32 GEMM peak, {:.0} GFLOP/s per rank, measured now",
             trainer.peak_gflops()
         );
+        if trainer.cfg.dtype == crate::config::Dtype::Bfloat16 {
+            println!("bf16 matmuls: {}", crate::kernels::bf16_gemm::path());
+        }
     }
     if !trainer.cfg.eval_only {
         // From here on, SIGINT/SIGTERM end the run at a step boundary with a checkpoint.

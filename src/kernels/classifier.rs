@@ -33,6 +33,39 @@ pub fn classifier_forward(
     scratch: &mut [f32],
     c: usize,
     v: usize,
+    grads: Option<ClassifierGrads>,
+) -> f32 {
+    forward_impl::<false>(x, wte, targets, losses, scratch, c, v, grads)
+}
+
+/// [`classifier_forward`] under bf16 autocast: `x` and `wte` hold bf16 values, and
+/// the logits' gradient is rounded to bf16 before it enters the two backward
+/// matmuls; softmax and loss are f32. The matmuls stay on the f32 GEMM (exact
+/// products of the bf16 values): the AVX512-BF16 kernel would repack all of `wte`
+/// for every chunk of rows.
+#[allow(clippy::too_many_arguments)]
+pub fn classifier_forward_bf16(
+    x: &[f32],
+    wte: &[f32],
+    targets: &[i32],
+    losses: &mut [f32],
+    scratch: &mut [f32],
+    c: usize,
+    v: usize,
+    grads: Option<ClassifierGrads>,
+) -> f32 {
+    forward_impl::<true>(x, wte, targets, losses, scratch, c, v, grads)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn forward_impl<const BF16: bool>(
+    x: &[f32],
+    wte: &[f32],
+    targets: &[i32],
+    losses: &mut [f32],
+    scratch: &mut [f32],
+    c: usize,
+    v: usize,
     mut grads: Option<ClassifierGrads>,
 ) -> f32 {
     let _t = crate::profile::scope(crate::profile::Section::Classifier);
@@ -65,6 +98,9 @@ pub fn classifier_forward(
                 *loss = softmax_row_loss(row, target, with_grad.then_some(grad_scale));
             });
         if let Some(g) = grads.as_mut() {
+            if BF16 {
+                super::bf16::round_in_place(logits);
+            }
             let dlogits = Mat::new(logits, rows, v);
             matmul(
                 &mut g.dx[start * c..(start + rows) * c],
@@ -240,5 +276,95 @@ mod tests {
                 assert!((out[r * v + j] - want).abs() < 1e-5);
             }
         }
+    }
+
+    #[test]
+    fn bf16_gradients_use_rounded_logit_gradients() {
+        use crate::kernels::bf16::round;
+        let (n, c, v, chunk) = (7, 12, 9, 3);
+        let rounded = |x: Vec<f32>| x.into_iter().map(round).collect::<Vec<f32>>();
+        let x = rounded(rand_vec(n * c, 11));
+        let wte = rounded(rand_vec(v * c, 12).iter().map(|w| 3.0 * w).collect());
+        let targets: Vec<i32> = (0..n).map(|r| ((r * 5 + 1) % v) as i32).collect();
+        let scale = 0.5f32;
+        let (mut dx, mut dwte) = (vec![0.0; n * c], vec![0.0; v * c]);
+        let mut losses = vec![0.0; n];
+        let mut scratch = vec![0.0; chunk * v];
+        let grads = ClassifierGrads {
+            dx: &mut dx,
+            dwte: &mut dwte,
+            scale,
+        };
+        let loss = classifier_forward_bf16(
+            &x,
+            &wte,
+            &targets,
+            &mut losses,
+            &mut scratch,
+            c,
+            v,
+            Some(grads),
+        );
+        let want = reference_loss(&to_f64(&x), &to_f64(&wte), &targets, c, v);
+        assert!((loss as f64 - want).abs() < 1e-5 * want, "{loss} vs {want}");
+        // Reference: f64 softmax gradient, rounded to bf16, then exact f64 products.
+        let mut dlogits = vec![0.0f64; n * v];
+        for r in 0..n {
+            let logits: Vec<f64> = (0..v)
+                .map(|j| {
+                    (0..c)
+                        .map(|i| x[r * c + i] as f64 * wte[j * c + i] as f64)
+                        .sum()
+                })
+                .collect();
+            let max = logits.iter().cloned().fold(f64::MIN, f64::max);
+            let sum: f64 = logits.iter().map(|l| (l - max).exp()).sum();
+            for j in 0..v {
+                let onehot = (j == targets[r] as usize) as u8 as f64;
+                let g = scale as f64 / n as f64 * ((logits[j] - max).exp() / sum - onehot);
+                dlogits[r * v + j] = round(g as f32) as f64;
+            }
+        }
+        let mut want_dx = vec![0.0; n * c];
+        let mut want_dwte = vec![0.0; v * c];
+        for r in 0..n {
+            for j in 0..v {
+                for i in 0..c {
+                    want_dx[r * c + i] += dlogits[r * v + j] * wte[j * c + i] as f64;
+                    want_dwte[j * c + i] += dlogits[r * v + j] * x[r * c + i] as f64;
+                }
+            }
+        }
+        // f32 softmax may land one bf16 ulp (2^-8 relative) away from the f64 one.
+        assert_close("dx", &dx, &want_dx, 8e-3, 1e-4);
+        assert_close("dwte", &dwte, &want_dwte, 8e-3, 1e-4);
+        // And the rounding happened: every term of dx is a product of bf16 values, so
+        // the result differs from the unrounded gradient by more than f32 noise.
+        let mut unrounded = vec![0.0f32; n * c];
+        let mut unrounded_w = vec![0.0f32; v * c];
+        let grads = ClassifierGrads {
+            dx: &mut unrounded,
+            dwte: &mut unrounded_w,
+            scale,
+        };
+        classifier_forward(
+            &x,
+            &wte,
+            &targets,
+            &mut losses,
+            &mut scratch,
+            c,
+            v,
+            Some(grads),
+        );
+        let max_diff = dx
+            .iter()
+            .zip(&unrounded)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(
+            max_diff > 1e-6,
+            "bf16 rounding changed nothing ({max_diff})"
+        );
     }
 }

@@ -2,16 +2,17 @@
 //!
 //! Weights are `(OC, C)` (PyTorch `nn.Linear` order): `out = inp · weightᵀ + bias`.
 
+use super::bf16_gemm::matmul_bf16;
 use rayon::prelude::*;
 
 /// A read-only strided view of a matrix: element `(i, j)` is `data[i·rs + j·cs]`.
 #[derive(Clone, Copy)]
 pub struct Mat<'a> {
-    data: &'a [f32],
-    rows: usize,
-    cols: usize,
-    rs: usize,
-    cs: usize,
+    pub(crate) data: &'a [f32],
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) rs: usize,
+    pub(crate) cs: usize,
 }
 
 impl<'a> Mat<'a> {
@@ -96,6 +97,32 @@ pub fn linear_forward(
     c: usize,
     oc: usize,
 ) {
+    forward_with(matmul, out, inp, weight, bias, c, oc)
+}
+
+/// [`linear_forward`] for bf16 autocast: `inp` and `weight` hold bf16 values and the
+/// product runs on [`matmul_bf16`] (f32 accumulation, f32 bias and output).
+pub fn linear_forward_bf16(
+    out: &mut [f32],
+    inp: &[f32],
+    weight: &[f32],
+    bias: &[f32],
+    c: usize,
+    oc: usize,
+) {
+    forward_with(matmul_bf16, out, inp, weight, bias, c, oc)
+}
+
+#[inline(always)]
+fn forward_with(
+    gemm: impl Fn(&mut [f32], Mat, Mat, bool),
+    out: &mut [f32],
+    inp: &[f32],
+    weight: &[f32],
+    bias: &[f32],
+    c: usize,
+    oc: usize,
+) {
     let _t = crate::profile::scope(crate::profile::Section::MatmulForward);
     let n = inp.len() / c;
     if !bias.is_empty() {
@@ -103,7 +130,7 @@ pub fn linear_forward(
             .for_each(|row| row.copy_from_slice(bias));
     }
     let w = Mat::new(weight, oc, c);
-    matmul(out, Mat::new(inp, n, c), w.t(), !bias.is_empty());
+    gemm(out, Mat::new(inp, n, c), w.t(), !bias.is_empty());
 }
 
 /// Backward of [`linear_forward`]: `dinp = dout · weight` (**overwritten**),
@@ -119,11 +146,43 @@ pub fn linear_backward(
     c: usize,
     oc: usize,
 ) {
+    backward_with(matmul, dinp, dweight, dbias, dout, inp, weight, c, oc)
+}
+
+/// [`linear_backward`] for bf16 autocast: `dout`, `inp` and `weight` hold bf16
+/// values; both products run on [`matmul_bf16`], gradients are f32.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_backward_bf16(
+    dinp: &mut [f32],
+    dweight: &mut [f32],
+    dbias: &mut [f32],
+    dout: &[f32],
+    inp: &[f32],
+    weight: &[f32],
+    c: usize,
+    oc: usize,
+) {
+    backward_with(matmul_bf16, dinp, dweight, dbias, dout, inp, weight, c, oc)
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn backward_with(
+    gemm: impl Fn(&mut [f32], Mat, Mat, bool),
+    dinp: &mut [f32],
+    dweight: &mut [f32],
+    dbias: &mut [f32],
+    dout: &[f32],
+    inp: &[f32],
+    weight: &[f32],
+    c: usize,
+    oc: usize,
+) {
     let _t = crate::profile::scope(crate::profile::Section::MatmulBackward);
     let n = inp.len() / c;
     let dout_m = Mat::new(dout, n, oc);
-    matmul(dinp, dout_m, Mat::new(weight, oc, c), false);
-    matmul(dweight, dout_m.t(), Mat::new(inp, n, c), true);
+    gemm(dinp, dout_m, Mat::new(weight, oc, c), false);
+    gemm(dweight, dout_m.t(), Mat::new(inp, n, c), true);
     if !dbias.is_empty() {
         bias_backward(dbias, dout, oc);
     }
@@ -212,5 +271,43 @@ mod tests {
         linear_forward(&mut out, &x, &w, &b, c, oc);
         let want = reference(&to_f64(&x), &to_f64(&w), &to_f64(&b), c, oc);
         assert_close("out", &out, &want, 1e-5, 1e-4);
+    }
+
+    #[test]
+    fn bf16_operands_give_the_bf16_gemm_result() {
+        // Products of bf16 values are exact in f32, so the f32 GEMM over bf16-rounded
+        // operands differs from an exact bf16 GEMM with f32 accumulation only by the
+        // f32 summation order. The reference sums the exact products in f64.
+        use crate::kernels::bf16::round;
+        let (n, c, oc) = (64, 96, 80);
+        let r = |v: Vec<f32>| -> Vec<f32> { v.into_iter().map(round).collect() };
+        let (x, w, g) = (
+            r(rand_vec(n * c, 1)),
+            r(rand_vec(oc * c, 2)),
+            r(rand_vec(n * oc, 3)),
+        );
+        let mut out = vec![0.0; n * oc];
+        linear_forward(&mut out, &x, &w, &[], c, oc);
+        let want = reference(&to_f64(&x), &to_f64(&w), &[], c, oc);
+        assert_close("out", &out, &want, 1e-6, 1e-6);
+        let (mut dx, mut dw) = (vec![0.0; n * c], vec![0.0; oc * c]);
+        linear_backward(&mut dx, &mut dw, &mut [], &g, &x, &w, c, oc);
+        let (x64, w64, g64) = (to_f64(&x), to_f64(&w), to_f64(&g));
+        let want_dx: Vec<f64> = (0..n * c)
+            .map(|e| {
+                (0..oc)
+                    .map(|o| g64[e / c * oc + o] * w64[o * c + e % c])
+                    .sum()
+            })
+            .collect();
+        let want_dw: Vec<f64> = (0..oc * c)
+            .map(|e| {
+                (0..n)
+                    .map(|i| g64[i * oc + e / c] * x64[i * c + e % c])
+                    .sum()
+            })
+            .collect();
+        assert_close("dinp", &dx, &want_dx, 1e-6, 1e-6);
+        assert_close("dweight", &dw, &want_dw, 1e-6, 1e-6);
     }
 }

@@ -15,6 +15,8 @@
 //! Kernels parallelise with rayon on the current pool.
 
 pub mod attention;
+pub mod bf16;
+pub mod bf16_gemm;
 pub mod classifier;
 pub mod dropout;
 pub mod encoder;

@@ -3,8 +3,16 @@
 //! Every buffer is sized for `(max_B, max_T)`; a pass over a smaller `(B, T)` uses the
 //! leading `B·T·…` elements, which is the same row-major layout. Nothing is allocated
 //! in the step loop.
+//!
+//! With `dtype = "bfloat16"` the activations that only feed matmuls (the layer-norm
+//! outputs and the attention output) and the MLP's pre-GELU layer are kept in bf16
+//! ([`HalfActs`]); the GELU output is not kept at all but recomputed from the bf16
+//! pre-GELU values in backward. The f32 buffers they replace are then empty. The
+//! residual stream, q/k/v, the layer-norm statistics and all gradients stay f32.
 
 use super::config::ModelConfig;
+use crate::config::Dtype;
+use crate::kernels::bf16::Bf16;
 
 /// What one transformer block keeps from forward for backward.
 pub struct LayerActs {
@@ -27,6 +35,32 @@ pub struct LayerActs {
     pub fch_gelu: Vec<f32>,
     /// (B, T, C) the block's output: residual stream after the MLP branch.
     pub res3: Vec<f32>,
+    /// bf16 mode only: what replaces `ln1`, `atty`, `ln2`, `fch` and `fch_gelu`.
+    pub half: Option<HalfActs>,
+}
+
+/// The bf16 activations of one block (`dtype = "bfloat16"`).
+pub struct HalfActs {
+    /// (B, T, C) ln_1 output.
+    pub ln1: Vec<Bf16>,
+    /// (B, T, C) attention output.
+    pub atty: Vec<Bf16>,
+    /// (B, T, C) ln_2 output.
+    pub ln2: Vec<Bf16>,
+    /// (B, T, 4C) MLP hidden layer before GELU (its GELU is recomputed in backward).
+    pub fch: Vec<Bf16>,
+}
+
+/// f32 scratch of the bf16 mode, shared by all blocks: the widened (exact f32) copies
+/// of bf16 operands that the f32 GEMM reads, and bf16-rounded output gradients.
+pub struct HalfScratch {
+    /// (B, T, 4C): the GELU output in forward; pre-GELU values, then their gradient,
+    /// in backward.
+    pub wide4c: Vec<f32>,
+    /// (B, T, C): a widened layer-norm or attention output in backward.
+    pub wide: Vec<f32>,
+    /// (B, T, C): a residual branch's output gradient rounded to bf16.
+    pub dround: Vec<f32>,
 }
 
 /// All activations of a forward pass plus the scratch that backward reuses per layer.
@@ -57,6 +91,8 @@ pub struct Activations {
     pub dbranch: Vec<f32>,
     /// (B, T, 4C) gradient of the MLP hidden layer, reused for the (B, T, 3C) qkv gradient.
     pub d4c: Vec<f32>,
+    /// bf16 mode only.
+    pub half: Option<HalfScratch>,
 }
 
 /// Rows of the classifier chunk: enough that the `dwte` update is compute-bound, few
@@ -67,24 +103,34 @@ fn classifier_chunk_rows(cfg: &ModelConfig, rows: usize) -> usize {
 }
 
 impl Activations {
-    pub fn new(cfg: &ModelConfig, max_b: usize, max_t: usize) -> Activations {
+    pub fn new(cfg: &ModelConfig, max_b: usize, max_t: usize, dtype: Dtype) -> Activations {
         let (bt, c) = (max_b * max_t, cfg.n_embd);
+        let bf16 = dtype == Dtype::Bfloat16;
         let z = |n: usize| vec![0.0f32; n];
+        // Buffers the bf16 mode keeps in `half` instead.
+        let f = |n: usize| if bf16 { vec![] } else { z(n) };
+        let h = |n: usize| vec![Bf16::default(); n];
         let layers = (0..cfg.n_layer)
             .map(|_| LayerActs {
-                ln1: z(bt * c),
+                ln1: f(bt * c),
                 ln1_mean: z(bt),
                 ln1_rstd: z(bt),
                 qkv: z(bt * 3 * c),
-                atty: z(bt * c),
+                atty: f(bt * c),
                 att_lse: z(max_b * cfg.n_head * max_t),
                 res2: z(bt * c),
-                ln2: z(bt * c),
+                ln2: f(bt * c),
                 ln2_mean: z(bt),
                 ln2_rstd: z(bt),
-                fch: z(bt * 4 * c),
-                fch_gelu: z(bt * 4 * c),
+                fch: f(bt * 4 * c),
+                fch_gelu: f(bt * 4 * c),
                 res3: z(bt * c),
+                half: bf16.then(|| HalfActs {
+                    ln1: h(bt * c),
+                    atty: h(bt * c),
+                    ln2: h(bt * c),
+                    fch: h(bt * 4 * c),
+                }),
             })
             .collect();
         Activations {
@@ -102,19 +148,30 @@ impl Activations {
             dbtc: z(bt * c),
             dbranch: if cfg.dropout > 0.0 { z(bt * c) } else { vec![] },
             d4c: z(bt * 4 * c),
+            half: bf16.then(|| HalfScratch {
+                wide4c: z(bt * 4 * c),
+                wide: z(bt * c),
+                dround: z(bt * c),
+            }),
         }
     }
 
-    /// Floats an arena for `(b, t)` holds. The buffers are zero-filled by the
+    /// Bytes an arena for `(b, t)` holds. The buffers are zero-filled by the
     /// allocator, so untouched pages cost no memory and this is cheap to ask.
-    pub fn num_floats_for(cfg: &ModelConfig, b: usize, t: usize) -> usize {
-        Activations::new(cfg, b, t).num_floats()
+    pub fn num_bytes_for(cfg: &ModelConfig, b: usize, t: usize, dtype: Dtype) -> usize {
+        Activations::new(cfg, b, t, dtype).num_bytes()
     }
 
-    /// Floats held, all buffers together.
-    pub fn num_floats(&self) -> usize {
+    /// Bytes held, all buffers together (4 per f32 and token id, 2 per bf16).
+    pub fn num_bytes(&self) -> usize {
+        let f32s = |bufs: &[&Vec<f32>]| bufs.iter().map(|v| v.len() * 4).sum::<usize>();
+        let bf16s = |bufs: &[&Vec<Bf16>]| bufs.iter().map(|v| v.len() * 2).sum::<usize>();
         let layer = |l: &LayerActs| {
-            [
+            let half = l
+                .half
+                .as_ref()
+                .map_or(0, |h| bf16s(&[&h.ln1, &h.atty, &h.ln2, &h.fch]));
+            half + f32s(&[
                 &l.ln1,
                 &l.ln1_mean,
                 &l.ln1_rstd,
@@ -128,12 +185,13 @@ impl Activations {
                 &l.fch,
                 &l.fch_gelu,
                 &l.res3,
-            ]
-            .iter()
-            .map(|v| v.len())
-            .sum::<usize>()
+            ])
         };
-        let own = [
+        let scratch = self
+            .half
+            .as_ref()
+            .map_or(0, |h| f32s(&[&h.wide4c, &h.wide, &h.dround]));
+        let own = f32s(&[
             &self.encoded,
             &self.lnf,
             &self.lnf_mean,
@@ -146,9 +204,9 @@ impl Activations {
             &self.dbtc,
             &self.dbranch,
             &self.d4c,
-        ];
+        ]);
         let layers: usize = self.layers.iter().map(layer).sum();
-        layers + own.iter().map(|v| v.len()).sum::<usize>() + self.inputs.len()
+        layers + own + scratch + self.inputs.len() * 4
     }
 }
 
@@ -161,8 +219,8 @@ mod tests {
         // No (B, NH, T, T) buffer: quadrupling T must scale the arena by about 4,
         // not 16 (the classifier chunk is capped, so slightly less than 4).
         let cfg = ModelConfig::preset("gpt2").unwrap();
-        let small = Activations::num_floats_for(&cfg, 4, 256);
-        let large = Activations::num_floats_for(&cfg, 4, 1024);
+        let small = Activations::num_bytes_for(&cfg, 4, 256, Dtype::Float32) / 4;
+        let large = Activations::num_bytes_for(&cfg, 4, 1024, Dtype::Float32) / 4;
         let ratio = large as f64 / small as f64;
         assert!(ratio <= 4.0, "T 256 → 1024 grew the arena {ratio:.2}×");
         // Exactly: per layer and token 16·C + 4 + NH floats (ln1 C+2, qkv 3C, atty C,
@@ -180,5 +238,30 @@ mod tests {
             small as f64 * 4.0 / (1 << 20) as f64,
             large as f64 * 4.0 / (1 << 20) as f64
         );
+    }
+
+    #[test]
+    fn bf16_arena_is_at_most_six_tenths_of_f32() {
+        // GPT-2 124M at B=4, T=1024 (the issue's target configuration).
+        let cfg = ModelConfig::preset("gpt2").unwrap();
+        let (b, t, c) = (4, 1024, cfg.n_embd);
+        let f32_bytes = Activations::num_bytes_for(&cfg, b, t, Dtype::Float32);
+        let bf16_bytes = Activations::num_bytes_for(&cfg, b, t, Dtype::Bfloat16);
+        // Per layer and token, bf16 drops ln1, atty, ln2 (C each) and fch (4C) to two
+        // bytes and fch_gelu (4C) entirely: 4·(16C + 4 + NH) → 4·(5C + 4 + NH) + 2·7C.
+        // Outside the layers it adds the f32 scratch: wide4c 4C, wide C, dround C.
+        let bt = b * t;
+        let per_layer_saved = bt * (4 * 11 * c - 2 * 7 * c);
+        let scratch = bt * 4 * 6 * c;
+        assert_eq!(
+            f32_bytes - bf16_bytes,
+            cfg.n_layer * per_layer_saved - scratch
+        );
+        let ratio = bf16_bytes as f64 / f32_bytes as f64;
+        println!(
+            "activation arena, GPT-2 124M, B=4, T=1024: float32 {f32_bytes} bytes, \
+             bfloat16 {bf16_bytes} bytes ({ratio:.3}×)"
+        );
+        assert!(ratio <= 0.6, "bf16 arena is {ratio:.3}× the f32 one");
     }
 }

@@ -13,20 +13,28 @@ pub mod config;
 pub mod decode;
 pub mod init;
 pub mod layout;
+#[cfg(test)]
+mod tests_bf16;
 
 pub use activations::Activations;
 pub use config::ModelConfig;
 pub use layout::{ParamLayout, TensorInfo};
 
+use crate::config::Dtype;
 use crate::kernels::attention::{attention_backward, attention_forward};
-use crate::kernels::classifier::{classifier_forward, classifier_logits, ClassifierGrads};
+use crate::kernels::bf16;
+use crate::kernels::classifier::{
+    classifier_forward, classifier_forward_bf16, classifier_logits, ClassifierGrads,
+};
 use crate::kernels::dropout::{self, Dropout};
 use crate::kernels::encoder::{encoder_backward, encoder_forward};
 use crate::kernels::gelu::{gelu_backward, gelu_forward};
 use crate::kernels::layernorm::{layernorm_backward, layernorm_forward};
-use crate::kernels::matmul::{linear_backward, linear_forward};
+use crate::kernels::matmul::{
+    linear_backward, linear_backward_bf16, linear_forward, linear_forward_bf16,
+};
 use crate::kernels::residual::residual_add_inplace;
-use activations::LayerActs;
+use activations::{HalfScratch, LayerActs};
 use layout::LayerRanges;
 
 /// Errors from building a model out of a parameter buffer.
@@ -67,6 +75,11 @@ pub struct Gpt {
     pub params: Vec<f32>,
     /// Gradients, same layout as `params`.
     pub grads: Vec<f32>,
+    /// Precision of the matmuls (see [`Gpt::set_dtype`]).
+    dtype: Dtype,
+    /// bf16 mode: `params` rounded to bf16 (held as f32, same layout), the operand
+    /// of every matmul; refreshed by [`Gpt::sync_bf16_weights`]. Empty in f32 mode.
+    params_bf16: Vec<f32>,
     acts: Activations,
     max_b: usize,
     max_t: usize,
@@ -90,10 +103,12 @@ impl Gpt {
             )));
         }
         let layout = ParamLayout::new(&config);
-        let acts = Activations::new(&config, max_b, max_t);
+        let acts = Activations::new(&config, max_b, max_t, Dtype::Float32);
         Ok(Gpt {
             params: vec![0.0; layout.len],
             grads: vec![0.0; layout.len],
+            dtype: Dtype::Float32,
+            params_bf16: Vec::new(),
             layout,
             acts,
             max_b,
@@ -148,9 +163,50 @@ impl Gpt {
         self.dropout_seed = seed;
     }
 
-    /// Floats held by the activation arena.
-    pub fn activation_floats(&self) -> usize {
-        self.acts.num_floats()
+    /// Switches the matmul precision. `Bfloat16` is autocast: every matmul operand
+    /// (weights, activations, output gradients) is rounded to bf16, products are
+    /// accumulated in f32, and `params`, `grads` and everything outside the matmuls
+    /// stay f32; activations that only feed matmuls are stored in bf16. Rebuilds the
+    /// activation arena (call it before training, not in the step loop) and makes
+    /// the bf16 copy of the weights.
+    pub fn set_dtype(&mut self, dtype: Dtype) {
+        if dtype != self.dtype {
+            self.acts = Activations::new(&self.config, 0, 0, Dtype::Float32);
+            self.acts = Activations::new(&self.config, self.max_b, self.max_t, dtype);
+            self.params_bf16 = match dtype {
+                Dtype::Float32 => Vec::new(),
+                Dtype::Bfloat16 => vec![0.0; self.params.len()],
+            };
+            self.dtype = dtype;
+            self.pending = None;
+        }
+        self.sync_bf16_weights();
+    }
+
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    /// bf16 mode: re-rounds the weight copy the matmuls read from `params`. Call it
+    /// whenever `params` changed (after each optimizer step, after loading); the
+    /// micro-steps of one optimizer step share the copy. A no-op in f32 mode.
+    pub fn sync_bf16_weights(&mut self) {
+        if self.dtype == Dtype::Bfloat16 {
+            bf16::round_into(&mut self.params_bf16, &self.params);
+        }
+    }
+
+    /// The weights the matmuls read: `params`, or their bf16 copy.
+    fn matmul_weights(&self) -> &[f32] {
+        match self.dtype {
+            Dtype::Float32 => &self.params,
+            Dtype::Bfloat16 => &self.params_bf16,
+        }
+    }
+
+    /// Bytes held by the activation arena.
+    pub fn activation_bytes(&self) -> usize {
+        self.acts.num_bytes()
     }
 
     pub fn zero_grad(&mut self) {
@@ -169,15 +225,23 @@ impl Gpt {
         let dropout = (self.training && self.config.dropout > 0.0).then_some(seed);
         self.trunk_forward(inputs, dims, dropout);
         let (c, v, bt) = (dims.c, self.config.vocab_size, dims.bt());
+        let wte = match self.dtype {
+            Dtype::Float32 => &self.params[self.layout.wte.clone()],
+            Dtype::Bfloat16 => &self.params_bf16[self.layout.wte.clone()],
+        };
         let acts = &mut self.acts;
         let grads = self.training.then(|| ClassifierGrads {
             dx: &mut acts.dbtc[..bt * c],
             dwte: &mut self.grads[self.layout.wte.clone()],
             scale: self.grad_scale,
         });
-        let loss = classifier_forward(
+        let classifier = match self.dtype {
+            Dtype::Float32 => classifier_forward,
+            Dtype::Bfloat16 => classifier_forward_bf16,
+        };
+        let loss = classifier(
             &acts.lnf[..bt * c],
-            &self.params[self.layout.wte.clone()],
+            wte,
             targets,
             &mut acts.losses[..bt],
             &mut acts.logits_chunk,
@@ -230,6 +294,7 @@ impl Gpt {
         let (bt, c) = (dims.bt(), dims.c);
         let Gpt {
             params,
+            params_bf16,
             grads,
             acts,
             layout,
@@ -271,16 +336,26 @@ impl Gpt {
                 d4c: &mut acts.d4c,
             };
             let drop = dropout.map(|s| layer_dropout(s, l, self.config.dropout));
-            layer_backward(
-                params,
-                grads,
-                &layout.layers[l],
-                &this[0],
-                x,
-                scratch,
-                dims,
-                drop,
-            );
+            match acts.half.as_mut() {
+                None => layer_backward(
+                    params,
+                    grads,
+                    &layout.layers[l],
+                    &this[0],
+                    x,
+                    scratch,
+                    dims,
+                    drop,
+                ),
+                Some(half) => {
+                    let w = Weights {
+                        p: params,
+                        wr: params_bf16,
+                        r: &layout.layers[l],
+                    };
+                    layer_backward_bf16(w, grads, &this[0], x, scratch, half, dims, drop)
+                }
+            }
             let start = layout.layers[l].span.start;
             done(start..hi, grads);
             hi = start;
@@ -315,7 +390,10 @@ impl Gpt {
             let last = (row * t + t - 1) * c;
             x.copy_from_slice(&acts.lnf[last..last + c]);
         }
-        let wte = &self.params[self.layout.wte.clone()];
+        let wte = match self.dtype {
+            Dtype::Float32 => &self.params[self.layout.wte.clone()],
+            Dtype::Bfloat16 => &self.params_bf16[self.layout.wte.clone()],
+        };
         classifier_logits(
             &mut acts.last_logits[..b * v],
             &acts.last_x[..b * c],
@@ -334,7 +412,7 @@ impl Gpt {
         self.trunk_forward(inputs, dims, None);
         let (c, v, bt) = (dims.c, self.config.vocab_size, dims.bt());
         let mut out = vec![0.0; bt * v];
-        let wte = &self.params[self.layout.wte.clone()];
+        let wte = &self.matmul_weights()[self.layout.wte.clone()];
         classifier_logits(&mut out, &self.acts.lnf[..bt * c], wte, c, v);
         self.pending = None;
         out
@@ -366,6 +444,7 @@ impl Gpt {
         let (bt, c) = (dims.bt(), dims.c);
         let Gpt {
             params,
+            params_bf16,
             acts,
             layout,
             config,
@@ -388,7 +467,22 @@ impl Gpt {
                 .last()
                 .map_or(&acts.encoded[..bt * c], |p| &p.res3[..bt * c]);
             let drop = dropout.map(|s| layer_dropout(s, l, config.dropout));
-            layer_forward(params, &layout.layers[l], &mut this[0], x, dims, drop);
+            match acts.half.as_mut() {
+                None => layer_forward(params, &layout.layers[l], &mut this[0], x, dims, drop),
+                Some(half) => {
+                    let w = Weights {
+                        p: params,
+                        wr: params_bf16,
+                        r: &layout.layers[l],
+                    };
+                    let scratch = ForwardScratch {
+                        wide: &mut acts.dbtc,
+                        pre_gelu: &mut acts.d4c,
+                        gelu: &mut half.wide4c,
+                    };
+                    layer_forward_bf16(w, &mut this[0], x, scratch, dims, drop)
+                }
+            }
         }
         let last = acts.layers.last().map_or(&acts.encoded, |l| &l.res3);
         layernorm_forward(
@@ -400,6 +494,10 @@ impl Gpt {
             &params[layout.ln_f_b.clone()],
             c,
         );
+        if acts.half.is_some() {
+            // The classifier's operand: bf16 values (kept in f32, it is one buffer).
+            bf16::round_in_place(&mut acts.lnf[..bt * c]);
+        }
     }
 }
 
@@ -618,6 +716,151 @@ fn layer_backward(
     let (dw, db) = split_two(g, w.ln_1_w.clone(), w.ln_1_b.clone());
     let (m1, r1) = (&a.ln1_mean[..bt], &a.ln1_rstd[..bt]);
     layernorm_backward(dres, dw, db, dbtc, x, &p[w.ln_1_w.clone()], m1, r1, c);
+}
+
+/// A block's weights in bf16 mode: `p` the f32 master parameters (biases and
+/// layer-norm parameters are read from it), `wr` their bf16-rounded copy (the matmul
+/// weights), `r` where the block's tensors live in both.
+#[derive(Clone, Copy)]
+struct Weights<'a> {
+    p: &'a [f32],
+    wr: &'a [f32],
+    r: &'a LayerRanges,
+}
+
+/// f32 scratch of [`layer_forward_bf16`], shared by all blocks.
+struct ForwardScratch<'a> {
+    /// (B, T, C): a layer-norm or attention output, rounded to bf16.
+    wide: &'a mut [f32],
+    /// (B, T, 4C): the MLP hidden layer before GELU.
+    pre_gelu: &'a mut [f32],
+    /// (B, T, 4C): the GELU output, rounded to bf16.
+    gelu: &'a mut [f32],
+}
+
+/// [`layer_forward`] under bf16 autocast. Every matmul operand holds bf16 values:
+/// the weights come from `w.wr`, and each activation feeding a matmul is rounded
+/// (the layer-norm outputs, q/k/v, the attention output, the pre-GELU layer and the
+/// GELU output). Accumulation, layer norm, softmax, GELU and the residual stream
+/// are f32. `a.half` keeps ln1, atty, ln2 and the pre-GELU layer in bf16 for backward.
+fn layer_forward_bf16(
+    w: Weights,
+    a: &mut LayerActs,
+    x: &[f32],
+    s: ForwardScratch,
+    d: Dims,
+    drop: Option<LayerDropout>,
+) {
+    let (bt, c, r, p, wr) = (d.bt(), d.c, w.r, w.p, w.wr);
+    let h = a.half.as_mut().expect("bf16 activations");
+    let wide = &mut s.wide[..bt * c];
+    let (m1, r1) = (&mut a.ln1_mean[..bt], &mut a.ln1_rstd[..bt]);
+    let (ln_w, ln_b) = (&p[r.ln_1_w.clone()], &p[r.ln_1_b.clone()]);
+    layernorm_forward(wide, m1, r1, x, ln_w, ln_b, c);
+    bf16::round_and_store(wide, &mut h.ln1[..bt * c]);
+    let qkv = &mut a.qkv[..bt * 3 * c];
+    let (wt, b) = (&wr[r.c_attn_w.clone()], &p[r.c_attn_b.clone()]);
+    linear_forward_bf16(qkv, wide, wt, b, c, 3 * c);
+    bf16::round_in_place(qkv);
+    let lse = &mut a.att_lse[..d.b * d.nh * d.t];
+    let probs = drop.map(|m| m.attn_probs);
+    attention_forward(wide, lse, qkv, d.b, d.t, c, d.nh, probs);
+    bf16::round_and_store(wide, &mut h.atty[..bt * c]);
+    let res2 = &mut a.res2[..bt * c];
+    let (wt, b) = (&wr[r.attn_proj_w.clone()], &p[r.attn_proj_b.clone()]);
+    linear_forward_bf16(res2, wide, wt, b, c, c);
+    if let Some(m) = drop {
+        dropout::apply(res2, m.attn_resid, 0);
+    }
+    residual_add_inplace(res2, x);
+
+    let (m2, r2) = (&mut a.ln2_mean[..bt], &mut a.ln2_rstd[..bt]);
+    let (ln_w, ln_b) = (&p[r.ln_2_w.clone()], &p[r.ln_2_b.clone()]);
+    layernorm_forward(wide, m2, r2, res2, ln_w, ln_b, c);
+    bf16::round_and_store(wide, &mut h.ln2[..bt * c]);
+    let pre_gelu = &mut s.pre_gelu[..bt * 4 * c];
+    let (wt, b) = (&wr[r.c_fc_w.clone()], &p[r.c_fc_b.clone()]);
+    linear_forward_bf16(pre_gelu, wide, wt, b, c, 4 * c);
+    bf16::round_and_store(pre_gelu, &mut h.fch[..bt * 4 * c]);
+    let gelu = &mut s.gelu[..bt * 4 * c];
+    gelu_forward(gelu, pre_gelu);
+    bf16::round_in_place(gelu);
+    let res3 = &mut a.res3[..bt * c];
+    let (wt, b) = (&wr[r.mlp_proj_w.clone()], &p[r.mlp_proj_b.clone()]);
+    linear_forward_bf16(res3, gelu, wt, b, 4 * c, c);
+    if let Some(m) = drop {
+        dropout::apply(res3, m.mlp_resid, 0);
+    }
+    residual_add_inplace(res3, res2);
+}
+
+/// [`layer_backward`] under bf16 autocast, for [`layer_forward_bf16`]. The output
+/// gradient of every matmul is rounded to bf16 before it is multiplied (as autocast's
+/// bf16 matmul receives a bf16 gradient); stored bf16 activations are widened into
+/// `hs` for the f32 GEMM, and the GELU output is recomputed from the stored bf16
+/// pre-GELU values. Parameter gradients accumulate in f32.
+#[allow(clippy::too_many_arguments)]
+fn layer_backward_bf16(
+    w: Weights,
+    g: &mut [f32],
+    a: &LayerActs,
+    x: &[f32],
+    s: Scratch,
+    hs: &mut HalfScratch,
+    d: Dims,
+    drop: Option<LayerDropout>,
+) {
+    let (bt, c, r, p, wr) = (d.bt(), d.c, w.r, w.p, w.wr);
+    let h = a.half.as_ref().expect("bf16 activations");
+    let dres = &mut s.dres[..bt * c];
+    let dbtc = &mut s.dbtc[..bt * c];
+    let (wide, dround) = (&mut hs.wide[..bt * c], &mut hs.dround[..bt * c]);
+    let wide4c = &mut hs.wide4c[..bt * 4 * c];
+    let d4c = &mut s.d4c[..bt * 4 * c];
+
+    // MLP branch. d4c ← gelu(pre-GELU) rounded: the operand of W_proj's dweight.
+    bf16::round_into(
+        dround,
+        branch_grad(dres, s.dbranch, drop.map(|m| m.mlp_resid)),
+    );
+    bf16::load(wide4c, &h.fch[..bt * 4 * c]);
+    gelu_forward(d4c, wide4c);
+    bf16::round_in_place(d4c);
+    let (dw, db) = split_two(g, r.mlp_proj_w.clone(), r.mlp_proj_b.clone());
+    let wt = &wr[r.mlp_proj_w.clone()];
+    linear_backward_bf16(wide4c, dw, db, dround, d4c, wt, 4 * c, c);
+    // wide4c now holds d(gelu output); d4c ← pre-GELU again, for GELU's derivative.
+    bf16::load(d4c, &h.fch[..bt * 4 * c]);
+    gelu_backward(wide4c, d4c);
+    bf16::round_in_place(wide4c);
+    bf16::load(wide, &h.ln2[..bt * c]);
+    let (dw, db) = split_two(g, r.c_fc_w.clone(), r.c_fc_b.clone());
+    linear_backward_bf16(dbtc, dw, db, wide4c, wide, &wr[r.c_fc_w.clone()], c, 4 * c);
+    let (dw, db) = split_two(g, r.ln_2_w.clone(), r.ln_2_b.clone());
+    let res2 = &a.res2[..bt * c];
+    let (m2, r2) = (&a.ln2_mean[..bt], &a.ln2_rstd[..bt]);
+    layernorm_backward(dres, dw, db, dbtc, res2, &p[r.ln_2_w.clone()], m2, r2, c);
+
+    // Attention branch.
+    bf16::round_into(
+        dround,
+        branch_grad(dres, s.dbranch, drop.map(|m| m.attn_resid)),
+    );
+    bf16::load(wide, &h.atty[..bt * c]);
+    let (dw, db) = split_two(g, r.attn_proj_w.clone(), r.attn_proj_b.clone());
+    let wt = &wr[r.attn_proj_w.clone()];
+    linear_backward_bf16(dbtc, dw, db, dround, wide, wt, c, c);
+    let dqkv = &mut d4c[..bt * 3 * c];
+    let (qkv, lse) = (&a.qkv[..bt * 3 * c], &a.att_lse[..d.b * d.nh * d.t]);
+    let probs = drop.map(|m| m.attn_probs);
+    attention_backward(dqkv, dbtc, qkv, wide, lse, d.b, d.t, c, d.nh, probs);
+    bf16::round_in_place(dqkv);
+    bf16::load(wide, &h.ln1[..bt * c]);
+    let (dw, db) = split_two(g, r.c_attn_w.clone(), r.c_attn_b.clone());
+    linear_backward_bf16(dbtc, dw, db, dqkv, wide, &wr[r.c_attn_w.clone()], c, 3 * c);
+    let (dw, db) = split_two(g, r.ln_1_w.clone(), r.ln_1_b.clone());
+    let (m1, r1) = (&a.ln1_mean[..bt], &a.ln1_rstd[..bt]);
+    layernorm_backward(dres, dw, db, dbtc, x, &p[r.ln_1_w.clone()], m1, r1, c);
 }
 
 /// The gradient reaching a residual branch's output: `dres` itself, or a copy with the

@@ -1,0 +1,208 @@
+//! bfloat16 storage and the conversions of `dtype = "bfloat16"` training.
+//!
+//! bf16 is the top half of an IEEE f32: sign, 8 exponent bits, 7 mantissa bits. Every
+//! bf16 value is exactly an f32, and the product of two bf16 values is exact in f32
+//! (8 + 8 significant bits fit in 24), so a GEMM over bf16-rounded f32 operands with
+//! f32 accumulation computes what a bf16 GEMM with f32 accumulation computes, up to
+//! the summation order. That is how matmuls run where the CPU has no bf16 dot
+//! product instruction, and for small products (see [`super::bf16_gemm`]).
+//!
+//! Rounding from f32 is round-to-nearest-even; NaN stays NaN (quiet), infinities and
+//! signed zeros are kept, subnormals round like any other value (bf16 has f32's
+//! exponent range, so it has the same subnormals, with fewer mantissa bits), and
+//! values that round past the largest finite bf16 become infinity.
+
+use rayon::prelude::*;
+
+/// A bfloat16 number, stored as its bit pattern.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct Bf16(pub u16);
+
+impl Bf16 {
+    /// The nearest bf16 to `x` (ties to even).
+    #[inline]
+    pub fn from_f32(x: f32) -> Bf16 {
+        let bits = x.to_bits();
+        if x.is_nan() {
+            // Keep the sign and the top payload bits; force a quiet NaN so the
+            // truncated payload can never read as infinity.
+            return Bf16(((bits >> 16) as u16) | 0x0040);
+        }
+        // Add 0x7FFF plus the lowest kept bit: halfway cases carry only when the kept
+        // part is odd (ties to even); a carry out of the mantissa bumps the exponent,
+        // which is the correct rounding, up to infinity.
+        let lsb = (bits >> 16) & 1;
+        Bf16((bits.wrapping_add(0x7FFF + lsb) >> 16) as u16)
+    }
+
+    #[inline]
+    pub fn to_f32(self) -> f32 {
+        f32::from_bits((self.0 as u32) << 16)
+    }
+}
+
+/// `x` rounded to the nearest bf16, as an f32.
+#[inline]
+pub fn round(x: f32) -> f32 {
+    Bf16::from_f32(x).to_f32()
+}
+
+/// Elements per parallel task: large enough that rayon's overhead is invisible.
+const TASK: usize = 1 << 14;
+
+/// Rounds every element of `x` to bf16 in place (the values stay f32).
+pub fn round_in_place(x: &mut [f32]) {
+    x.par_chunks_mut(TASK)
+        .for_each(|c| c.iter_mut().for_each(|v| *v = round(*v)));
+}
+
+/// `dst = round(src)`, both f32.
+pub fn round_into(dst: &mut [f32], src: &[f32]) {
+    assert_eq!(dst.len(), src.len(), "round_into: lengths differ");
+    dst.par_chunks_mut(TASK)
+        .zip(src.par_chunks(TASK))
+        .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, &s)| *d = round(s)));
+}
+
+/// `dst = bf16(src)`.
+pub fn store(dst: &mut [Bf16], src: &[f32]) {
+    assert_eq!(dst.len(), src.len(), "store: lengths differ");
+    dst.par_chunks_mut(TASK)
+        .zip(src.par_chunks(TASK))
+        .for_each(|(d, s)| {
+            d.iter_mut()
+                .zip(s)
+                .for_each(|(d, &s)| *d = Bf16::from_f32(s))
+        });
+}
+
+/// Rounds `x` to bf16 in place and stores the same values in `dst`.
+pub fn round_and_store(x: &mut [f32], dst: &mut [Bf16]) {
+    assert_eq!(dst.len(), x.len(), "round_and_store: lengths differ");
+    x.par_chunks_mut(TASK)
+        .zip(dst.par_chunks_mut(TASK))
+        .for_each(|(x, d)| {
+            for (x, d) in x.iter_mut().zip(d) {
+                *d = Bf16::from_f32(*x);
+                *x = d.to_f32();
+            }
+        });
+}
+
+/// `dst = f32(src)` (exact).
+pub fn load(dst: &mut [f32], src: &[Bf16]) {
+    assert_eq!(dst.len(), src.len(), "load: lengths differ");
+    dst.par_chunks_mut(TASK)
+        .zip(src.par_chunks(TASK))
+        .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, s)| *d = s.to_f32()));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bits(x: f32) -> u16 {
+        Bf16::from_f32(x).0
+    }
+
+    #[test]
+    fn exact_values_round_trip() {
+        for x in [0.0f32, -0.0, 1.0, -2.5, 0.15625, 3.0e38, f32::MIN_POSITIVE] {
+            let r = round(x);
+            assert_eq!(r.to_bits() & 0xFFFF, 0, "{x} is not a bf16");
+            if x.to_bits() & 0xFFFF == 0 {
+                assert_eq!(r.to_bits(), x.to_bits(), "{x} changed");
+            }
+        }
+        assert_eq!(bits(-0.0), 0x8000);
+        assert_eq!(bits(1.0), 0x3F80);
+    }
+
+    #[test]
+    fn rounds_to_nearest_and_ties_to_even() {
+        // 1.0 = 0x3F80_0000; one bf16 ulp at 1.0 is 2^-7.
+        let f = f32::from_bits;
+        assert_eq!(bits(f(0x3F80_7FFF)), 0x3F80, "below half: down");
+        assert_eq!(bits(f(0x3F80_8000)), 0x3F80, "tie, even kept part: down");
+        assert_eq!(bits(f(0x3F81_8000)), 0x3F82, "tie, odd kept part: up");
+        assert_eq!(bits(f(0x3F80_8001)), 0x3F81, "above half: up");
+        assert_eq!(bits(f(0xBF80_8001)), 0xBF81, "negative: away from zero");
+        // Mantissa carry into the exponent: 1.9999 → 2.0.
+        assert_eq!(bits(f(0x3FFF_FFFF)), 0x4000);
+        // Against a slow reference: nearest of the two neighbours, ties to even.
+        let mut s = 0x1234_5678u32;
+        for _ in 0..100_000 {
+            s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            let x = f(s);
+            if !x.is_finite() {
+                continue;
+            }
+            let lo = f32::from_bits(s & 0xFFFF_0000);
+            let hi = f32::from_bits((s & 0xFFFF_0000).wrapping_add(0x1_0000));
+            // Past the largest finite value, the next step up is ±2^128 (infinity).
+            let hi64 = match hi.is_infinite() {
+                true => 2f64.powi(128).copysign(x as f64),
+                false => hi as f64,
+            };
+            let (dl, dh) = ((x as f64 - lo as f64).abs(), (hi64 - x as f64).abs());
+            let want = if dl < dh || (dl == dh && (s >> 16) & 1 == 0) {
+                lo
+            } else {
+                hi
+            };
+            assert_eq!(round(x).to_bits(), want.to_bits(), "{x:e} ({s:#x})");
+        }
+    }
+
+    #[test]
+    fn nan_inf_overflow_and_subnormals() {
+        assert!(round(f32::NAN).is_nan());
+        // A signalling NaN whose payload lives only in the low bits stays NaN.
+        let low_payload = f32::from_bits(0x7F80_0001);
+        assert!(low_payload.is_nan() && round(low_payload).is_nan());
+        assert!(round(-f32::NAN).is_sign_negative());
+        assert_eq!(round(f32::INFINITY), f32::INFINITY);
+        assert_eq!(round(f32::NEG_INFINITY), f32::NEG_INFINITY);
+        // f32::MAX is above the largest bf16 (0x7F7F) by more than half an ulp.
+        assert_eq!(round(f32::MAX), f32::INFINITY);
+        assert_eq!(bits(f32::from_bits(0x7F7F_7FFF)), 0x7F7F, "largest finite");
+        // Subnormals: the smallest bf16 subnormal is 2^-133 (bits 0x0001).
+        let tiny = f32::from_bits(0x0001_0000);
+        assert_eq!(bits(tiny), 0x0001);
+        assert_eq!(
+            bits(f32::from_bits(0x0000_8000)),
+            0x0000,
+            "half of it: tie to 0"
+        );
+        assert_eq!(bits(f32::from_bits(0x0000_8001)), 0x0001);
+        assert_eq!(bits(f32::from_bits(0x8000_0001)), 0x8000, "to -0");
+        // The largest subnormal rounds up to the smallest normal.
+        assert_eq!(bits(f32::from_bits(0x007F_FFFF)), 0x0080);
+    }
+
+    #[test]
+    fn slice_conversions_match_the_scalar_ones() {
+        let src: Vec<f32> = (0..40_000).map(|i| (i as f32 * 0.37).sin() * 3.1).collect();
+        let mut h = vec![Bf16::default(); src.len()];
+        store(&mut h, &src);
+        let mut back = vec![0.0; src.len()];
+        load(&mut back, &h);
+        let mut rounded = vec![0.0; src.len()];
+        round_into(&mut rounded, &src);
+        let mut in_place = src.clone();
+        round_in_place(&mut in_place);
+        let mut both = src.clone();
+        let mut h2 = vec![Bf16::default(); src.len()];
+        round_and_store(&mut both, &mut h2);
+        assert_eq!(h2, h);
+        assert_eq!(both, in_place);
+        for i in 0..src.len() {
+            let want = round(src[i]);
+            assert_eq!(back[i], want);
+            assert_eq!(rounded[i], want);
+            assert_eq!(in_place[i], want);
+            assert!((want - src[i]).abs() <= src[i].abs() * 2f32.powi(-8));
+        }
+    }
+}
