@@ -166,8 +166,16 @@ impl TrainConfig {
         match path {
             None => Self::parse("", "defaults", overrides),
             Some(path) => {
-                let text = std::fs::read_to_string(path)
+                let bytes = std::fs::read(path)
                     .with_context(|| format!("cannot read config file {}", path.display()))?;
+                let text = String::from_utf8(bytes).map_err(|e| {
+                    anyhow!(
+                        "config file {} is not UTF-8 text (invalid byte at offset {}); save it \
+                         as UTF-8",
+                        path.display(),
+                        e.utf8_error().valid_up_to()
+                    )
+                })?;
                 Self::parse(&text, &path.display().to_string(), overrides)
             }
         }

@@ -5,6 +5,7 @@
 //! in docs/reliability.md ("Bad input").
 
 use std::collections::BTreeMap;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
@@ -635,7 +636,10 @@ fn config_file_that_is_not_toml() {
 fn config_file_that_is_not_utf8() {
     let s = Scene::new("cfg-utf8");
     s.write("c.toml", b"dataset = \"caf\xe9\"\n");
-    s.refused(&["train", "c.toml"], &["c.toml", "UTF-8"]);
+    s.refused(
+        &["train", "c.toml"],
+        &["c.toml", "not UTF-8", "offset 14", "save it as UTF-8"],
+    );
 }
 
 #[test]
@@ -749,6 +753,23 @@ fn prepare_corrupt_parquet() {
     );
 }
 
+/// Found by fuzzing: this file made the parquet crate panic.
+#[test]
+fn prepare_parquet_that_panics_the_parquet_reader() {
+    let s = Scene::new("prep-parquet-panic");
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/fuzz/parquet_short_dictionary_page.parquet");
+    s.write("d.parquet", std::fs::read(fixture).unwrap());
+    prepare_refused(
+        &s,
+        "d.parquet",
+        &[
+            "d.parquet is a damaged parquet file",
+            "convert the data to .jsonl",
+        ],
+    );
+}
+
 #[test]
 fn prepare_empty_text() {
     let s = Scene::new("prep-empty");
@@ -761,7 +782,10 @@ fn prepare_into_a_file() {
     let s = Scene::new("prep-out-file");
     s.write("t.txt", "some text to prepare\n".repeat(20));
     s.write("taken", b"a file, not a folder");
-    s.refused(&["prepare", "t.txt", "--out", "taken"], &["taken"]);
+    s.refused(
+        &["prepare", "t.txt", "--out", "taken"],
+        &["--out taken is a file", "choose another --out"],
+    );
 }
 
 // ---- out_dir -------------------------------------------------------------------
@@ -783,8 +807,8 @@ fn out_dir_is_a_file() {
 /// an ordinary user; for root (which ignores permission bits) a directory of
 /// procfs, where nobody can create files.
 fn read_only_dir(s: &Scene) -> String {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let root = unsafe { geteuid() } == 0;
+    // procfs gives /proc/self the effective uid of the process reading it.
+    let root = std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0);
     if root {
         return "/proc/self".to_string();
     }
@@ -794,10 +818,6 @@ fn read_only_dir(s: &Scene) -> String {
     perms.set_readonly(true);
     std::fs::set_permissions(&dir, perms).unwrap();
     "ro".to_string()
-}
-
-extern "C" {
-    fn geteuid() -> u32;
 }
 
 #[test]
@@ -814,4 +834,78 @@ fn prepare_into_a_read_only_folder() {
     s.write("t.txt", "some text to prepare\n".repeat(20));
     let dir = read_only_dir(&s);
     s.refused(&["prepare", "t.txt", "--out", &dir], &[&dir, "writable"]);
+}
+
+// ---- where files are written -----------------------------------------------------
+
+/// Output file names are fixed; the only user path is out_dir itself. A
+/// checkpoint's recorded config (here claiming another out_dir) never redirects
+/// where a resumed run writes.
+#[test]
+fn a_checkpoint_cannot_redirect_where_a_run_writes() {
+    let s = Scene::new("ckpt-paths");
+    s.add_run("run");
+    let ckpt = nanogpt::checkpoint::Checkpoint::open(&s.file("run")).unwrap();
+    let mut state = ckpt.state.clone();
+    let layout = ParamLayout::new(&state.model);
+    let mut params = vec![0.0; layout.len];
+    ckpt.load_params(&layout, &mut params).unwrap();
+    let (mut m, mut v) = (vec![0.0; layout.len], vec![0.0; layout.len]);
+    assert!(ckpt.load_moments(&layout, &mut m, &mut v).unwrap());
+    drop(ckpt);
+    state.train_config["out_dir"] = "../escaped".into();
+    state.train_config["dataset"] = "../escaped-data".into();
+    checkpoint::save(&s.file("run"), &state, &layout, &params, Some((&m, &v))).unwrap();
+
+    let mut args = vec!["train"];
+    args.extend(TINY);
+    args.extend(["init_from=resume", "max_iters=4"]);
+    let out = Command::new(BIN)
+        .args(&args)
+        .current_dir(s.path())
+        .env("RAYON_NUM_THREADS", "2")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let parent = s.path().parent().unwrap();
+    assert!(!parent.join("escaped").exists() && !parent.join("escaped-data").exists());
+    let state = nanogpt::checkpoint::Checkpoint::open(&s.file("run"))
+        .unwrap()
+        .state;
+    assert_eq!(
+        state.iter_num, 4,
+        "the resumed run wrote its checkpoint in run/"
+    );
+    assert_eq!(state.train_config["out_dir"], "run");
+}
+
+/// A sharded model's index names its shard files: a name that is a path
+/// (`../x.safetensors`) is refused, never opened.
+#[test]
+fn a_shard_index_cannot_reach_outside_the_model_folder() {
+    let s = Scene::new("shard-paths");
+    let model = tiny_hf_model();
+    let weights = std::fs::read(model.join("model.safetensors")).unwrap();
+    s.write("outside.safetensors", &weights);
+    s.write(
+        "m/config.json",
+        std::fs::read(model.join("config.json")).unwrap(),
+    );
+    let index = serde_json::json!({
+        "metadata": {},
+        "weight_map": {"transformer.wte.weight": "../outside.safetensors"},
+    });
+    s.write("m/model.safetensors.index.json", index.to_string());
+    s.refused(
+        &["eval", "--init-from", "m", "--data", "ds/val.bin"],
+        &[
+            "model.safetensors.index.json",
+            "\"../outside.safetensors\"",
+            "not a plain file name",
+        ],
+    );
 }
