@@ -241,7 +241,7 @@ pub fn write_atomic(dest: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Res
 /// An opened checkpoint, memory-mapped: read the state, then copy tensors out.
 pub struct Checkpoint {
     path: PathBuf,
-    map: memmap2::Mmap,
+    bytes: Bytes,
     pub state: CheckpointState,
 }
 
@@ -250,6 +250,23 @@ pub struct Latest {
     pub checkpoint: Checkpoint,
     /// Lines for the user: leftover temporary files, damaged checkpoints skipped.
     pub notes: Vec<String>,
+}
+
+/// The bytes of a checkpoint file: mapped from disk, or held (for tests and fuzzing).
+enum Bytes {
+    Mapped(memmap2::Mmap),
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for Bytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            Bytes::Mapped(map) => map,
+            Bytes::Owned(vec) => vec,
+        }
+    }
 }
 
 impl Checkpoint {
@@ -330,20 +347,18 @@ impl Checkpoint {
         // change under us.
         let map = unsafe { memmap2::Mmap::map(&file) }
             .with_context(|| format!("cannot read {}", path.display()))?;
-        let (_, header) = SafeTensors::read_metadata(&map).map_err(|e| damaged(&path, e))?;
-        let meta = header.metadata().clone().unwrap_or_default();
-        if meta.get("format").map(String::as_str) != Some(FORMAT) {
-            bail!(
-                "{} is a safetensors file but not a nanogpt checkpoint (to fine-tune a Hugging Face model, use init_from=<its directory>)",
-                path.display()
-            );
-        }
-        let state: CheckpointState = meta
-            .get("state")
-            .context("missing run state")
-            .and_then(|s| Ok(serde_json::from_str(s)?))
-            .map_err(|e| damaged(&path, e))?;
-        Ok(Checkpoint { path, map, state })
+        Self::from_bytes(path, Bytes::Mapped(map))
+    }
+
+    /// A checkpoint from the bytes of a file (`path` names it in messages): the
+    /// state is read and checked against the tensor bytes the file holds.
+    pub fn from_vec(path: PathBuf, bytes: Vec<u8>) -> Result<Checkpoint> {
+        Self::from_bytes(path, Bytes::Owned(bytes))
+    }
+
+    fn from_bytes(path: PathBuf, bytes: Bytes) -> Result<Checkpoint> {
+        let state = read_state(&path, &bytes)?;
+        Ok(Checkpoint { path, bytes, state })
     }
 
     /// The file this checkpoint was read from.
@@ -369,7 +384,7 @@ impl Checkpoint {
     }
 
     fn tensors(&self) -> Result<SafeTensors<'_>> {
-        SafeTensors::deserialize(&self.map).map_err(|e| damaged(&self.path, e))
+        SafeTensors::deserialize(&self.bytes).map_err(|e| damaged(&self.path, e))
     }
 
     fn load_into(&self, layout: &ParamLayout, prefix: &str, dst: &mut [f32]) -> Result<()> {
@@ -395,6 +410,46 @@ impl Checkpoint {
         }
         Ok(())
     }
+}
+
+/// The run state in a checkpoint's safetensors metadata, checked: a nanogpt
+/// checkpoint, a possible model, and enough bytes for its parameters (so that a
+/// damaged state cannot make the loader allocate an absurd arena).
+fn read_state(path: &Path, bytes: &[u8]) -> Result<CheckpointState> {
+    let (_, header) = SafeTensors::read_metadata(bytes).map_err(|e| damaged(path, e))?;
+    let meta = header.metadata().clone().unwrap_or_default();
+    if meta.get("format").map(String::as_str) != Some(FORMAT) {
+        bail!(
+            "{} is a safetensors file but not a nanogpt checkpoint (to fine-tune a Hugging Face model, use init_from=<its directory>)",
+            path.display()
+        );
+    }
+    let state: CheckpointState = meta
+        .get("state")
+        .context("missing run state")
+        .and_then(|s| Ok(serde_json::from_str(s)?))
+        .map_err(|e| damaged(path, e))?;
+    state.model.validate().map_err(|e| {
+        damaged(
+            path,
+            format!("its run state describes an impossible model: {e}"),
+        )
+    })?;
+    let floats: usize = ParamLayout::new(&state.model)
+        .tensors
+        .iter()
+        .map(|t| t.shape.iter().product::<usize>())
+        .sum();
+    if floats.saturating_mul(4) > bytes.len() {
+        return Err(damaged(
+            path,
+            format!(
+                "{} bytes, too few for the {floats} parameters its run state describes",
+                bytes.len()
+            ),
+        ));
+    }
+    Ok(state)
 }
 
 /// Little-endian f32 bytes into floats (the bytes may be unaligned).

@@ -11,6 +11,10 @@ use toml::{Table, Value};
 /// `nanogpt train` without arguments works from any directory.
 pub const QUICK_START_TOML: &str = include_str!("../configs/train_shakespeare_char.toml");
 
+/// The most activation floats a configuration may need (4 TiB of f32): beyond any
+/// machine, and far from overflowing the size arithmetic.
+const MAX_ACTIVATION_FLOATS: usize = 1 << 40;
+
 /// nanoGPT settings that only mean something to PyTorch; named in the error.
 const PYTORCH_ONLY_KEYS: [&str; 6] = [
     "device",
@@ -174,8 +178,16 @@ impl TrainConfig {
         match path {
             None => Self::parse("", "defaults", overrides),
             Some(path) => {
-                let text = std::fs::read_to_string(path)
+                let bytes = std::fs::read(path)
                     .with_context(|| format!("cannot read config file {}", path.display()))?;
+                let text = String::from_utf8(bytes).map_err(|e| {
+                    anyhow!(
+                        "config file {} is not UTF-8 text (invalid byte at offset {}); save it \
+                         as UTF-8",
+                        path.display(),
+                        e.utf8_error().valid_up_to()
+                    )
+                })?;
                 Self::parse(&text, &path.display().to_string(), overrides)
             }
         }
@@ -201,8 +213,7 @@ impl TrainConfig {
         let defaults = Table::try_from(TrainConfig::default())
             .context("internal error: the defaults do not serialise")?;
         let mut merged = defaults.clone();
-        let file: Table =
-            toml::from_str(text).map_err(|e| anyhow!("{origin}: invalid TOML: {e}"))?;
+        let file: Table = toml::from_str(text).map_err(|e| toml_syntax_error(origin, text, &e))?;
         for (key, value) in file {
             let checked = check_entry(&defaults, &key, value)
                 .with_context(|| file_location(origin, text, &key))?;
@@ -263,6 +274,9 @@ impl TrainConfig {
                 self.n_embd, self.n_head
             ));
         }
+        if problems.is_empty() {
+            self.check_magnitudes(problems);
+        }
         if !(0.0..1.0).contains(&self.dropout) {
             problems.push(format!("`dropout` must be in [0, 1), got {}", self.dropout));
         }
@@ -272,6 +286,41 @@ impl TrainConfig {
                  to never evaluate)"
                     .to_string(),
             );
+        }
+    }
+
+    /// Refuses sizes whose model or activations could not be held (and whose size
+    /// arithmetic would overflow): a typo such as `n_embd = 76800000`.
+    fn check_magnitudes(&self, problems: &mut Vec<String>) {
+        let model = crate::model::ModelConfig {
+            vocab_size: 1,
+            block_size: self.block_size,
+            n_layer: self.n_layer,
+            n_head: self.n_head,
+            n_embd: self.n_embd,
+            bias: self.bias,
+            dropout: 0.0,
+        };
+        if let Err(e) = model.validate() {
+            problems.push(format!("{e}; check `n_layer`, `n_embd` and `block_size`"));
+            return;
+        }
+        // Floats of the largest activations: ~20 C-wide rows per token and layer, and
+        // the attention matrix (B, NH, T, T) per layer.
+        let (b, t, c, l) = (self.batch_size, self.block_size, self.n_embd, self.n_layer);
+        let activations = b
+            .checked_mul(t)
+            .and_then(|bt| bt.checked_mul(c)?.checked_mul(l)?.checked_mul(20))
+            .and_then(|rows| {
+                let attention = b.checked_mul(self.n_head)?.checked_mul(t)?.checked_mul(t)?;
+                rows.checked_add(attention.checked_mul(l)?.checked_mul(2)?)
+            });
+        let tokens = self.tokens_per_iter_checked();
+        if activations.is_none_or(|a| a > MAX_ACTIVATION_FLOATS) || tokens.is_none() {
+            problems.push(format!(
+                "`batch_size` ({b}) × `block_size` ({t}) is too large for this model's \
+                 activations (n_layer {l}, n_embd {c}); lower them"
+            ));
         }
     }
 
@@ -381,12 +430,37 @@ impl TrainConfig {
         self.gradient_accumulation_steps * self.batch_size * self.block_size
     }
 
+    fn tokens_per_iter_checked(&self) -> Option<usize> {
+        self.gradient_accumulation_steps
+            .checked_mul(self.batch_size)?
+            .checked_mul(self.block_size)
+    }
+
     /// Every valid key, sorted.
     pub fn keys() -> Vec<String> {
         Table::try_from(TrainConfig::default())
             .map(|t| t.keys().cloned().collect())
             .unwrap_or_default()
     }
+}
+
+/// A TOML syntax error on one line: "config.toml line 3 column 9: invalid TOML: ...".
+fn toml_syntax_error(origin: &str, text: &str, err: &toml::de::Error) -> anyhow::Error {
+    let place = match err.span() {
+        Some(span) => {
+            let before = &text.as_bytes()[..span.start.min(text.len())];
+            let line = before.iter().filter(|&&b| b == b'\n').count() + 1;
+            let line_start = before
+                .iter()
+                .rposition(|&b| b == b'\n')
+                .map_or(0, |i| i + 1);
+            let column = before.len() - line_start + 1;
+            format!("{origin} line {line} column {column}")
+        }
+        None => origin.to_string(),
+    };
+    let message = err.message().trim().replace('\n', " ");
+    anyhow!("{place}: invalid TOML: {message}; fix the syntax (key = value, strings in quotes)")
 }
 
 /// "config.toml line 3" for the line setting `key`, or just the origin.
@@ -683,15 +757,25 @@ mod tests {
     fn toml_syntax_errors_name_file_and_line() {
         let err = err_of("batch_size = 4\nblock_size = = 3\n", &[]);
         assert!(
-            err.contains("test.toml: invalid TOML") && err.contains("line 2"),
+            err.contains("test.toml line 2 column 14: invalid TOML"),
             "{err}"
         );
+        assert!(!err.contains('\n'), "one line: {err}");
     }
 
     #[test]
     fn impossible_values_are_refused_by_key() {
-        let cases: [(&[&str], &str); 9] = [
+        let cases: [(&[&str], &str); 12] = [
             (&["batch_size=0"], "`batch_size` must be at least 1"),
+            (
+                &["n_embd=4000000000000", "n_head=1"],
+                "the model is too large",
+            ),
+            (&["n_layer=100000"], "n_layer 100000 is too large"),
+            (
+                &["block_size=1000000", "batch_size=10000000"],
+                "`batch_size` (10000000) × `block_size` (1000000) is too large",
+            ),
             (
                 &["n_embd=100", "n_head=12"],
                 "`n_embd` (100) must be a multiple of `n_head` (12)",

@@ -227,7 +227,13 @@ impl MetricsLog {
         } else {
             File::create(&path)
         }
-        .with_context(|| format!("opening {}", path.display()))?;
+        .with_context(|| {
+            format!(
+                "cannot write {}: check that out_dir {} is writable, or choose another out_dir",
+                path.display(),
+                out_dir.display()
+            )
+        })?;
         Ok(MetricsLog { path, file, rows })
     }
 

@@ -48,8 +48,11 @@ impl FromStr for TokenizerKind {
     }
 }
 
-/// The contents of `meta.json` next to `train.bin` and `val.bin`.
+/// The contents of `meta.json` next to `train.bin` and `val.bin`. Unknown fields
+/// are refused: a file from another tool that means something else by its data
+/// (`"dtype": "uint32"`, say) must not be read as if it were ours.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Meta {
     pub tokenizer: TokenizerKind,
     /// Number of distinct token ids; every id in the `.bin` files is below it.
@@ -76,18 +79,30 @@ impl Meta {
         if !path.exists() {
             return Self::without_meta_file(dir);
         }
-        let text = std::fs::read_to_string(&path)
-            .with_context(|| format!("cannot read {}", path.display()))?;
-        let meta: Meta = serde_json::from_str(&text).with_context(|| {
+        let bytes =
+            std::fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?;
+        Self::parse(&bytes).with_context(|| {
             format!(
                 "{} is not a valid dataset description; prepare the data again with \
                  `nanogpt prepare SOURCE --out {}`",
                 path.display(),
                 dir.display()
             )
-        })?;
-        meta.check()
-            .with_context(|| format!("{} is inconsistent", path.display()))?;
+        })
+    }
+
+    /// Reads and checks the bytes of a `meta.json` (the error says what is wrong,
+    /// the caller adds which file).
+    pub fn parse(bytes: &[u8]) -> Result<Meta> {
+        let mut value: serde_json::Value = serde_json::from_slice(bytes)?;
+        // nanoGPT-style tools sometimes record the token type; ours is always uint16.
+        if let Some(dtype) = value.as_object_mut().and_then(|o| o.remove("dtype")) {
+            if dtype != "uint16" {
+                bail!("it says dtype {dtype}, but nanogpt token files are uint16");
+            }
+        }
+        let meta: Meta = serde_json::from_value(value)?;
+        meta.check()?;
         Ok(meta)
     }
 

@@ -115,8 +115,19 @@ pub(crate) fn prepare_source(source: &Source, opts: &PrepareOptions) -> Result<P
         TokenizerKind::Char if scan.chars.is_empty() => bail!(empty_corpus(source)),
         TokenizerKind::Char => Tokenizer::char_level(scan.chars.iter().copied())?,
     };
-    std::fs::create_dir_all(&opts.out_dir)
-        .with_context(|| format!("cannot create output folder {}", opts.out_dir.display()))?;
+    let out_dir = &opts.out_dir;
+    if out_dir.exists() && !out_dir.is_dir() {
+        bail!(
+            "--out {} is a file, not a folder; choose another --out",
+            out_dir.display()
+        );
+    }
+    std::fs::create_dir_all(out_dir).with_context(|| {
+        format!(
+            "cannot create output folder {}; check permissions or choose another --out",
+            out_dir.display()
+        )
+    })?;
     let mut out = Outputs::create(&opts.out_dir)?;
     let bar = progress_bar(source, "tokenizing", opts.show_progress)?;
     let docs = if single {

@@ -80,12 +80,17 @@ impl HfConfig {
                 path.display()
             )
         })?;
-        serde_json::from_str(&text).with_context(|| {
+        Self::parse(text.as_bytes()).with_context(|| {
             format!(
                 "{} is not a valid Hugging Face GPT-2 config.json",
                 path.display()
             )
         })
+    }
+
+    /// Reads the bytes of a `config.json` (not checked: see [`HfConfig::check`]).
+    pub fn parse(bytes: &[u8]) -> Result<HfConfig> {
+        Ok(serde_json::from_slice(bytes)?)
     }
 
     /// A GPT-2 config with the given shape and `transformers`' defaults otherwise.

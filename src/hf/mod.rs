@@ -94,9 +94,24 @@ impl Pretrained {
     /// The engine's config for this model: the pretrained architecture, the
     /// position table cropped to `block_size` (default: all of `n_positions`), and
     /// `dropout`.
+    ///
+    /// Checked against the weight files before anything is allocated: a config.json
+    /// whose sizes the files cannot hold (each parameter takes at least 2 bytes) is
+    /// refused, rather than sized from and found wrong after the allocation.
     pub fn model_config(&self, block_size: Option<usize>, dropout: f32) -> Result<ModelConfig> {
-        self.config
-            .model_config(block_size, dropout, &self.location)
+        let cfg = self
+            .config
+            .model_config(block_size, dropout, &self.location)?;
+        let stored = self.weights.stored_bytes();
+        if (cfg.num_params() as u64).saturating_mul(2) > stored {
+            anyhow::bail!(
+                "{}: config.json describes {} parameters but the weight files hold only {stored} \
+                 bytes; config.json and the weights do not belong together: download the model again",
+                self.location.display(),
+                cfg.num_params()
+            );
+        }
+        Ok(cfg)
     }
 
     /// Copies the weights into `params`, laid out by `layout` (built from

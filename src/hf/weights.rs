@@ -310,6 +310,11 @@ impl WeightFiles {
         ))
     }
 
+    /// Bytes in all the weight files together.
+    pub fn stored_bytes(&self) -> u64 {
+        self.files.iter().map(|(_, map)| map.len() as u64).sum()
+    }
+
     fn view(&self, name: &str) -> Result<(&Path, TensorView<'_>)> {
         let &idx = self
             .names

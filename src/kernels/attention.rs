@@ -397,12 +397,17 @@ mod x86 {
         }
     }
 
+    /// # Safety
+    /// The CPU must have AVX2 and FMA, and `g` must meet [`gemm_acc`]'s requirements.
     #[target_feature(enable = "avx2,fma")]
     #[inline(never)]
     unsafe fn gemm_avx2(g: Gemm) {
         gemm_acc::<true, 4, 16>(g)
     }
 
+    /// # Safety
+    /// The CPU must have AVX-512F, AVX2 and FMA, and `g` must meet [`gemm_acc`]'s
+    /// requirements.
     #[target_feature(enable = "avx512f,avx2,fma")]
     #[inline(never)]
     unsafe fn gemm_avx512(g: Gemm) {

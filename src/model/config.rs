@@ -26,6 +26,14 @@ pub struct ModelConfig {
     pub dropout: f32,
 }
 
+/// The most parameters a model may have (about 69 billion: 1.1 TB to train in
+/// f32). Far beyond what a CPU trains, it keeps the size arithmetic from
+/// overflowing on absurd settings, which are refused with a message instead.
+pub const MAX_PARAMS: usize = 1 << 36;
+
+/// The most layers a model may have (GPT-2 XL has 48).
+pub const MAX_LAYERS: usize = 4096;
+
 /// The preset names accepted by [`ModelConfig::preset`].
 pub const PRESETS: [&str; 4] = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"];
 
@@ -85,7 +93,49 @@ impl ModelConfig {
         if !(0.0..1.0).contains(&self.dropout) {
             return Err(format!("dropout must be in [0, 1), got {}", self.dropout));
         }
-        Ok(())
+        self.check_size()
+    }
+
+    /// Refuses shapes too large to hold (see [`MAX_PARAMS`]), naming the largest key.
+    fn check_size(&self) -> Result<(), String> {
+        if self.n_layer > MAX_LAYERS {
+            return Err(format!(
+                "n_layer {} is too large (at most {MAX_LAYERS})",
+                self.n_layer
+            ));
+        }
+        if self.checked_arena_len().is_some_and(|n| n <= MAX_PARAMS) {
+            return Ok(());
+        }
+        let sizes = [
+            ("n_embd", self.n_embd),
+            ("block_size", self.block_size),
+            ("vocab_size", self.vocab_size),
+        ];
+        let (key, value) = sizes
+            .iter()
+            .max_by_key(|s| s.1)
+            .copied()
+            .unwrap_or_default();
+        Err(format!(
+            "the model is too large (more than {MAX_PARAMS} parameters); {key} = {value} is the \
+             likely mistake"
+        ))
+    }
+
+    /// An upper bound of the parameter count, including padding and every bias;
+    /// `None` if it overflows.
+    fn checked_arena_len(&self) -> Option<usize> {
+        let c = self.n_embd;
+        let c2 = c.checked_mul(c)?;
+        let per_layer = c2.checked_mul(12)?.checked_add(c.checked_mul(13)?)?;
+        let layers = per_layer.checked_mul(self.n_layer)?;
+        let rows = self
+            .vocab_size
+            .checked_add(VOCAB_PAD_MULTIPLE)?
+            .checked_add(self.block_size)?
+            .checked_add(2)?;
+        rows.checked_mul(c)?.checked_add(layers)
     }
 
     /// Number of trainable parameters with the real (unpadded) vocabulary and the
@@ -154,5 +204,28 @@ mod tests {
         cfg.n_head = 12;
         cfg.n_layer = 0;
         assert!(cfg.validate().unwrap_err().contains("n_layer"));
+    }
+
+    #[test]
+    fn absurd_sizes_are_refused_without_overflow() {
+        let gpt2_xl = ModelConfig::preset("gpt2-xl").unwrap();
+        assert_eq!(gpt2_xl.validate(), Ok(()));
+        let wide = ModelConfig {
+            n_embd: 1 << 40,
+            n_head: 1,
+            ..gpt2_xl.clone()
+        };
+        let err = wide.validate().unwrap_err();
+        assert!(err.contains("too large") && err.contains("n_embd"), "{err}");
+        let deep = ModelConfig {
+            n_layer: usize::MAX,
+            ..gpt2_xl.clone()
+        };
+        assert!(deep.validate().unwrap_err().contains("n_layer"));
+        let long = ModelConfig {
+            block_size: usize::MAX - 8,
+            ..gpt2_xl
+        };
+        assert!(long.validate().unwrap_err().contains("block_size"));
     }
 }

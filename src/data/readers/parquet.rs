@@ -5,21 +5,25 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use ::parquet::basic::Type as PhysicalType;
+use ::parquet::errors::Result as ParquetResult;
 use ::parquet::file::reader::{FileReader, SerializedFileReader};
 use ::parquet::record::reader::RowIter;
-use ::parquet::record::Field;
+use ::parquet::record::{Field, Row};
 use ::parquet::schema::types::Type as SchemaType;
 use anyhow::{bail, Context, Result};
 
 use super::{not_utf8, open, Piece, Pieces};
 
 fn open_parquet(path: &Path) -> Result<SerializedFileReader<File>> {
-    SerializedFileReader::new(open(path)?).with_context(|| {
-        format!(
-            "{} is not a readable parquet file (or uses a compression other than \
-             snappy, gzip or zstd)",
-            path.display()
-        )
+    let file = open(path)?;
+    let what = path.display().to_string();
+    survive_panic(&what, || {
+        SerializedFileReader::new(file).with_context(|| {
+            format!(
+                "{what} is not a readable parquet file (or uses a compression other than \
+                 snappy, gzip or zstd)"
+            )
+        })
     })
 }
 
@@ -32,28 +36,49 @@ pub(super) fn parquet_rows(path: &Path) -> Result<u64> {
 pub(super) fn parquet_docs(path: PathBuf, column: &str) -> Result<Pieces> {
     let reader = open_parquet(&path)?;
     let projection = text_projection(&path, reader.metadata().file_metadata().schema(), column)?;
-    let rows = RowIter::from_file_into(Box::new(reader))
-        .project(Some(projection))
-        .with_context(|| format!("{}: cannot read column `{column}`", path.display()))?;
     let name = path.display().to_string();
-    Ok(Box::new(rows.enumerate().map(move |(row, result)| {
-        let field = result
-            .map_err(|e| anyhow::anyhow!("{name} row {row}: {}", short(&e.to_string())))?
-            .into_columns()
-            .pop()
-            .map(|(_, field)| field);
-        let text = match field {
-            Some(Field::Str(text)) => text,
-            Some(Field::Bytes(bytes)) => String::from_utf8(bytes.data().to_vec()).map_err(|e| {
-                not_utf8(
-                    &format!("{name} row {row}"),
-                    e.utf8_error().valid_up_to() as u64,
-                )
-            })?,
-            _ => String::new(),
-        };
-        Ok(Piece { text, progress: 1 })
+    let rows = survive_panic(&name, || {
+        RowIter::from_file_into(Box::new(reader))
+            .project(Some(projection))
+            .with_context(|| format!("{}: cannot read column `{column}`", path.display()))
+    })?;
+    let mut rows = rows.enumerate();
+    let mut done = false;
+    // Each row is decoded under `survive_panic`; after an error the reader's state
+    // is unknown, so the stream ends there.
+    Ok(Box::new(std::iter::from_fn(move || {
+        if done {
+            return None;
+        }
+        let piece = survive_panic(&name, || Ok(rows.next()))
+            .and_then(|next| {
+                next.map(|(row, result)| row_piece(&name, row, result))
+                    .transpose()
+            })
+            .transpose();
+        done = !matches!(piece, Some(Ok(_)));
+        piece
     })))
+}
+
+/// The text of row `row` of the parquet file `name`.
+fn row_piece(name: &str, row: usize, result: ParquetResult<Row>) -> Result<Piece> {
+    let field = result
+        .map_err(|e| anyhow::anyhow!("{name} row {row}: {}", short(&e.to_string())))?
+        .into_columns()
+        .pop()
+        .map(|(_, field)| field);
+    let text = match field {
+        Some(Field::Str(text)) => text,
+        Some(Field::Bytes(bytes)) => String::from_utf8(bytes.data().to_vec()).map_err(|e| {
+            not_utf8(
+                &format!("{name} row {row}"),
+                e.utf8_error().valid_up_to() as u64,
+            )
+        })?,
+        _ => String::new(),
+    };
+    Ok(Piece { text, progress: 1 })
 }
 
 /// A schema holding only the top-level string column `column`.
@@ -79,6 +104,49 @@ fn text_projection(path: &Path, schema: &SchemaType, column: &str) -> Result<Sch
         .with_fields(vec![field.clone()])
         .build()
         .with_context(|| format!("{}: cannot select column `{column}`", path.display()))
+}
+
+/// Runs `read` on the parquet file `what`, turning a panic of the parquet crate into
+/// an error. The crate indexes into page data without checking it in places (e.g.
+/// a dictionary page shorter than it says: found by fuzzing), so a damaged file can
+/// panic it; that must read as a damaged file, not as a crash with a backtrace.
+fn survive_panic<T>(what: &str, read: impl FnOnce() -> Result<T>) -> Result<T> {
+    install_quiet_hook();
+    QUIET_PANICS.with(|quiet| quiet.set(true));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(read));
+    QUIET_PANICS.with(|quiet| quiet.set(false));
+    result.unwrap_or_else(|payload| {
+        let reason = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        bail!(
+            "{what} is a damaged parquet file (the parquet reader failed: {}); export it \
+             again, or convert the data to .jsonl",
+            short(&reason)
+        )
+    })
+}
+
+thread_local! {
+    /// Set while this thread reads parquet under [`survive_panic`]: its panics are
+    /// expected and reported as errors, so the panic hook stays silent.
+    static QUIET_PANICS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Wraps the process's panic hook once so that it skips panics of a thread inside
+/// [`survive_panic`]; every other panic is reported as before.
+fn install_quiet_hook() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !QUIET_PANICS.with(|quiet| quiet.get()) {
+                previous(info);
+            }
+        }));
+    });
 }
 
 /// Keeps error messages readable when a library quotes a whole value.
@@ -114,6 +182,24 @@ mod tests {
         let source = Source::resolve(dir.path().to_str().unwrap(), "body").unwrap();
         assert_eq!(texts(&source), ["alpha", "beta"].repeat(3));
         assert_eq!(source.progress_total().unwrap(), (6, ProgressUnit::Rows));
+    }
+
+    /// Found by fuzzing (`prepare_readers`): a dictionary page shorter than its
+    /// header says made the parquet crate index past its data and panic.
+    #[test]
+    fn a_panic_of_the_parquet_reader_is_a_damaged_file_error() {
+        let dir = TempDir::new("readers-parquet-panic");
+        let path = dir.path().join("damaged.parquet");
+        let bytes =
+            include_bytes!("../../../tests/fixtures/fuzz/parquet_short_dictionary_page.parquet");
+        std::fs::write(&path, bytes).unwrap();
+        let source = Source::resolve(path.to_str().unwrap(), "text").unwrap();
+        let err = texts_err(&source);
+        assert!(
+            err.contains("damaged.parquet is a damaged parquet file")
+                && err.contains("convert the data to .jsonl"),
+            "{err}"
+        );
     }
 
     #[test]
