@@ -32,7 +32,7 @@ use crate::progress::Progress;
 use crate::shutdown::{self, StopSignal};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// With several ranks, check that all hold the same weights this often (and at
@@ -678,7 +678,38 @@ fn prepare_out_dir(cfg: &TrainConfig) -> Result<()> {
             "cannot create out_dir {}; check permissions or choose another out_dir",
             dir.display()
         )
-    })
+    })?;
+    if cfg.init() != InitFrom::Resume {
+        check_fresh_start(dir)?;
+    }
+    Ok(())
+}
+
+/// A run that does not resume, in an `out_dir` with an earlier run's checkpoints.
+/// Its best-val checkpoint is replaced at the first save, as in nanoGPT (a warning
+/// says so); its interval checkpoints would outrank the new run's when resuming, so
+/// they are refused rather than silently deleted.
+fn check_fresh_start(dir: &Path) -> Result<()> {
+    let old = checkpoint::interval_checkpoints(dir)?;
+    if let Some((iter, path)) = old.last() {
+        bail!(
+            "out_dir {} holds {} interval checkpoint(s) of an earlier run (the newest, {}, \
+             resumes at iteration {iter}); continue that run with init_from=resume, or \
+             choose another out_dir, or delete them to start over",
+            dir.display(),
+            old.len(),
+            path.display()
+        );
+    }
+    let best = checkpoint::checkpoint_path(dir);
+    if best.exists() {
+        eprintln!(
+            "warning: {} belongs to an earlier run and will be replaced at this run's first \
+             checkpoint; stop now and use init_from=resume or another out_dir to keep it",
+            best.display()
+        );
+    }
+    Ok(())
 }
 
 /// The model and optimizer the run starts from, with its first iteration and best

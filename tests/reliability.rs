@@ -606,3 +606,37 @@ fn eval_and_sample_read_interval_checkpoints() {
     );
     assert!(stdout.contains("at iteration 6"), "{stdout}");
 }
+
+/// Starting afresh in an out_dir that holds an earlier run's interval checkpoints is
+/// refused (they would outrank the new run's when resuming), and nothing changes.
+#[test]
+fn a_fresh_start_over_interval_checkpoints_is_refused() {
+    let dir = temp_dir("fresh-over");
+    train(dir.path(), &["max_iters=4"]);
+    let run_dir = dir.path().join("run");
+    let snapshot = |d: &Path| {
+        let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap())
+            .map(|e| {
+                (
+                    e.file_name().to_string_lossy().into_owned(),
+                    std::fs::read(e.path()).unwrap(),
+                )
+            })
+            .collect();
+        files.sort();
+        files
+    };
+    let before = snapshot(&run_dir);
+    let stderr = assert_error(&run(dir.path(), &["max_iters=4"], None));
+    assert!(
+        stderr.contains("interval checkpoint(s) of an earlier run")
+            && stderr.contains("init_from=resume"),
+        "{stderr}"
+    );
+    assert!(
+        before == snapshot(&run_dir),
+        "the earlier run's files changed"
+    );
+}
