@@ -1,11 +1,14 @@
-//! A bf16 GEMM on AVX512-BF16 (`vdpbf16ps`) for the large matmuls of
-//! `dtype = "bfloat16"`, opt-in with `NANOGPT_BF16_GEMM=avx512bf16` on CPUs that have
-//! the instruction. By default every bf16 matmul takes the f32 GEMM over bf16-valued
-//! operands ([`super::matmul::matmul`]), which computes the same products: on the
-//! development machine this kernel measured at parity with it on GPT-2 124M shapes
-//! and 1.45× slower on the quick-start shapes (docs/PERFORMANCE.md). That is what
-//! one would see if `vdpbf16ps` (the work of two f32 FMAs) issued at half the FMA
-//! rate on that core; not verified. AMX is not used.
+//! The bf16 matmuls of `dtype = "bfloat16"` and their kernels. Large products run on
+//! the AMX-BF16 kernel ([`super::bf16_amx`]) where the CPU has AMX and the OS lets
+//! the process use its tiles; elsewhere on the f32 GEMM over bf16-valued operands
+//! ([`super::matmul::matmul`]), which computes the same products. `NANOGPT_BF16_GEMM`
+//! = `amx`, `avx512bf16` or `f32` overrides the choice ([`kernel`]), for A/B runs.
+//!
+//! This module also holds an AVX512-BF16 (`vdpbf16ps`) kernel, opt-in only: on the
+//! development machine it measured at parity with the f32 GEMM on GPT-2 124M shapes
+//! and 1.45× slower on the quick-start shapes (docs/PERFORMANCE.md). That is what one
+//! would see if `vdpbf16ps` (the work of two f32 FMAs) issued at half the FMA rate on
+//! that core; not verified.
 //!
 //! `vdpbf16ps` multiplies pairs of bf16 values along `k` (exact in f32) and adds both
 //! products to an f32 accumulator lane. Operands are packed once per call into bf16
@@ -17,6 +20,7 @@
 //! below 1.2e-38, far under anything a model holds).
 
 use super::bf16::Bf16;
+use super::bf16_amx;
 use super::matmul::{matmul, Mat};
 use super::SharedMut;
 use rayon::prelude::*;
@@ -46,26 +50,75 @@ pub fn available() -> bool {
     })
 }
 
-/// Whether bf16 matmuls use this kernel: the CPU has AVX512-BF16 and the environment
-/// sets `NANOGPT_BF16_GEMM=avx512bf16` (read once).
-pub fn enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        available() && std::env::var("NANOGPT_BF16_GEMM").is_ok_and(|v| v == "avx512bf16")
+/// Which kernel runs the large bf16 matmuls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    /// AMX-BF16 tiles ([`super::bf16_amx`]).
+    Amx,
+    /// AVX512-BF16 `vdpbf16ps` (this module).
+    Avx512Bf16,
+    /// The f32 GEMM over bf16-valued operands.
+    F32,
+}
+
+/// The kernel for large bf16 matmuls, chosen once: `NANOGPT_BF16_GEMM=amx`,
+/// `avx512bf16` or `f32` picks one (an unusable choice falls back to the f32 GEMM);
+/// unset (or any other value), AMX where the CPU has it and the process may use it,
+/// else the f32 GEMM.
+pub fn kernel() -> Kernel {
+    #[cfg(test)]
+    if let Some(k) = FORCED.get() {
+        return k;
+    }
+    static K: OnceLock<Kernel> = OnceLock::new();
+    *K.get_or_init(|| match std::env::var("NANOGPT_BF16_GEMM").as_deref() {
+        Ok("f32") => Kernel::F32,
+        Ok("avx512bf16") if available() => Kernel::Avx512Bf16,
+        Ok("avx512bf16") => Kernel::F32,
+        _ if bf16_amx::permitted() => Kernel::Amx,
+        _ => Kernel::F32,
     })
+}
+
+#[cfg(test)]
+thread_local! {
+    /// A kernel forced for bf16 matmuls dispatched from this thread (tests only).
+    static FORCED: std::cell::Cell<Option<Kernel>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with the bf16 matmuls it dispatches from this thread on `k` (tests only;
+/// `k` must be usable on this machine).
+#[cfg(test)]
+pub(crate) fn with_kernel<R>(k: Kernel, f: impl FnOnce() -> R) -> R {
+    let before = FORCED.replace(Some(k));
+    let r = f();
+    FORCED.set(before);
+    r
+}
+
+/// Whether bf16 matmuls use a packing kernel (AMX or AVX512-BF16) for large products.
+pub fn enabled() -> bool {
+    kernel() != Kernel::F32
 }
 
 /// `dst = a · b` (or `+=` when `accumulate`) for operands that hold bf16 values
 /// (exactly representable; other values are rounded to nearest even while packing).
-/// Uses the AVX512-BF16 kernel for large products when [`enabled`], else the f32
-/// GEMM; both accumulate in f32.
+/// Large products run on the [`kernel`] chosen, the rest on the f32 GEMM; all
+/// accumulate in f32.
 pub fn matmul_bf16(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
     let macs = a.rows * a.cols * b.cols;
-    if enabled() && macs >= MIN_MACS {
-        native(dst, a, b, accumulate);
-    } else {
-        matmul(dst, a, b, accumulate);
+    match kernel() {
+        _ if macs < MIN_MACS => matmul(dst, a, b, accumulate),
+        Kernel::Amx => amx(dst, a, b, accumulate),
+        Kernel::Avx512Bf16 => native(dst, a, b, accumulate),
+        Kernel::F32 => matmul(dst, a, b, accumulate),
     }
+}
+
+/// The AMX path of [`matmul_bf16`], on this thread's packing buffers; the caller
+/// checked [`bf16_amx::permitted`].
+pub(crate) fn amx(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
+    PACKS.with_borrow_mut(|(pa, pb)| bf16_amx::matmul(dst, a, b, accumulate, pa, pb));
 }
 
 thread_local! {
@@ -218,13 +271,21 @@ mod x86 {
 
 /// How bf16 matmuls run on this machine, for the start-of-run report.
 pub fn path() -> &'static str {
-    if enabled() {
-        "AVX512-BF16 (vdpbf16ps) for the large linear layers, f32 GEMM over bf16 values elsewhere; AMX not used"
-    } else if available() {
-        "emulated via f32 GEMM (bf16 operands, f32 accumulation); AVX512-BF16 present but not used \
-         (slower here; NANOGPT_BF16_GEMM=avx512bf16 selects it); AMX not used"
-    } else {
-        "emulated via f32 GEMM (bf16 operands, f32 accumulation); no AVX512-BF16 on this CPU"
+    match kernel() {
+        Kernel::Amx => "AMX-BF16 (tdpbf16ps) for the large linear layers, f32 GEMM over bf16 values elsewhere",
+        Kernel::Avx512Bf16 => "AVX512-BF16 (vdpbf16ps) for the large linear layers (NANOGPT_BF16_GEMM=avx512bf16), f32 GEMM over bf16 values elsewhere",
+        Kernel::F32 if std::env::var("NANOGPT_BF16_GEMM").is_ok_and(|v| v == "f32") => {
+            "emulated via f32 GEMM (bf16 operands, f32 accumulation), as NANOGPT_BF16_GEMM=f32 asks"
+        }
+        Kernel::F32 if bf16_amx::cpu_has_amx() => {
+            "emulated via f32 GEMM (bf16 operands, f32 accumulation); the CPU has AMX but the OS refused the tile permission"
+        }
+        Kernel::F32 if available() => {
+            "emulated via f32 GEMM (bf16 operands, f32 accumulation); no AMX on this CPU (NANOGPT_BF16_GEMM=avx512bf16 selects the slower AVX512-BF16 kernel)"
+        }
+        Kernel::F32 => {
+            "emulated via f32 GEMM (bf16 operands, f32 accumulation); no AMX or AVX512-BF16 on this CPU"
+        }
     }
 }
 
@@ -335,32 +396,80 @@ mod tests {
                 flops / t / 1e9
             );
         }
+        if bf16_amx::permitted() {
+            // Peak of one 32 × 32 AMX block, on cache-resident packs.
+            let kc = 24;
+            let p = vec![0x3F80_3F80u32; 2 * kc * 256];
+            let mut c = [[0.0f32; 32]; 32];
+            let reps = 20_000;
+            // SAFETY: permitted() checked; the config is loaded on this thread before
+            // the blocks and released after.
+            let t = unsafe {
+                bf16_amx::x86::configure();
+                let s = std::time::Instant::now();
+                for _ in 0..reps {
+                    bf16_amx::x86::block(kc, std::hint::black_box(&p), &p, &mut c);
+                }
+                let t = s.elapsed().as_secs_f64();
+                bf16_amx::x86::release();
+                t
+            };
+            let flops = (reps * 2 * 32 * 32 * 32 * kc) as f64;
+            println!(
+                "AMX block alone, one thread: {:.1} GFLOP/s",
+                flops / t / 1e9
+            );
+        }
+        // (m, k, n, A transposed, B transposed) as the linear layers pass them:
+        // forward x · Wᵀ, dinp = dout · W, dweight = doutᵀ · x.
         let shapes = [
-            (1024, 768, 2304),
-            (1024, 768, 3072),
-            (1024, 3072, 768),
-            (768, 1024, 3072),
+            (1024, 768, 2304, false, true),
+            (1024, 768, 3072, false, true),
+            (1024, 3072, 768, false, true),
+            (1024, 2304, 768, false, false),
+            (1024, 768, 3072, false, false),
+            (768, 1024, 3072, true, false),
+            (3072, 1024, 768, true, false),
         ];
-        for (m, k, n) in shapes {
+        let amx_ok = bf16_amx::permitted();
+        for (m, k, n, ta, tb) in shapes {
             let (a, b) = (rounded(m * k, 1), rounded(k * n, 2));
             let mut out = vec![0.0; m * n];
-            let (am, bm) = (Mat::new(&a, m, k), Mat::new(&b, k, n));
-            let (mut t32, mut t16) = (Vec::new(), Vec::new());
+            let am = if ta {
+                Mat::new(&a, k, m).t()
+            } else {
+                Mat::new(&a, m, k)
+            };
+            let bm = if tb {
+                Mat::new(&b, n, k).t()
+            } else {
+                Mat::new(&b, k, n)
+            };
+            let mut t = [Vec::new(), Vec::new(), Vec::new()];
             for _ in 0..7 {
                 let s = std::time::Instant::now();
                 matmul(&mut out, am, bm, false);
-                t32.push(s.elapsed().as_secs_f64());
+                t[0].push(s.elapsed().as_secs_f64());
                 let s = std::time::Instant::now();
                 native(&mut out, am, bm, false);
-                t16.push(s.elapsed().as_secs_f64());
+                t[1].push(s.elapsed().as_secs_f64());
+                if amx_ok {
+                    let s = std::time::Instant::now();
+                    amx(&mut out, am, bm, false);
+                    t[2].push(s.elapsed().as_secs_f64());
+                }
             }
-            t32.sort_by(f64::total_cmp);
-            t16.sort_by(f64::total_cmp);
-            let gf = |t: f64| 2.0 * (m * n * k) as f64 / t / 1e9;
+            let gf = |t: &mut Vec<f64>| match t.len() {
+                0 => f64::NAN,
+                _ => {
+                    t.sort_by(f64::total_cmp);
+                    2.0 * (m * n * k) as f64 / t[t.len() / 2] / 1e9
+                }
+            };
+            let (f32, avx, amx) = (gf(&mut t[0]), gf(&mut t[1]), gf(&mut t[2]));
             println!(
-                "{m}×{k}×{n}: f32 GEMM {:.1} GFLOP/s, AVX512-BF16 {:.1} GFLOP/s (medians of 7)",
-                gf(t32[3]),
-                gf(t16[3])
+                "{m}×{k}×{n} (Aᵀ {ta}, Bᵀ {tb}): f32 GEMM {f32:.1}, AVX512-BF16 {avx:.1}, \
+                 AMX-BF16 {amx:.1} GFLOP/s (medians of 7, alternating)"
             );
         }
     }

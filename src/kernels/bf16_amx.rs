@@ -1,0 +1,458 @@
+//! A bf16 GEMM on AMX-BF16 (`tdpbf16ps`), the default path of the large bf16 matmuls
+//! on CPUs that have AMX and whose kernel lets the process use it.
+//!
+//! One `tdpbf16ps` adds a 16 × 32 bf16 A tile times a 32 × 16 bf16 B tile (held as
+//! 16 rows of k-pairs) into a 16 × 16 f32 accumulator tile; the two products of a
+//! pair are exact in f32. Operands are packed once per call into 1 KiB tiles of bf16
+//! pairs, zero-padded at the edges: A as `[m / 16][k / 32][16 rows][16 pairs]`, B as
+//! `[n / 16][k / 32][16 pairs][16 columns]`. Each 32 × 32 output block holds four
+//! accumulator tiles (tmm0–3) fed by two A tiles (tmm4–5) and two B tiles (tmm6–7)
+//! over all of `k`. Tasks own disjoint output blocks and run `k` in a fixed order, so
+//! results do not depend on the thread count. Like `vdpbf16ps`, the instruction treats
+//! subnormal inputs and results as zero.
+//!
+//! The tile registers need the process's permission (`arch_prctl(ARCH_REQ_XCOMP_PERM,
+//! XFEATURE_XTILEDATA)`, asked once; the kernel grants it to the whole process) and a
+//! tile configuration, which is per thread: every task loads it and releases the
+//! tiles when done.
+
+use super::bf16::Bf16;
+use super::matmul::Mat;
+use super::SharedMut;
+use rayon::prelude::*;
+use std::sync::OnceLock;
+
+/// Rows and columns of one tile (16 f32 accumulators or 16 bf16 pairs per row).
+const T: usize = 16;
+/// bf16 values of `k` per tile (16 pairs).
+const KT: usize = 32;
+/// u32 pairs per packed tile.
+const TILE: usize = T * T;
+/// Output blocks (32 × 32) of one parallel task, down and across.
+const TASK_M: usize = 4;
+const TASK_N: usize = 4;
+
+/// Whether this CPU has AMX-TILE and AMX-BF16 and the process may use the tiles
+/// (asked of the kernel once, the first time this is called).
+pub fn permitted() -> bool {
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| cpu_has_amx() && request_permission())
+}
+
+/// CPUID leaf 7: EDX bit 22 is AMX-BF16, bit 24 AMX-TILE.
+pub fn cpu_has_amx() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // Leaf 7 exists when the maximum basic leaf (leaf 0's EAX) is at least 7.
+        if std::arch::x86_64::__cpuid(0).eax < 7 {
+            return false;
+        }
+        let edx = std::arch::x86_64::__cpuid_count(7, 0).edx;
+        edx & (1 << 22) != 0 && edx & (1 << 24) != 0
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Asks Linux for the tile-data state component for this process.
+fn request_permission() -> bool {
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    {
+        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+        const XFEATURE_XTILEDATA: libc::c_long = 18;
+        // SAFETY: arch_prctl with these arguments only changes which xsave features the
+        // process may use; it reads and writes no memory of ours.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_arch_prctl,
+                ARCH_REQ_XCOMP_PERM,
+                XFEATURE_XTILEDATA,
+            )
+        };
+        r == 0
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+    false
+}
+
+/// Pairs in a pack of `blocks16` tile rows (or columns) of `kc` tiles each.
+fn pack_len(blocks16: usize, kc: usize) -> usize {
+    blocks16 * kc * TILE
+}
+
+/// Two bf16 values in one 32-bit lane: `lo` is element `2p`, `hi` element `2p + 1`.
+#[inline]
+fn pair(lo: f32, hi: f32) -> u32 {
+    Bf16::from_f32(lo).0 as u32 | (Bf16::from_f32(hi).0 as u32) << 16
+}
+
+/// Element `(i, j)` of `m`, or 0 outside it (the zero padding of the packs).
+#[inline]
+fn at(m: &Mat, i: usize, j: usize) -> f32 {
+    if i < m.rows && j < m.cols {
+        m.data[i * m.rs + j * m.cs]
+    } else {
+        0.0
+    }
+}
+
+/// One tile of pairs along `k` of `x` (rows `i`, columns `k`):
+/// `dst[r·SI + p·SP] = (x(i0 + r, k0 + 2p), x(i0 + r, k0 + 2p + 1))` for r, p < 16.
+/// An A tile is `x = a` with (SI, SP) = (16, 1); a B tile is `x = bᵀ` with (1, 16).
+/// Whole tiles read runs of the operand directly (along `k` when its column stride
+/// is 1, along `i` when its row stride is 1); edge tiles pad with zeros.
+fn pack_tile<const SI: usize, const SP: usize>(dst: &mut [u32], x: &Mat, i0: usize, k0: usize) {
+    let dst = &mut dst[..TILE];
+    let whole = i0 + T <= x.rows && k0 + KT <= x.cols;
+    if whole && x.cs == 1 {
+        for r in 0..T {
+            let run = &x.data[(i0 + r) * x.rs + k0..][..KT];
+            for p in 0..T {
+                dst[r * SI + p * SP] = pair(run[2 * p], run[2 * p + 1]);
+            }
+        }
+    } else if whole && x.rs == 1 {
+        for p in 0..T {
+            let lo = &x.data[(k0 + 2 * p) * x.cs + i0..][..T];
+            let hi = &x.data[(k0 + 2 * p + 1) * x.cs + i0..][..T];
+            for r in 0..T {
+                dst[r * SI + p * SP] = pair(lo[r], hi[r]);
+            }
+        }
+    } else {
+        for r in 0..T {
+            for p in 0..T {
+                let (i, j) = (i0 + r, k0 + 2 * p);
+                dst[r * SI + p * SP] = pair(at(x, i, j), at(x, i, j + 1));
+            }
+        }
+    }
+}
+
+/// `dst = a · b` (or `+=` when `accumulate`) on the AMX tiles; `pa` and `pb` are the
+/// packing buffers (grown as needed). The caller checked [`permitted`].
+pub(crate) fn matmul(
+    dst: &mut [f32],
+    a: Mat,
+    b: Mat,
+    accumulate: bool,
+    pa: &mut Vec<u32>,
+    pb: &mut Vec<u32>,
+) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert_eq!(b.rows, k, "inner dimensions differ");
+    assert_eq!(dst.len(), m * n, "destination does not match m × n");
+    assert!(
+        permitted(),
+        "the AMX kernel needs AMX-BF16 and the tile permission"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            dst.fill(0.0);
+        }
+        return;
+    }
+    // 32 × 32 output blocks; the packs hold two 16-row (16-column) tiles per block.
+    let (mb, nb, kc) = (m.div_ceil(2 * T), n.div_ceil(2 * T), k.div_ceil(KT));
+    pa.resize(pack_len(2 * mb, kc), 0);
+    pb.resize(pack_len(2 * nb, kc), 0);
+    pa.par_chunks_mut(kc * TILE)
+        .enumerate()
+        .for_each(|(blk, d)| {
+            for (c, tile) in d.chunks_exact_mut(TILE).enumerate() {
+                pack_tile::<T, 1>(tile, &a, blk * T, c * KT);
+            }
+        });
+    let bt = b.t();
+    pb.par_chunks_mut(kc * TILE)
+        .enumerate()
+        .for_each(|(blk, d)| {
+            for (c, tile) in d.chunks_exact_mut(TILE).enumerate() {
+                pack_tile::<1, T>(tile, &bt, blk * T, c * KT);
+            }
+        });
+    let (pa, pb) = (&pa[..], &pb[..]);
+    let out = SharedMut::new(dst);
+    let (tm, tn) = (mb.div_ceil(TASK_M), nb.div_ceil(TASK_N));
+    (0..tm * tn).into_par_iter().for_each(|task| {
+        let (ti, tj) = (task / tn, task % tn);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: permitted() confirmed AMX-BF16 and the tile permission; the config
+        // is 64 valid bytes.
+        unsafe {
+            x86::configure()
+        };
+        for bj in tj * TASK_N..((tj + 1) * TASK_N).min(nb) {
+            let bp = &pb[2 * bj * kc * TILE..2 * (bj + 1) * kc * TILE];
+            for bi in ti * TASK_M..((ti + 1) * TASK_M).min(mb) {
+                let ap = &pa[2 * bi * kc * TILE..2 * (bi + 1) * kc * TILE];
+                let mut c = [[0.0f32; 2 * T]; 2 * T];
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: this thread loaded the tile config above; ap and bp hold two
+                // tile rows of kc tiles each, which is what the kernel reads.
+                unsafe {
+                    x86::block(kc, ap, bp, &mut c)
+                };
+                let rows = (m - bi * 2 * T).min(2 * T);
+                let cols = (n - bj * 2 * T).min(2 * T);
+                for (r, acc) in c.iter().enumerate().take(rows) {
+                    let at = (bi * 2 * T + r) * n + bj * 2 * T;
+                    // SAFETY: rows bi·32.. and columns bj·32.. of dst belong to this
+                    // task alone (tasks partition the block grid), and at + cols ≤ m·n
+                    // since the row is < m and bj·32 + cols ≤ n.
+                    let row = unsafe { std::slice::from_raw_parts_mut(out.get().add(at), cols) };
+                    if accumulate {
+                        row.iter_mut().zip(acc).for_each(|(d, s)| *d += s);
+                    } else {
+                        row.copy_from_slice(&acc[..cols]);
+                    }
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: releases this thread's tile state, loaded above.
+        unsafe {
+            x86::release()
+        };
+    });
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86 {
+    use super::{T, TILE};
+    use core::arch::asm;
+
+    /// Palette 1 with all eight tiles 16 rows × 64 bytes.
+    #[repr(C, align(64))]
+    struct Config([u8; 64]);
+
+    const CONFIG: Config = {
+        let mut c = [0u8; 64];
+        c[0] = 1; // palette
+        let mut t = 0;
+        while t < 8 {
+            c[16 + 2 * t] = 64; // bytes per row (u16, little-endian)
+            c[48 + t] = T as u8; // rows
+            t += 1;
+        }
+        Config(c)
+    };
+
+    /// Loads the tile configuration for the calling thread.
+    ///
+    /// # Safety
+    /// The CPU has AMX-TILE and the process holds the tile-data permission.
+    pub(crate) unsafe fn configure() {
+        // SAFETY: CONFIG is a valid 64-byte palette-1 configuration (caller: AMX usable).
+        unsafe { asm!("ldtilecfg [{0}]", in(reg) &CONFIG.0, options(nostack, readonly)) };
+    }
+
+    /// Returns the tiles to their initial state (frees the thread's tile context).
+    ///
+    /// # Safety
+    /// As for [`configure`].
+    pub(crate) unsafe fn release() {
+        // SAFETY: tilerelease only resets tile state (caller: AMX usable).
+        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    }
+
+    /// `c = Σ_k A · B` for one 32 × 32 block: `a` holds two A tile rows (16 rows each)
+    /// and `b` two B tile columns, `kc` tiles each.
+    ///
+    /// # Safety
+    /// [`configure`] ran on this thread.
+    pub(crate) unsafe fn block(kc: usize, a: &[u32], b: &[u32], c: &mut [[f32; 2 * T]; 2 * T]) {
+        assert!(kc > 0 && a.len() >= 2 * kc * TILE && b.len() >= 2 * kc * TILE);
+        let (a0, b0) = (a.as_ptr(), b.as_ptr());
+        let out = c.as_mut_ptr() as *mut f32;
+        // SAFETY: each tileloadd reads 16 rows of 64 bytes from within a packed tile
+        // (the loop reads tiles 0..kc of each of the two tile rows; asserted above);
+        // the stores write 16 rows of 64 bytes at a 128-byte stride inside c's 4 KiB.
+        unsafe {
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                "2:",
+                "tileloadd tmm4, [{a0} + {s}*1]",
+                "tileloadd tmm5, [{a1} + {s}*1]",
+                "tileloadd tmm6, [{b0} + {s}*1]",
+                "tileloadd tmm7, [{b1} + {s}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "add {a0}, 1024",
+                "add {a1}, 1024",
+                "add {b0}, 1024",
+                "add {b1}, 1024",
+                "dec {n}",
+                "jnz 2b",
+                "tilestored [{c0} + {cs}*1], tmm0",
+                "tilestored [{c1} + {cs}*1], tmm1",
+                "tilestored [{c2} + {cs}*1], tmm2",
+                "tilestored [{c3} + {cs}*1], tmm3",
+                a0 = inout(reg) a0 => _,
+                a1 = inout(reg) a0.add(kc * TILE) => _,
+                b0 = inout(reg) b0 => _,
+                b1 = inout(reg) b0.add(kc * TILE) => _,
+                n = inout(reg) kc => _,
+                s = in(reg) 64usize,
+                cs = in(reg) 128usize,
+                c0 = in(reg) out,
+                c1 = in(reg) out.add(T),
+                c2 = in(reg) out.add(T * 2 * T),
+                c3 = in(reg) out.add(T * 2 * T + T),
+                options(nostack),
+            )
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::bf16::round;
+    use crate::kernels::matmul::matmul as f32_gemm;
+    use crate::kernels::testutil::*;
+
+    fn rounded(n: usize, seed: u64) -> Vec<f32> {
+        rand_vec(n, seed).into_iter().map(round).collect()
+    }
+
+    fn usable() -> bool {
+        if !permitted() {
+            eprintln!(
+                "AMX kernel not tested: {}",
+                match cpu_has_amx() {
+                    true => "the OS refused the tile permission",
+                    false => "no AMX-BF16 on this CPU",
+                }
+            );
+        }
+        permitted()
+    }
+
+    fn amx(dst: &mut [f32], a: Mat, b: Mat, acc: bool) {
+        matmul(dst, a, b, acc, &mut Vec::new(), &mut Vec::new());
+    }
+
+    /// `a` (m × k) and `b` (k × n) as the views linear_forward/backward pass: stored
+    /// transposed when asked.
+    fn views<'a>(
+        a: &'a [f32],
+        b: &'a [f32],
+        m: usize,
+        k: usize,
+        n: usize,
+        ta: bool,
+        tb: bool,
+    ) -> (Mat<'a>, Mat<'a>) {
+        let am = if ta {
+            Mat::new(a, k, m).t()
+        } else {
+            Mat::new(a, m, k)
+        };
+        let bm = if tb {
+            Mat::new(b, n, k).t()
+        } else {
+            Mat::new(b, k, n)
+        };
+        (am, bm)
+    }
+
+    /// The AMX kernel against the f32 GEMM on the same bf16 values: equal up to
+    /// summation order.
+    fn check(m: usize, k: usize, n: usize, ta: bool, tb: bool, acc: bool) {
+        let (a, b) = (rounded(m * k, 1), rounded(k * n, 2));
+        let (am, bm) = views(&a, &b, m, k, n, ta, tb);
+        let prior = rand_vec(m * n, 3);
+        let (mut want, mut got) = (prior.clone(), prior.clone());
+        f32_gemm(&mut want, am, bm, acc);
+        amx(&mut got, am, bm, acc);
+        // |error| ≤ k · 2^-23 · Σ|a·b| roughly; Σ|a·b| ≤ k for values in [-1, 1].
+        let tol = 1e-6 * k as f64;
+        let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+        assert_close(
+            &format!("{m}×{k}×{n} ta={ta} tb={tb} acc={acc}"),
+            &got,
+            &want64,
+            0.0,
+            tol,
+        );
+    }
+
+    #[test]
+    fn amx_kernel_matches_the_f32_gemm_on_bf16_values() {
+        if !usable() {
+            return;
+        }
+        check(16, 32, 16, false, false, false); // one tile exactly
+        check(32, 64, 32, false, false, true); // one block exactly, two k tiles
+        check(1, 1, 1, false, false, true); // all padding
+        check(37, 75, 101, false, false, false); // ragged in m, k (odd) and n
+        check(64, 96, 48, false, true, true); // forward: x · Wᵀ, accumulating
+        check(64, 96, 48, false, true, false); // forward, overwriting
+        check(50, 130, 70, false, false, true); // dinp = dout · W
+        check(70, 33, 129, true, false, true); // dweight += doutᵀ · x
+        check(70, 33, 129, true, false, false);
+        check(300, 256, 200, true, true, false); // several tasks in both directions
+        check(200, 777, 161, false, true, true); // many k tiles, ragged everywhere
+    }
+
+    #[test]
+    fn an_empty_inner_dimension_gives_zero_or_leaves_dst() {
+        if !usable() {
+            return;
+        }
+        let mut dst = vec![5.0; 6];
+        amx(&mut dst, Mat::new(&[], 2, 0), Mat::new(&[], 0, 3), true);
+        assert_eq!(dst, vec![5.0; 6]);
+        amx(&mut dst, Mat::new(&[], 2, 0), Mat::new(&[], 0, 3), false);
+        assert_eq!(dst, vec![0.0; 6]);
+    }
+
+    #[test]
+    fn non_bf16_inputs_are_rounded_to_nearest_even_when_packed() {
+        if !usable() {
+            return;
+        }
+        let (m, k, n) = (9, 40, 33);
+        let (a, b) = (rand_vec(m * k, 4), rand_vec(k * n, 5));
+        let ra: Vec<f32> = a.iter().map(|&v| round(v)).collect();
+        let rb: Vec<f32> = b.iter().map(|&v| round(v)).collect();
+        let mut want = vec![0.0; m * n];
+        f32_gemm(&mut want, Mat::new(&ra, m, k), Mat::new(&rb, k, n), false);
+        let mut got = vec![0.0; m * n];
+        amx(&mut got, Mat::new(&a, m, k), Mat::new(&b, k, n), false);
+        let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+        assert_close("rounded on packing", &got, &want64, 0.0, 1e-5);
+    }
+
+    #[test]
+    fn results_do_not_depend_on_the_thread_count() {
+        // Tasks own disjoint output blocks and sum k in a fixed order, on whichever
+        // worker thread (each loads its own tile config): bit-identical results.
+        if !usable() {
+            return;
+        }
+        let (m, k, n) = (260, 200, 300);
+        let (a, b) = (rounded(m * k, 6), rounded(k * n, 7));
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let mut out = vec![0.0; m * n];
+            pool.install(|| amx(&mut out, Mat::new(&a, m, k), Mat::new(&b, k, n), false));
+            out
+        };
+        let one = run(1);
+        assert_eq!(one, run(3));
+        assert_eq!(one, run(8));
+    }
+}
