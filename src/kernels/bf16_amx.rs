@@ -16,7 +16,7 @@
 //! tile configuration, which is per thread: every task loads it and releases the
 //! tiles when done.
 
-use super::bf16::Bf16;
+use super::bf16_gemm::{at, pair};
 use super::matmul::Mat;
 use super::SharedMut;
 use rayon::prelude::*;
@@ -78,22 +78,6 @@ fn request_permission() -> bool {
 /// Pairs in a pack of `blocks16` tile rows (or columns) of `kc` tiles each.
 fn pack_len(blocks16: usize, kc: usize) -> usize {
     blocks16 * kc * TILE
-}
-
-/// Two bf16 values in one 32-bit lane: `lo` is element `2p`, `hi` element `2p + 1`.
-#[inline]
-fn pair(lo: f32, hi: f32) -> u32 {
-    Bf16::from_f32(lo).0 as u32 | (Bf16::from_f32(hi).0 as u32) << 16
-}
-
-/// Element `(i, j)` of `m`, or 0 outside it (the zero padding of the packs).
-#[inline]
-fn at(m: &Mat, i: usize, j: usize) -> f32 {
-    if i < m.rows && j < m.cols {
-        m.data[i * m.rs + j * m.cs]
-    } else {
-        0.0
-    }
 }
 
 /// One tile of pairs along `k` of `x` (rows `i`, columns `k`):

@@ -127,15 +127,16 @@ thread_local! {
     static PACKS: RefCell<(Vec<u32>, Vec<u32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
-/// Two bf16 values in one 32-bit lane: `lo` is element `2p`, `hi` element `2p + 1`.
+/// Two bf16 values in one 32-bit lane: `lo` is element `2p`, `hi` element `2p + 1`
+/// (the pair layout both bf16 kernels pack into).
 #[inline]
-fn pair(lo: f32, hi: f32) -> u32 {
+pub(super) fn pair(lo: f32, hi: f32) -> u32 {
     Bf16::from_f32(lo).0 as u32 | (Bf16::from_f32(hi).0 as u32) << 16
 }
 
 /// Element `(i, j)` of `m`, or 0 outside it (the zero padding of the packs).
 #[inline]
-fn at(m: &Mat, i: usize, j: usize) -> f32 {
+pub(super) fn at(m: &Mat, i: usize, j: usize) -> f32 {
     if i < m.rows && j < m.cols {
         m.data[i * m.rs + j * m.cs]
     } else {
