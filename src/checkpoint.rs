@@ -65,6 +65,12 @@ fn interval_iter(name: &str) -> Option<u64> {
     }
 }
 
+/// Whether `name` is a checkpoint's file name: `ckpt.safetensors` or an interval
+/// checkpoint's `ckpt-NNNNNN.safetensors`.
+pub fn is_checkpoint_name(name: &str) -> bool {
+    name == "ckpt.safetensors" || interval_iter(name).is_some()
+}
+
 /// The interval checkpoints in `out_dir`, oldest first.
 pub fn interval_checkpoints(out_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     let mut found = Vec::new();

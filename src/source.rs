@@ -2,7 +2,7 @@
 //! `out_dir`, or pretrained Hugging Face GPT-2 weights (`gpt2`, `gpt2-medium`, ...,
 //! a model directory, a `.safetensors` file, or a Hub id; see [`crate::hf`]).
 
-use crate::checkpoint::{checkpoint_path, interval_checkpoints, Checkpoint};
+use crate::checkpoint::{checkpoint_path, interval_checkpoints, is_checkpoint_name, Checkpoint};
 use crate::data::{Meta, TokenizerKind, GPT2_VOCAB_SIZE};
 use crate::hf::Pretrained;
 use crate::model::{ModelConfig, ParamLayout};
@@ -120,10 +120,5 @@ fn looks_like_hf_dir(dir: &Path) -> bool {
 /// A nanogpt `ckpt.safetensors` (by its metadata tag), rather than HF weights.
 fn is_checkpoint_file(path: &Path) -> bool {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-    let named = name == "ckpt.safetensors"
-        || name
-            .strip_prefix("ckpt-")
-            .and_then(|r| r.strip_suffix(".safetensors"))
-            .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()));
-    named && Checkpoint::open_file(path).is_ok()
+    is_checkpoint_name(name) && Checkpoint::open_file(path).is_ok()
 }
