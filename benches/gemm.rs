@@ -1,21 +1,36 @@
-//! Which GEMM to build on: the `gemm` crate (what the kernels use) against
-//! `matrixmultiply`, on the matmul shapes of a GPT-2 124M training step
-//! (B·T = 1024 rows). `bench/gemm_numpy.py` times OpenBLAS (numpy) on the same shapes.
+//! Which GEMM to build on, and how fast it runs on the products of a GPT-2 124M
+//! training step (B·T = 1024 rows), in the operand layouts the kernels pass: the
+//! `gemm` crate (what the kernels use) against `matrixmultiply`.
+//! `bench/gemm_numpy.py` times OpenBLAS (numpy) on the same shapes.
 //!
 //!     cargo bench --bench gemm            # RAYON_NUM_THREADS / MATMUL_NUM_THREADS = cores
 
 use nanogpt::kernels::matmul::{matmul, Mat};
 use std::time::Instant;
 
-/// (name, m, k, n): dst (m×n) = a (m×k) · b (k×n).
-const SHAPES: [(&str, usize, usize, usize); 7] = [
-    ("qkv forward", 1024, 768, 2304),
-    ("attn proj forward", 1024, 768, 768),
-    ("fc forward", 1024, 768, 3072),
-    ("mlp proj forward", 1024, 3072, 768),
-    ("fc dW (768×1024·1024×3072)", 3072, 1024, 768),
-    ("classifier chunk", 166, 768, 50257),
-    ("square 2048", 2048, 2048, 2048),
+/// How an operand is stored: `N` dense row-major as used, `T` stored transposed
+/// (the product reads a transposed view, e.g. `weightᵀ` in a linear forward).
+#[derive(Clone, Copy, PartialEq)]
+enum Layout {
+    N,
+    T,
+}
+use Layout::{N, T};
+
+/// (name, m, k, n, a layout, b layout): dst (m×n) = a (m×k) · b (k×n).
+const SHAPES: [(&str, usize, usize, usize, Layout, Layout); 12] = [
+    ("qkv fwd  x·Wᵀ", 1024, 768, 2304, N, T),
+    ("proj fwd x·Wᵀ", 1024, 768, 768, N, T),
+    ("fc fwd   x·Wᵀ", 1024, 768, 3072, N, T),
+    ("mlp fwd  x·Wᵀ", 1024, 3072, 768, N, T),
+    ("fc dx    dy·W", 1024, 3072, 768, N, N),
+    ("mlp dx   dy·W", 1024, 768, 3072, N, N),
+    ("fc dW    dyᵀ·x", 3072, 1024, 768, T, N),
+    ("mlp dW   dyᵀ·x", 768, 1024, 3072, T, N),
+    ("cls fwd  x·wteᵀ", 333, 768, 50304, N, T),
+    ("cls dx   dl·wte", 333, 50304, 768, N, N),
+    ("cls dwte dlᵀ·x", 50304, 333, 768, T, N),
+    ("square 2048", 2048, 2048, 2048, N, N),
 ];
 
 fn median_gflops(flops: f64, mut run: impl FnMut()) -> f64 {
@@ -31,41 +46,58 @@ fn median_gflops(flops: f64, mut run: impl FnMut()) -> f64 {
     rates[rates.len() / 2]
 }
 
+/// A `rows × cols` operand stored in `layout`: its (row, col) strides.
+fn strides(rows: usize, cols: usize, layout: Layout) -> (usize, usize) {
+    match layout {
+        N => (cols, 1),
+        T => (1, rows),
+    }
+}
+
+fn view(data: &[f32], rows: usize, cols: usize, layout: Layout) -> Mat<'_> {
+    match layout {
+        N => Mat::new(data, rows, cols),
+        T => Mat::new(data, cols, rows).t(),
+    }
+}
+
 fn main() {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!("threads: {threads} (gemm via rayon, matrixmultiply via its own pool)");
     println!(
-        "{:<28} {:>12} {:>16}",
-        "shape", "gemm GF/s", "matrixmult GF/s"
+        "{:<20} {:>6} {:>6} {:>6} {:>10} {:>10}",
+        "product", "m", "k", "n", "gemm GF/s", "mm GF/s"
     );
-    for (name, m, k, n) in SHAPES {
+    for (name, m, k, n, la, lb) in SHAPES {
         let a: Vec<f32> = (0..m * k).map(|i| (i % 13) as f32 * 0.1).collect();
         let b: Vec<f32> = (0..k * n).map(|i| (i % 7) as f32 * 0.1).collect();
         let mut c = vec![0.0f32; m * n];
         let flops = 2.0 * (m * n * k) as f64;
         let g = median_gflops(flops, || {
-            matmul(&mut c, Mat::new(&a, m, k), Mat::new(&b, k, n), false)
+            matmul(&mut c, view(&a, m, k, la), view(&b, k, n, lb), false)
         });
+        let (ars, acs) = strides(m, k, la);
+        let (brs, bcs) = strides(k, n, lb);
         let mm = median_gflops(flops, || unsafe {
-            // SAFETY: a, b, c are dense row-major m×k, k×n, m×n buffers of exactly
-            // those sizes, matching the strides passed.
+            // SAFETY: a, b, c hold exactly m×k, k×n, m×n elements and the strides
+            // address each element once within them.
             matrixmultiply::sgemm(
                 m,
                 k,
                 n,
                 1.0,
                 a.as_ptr(),
-                k as isize,
-                1,
+                ars as isize,
+                acs as isize,
                 b.as_ptr(),
-                n as isize,
-                1,
+                brs as isize,
+                bcs as isize,
                 0.0,
                 c.as_mut_ptr(),
                 n as isize,
                 1,
             )
         });
-        println!("{name:<28} {g:>12.1} {mm:>16.1}");
+        println!("{name:<20} {m:>6} {k:>6} {n:>6} {g:>10.1} {mm:>10.1}");
     }
 }
