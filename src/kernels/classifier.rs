@@ -5,6 +5,7 @@
 //! `(N, V)` logits never exist. Only the real vocabulary `V` is computed: the padded
 //! rows of `wte` never receive probability and get no gradient.
 
+use super::fastmath::{exp_fast, has_avx2_fma};
 use super::matmul::{matmul, Mat};
 use rayon::prelude::*;
 
@@ -71,7 +72,11 @@ fn forward_impl<const BF16: bool>(
     let _t = crate::profile::scope(crate::profile::Section::Classifier);
     let n = targets.len();
     assert!(x.len() == n * c && losses.len() == n && wte.len() >= v * c);
-    let chunk = (scratch.len() / v).min(n).max(1);
+    // Rows per chunk: as many as the scratch holds, spread evenly over the chunks
+    // (each chunk reads and accumulates all of dwte, so a small last chunk costs
+    // almost as much as a full one).
+    let max_rows = (scratch.len() / v).clamp(1, n.max(1));
+    let chunk = n.div_ceil(n.div_ceil(max_rows).max(1)).max(1);
     assert!(
         scratch.len() >= v,
         "classifier scratch must hold at least one row"
@@ -120,26 +125,87 @@ fn forward_impl<const BF16: bool>(
 }
 
 /// Cross-entropy of one row of logits; with `grad_scale`, the row is replaced by
-/// `grad_scale · (softmax − onehot(target))` (all zero for an ignored row).
+/// `grad_scale · (softmax − onehot(target))` (all zero for an ignored row). Without it
+/// the row is left holding `e^(logit − max)`.
 fn softmax_row_loss(row: &mut [f32], target: i32, grad_scale: Option<f32>) -> f32 {
-    let max = row.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
-    let sum: f32 = row.iter().map(|&l| (l - max).exp()).sum();
-    let lse = max + sum.ln();
-    let loss = if target >= 0 {
-        lse - row[target as usize]
-    } else {
-        0.0
-    };
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        // SAFETY: the CPU has AVX2 and FMA (checked by has_avx2_fma).
+        return unsafe { x86::softmax_row_loss(row, target, grad_scale) };
+    }
+    softmax_row_loss_with::<false>(row, target, grad_scale)
+}
+
+/// The row loops compiled for AVX2 + FMA, chosen at run time.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn softmax_row_loss(row: &mut [f32], target: i32, grad_scale: Option<f32>) -> f32 {
+        super::softmax_row_loss_with::<true>(row, target, grad_scale)
+    }
+}
+
+/// Independent partial results per lane, so that the reductions vectorise; their
+/// order is fixed, so results do not depend on the thread count.
+const LANES: usize = 16;
+
+#[inline(always)]
+fn softmax_row_loss_with<const FMA: bool>(
+    row: &mut [f32],
+    target: i32,
+    grad_scale: Option<f32>,
+) -> f32 {
+    let max = row_max(row);
+    let target_logit = (target >= 0).then(|| row[target as usize]);
+    let sum = exp_in_place::<FMA>(row, max);
+    let loss = target_logit.map_or(0.0, |logit| max + sum.ln() - logit);
     if let Some(s) = grad_scale {
         if target < 0 {
             row.fill(0.0);
         } else {
             let inv = s / sum;
-            row.iter_mut().for_each(|l| *l = (*l - max).exp() * inv);
+            row.iter_mut().for_each(|p| *p *= inv);
             row[target as usize] -= s;
         }
     }
     loss
+}
+
+/// The largest element (NaNs are passed over here and surface in the sum).
+#[inline(always)]
+fn row_max(row: &[f32]) -> f32 {
+    let bigger = |m: f32, x: f32| if x > m { x } else { m };
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let mut chunks = row.chunks_exact(LANES);
+    for chunk in &mut chunks {
+        for (m, &x) in lanes.iter_mut().zip(chunk) {
+            *m = bigger(*m, x);
+        }
+    }
+    let rest = chunks
+        .remainder()
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, &x| bigger(m, x));
+    lanes.iter().fold(rest, |m, &x| bigger(m, x))
+}
+
+/// `row[j] = e^(row[j] − max)`; returns their sum.
+#[inline(always)]
+fn exp_in_place<const FMA: bool>(row: &mut [f32], max: f32) -> f32 {
+    let mut lanes = [0.0f32; LANES];
+    let mut chunks = row.chunks_exact_mut(LANES);
+    for chunk in &mut chunks {
+        for (acc, x) in lanes.iter_mut().zip(chunk) {
+            *x = exp_fast(FMA, *x - max);
+            *acc += *x;
+        }
+    }
+    let mut rest = 0.0;
+    for x in chunks.into_remainder() {
+        *x = exp_fast(FMA, *x - max);
+        rest += *x;
+    }
+    lanes.iter().sum::<f32>() + rest
 }
 
 /// Inference logits `out = x · wte[..V]ᵀ`: out (N, V) written, x (N, C).
@@ -233,6 +299,41 @@ mod tests {
         check(6, 8, 11, 16, 6); // one chunk
         check(9, 5, 13, 64, 4); // several chunks, a partial last one
         check(3, 4, 7, 7, 1); // one row per chunk, no padding
+    }
+
+    /// The softmax over rows longer than the lane width, in both builds of the loops.
+    #[test]
+    fn long_rows_match_f64_softmax() {
+        let v = 1003; // 62 lanes of 16 and a remainder of 11
+        let logits: Vec<f32> = rand_vec(v, 5).iter().map(|l| 12.0 * l).collect();
+        let target = 700;
+        let l64 = to_f64(&logits);
+        let max = l64.iter().cloned().fold(f64::MIN, f64::max);
+        let sum: f64 = l64.iter().map(|l| (l - max).exp()).sum();
+        let want_loss = max + sum.ln() - l64[target];
+        let scale = 0.25;
+        let mut want_grad: Vec<f64> = l64.iter().map(|l| scale * (l - max).exp() / sum).collect();
+        want_grad[target] -= scale;
+        type Softmax = fn(&mut [f32], i32, Option<f32>) -> f32;
+        let builds: [Softmax; 2] = [softmax_row_loss, softmax_row_loss_with::<false>];
+        for softmax in builds {
+            let mut row = logits.clone();
+            let loss = softmax(&mut row, target as i32, Some(scale as f32));
+            assert!(
+                (loss as f64 - want_loss).abs() < 1e-5 * want_loss,
+                "{loss} vs {want_loss}"
+            );
+            assert_close("dlogits", &row, &want_grad, 1e-5, 1e-9);
+            let mut row = logits.clone();
+            assert_eq!(softmax(&mut row, target as i32, None), loss);
+            let mut row = logits.clone();
+            assert_eq!(softmax(&mut row, -1, Some(1.0)), 0.0);
+            assert!(row.iter().all(|&g| g == 0.0));
+            // A NaN logit anywhere makes the loss NaN (the trainer's non-finite check).
+            let mut row = logits.clone();
+            row[977] = f32::NAN;
+            assert!(softmax(&mut row, target as i32, None).is_nan());
+        }
     }
 
     #[test]
