@@ -4,7 +4,7 @@
 use crate::config::Dtype;
 use crate::kernels::matmul::{matmul, Mat};
 use crate::model::{Gpt, ModelConfig};
-use crate::optim::{clip_grad_norm, AdamW, AdamWConfig};
+use crate::optim::{clip_factor, grad_norm, AdamW, AdamWConfig};
 use serde::Serialize;
 use std::time::Instant;
 
@@ -71,8 +71,8 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport, crate::model::ModelError>
         }
         gpt.forward(&inputs, &targets, b, t);
         gpt.backward();
-        clip_grad_norm(&mut gpt.grads, 1.0);
-        opt.step(&mut gpt.params, &gpt.grads, 1e-4);
+        let factor = clip_factor(grad_norm(&gpt.grads), 1.0);
+        opt.step_scaled(&mut gpt.params, &gpt.grads, 1e-4, factor);
         gpt.sync_bf16_weights();
         if step >= opts.warmup {
             times.push(start.elapsed().as_secs_f64() * 1e3);

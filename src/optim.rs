@@ -93,21 +93,29 @@ impl AdamW {
 
     /// One update of every parameter with learning rate `lr`.
     pub fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32) {
+        self.step_scaled(params, grads, lr, 1.0)
+    }
+
+    /// [`AdamW::step`] on the gradients times `grad_factor` (the clipping factor of
+    /// [`clip_factor`]), applied as they are read instead of in a pass of their own.
+    pub fn step_scaled(&mut self, params: &mut [f32], grads: &[f32], lr: f32, grad_factor: f32) {
         let _t = crate::profile::scope(crate::profile::Section::AdamW);
         assert!(params.len() == self.m.len() && grads.len() == self.m.len());
-        self.update(params, grads, lr);
+        self.update(params, grads, lr, grad_factor);
     }
 
     /// One update of the shard this optimizer was built for ([`AdamW::for_shard`]):
-    /// `params` is the whole arena, `grads` is laid out like `m` and `v`.
-    pub fn step_shard(&mut self, params: &mut [f32], grads: &[f32], lr: f32) {
+    /// `params` is the whole arena, `grads` is laid out like `m` and `v` and is
+    /// multiplied by `grad_factor` as it is read.
+    pub fn step_shard(&mut self, params: &mut [f32], grads: &[f32], lr: f32, grad_factor: f32) {
+        let _t = crate::profile::scope(crate::profile::Section::AdamW);
         assert_eq!(grads.len(), self.m.len(), "shard gradients");
         let end = self.pieces.iter().map(|p| p.range.end).max().unwrap_or(0);
         assert!(end <= params.len(), "the arena is shorter than the shard");
-        self.update(params, grads, lr);
+        self.update(params, grads, lr, grad_factor);
     }
 
-    fn update(&mut self, params: &mut [f32], grads: &[f32], lr: f32) {
+    fn update(&mut self, params: &mut [f32], grads: &[f32], lr: f32, grad_factor: f32) {
         self.step += 1;
         let c = self.config;
         let t = self.step as i32;
@@ -142,6 +150,7 @@ impl AdamW {
                 1.0
             };
             for (((p, m), v), &g) in p.iter_mut().zip(m).zip(v).zip(&grads[s]) {
+                let g = g * grad_factor;
                 *m = c.beta1 * *m + (1.0 - c.beta1) * g;
                 *v = c.beta2 * *v + (1.0 - c.beta2) * g * g;
                 let denom = v.sqrt() * inv_bc2_sqrt + c.eps;
@@ -161,8 +170,26 @@ pub fn grad_sq_sum(grads: &[f32]) -> f64 {
     grads
         .par_chunks(chunk)
         .zip(partial.par_iter_mut())
-        .for_each(|(g, s)| *s = g.iter().map(|&x| (x as f64) * (x as f64)).sum());
+        .for_each(|(g, s)| *s = sq_sum(g));
     partial.iter().sum()
+}
+
+/// Σ x² in f64 over independent lanes, so that the loop vectorises.
+fn sq_sum(g: &[f32]) -> f64 {
+    const LANES: usize = 8;
+    let mut lanes = [0.0f64; LANES];
+    let mut chunks = g.chunks_exact(LANES);
+    for chunk in &mut chunks {
+        for (s, &x) in lanes.iter_mut().zip(chunk) {
+            *s += x as f64 * x as f64;
+        }
+    }
+    let rest: f64 = chunks
+        .remainder()
+        .iter()
+        .map(|&x| x as f64 * x as f64)
+        .sum();
+    lanes.iter().sum::<f64>() + rest
 }
 
 /// Multiplies every gradient by `factor`.
@@ -173,8 +200,11 @@ pub fn scale_grads(grads: &mut [f32], factor: f32) {
 }
 
 /// The factor PyTorch's `clip_grad_norm_` applies for a global `norm`: `max_norm /
-/// (norm + 1e-6)` when that is below 1, else 1.
+/// (norm + 1e-6)` when that is below 1, else 1 (and 1 when `max_norm` ≤ 0: no clipping).
 pub fn clip_factor(norm: f32, max_norm: f32) -> f32 {
+    if max_norm <= 0.0 {
+        return 1.0;
+    }
     let coef = max_norm / (norm + 1e-6);
     if coef < 1.0 {
         coef
@@ -287,6 +317,50 @@ mod tests {
         assert_eq!(small, vec![0.3, 0.4], "below the max: untouched");
     }
 
+    /// Clipping inside the update gives the same bits as clipping the gradients first.
+    #[test]
+    fn scaled_step_equals_clipping_then_stepping() {
+        let cfg = ModelConfig {
+            vocab_size: 8,
+            block_size: 4,
+            n_layer: 1,
+            n_head: 1,
+            n_embd: 4,
+            bias: true,
+            dropout: 0.0,
+        };
+        let layout = ParamLayout::new(&cfg);
+        let n = layout.len;
+        let init: Vec<f32> = (0..n).map(|i| (i % 13) as f32 * 0.1 - 0.6).collect();
+        let (mut clipped, mut fused) = (init.clone(), init);
+        let mut first = AdamW::new(&layout, AdamWConfig::default());
+        let mut second = AdamW::new(&layout, AdamWConfig::default());
+        for s in 0..3 {
+            let g: Vec<f32> = (0..n)
+                .map(|i| ((i * 7 + s) % 11) as f32 * 0.3 - 1.5)
+                .collect();
+            let mut g_clipped = g.clone();
+            let norm = clip_grad_norm(&mut g_clipped, 1.0);
+            assert!(norm > 1.0, "the test must clip");
+            first.step(&mut clipped, &g_clipped, 1e-2);
+            second.step_scaled(&mut fused, &g, 1e-2, clip_factor(norm, 1.0));
+        }
+        assert_eq!(clipped, fused);
+        assert_eq!((first.m, first.v), (second.m, second.v));
+        assert_eq!(
+            clip_factor(1e9, 0.0),
+            1.0,
+            "grad_clip = 0 turns clipping off"
+        );
+    }
+
+    #[test]
+    fn sq_sum_matches_f64_sum() {
+        let g: Vec<f32> = (0..1037).map(|i| (i % 17) as f32 * 0.37 - 3.0).collect();
+        let want: f64 = g.iter().map(|&x| x as f64 * x as f64).sum();
+        assert!((sq_sum(&g) - want).abs() <= 1e-12 * want);
+    }
+
     #[test]
     fn grad_norm_is_independent_of_thread_count() {
         let g: Vec<f32> = (0..1_000_003u64)
@@ -347,7 +421,7 @@ mod tests {
                 let mut sg = vec![0.0; len];
                 sg[1..1 + b.len()].copy_from_slice(&g[b.clone()]);
                 sg[1 + b.len()..].copy_from_slice(&g[a.clone()]);
-                opt.step_shard(&mut p, &sg, 1e-2);
+                opt.step_shard(&mut p, &sg, 1e-2, 1.0);
             }
             assert_eq!(opt.m[1..1 + b.len()], full.m[b.clone()]);
             assert_eq!(opt.v[1 + b.len()..], full.v[a.clone()]);

@@ -27,7 +27,7 @@ use crate::fault;
 use crate::kernels::dropout::mix64;
 use crate::metrics::{plot_loss, MetricsLog, Row};
 use crate::model::{Gpt, ModelConfig};
-use crate::optim::{clip_to_norm, grad_norm, AdamW, AdamWConfig, LrSchedule};
+use crate::optim::{clip_factor, grad_norm, AdamW, AdamWConfig, LrSchedule};
 use crate::progress::Progress;
 use crate::shutdown::{self, StopSignal};
 use anyhow::{bail, Context, Result};
@@ -353,10 +353,9 @@ impl Trainer {
                 let norm = grad_norm(&self.model.grads);
                 let applied = loss.is_finite() && norm.is_finite();
                 if applied {
-                    if grad_clip > 0.0 {
-                        clip_to_norm(&mut self.model.grads, norm, grad_clip);
-                    }
-                    self.opt.step(&mut self.model.params, &self.model.grads, lr);
+                    let factor = clip_factor(norm, grad_clip);
+                    let (params, grads) = (&mut self.model.params, &self.model.grads);
+                    self.opt.step_scaled(params, grads, lr, factor);
                 }
                 (norm, applied, shutdown::requested())
             }

@@ -5,7 +5,7 @@
 
 use super::{Collective, GradPlan, Reduce};
 use crate::model::Gpt;
-use crate::optim::{clip_to_norm, grad_sq_sum, AdamW, AdamWConfig};
+use crate::optim::{clip_factor, grad_sq_sum, AdamW, AdamWConfig};
 use crate::shutdown::{self, StopSignal};
 use anyhow::{bail, Result};
 use rayon::prelude::*;
@@ -210,10 +210,8 @@ impl DataParallel {
             if !(loss_finite && norm.is_finite()) {
                 return (norm, false);
             }
-            if grad_clip > 0.0 {
-                clip_to_norm(&mut model.grads, norm, grad_clip);
-            }
-            opt.step(&mut model.params, &model.grads, lr);
+            let factor = clip_factor(norm, grad_clip);
+            opt.step_scaled(&mut model.params, &model.grads, lr, factor);
             return (norm, true);
         }
         let start = Instant::now();
@@ -226,10 +224,8 @@ impl DataParallel {
             self.other += comm_time;
             return (norm, false);
         }
-        if grad_clip > 0.0 {
-            clip_to_norm(&mut self.recv, norm, grad_clip);
-        }
-        opt.step_shard(&mut model.params, &self.recv, lr);
+        let factor = clip_factor(norm, grad_clip);
+        opt.step_shard(&mut model.params, &self.recv, lr, factor);
         let start = Instant::now();
         self.all_gather_params(comm, &mut model.params);
         comm_time += start.elapsed();
