@@ -352,7 +352,7 @@ fn bfloat16_training_reports_its_matmul_path_and_its_checkpoint_serves_eval_and_
 fn bench_takes_a_dtype() {
     let dir = temp_dir("bench-dtype");
     let d = dir.path();
-    let tiny = ["n_layer=1", "n_head=2", "n_embd=32", "vocab_size=65"];
+    let tiny = ["n_layer=2", "n_head=2", "n_embd=32", "vocab_size=65"];
     let mut report = Vec::new();
     for dtype in ["float32", "bfloat16"] {
         let mut args = vec![

@@ -180,9 +180,50 @@ fn backward_with(
 ) {
     let _t = crate::profile::scope(crate::profile::Section::MatmulBackward);
     let n = inp.len() / c;
-    let dout_m = Mat::new(dout, n, oc);
-    gemm(dinp, dout_m, Mat::new(weight, oc, c), false);
-    gemm(dweight, dout_m.t(), Mat::new(inp, n, c), true);
+    gemm(dinp, Mat::new(dout, n, oc), Mat::new(weight, oc, c), false);
+    params_backward_with(&gemm, dweight, dbias, dout, inp, c, oc);
+}
+
+/// The parameter half of [`linear_backward`]: `dweight += doutᵀ · inp` and
+/// `dbias += Σ_rows dout` (dbias may be empty). With [`linear_backward_input`] it
+/// lets a caller reuse `inp`'s buffer for `dinp` (the MLP recomputes its GELU output
+/// into the buffer that then receives the GELU's gradient).
+pub fn linear_backward_params(
+    dweight: &mut [f32],
+    dbias: &mut [f32],
+    dout: &[f32],
+    inp: &[f32],
+    c: usize,
+    oc: usize,
+) {
+    let _t = crate::profile::scope(crate::profile::Section::MatmulBackward);
+    params_backward_with(&matmul, dweight, dbias, dout, inp, c, oc)
+}
+
+/// The input half of [`linear_backward`]: `dinp = dout · weight` (**overwritten**).
+pub fn linear_backward_input(dinp: &mut [f32], dout: &[f32], weight: &[f32], c: usize, oc: usize) {
+    let _t = crate::profile::scope(crate::profile::Section::MatmulBackward);
+    let n = dinp.len() / c;
+    matmul(dinp, Mat::new(dout, n, oc), Mat::new(weight, oc, c), false);
+}
+
+#[inline(always)]
+fn params_backward_with(
+    gemm: &impl Fn(&mut [f32], Mat, Mat, bool),
+    dweight: &mut [f32],
+    dbias: &mut [f32],
+    dout: &[f32],
+    inp: &[f32],
+    c: usize,
+    oc: usize,
+) {
+    let n = inp.len() / c;
+    gemm(
+        dweight,
+        Mat::new(dout, n, oc).t(),
+        Mat::new(inp, n, c),
+        true,
+    );
     if !dbias.is_empty() {
         bias_backward(dbias, dout, oc);
     }
@@ -258,6 +299,18 @@ mod tests {
         check(5, 8, 12, true);
         check(7, 33, 65, true);
         check(3, 16, 4, false);
+    }
+
+    #[test]
+    fn backward_halves_equal_the_whole() {
+        let (n, c, oc) = (9, 20, 14);
+        let (x, w, g) = (rand_vec(n * c, 1), rand_vec(oc * c, 2), rand_vec(n * oc, 3));
+        let (mut dx, mut dw, mut db) = (vec![0.0; n * c], rand_vec(oc * c, 4), vec![0.5; oc]);
+        let (mut dx2, mut dw2, mut db2) = (vec![f32::NAN; n * c], dw.clone(), db.clone());
+        linear_backward(&mut dx, &mut dw, &mut db, &g, &x, &w, c, oc);
+        linear_backward_params(&mut dw2, &mut db2, &g, &x, c, oc);
+        linear_backward_input(&mut dx2, &g, &w, c, oc);
+        assert_eq!((dx, dw, db), (dx2, dw2, db2));
     }
 
     #[test]

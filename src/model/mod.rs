@@ -31,7 +31,8 @@ use crate::kernels::encoder::{encoder_backward, encoder_forward};
 use crate::kernels::gelu::{gelu_backward, gelu_forward};
 use crate::kernels::layernorm::{layernorm_backward, layernorm_forward};
 use crate::kernels::matmul::{
-    linear_backward, linear_backward_bf16, linear_forward, linear_forward_bf16,
+    linear_backward, linear_backward_bf16, linear_backward_input, linear_backward_params,
+    linear_forward, linear_forward_bf16,
 };
 use crate::kernels::residual::residual_add_inplace;
 use activations::{HalfScratch, LayerActs};
@@ -210,7 +211,8 @@ impl Gpt {
     }
 
     pub fn zero_grad(&mut self) {
-        self.grads.fill(0.0);
+        use rayon::prelude::*;
+        self.grads.par_chunks_mut(1 << 16).for_each(|g| g.fill(0.0));
     }
 
     /// Mean cross-entropy of the next-token predictions (targets of -1 are ignored).
@@ -468,7 +470,10 @@ impl Gpt {
                 .map_or(&acts.encoded[..bt * c], |p| &p.res3[..bt * c]);
             let drop = dropout.map(|s| layer_dropout(s, l, config.dropout));
             match acts.half.as_mut() {
-                None => layer_forward(params, &layout.layers[l], &mut this[0], x, dims, drop),
+                None => {
+                    let (r, gelu) = (&layout.layers[l], &mut acts.d4c[..]);
+                    layer_forward(params, r, &mut this[0], x, gelu, dims, drop)
+                }
                 Some(half) => {
                     let w = Weights {
                         p: params,
@@ -521,12 +526,14 @@ fn layer_dropout(pass_seed: u64, layer: usize, p: f32) -> LayerDropout {
     }
 }
 
-/// One block forward: `x` (B, T, C) in, `a.res3` out.
+/// One block forward: `x` (B, T, C) in, `a.res3` out. `gelu` is (B, T, 4C) scratch for
+/// the GELU output, which is not kept: backward recomputes it from `a.fch`.
 fn layer_forward(
     p: &[f32],
     w: &LayerRanges,
     a: &mut LayerActs,
     x: &[f32],
+    gelu: &mut [f32],
     d: Dims,
     drop: Option<LayerDropout>,
 ) {
@@ -582,7 +589,7 @@ fn layer_forward(
     let (ln2, fch, gelu) = (
         &mut a.ln2[..bt * c],
         &mut a.fch[..bt * 4 * c],
-        &mut a.fch_gelu[..bt * 4 * c],
+        &mut gelu[..bt * 4 * c],
     );
     let (m2, r2) = (&mut a.ln2_mean[..bt], &mut a.ln2_rstd[..bt]);
     layernorm_forward(
@@ -643,21 +650,16 @@ fn layer_backward(
     let dres = &mut s.dres[..bt * c];
     let dbtc = &mut s.dbtc[..bt * c];
 
-    // MLP branch: res3 = res2 + drop(gelu(ln2 · W_fcᵀ) · W_projᵀ).
+    // MLP branch: res3 = res2 + drop(gelu(ln2 · W_fcᵀ) · W_projᵀ). The GELU output is
+    // recomputed into d4c, used for W_proj's gradient, then overwritten by its own.
     let dmlp_out = branch_grad(dres, s.dbranch, drop.map(|m| m.mlp_resid));
-    let dgelu = &mut s.d4c[..bt * 4 * c];
+    let (fch, d4c) = (&a.fch[..bt * 4 * c], &mut s.d4c[..bt * 4 * c]);
+    gelu_forward(d4c, fch);
     let (dw, db) = split_two(g, w.mlp_proj_w.clone(), w.mlp_proj_b.clone());
-    linear_backward(
-        dgelu,
-        dw,
-        db,
-        dmlp_out,
-        &a.fch_gelu[..bt * 4 * c],
-        &p[w.mlp_proj_w.clone()],
-        4 * c,
-        c,
-    );
-    gelu_backward(dgelu, &a.fch[..bt * 4 * c]);
+    linear_backward_params(dw, db, dmlp_out, d4c, 4 * c, c);
+    let dgelu = d4c;
+    linear_backward_input(dgelu, dmlp_out, &p[w.mlp_proj_w.clone()], 4 * c, c);
+    gelu_backward(dgelu, fch);
     let (dw, db) = split_two(g, w.c_fc_w.clone(), w.c_fc_b.clone());
     linear_backward(
         dbtc,
@@ -742,7 +744,8 @@ struct ForwardScratch<'a> {
 /// the weights come from `w.wr`, and each activation feeding a matmul is rounded
 /// (the layer-norm outputs, q/k/v, the attention output, the pre-GELU layer and the
 /// GELU output). Accumulation, layer norm, softmax, GELU and the residual stream
-/// are f32. `a.half` keeps ln1, atty, ln2 and the pre-GELU layer in bf16 for backward.
+/// are f32. `a.half` keeps ln1, q/k/v, atty, ln2 and the pre-GELU layer in bf16 for
+/// backward.
 fn layer_forward_bf16(
     w: Weights,
     a: &mut LayerActs,
@@ -758,10 +761,11 @@ fn layer_forward_bf16(
     let (ln_w, ln_b) = (&p[r.ln_1_w.clone()], &p[r.ln_1_b.clone()]);
     layernorm_forward(wide, m1, r1, x, ln_w, ln_b, c);
     bf16::round_and_store(wide, &mut h.ln1[..bt * c]);
-    let qkv = &mut a.qkv[..bt * 3 * c];
+    // q, k, v: in the pre-GELU scratch (free until the MLP), kept in bf16.
+    let qkv = &mut s.pre_gelu[..bt * 3 * c];
     let (wt, b) = (&wr[r.c_attn_w.clone()], &p[r.c_attn_b.clone()]);
     linear_forward_bf16(qkv, wide, wt, b, c, 3 * c);
-    bf16::round_in_place(qkv);
+    bf16::round_and_store(qkv, &mut h.qkv[..bt * 3 * c]);
     let lse = &mut a.att_lse[..d.b * d.nh * d.t];
     let probs = drop.map(|m| m.attn_probs);
     attention_forward(wide, lse, qkv, d.b, d.t, c, d.nh, probs);
@@ -851,7 +855,9 @@ fn layer_backward_bf16(
     let wt = &wr[r.attn_proj_w.clone()];
     linear_backward_bf16(dbtc, dw, db, dround, wide, wt, c, c);
     let dqkv = &mut d4c[..bt * 3 * c];
-    let (qkv, lse) = (&a.qkv[..bt * 3 * c], &a.att_lse[..d.b * d.nh * d.t]);
+    let qkv = &mut wide4c[..bt * 3 * c];
+    bf16::load(qkv, &h.qkv[..bt * 3 * c]);
+    let lse = &a.att_lse[..d.b * d.nh * d.t];
     let probs = drop.map(|m| m.attn_probs);
     attention_backward(dqkv, dbtc, qkv, wide, lse, d.b, d.t, c, d.nh, probs);
     bf16::round_in_place(dqkv);
