@@ -18,7 +18,12 @@ enum Layout {
 use Layout::{N, T};
 
 /// (name, m, k, n, a layout, b layout): dst (m×n) = a (m×k) · b (k×n).
-const SHAPES: [(&str, usize, usize, usize, Layout, Layout); 12] = [
+const SHAPES: [(&str, usize, usize, usize, Layout, Layout); 17] = [
+    ("qs qkv fwd", 768, 128, 384, N, T),
+    ("qs fc fwd", 768, 128, 512, N, T),
+    ("qs mlp fwd", 768, 512, 128, N, T),
+    ("qs fc dx", 768, 512, 128, N, N),
+    ("qs fc dW", 512, 768, 128, T, N),
     ("qkv fwd  x·Wᵀ", 1024, 768, 2304, N, T),
     ("proj fwd x·Wᵀ", 1024, 768, 768, N, T),
     ("fc fwd   x·Wᵀ", 1024, 768, 3072, N, T),
