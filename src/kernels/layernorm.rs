@@ -24,8 +24,8 @@ pub fn layernorm_forward(
         .zip(inp.par_chunks(c))
         .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
         .for_each(|((o, x), (m, r))| {
-            let mu = x.iter().sum::<f32>() / c as f32;
-            let var = x.iter().map(|&v| (v - mu) * (v - mu)).sum::<f32>() / c as f32;
+            let mu = lane_sum(x, |v| v) / c as f32;
+            let var = lane_sum(x, |v| (v - mu) * (v - mu)) / c as f32;
             let rs = 1.0 / (var + LAYER_NORM_EPS).sqrt();
             if bias.is_empty() {
                 for ((o, &x), &w) in o.iter_mut().zip(x).zip(weight) {
@@ -39,6 +39,47 @@ pub fn layernorm_forward(
             *m = mu;
             *r = rs;
         });
+}
+
+/// Independent partial sums per lane, so that the row reductions vectorise; their
+/// order is fixed, so results do not depend on the thread count.
+const LANES: usize = 16;
+
+/// `Σ f(x_i)` over one row.
+#[inline(always)]
+fn lane_sum(x: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+    let mut lanes = [0.0f32; LANES];
+    let mut chunks = x.chunks_exact(LANES);
+    for chunk in &mut chunks {
+        for (s, &v) in lanes.iter_mut().zip(chunk) {
+            *s += f(v);
+        }
+    }
+    let rest: f32 = chunks.remainder().iter().map(|&v| f(v)).sum();
+    lanes.iter().sum::<f32>() + rest
+}
+
+/// `(Σ dnorm_i, Σ dnorm_i · xhat_i)` over one row, with `dnorm = dy · w` and
+/// `xhat = (x − mean) · rstd`.
+#[inline(always)]
+fn dnorm_sums(dy: &[f32], x: &[f32], w: &[f32], mu: f32, rs: f32) -> (f32, f32) {
+    let (mut s1, mut s2) = ([0.0f32; LANES], [0.0f32; LANES]);
+    let rows = dy.chunks_exact(LANES).zip(x.chunks_exact(LANES));
+    for ((dy, x), w) in rows.zip(w.chunks_exact(LANES)) {
+        for i in 0..LANES {
+            let dnorm = dy[i] * w[i];
+            s1[i] += dnorm;
+            s2[i] += dnorm * (x[i] - mu) * rs;
+        }
+    }
+    let tail = dy.len() - dy.len() % LANES;
+    let (mut r1, mut r2) = (0.0f32, 0.0f32);
+    for ((&dy, &x), &w) in dy[tail..].iter().zip(&x[tail..]).zip(&w[tail..]) {
+        let dnorm = dy * w;
+        r1 += dnorm;
+        r2 += dnorm * (x - mu) * rs;
+    }
+    (s1.iter().sum::<f32>() + r1, s2.iter().sum::<f32>() + r2)
 }
 
 /// Backward of [`layernorm_forward`].
@@ -66,15 +107,9 @@ pub fn layernorm_backward(
         .zip(dout.par_chunks(c).zip(inp.par_chunks(c)))
         .zip(mean.par_iter().zip(rstd))
         .for_each(|((di, (dy, x)), (&mu, &rs))| {
-            let mut mean_dnorm = 0.0f32;
-            let mut mean_dnorm_xhat = 0.0f32;
-            for ((&dy, &x), &w) in dy.iter().zip(x).zip(weight) {
-                let dnorm = dy * w;
-                mean_dnorm += dnorm;
-                mean_dnorm_xhat += dnorm * (x - mu) * rs;
-            }
-            mean_dnorm /= c as f32;
-            mean_dnorm_xhat /= c as f32;
+            let (sum_dnorm, sum_dnorm_xhat) = dnorm_sums(dy, x, weight, mu, rs);
+            let mean_dnorm = sum_dnorm / c as f32;
+            let mean_dnorm_xhat = sum_dnorm_xhat / c as f32;
             for (((di, &dy), &x), &w) in di.iter_mut().zip(dy).zip(x).zip(weight) {
                 let xhat = (x - mu) * rs;
                 *di += rs * (dy * w - mean_dnorm - xhat * mean_dnorm_xhat);
