@@ -123,33 +123,68 @@ pub(crate) fn matmul(
     pa: &mut Vec<u32>,
     pb: &mut Vec<u32>,
 ) {
-    let (m, k, n) = (a.rows, a.cols, b.cols);
-    assert_eq!(b.rows, k, "inner dimensions differ");
+    assert_eq!(b.rows, a.cols, "inner dimensions differ");
+    if trivial(dst, a.rows, b.cols, a.cols, accumulate) {
+        return;
+    }
+    pack_b(pb, b);
+    multiply(dst, a, pb, b.cols, accumulate, pa);
+}
+
+/// A `k × n` right-hand operand packed for the tiles once and reused by many
+/// products (the classifier's `wte`, shared by every chunk of rows of a step).
+#[derive(Default)]
+pub struct PackedB {
+    tiles: Vec<u32>,
+    k: usize,
+    n: usize,
+}
+
+impl PackedB {
+    /// Packs `b` (its bf16 values; others are rounded), reusing the allocation.
+    pub fn pack(&mut self, b: Mat) {
+        pack_b(&mut self.tiles, b);
+        (self.k, self.n) = (b.rows, b.cols);
+    }
+
+    /// Bytes held.
+    pub fn num_bytes(&self) -> usize {
+        self.tiles.len() * 4
+    }
+}
+
+/// [`matmul`] with a right-hand operand packed beforehand.
+pub(crate) fn matmul_packed(
+    dst: &mut [f32],
+    a: Mat,
+    b: &PackedB,
+    accumulate: bool,
+    pa: &mut Vec<u32>,
+) {
+    assert_eq!(b.k, a.cols, "inner dimensions differ");
+    if trivial(dst, a.rows, b.n, a.cols, accumulate) {
+        return;
+    }
+    multiply(dst, a, &b.tiles, b.n, accumulate, pa);
+}
+
+/// Checks the shapes; true (with `dst` done) when there is nothing to multiply.
+fn trivial(dst: &mut [f32], m: usize, n: usize, k: usize, accumulate: bool) -> bool {
     assert_eq!(dst.len(), m * n, "destination does not match m × n");
     assert!(
         permitted(),
         "the AMX kernel needs AMX-BF16 and the tile permission"
     );
-    if m == 0 || n == 0 {
-        return;
+    if k == 0 && !accumulate {
+        dst.fill(0.0);
     }
-    if k == 0 {
-        if !accumulate {
-            dst.fill(0.0);
-        }
-        return;
-    }
-    // 32 × 32 output blocks; the packs hold two 16-row (16-column) tiles per block.
-    let (mb, nb, kc) = (m.div_ceil(2 * T), n.div_ceil(2 * T), k.div_ceil(KT));
-    pa.resize(pack_len(2 * mb, kc), 0);
+    m == 0 || n == 0 || k == 0
+}
+
+/// Packs B (`k × n`) as `[n / 16][k / 32][16 pairs][16 columns]` tiles into `pb`.
+fn pack_b(pb: &mut Vec<u32>, b: Mat) {
+    let (nb, kc) = (b.cols.div_ceil(2 * T), b.rows.div_ceil(KT));
     pb.resize(pack_len(2 * nb, kc), 0);
-    pa.par_chunks_mut(kc * TILE)
-        .enumerate()
-        .for_each(|(blk, d)| {
-            for (c, tile) in d.chunks_exact_mut(TILE).enumerate() {
-                pack_tile::<T, 1>(tile, &a, blk * T, c * KT);
-            }
-        });
     let bt = b.t();
     pb.par_chunks_mut(kc * TILE)
         .enumerate()
@@ -158,7 +193,23 @@ pub(crate) fn matmul(
                 pack_tile::<1, T>(tile, &bt, blk * T, c * KT);
             }
         });
-    let (pa, pb) = (&pa[..], &pb[..]);
+}
+
+/// Packs A (`m × k`) into `pa`, then `dst (=|+=) a · b` over the packed B `pb` of `n`
+/// columns, in 32 × 32 output blocks.
+fn multiply(dst: &mut [f32], a: Mat, pb: &[u32], n: usize, accumulate: bool, pa: &mut Vec<u32>) {
+    let (m, k) = (a.rows, a.cols);
+    let (mb, nb, kc) = (m.div_ceil(2 * T), n.div_ceil(2 * T), k.div_ceil(KT));
+    assert!(pb.len() >= pack_len(2 * nb, kc), "B pack too short");
+    pa.resize(pack_len(2 * mb, kc), 0);
+    pa.par_chunks_mut(kc * TILE)
+        .enumerate()
+        .for_each(|(blk, d)| {
+            for (c, tile) in d.chunks_exact_mut(TILE).enumerate() {
+                pack_tile::<T, 1>(tile, &a, blk * T, c * KT);
+            }
+        });
+    let pa = &pa[..];
     let out = SharedMut::new(dst);
     let (tm, tn) = (mb.div_ceil(TASK_M), nb.div_ceil(TASK_N));
     (0..tm * tn).into_par_iter().for_each(|task| {

@@ -121,6 +121,12 @@ pub(crate) fn amx(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
     PACKS.with_borrow_mut(|(pa, pb)| bf16_amx::matmul(dst, a, b, accumulate, pa, pb));
 }
 
+/// [`matmul_bf16`] with a right-hand operand packed beforehand for AMX (the caller
+/// made the pack because [`kernel`] is [`Kernel::Amx`]).
+pub fn matmul_bf16_packed(dst: &mut [f32], a: Mat, b: &bf16_amx::PackedB, accumulate: bool) {
+    PACKS.with_borrow_mut(|(pa, _)| bf16_amx::matmul_packed(dst, a, b, accumulate, pa));
+}
+
 thread_local! {
     /// Packing buffers of the calling thread, grown to the largest product and
     /// reused, so a training step allocates nothing once warm.

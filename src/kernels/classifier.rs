@@ -5,7 +5,8 @@
 //! `(N, V)` logits never exist. Only the real vocabulary `V` is computed: the padded
 //! rows of `wte` never receive probability and get no gradient.
 
-use super::bf16_gemm::matmul_bf16;
+use super::bf16_amx::PackedB;
+use super::bf16_gemm::{kernel, matmul_bf16, matmul_bf16_packed, Kernel};
 use super::fastmath::{exp_fast, has_avx2_fma};
 use super::matmul::{matmul, Mat};
 use rayon::prelude::*;
@@ -18,6 +19,30 @@ pub struct ClassifierGrads<'a> {
     pub dwte: &'a mut [f32],
     /// Multiplies the gradient of the mean loss (e.g. `1 / grad_accum_steps`).
     pub scale: f32,
+}
+
+/// `wte` (its bf16 copy) packed for the AMX kernel in both orientations the classifier
+/// multiplies by, once per optimizer step instead of twice per chunk of rows.
+#[derive(Default)]
+pub struct WtePacks {
+    /// The right operand of `logits = x · wteᵀ`: wteᵀ, (C, V).
+    logits: PackedB,
+    /// The right operand of `dx = dlogits · wte`: wte, (V, C).
+    dx: PackedB,
+}
+
+impl WtePacks {
+    /// Packs the first `v` rows of `wte` (C wide), reusing the allocations.
+    pub fn pack(&mut self, wte: &[f32], c: usize, v: usize) {
+        let wte_v = Mat::new(&wte[..v * c], v, c);
+        self.logits.pack(wte_v.t());
+        self.dx.pack(wte_v);
+    }
+
+    /// Bytes held.
+    pub fn num_bytes(&self) -> usize {
+        self.logits.num_bytes() + self.dx.num_bytes()
+    }
 }
 
 /// Mean cross-entropy of `softmax(x · wteᵀ)` against `targets`, ignoring targets of -1.
@@ -37,19 +62,19 @@ pub fn classifier_forward(
     v: usize,
     grads: Option<ClassifierGrads>,
 ) -> f32 {
-    forward_impl::<false>(x, wte, targets, losses, scratch, c, v, grads)
+    forward_impl::<false>(x, wte, None, targets, losses, scratch, c, v, grads)
 }
 
 /// [`classifier_forward`] under bf16 autocast: `x` and `wte` hold bf16 values, and
 /// the logits' gradient is rounded to bf16 before it enters the two backward
 /// matmuls; softmax and loss are f32. The matmuls run on [`matmul_bf16`] (AMX where
-/// present): it repacks `wte` for every chunk of rows, which costs less than the
-/// tiles save (124M, B 4, T 256: classifier 1.16 → 0.84 s per step against the f32
-/// GEMM, +100 MB of packing buffers).
+/// present), over `packs` of `wte` when given (made by [`WtePacks::pack`] from the
+/// same `wte`); without them AMX repacks `wte` twice per chunk of rows.
 #[allow(clippy::too_many_arguments)]
 pub fn classifier_forward_bf16(
     x: &[f32],
     wte: &[f32],
+    packs: Option<&WtePacks>,
     targets: &[i32],
     losses: &mut [f32],
     scratch: &mut [f32],
@@ -57,13 +82,14 @@ pub fn classifier_forward_bf16(
     v: usize,
     grads: Option<ClassifierGrads>,
 ) -> f32 {
-    forward_impl::<true>(x, wte, targets, losses, scratch, c, v, grads)
+    forward_impl::<true>(x, wte, packs, targets, losses, scratch, c, v, grads)
 }
 
 #[allow(clippy::too_many_arguments)]
 fn forward_impl<const BF16: bool>(
     x: &[f32],
     wte: &[f32],
+    packs: Option<&WtePacks>,
     targets: &[i32],
     losses: &mut [f32],
     scratch: &mut [f32],
@@ -89,11 +115,17 @@ fn forward_impl<const BF16: bool>(
         .map_or(0.0, |g| g.scale / count.max(1) as f32);
     let wte_v = Mat::new(&wte[..v * c], v, c);
     let gemm = if BF16 { matmul_bf16 } else { matmul };
+    // The packs are AMX packs: used only while AMX is the bf16 kernel.
+    let packs = packs.filter(|_| BF16 && kernel() == Kernel::Amx);
     for start in (0..n).step_by(chunk) {
         let rows = chunk.min(n - start);
         let logits = &mut scratch[..rows * v];
         let x_chunk = &x[start * c..(start + rows) * c];
-        gemm(logits, Mat::new(x_chunk, rows, c), wte_v.t(), false);
+        let x_m = Mat::new(x_chunk, rows, c);
+        match packs {
+            Some(p) => matmul_bf16_packed(logits, x_m, &p.logits, false),
+            None => gemm(logits, x_m, wte_v.t(), false),
+        }
         let tgt = &targets[start..start + rows];
         let with_grad = grads.is_some();
         logits
@@ -111,9 +143,12 @@ fn forward_impl<const BF16: bool>(
             }
             let dlogits = Mat::new(logits, rows, v);
             let dx = &mut g.dx[start * c..(start + rows) * c];
-            gemm(dx, dlogits, wte_v, false);
+            match packs {
+                Some(p) => matmul_bf16_packed(dx, dlogits, &p.dx, false),
+                None => gemm(dx, dlogits, wte_v, false),
+            }
             let dwte = &mut g.dwte[..v * c];
-            gemm(dwte, dlogits.t(), Mat::new(x_chunk, rows, c), true);
+            gemm(dwte, dlogits.t(), x_m, true);
         }
     }
     if count == 0 {
@@ -380,13 +415,26 @@ mod tests {
 
     #[test]
     fn bf16_gradients_use_rounded_logit_gradients() {
-        check_bf16(7, 12, 9, 3);
+        check_bf16(7, 12, 9, 3, false);
         // Products of ≥ 2^20 multiply-adds: these take the AMX kernel where present.
-        assert!(48 * 128 * 256 >= 1 << 20);
-        check_bf16(100, 128, 256, 48);
+        // (100 rows in 3 chunks of 34: 34 · 128 · 256 ≥ 2^20.)
+        let unpacked = check_bf16(100, 128, 256, 48, false);
+        if crate::kernels::bf16_amx::permitted() {
+            // With wte packed beforehand: the same kernel on the same packs.
+            assert_eq!(check_bf16(100, 128, 256, 48, true), unpacked);
+        } else {
+            println!("SKIPPED the packed-wte case: no AMX here");
+        }
     }
 
-    fn check_bf16(n: usize, c: usize, v: usize, chunk: usize) {
+    /// Checks the bf16 classifier against an f64 reference; returns (loss, dx, dwte).
+    fn check_bf16(
+        n: usize,
+        c: usize,
+        v: usize,
+        chunk: usize,
+        packed: bool,
+    ) -> (f32, Vec<f32>, Vec<f32>) {
         use crate::kernels::bf16::round;
         let rounded = |x: Vec<f32>| x.into_iter().map(round).collect::<Vec<f32>>();
         let x = rounded(rand_vec(n * c, 11));
@@ -401,9 +449,14 @@ mod tests {
             dwte: &mut dwte,
             scale,
         };
+        let mut packs = WtePacks::default();
+        if packed {
+            packs.pack(&wte, c, v);
+        }
         let loss = classifier_forward_bf16(
             &x,
             &wte,
+            packed.then_some(&packs),
             &targets,
             &mut losses,
             &mut scratch,
@@ -472,5 +525,6 @@ mod tests {
             max_diff > 1e-6,
             "bf16 rounding changed nothing ({max_diff})"
         );
+        (loss, dx, dwte)
     }
 }

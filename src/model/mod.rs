@@ -22,9 +22,8 @@ pub use layout::{ParamLayout, TensorInfo};
 
 use crate::config::Dtype;
 use crate::kernels::attention::{attention_backward, attention_forward};
-use crate::kernels::bf16;
 use crate::kernels::classifier::{
-    classifier_forward, classifier_forward_bf16, classifier_logits, ClassifierGrads,
+    classifier_forward, classifier_forward_bf16, classifier_logits, ClassifierGrads, WtePacks,
 };
 use crate::kernels::dropout::{self, Dropout};
 use crate::kernels::encoder::{encoder_backward, encoder_forward};
@@ -35,6 +34,7 @@ use crate::kernels::matmul::{
     linear_forward, linear_forward_bf16,
 };
 use crate::kernels::residual::residual_add_inplace;
+use crate::kernels::{bf16, bf16_gemm};
 use activations::{HalfScratch, LayerActs};
 use layout::LayerRanges;
 
@@ -81,6 +81,9 @@ pub struct Gpt {
     /// bf16 mode: `params` rounded to bf16 (held as f32, same layout), the operand
     /// of every matmul; refreshed by [`Gpt::sync_bf16_weights`]. Empty in f32 mode.
     params_bf16: Vec<f32>,
+    /// bf16 mode on AMX: the bf16 `wte` packed for the classifier's two products with
+    /// it, refreshed with `params_bf16`. None otherwise.
+    wte_packs: Option<WtePacks>,
     acts: Activations,
     max_b: usize,
     max_t: usize,
@@ -110,6 +113,7 @@ impl Gpt {
             grads: vec![0.0; layout.len],
             dtype: Dtype::Float32,
             params_bf16: Vec::new(),
+            wte_packs: None,
             layout,
             acts,
             max_b,
@@ -178,6 +182,8 @@ impl Gpt {
                 Dtype::Float32 => Vec::new(),
                 Dtype::Bfloat16 => vec![0.0; self.params.len()],
             };
+            let amx = bf16_gemm::kernel() == bf16_gemm::Kernel::Amx;
+            self.wte_packs = (dtype == Dtype::Bfloat16 && amx).then(WtePacks::default);
             self.dtype = dtype;
             self.pending = None;
         }
@@ -194,6 +200,10 @@ impl Gpt {
     pub fn sync_bf16_weights(&mut self) {
         if self.dtype == Dtype::Bfloat16 {
             bf16::round_into(&mut self.params_bf16, &self.params);
+            if let Some(packs) = self.wte_packs.as_mut() {
+                let wte = &self.params_bf16[self.layout.wte.clone()];
+                packs.pack(wte, self.config.n_embd, self.config.vocab_size);
+            }
         }
     }
 
@@ -237,20 +247,15 @@ impl Gpt {
             dwte: &mut self.grads[self.layout.wte.clone()],
             scale: self.grad_scale,
         });
-        let classifier = match self.dtype {
-            Dtype::Float32 => classifier_forward,
-            Dtype::Bfloat16 => classifier_forward_bf16,
+        let (x, losses) = (&acts.lnf[..bt * c], &mut acts.losses[..bt]);
+        let scratch = &mut acts.logits_chunk;
+        let loss = match self.dtype {
+            Dtype::Float32 => classifier_forward(x, wte, targets, losses, scratch, c, v, grads),
+            Dtype::Bfloat16 => {
+                let packs = self.wte_packs.as_ref();
+                classifier_forward_bf16(x, wte, packs, targets, losses, scratch, c, v, grads)
+            }
         };
-        let loss = classifier(
-            &acts.lnf[..bt * c],
-            wte,
-            targets,
-            &mut acts.losses[..bt],
-            &mut acts.logits_chunk,
-            c,
-            v,
-            grads,
-        );
         if self.training {
             self.pending = Some((dims, seed));
             self.dropout_seed = dropout::mix64(seed.wrapping_add(1));
