@@ -3,8 +3,9 @@
 //!
 //! One `tdpbf16ps` adds a 16 × 32 bf16 A tile times a 32 × 16 bf16 B tile (held as
 //! 16 rows of k-pairs) into a 16 × 16 f32 accumulator tile; the two products of a
-//! pair are exact in f32. Operands are packed once per call into 1 KiB tiles of bf16
-//! pairs, zero-padded at the edges: A as `[m / 16][k / 32][16 rows][16 pairs]`, B as
+//! pair are exact in f32. Operands are packed once per call (or, for a B reused by
+//! many products, once beforehand: [`PackedB`]) into 1 KiB tiles of bf16 pairs,
+//! zero-padded at the edges: A as `[m / 16][k / 32][16 rows][16 pairs]`, B as
 //! `[n / 16][k / 32][16 pairs][16 columns]`. Each 32 × 32 output block holds four
 //! accumulator tiles (tmm0–3) fed by two A tiles (tmm4–5) and two B tiles (tmm6–7)
 //! over all of `k`. Tasks own disjoint output blocks and run `k` in a fixed order, so
