@@ -27,18 +27,45 @@ pub fn layernorm_forward(
             let mu = lane_sum(x, |v| v) / c as f32;
             let var = lane_sum(x, |v| (v - mu) * (v - mu)) / c as f32;
             let rs = 1.0 / (var + LAYER_NORM_EPS).sqrt();
-            if bias.is_empty() {
-                for ((o, &x), &w) in o.iter_mut().zip(x).zip(weight) {
-                    *o = (x - mu) * rs * w;
-                }
-            } else {
-                for (((o, &x), &w), &b) in o.iter_mut().zip(x).zip(weight).zip(bias) {
-                    *o = (x - mu) * rs * w + b;
-                }
-            }
+            apply_row(o, x, mu, rs, weight, bias);
             *m = mu;
             *r = rs;
         });
+}
+
+/// The output of [`layernorm_forward`] again, from its saved `mean` and `rstd`
+/// (bit-identical: the same arithmetic on the same values). For backward passes that
+/// recompute the layer-norm output instead of keeping it.
+pub fn layernorm_apply(
+    out: &mut [f32],
+    inp: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    weight: &[f32],
+    bias: &[f32],
+    c: usize,
+) {
+    let _t = crate::profile::scope(crate::profile::Section::LayerNorm);
+    let n = inp.len() / c;
+    assert!(out.len() == n * c && mean.len() == n && rstd.len() == n);
+    out.par_chunks_mut(c)
+        .zip(inp.par_chunks(c))
+        .zip(mean.par_iter().zip(rstd))
+        .for_each(|((o, x), (&mu, &rs))| apply_row(o, x, mu, rs, weight, bias));
+}
+
+/// `o = (x − mu) · rs · weight + bias` for one row (no bias when `bias` is empty).
+#[inline(always)]
+fn apply_row(o: &mut [f32], x: &[f32], mu: f32, rs: f32, weight: &[f32], bias: &[f32]) {
+    if bias.is_empty() {
+        for ((o, &x), &w) in o.iter_mut().zip(x).zip(weight) {
+            *o = (x - mu) * rs * w;
+        }
+    } else {
+        for (((o, &x), &w), &b) in o.iter_mut().zip(x).zip(weight).zip(bias) {
+            *o = (x - mu) * rs * w + b;
+        }
+    }
 }
 
 /// Independent partial sums per lane, so that the row reductions vectorise; their
@@ -176,6 +203,9 @@ mod tests {
         let (mut mean, mut rstd) = (vec![0.0; n], vec![0.0; n]);
         layernorm_forward(&mut out, &mut mean, &mut rstd, &x, &w, &b, c);
         assert_close("out", &out, &reference(&x64, &w64, &b64, c), 1e-5, 1e-5);
+        let mut again = vec![f32::NAN; n * c];
+        layernorm_apply(&mut again, &x, &mean, &rstd, &w, &b, c);
+        assert_eq!(again, out, "the recomputed output is bit-identical");
 
         let prior = rand_vec(n * c, 5);
         let mut dx = prior.clone();

@@ -28,7 +28,7 @@ use crate::kernels::classifier::{
 use crate::kernels::dropout::{self, Dropout};
 use crate::kernels::encoder::{encoder_backward, encoder_forward};
 use crate::kernels::gelu::{gelu_backward, gelu_forward};
-use crate::kernels::layernorm::{layernorm_backward, layernorm_forward};
+use crate::kernels::layernorm::{layernorm_apply, layernorm_backward, layernorm_forward};
 use crate::kernels::matmul::{
     linear_backward, linear_backward_bf16, linear_backward_input, linear_backward_params,
     linear_forward, linear_forward_bf16,
@@ -749,8 +749,8 @@ struct ForwardScratch<'a> {
 /// the weights come from `w.wr`, and each activation feeding a matmul is rounded
 /// (the layer-norm outputs, q/k/v, the attention output, the pre-GELU layer and the
 /// GELU output). Accumulation, layer norm, softmax, GELU and the residual stream
-/// are f32. `a.half` keeps ln1, q/k/v, atty, ln2 and the pre-GELU layer in bf16 for
-/// backward.
+/// are f32. `a.half` keeps q/k/v, atty and the pre-GELU layer in bf16 for backward;
+/// the layer-norm outputs are recomputed there.
 fn layer_forward_bf16(
     w: Weights,
     a: &mut LayerActs,
@@ -765,7 +765,7 @@ fn layer_forward_bf16(
     let (m1, r1) = (&mut a.ln1_mean[..bt], &mut a.ln1_rstd[..bt]);
     let (ln_w, ln_b) = (&p[r.ln_1_w.clone()], &p[r.ln_1_b.clone()]);
     layernorm_forward(wide, m1, r1, x, ln_w, ln_b, c);
-    bf16::round_and_store(wide, &mut h.ln1[..bt * c]);
+    bf16::round_in_place(wide);
     // q, k, v: in the pre-GELU scratch (free until the MLP), kept in bf16.
     let qkv = &mut s.pre_gelu[..bt * 3 * c];
     let (wt, b) = (&wr[r.c_attn_w.clone()], &p[r.c_attn_b.clone()]);
@@ -786,7 +786,7 @@ fn layer_forward_bf16(
     let (m2, r2) = (&mut a.ln2_mean[..bt], &mut a.ln2_rstd[..bt]);
     let (ln_w, ln_b) = (&p[r.ln_2_w.clone()], &p[r.ln_2_b.clone()]);
     layernorm_forward(wide, m2, r2, res2, ln_w, ln_b, c);
-    bf16::round_and_store(wide, &mut h.ln2[..bt * c]);
+    bf16::round_in_place(wide);
     let pre_gelu = &mut s.pre_gelu[..bt * 4 * c];
     let (wt, b) = (&wr[r.c_fc_w.clone()], &p[r.c_fc_b.clone()]);
     linear_forward_bf16(pre_gelu, wide, wt, b, c, 4 * c);
@@ -806,8 +806,9 @@ fn layer_forward_bf16(
 /// [`layer_backward`] under bf16 autocast, for [`layer_forward_bf16`]. The output
 /// gradient of every matmul is rounded to bf16 before it is multiplied (as autocast's
 /// bf16 matmul receives a bf16 gradient); stored bf16 activations are widened into
-/// `hs` for the f32 GEMM, and the GELU output is recomputed from the stored bf16
-/// pre-GELU values. Parameter gradients accumulate in f32.
+/// `hs` for the f32 GEMM; the layer-norm outputs are recomputed from the block's
+/// input, the residual stream and their statistics, the GELU output from the stored
+/// bf16 pre-GELU values. Parameter gradients accumulate in f32.
 #[allow(clippy::too_many_arguments)]
 fn layer_backward_bf16(
     w: Weights,
@@ -842,12 +843,14 @@ fn layer_backward_bf16(
     bf16::load(d4c, &h.fch[..bt * 4 * c]);
     gelu_backward(wide4c, d4c);
     bf16::round_in_place(wide4c);
-    bf16::load(wide, &h.ln2[..bt * c]);
+    let res2 = &a.res2[..bt * c];
+    let (m2, r2) = (&a.ln2_mean[..bt], &a.ln2_rstd[..bt]);
+    let (ln_w, ln_b) = (&p[r.ln_2_w.clone()], &p[r.ln_2_b.clone()]);
+    layernorm_apply(wide, res2, m2, r2, ln_w, ln_b, c);
+    bf16::round_in_place(wide);
     let (dw, db) = split_two(g, r.c_fc_w.clone(), r.c_fc_b.clone());
     linear_backward_bf16(dbtc, dw, db, wide4c, wide, &wr[r.c_fc_w.clone()], c, 4 * c);
     let (dw, db) = split_two(g, r.ln_2_w.clone(), r.ln_2_b.clone());
-    let res2 = &a.res2[..bt * c];
-    let (m2, r2) = (&a.ln2_mean[..bt], &a.ln2_rstd[..bt]);
     layernorm_backward(dres, dw, db, dbtc, res2, &p[r.ln_2_w.clone()], m2, r2, c);
 
     // Attention branch.
@@ -866,11 +869,13 @@ fn layer_backward_bf16(
     let probs = drop.map(|m| m.attn_probs);
     attention_backward(dqkv, dbtc, qkv, wide, lse, d.b, d.t, c, d.nh, probs);
     bf16::round_in_place(dqkv);
-    bf16::load(wide, &h.ln1[..bt * c]);
+    let (m1, r1) = (&a.ln1_mean[..bt], &a.ln1_rstd[..bt]);
+    let (ln_w, ln_b) = (&p[r.ln_1_w.clone()], &p[r.ln_1_b.clone()]);
+    layernorm_apply(wide, x, m1, r1, ln_w, ln_b, c);
+    bf16::round_in_place(wide);
     let (dw, db) = split_two(g, r.c_attn_w.clone(), r.c_attn_b.clone());
     linear_backward_bf16(dbtc, dw, db, dqkv, wide, &wr[r.c_attn_w.clone()], c, 3 * c);
     let (dw, db) = split_two(g, r.ln_1_w.clone(), r.ln_1_b.clone());
-    let (m1, r1) = (&a.ln1_mean[..bt], &a.ln1_rstd[..bt]);
     layernorm_backward(dres, dw, db, dbtc, x, &p[r.ln_1_w.clone()], m1, r1, c);
 }
 
