@@ -22,9 +22,10 @@ pub enum Section {
     ZeroGrad,
     GradNorm,
     AdamW,
+    Bf16Weights,
 }
 
-const SECTIONS: [Section; 13] = [
+const SECTIONS: [Section; 14] = [
     Section::Encoder,
     Section::LayerNorm,
     Section::MatmulForward,
@@ -38,6 +39,7 @@ const SECTIONS: [Section; 13] = [
     Section::ZeroGrad,
     Section::GradNorm,
     Section::AdamW,
+    Section::Bf16Weights,
 ];
 
 impl Section {
@@ -56,6 +58,7 @@ impl Section {
             Section::ZeroGrad => "zero grad",
             Section::GradNorm => "grad norm + clip",
             Section::AdamW => "adamw",
+            Section::Bf16Weights => "bf16 weight copy",
         }
     }
 }

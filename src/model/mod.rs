@@ -199,6 +199,7 @@ impl Gpt {
     /// micro-steps of one optimizer step share the copy. A no-op in f32 mode.
     pub fn sync_bf16_weights(&mut self) {
         if self.dtype == Dtype::Bfloat16 {
+            let _t = crate::profile::scope(crate::profile::Section::Bf16Weights);
             bf16::round_into(&mut self.params_bf16, &self.params);
             if let Some(packs) = self.wte_packs.as_mut() {
                 let wte = &self.params_bf16[self.layout.wte.clone()];
