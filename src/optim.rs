@@ -272,6 +272,19 @@ mod tests {
     use super::*;
     use crate::model::ModelConfig;
 
+    /// A model small enough to check updates by hand: 4 wide, vocabulary 8.
+    fn tiny_config(n_layer: usize) -> ModelConfig {
+        ModelConfig {
+            vocab_size: 8,
+            block_size: 4,
+            n_layer,
+            n_head: 1,
+            n_embd: 4,
+            bias: true,
+            dropout: 0.0,
+        }
+    }
+
     fn schedule() -> LrSchedule {
         LrSchedule {
             learning_rate: 1e-3,
@@ -320,16 +333,7 @@ mod tests {
     /// Clipping inside the update gives the same bits as clipping the gradients first.
     #[test]
     fn scaled_step_equals_clipping_then_stepping() {
-        let cfg = ModelConfig {
-            vocab_size: 8,
-            block_size: 4,
-            n_layer: 1,
-            n_head: 1,
-            n_embd: 4,
-            bias: true,
-            dropout: 0.0,
-        };
-        let layout = ParamLayout::new(&cfg);
+        let layout = ParamLayout::new(&tiny_config(1));
         let n = layout.len;
         let init: Vec<f32> = (0..n).map(|i| (i % 13) as f32 * 0.1 - 0.6).collect();
         let (mut clipped, mut fused) = (init.clone(), init);
@@ -381,16 +385,7 @@ mod tests {
 
     #[test]
     fn sharded_steps_equal_the_full_step() {
-        let cfg = ModelConfig {
-            vocab_size: 8,
-            block_size: 4,
-            n_layer: 2,
-            n_head: 1,
-            n_embd: 4,
-            bias: true,
-            dropout: 0.0,
-        };
-        let layout = ParamLayout::new(&cfg);
+        let layout = ParamLayout::new(&tiny_config(2));
         let n = layout.len;
         let init: Vec<f32> = (0..n).map(|i| (i % 13) as f32 * 0.1 - 0.6).collect();
         let grads: Vec<Vec<f32>> = (0..3)
@@ -433,16 +428,7 @@ mod tests {
 
     #[test]
     fn adamw_matches_a_hand_computed_step_and_decays_only_matrices() {
-        let cfg = ModelConfig {
-            vocab_size: 8,
-            block_size: 4,
-            n_layer: 1,
-            n_head: 1,
-            n_embd: 4,
-            bias: true,
-            dropout: 0.0,
-        };
-        let layout = ParamLayout::new(&cfg);
+        let layout = ParamLayout::new(&tiny_config(1));
         let c = AdamWConfig {
             beta1: 0.9,
             beta2: 0.99,

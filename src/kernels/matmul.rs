@@ -179,8 +179,7 @@ fn backward_with(
     oc: usize,
 ) {
     let _t = crate::profile::scope(crate::profile::Section::MatmulBackward);
-    let n = inp.len() / c;
-    gemm(dinp, Mat::new(dout, n, oc), Mat::new(weight, oc, c), false);
+    input_backward_with(&gemm, dinp, dout, weight, c, oc);
     params_backward_with(&gemm, dweight, dbias, dout, inp, c, oc);
 }
 
@@ -203,8 +202,20 @@ pub fn linear_backward_params(
 /// The input half of [`linear_backward`]: `dinp = dout · weight` (**overwritten**).
 pub fn linear_backward_input(dinp: &mut [f32], dout: &[f32], weight: &[f32], c: usize, oc: usize) {
     let _t = crate::profile::scope(crate::profile::Section::MatmulBackward);
+    input_backward_with(&matmul, dinp, dout, weight, c, oc)
+}
+
+#[inline(always)]
+fn input_backward_with(
+    gemm: &impl Fn(&mut [f32], Mat, Mat, bool),
+    dinp: &mut [f32],
+    dout: &[f32],
+    weight: &[f32],
+    c: usize,
+    oc: usize,
+) {
     let n = dinp.len() / c;
-    matmul(dinp, Mat::new(dout, n, oc), Mat::new(weight, oc, c), false);
+    gemm(dinp, Mat::new(dout, n, oc), Mat::new(weight, oc, c), false);
 }
 
 #[inline(always)]
