@@ -36,6 +36,8 @@ pub struct BenchReport {
     /// Median over the timed steps.
     pub ms_per_step: f64,
     pub ms_per_step_min: f64,
+    /// Mean over the timed steps: what the profile rows (means too) add up to.
+    pub ms_per_step_mean: f64,
     pub tokens_per_sec: f64,
     /// Training FLOPs per token (6·N + 12·L·C·T).
     pub flops_per_token: f64,
@@ -96,6 +98,7 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport, crate::model::ModelError>
         params: opts.model.num_params(),
         ms_per_step: median,
         ms_per_step_min: times[0],
+        ms_per_step_mean: times.iter().sum::<f64>() / times.len() as f64,
         tokens_per_sec,
         flops_per_token,
         achieved_gflops: achieved,

@@ -3,6 +3,7 @@
 //! Off unless [`enable`] is called; then each instrumented kernel adds its wall time
 //! to a per-family total. When off, a scope costs one relaxed atomic load.
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
@@ -23,9 +24,10 @@ pub enum Section {
     GradNorm,
     AdamW,
     Bf16Weights,
+    Bf16Round,
 }
 
-const SECTIONS: [Section; 14] = [
+const SECTIONS: [Section; 15] = [
     Section::Encoder,
     Section::LayerNorm,
     Section::MatmulForward,
@@ -40,6 +42,7 @@ const SECTIONS: [Section; 14] = [
     Section::GradNorm,
     Section::AdamW,
     Section::Bf16Weights,
+    Section::Bf16Round,
 ];
 
 impl Section {
@@ -59,6 +62,7 @@ impl Section {
             Section::GradNorm => "grad norm + clip",
             Section::AdamW => "adamw",
             Section::Bf16Weights => "bf16 weight copy",
+            Section::Bf16Round => "bf16 rounding + widening",
         }
     }
 }
@@ -76,27 +80,42 @@ pub fn reset() {
     NANOS.iter().for_each(|n| n.store(0, Ordering::Relaxed));
 }
 
+thread_local! {
+    /// The section timing on this thread, if any: a nested scope's time is moved out
+    /// of it, so each section reports its own time only and the rows add up.
+    static CURRENT: Cell<Option<Section>> = const { Cell::new(None) };
+}
+
 /// Times the rest of the enclosing block as `section` (when enabled).
 #[must_use]
 pub fn scope(section: Section) -> Option<Scope> {
     ENABLED.load(Ordering::Relaxed).then(|| Scope {
         section,
+        parent: CURRENT.with(|c| c.replace(Some(section))),
         start: Instant::now(),
     })
 }
 
 pub struct Scope {
     section: Section,
+    parent: Option<Section>,
     start: Instant,
+}
+
+fn slot(section: Section) -> &'static AtomicU64 {
+    let index = SECTIONS.iter().position(|&s| s == section).unwrap_or(0);
+    &NANOS[index]
 }
 
 impl Drop for Scope {
     fn drop(&mut self) {
-        let index = SECTIONS
-            .iter()
-            .position(|&s| s == self.section)
-            .unwrap_or(0);
-        NANOS[index].fetch_add(self.start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let nanos = self.start.elapsed().as_nanos() as u64;
+        slot(self.section).fetch_add(nanos, Ordering::Relaxed);
+        if let Some(parent) = self.parent {
+            // Wrapping: the parent's own drop adds at least this much back.
+            slot(parent).fetch_sub(nanos, Ordering::Relaxed);
+        }
+        CURRENT.with(|c| c.set(self.parent));
     }
 }
 

@@ -379,3 +379,61 @@ fn bench_takes_a_dtype() {
     let err = fails(d, &["bench", "--dtype", "float16"]);
     assert!(err.contains("float16") && err.contains("bfloat16"), "{err}");
 }
+
+#[test]
+fn bench_profile_rows_are_exclusive_and_add_up_to_at_most_the_step() {
+    // Every profiled span lies inside a timed step, so the rows (each section's own
+    // time, nested sections taken out; means over the steps) cannot exceed the mean step.
+    let dir = temp_dir("bench-profile");
+    let d = dir.path();
+    let mut args = vec![
+        "bench",
+        "--batch-size",
+        "2",
+        "--block-size",
+        "16",
+        "--steps",
+        "3",
+    ];
+    args.extend([
+        "--peak-gflops",
+        "100",
+        "--json",
+        "--profile",
+        "--dtype",
+        "bfloat16",
+    ]);
+    args.extend(["n_layer=2", "n_head=2", "n_embd=32", "vocab_size=65"]);
+    let r: serde_json::Value = serde_json::from_str(ok(d, &args).trim()).expect("one JSON object");
+    let step = r["ms_per_step_mean"].as_f64().unwrap();
+    let rows: Vec<(String, f64)> = r["profile"]
+        .as_array()
+        .expect("profile rows")
+        .iter()
+        .map(|row| {
+            (
+                row[0].as_str().unwrap().to_string(),
+                row[1].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    for (name, ms) in &rows {
+        assert!(*ms >= 0.0, "{name}: {ms} ms");
+    }
+    for family in [
+        "classifier + loss",
+        "linear forward",
+        "adamw",
+        "bf16 rounding + widening",
+    ] {
+        assert!(
+            rows.iter().any(|(n, _)| n == family),
+            "no {family} row: {rows:?}"
+        );
+    }
+    let covered: f64 = rows.iter().map(|r| r.1).sum();
+    assert!(
+        covered <= step * 1.001,
+        "rows add to {covered} ms, the step took {step}: {rows:?}"
+    );
+}

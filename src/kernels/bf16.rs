@@ -53,12 +53,14 @@ const TASK: usize = 1 << 14;
 
 /// Rounds every element of `x` to bf16 in place (the values stay f32).
 pub fn round_in_place(x: &mut [f32]) {
+    let _t = crate::profile::scope(crate::profile::Section::Bf16Round);
     x.par_chunks_mut(TASK)
         .for_each(|c| c.iter_mut().for_each(|v| *v = round(*v)));
 }
 
 /// `dst = round(src)`, both f32.
 pub fn round_into(dst: &mut [f32], src: &[f32]) {
+    let _t = crate::profile::scope(crate::profile::Section::Bf16Round);
     assert_eq!(dst.len(), src.len(), "round_into: lengths differ");
     dst.par_chunks_mut(TASK)
         .zip(src.par_chunks(TASK))
@@ -67,6 +69,7 @@ pub fn round_into(dst: &mut [f32], src: &[f32]) {
 
 /// `dst = bf16(src)`.
 pub fn store(dst: &mut [Bf16], src: &[f32]) {
+    let _t = crate::profile::scope(crate::profile::Section::Bf16Round);
     assert_eq!(dst.len(), src.len(), "store: lengths differ");
     dst.par_chunks_mut(TASK)
         .zip(src.par_chunks(TASK))
@@ -79,6 +82,7 @@ pub fn store(dst: &mut [Bf16], src: &[f32]) {
 
 /// Rounds `x` to bf16 in place and stores the same values in `dst`.
 pub fn round_and_store(x: &mut [f32], dst: &mut [Bf16]) {
+    let _t = crate::profile::scope(crate::profile::Section::Bf16Round);
     assert_eq!(dst.len(), x.len(), "round_and_store: lengths differ");
     x.par_chunks_mut(TASK)
         .zip(dst.par_chunks_mut(TASK))
@@ -92,6 +96,7 @@ pub fn round_and_store(x: &mut [f32], dst: &mut [Bf16]) {
 
 /// `dst = f32(src)` (exact).
 pub fn load(dst: &mut [f32], src: &[Bf16]) {
+    let _t = crate::profile::scope(crate::profile::Section::Bf16Round);
     assert_eq!(dst.len(), src.len(), "load: lengths differ");
     dst.par_chunks_mut(TASK)
         .zip(src.par_chunks(TASK))

@@ -136,11 +136,13 @@ fn forward_impl<const BF16: bool>(
             )
             .for_each(|(row, (&target, loss))| {
                 *loss = softmax_row_loss(row, target, with_grad.then_some(grad_scale));
+                if BF16 && with_grad {
+                    // The logit gradient is a bf16 matmul operand: round the row while
+                    // it is still in cache rather than in a pass over the chunk.
+                    row.iter_mut().for_each(|v| *v = super::bf16::round(*v));
+                }
             });
         if let Some(g) = grads.as_mut() {
-            if BF16 {
-                super::bf16::round_in_place(logits);
-            }
             let dlogits = Mat::new(logits, rows, v);
             let dx = &mut g.dx[start * c..(start + rows) * c];
             match packs {

@@ -1,5 +1,6 @@
 //! GELU, GPT-2's tanh approximation: `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
 
+use super::bf16::{self, Bf16};
 use super::fastmath::{exp_fast, fmadd, has_avx2_fma};
 use rayon::prelude::*;
 
@@ -20,37 +21,82 @@ fn sigmoid_2u(fma: bool, x: f32) -> (f32, f32) {
     (s, SQRT_2_OVER_PI * fmadd(fma, 3.0 * COEF, x2, 1.0))
 }
 
+/// An element GELU reads: f32, or bf16 (bf16 autocast keeps the pre-GELU layer in
+/// two bytes; reading it here saves widening it into a scratch first).
+pub trait Input: Copy + Send + Sync {
+    fn get(self) -> f32;
+}
+
+impl Input for f32 {
+    #[inline(always)]
+    fn get(self) -> f32 {
+        self
+    }
+}
+
+impl Input for Bf16 {
+    #[inline(always)]
+    fn get(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// `v`, or `v` rounded to bf16 when `ROUND` (bf16 autocast rounds every matmul
+/// operand; doing it here saves a pass over the output).
 #[inline(always)]
-fn forward_chunk<const FMA: bool>(out: &mut [f32], inp: &[f32]) {
-    for (o, &x) in out.iter_mut().zip(inp) {
-        *o = x * sigmoid_2u(FMA, x).0;
+fn finish<const ROUND: bool>(v: f32) -> f32 {
+    if ROUND {
+        bf16::round(v)
+    } else {
+        v
     }
 }
 
 #[inline(always)]
-fn backward_chunk<const FMA: bool>(d: &mut [f32], inp: &[f32]) {
+fn forward_chunk<const FMA: bool, const ROUND: bool, X: Input>(out: &mut [f32], inp: &[X]) {
+    for (o, &x) in out.iter_mut().zip(inp) {
+        let x = x.get();
+        *o = finish::<ROUND>(x * sigmoid_2u(FMA, x).0);
+    }
+}
+
+#[inline(always)]
+fn backward_chunk<const FMA: bool, const ROUND: bool, X: Input>(d: &mut [f32], inp: &[X]) {
     for (d, &x) in d.iter_mut().zip(inp) {
+        let x = x.get();
         let (s, du) = sigmoid_2u(FMA, x);
-        *d *= fmadd(FMA, 2.0 * x * s * (1.0 - s), du, s);
+        *d = finish::<ROUND>(*d * fmadd(FMA, 2.0 * x * s * (1.0 - s), du, s));
     }
 }
 
 /// The chunk loops compiled for AVX2 + FMA, chosen at run time.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use super::Input;
+
     #[target_feature(enable = "avx2,fma")]
-    pub(super) fn forward(out: &mut [f32], inp: &[f32]) {
-        super::forward_chunk::<true>(out, inp)
+    pub(super) fn forward<const ROUND: bool, X: Input>(out: &mut [f32], inp: &[X]) {
+        super::forward_chunk::<true, ROUND, X>(out, inp)
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub(super) fn backward(d: &mut [f32], inp: &[f32]) {
-        super::backward_chunk::<true>(d, inp)
+    pub(super) fn backward<const ROUND: bool, X: Input>(d: &mut [f32], inp: &[X]) {
+        super::backward_chunk::<true, ROUND, X>(d, inp)
     }
 }
 
 /// `out = gelu(inp)`, element-wise; any shape.
 pub fn gelu_forward(out: &mut [f32], inp: &[f32]) {
+    forward_with::<false, f32>(out, inp)
+}
+
+/// [`gelu_forward`] for bf16 autocast: `out = bf16(gelu(inp))`, from f32 or bf16
+/// input; bit for bit what widening, `gelu_forward` and rounding give.
+pub fn gelu_forward_bf16<X: Input>(out: &mut [f32], inp: &[X]) {
+    forward_with::<true, X>(out, inp)
+}
+
+fn forward_with<const ROUND: bool, X: Input>(out: &mut [f32], inp: &[X]) {
     let _t = crate::profile::scope(crate::profile::Section::Gelu);
     assert_eq!(out.len(), inp.len());
     let avx2 = has_avx2_fma();
@@ -60,15 +106,26 @@ pub fn gelu_forward(out: &mut [f32], inp: &[f32]) {
             #[cfg(target_arch = "x86_64")]
             if avx2 {
                 // SAFETY: the CPU has AVX2 and FMA (checked by has_avx2_fma).
-                return unsafe { x86::forward(o, x) };
+                return unsafe { x86::forward::<ROUND, X>(o, x) };
             }
             let _ = avx2;
-            forward_chunk::<false>(o, x)
+            forward_chunk::<false, ROUND, X>(o, x)
         });
 }
 
 /// In place: `d` holds `dout` on entry and `dinp = gelu'(inp) · dout` on return.
 pub fn gelu_backward(d: &mut [f32], inp: &[f32]) {
+    backward_with::<false, f32>(d, inp)
+}
+
+/// [`gelu_backward`] for bf16 autocast: `dinp` is rounded to bf16 (it is the next
+/// matmul's operand), `inp` may be bf16; bit for bit what widening, `gelu_backward`
+/// and rounding give.
+pub fn gelu_backward_bf16<X: Input>(d: &mut [f32], inp: &[X]) {
+    backward_with::<true, X>(d, inp)
+}
+
+fn backward_with<const ROUND: bool, X: Input>(d: &mut [f32], inp: &[X]) {
     let _t = crate::profile::scope(crate::profile::Section::Gelu);
     assert_eq!(d.len(), inp.len());
     let avx2 = has_avx2_fma();
@@ -78,10 +135,10 @@ pub fn gelu_backward(d: &mut [f32], inp: &[f32]) {
             #[cfg(target_arch = "x86_64")]
             if avx2 {
                 // SAFETY: the CPU has AVX2 and FMA (checked by has_avx2_fma).
-                return unsafe { x86::backward(d, x) };
+                return unsafe { x86::backward::<ROUND, X>(d, x) };
             }
             let _ = avx2;
-            backward_chunk::<false>(d, x)
+            backward_chunk::<false, ROUND, X>(d, x)
         });
 }
 
@@ -121,10 +178,49 @@ mod tests {
         assert_close("dinp (all)", &dx, &per_elem, 1e-5, 1e-6);
         // The portable build of the loops agrees too (the dispatch may pick AVX2).
         let mut portable = vec![0.0; x.len()];
-        forward_chunk::<false>(&mut portable, &x);
+        forward_chunk::<false, false, f32>(&mut portable, &x);
         assert_close("out (portable)", &portable, &reference(&x64), 1e-6, 1e-6);
         let mut dportable = g.clone();
-        backward_chunk::<false>(&mut dportable, &x);
+        backward_chunk::<false, false, f32>(&mut dportable, &x);
         assert_close("dinp (portable)", &dportable, &per_elem, 1e-5, 1e-6);
+    }
+
+    #[test]
+    fn bf16_variants_equal_widen_then_gelu_then_round_bit_for_bit() {
+        use crate::kernels::bf16::{load, round_in_place, store};
+        let x: Vec<f32> = rand_vec(10_000, 3).iter().map(|v| 6.0 * v).collect();
+        let g = rand_vec(x.len(), 4);
+        let mut xb = vec![Bf16::default(); x.len()];
+        store(&mut xb, &x);
+        let mut wide = vec![0.0; x.len()];
+        load(&mut wide, &xb);
+
+        let mut want = vec![0.0; x.len()];
+        gelu_forward(&mut want, &wide);
+        round_in_place(&mut want);
+        let (mut from_bf16, mut from_f32) = (vec![f32::NAN; x.len()], vec![f32::NAN; x.len()]);
+        gelu_forward_bf16(&mut from_bf16, &xb);
+        gelu_forward_bf16(&mut from_f32, &wide);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&from_bf16), bits(&want));
+        assert_eq!(bits(&from_f32), bits(&want));
+        assert!(want
+            .iter()
+            .zip(&wide)
+            .any(|(r, w)| *r != w * sigmoid_2u(false, *w).0));
+
+        let mut want = g.clone();
+        gelu_backward(&mut want, &wide);
+        round_in_place(&mut want);
+        let mut got = g.clone();
+        gelu_backward_bf16(&mut got, &xb);
+        assert_eq!(bits(&got), bits(&want));
+        // The portable loops round the same way.
+        let mut portable = g.clone();
+        backward_chunk::<false, true, Bf16>(&mut portable, &xb);
+        let mut plain = g.clone();
+        backward_chunk::<false, false, f32>(&mut plain, &wide);
+        round_in_place(&mut plain);
+        assert_eq!(bits(&portable), bits(&plain));
     }
 }

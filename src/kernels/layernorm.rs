@@ -17,6 +17,32 @@ pub fn layernorm_forward(
     bias: &[f32],
     c: usize,
 ) {
+    forward_with::<false>(out, mean, rstd, inp, weight, bias, c)
+}
+
+/// [`layernorm_forward`] for bf16 autocast: `out` is rounded to bf16 (it is a matmul
+/// operand) row by row, while the row is in cache.
+pub fn layernorm_forward_bf16(
+    out: &mut [f32],
+    mean: &mut [f32],
+    rstd: &mut [f32],
+    inp: &[f32],
+    weight: &[f32],
+    bias: &[f32],
+    c: usize,
+) {
+    forward_with::<true>(out, mean, rstd, inp, weight, bias, c)
+}
+
+fn forward_with<const ROUND: bool>(
+    out: &mut [f32],
+    mean: &mut [f32],
+    rstd: &mut [f32],
+    inp: &[f32],
+    weight: &[f32],
+    bias: &[f32],
+    c: usize,
+) {
     let _t = crate::profile::scope(crate::profile::Section::LayerNorm);
     let n = inp.len() / c;
     assert!(out.len() == n * c && mean.len() == n && rstd.len() == n);
@@ -27,7 +53,7 @@ pub fn layernorm_forward(
             let mu = lane_sum(x, |v| v) / c as f32;
             let var = lane_sum(x, |v| (v - mu) * (v - mu)) / c as f32;
             let rs = 1.0 / (var + LAYER_NORM_EPS).sqrt();
-            apply_row(o, x, mu, rs, weight, bias);
+            apply_row::<ROUND>(o, x, mu, rs, weight, bias);
             *m = mu;
             *r = rs;
         });
@@ -45,18 +71,51 @@ pub fn layernorm_apply(
     bias: &[f32],
     c: usize,
 ) {
+    apply_with::<false>(out, inp, mean, rstd, weight, bias, c)
+}
+
+/// The output of [`layernorm_forward_bf16`] again (bit-identical).
+pub fn layernorm_apply_bf16(
+    out: &mut [f32],
+    inp: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    weight: &[f32],
+    bias: &[f32],
+    c: usize,
+) {
+    apply_with::<true>(out, inp, mean, rstd, weight, bias, c)
+}
+
+fn apply_with<const ROUND: bool>(
+    out: &mut [f32],
+    inp: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    weight: &[f32],
+    bias: &[f32],
+    c: usize,
+) {
     let _t = crate::profile::scope(crate::profile::Section::LayerNorm);
     let n = inp.len() / c;
     assert!(out.len() == n * c && mean.len() == n && rstd.len() == n);
     out.par_chunks_mut(c)
         .zip(inp.par_chunks(c))
         .zip(mean.par_iter().zip(rstd))
-        .for_each(|((o, x), (&mu, &rs))| apply_row(o, x, mu, rs, weight, bias));
+        .for_each(|((o, x), (&mu, &rs))| apply_row::<ROUND>(o, x, mu, rs, weight, bias));
 }
 
-/// `o = (x − mu) · rs · weight + bias` for one row (no bias when `bias` is empty).
+/// `o = (x − mu) · rs · weight + bias` for one row (no bias when `bias` is empty),
+/// rounded to bf16 when `ROUND`.
 #[inline(always)]
-fn apply_row(o: &mut [f32], x: &[f32], mu: f32, rs: f32, weight: &[f32], bias: &[f32]) {
+fn apply_row<const ROUND: bool>(
+    o: &mut [f32],
+    x: &[f32],
+    mu: f32,
+    rs: f32,
+    weight: &[f32],
+    bias: &[f32],
+) {
     if bias.is_empty() {
         for ((o, &x), &w) in o.iter_mut().zip(x).zip(weight) {
             *o = (x - mu) * rs * w;
@@ -65,6 +124,9 @@ fn apply_row(o: &mut [f32], x: &[f32], mu: f32, rs: f32, weight: &[f32], bias: &
         for (((o, &x), &w), &b) in o.iter_mut().zip(x).zip(weight).zip(bias) {
             *o = (x - mu) * rs * w + b;
         }
+    }
+    if ROUND {
+        o.iter_mut().for_each(|v| *v = super::bf16::round(*v));
     }
 }
 
@@ -206,6 +268,16 @@ mod tests {
         let mut again = vec![f32::NAN; n * c];
         layernorm_apply(&mut again, &x, &mean, &rstd, &w, &b, c);
         assert_eq!(again, out, "the recomputed output is bit-identical");
+        // bf16 autocast's variants: the same output rounded, and recomputed alike.
+        let mut rounded = out.clone();
+        crate::kernels::bf16::round_in_place(&mut rounded);
+        let (mut out16, mut again16) = (vec![f32::NAN; n * c], vec![f32::NAN; n * c]);
+        let (mut mean16, mut rstd16) = (vec![0.0; n], vec![0.0; n]);
+        layernorm_forward_bf16(&mut out16, &mut mean16, &mut rstd16, &x, &w, &b, c);
+        layernorm_apply_bf16(&mut again16, &x, &mean, &rstd, &w, &b, c);
+        assert_eq!((&out16, &mean16, &rstd16), (&rounded, &mean, &rstd));
+        assert_eq!(again16, rounded);
+        assert_ne!(out16, out, "rounding changed some values");
 
         let prior = rand_vec(n * c, 5);
         let mut dx = prior.clone();

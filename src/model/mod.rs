@@ -27,8 +27,10 @@ use crate::kernels::classifier::{
 };
 use crate::kernels::dropout::{self, Dropout};
 use crate::kernels::encoder::{encoder_backward, encoder_forward};
-use crate::kernels::gelu::{gelu_backward, gelu_forward};
-use crate::kernels::layernorm::{layernorm_apply, layernorm_backward, layernorm_forward};
+use crate::kernels::gelu::{gelu_backward, gelu_backward_bf16, gelu_forward, gelu_forward_bf16};
+use crate::kernels::layernorm::{
+    layernorm_apply_bf16, layernorm_backward, layernorm_forward, layernorm_forward_bf16,
+};
 use crate::kernels::matmul::{
     linear_backward, linear_backward_bf16, linear_backward_input, linear_backward_params,
     linear_forward, linear_forward_bf16,
@@ -765,8 +767,7 @@ fn layer_forward_bf16(
     let wide = &mut s.wide[..bt * c];
     let (m1, r1) = (&mut a.ln1_mean[..bt], &mut a.ln1_rstd[..bt]);
     let (ln_w, ln_b) = (&p[r.ln_1_w.clone()], &p[r.ln_1_b.clone()]);
-    layernorm_forward(wide, m1, r1, x, ln_w, ln_b, c);
-    bf16::round_in_place(wide);
+    layernorm_forward_bf16(wide, m1, r1, x, ln_w, ln_b, c);
     // q, k, v: in the pre-GELU scratch (free until the MLP), kept in bf16.
     let qkv = &mut s.pre_gelu[..bt * 3 * c];
     let (wt, b) = (&wr[r.c_attn_w.clone()], &p[r.c_attn_b.clone()]);
@@ -786,15 +787,13 @@ fn layer_forward_bf16(
 
     let (m2, r2) = (&mut a.ln2_mean[..bt], &mut a.ln2_rstd[..bt]);
     let (ln_w, ln_b) = (&p[r.ln_2_w.clone()], &p[r.ln_2_b.clone()]);
-    layernorm_forward(wide, m2, r2, res2, ln_w, ln_b, c);
-    bf16::round_in_place(wide);
+    layernorm_forward_bf16(wide, m2, r2, res2, ln_w, ln_b, c);
     let pre_gelu = &mut s.pre_gelu[..bt * 4 * c];
     let (wt, b) = (&wr[r.c_fc_w.clone()], &p[r.c_fc_b.clone()]);
     linear_forward_bf16(pre_gelu, wide, wt, b, c, 4 * c);
     bf16::round_and_store(pre_gelu, &mut h.fch[..bt * 4 * c]);
     let gelu = &mut s.gelu[..bt * 4 * c];
-    gelu_forward(gelu, pre_gelu);
-    bf16::round_in_place(gelu);
+    gelu_forward_bf16(gelu, pre_gelu);
     let res3 = &mut a.res3[..bt * c];
     let (wt, b) = (&wr[r.mlp_proj_w.clone()], &p[r.mlp_proj_b.clone()]);
     linear_forward_bf16(res3, gelu, wt, b, 4 * c, c);
@@ -834,21 +833,16 @@ fn layer_backward_bf16(
         dround,
         branch_grad(dres, s.dbranch, drop.map(|m| m.mlp_resid)),
     );
-    bf16::load(wide4c, &h.fch[..bt * 4 * c]);
-    gelu_forward(d4c, wide4c);
-    bf16::round_in_place(d4c);
+    gelu_forward_bf16(d4c, &h.fch[..bt * 4 * c]);
     let (dw, db) = split_two(g, r.mlp_proj_w.clone(), r.mlp_proj_b.clone());
     let wt = &wr[r.mlp_proj_w.clone()];
     linear_backward_bf16(wide4c, dw, db, dround, d4c, wt, 4 * c, c);
-    // wide4c now holds d(gelu output); d4c ← pre-GELU again, for GELU's derivative.
-    bf16::load(d4c, &h.fch[..bt * 4 * c]);
-    gelu_backward(wide4c, d4c);
-    bf16::round_in_place(wide4c);
+    // wide4c now holds d(gelu output); GELU's derivative reads the bf16 pre-GELU.
+    gelu_backward_bf16(wide4c, &h.fch[..bt * 4 * c]);
     let res2 = &a.res2[..bt * c];
     let (m2, r2) = (&a.ln2_mean[..bt], &a.ln2_rstd[..bt]);
     let (ln_w, ln_b) = (&p[r.ln_2_w.clone()], &p[r.ln_2_b.clone()]);
-    layernorm_apply(wide, res2, m2, r2, ln_w, ln_b, c);
-    bf16::round_in_place(wide);
+    layernorm_apply_bf16(wide, res2, m2, r2, ln_w, ln_b, c);
     let (dw, db) = split_two(g, r.c_fc_w.clone(), r.c_fc_b.clone());
     linear_backward_bf16(dbtc, dw, db, wide4c, wide, &wr[r.c_fc_w.clone()], c, 4 * c);
     let (dw, db) = split_two(g, r.ln_2_w.clone(), r.ln_2_b.clone());
@@ -872,8 +866,7 @@ fn layer_backward_bf16(
     bf16::round_in_place(dqkv);
     let (m1, r1) = (&a.ln1_mean[..bt], &a.ln1_rstd[..bt]);
     let (ln_w, ln_b) = (&p[r.ln_1_w.clone()], &p[r.ln_1_b.clone()]);
-    layernorm_apply(wide, x, m1, r1, ln_w, ln_b, c);
-    bf16::round_in_place(wide);
+    layernorm_apply_bf16(wide, x, m1, r1, ln_w, ln_b, c);
     let (dw, db) = split_two(g, r.c_attn_w.clone(), r.c_attn_b.clone());
     linear_backward_bf16(dbtc, dw, db, dqkv, wide, &wr[r.c_attn_w.clone()], c, 3 * c);
     let (dw, db) = split_two(g, r.ln_1_w.clone(), r.ln_1_b.clone());
