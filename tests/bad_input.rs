@@ -13,7 +13,8 @@ use std::sync::OnceLock;
 use nanogpt::checkpoint::{self, CheckpointState};
 use nanogpt::model::{ModelConfig, ParamLayout};
 
-const BIN: &str = env!("CARGO_BIN_EXE_nanogpt");
+mod common;
+use common::{temp_dir, BIN};
 
 /// The characters of the test dataset's vocabulary (ids 0..9).
 const CHARS: &str = "\nabcdefgh";
@@ -41,11 +42,9 @@ struct Scene {
 
 impl Scene {
     fn new(tag: &str) -> Scene {
-        let dir = tempfile::Builder::new()
-            .prefix(&format!("nanogpt-bad-{tag}-"))
-            .tempdir()
-            .expect("temp dir");
-        let scene = Scene { dir };
+        let scene = Scene {
+            dir: temp_dir(&format!("bad-{tag}")),
+        };
         scene.write_dataset("ds", 1000, 300, VOCAB);
         scene
     }

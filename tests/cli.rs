@@ -4,7 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-const BIN: &str = env!("CARGO_BIN_EXE_nanogpt");
+mod common;
+use common::{metric, temp_dir, BIN};
 
 fn nanogpt(dir: &Path, args: &[&str]) -> Output {
     Command::new(BIN)
@@ -36,13 +37,6 @@ fn fails(dir: &Path, args: &[&str]) -> String {
         "unexpected error format:\n{stderr}"
     );
     stderr
-}
-
-fn temp_dir(tag: &str) -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix(&format!("nanogpt-cli-{tag}-"))
-        .tempdir()
-        .expect("temp dir")
 }
 
 fn fixture(name: &str) -> PathBuf {
@@ -79,17 +73,6 @@ fn train(dir: &Path, extra: &[&str]) -> String {
     args.extend(TINY);
     args.extend(extra);
     ok(dir, &args)
-}
-
-/// The step rows of `metrics.jsonl`: (iter, loss).
-fn step_losses(out_dir: &Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(out_dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|row| row.get("loss").is_some())
-        .map(|row| (row["iter"].as_u64().unwrap(), row["loss"].as_f64().unwrap()))
-        .collect()
 }
 
 #[test]
@@ -170,7 +153,7 @@ fn train_writes_checkpoint_metrics_and_plot_then_eval_and_sample_use_it() {
     for file in ["ckpt.safetensors", "ckpt.json", "metrics.jsonl", "loss.png"] {
         assert!(run.join(file).is_file(), "{file} missing");
     }
-    let losses = step_losses(&run);
+    let losses = metric(&run, "loss");
     assert_eq!(
         losses.iter().map(|r| r.0).collect::<Vec<_>>(),
         (0..=6).collect::<Vec<_>>()
@@ -262,8 +245,8 @@ fn resumed_run_repeats_the_uninterrupted_losses_exactly() {
         "resumes at iteration 4: {stdout}"
     );
 
-    let a = step_losses(&d.join("straight"));
-    let b = step_losses(&d.join("split"));
+    let a = metric(&d.join("straight"), "loss");
+    let b = metric(&d.join("split"), "loss");
     assert_eq!(a.len(), 10);
     assert_eq!(a, b, "bit-identical losses after resuming");
 }
@@ -313,7 +296,7 @@ fn bfloat16_training_reports_its_matmul_path_and_its_checkpoint_serves_eval_and_
     let stdout = train(d, &extra);
     let path = format!("bf16 matmuls: {}", nanogpt::kernels::bf16_gemm::path());
     assert!(stdout.contains(&path), "{stdout}");
-    let losses = step_losses(&d.join("run"));
+    let losses = metric(&d.join("run"), "loss");
     assert_eq!(losses.len(), 5);
     assert!(losses.iter().all(|r| r.1.is_finite() && r.1 > 0.0));
     // The checkpoint holds f32 master weights: eval and sample read it as usual.

@@ -19,7 +19,9 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-const BIN: &str = env!("CARGO_BIN_EXE_nanogpt");
+mod common;
+use common::{temp_dir, BIN};
+
 const FIXTURES: [&str; 3] = ["tiny_a", "tiny_b_legacy", "tiny_c_sharded"];
 
 /// Logits: |got - want| <= ATOL + RTOL·|want|. transformers computes in float32
@@ -221,18 +223,11 @@ fn eval_command_reads_a_hugging_face_directory() {
 // ---------------------------------------------------------------------------------
 // Export
 
-fn temp(tag: &str) -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix(&format!("nanogpt-hf-{tag}-"))
-        .tempdir()
-        .unwrap()
-}
-
 #[test]
 fn export_then_load_round_trips_bit_exactly() {
     for name in FIXTURES {
         let (cfg, params) = load(&fixture(name), None);
-        let dir = temp("roundtrip");
+        let dir = temp_dir("hf-roundtrip");
         let dest = dir.path().join("export");
         nanogpt::hf::export(&params, &cfg, Some(TokenizerKind::Char), &dest).unwrap();
         let (cfg2, params2) = load(&dest, None);
@@ -323,7 +318,7 @@ fn char_meta(vocab: usize) -> Meta {
 fn export_command_writes_what_loads_back_with_the_same_logits() {
     // Without biases the export writes zero biases: exactly the same function.
     for bias in [true, false] {
-        let dir = temp("export-cli");
+        let dir = temp_dir("hf-export-cli");
         let mut model = random_model(bias, 77, 5);
         save_checkpoint(&dir.path().join("out"), &model, &char_meta(77));
         let stdout = ok(dir.path(), &["export", "--from", "out", "--to", "hf"], &[]);
@@ -364,7 +359,7 @@ fn export_command_writes_what_loads_back_with_the_same_logits() {
 
 #[test]
 fn gpt2_tokenized_exports_carry_the_tokenizer() {
-    let dir = temp("export-gpt2");
+    let dir = temp_dir("hf-export-gpt2");
     let model = random_model(true, 50257, 1);
     nanogpt::hf::export(
         &model.params,
@@ -386,7 +381,7 @@ fn gpt2_tokenized_exports_carry_the_tokenizer() {
 #[test]
 fn export_refuses_a_directory_with_other_files() {
     let (cfg, params) = load(&fixture("tiny_a"), None);
-    let dir = temp("export-dest");
+    let dir = temp_dir("hf-export-dest");
     std::fs::write(dir.path().join("notes.txt"), "mine").unwrap();
     std::fs::write(dir.path().join("config.json"), "{}").unwrap();
     let err = format!(
@@ -425,7 +420,7 @@ fn export_refuses_a_directory_with_other_files() {
 #[test]
 fn export_for_python_check() {
     let keep = std::env::var_os("NANOGPT_EXPORT_CHECK_DIR").map(PathBuf::from);
-    let tmp = temp("pycheck");
+    let tmp = temp_dir("hf-pycheck");
     let base = keep.clone().unwrap_or_else(|| tmp.path().to_path_buf());
     let want = expected("tiny_a");
     let (b, t) = (want.b, want.t);
@@ -601,7 +596,7 @@ fn edit_weights(dir: &Path, edit: impl FnOnce(&mut Vec<(String, Vec<usize>, Vec<
 
 #[test]
 fn missing_files_are_named() {
-    let dir = temp("missing");
+    let dir = temp_dir("hf-missing");
     let model = dir.path().join("m");
     copy_dir(&fixture("tiny_a"), &model);
     std::fs::remove_file(model.join("config.json")).unwrap();
@@ -643,7 +638,7 @@ fn missing_files_are_named() {
 
 #[test]
 fn pickle_is_refused_with_the_way_to_convert() {
-    let dir = temp("pickle");
+    let dir = temp_dir("hf-pickle");
     let model = dir.path().join("m");
     std::fs::create_dir_all(&model).unwrap();
     std::fs::copy(
@@ -663,7 +658,7 @@ fn pickle_is_refused_with_the_way_to_convert() {
 
 #[test]
 fn config_the_engine_cannot_represent_is_refused() {
-    let dir = temp("config");
+    let dir = temp_dir("hf-config");
     let cases = [
         ("activation_function", serde_json::json!("relu"), "\"relu\""),
         (
@@ -701,7 +696,7 @@ fn config_the_engine_cannot_represent_is_refused() {
 
 #[test]
 fn weights_that_do_not_fit_the_config_are_refused() {
-    let dir = temp("weights");
+    let dir = temp_dir("hf-weights");
     let model = dir.path().join("shape");
     copy_dir(&fixture("tiny_a"), &model);
     // nn.Linear orientation instead of Conv1D.
@@ -780,7 +775,7 @@ fn a_lone_safetensors_file_loads_with_or_without_config_beside_it() {
         .logits(&want.ids, want.b, want.t);
     max_logit_error(&logits, &want.logits);
     // Without config.json the heads are taken as 64 wide: C=32 cannot say.
-    let dir = temp("lone");
+    let dir = temp_dir("hf-lone");
     std::fs::copy(&file, dir.path().join("w.safetensors")).unwrap();
     let err = open_err(&dir.path().join("w.safetensors"));
     assert!(err.contains("config.json"), "{err}");
@@ -808,7 +803,7 @@ fn offline(cache: &Path) -> HubEnv {
 
 #[test]
 fn names_resolve_through_the_hugging_face_cache() {
-    let cache = temp("cache");
+    let cache = temp_dir("hf-cache");
     let snap = fake_cache(cache.path(), "gpt2", "tiny_a", "abc123");
     // An older, incomplete snapshot must not be chosen.
     std::fs::create_dir_all(cache.path().join("models--gpt2/snapshots/old")).unwrap();
@@ -818,7 +813,7 @@ fn names_resolve_through_the_hugging_face_cache() {
     assert_eq!(m.config.vocab_size, 259);
 
     // The presets' new home, openai-community/…, is found for the short name too.
-    let cache2 = temp("cache2");
+    let cache2 = temp_dir("hf-cache2");
     let snap2 = fake_cache(
         cache2.path(),
         "openai-community/gpt2-medium",
@@ -829,7 +824,7 @@ fn names_resolve_through_the_hugging_face_cache() {
     assert_eq!(located, Located::Dir(snap2));
 
     // A snapshot with only pickle weights: the pickle message, not "not found".
-    let cache3 = temp("cache3");
+    let cache3 = temp_dir("hf-cache3");
     let snap3 = cache3.path().join("models--gpt2/snapshots/1");
     std::fs::create_dir_all(&snap3).unwrap();
     std::fs::copy(
@@ -849,7 +844,7 @@ fn names_resolve_through_the_hugging_face_cache() {
 
 #[test]
 fn a_name_not_found_offline_says_where_it_looked_and_what_to_do() {
-    let cache = temp("empty-cache");
+    let cache = temp_dir("hf-empty-cache");
     let err = format!(
         "{:#}",
         Pretrained::open_with("gpt2-xl", &offline(cache.path()))
@@ -868,7 +863,7 @@ fn a_name_not_found_offline_says_where_it_looked_and_what_to_do() {
 
 #[test]
 fn commands_find_names_in_the_cache_given_by_the_environment() {
-    let cache = temp("env-cache");
+    let cache = temp_dir("hf-env-cache");
     fake_cache(cache.path(), "gpt2", "tiny_b_legacy", "0123");
     let want = expected("tiny_b_legacy");
     let env = [
@@ -894,7 +889,7 @@ fn commands_find_names_in_the_cache_given_by_the_environment() {
         .unwrap();
     assert!((loss - want.eval_loss).abs() / want.eval_loss <= LOSS_RTOL);
     // With HF_HOME instead: $HF_HOME/hub.
-    let home = temp("hf-home");
+    let home = temp_dir("hf-hf-home");
     fake_cache(&home.path().join("hub"), "gpt2", "tiny_b_legacy", "0123");
     let located = {
         let env = HubEnv {
@@ -950,7 +945,7 @@ fn fails(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> String {
 
 #[test]
 fn fine_tune_from_a_hugging_face_directory_then_export() {
-    let dir = temp("finetune");
+    let dir = temp_dir("hf-finetune");
     let root = dir.path();
     // A GPT-2-vocabulary model (tiny width) as a Hugging Face directory.
     let model = random_model(true, 50257, 9);

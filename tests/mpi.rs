@@ -12,7 +12,8 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_nanogpt");
+mod common;
+use common::{metric, temp_dir, BIN};
 
 /// A tiny model on the bundled Shakespeare, one thread per rank, dropout on (so the
 /// micro-step seeds matter), four micro-steps per step.
@@ -42,10 +43,7 @@ static SERIAL: Mutex<()> = Mutex::new(());
 fn workdir() -> &'static Path {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
     DIR.get_or_init(|| {
-        let dir = tempfile::Builder::new()
-            .prefix("nanogpt-mpi-")
-            .tempdir()
-            .unwrap();
+        let dir = temp_dir("mpi");
         let out = Command::new(BIN)
             .args(["prepare", "shakespeare", "--out", "data/shakespeare_char"])
             .args(["--tokenizer", "char"])
@@ -150,18 +148,8 @@ type Curve = Vec<(u64, f64)>;
 
 /// The rows of `metrics.jsonl`: (iter, loss) of steps and (iter, val_loss) of evals.
 fn losses(out: &str) -> (Curve, Curve) {
-    let text = std::fs::read_to_string(workdir().join(out).join("metrics.jsonl")).unwrap();
-    let rows: Vec<serde_json::Value> = text
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    let pick = |key: &str| {
-        rows.iter()
-            .filter(|r| r.get(key).is_some())
-            .map(|r| (r["iter"].as_u64().unwrap(), r[key].as_f64().unwrap()))
-            .collect::<Vec<_>>()
-    };
-    (pick("loss"), pick("val_loss"))
+    let dir = workdir().join(out);
+    (metric(&dir, "loss"), metric(&dir, "val_loss"))
 }
 
 fn params(out: &str) -> (ParamLayout, Vec<f32>, u64) {

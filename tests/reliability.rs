@@ -13,7 +13,8 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_nanogpt");
+mod common;
+use common::{metric, temp_dir, text, BIN};
 
 /// A tiny, fast model on the bundled Shakespeare (characters), dropout on, with an
 /// evaluation every 4 iterations and an interval checkpoint every 3.
@@ -34,13 +35,6 @@ const TINY: [&str; 14] = [
     "out_dir=run",
 ];
 
-fn temp_dir(tag: &str) -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix(&format!("nanogpt-rel-{tag}-"))
-        .tempdir()
-        .expect("temp dir")
-}
-
 /// `nanogpt train TINY... extra...` in `dir`, with `NANOGPT_FAULT=fault` if given.
 fn command(dir: &Path, extra: &[&str], fault: Option<&str>) -> Command {
     let mut cmd = Command::new(BIN);
@@ -58,10 +52,6 @@ fn command(dir: &Path, extra: &[&str], fault: Option<&str>) -> Command {
 
 fn run(dir: &Path, extra: &[&str], fault: Option<&str>) -> Output {
     command(dir, extra, fault).output().expect("run nanogpt")
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
 }
 
 /// Trains successfully; returns stdout.
@@ -87,15 +77,9 @@ fn assert_error(out: &Output) -> String {
 
 /// The step rows of `metrics.jsonl`: (iter, loss bits), for exact comparison.
 fn step_losses(out_dir: &Path) -> Vec<(u64, u32)> {
-    std::fs::read_to_string(out_dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|row| row.get("loss").is_some())
-        .map(|row| {
-            let loss = row["loss"].as_f64().map_or(f32::NAN, |l| l as f32);
-            (row["iter"].as_u64().unwrap(), loss.to_bits())
-        })
+    metric(out_dir, "loss")
+        .into_iter()
+        .map(|(iter, loss)| (iter, (loss as f32).to_bits()))
         .collect()
 }
 
