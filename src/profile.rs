@@ -1,7 +1,9 @@
 //! Optional timing of the step by kernel family, for `nanogpt bench --profile`.
 //!
 //! Off unless [`enable`] is called; then each instrumented kernel adds its wall time
-//! to a per-family total. When off, a scope costs one relaxed atomic load.
+//! to a per-family total, less the time of any instrumented kernel it calls (which
+//! goes to that kernel's family), so the totals add up to the time covered. When
+//! off, a scope costs one relaxed atomic load.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
