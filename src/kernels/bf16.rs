@@ -54,8 +54,14 @@ const TASK: usize = 1 << 14;
 /// Rounds every element of `x` to bf16 in place (the values stay f32).
 pub fn round_in_place(x: &mut [f32]) {
     let _t = crate::profile::scope(crate::profile::Section::Bf16Round);
-    x.par_chunks_mut(TASK)
-        .for_each(|c| c.iter_mut().for_each(|v| *v = round(*v)));
+    x.par_chunks_mut(TASK).for_each(round_slice);
+}
+
+/// [`round_in_place`] on the calling thread, untimed: for kernels that round their
+/// output a row at a time while it is in cache.
+#[inline]
+pub fn round_slice(x: &mut [f32]) {
+    x.iter_mut().for_each(|v| *v = round(*v));
 }
 
 /// `dst = round(src)`, both f32.

@@ -139,7 +139,7 @@ fn forward_impl<const BF16: bool>(
                 if BF16 && with_grad {
                     // The logit gradient is a bf16 matmul operand: round the row while
                     // it is still in cache rather than in a pass over the chunk.
-                    row.iter_mut().for_each(|v| *v = super::bf16::round(*v));
+                    super::bf16::round_slice(row);
                 }
             });
         if let Some(g) = grads.as_mut() {

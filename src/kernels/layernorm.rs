@@ -59,22 +59,9 @@ fn forward_with<const ROUND: bool>(
         });
 }
 
-/// The output of [`layernorm_forward`] again, from its saved `mean` and `rstd`
-/// (bit-identical: the same arithmetic on the same values). For backward passes that
-/// recompute the layer-norm output instead of keeping it.
-pub fn layernorm_apply(
-    out: &mut [f32],
-    inp: &[f32],
-    mean: &[f32],
-    rstd: &[f32],
-    weight: &[f32],
-    bias: &[f32],
-    c: usize,
-) {
-    apply_with::<false>(out, inp, mean, rstd, weight, bias, c)
-}
-
-/// The output of [`layernorm_forward_bf16`] again (bit-identical).
+/// The output of [`layernorm_forward_bf16`] again, from its saved `mean` and `rstd`
+/// (bit-identical: the same arithmetic on the same values), for bf16's backward,
+/// which recomputes the layer-norm outputs instead of keeping them.
 pub fn layernorm_apply_bf16(
     out: &mut [f32],
     inp: &[f32],
@@ -87,6 +74,8 @@ pub fn layernorm_apply_bf16(
     apply_with::<true>(out, inp, mean, rstd, weight, bias, c)
 }
 
+/// The row loop of the recompute; `ROUND = false` gives [`layernorm_forward`]'s output
+/// (only the tests ask for it: the f32 path keeps its layer-norm outputs).
 fn apply_with<const ROUND: bool>(
     out: &mut [f32],
     inp: &[f32],
@@ -126,7 +115,7 @@ fn apply_row<const ROUND: bool>(
         }
     }
     if ROUND {
-        o.iter_mut().for_each(|v| *v = super::bf16::round(*v));
+        super::bf16::round_slice(o);
     }
 }
 
@@ -266,7 +255,7 @@ mod tests {
         layernorm_forward(&mut out, &mut mean, &mut rstd, &x, &w, &b, c);
         assert_close("out", &out, &reference(&x64, &w64, &b64, c), 1e-5, 1e-5);
         let mut again = vec![f32::NAN; n * c];
-        layernorm_apply(&mut again, &x, &mean, &rstd, &w, &b, c);
+        apply_with::<false>(&mut again, &x, &mean, &rstd, &w, &b, c);
         assert_eq!(again, out, "the recomputed output is bit-identical");
         // bf16 autocast's variants: the same output rounded, and recomputed alike.
         let mut rounded = out.clone();
