@@ -331,26 +331,23 @@ fn bfloat16_training_reports_its_matmul_path_and_its_checkpoint_serves_eval_and_
     assert!(resumed.contains("step 6: train loss"), "{resumed}");
 }
 
+/// `nanogpt bench --json` on a tiny model (B 2, T 16), with `extra` options; the
+/// report it prints.
+fn bench_json(dir: &Path, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec!["bench", "--batch-size", "2", "--block-size", "16"];
+    args.extend(["--peak-gflops", "100", "--json"]);
+    args.extend(extra);
+    args.extend(["n_layer=2", "n_head=2", "n_embd=32", "vocab_size=65"]);
+    serde_json::from_str(ok(dir, &args).trim()).expect("one JSON object")
+}
+
 #[test]
 fn bench_takes_a_dtype() {
     let dir = temp_dir("bench-dtype");
     let d = dir.path();
-    let tiny = ["n_layer=2", "n_head=2", "n_embd=32", "vocab_size=65"];
     let mut report = Vec::new();
     for dtype in ["float32", "bfloat16"] {
-        let mut args = vec![
-            "bench",
-            "--batch-size",
-            "2",
-            "--block-size",
-            "16",
-            "--steps",
-            "1",
-        ];
-        args.extend(["--peak-gflops", "100", "--json", "--dtype", dtype]);
-        args.extend(tiny);
-        let json = ok(d, &args);
-        let r: serde_json::Value = serde_json::from_str(json.trim()).expect("one JSON object");
+        let r = bench_json(d, &["--steps", "1", "--dtype", dtype]);
         assert_eq!(r["dtype"], dtype);
         assert!(r["ms_per_step"].as_f64().unwrap() > 0.0);
         report.push(r["activation_mb"].as_f64().unwrap());
@@ -369,25 +366,7 @@ fn bench_profile_rows_are_exclusive_and_add_up_to_at_most_the_step() {
     // time, nested sections taken out; means over the steps) cannot exceed the mean step.
     let dir = temp_dir("bench-profile");
     let d = dir.path();
-    let mut args = vec![
-        "bench",
-        "--batch-size",
-        "2",
-        "--block-size",
-        "16",
-        "--steps",
-        "3",
-    ];
-    args.extend([
-        "--peak-gflops",
-        "100",
-        "--json",
-        "--profile",
-        "--dtype",
-        "bfloat16",
-    ]);
-    args.extend(["n_layer=2", "n_head=2", "n_embd=32", "vocab_size=65"]);
-    let r: serde_json::Value = serde_json::from_str(ok(d, &args).trim()).expect("one JSON object");
+    let r = bench_json(d, &["--steps", "3", "--profile", "--dtype", "bfloat16"]);
     let step = r["ms_per_step_mean"].as_f64().unwrap();
     let rows: Vec<(String, f64)> = r["profile"]
         .as_array()
