@@ -149,8 +149,7 @@ fn forward_impl<const BF16: bool>(
                 Some(p) => matmul_bf16_packed(dx, dlogits, &p.dx, false),
                 None => gemm(dx, dlogits, wte_v, false),
             }
-            let dwte = &mut g.dwte[..v * c];
-            gemm(dwte, dlogits.t(), x_m, true);
+            weight_gradient(&mut g.dwte[..v * c], dlogits, x_m, gemm);
         }
     }
     if count == 0 {
@@ -158,6 +157,25 @@ fn forward_impl<const BF16: bool>(
     }
     // A fixed summation order keeps the loss bit-identical across thread counts.
     (losses.iter().map(|&l| l as f64).sum::<f64>() / count as f64) as f32
+}
+
+/// Vocabulary rows of `dwte` per product in [`weight_gradient`].
+const DWTE_BLOCK: usize = 4096;
+
+/// `dwte += dlogitsᵀ · x` for one chunk of rows, in blocks of vocabulary rows.
+///
+/// dwte: (V, C); dlogits: (R, V); x: (R, C). The `gemm` crate packs the logit
+/// gradients of a product into a buffer it allocates per call, R × V floats over all of
+/// V (51 MB for a 256-row chunk): above malloc's mmap threshold, so it was mapped fresh
+/// and faulted in page by page for every chunk of every step. A block's buffer is
+/// R × 4,096 floats, which malloc keeps and hands back on the next call.
+fn weight_gradient(dwte: &mut [f32], dlogits: Mat, x: Mat, gemm: fn(&mut [f32], Mat, Mat, bool)) {
+    let (v, c) = (dlogits.cols, x.cols);
+    for (block, dwte_block) in dwte.chunks_mut(DWTE_BLOCK * c).enumerate() {
+        let start = block * DWTE_BLOCK;
+        let end = (start + DWTE_BLOCK).min(v);
+        gemm(dwte_block, dlogits.columns(start, end).t(), x, true);
+    }
 }
 
 /// Cross-entropy of one row of logits; with `grad_scale`, the row is replaced by
@@ -398,6 +416,26 @@ mod tests {
         );
         assert_eq!(loss, 0.0);
         assert!(dx.iter().chain(&dwte).all(|&d| d == 0.0));
+    }
+
+    #[test]
+    fn weight_gradient_covers_every_vocabulary_block() {
+        // Two full blocks and a partial one.
+        let (r, c, v) = (3, 4, 2 * DWTE_BLOCK + 5);
+        let dlogits = rand_vec(r * v, 1);
+        let x = rand_vec(r * c, 2);
+        let mut dwte = rand_vec(v * c, 3);
+        let mut want = to_f64(&dwte);
+        for (j, row) in want.chunks_mut(c).enumerate() {
+            for (i, w) in row.iter_mut().enumerate() {
+                *w += (0..r)
+                    .map(|k| dlogits[k * v + j] as f64 * x[k * c + i] as f64)
+                    .sum::<f64>();
+            }
+        }
+        let (dlogits_m, x_m) = (Mat::new(&dlogits, r, v), Mat::new(&x, r, c));
+        weight_gradient(&mut dwte, dlogits_m, x_m, matmul);
+        assert_close("dwte", &dwte, &want, 1e-5, 1e-6);
     }
 
     #[test]

@@ -42,6 +42,19 @@ impl<'a> Mat<'a> {
             ..self
         }
     }
+
+    /// The columns `start..end`, as a view (no copy).
+    pub fn columns(self, start: usize, end: usize) -> Mat<'a> {
+        assert!(
+            start <= end && end <= self.cols,
+            "column range out of bounds"
+        );
+        Mat {
+            data: &self.data[(start * self.cs).min(self.data.len())..],
+            cols: end - start,
+            ..self
+        }
+    }
 }
 
 /// `dst = a · b` (or `dst += a · b` when `accumulate`), dst dense row-major `m × n`.
@@ -271,6 +284,45 @@ mod tests {
             }
         }
         out
+    }
+
+    #[test]
+    fn column_views_multiply_as_their_columns() {
+        let (m, k) = (3, 7);
+        let a = rand_vec(m * k, 1);
+        let b = rand_vec(3 * 2, 2);
+        // Columns 2..5 of a: element (i, p) is a[i·k + 2 + p].
+        let mut got = vec![f32::NAN; m * 2];
+        matmul(
+            &mut got,
+            Mat::new(&a, m, k).columns(2, 5),
+            Mat::new(&b, 3, 2),
+            false,
+        );
+        let want: Vec<f64> = (0..m * 2)
+            .map(|e| {
+                let (i, j) = (e / 2, e % 2);
+                (0..3)
+                    .map(|p| a[i * k + 2 + p] as f64 * b[p * 2 + j] as f64)
+                    .sum()
+            })
+            .collect();
+        assert_close("a[:, 2..5] · b", &got, &want, 1e-6, 1e-6);
+        // Through a transpose: columns 1..4 of aᵀ are rows 1..4 of a, element (p, i) of
+        // the view is a[(1 + p)·k + i].
+        let rows = Mat::new(&a, m, k).t().columns(1, 3).t();
+        let c = rand_vec(k * 2, 3);
+        let mut got = vec![f32::NAN; 2 * 2];
+        matmul(&mut got, rows, Mat::new(&c, k, 2), false);
+        let want: Vec<f64> = (0..2 * 2)
+            .map(|e| {
+                let (p, j) = (e / 2, e % 2);
+                (0..k)
+                    .map(|i| a[(1 + p) * k + i] as f64 * c[i * 2 + j] as f64)
+                    .sum()
+            })
+            .collect();
+        assert_close("a[1..3, :] · c", &got, &want, 1e-6, 1e-6);
     }
 
     fn check(n: usize, c: usize, oc: usize, with_bias: bool) {
