@@ -149,7 +149,9 @@ fn forward_impl<const BF16: bool>(
                 Some(p) => matmul_bf16_packed(dx, dlogits, &p.dx, false),
                 None => gemm(dx, dlogits, wte_v, false),
             }
-            weight_gradient(&mut g.dwte[..v * c], dlogits, x_m, gemm);
+            // The bf16 kernels pack into buffers they keep: one product over all of V.
+            let block = if BF16 { v } else { DWTE_BLOCK };
+            weight_gradient(&mut g.dwte[..v * c], dlogits, x_m, gemm, block);
         }
     }
     if count == 0 {
@@ -159,21 +161,28 @@ fn forward_impl<const BF16: bool>(
     (losses.iter().map(|&l| l as f64).sum::<f64>() / count as f64) as f32
 }
 
-/// Vocabulary rows of `dwte` per product in [`weight_gradient`].
+/// Vocabulary rows of `dwte` per f32 product in [`weight_gradient`].
 const DWTE_BLOCK: usize = 4096;
 
-/// `dwte += dlogitsᵀ · x` for one chunk of rows, in blocks of vocabulary rows.
+/// `dwte += dlogitsᵀ · x` for one chunk of rows, in blocks of `block` vocabulary rows.
 ///
 /// dwte: (V, C); dlogits: (R, V); x: (R, C). The `gemm` crate packs the logit
 /// gradients of a product into a buffer it allocates per call, R × V floats over all of
 /// V (51 MB for a 256-row chunk): above malloc's mmap threshold, so it was mapped fresh
-/// and faulted in page by page for every chunk of every step. A block's buffer is
-/// R × 4,096 floats, which malloc keeps and hands back on the next call.
-fn weight_gradient(dwte: &mut [f32], dlogits: Mat, x: Mat, gemm: fn(&mut [f32], Mat, Mat, bool)) {
+/// and faulted in page by page for every chunk of every step. A block of
+/// [`DWTE_BLOCK`] rows needs R × 4,096 floats, which malloc keeps and hands back on the
+/// next call.
+fn weight_gradient(
+    dwte: &mut [f32],
+    dlogits: Mat,
+    x: Mat,
+    gemm: fn(&mut [f32], Mat, Mat, bool),
+    block: usize,
+) {
     let (v, c) = (dlogits.cols, x.cols);
-    for (block, dwte_block) in dwte.chunks_mut(DWTE_BLOCK * c).enumerate() {
-        let start = block * DWTE_BLOCK;
-        let end = (start + DWTE_BLOCK).min(v);
+    for (i, dwte_block) in dwte.chunks_mut(block * c).enumerate() {
+        let start = i * block;
+        let end = (start + block).min(v);
         gemm(dwte_block, dlogits.columns(start, end).t(), x, true);
     }
 }
@@ -421,7 +430,7 @@ mod tests {
     #[test]
     fn weight_gradient_covers_every_vocabulary_block() {
         // Two full blocks and a partial one.
-        let (r, c, v) = (3, 4, 2 * DWTE_BLOCK + 5);
+        let (r, c, v, block) = (3, 4, 11, 4);
         let dlogits = rand_vec(r * v, 1);
         let x = rand_vec(r * c, 2);
         let mut dwte = rand_vec(v * c, 3);
@@ -434,7 +443,7 @@ mod tests {
             }
         }
         let (dlogits_m, x_m) = (Mat::new(&dlogits, r, v), Mat::new(&x, r, c));
-        weight_gradient(&mut dwte, dlogits_m, x_m, matmul);
+        weight_gradient(&mut dwte, dlogits_m, x_m, matmul, block);
         assert_close("dwte", &dwte, &want, 1e-5, 1e-6);
     }
 
