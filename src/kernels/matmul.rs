@@ -71,8 +71,9 @@ pub fn matmul(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
         }
         return;
     }
-    // SAFETY: `Mat::new` checked that each operand's data holds rows × cols elements
-    // and `t()` only swaps the strides, so every index gemm forms from (m, n, k) and the
+    // SAFETY: `Mat::new` checked that each operand's data holds rows × cols elements,
+    // `t()` only swaps the strides and `columns()` starts the slice at its first column
+    // and narrows `cols` to match, so every index gemm forms from (m, n, k) and the
     // strides lies inside its slice; dst is exclusively borrowed and m × n long.
     unsafe {
         gemm::gemm(
