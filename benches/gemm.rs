@@ -17,7 +17,9 @@ enum Layout {
 }
 use Layout::{N, T};
 
-/// (name, m, k, n, a layout, b layout): dst (m×n) = a (m×k) · b (k×n).
+/// (name, m, k, n, a layout, b layout): dst (m×n) = a (m×k) · b (k×n). The classifier
+/// runs 1,024 rows as four chunks of 256, and its `dwte` product in blocks of 4,096
+/// vocabulary rows (src/kernels/classifier.rs).
 const SHAPES: [(&str, usize, usize, usize, Layout, Layout); 17] = [
     ("qs qkv fwd", 768, 128, 384, N, T),
     ("qs fc fwd", 768, 128, 512, N, T),
@@ -32,9 +34,9 @@ const SHAPES: [(&str, usize, usize, usize, Layout, Layout); 17] = [
     ("mlp dx   dy·W", 1024, 768, 3072, N, N),
     ("fc dW    dyᵀ·x", 3072, 1024, 768, T, N),
     ("mlp dW   dyᵀ·x", 768, 1024, 3072, T, N),
-    ("cls fwd  x·wteᵀ", 333, 768, 50304, N, T),
-    ("cls dx   dl·wte", 333, 50304, 768, N, N),
-    ("cls dwte dlᵀ·x", 50304, 333, 768, T, N),
+    ("cls fwd  x·wteᵀ", 256, 768, 50304, N, T),
+    ("cls dx   dl·wte", 256, 50304, 768, N, N),
+    ("cls dwte dlᵀ·x", 4096, 256, 768, T, N),
     ("square 2048", 2048, 2048, 2048, N, N),
 ];
 
