@@ -30,6 +30,27 @@ pub mod residual;
 #[cfg(test)]
 pub(crate) mod testutil;
 
+/// The shape of one pass: `B` sequences of `T` positions, `C` channels in `NH` heads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Dims {
+    pub b: usize,
+    pub t: usize,
+    pub c: usize,
+    pub nh: usize,
+}
+
+impl Dims {
+    /// Rows of a `(B, T, ·)` tensor: `N = B·T`.
+    pub fn bt(self) -> usize {
+        self.b * self.t
+    }
+
+    /// Channels per head: `HS = C / NH`.
+    pub fn hs(self) -> usize {
+        self.c / self.nh
+    }
+}
+
 /// A raw pointer that parallel tasks may share because each writes a disjoint part.
 #[derive(Clone, Copy)]
 pub(crate) struct SharedMut(*mut f32);
