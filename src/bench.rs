@@ -1,8 +1,8 @@
 //! `nanogpt bench`: time training steps (forward, backward, clipping, AdamW) on
 //! synthetic tokens, and report ms/step, tokens/s, MFU and peak RSS.
 
-use crate::config::Dtype;
 use crate::kernels::matmul::{matmul, Mat};
+use crate::model::Dtype;
 use crate::model::{Gpt, ModelConfig};
 use crate::optim::{clip_factor, grad_norm, AdamW, AdamWConfig};
 use serde::Serialize;

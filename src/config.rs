@@ -7,6 +7,8 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use toml::{Table, Value};
 
+use crate::model::Dtype;
+
 /// The quick-start preset (`configs/train_shakespeare_char.toml`), built in so that
 /// `nanogpt train` without arguments works from any directory.
 pub const QUICK_START_TOML: &str = include_str!("../configs/train_shakespeare_char.toml");
@@ -24,26 +26,6 @@ const PYTORCH_ONLY_KEYS: [&str; 6] = [
     "wandb_project",
     "wandb_run_name",
 ];
-
-/// Numeric precision of the matmuls (master weights are always f32).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Dtype {
-    Float32,
-    /// Matmul operands rounded to bf16 with f32 accumulation (autocast semantics).
-    Bfloat16,
-}
-
-impl Dtype {
-    pub const NAMES: [&'static str; 2] = ["float32", "bfloat16"];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Dtype::Float32 => "float32",
-            Dtype::Bfloat16 => "bfloat16",
-        }
-    }
-}
 
 /// Where the initial weights come from (the `init_from` key).
 #[derive(Clone, Debug, PartialEq, Eq)]

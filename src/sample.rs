@@ -238,7 +238,7 @@ mod tests {
     }
 
     fn run(gpt: &Gpt, prompt: &[u32], o: &SampleOptions) -> Vec<Vec<u32>> {
-        generate(&gpt.params, &gpt.layout, &gpt.config, prompt, o, |_, _| {})
+        generate(&gpt.params, &gpt.layout, gpt.config(), prompt, o, |_, _| {})
     }
 
     #[test]
@@ -266,7 +266,7 @@ mod tests {
         let o = opts(0.8, Some(10), 7);
         let mut streamed = vec![Vec::new(); 3];
         let mut order = Vec::new();
-        let out = generate(&gpt.params, &gpt.layout, &gpt.config, &[5], &o, |i, t| {
+        let out = generate(&gpt.params, &gpt.layout, gpt.config(), &[5], &o, |i, t| {
             streamed[i].push(t);
             order.push(i);
         });
@@ -293,11 +293,11 @@ mod tests {
     }
 
     /// Greedy decoding past block_size against a reference that recomputes
-    /// `Gpt::logits_last` on the cropped context (the last block_size tokens) each step.
+    /// `Gpt::logits` on the cropped context (the last block_size tokens) each step.
     #[test]
     fn greedy_past_the_block_matches_full_recompute() {
         let mut gpt = random_gpt(small(true), 1, 14);
-        let (block, v) = (gpt.config.block_size, gpt.config.vocab_size);
+        let (block, v) = (gpt.config().block_size, gpt.config().vocab_size);
         let prompt: Vec<u32> = (0..5).map(|i| (i * 7 % v) as u32).collect();
         let mut o = opts(0.0, None, 0);
         o.num_samples = 2;
@@ -307,8 +307,8 @@ mod tests {
         let mut seq = prompt.clone();
         for _ in 0..o.max_new_tokens {
             let ctx = &seq[seq.len().saturating_sub(block)..];
-            let logits = gpt.logits_last(ctx, 1, ctx.len());
-            seq.push(argmax(logits) as u32);
+            let logits = gpt.logits(ctx, 1, ctx.len());
+            seq.push(argmax(&logits[logits.len() - v..]) as u32);
         }
         assert_eq!(got[0], seq[prompt.len()..]);
         assert_eq!(got[1], got[0]);
@@ -317,7 +317,7 @@ mod tests {
     #[test]
     fn a_prompt_longer_than_the_block_is_cropped() {
         let gpt = random_gpt(small(false), 1, 15);
-        let block = gpt.config.block_size;
+        let block = gpt.config().block_size;
         let tail: Vec<u32> = (0..block as u32).map(|i| i * 3 % 53).collect();
         let long: Vec<u32> = [vec![9; 5], tail.clone()].concat();
         let o = opts(0.9, Some(20), 8);
@@ -397,7 +397,7 @@ mod tests {
         let mut gpt = Gpt::new(cfg, 1, 1).unwrap();
         gpt.init_gpt2(1);
         let (steps, prompt) = (64, 16);
-        let mut dec = Decoder::new(&gpt.config, 1, prompt + steps);
+        let mut dec = Decoder::new(gpt.config(), 1, prompt + steps);
         let tokens: Vec<u32> = (0..prompt as u32).map(|i| i * 1000 + 7).collect();
         let mut next = argmax(dec.feed(&gpt.params, &gpt.layout, &tokens, prompt)) as u32;
         let start = std::time::Instant::now();
@@ -410,6 +410,6 @@ mod tests {
             rayon::current_num_threads(),
             steps as f64 / secs
         );
-        assert!(secs > 0.0 && (next as usize) < gpt.config.vocab_size);
+        assert!(secs > 0.0 && (next as usize) < gpt.config().vocab_size);
     }
 }

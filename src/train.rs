@@ -494,7 +494,7 @@ impl Trainer {
             return Ok(());
         }
         let state = CheckpointState {
-            model: self.model.config.clone(),
+            model: self.model.config().clone(),
             train_config: serde_json::to_value(&self.cfg)?,
             iter_num: iter,
             best_val_loss: self.best_val_loss,
@@ -525,7 +525,7 @@ impl Trainer {
         // Tokens of the whole job (all ranks) per second.
         let tokens = self.cfg.tokens_per_iter() as f64;
         let tokens_per_sec = tokens / secs;
-        let flops = self.model.config.flops_per_token(self.cfg.block_size) * tokens_per_sec;
+        let flops = self.model.config().flops_per_token(self.cfg.block_size) * tokens_per_sec;
         let mfu = flops / (self.peak_gflops * 1e9 * self.comm.world_size() as f64);
         let ms = secs * 1e3;
         progress.step(iter, loss);
@@ -626,7 +626,7 @@ fn start_distributed(
     let mut bytes = Vec::new();
     if let Some((model, opt, iter_num, best)) = &built {
         bytes = serde_json::to_vec(&StartHeader {
-            model: model.config.clone(),
+            model: model.config().clone(),
             adam: opt.config,
             iter_num: *iter_num,
             best_val_loss: best.is_finite().then_some(*best),
@@ -846,6 +846,6 @@ fn load_pretrained(cfg: &TrainConfig, meta: &Meta, name: &str) -> Result<Gpt> {
     }
     let (b, t) = (cfg.batch_size, cfg.block_size);
     let mut model = Gpt::new(model_cfg, b, t)?;
-    pretrained.load_params(&model.layout, &model.config, &mut model.params)?;
+    pretrained.load_params(&model.layout, &model.config().clone(), &mut model.params)?;
     Ok(model)
 }

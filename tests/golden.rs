@@ -202,8 +202,8 @@ fn build_model(fx: &Fixture) -> Gpt {
             .clone();
         if name == "transformer.wte.weight" {
             assert_eq!(want.shape[1], info.shape[1]);
-            assert_eq!(want.shape[0], gpt.config.vocab_size);
-            assert_eq!(info.shape[0], gpt.config.padded_vocab_size());
+            assert_eq!(want.shape[0], gpt.config().vocab_size);
+            assert_eq!(info.shape[0], gpt.config().padded_vocab_size());
         } else {
             assert_eq!(want.shape, info.shape, "{name}: shape");
         }
@@ -222,7 +222,7 @@ fn arena_tensor<'a>(gpt: &Gpt, buf: &'a [f32], name: &str, real_len: usize) -> &
 /// The padding rows of `wte` in an arena buffer (must stay zero).
 fn wte_padding<'a>(gpt: &Gpt, buf: &'a [f32]) -> &'a [f32] {
     let info = gpt.layout.get("transformer.wte.weight").unwrap();
-    let real = gpt.config.vocab_size * gpt.config.n_embd;
+    let real = gpt.config().vocab_size * gpt.config().n_embd;
     &buf[info.offset + real..info.range().end]
 }
 
@@ -625,7 +625,7 @@ fn bfloat16_is_close_to_pytorch_autocast() {
         let fx = Fixture::load(stem);
         let want = &refs[stem];
         let mut gpt = build_model(&fx);
-        gpt.set_dtype(nanogpt::config::Dtype::Bfloat16);
+        gpt.set_dtype(nanogpt::model::Dtype::Bfloat16);
         let (b, t) = fx.batch();
         gpt.zero_grad();
         let loss = gpt.forward(&fx.inputs(), &fx.targets(), b, t) as f64;
@@ -642,7 +642,7 @@ fn bfloat16_is_close_to_pytorch_autocast() {
             let info = gpt.layout.get(name).unwrap().clone();
             let want_norm = norm.as_f64().unwrap();
             let n = match name.as_str() {
-                "transformer.wte.weight" => gpt.config.vocab_size * gpt.config.n_embd,
+                "transformer.wte.weight" => gpt.config().vocab_size * gpt.config().n_embd,
                 _ => info.numel(),
             };
             let g = &gpt.grads[info.offset..info.offset + n];

@@ -161,7 +161,7 @@ fn padded_vocabulary_rows_are_zero_and_shapes_follow_the_config() {
         (259, 32, 2, 4, 32, true)
     );
     let layout = nanogpt::model::ParamLayout::new(&cfg);
-    let wte = &params[layout.wte.clone()];
+    let wte = &params[layout.wte];
     assert_eq!(wte.len(), 320 * 32);
     assert!(wte[259 * 32..].iter().all(|&x| x == 0.0));
     assert!(wte[..259 * 32].iter().any(|&x| x != 0.0));
@@ -289,7 +289,7 @@ fn random_model(bias: bool, vocab_size: usize, seed: u64) -> Gpt {
 fn save_checkpoint(out_dir: &Path, model: &Gpt, meta: &Meta) {
     std::fs::create_dir_all(out_dir).unwrap();
     let state = CheckpointState {
-        model: model.config.clone(),
+        model: model.config().clone(),
         train_config: serde_json::json!({}),
         iter_num: 3,
         best_val_loss: 1.0,
@@ -363,7 +363,7 @@ fn gpt2_tokenized_exports_carry_the_tokenizer() {
     let model = random_model(true, 50257, 1);
     nanogpt::hf::export(
         &model.params,
-        &model.config,
+        model.config(),
         Some(TokenizerKind::Gpt2),
         dir.path(),
     )
@@ -492,7 +492,7 @@ fn check_case(
     let id_bytes: Vec<u8> = ids.iter().flat_map(|&x| (x as i32).to_le_bytes()).collect();
     let logit_bytes: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
     let loss_bytes = loss.to_le_bytes().to_vec();
-    let v = model.config.vocab_size;
+    let v = model.config().vocab_size;
     let tensors = vec![
         (
             "ids",
@@ -951,7 +951,7 @@ fn fine_tune_from_a_hugging_face_directory_then_export() {
     let model = random_model(true, 50257, 9);
     nanogpt::hf::export(
         &model.params,
-        &model.config,
+        model.config(),
         Some(TokenizerKind::Gpt2),
         &root.join("pretrained"),
     )

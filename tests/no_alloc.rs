@@ -3,7 +3,7 @@
 //! left are the `gemm` crate's per-call packing buffers, which it sizes from the CPU
 //! caches, not from the batch; the test pins that down.
 
-use nanogpt::config::Dtype;
+use nanogpt::model::Dtype;
 use nanogpt::model::{Gpt, ModelConfig};
 use nanogpt::optim::{clip_grad_norm, AdamW};
 use std::alloc::{GlobalAlloc, Layout, System};

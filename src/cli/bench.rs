@@ -1,7 +1,7 @@
 //! `nanogpt bench`.
 
 use crate::bench::{run as run_bench, BenchOptions};
-use crate::config::Dtype;
+use crate::model::Dtype;
 use crate::model::ModelConfig;
 use anyhow::{bail, Context};
 use clap::Args;

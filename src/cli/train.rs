@@ -67,7 +67,7 @@ pub fn run(args: TrainArgs) -> Result<i32> {
     if root {
         println!(
             "model: {:.2}M parameters, data: {} train / {} val tokens ({} tokenizer)",
-            trainer.model.config.num_params() as f64 / 1e6,
+            trainer.model.config().num_params() as f64 / 1e6,
             trainer.meta.train_tokens,
             trainer.meta.val_tokens,
             trainer.meta.tokenizer
@@ -76,7 +76,7 @@ pub fn run(args: TrainArgs) -> Result<i32> {
             "mfu: against this machine's f32 GEMM peak, {:.0} GFLOP/s per rank, measured now",
             trainer.peak_gflops()
         );
-        if trainer.cfg.dtype == crate::config::Dtype::Bfloat16 {
+        if trainer.cfg.dtype == crate::model::Dtype::Bfloat16 {
             println!("bf16 matmuls: {}", crate::kernels::bf16_gemm::path());
         }
     }

@@ -37,17 +37,14 @@ const DT: usize = 128;
 ///   mask index `((b·NH + h)·T + t)·T + s`.
 ///
 /// Parallel over `(b, h, query block)`; results do not depend on the thread count.
-#[allow(clippy::too_many_arguments)]
 pub fn attention_forward(
     out: &mut [f32],
     lse: &mut [f32],
     qkv: &[f32],
-    b: usize,
-    t: usize,
-    c: usize,
-    nh: usize,
+    d: super::Dims,
     dropout: Option<Dropout>,
 ) {
+    let (b, t, c, nh) = (d.b, d.t, d.c, d.nh);
     let _t = crate::profile::scope(crate::profile::Section::Attention);
     let g = Geom::new(t, c, nh);
     assert_eq!(qkv.len(), b * t * 3 * c, "qkv must be (B, T, 3C)");
@@ -62,19 +59,16 @@ pub fn attention_forward(
 /// produced by [`attention_forward`]; `dqkv`: `(B, T, 3C)`, **overwritten**.
 ///
 /// Parallel over `(b, h)`; results do not depend on the thread count.
-#[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
     dqkv: &mut [f32],
     dout: &[f32],
     qkv: &[f32],
     out: &[f32],
     lse: &[f32],
-    b: usize,
-    t: usize,
-    c: usize,
-    nh: usize,
+    d: super::Dims,
     dropout: Option<Dropout>,
 ) {
+    let (b, t, c, nh) = (d.b, d.t, d.c, d.nh);
     let _t = crate::profile::scope(crate::profile::Section::AttentionBackward);
     let g = Geom::new(t, c, nh);
     assert_eq!(dqkv.len(), b * t * 3 * c, "dqkv must be (B, T, 3C)");
@@ -1204,7 +1198,13 @@ mod tests {
         let run = |mask| {
             let mut out = vec![0.0; b * t * c];
             let mut lse = vec![0.0; b * nh * t];
-            attention_forward(&mut out, &mut lse, &qkv, b, t, c, nh, mask);
+            attention_forward(
+                &mut out,
+                &mut lse,
+                &qkv,
+                crate::kernels::Dims { b, t, c, nh },
+                mask,
+            );
             (out, lse)
         };
         let (plain, plain_lse) = run(None);
@@ -1226,9 +1226,23 @@ mod tests {
             pool.install(|| {
                 let mut out = vec![0.0; b * t * c];
                 let mut lse = vec![0.0; b * nh * t];
-                attention_forward(&mut out, &mut lse, &qkv, b, t, c, nh, DROP);
+                attention_forward(
+                    &mut out,
+                    &mut lse,
+                    &qkv,
+                    crate::kernels::Dims { b, t, c, nh },
+                    DROP,
+                );
                 let mut dqkv = vec![0.0; qkv.len()];
-                attention_backward(&mut dqkv, &dout, &qkv, &out, &lse, b, t, c, nh, DROP);
+                attention_backward(
+                    &mut dqkv,
+                    &dout,
+                    &qkv,
+                    &out,
+                    &lse,
+                    crate::kernels::Dims { b, t, c, nh },
+                    DROP,
+                );
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 (bits(&out), bits(&lse), bits(&dqkv))
             })

@@ -45,61 +45,39 @@ impl WtePacks {
     }
 }
 
+/// The classifier's weights: the tied token embedding `wte` (≥ V rows of C), of which
+/// the first V rows (the real vocabulary) are used, and, for bf16 on AMX, its packs.
+#[derive(Clone, Copy)]
+pub struct Classifier<'a> {
+    pub wte: &'a [f32],
+    /// Made by [`WtePacks::pack`] from the same `wte`; without them the bf16 products
+    /// on AMX repack `wte` twice per chunk of rows. Ignored in f32.
+    pub packs: Option<&'a WtePacks>,
+    pub c: usize,
+    pub v: usize,
+}
+
 /// Mean cross-entropy of `softmax(x · wteᵀ)` against `targets`, ignoring targets of -1.
 ///
-/// x: (N, C); wte: (≥V, C); targets: (N) in `[0, V)` or -1; losses: (N) per-row loss
-/// written (0 for ignored rows); scratch: (R, V) with R ≥ 1 rows, the chunk size.
-/// With `grads`, also computes the gradient of `scale · mean loss`.
-/// Returns the mean over valid rows (0 when there are none).
-#[allow(clippy::too_many_arguments)]
-pub fn classifier_forward(
+/// x: (N, C); targets: (N) in `[0, V)` or -1; losses: (N) per-row loss written (0 for
+/// ignored rows); scratch: (R, V) with R ≥ 1 rows, the chunk size. With `grads`, also
+/// computes the gradient of `scale · mean loss`. Returns the mean over valid rows (0
+/// when there are none).
+///
+/// With `BF16` (autocast), `x` and `wte` hold bf16 values, the matmuls run on
+/// [`matmul_bf16`] (AMX where present) and the logits' gradient is rounded to bf16
+/// before it enters the two backward matmuls; softmax and loss are f32.
+pub fn classifier_forward<const BF16: bool>(
     x: &[f32],
-    wte: &[f32],
+    cls: Classifier,
     targets: &[i32],
     losses: &mut [f32],
     scratch: &mut [f32],
-    c: usize,
-    v: usize,
-    grads: Option<ClassifierGrads>,
-) -> f32 {
-    forward_impl::<false>(x, wte, None, targets, losses, scratch, c, v, grads)
-}
-
-/// [`classifier_forward`] under bf16 autocast: `x` and `wte` hold bf16 values, and
-/// the logits' gradient is rounded to bf16 before it enters the two backward
-/// matmuls; softmax and loss are f32. The matmuls run on [`matmul_bf16`] (AMX where
-/// present), over `packs` of `wte` when given (made by [`WtePacks::pack`] from the
-/// same `wte`); without them AMX repacks `wte` twice per chunk of rows.
-#[allow(clippy::too_many_arguments)]
-pub fn classifier_forward_bf16(
-    x: &[f32],
-    wte: &[f32],
-    packs: Option<&WtePacks>,
-    targets: &[i32],
-    losses: &mut [f32],
-    scratch: &mut [f32],
-    c: usize,
-    v: usize,
-    grads: Option<ClassifierGrads>,
-) -> f32 {
-    forward_impl::<true>(x, wte, packs, targets, losses, scratch, c, v, grads)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn forward_impl<const BF16: bool>(
-    x: &[f32],
-    wte: &[f32],
-    packs: Option<&WtePacks>,
-    targets: &[i32],
-    losses: &mut [f32],
-    scratch: &mut [f32],
-    c: usize,
-    v: usize,
     mut grads: Option<ClassifierGrads>,
 ) -> f32 {
     let _t = crate::profile::scope(crate::profile::Section::Classifier);
-    let n = targets.len();
-    assert!(x.len() == n * c && losses.len() == n && wte.len() >= v * c);
+    let (c, v, n) = (cls.c, cls.v, targets.len());
+    assert!(x.len() == n * c && losses.len() == n && cls.wte.len() >= v * c);
     // Rows per chunk: as many as the scratch holds, spread evenly over the chunks
     // (each chunk reads and accumulates all of dwte, so a small last chunk costs
     // almost as much as a full one).
@@ -113,10 +91,10 @@ fn forward_impl<const BF16: bool>(
     let grad_scale = grads
         .as_ref()
         .map_or(0.0, |g| g.scale / count.max(1) as f32);
-    let wte_v = Mat::new(&wte[..v * c], v, c);
+    let wte_v = Mat::new(&cls.wte[..v * c], v, c);
     let gemm = if BF16 { matmul_bf16 } else { matmul };
     // The packs are AMX packs: used only while AMX is the bf16 kernel.
-    let packs = packs.filter(|_| BF16 && kernel() == Kernel::Amx);
+    let packs = cls.packs.filter(|_| BF16 && kernel() == Kernel::Amx);
     for start in (0..n).step_by(chunk) {
         let rows = chunk.min(n - start);
         let logits = &mut scratch[..rows * v];
@@ -271,15 +249,12 @@ fn exp_in_place<const FMA: bool>(row: &mut [f32], max: f32) -> f32 {
     lanes.iter().sum::<f32>() + rest
 }
 
-/// Inference logits `out = x · wte[..V]ᵀ`: out (N, V) written, x (N, C).
-pub fn classifier_logits(out: &mut [f32], x: &[f32], wte: &[f32], c: usize, v: usize) {
+/// Inference logits `out = x · wte[..V]ᵀ` on the f32 GEMM: out (N, V) written, x (N, C).
+pub fn classifier_logits(out: &mut [f32], x: &[f32], cls: Classifier) {
+    let (c, v) = (cls.c, cls.v);
     let n = x.len() / c;
-    matmul(
-        out,
-        Mat::new(x, n, c),
-        Mat::new(&wte[..v * c], v, c).t(),
-        false,
-    );
+    let wte_v = Mat::new(&cls.wte[..v * c], v, c);
+    matmul(out, Mat::new(x, n, c), wte_v.t(), false);
 }
 
 #[cfg(test)]
@@ -322,20 +297,19 @@ mod tests {
         let mut dx = vec![f32::NAN; n * c];
         let mut dwte = vec![0.25; vp * c];
         let scale = 0.5;
-        let loss = classifier_forward(
-            &x,
-            &wte,
-            &targets,
-            &mut losses,
-            &mut scratch,
+        let cls = Classifier {
+            wte: &wte,
+            packs: None,
             c,
             v,
-            Some(ClassifierGrads {
-                dx: &mut dx,
-                dwte: &mut dwte,
-                scale,
-            }),
-        );
+        };
+        let grads = ClassifierGrads {
+            dx: &mut dx,
+            dwte: &mut dwte,
+            scale,
+        };
+        let loss =
+            classifier_forward::<false>(&x, cls, &targets, &mut losses, &mut scratch, Some(grads));
         let want = reference_loss(&x64, &wte64, &targets, c, v);
         assert!(
             (loss as f64 - want).abs() < 1e-5 * want.abs(),
@@ -353,7 +327,7 @@ mod tests {
 
         // Without gradients the loss is the same and nothing else is touched.
         let mut losses2 = vec![0.0; n];
-        let l2 = classifier_forward(&x, &wte, &targets, &mut losses2, &mut scratch, c, v, None);
+        let l2 = classifier_forward::<false>(&x, cls, &targets, &mut losses2, &mut scratch, None);
         assert_eq!(l2, loss);
     }
 
@@ -413,16 +387,14 @@ mod tests {
             dwte: &mut dwte,
             scale: 1.0,
         };
-        let loss = classifier_forward(
-            &x,
-            &wte,
-            &[-1; 3],
-            &mut losses,
-            &mut scratch,
+        let cls = Classifier {
+            wte: &wte,
+            packs: None,
             c,
             v,
-            Some(grads),
-        );
+        };
+        let loss =
+            classifier_forward::<false>(&x, cls, &[-1; 3], &mut losses, &mut scratch, Some(grads));
         assert_eq!(loss, 0.0);
         assert!(dx.iter().chain(&dwte).all(|&d| d == 0.0));
     }
@@ -453,7 +425,13 @@ mod tests {
         let x = rand_vec(n * c, 1);
         let wte = rand_vec(16 * c, 2);
         let mut out = vec![0.0; n * v];
-        classifier_logits(&mut out, &x, &wte, c, v);
+        let cls = Classifier {
+            wte: &wte,
+            packs: None,
+            c,
+            v,
+        };
+        classifier_logits(&mut out, &x, cls);
         for r in 0..n {
             for j in 0..v {
                 let want: f32 = (0..c).map(|i| x[r * c + i] * wte[j * c + i]).sum();
@@ -502,17 +480,14 @@ mod tests {
         if packed {
             packs.pack(&wte, c, v);
         }
-        let loss = classifier_forward_bf16(
-            &x,
-            &wte,
-            packed.then_some(&packs),
-            &targets,
-            &mut losses,
-            &mut scratch,
+        let cls = Classifier {
+            wte: &wte,
+            packs: packed.then_some(&packs),
             c,
             v,
-            Some(grads),
-        );
+        };
+        let loss =
+            classifier_forward::<true>(&x, cls, &targets, &mut losses, &mut scratch, Some(grads));
         let want = reference_loss(&to_f64(&x), &to_f64(&wte), &targets, c, v);
         assert!((loss as f64 - want).abs() < 1e-5 * want, "{loss} vs {want}");
         // Reference: f64 softmax gradient, rounded to bf16, then exact f64 products.
@@ -555,16 +530,7 @@ mod tests {
             dwte: &mut unrounded_w,
             scale,
         };
-        classifier_forward(
-            &x,
-            &wte,
-            &targets,
-            &mut losses,
-            &mut scratch,
-            c,
-            v,
-            Some(grads),
-        );
+        classifier_forward::<false>(&x, cls, &targets, &mut losses, &mut scratch, Some(grads));
         let max_diff = dx
             .iter()
             .zip(&unrounded)

@@ -85,15 +85,11 @@ mod x86 {
     }
 }
 
-/// `out = gelu(inp)`, element-wise; any shape.
-pub fn gelu_forward(out: &mut [f32], inp: &[f32]) {
-    forward_with::<false, f32>(out, inp)
-}
-
-/// [`gelu_forward`] for bf16 autocast: `out = bf16(gelu(inp))`, from f32 or bf16
-/// input; bit for bit what widening, `gelu_forward` and rounding give.
-pub fn gelu_forward_bf16<X: Input>(out: &mut [f32], inp: &[X]) {
-    forward_with::<true, X>(out, inp)
+/// `out = gelu(inp)`, element-wise; any shape. With `BF16` the output is rounded to
+/// bf16 (it is a bf16 matmul operand); `inp` may be f32 or bf16. Bit for bit what
+/// widening, the f32 GELU and rounding give.
+pub fn gelu_forward<const BF16: bool, X: Input>(out: &mut [f32], inp: &[X]) {
+    forward_with::<BF16, X>(out, inp)
 }
 
 fn forward_with<const ROUND: bool, X: Input>(out: &mut [f32], inp: &[X]) {
@@ -113,16 +109,11 @@ fn forward_with<const ROUND: bool, X: Input>(out: &mut [f32], inp: &[X]) {
         });
 }
 
-/// In place: `d` holds `dout` on entry and `dinp = gelu'(inp) · dout` on return.
-pub fn gelu_backward(d: &mut [f32], inp: &[f32]) {
-    backward_with::<false, f32>(d, inp)
-}
-
-/// [`gelu_backward`] for bf16 autocast: `dinp` is rounded to bf16 (it is the next
-/// matmul's operand), `inp` may be bf16; bit for bit what widening, `gelu_backward`
-/// and rounding give.
-pub fn gelu_backward_bf16<X: Input>(d: &mut [f32], inp: &[X]) {
-    backward_with::<true, X>(d, inp)
+/// In place: `d` holds `dout` on entry and `dinp = gelu'(inp) · dout` on return. With
+/// `BF16`, `dinp` is rounded to bf16 (it is the next matmul's operand); `inp` may be
+/// f32 or bf16. Bit for bit what widening, the f32 derivative and rounding give.
+pub fn gelu_backward<const BF16: bool, X: Input>(d: &mut [f32], inp: &[X]) {
+    backward_with::<BF16, X>(d, inp)
 }
 
 fn backward_with<const ROUND: bool, X: Input>(d: &mut [f32], inp: &[X]) {
@@ -160,10 +151,10 @@ mod tests {
         let g = rand_vec(5000, 2);
         let x64 = to_f64(&x);
         let mut out = vec![0.0; x.len()];
-        gelu_forward(&mut out, &x);
+        gelu_forward::<false, f32>(&mut out, &x);
         assert_close("out", &out, &reference(&x64), 1e-6, 1e-6);
         let mut dx = g.clone();
-        gelu_backward(&mut dx, &x);
+        gelu_backward::<false, f32>(&mut dx, &x);
         let want = numeric_grad(|v| dot(&reference(v), &g), &x64[..200], 1e-5);
         assert_close("dinp", &dx[..200], &want, 1e-5, 1e-6);
         // Element-wise: check the rest against per-element differences.
@@ -196,11 +187,11 @@ mod tests {
         load(&mut wide, &xb);
 
         let mut want = vec![0.0; x.len()];
-        gelu_forward(&mut want, &wide);
+        gelu_forward::<false, f32>(&mut want, &wide);
         round_in_place(&mut want);
         let (mut from_bf16, mut from_f32) = (vec![f32::NAN; x.len()], vec![f32::NAN; x.len()]);
-        gelu_forward_bf16(&mut from_bf16, &xb);
-        gelu_forward_bf16(&mut from_f32, &wide);
+        gelu_forward::<true, Bf16>(&mut from_bf16, &xb);
+        gelu_forward::<true, f32>(&mut from_f32, &wide);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&from_bf16), bits(&want));
         assert_eq!(bits(&from_f32), bits(&want));
@@ -210,10 +201,10 @@ mod tests {
             .any(|(r, w)| *r != w * sigmoid_2u(false, *w).0));
 
         let mut want = g.clone();
-        gelu_backward(&mut want, &wide);
+        gelu_backward::<false, f32>(&mut want, &wide);
         round_in_place(&mut want);
         let mut got = g.clone();
-        gelu_backward_bf16(&mut got, &xb);
+        gelu_backward::<true, Bf16>(&mut got, &xb);
         assert_eq!(bits(&got), bits(&want));
         // The portable loops round the same way.
         let mut portable = g.clone();

@@ -4,46 +4,33 @@ use super::SharedMut;
 use crate::model::config::LAYER_NORM_EPS;
 use rayon::prelude::*;
 
-/// `out = (inp - mean) · rstd · weight + bias`, row by row.
+/// A layer norm's parameters: `weight` (C) and `bias` (C), or no bias (empty).
+#[derive(Clone, Copy)]
+pub struct Norm<'a> {
+    pub weight: &'a [f32],
+    pub bias: &'a [f32],
+}
+
+/// Where a layer norm's parameter gradients accumulate: `dweight` (C) and `dbias` (C),
+/// or no bias (empty).
+pub struct NormGrads<'a> {
+    pub dweight: &'a mut [f32],
+    pub dbias: &'a mut [f32],
+}
+
+/// `out = (inp - mean) · rstd · weight + bias`, row by row. With `BF16` the output is
+/// rounded to bf16 (it is a bf16 matmul operand), row by row while it is in cache.
 ///
-/// inp, out: (N, C); mean, rstd: (N) written, kept for backward; weight: (C);
-/// bias: (C) or empty when the model has no biases.
-pub fn layernorm_forward(
+/// inp, out: (N, C); mean, rstd: (N) written, kept for backward.
+pub fn layernorm_forward<const BF16: bool>(
     out: &mut [f32],
     mean: &mut [f32],
     rstd: &mut [f32],
     inp: &[f32],
-    weight: &[f32],
-    bias: &[f32],
-    c: usize,
-) {
-    forward_with::<false>(out, mean, rstd, inp, weight, bias, c)
-}
-
-/// [`layernorm_forward`] for bf16 autocast: `out` is rounded to bf16 (it is a matmul
-/// operand) row by row, while the row is in cache.
-pub fn layernorm_forward_bf16(
-    out: &mut [f32],
-    mean: &mut [f32],
-    rstd: &mut [f32],
-    inp: &[f32],
-    weight: &[f32],
-    bias: &[f32],
-    c: usize,
-) {
-    forward_with::<true>(out, mean, rstd, inp, weight, bias, c)
-}
-
-fn forward_with<const ROUND: bool>(
-    out: &mut [f32],
-    mean: &mut [f32],
-    rstd: &mut [f32],
-    inp: &[f32],
-    weight: &[f32],
-    bias: &[f32],
-    c: usize,
+    w: Norm,
 ) {
     let _t = crate::profile::scope(crate::profile::Section::LayerNorm);
+    let c = w.weight.len();
     let n = inp.len() / c;
     assert!(out.len() == n * c && mean.len() == n && rstd.len() == n);
     out.par_chunks_mut(c)
@@ -53,64 +40,42 @@ fn forward_with<const ROUND: bool>(
             let mu = lane_sum(x, |v| v) / c as f32;
             let var = lane_sum(x, |v| (v - mu) * (v - mu)) / c as f32;
             let rs = 1.0 / (var + LAYER_NORM_EPS).sqrt();
-            apply_row::<ROUND>(o, x, mu, rs, weight, bias);
+            apply_row::<BF16>(o, x, mu, rs, w);
             *m = mu;
             *r = rs;
         });
 }
 
-/// The output of [`layernorm_forward_bf16`] again, from its saved `mean` and `rstd`
-/// (bit-identical: the same arithmetic on the same values), for bf16's backward,
-/// which recomputes the layer-norm outputs instead of keeping them.
-pub fn layernorm_apply_bf16(
+/// The output of [`layernorm_forward`] again, from its saved `mean` and `rstd`
+/// (bit-identical: the same arithmetic on the same values), for a backward pass that
+/// recomputes a layer norm's output instead of keeping it.
+pub fn layernorm_recompute<const BF16: bool>(
     out: &mut [f32],
     inp: &[f32],
     mean: &[f32],
     rstd: &[f32],
-    weight: &[f32],
-    bias: &[f32],
-    c: usize,
-) {
-    apply_with::<true>(out, inp, mean, rstd, weight, bias, c)
-}
-
-/// The row loop of the recompute; `ROUND = false` gives [`layernorm_forward`]'s output
-/// (only the tests ask for it: the f32 path keeps its layer-norm outputs).
-fn apply_with<const ROUND: bool>(
-    out: &mut [f32],
-    inp: &[f32],
-    mean: &[f32],
-    rstd: &[f32],
-    weight: &[f32],
-    bias: &[f32],
-    c: usize,
+    w: Norm,
 ) {
     let _t = crate::profile::scope(crate::profile::Section::LayerNorm);
+    let c = w.weight.len();
     let n = inp.len() / c;
     assert!(out.len() == n * c && mean.len() == n && rstd.len() == n);
     out.par_chunks_mut(c)
         .zip(inp.par_chunks(c))
         .zip(mean.par_iter().zip(rstd))
-        .for_each(|((o, x), (&mu, &rs))| apply_row::<ROUND>(o, x, mu, rs, weight, bias));
+        .for_each(|((o, x), (&mu, &rs))| apply_row::<BF16>(o, x, mu, rs, w));
 }
 
 /// `o = (x − mu) · rs · weight + bias` for one row (no bias when `bias` is empty),
 /// rounded to bf16 when `ROUND`.
 #[inline(always)]
-fn apply_row<const ROUND: bool>(
-    o: &mut [f32],
-    x: &[f32],
-    mu: f32,
-    rs: f32,
-    weight: &[f32],
-    bias: &[f32],
-) {
-    if bias.is_empty() {
-        for ((o, &x), &w) in o.iter_mut().zip(x).zip(weight) {
+fn apply_row<const ROUND: bool>(o: &mut [f32], x: &[f32], mu: f32, rs: f32, w: Norm) {
+    if w.bias.is_empty() {
+        for ((o, &x), &w) in o.iter_mut().zip(x).zip(w.weight) {
             *o = (x - mu) * rs * w;
         }
     } else {
-        for (((o, &x), &w), &b) in o.iter_mut().zip(x).zip(weight).zip(bias) {
+        for (((o, &x), &w), &b) in o.iter_mut().zip(x).zip(w.weight).zip(w.bias) {
             *o = (x - mu) * rs * w + b;
         }
     }
@@ -160,24 +125,24 @@ fn dnorm_sums(dy: &[f32], x: &[f32], w: &[f32], mu: f32, rs: f32) -> (f32, f32) 
     (s1.iter().sum::<f32>() + r1, s2.iter().sum::<f32>() + r2)
 }
 
-/// Backward of [`layernorm_forward`].
+/// Backward of [`layernorm_forward`] (for either precision: the output's rounding is
+/// not differentiated, as autocast does not).
 ///
 /// `dinp` **accumulates** (`+=`): it is the residual stream's gradient, which already
-/// holds the skip connection's part. `dweight` and `dbias` accumulate as always
-/// (`dbias` is empty without biases).
-#[allow(clippy::too_many_arguments)]
+/// holds the skip connection's part. The parameter gradients accumulate as always.
+/// dinp, dout, inp: (N, C); weight: (C); mean, rstd: (N) as forward saved them.
 pub fn layernorm_backward(
     dinp: &mut [f32],
-    dweight: &mut [f32],
-    dbias: &mut [f32],
+    g: NormGrads,
     dout: &[f32],
     inp: &[f32],
     weight: &[f32],
     mean: &[f32],
     rstd: &[f32],
-    c: usize,
 ) {
     let _t = crate::profile::scope(crate::profile::Section::LayerNorm);
+    let NormGrads { dweight, dbias } = g;
+    let c = weight.len();
     let n = inp.len() / c;
     assert!(dinp.len() == n * c && dout.len() == n * c && mean.len() == n);
     // Input gradient, row-parallel.
@@ -250,20 +215,24 @@ mod tests {
         let g = rand_vec(n * c, 4);
         let (x64, w64, b64) = (to_f64(&x), to_f64(&w), to_f64(&b));
 
+        let norm = Norm {
+            weight: &w,
+            bias: &b,
+        };
         let mut out = vec![0.0; n * c];
         let (mut mean, mut rstd) = (vec![0.0; n], vec![0.0; n]);
-        layernorm_forward(&mut out, &mut mean, &mut rstd, &x, &w, &b, c);
+        layernorm_forward::<false>(&mut out, &mut mean, &mut rstd, &x, norm);
         assert_close("out", &out, &reference(&x64, &w64, &b64, c), 1e-5, 1e-5);
         let mut again = vec![f32::NAN; n * c];
-        apply_with::<false>(&mut again, &x, &mean, &rstd, &w, &b, c);
+        layernorm_recompute::<false>(&mut again, &x, &mean, &rstd, norm);
         assert_eq!(again, out, "the recomputed output is bit-identical");
         // bf16 autocast's variants: the same output rounded, and recomputed alike.
         let mut rounded = out.clone();
         crate::kernels::bf16::round_in_place(&mut rounded);
         let (mut out16, mut again16) = (vec![f32::NAN; n * c], vec![f32::NAN; n * c]);
         let (mut mean16, mut rstd16) = (vec![0.0; n], vec![0.0; n]);
-        layernorm_forward_bf16(&mut out16, &mut mean16, &mut rstd16, &x, &w, &b, c);
-        layernorm_apply_bf16(&mut again16, &x, &mean, &rstd, &w, &b, c);
+        layernorm_forward::<true>(&mut out16, &mut mean16, &mut rstd16, &x, norm);
+        layernorm_recompute::<true>(&mut again16, &x, &mean, &rstd, norm);
         assert_eq!((&out16, &mean16, &rstd16), (&rounded, &mean, &rstd));
         assert_eq!(again16, rounded);
         assert_ne!(out16, out, "rounding changed some values");
@@ -272,7 +241,11 @@ mod tests {
         let mut dx = prior.clone();
         let mut dw = vec![0.0; c];
         let mut db = vec![0.0; b.len()];
-        layernorm_backward(&mut dx, &mut dw, &mut db, &g, &x, &w, &mean, &rstd, c);
+        let grads = NormGrads {
+            dweight: &mut dw,
+            dbias: &mut db,
+        };
+        layernorm_backward(&mut dx, grads, &g, &x, &w, &mean, &rstd);
 
         let loss = |x: &[f64], w: &[f64], b: &[f64]| dot(&reference(x, w, b, c), &g);
         let mut want_dx = numeric_grad(|v| loss(v, &w64, &b64), &x64, 1e-5);

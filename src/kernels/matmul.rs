@@ -100,158 +100,94 @@ pub fn matmul(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
     }
 }
 
-/// `out = inp · weightᵀ + bias`.
-///
-/// out: (N, OC) written; inp: (N, C); weight: (OC, C); bias: (OC) or empty.
-pub fn linear_forward(
-    out: &mut [f32],
-    inp: &[f32],
-    weight: &[f32],
-    bias: &[f32],
-    c: usize,
-    oc: usize,
-) {
-    forward_with(matmul, out, inp, weight, bias, c, oc)
+/// A linear layer's parameters: `weight` (OC, C) and `bias` (OC), or no bias (empty).
+#[derive(Clone, Copy)]
+pub struct Linear<'a> {
+    pub weight: &'a [f32],
+    pub bias: &'a [f32],
+    /// Input channels (C).
+    pub c: usize,
+    /// Output channels (OC).
+    pub oc: usize,
 }
 
-/// [`linear_forward`] for bf16 autocast: `inp` and `weight` hold bf16 values and the
-/// product runs on [`matmul_bf16`] (f32 accumulation, f32 bias and output).
-pub fn linear_forward_bf16(
-    out: &mut [f32],
-    inp: &[f32],
-    weight: &[f32],
-    bias: &[f32],
-    c: usize,
-    oc: usize,
-) {
-    forward_with(matmul_bf16, out, inp, weight, bias, c, oc)
+/// Where a linear layer's parameter gradients accumulate: `dweight` (OC, C) and
+/// `dbias` (OC), or no bias (empty).
+pub struct LinearGrads<'a> {
+    pub dweight: &'a mut [f32],
+    pub dbias: &'a mut [f32],
 }
 
-#[inline(always)]
-fn forward_with(
-    gemm: impl Fn(&mut [f32], Mat, Mat, bool),
-    out: &mut [f32],
-    inp: &[f32],
-    weight: &[f32],
-    bias: &[f32],
-    c: usize,
-    oc: usize,
-) {
-    let _t = crate::profile::scope(crate::profile::Section::MatmulForward);
-    let n = inp.len() / c;
-    if !bias.is_empty() {
-        out.par_chunks_mut(oc)
-            .for_each(|row| row.copy_from_slice(bias));
+/// The GEMM of a precision: the f32 one, or, for bf16 autocast (operands holding bf16
+/// values), [`matmul_bf16`].
+fn gemm<const BF16: bool>() -> fn(&mut [f32], Mat, Mat, bool) {
+    if BF16 {
+        matmul_bf16
+    } else {
+        matmul
     }
-    let w = Mat::new(weight, oc, c);
-    gemm(out, Mat::new(inp, n, c), w.t(), !bias.is_empty());
+}
+
+/// `out = inp · weightᵀ + bias`. With `BF16`, `inp` and `weight` hold bf16 values and
+/// the product runs on [`matmul_bf16`] (f32 accumulation, f32 bias and output).
+///
+/// out: (N, OC) written; inp: (N, C).
+pub fn linear_forward<const BF16: bool>(out: &mut [f32], inp: &[f32], w: Linear) {
+    let _t = crate::profile::scope(crate::profile::Section::MatmulForward);
+    let n = inp.len() / w.c;
+    assert_eq!(out.len(), n * w.oc, "linear_forward: out must be (N, OC)");
+    if !w.bias.is_empty() {
+        out.par_chunks_mut(w.oc)
+            .for_each(|row| row.copy_from_slice(w.bias));
+    }
+    let weight = Mat::new(w.weight, w.oc, w.c);
+    gemm::<BF16>()(out, Mat::new(inp, n, w.c), weight.t(), !w.bias.is_empty());
 }
 
 /// Backward of [`linear_forward`]: `dinp = dout · weight` (**overwritten**),
-/// `dweight += doutᵀ · inp`, `dbias += Σ_rows dout` (accumulated; dbias may be empty).
-#[allow(clippy::too_many_arguments)]
-pub fn linear_backward(
+/// `dweight += doutᵀ · inp` and `dbias += Σ_rows dout` (accumulated). With `BF16`,
+/// `dout`, `inp` and `weight` hold bf16 values; the gradients are f32.
+pub fn linear_backward<const BF16: bool>(
     dinp: &mut [f32],
-    dweight: &mut [f32],
-    dbias: &mut [f32],
+    g: LinearGrads,
     dout: &[f32],
     inp: &[f32],
-    weight: &[f32],
-    c: usize,
-    oc: usize,
+    w: Linear,
 ) {
-    backward_with(matmul, dinp, dweight, dbias, dout, inp, weight, c, oc)
-}
-
-/// [`linear_backward`] for bf16 autocast: `dout`, `inp` and `weight` hold bf16
-/// values; both products run on [`matmul_bf16`], gradients are f32.
-#[allow(clippy::too_many_arguments)]
-pub fn linear_backward_bf16(
-    dinp: &mut [f32],
-    dweight: &mut [f32],
-    dbias: &mut [f32],
-    dout: &[f32],
-    inp: &[f32],
-    weight: &[f32],
-    c: usize,
-    oc: usize,
-) {
-    backward_with(matmul_bf16, dinp, dweight, dbias, dout, inp, weight, c, oc)
-}
-
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-fn backward_with(
-    gemm: impl Fn(&mut [f32], Mat, Mat, bool),
-    dinp: &mut [f32],
-    dweight: &mut [f32],
-    dbias: &mut [f32],
-    dout: &[f32],
-    inp: &[f32],
-    weight: &[f32],
-    c: usize,
-    oc: usize,
-) {
-    let _t = crate::profile::scope(crate::profile::Section::MatmulBackward);
-    input_backward_with(&gemm, dinp, dout, weight, c, oc);
-    params_backward_with(&gemm, dweight, dbias, dout, inp, c, oc);
+    linear_backward_input::<BF16>(dinp, dout, w);
+    linear_backward_params::<BF16>(g, dout, inp, w.c, w.oc);
 }
 
 /// The parameter half of [`linear_backward`]: `dweight += doutᵀ · inp` and
-/// `dbias += Σ_rows dout` (dbias may be empty). With [`linear_backward_input`] it
-/// lets a caller reuse `inp`'s buffer for `dinp` (the MLP recomputes its GELU output
-/// into the buffer that then receives the GELU's gradient).
-pub fn linear_backward_params(
-    dweight: &mut [f32],
-    dbias: &mut [f32],
+/// `dbias += Σ_rows dout`. With [`linear_backward_input`] it lets a caller reuse
+/// `inp`'s buffer for `dinp` (the MLP recomputes its GELU output into the buffer that
+/// then receives the GELU's gradient).
+///
+/// dout: (N, OC); inp: (N, C).
+pub fn linear_backward_params<const BF16: bool>(
+    g: LinearGrads,
     dout: &[f32],
     inp: &[f32],
     c: usize,
     oc: usize,
 ) {
     let _t = crate::profile::scope(crate::profile::Section::MatmulBackward);
-    params_backward_with(&matmul, dweight, dbias, dout, inp, c, oc)
+    let n = inp.len() / c;
+    let (dout, inp) = (Mat::new(dout, n, oc), Mat::new(inp, n, c));
+    gemm::<BF16>()(g.dweight, dout.t(), inp, true);
+    if !g.dbias.is_empty() {
+        bias_backward(g.dbias, dout.data, oc);
+    }
 }
 
 /// The input half of [`linear_backward`]: `dinp = dout · weight` (**overwritten**).
-pub fn linear_backward_input(dinp: &mut [f32], dout: &[f32], weight: &[f32], c: usize, oc: usize) {
+///
+/// dinp: (N, C); dout: (N, OC).
+pub fn linear_backward_input<const BF16: bool>(dinp: &mut [f32], dout: &[f32], w: Linear) {
     let _t = crate::profile::scope(crate::profile::Section::MatmulBackward);
-    input_backward_with(&matmul, dinp, dout, weight, c, oc)
-}
-
-#[inline(always)]
-fn input_backward_with(
-    gemm: &impl Fn(&mut [f32], Mat, Mat, bool),
-    dinp: &mut [f32],
-    dout: &[f32],
-    weight: &[f32],
-    c: usize,
-    oc: usize,
-) {
-    let n = dinp.len() / c;
-    gemm(dinp, Mat::new(dout, n, oc), Mat::new(weight, oc, c), false);
-}
-
-#[inline(always)]
-fn params_backward_with(
-    gemm: &impl Fn(&mut [f32], Mat, Mat, bool),
-    dweight: &mut [f32],
-    dbias: &mut [f32],
-    dout: &[f32],
-    inp: &[f32],
-    c: usize,
-    oc: usize,
-) {
-    let n = inp.len() / c;
-    gemm(
-        dweight,
-        Mat::new(dout, n, oc).t(),
-        Mat::new(inp, n, c),
-        true,
-    );
-    if !dbias.is_empty() {
-        bias_backward(dbias, dout, oc);
-    }
+    let n = dinp.len() / w.c;
+    let weight = Mat::new(w.weight, w.oc, w.c);
+    gemm::<BF16>()(dinp, Mat::new(dout, n, w.oc), weight, false);
 }
 
 /// `dbias[o] += Σ_rows dout[row, o]`, parallel over column blocks.
@@ -333,15 +269,25 @@ mod tests {
         let g = rand_vec(n * oc, 4);
         let (x64, w64, b64) = (to_f64(&x), to_f64(&w), to_f64(&b));
 
+        let lin = Linear {
+            weight: &w,
+            bias: &b,
+            c,
+            oc,
+        };
         let mut out = vec![f32::NAN; n * oc];
-        linear_forward(&mut out, &x, &w, &b, c, oc);
+        linear_forward::<false>(&mut out, &x, lin);
         assert_close("out", &out, &reference(&x64, &w64, &b64, c, oc), 1e-5, 1e-5);
 
         let mut dx = vec![f32::NAN; n * c];
         let prior_dw = rand_vec(oc * c, 5);
         let mut dw = prior_dw.clone();
         let mut db = vec![0.5; b.len()];
-        linear_backward(&mut dx, &mut dw, &mut db, &g, &x, &w, c, oc);
+        let grads = LinearGrads {
+            dweight: &mut dw,
+            dbias: &mut db,
+        };
+        linear_backward::<false>(&mut dx, grads, &g, &x, lin);
 
         let loss = |x: &[f64], w: &[f64], b: &[f64]| dot(&reference(x, w, b, c, oc), &g);
         let want_dx = numeric_grad(|v| loss(v, &w64, &b64), &x64, 1e-4);
@@ -371,9 +317,17 @@ mod tests {
         let (x, w, g) = (rand_vec(n * c, 1), rand_vec(oc * c, 2), rand_vec(n * oc, 3));
         let (mut dx, mut dw, mut db) = (vec![0.0; n * c], rand_vec(oc * c, 4), vec![0.5; oc]);
         let (mut dx2, mut dw2, mut db2) = (vec![f32::NAN; n * c], dw.clone(), db.clone());
-        linear_backward(&mut dx, &mut dw, &mut db, &g, &x, &w, c, oc);
-        linear_backward_params(&mut dw2, &mut db2, &g, &x, c, oc);
-        linear_backward_input(&mut dx2, &g, &w, c, oc);
+        let bias = vec![0.0; oc];
+        let lin = Linear {
+            weight: &w,
+            bias: &bias,
+            c,
+            oc,
+        };
+        let grads = |dweight, dbias| LinearGrads { dweight, dbias };
+        linear_backward::<false>(&mut dx, grads(&mut dw, &mut db), &g, &x, lin);
+        linear_backward_params::<false>(grads(&mut dw2, &mut db2), &g, &x, c, oc);
+        linear_backward_input::<false>(&mut dx2, &g, lin);
         assert_eq!((dx, dw, db), (dx2, dw2, db2));
     }
 
@@ -385,7 +339,13 @@ mod tests {
         let w = rand_vec(oc * c, 8);
         let b = rand_vec(oc, 9);
         let mut out = vec![0.0; n * oc];
-        linear_forward(&mut out, &x, &w, &b, c, oc);
+        let lin = Linear {
+            weight: &w,
+            bias: &b,
+            c,
+            oc,
+        };
+        linear_forward::<false>(&mut out, &x, lin);
         let want = reference(&to_f64(&x), &to_f64(&w), &to_f64(&b), c, oc);
         assert_close("out", &out, &want, 1e-5, 1e-4);
     }
@@ -404,11 +364,21 @@ mod tests {
             r(rand_vec(n * oc, 3)),
         );
         let mut out = vec![0.0; n * oc];
-        linear_forward(&mut out, &x, &w, &[], c, oc);
+        let lin = Linear {
+            weight: &w,
+            bias: &[],
+            c,
+            oc,
+        };
+        linear_forward::<false>(&mut out, &x, lin);
         let want = reference(&to_f64(&x), &to_f64(&w), &[], c, oc);
         assert_close("out", &out, &want, 1e-6, 1e-6);
         let (mut dx, mut dw) = (vec![0.0; n * c], vec![0.0; oc * c]);
-        linear_backward(&mut dx, &mut dw, &mut [], &g, &x, &w, c, oc);
+        let grads = LinearGrads {
+            dweight: &mut dw,
+            dbias: &mut [],
+        };
+        linear_backward::<false>(&mut dx, grads, &g, &x, lin);
         let (x64, w64, g64) = (to_f64(&x), to_f64(&w), to_f64(&g));
         let want_dx: Vec<f64> = (0..n * c)
             .map(|e| {

@@ -1,102 +1,260 @@
-//! Activation and gradient-scratch buffers, allocated once for the largest batch.
+//! Activation and scratch buffers, allocated once for the largest batch.
 //!
 //! Every buffer is sized for `(max_B, max_T)`; a pass over a smaller `(B, T)` uses the
 //! leading `B·T·…` elements, which is the same row-major layout. Nothing is allocated
 //! in the step loop.
 //!
-//! The GELU output is never kept: backward recomputes it from the pre-GELU layer.
-//! With `dtype = "bfloat16"` q/k/v, the attention output and the MLP's pre-GELU layer
-//! are kept in bf16 ([`HalfActs`]), and the layer-norm outputs are not kept at all:
-//! backward recomputes them from the block's input and the saved statistics
-//! (bit-identical, then rounded as forward rounded them). The f32 buffers they replace
-//! are then empty. The residual stream, the layer-norm statistics and all gradients
-//! stay f32.
+//! What a block keeps for backward depends on the precision ([`Saved`]): f32 runs keep
+//! everything in f32; bf16 runs keep q/k/v, the attention output and the MLP's
+//! pre-GELU layer in bf16 (they are bf16 matmul operands, rounded anyway) and do not
+//! keep the layer-norm outputs at all: backward recomputes them from the block's input
+//! and the saved statistics (bit-identical). The GELU output is never kept: backward
+//! recomputes it from the pre-GELU layer. The residual stream, the layer-norm
+//! statistics and all gradients are f32.
 
-use super::config::ModelConfig;
-use crate::config::Dtype;
-use crate::kernels::bf16::Bf16;
+use super::config::{Dtype, ModelConfig};
+use crate::kernels::bf16::{self, Bf16};
+
+/// How an activation that backward needs gets there from forward.
+pub enum Saved {
+    /// Kept in f32, as computed (f32 runs).
+    F32(Vec<f32>),
+    /// Kept rounded to bf16, in two bytes (bf16 runs).
+    Bf16(Vec<Bf16>),
+    /// Not kept: backward recomputes it (the layer-norm outputs of bf16 runs).
+    Recomputed,
+}
+
+impl Saved {
+    /// `n` elements kept in `dtype`: f32, or bf16.
+    fn kept(dtype: Dtype, n: usize) -> Saved {
+        match dtype {
+            Dtype::Float32 => Saved::F32(vec![0.0; n]),
+            Dtype::Bfloat16 => Saved::Bf16(vec![Bf16::default(); n]),
+        }
+    }
+
+    /// `n` elements kept in f32 runs and recomputed in bf16 runs.
+    fn kept_in_f32(dtype: Dtype, n: usize) -> Saved {
+        match dtype {
+            Dtype::Float32 => Saved::F32(vec![0.0; n]),
+            Dtype::Bfloat16 => Saved::Recomputed,
+        }
+    }
+
+    /// Forward: `compute` writes the first `n` values into the buffer they are computed
+    /// in — the kept f32 buffer itself, or `staging` — they are saved, and the f32
+    /// values the next kernel reads are returned. `Bf16` rounds them in `staging`
+    /// first, so the reader sees exactly what is kept.
+    pub fn save<'a>(
+        &'a mut self,
+        staging: &'a mut [f32],
+        n: usize,
+        compute: impl FnOnce(&mut [f32]),
+    ) -> &'a [f32] {
+        match self {
+            Saved::F32(kept) => {
+                let out = &mut kept[..n];
+                compute(out);
+                out
+            }
+            Saved::Bf16(kept) => {
+                let out = &mut staging[..n];
+                compute(out);
+                bf16::round_and_store(out, &mut kept[..n]);
+                out
+            }
+            Saved::Recomputed => {
+                let out = &mut staging[..n];
+                compute(out);
+                out
+            }
+        }
+    }
+
+    /// Backward: the first `n` saved values in f32 — the kept buffer, its bf16 values
+    /// widened into `staging`, or the values `recompute` writes into `staging`.
+    pub fn load<'a>(
+        &'a self,
+        staging: &'a mut [f32],
+        n: usize,
+        recompute: impl FnOnce(&mut [f32]),
+    ) -> &'a [f32] {
+        match self {
+            Saved::F32(kept) => &kept[..n],
+            Saved::Bf16(kept) => {
+                bf16::load(&mut staging[..n], &kept[..n]);
+                &staging[..n]
+            }
+            Saved::Recomputed => {
+                recompute(&mut staging[..n]);
+                &staging[..n]
+            }
+        }
+    }
+
+    fn num_bytes(&self) -> usize {
+        match self {
+            Saved::F32(v) => v.len() * 4,
+            Saved::Bf16(v) => v.len() * 2,
+            Saved::Recomputed => 0,
+        }
+    }
+}
+
+/// A layer norm's per-row statistics, (B, T) each, kept for backward.
+pub struct NormStats {
+    pub mean: Vec<f32>,
+    pub rstd: Vec<f32>,
+}
+
+impl NormStats {
+    pub fn new(rows: usize) -> NormStats {
+        NormStats {
+            mean: vec![0.0; rows],
+            rstd: vec![0.0; rows],
+        }
+    }
+
+    /// The first `n` rows' mean and 1/std, to write.
+    pub fn rows_mut(&mut self, n: usize) -> (&mut [f32], &mut [f32]) {
+        (&mut self.mean[..n], &mut self.rstd[..n])
+    }
+
+    /// The first `n` rows' mean and 1/std.
+    pub fn rows(&self, n: usize) -> (&[f32], &[f32]) {
+        (&self.mean[..n], &self.rstd[..n])
+    }
+
+    fn num_bytes(&self) -> usize {
+        (self.mean.len() + self.rstd.len()) * 4
+    }
+}
 
 /// What one transformer block keeps from forward for backward.
-pub struct LayerActs {
-    /// (B, T, C) output of ln_1, with its per-row mean and 1/std (B, T).
-    pub ln1: Vec<f32>,
-    pub ln1_mean: Vec<f32>,
-    pub ln1_rstd: Vec<f32>,
+pub struct BlockActs {
+    /// (B, T, C) output of ln_1, and its statistics.
+    pub ln1: Saved,
+    pub ln1_stats: NormStats,
     /// (B, T, 3C) query, key, value.
-    pub qkv: Vec<f32>,
+    pub qkv: Saved,
     /// (B, T, C) attention output (heads concatenated), (B, NH, T) its log-sum-exp.
-    pub atty: Vec<f32>,
+    pub atty: Saved,
     pub att_lse: Vec<f32>,
     /// (B, T, C) residual stream after the attention branch.
     pub res2: Vec<f32>,
-    pub ln2: Vec<f32>,
-    pub ln2_mean: Vec<f32>,
-    pub ln2_rstd: Vec<f32>,
+    /// (B, T, C) output of ln_2, and its statistics.
+    pub ln2: Saved,
+    pub ln2_stats: NormStats,
     /// (B, T, 4C) MLP hidden layer before GELU. The GELU output is not kept: forward
-    /// writes it to scratch and backward recomputes it (as llm.c does), saving 4C
-    /// floats per token and layer for one more GELU per layer.
-    pub fch: Vec<f32>,
+    /// writes it to [`Scratch::hidden`] and backward recomputes it (as llm.c does),
+    /// saving 4C floats per token and layer for one more GELU per layer.
+    pub fch: Saved,
     /// (B, T, C) the block's output: residual stream after the MLP branch.
     pub res3: Vec<f32>,
-    /// bf16 mode only: what replaces `qkv`, `atty` and `fch` (`ln1` and `ln2` are
-    /// recomputed).
-    pub half: Option<HalfActs>,
 }
 
-/// The bf16 activations of one block (`dtype = "bfloat16"`).
-pub struct HalfActs {
-    /// (B, T, 3C) query, key, value.
-    pub qkv: Vec<Bf16>,
-    /// (B, T, C) attention output.
-    pub atty: Vec<Bf16>,
-    /// (B, T, 4C) MLP hidden layer before GELU (its GELU is recomputed in backward).
-    pub fch: Vec<Bf16>,
+impl BlockActs {
+    /// A block's activations for `b × t` rows, kept as runs of `dtype` keep them.
+    pub fn new(cfg: &ModelConfig, b: usize, t: usize, dtype: Dtype) -> BlockActs {
+        let (bt, c) = (b * t, cfg.n_embd);
+        BlockActs {
+            ln1: Saved::kept_in_f32(dtype, bt * c),
+            ln1_stats: NormStats::new(bt),
+            qkv: Saved::kept(dtype, bt * 3 * c),
+            atty: Saved::kept(dtype, bt * c),
+            att_lse: vec![0.0; b * cfg.n_head * t],
+            res2: vec![0.0; bt * c],
+            ln2: Saved::kept_in_f32(dtype, bt * c),
+            ln2_stats: NormStats::new(bt),
+            fch: Saved::kept(dtype, bt * 4 * c),
+            res3: vec![0.0; bt * c],
+        }
+    }
+
+    fn num_bytes(&self) -> usize {
+        let saved = [&self.ln1, &self.qkv, &self.atty, &self.ln2, &self.fch];
+        let f32s = [&self.att_lse, &self.res2, &self.res3];
+        saved.iter().map(|s| s.num_bytes()).sum::<usize>()
+            + f32s.iter().map(|v| v.len() * 4).sum::<usize>()
+            + self.ln1_stats.num_bytes()
+            + self.ln2_stats.num_bytes()
+    }
 }
 
-/// f32 scratch of the bf16 mode, shared by all blocks: the widened (exact f32) copies
-/// of bf16 operands that the f32 GEMM reads, and bf16-rounded output gradients.
-pub struct HalfScratch {
-    /// (B, T, 4C): the GELU output in forward; pre-GELU values, then their gradient,
-    /// in backward.
-    pub wide4c: Vec<f32>,
-    /// (B, T, C): a widened layer-norm or attention output in backward.
-    pub wide: Vec<f32>,
-    /// (B, T, C): a residual branch's output gradient rounded to bf16.
-    pub dround: Vec<f32>,
+/// f32 working buffers that all blocks share, each named for what it holds.
+pub struct Scratch {
+    /// (B, T, 4C) the MLP's hidden layer: the GELU output in forward; in backward the
+    /// recomputed GELU output, then its gradient.
+    pub hidden: Vec<f32>,
+    /// (B, T, C) gradient of the residual stream.
+    pub dres: Vec<f32>,
+    /// (B, T, C) gradient of the input of the C-wide linear layer being differentiated:
+    /// a layer-norm output (the classifier leaves d(ln_f output) here) or the attention
+    /// output.
+    pub dinp: Vec<f32>,
+    /// (B, T, C) a residual branch's output gradient as its projection multiplies it:
+    /// dropout's mask applied and, in bf16 runs, rounded to bf16. Empty where that is
+    /// the residual gradient itself (f32 without dropout).
+    pub dbranch: Vec<f32>,
+    /// (B, T, 3C) gradient of q, k and v.
+    pub dqkv: Vec<f32>,
+    /// bf16 runs (empty in f32 ones): the f32 form of values not kept in f32 —
+    /// (B, T, C) a layer-norm output or the attention output, computed here before it
+    /// is saved, recomputed or widened here in backward ([`Saved`]).
+    pub staging: Vec<f32>,
+    /// bf16 runs: the same for (B, T, 3C) q/k/v and (B, T, 4C) pre-GELU values.
+    pub staging_wide: Vec<f32>,
 }
 
-/// All activations of a forward pass plus the scratch that backward reuses per layer.
+impl Scratch {
+    /// Scratch for `b × t` rows of a run in `dtype`; without `backward`, only what a
+    /// forward pass uses.
+    pub fn new(cfg: &ModelConfig, bt: usize, dtype: Dtype, backward: bool) -> Scratch {
+        let c = cfg.n_embd;
+        let bf16 = dtype == Dtype::Bfloat16;
+        let z = |keep: bool, n: usize| if keep { vec![0.0f32; n] } else { vec![] };
+        Scratch {
+            hidden: z(true, bt * 4 * c),
+            dres: z(backward, bt * c),
+            dinp: z(backward, bt * c),
+            dbranch: z(backward && (bf16 || cfg.dropout > 0.0), bt * c),
+            dqkv: z(backward, bt * 3 * c),
+            staging: z(bf16, bt * c),
+            staging_wide: z(bf16, bt * 4 * c),
+        }
+    }
+
+    fn num_bytes(&self) -> usize {
+        let bufs = [
+            &self.hidden,
+            &self.dres,
+            &self.dinp,
+            &self.dbranch,
+            &self.dqkv,
+            &self.staging,
+            &self.staging_wide,
+        ];
+        bufs.iter().map(|v| v.len() * 4).sum()
+    }
+}
+
+/// All activations of a training forward pass, and the scratch that blocks share.
 pub struct Activations {
     /// (B, T) the token ids of the current pass (backward needs them).
     pub inputs: Vec<u32>,
     /// (B, T, C) token + position embedding: the input of block 0.
     pub encoded: Vec<f32>,
-    pub layers: Vec<LayerActs>,
-    /// (B, T, C) final layer norm output, with its statistics.
+    pub blocks: Vec<BlockActs>,
+    /// (B, T, C) final layer norm output (rounded to bf16 in bf16 runs: it is the
+    /// classifier's operand), with its statistics.
     pub lnf: Vec<f32>,
-    pub lnf_mean: Vec<f32>,
-    pub lnf_rstd: Vec<f32>,
+    pub lnf_stats: NormStats,
     /// (B, T) per-position loss.
     pub losses: Vec<f32>,
     /// (R, V) logits of one chunk of rows in the fused classifier.
     pub logits_chunk: Vec<f32>,
-    /// (B, V) logits of the last position, for sampling.
-    pub last_logits: Vec<f32>,
-    /// (B, C) the final layer norm's output at the last position (inference).
-    pub last_x: Vec<f32>,
-    /// Backward scratch: (B, T, C) gradient of the residual stream.
-    pub dres: Vec<f32>,
-    /// (B, T, C): the classifier's input gradient between forward and backward, then
-    /// the gradient of a layer-norm output or of the attention output.
-    pub dbtc: Vec<f32>,
-    /// (B, T, C) residual-branch gradient after dropout (empty when dropout is off).
-    pub dbranch: Vec<f32>,
-    /// (B, T, 4C): the GELU output in forward (f32 mode); in backward the recomputed
-    /// GELU output, then the MLP hidden layer's gradient, then the (B, T, 3C) qkv
-    /// gradient.
-    pub d4c: Vec<f32>,
-    /// bf16 mode only.
-    pub half: Option<HalfScratch>,
+    pub scratch: Scratch,
 }
 
 /// Rows of the classifier chunk: enough that the `dwte` update (K = rows) runs near
@@ -112,52 +270,18 @@ fn classifier_chunk_rows(cfg: &ModelConfig, rows: usize) -> usize {
 impl Activations {
     pub fn new(cfg: &ModelConfig, max_b: usize, max_t: usize, dtype: Dtype) -> Activations {
         let (bt, c) = (max_b * max_t, cfg.n_embd);
-        let bf16 = dtype == Dtype::Bfloat16;
-        let z = |n: usize| vec![0.0f32; n];
-        // Buffers the bf16 mode keeps in `half` instead.
-        let f = |n: usize| if bf16 { vec![] } else { z(n) };
-        let h = |n: usize| vec![Bf16::default(); n];
-        let layers = (0..cfg.n_layer)
-            .map(|_| LayerActs {
-                ln1: f(bt * c),
-                ln1_mean: z(bt),
-                ln1_rstd: z(bt),
-                qkv: f(bt * 3 * c),
-                atty: f(bt * c),
-                att_lse: z(max_b * cfg.n_head * max_t),
-                res2: z(bt * c),
-                ln2: f(bt * c),
-                ln2_mean: z(bt),
-                ln2_rstd: z(bt),
-                fch: f(bt * 4 * c),
-                res3: z(bt * c),
-                half: bf16.then(|| HalfActs {
-                    qkv: h(bt * 3 * c),
-                    atty: h(bt * c),
-                    fch: h(bt * 4 * c),
-                }),
-            })
+        let blocks = (0..cfg.n_layer)
+            .map(|_| BlockActs::new(cfg, max_b, max_t, dtype))
             .collect();
         Activations {
             inputs: vec![0; bt],
-            encoded: z(bt * c),
-            layers,
-            lnf: z(bt * c),
-            lnf_mean: z(bt),
-            lnf_rstd: z(bt),
-            losses: z(bt),
-            logits_chunk: z(classifier_chunk_rows(cfg, bt) * cfg.vocab_size),
-            last_logits: z(max_b * cfg.vocab_size),
-            last_x: z(max_b * c),
-            dres: z(bt * c),
-            dbtc: z(bt * c),
-            dbranch: if cfg.dropout > 0.0 { z(bt * c) } else { vec![] },
-            d4c: z(bt * 4 * c),
-            half: bf16.then(|| HalfScratch {
-                wide4c: z(bt * 4 * c),
-                wide: z(bt * c),
-                dround: z(bt * c),
-            }),
+            encoded: vec![0.0; bt * c],
+            blocks,
+            lnf: vec![0.0; bt * c],
+            lnf_stats: NormStats::new(bt),
+            losses: vec![0.0; bt],
+            logits_chunk: vec![0.0; classifier_chunk_rows(cfg, bt) * cfg.vocab_size],
+            scratch: Scratch::new(cfg, bt, dtype, true),
         }
     }
 
@@ -169,48 +293,13 @@ impl Activations {
 
     /// Bytes held, all buffers together (4 per f32 and token id, 2 per bf16).
     pub fn num_bytes(&self) -> usize {
-        let f32s = |bufs: &[&Vec<f32>]| bufs.iter().map(|v| v.len() * 4).sum::<usize>();
-        let bf16s = |bufs: &[&Vec<Bf16>]| bufs.iter().map(|v| v.len() * 2).sum::<usize>();
-        let layer = |l: &LayerActs| {
-            let half = l
-                .half
-                .as_ref()
-                .map_or(0, |h| bf16s(&[&h.qkv, &h.atty, &h.fch]));
-            half + f32s(&[
-                &l.ln1,
-                &l.ln1_mean,
-                &l.ln1_rstd,
-                &l.qkv,
-                &l.atty,
-                &l.att_lse,
-                &l.res2,
-                &l.ln2,
-                &l.ln2_mean,
-                &l.ln2_rstd,
-                &l.fch,
-                &l.res3,
-            ])
-        };
-        let scratch = self
-            .half
-            .as_ref()
-            .map_or(0, |h| f32s(&[&h.wide4c, &h.wide, &h.dround]));
-        let own = f32s(&[
-            &self.encoded,
-            &self.lnf,
-            &self.lnf_mean,
-            &self.lnf_rstd,
-            &self.losses,
-            &self.logits_chunk,
-            &self.last_logits,
-            &self.last_x,
-            &self.dres,
-            &self.dbtc,
-            &self.dbranch,
-            &self.d4c,
-        ]);
-        let layers: usize = self.layers.iter().map(layer).sum();
-        layers + own + scratch + self.inputs.len() * 4
+        let blocks: usize = self.blocks.iter().map(BlockActs::num_bytes).sum();
+        let f32s = [&self.encoded, &self.lnf, &self.losses, &self.logits_chunk];
+        blocks
+            + f32s.iter().map(|v| v.len() * 4).sum::<usize>()
+            + self.lnf_stats.num_bytes()
+            + self.scratch.num_bytes()
+            + self.inputs.len() * 4
     }
 }
 
@@ -228,14 +317,15 @@ mod tests {
         let ratio = large as f64 / small as f64;
         assert!(ratio <= 4.0, "T 256 → 1024 grew the arena {ratio:.2}×");
         // Exactly: per layer and token 12·C + 4 + NH floats (ln1 C+2, qkv 3C, atty C,
-        // lse NH, res2 C, ln2 C+2, fch 4C, res3 C; the GELU output is recomputed); outside the layers,
-        // inputs, encoded/lnf/dres/dbtc (4C + 4 per token), d4c (4C per token), the classifier
-        // chunk (R·V) and the last-position buffers (B·(V + C)).
+        // lse NH, res2 C, ln2 C+2, fch 4C, res3 C; the GELU output is recomputed);
+        // outside the blocks per token: the input id, encoded, lnf + 2 statistics, the
+        // loss (2C + 4), and the scratch: hidden 4C, dres C, dinp C, dqkv 3C (no
+        // dropout, so no dbranch); and the classifier chunk (R·V).
         let (b, t, c) = (4, 1024, cfg.n_embd);
         let bt = b * t;
         let per_layer = bt * (12 * c + 4 + cfg.n_head);
         let rows = (16 << 20) / cfg.vocab_size;
-        let rest = bt * (8 * c + 4) + rows * cfg.vocab_size + b * (cfg.vocab_size + c);
+        let rest = bt * (2 * c + 4) + bt * 9 * c + rows * cfg.vocab_size;
         assert_eq!(large, cfg.n_layer * per_layer + rest);
         println!(
             "activation arena, GPT-2 124M, B=4: T=256 {:.0} MiB, T=1024 {:.0} MiB",
@@ -253,7 +343,8 @@ mod tests {
         let bf16_bytes = Activations::num_bytes_for(&cfg, b, t, Dtype::Bfloat16);
         // Per layer and token, bf16 keeps atty (C), qkv (3C) and fch (4C) in two bytes
         // and ln1, ln2 (C each) not at all: 4·(12C + 4 + NH) → 4·(2C + 4 + NH) + 2·8C.
-        // Outside the layers it adds the f32 scratch: wide4c 4C, wide C, dround C.
+        // Outside the blocks it adds the f32 scratch: staging C, staging_wide 4C and
+        // dbranch C (the rounded branch gradient).
         let bt = b * t;
         let per_layer_saved = bt * (4 * 10 * c - 2 * 8 * c);
         let scratch = bt * 4 * 6 * c;

@@ -10,6 +10,26 @@ pub const VOCAB_PAD_MULTIPLE: usize = 64;
 /// Epsilon of every layer norm (PyTorch's and Hugging Face GPT-2's default).
 pub const LAYER_NORM_EPS: f32 = 1e-5;
 
+/// Numeric precision of the matmuls (master weights are always f32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    Float32,
+    /// Matmul operands rounded to bf16 with f32 accumulation (autocast semantics).
+    Bfloat16,
+}
+
+impl Dtype {
+    pub const NAMES: [&'static str; 2] = ["float32", "bfloat16"];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Dtype::Float32 => "float32",
+            Dtype::Bfloat16 => "bfloat16",
+        }
+    }
+}
+
 /// The architecture of a GPT-2-class model, with nanoGPT's key names.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelConfig {

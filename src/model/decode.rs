@@ -1,28 +1,26 @@
 //! Incremental decoding with a key/value cache, for generation.
 //!
-//! [`Gpt::logits_last`](super::Gpt::logits_last) recomputes every position on each
-//! call; a [`Decoder`] keeps each layer's keys and values instead, so a new token
-//! costs one row through the matmuls plus attention over the cached positions:
+//! [`Gpt::logits`](super::Gpt::logits) recomputes every position on each call; a
+//! [`Decoder`] keeps each layer's keys and values instead, so a new token costs one row
+//! through the matmuls plus attention over the cached positions:
 //!
 //! ```text
 //! feed(tokens (B, p)):  x = wte[tokens] + wpe[len..len+p]               (B·p, C)
-//!   for each block:  qkv = ln_1(x) · W_attnᵀ;  append k, v to the cache
-//!                    x  += attn(q, K[0..=pos], V[0..=pos]) · W_projᵀ
-//!                    x  += gelu(ln_2(x) · W_fcᵀ) · W_projᵀ
+//!   for each block:  the training block (block.rs), attending through the cache:
+//!                    append this layer's new keys and values, attend to K, V[0..=pos]
 //!   logits = ln_f(x[last new row]) · wteᵀ                               (B, V)
 //! ```
 //!
-//! It runs the same kernels as the training forward, without dropout (inference).
+//! It runs the same block and kernels as the training forward, in f32, without dropout.
 
-use super::config::ModelConfig;
-use super::layout::{LayerRanges, ParamLayout};
-use crate::kernels::classifier::classifier_logits;
+use super::activations::{BlockActs, NormStats, Scratch};
+use super::block::{block_forward, norm_of, Attend, BlockWeights};
+use super::config::{Dtype, ModelConfig};
+use super::layout::ParamLayout;
+use crate::kernels::classifier::{classifier_logits, Classifier};
 use crate::kernels::encoder::encoder_forward;
-use crate::kernels::gelu::gelu_forward;
 use crate::kernels::layernorm::layernorm_forward;
-use crate::kernels::matmul::linear_forward;
-use crate::kernels::residual::residual_add_inplace;
-use crate::kernels::SharedMut;
+use crate::kernels::{Dims, SharedMut};
 use rayon::prelude::*;
 
 /// Sizes fixed when the decoder is built.
@@ -48,35 +46,12 @@ impl Shape {
     }
 }
 
-/// Working buffers of one `feed`, sized for `B·max_len` rows (the largest prefill);
-/// a call over `n = B·p` rows uses the leading `n·…` elements.
-struct Scratch {
-    /// (n, C) residual stream.
-    x: Vec<f32>,
-    /// (n, C) layer-norm output; at the end, ln_f of the last rows (B, C).
-    ln: Vec<f32>,
-    /// (n) layer-norm statistics (needed by the kernel, unused afterwards).
-    mean: Vec<f32>,
-    rstd: Vec<f32>,
-    /// (n, 4C): first the (n, 3C) query/key/value rows, then the MLP's pre-activation.
-    wide: Vec<f32>,
-    /// (n, 4C) the MLP's hidden layer after GELU.
-    hidden: Vec<f32>,
-    /// (n, C) attention output, heads concatenated.
-    atty: Vec<f32>,
-    /// (n, C) a residual branch's output; at the end, the last rows (B, C).
-    branch: Vec<f32>,
-    /// (B, NH, max_len) attention scores of one query row per (sequence, head).
-    scores: Vec<f32>,
-    /// (B, V) logits of the last new position.
-    logits: Vec<f32>,
-}
-
 /// A KV-cached forward pass over `B` sequences that advance together.
 ///
-/// Owns its caches and scratch (all allocated in [`Decoder::new`]; [`Decoder::feed`]
-/// allocates nothing of its own) and borrows the parameters only per call, so one set
-/// of weights can serve several decoders.
+/// Owns its caches and buffers (all allocated in [`Decoder::new`], sized for the
+/// largest prefill, `B·max_len` rows; [`Decoder::feed`] allocates nothing of its own)
+/// and borrows the parameters only per call, so one set of weights can serve several
+/// decoders.
 pub struct Decoder {
     shape: Shape,
     /// Positions cached per sequence.
@@ -85,7 +60,20 @@ pub struct Decoder {
     keys: Vec<f32>,
     /// Values, laid out like `keys`.
     values: Vec<f32>,
-    buf: Scratch,
+    /// (n, C) the new rows' residual stream: a block's input, then its output (swapped
+    /// in from `acts.res3`).
+    x: Vec<f32>,
+    /// One block's activations, reused by every block.
+    acts: BlockActs,
+    scratch: Scratch,
+    /// (B, NH, max_len) attention scores of one query row per (sequence, head).
+    scores: Vec<f32>,
+    /// (B, C) the last new row of each sequence, and its final layer norm.
+    last: Vec<f32>,
+    lnf: Vec<f32>,
+    lnf_stats: NormStats,
+    /// (B, V) logits of the last new position.
+    logits: Vec<f32>,
 }
 
 impl Decoder {
@@ -117,18 +105,14 @@ impl Decoder {
             len: 0,
             keys: vec![0.0; cache],
             values: vec![0.0; cache],
-            buf: Scratch {
-                x: vec![0.0; rows * c],
-                ln: vec![0.0; rows * c],
-                mean: vec![0.0; rows],
-                rstd: vec![0.0; rows],
-                wide: vec![0.0; rows * 4 * c],
-                hidden: vec![0.0; rows * 4 * c],
-                atty: vec![0.0; rows * c],
-                branch: vec![0.0; rows * c],
-                scores: vec![0.0; batch * shape.nh * max_len],
-                logits: vec![0.0; batch * shape.v],
-            },
+            x: vec![0.0; rows * c],
+            acts: BlockActs::new(config, batch, max_len, Dtype::Float32),
+            scratch: Scratch::new(config, rows, Dtype::Float32, false),
+            scores: vec![0.0; batch * shape.nh * max_len],
+            last: vec![0.0; batch * c],
+            lnf: vec![0.0; batch * c],
+            lnf_stats: NormStats::new(batch),
+            logits: vec![0.0; batch * shape.v],
         }
     }
 
@@ -152,21 +136,68 @@ impl Decoder {
     ) -> &[f32] {
         self.check(params, layout, tokens, p);
         let s = self.shape;
-        let (n, c) = (s.b * p, s.c);
-        let wpe = &params[layout.wpe.clone()][self.len * c..];
-        let x = &mut self.buf.x[..n * c];
-        encoder_forward(x, tokens, &params[layout.wte.clone()], wpe, p, c);
+        let (n, c, start) = (s.b * p, s.c, self.len);
+        let d = Dims {
+            b: s.b,
+            t: p,
+            c,
+            nh: s.nh,
+        };
+        let wpe = &params[layout.wpe][start * c..];
+        encoder_forward(&mut self.x[..n * c], tokens, &params[layout.wte], wpe, p, c);
         let per_layer = s.cache_floats();
         let caches = self
             .keys
             .chunks_exact_mut(per_layer)
             .zip(self.values.chunks_exact_mut(per_layer));
-        for (w, (keys, values)) in layout.layers.iter().zip(caches) {
-            let cache = LayerCache { keys, values };
-            block_forward(params, w, cache, &mut self.buf, s, self.len, p);
+        for (at, (keys, values)) in layout.layers.iter().zip(caches) {
+            let scores = &mut self.scores;
+            let mut attend = |out: &mut [f32], qkv: &[f32]| {
+                let cache = LayerCache {
+                    keys: &mut *keys,
+                    values: &mut *values,
+                };
+                cached_attention(out, qkv, cache, scores, s, start, p)
+            };
+            let w = BlockWeights {
+                params,
+                matmul: params,
+                at,
+            };
+            let (x, a) = (&self.x[..n * c], &mut self.acts);
+            block_forward::<false>(
+                &w,
+                x,
+                a,
+                &mut self.scratch,
+                Attend::Cache(&mut attend),
+                None,
+                d,
+            );
+            std::mem::swap(&mut self.x, &mut self.acts.res3);
         }
         self.len += p;
-        final_logits(params, layout, &mut self.buf, s, p)
+        self.final_logits(params, layout, p)
+    }
+
+    /// ln_f and the classifier on the last new row of each sequence: returns (B, V).
+    fn final_logits(&mut self, params: &[f32], layout: &ParamLayout, new: usize) -> &[f32] {
+        let (b, c, v) = (self.shape.b, self.shape.c, self.shape.v);
+        for (seq, row) in self.last.chunks_exact_mut(c).enumerate() {
+            let at = (seq * new + new - 1) * c;
+            row.copy_from_slice(&self.x[at..at + c]);
+        }
+        let (mean, rstd) = self.lnf_stats.rows_mut(b);
+        let ln_f = norm_of(params, layout.ln_f);
+        layernorm_forward::<false>(&mut self.lnf, mean, rstd, &self.last, ln_f);
+        let cls = Classifier {
+            wte: &params[layout.wte],
+            packs: None,
+            c,
+            v,
+        };
+        classifier_logits(&mut self.logits, &self.lnf, cls);
+        &self.logits
     }
 
     /// Positions cached per sequence.
@@ -222,81 +253,6 @@ impl Decoder {
 struct LayerCache<'a> {
     keys: &'a mut [f32],
     values: &'a mut [f32],
-}
-
-/// One block over the `n = B·p` new rows: `buf.x` (n, C) is updated in place, and the
-/// new keys and values are appended to `cache` at positions `start..start + p`.
-fn block_forward(
-    p: &[f32],
-    w: &LayerRanges,
-    cache: LayerCache,
-    buf: &mut Scratch,
-    s: Shape,
-    start: usize,
-    new: usize,
-) {
-    let (n, c) = (s.b * new, s.c);
-    let x = &mut buf.x[..n * c];
-    let ln = &mut buf.ln[..n * c];
-    let (mean, rstd) = (&mut buf.mean[..n], &mut buf.rstd[..n]);
-    let branch = &mut buf.branch[..n * c];
-
-    let (w1, b1) = (&p[w.ln_1_w.clone()], &p[w.ln_1_b.clone()]);
-    layernorm_forward(ln, mean, rstd, x, w1, b1, c);
-    let qkv = &mut buf.wide[..n * 3 * c];
-    linear_forward(
-        qkv,
-        ln,
-        &p[w.c_attn_w.clone()],
-        &p[w.c_attn_b.clone()],
-        c,
-        3 * c,
-    );
-    let atty = &mut buf.atty[..n * c];
-    cached_attention(atty, qkv, cache, &mut buf.scores, s, start, new);
-    let (wp, bp) = (&p[w.attn_proj_w.clone()], &p[w.attn_proj_b.clone()]);
-    linear_forward(branch, atty, wp, bp, c, c);
-    residual_add_inplace(x, branch);
-
-    let (w2, b2) = (&p[w.ln_2_w.clone()], &p[w.ln_2_b.clone()]);
-    layernorm_forward(ln, mean, rstd, x, w2, b2, c);
-    let fch = &mut buf.wide[..n * 4 * c];
-    linear_forward(
-        fch,
-        ln,
-        &p[w.c_fc_w.clone()],
-        &p[w.c_fc_b.clone()],
-        c,
-        4 * c,
-    );
-    let hidden = &mut buf.hidden[..n * 4 * c];
-    gelu_forward(hidden, fch);
-    let (wm, bm) = (&p[w.mlp_proj_w.clone()], &p[w.mlp_proj_b.clone()]);
-    linear_forward(branch, hidden, wm, bm, 4 * c, c);
-    residual_add_inplace(x, branch);
-}
-
-/// ln_f and the classifier on the last new row of each sequence: returns (B, V).
-fn final_logits<'a>(
-    p: &[f32],
-    layout: &ParamLayout,
-    buf: &'a mut Scratch,
-    s: Shape,
-    new: usize,
-) -> &'a [f32] {
-    let (b, c) = (s.b, s.c);
-    let last = &mut buf.branch[..b * c];
-    for (seq, row) in last.chunks_exact_mut(c).enumerate() {
-        let at = (seq * new + new - 1) * c;
-        row.copy_from_slice(&buf.x[at..at + c]);
-    }
-    let lnf = &mut buf.ln[..b * c];
-    let (mean, rstd) = (&mut buf.mean[..b], &mut buf.rstd[..b]);
-    let (wf, bf) = (&p[layout.ln_f_w.clone()], &p[layout.ln_f_b.clone()]);
-    layernorm_forward(lnf, mean, rstd, last, wf, bf, c);
-    let logits = &mut buf.logits[..b * s.v];
-    classifier_logits(logits, lnf, &p[layout.wte.clone()], c, s.v);
-    logits
 }
 
 /// Causal attention of `new` rows per sequence against one layer's cache.
@@ -430,7 +386,7 @@ pub(crate) mod tests {
     pub(crate) fn random_gpt(cfg: ModelConfig, max_b: usize, seed: u64) -> Gpt {
         let t = cfg.block_size;
         let mut gpt = Gpt::new(cfg, max_b, t).unwrap();
-        let real = gpt.config.vocab_size * gpt.config.n_embd;
+        let real = gpt.config().vocab_size * gpt.config().n_embd;
         let pad = real..gpt.layout.wte.end;
         let noise = rand_vec(gpt.params.len(), seed);
         for (i, (p, n)) in gpt.params.iter_mut().zip(noise).enumerate() {
@@ -457,6 +413,15 @@ pub(crate) mod tests {
         }
     }
 
+    /// The logits of the last position of each of the `b` sequences of `x` (B, T),
+    /// recomputed over the whole sequences by the training forward.
+    fn last_logits(gpt: &mut Gpt, x: &[u32], b: usize, t: usize) -> Vec<f32> {
+        let v = gpt.config().vocab_size;
+        let all = gpt.logits(x, b, t);
+        let rows = all.chunks_exact(v).skip(t - 1).step_by(t);
+        rows.flatten().copied().collect()
+    }
+
     /// (B, T) rows of `seqs` cut to their first `t` tokens.
     fn prefix(seqs: &[Vec<u32>], t: usize) -> Vec<u32> {
         seqs.iter().flat_map(|s| s[..t].iter().copied()).collect()
@@ -465,19 +430,19 @@ pub(crate) mod tests {
     fn check_against_recompute(bias: bool) {
         let (b, prompt) = (2, 5);
         let mut gpt = random_gpt(small(bias), b, 3);
-        let (v, block) = (gpt.config.vocab_size, gpt.config.block_size);
+        let (v, block) = (gpt.config().vocab_size, gpt.config().block_size);
         let seqs: Vec<Vec<u32>> = (0..b).map(|i| tokens(block, v, i)).collect();
-        let mut dec = Decoder::new(&gpt.config, b, block);
+        let mut dec = Decoder::new(gpt.config(), b, block);
         let got = dec.feed(&gpt.params, &gpt.layout, &prefix(&seqs, prompt), prompt);
         let got = got.to_vec();
-        let want = gpt.logits_last(&prefix(&seqs, prompt), b, prompt);
-        assert_close("prefill", &got, want);
+        let want = last_logits(&mut gpt, &prefix(&seqs, prompt), b, prompt);
+        assert_close("prefill", &got, &want);
         for t in prompt + 1..=block {
             let step: Vec<u32> = seqs.iter().map(|s| s[t - 1]).collect();
             let got = dec.feed(&gpt.params, &gpt.layout, &step, 1).to_vec();
             assert_eq!(dec.len(), t);
-            let want = gpt.logits_last(&prefix(&seqs, t), b, t);
-            assert_close(&format!("step to length {t}"), &got, want);
+            let want = last_logits(&mut gpt, &prefix(&seqs, t), b, t);
+            assert_close(&format!("step to length {t}"), &got, &want);
         }
     }
 
@@ -494,16 +459,16 @@ pub(crate) mod tests {
     #[test]
     fn chunked_prefill_equals_one_pass() {
         let gpt = random_gpt(small(true), 1, 4);
-        let seq = tokens(12, gpt.config.vocab_size, 1);
-        let mut whole = Decoder::new(&gpt.config, 1, 16);
+        let seq = tokens(12, gpt.config().vocab_size, 1);
+        let mut whole = Decoder::new(gpt.config(), 1, 16);
         let want = whole.feed(&gpt.params, &gpt.layout, &seq, 12).to_vec();
-        let mut chunked = Decoder::new(&gpt.config, 1, 16);
+        let mut chunked = Decoder::new(gpt.config(), 1, 16);
         for range in [0..3, 3..8, 8..9, 9..12] {
             let p = range.len();
             chunked.feed(&gpt.params, &gpt.layout, &seq[range], p);
         }
         assert_eq!(chunked.len(), 12);
-        assert_close("chunked", &chunked.buf.logits, &want);
+        assert_close("chunked", &chunked.logits, &want);
         // The caches agree too, so what follows agrees.
         let a = whole.feed(&gpt.params, &gpt.layout, &[7], 1).to_vec();
         let b = chunked.feed(&gpt.params, &gpt.layout, &[7], 1).to_vec();
@@ -513,12 +478,12 @@ pub(crate) mod tests {
     #[test]
     fn batch_of_three_equals_three_separate_runs() {
         let gpt = random_gpt(small(false), 1, 5);
-        let v = gpt.config.vocab_size;
+        let v = gpt.config().vocab_size;
         let seqs: Vec<Vec<u32>> = (0..3).map(|i| tokens(10, v, 7 * i)).collect();
         let (prompt, total) = (4, 10);
-        let mut batch = Decoder::new(&gpt.config, 3, total);
+        let mut batch = Decoder::new(gpt.config(), 3, total);
         let mut singles: Vec<Decoder> = (0..3)
-            .map(|_| Decoder::new(&gpt.config, 1, total))
+            .map(|_| Decoder::new(gpt.config(), 1, total))
             .collect();
         let mut fed = prompt;
         let mut got = batch
@@ -550,8 +515,8 @@ pub(crate) mod tests {
     #[test]
     fn reset_starts_over() {
         let gpt = random_gpt(small(true), 1, 6);
-        let seq = tokens(6, gpt.config.vocab_size, 2);
-        let mut dec = Decoder::new(&gpt.config, 1, 8);
+        let seq = tokens(6, gpt.config().vocab_size, 2);
+        let mut dec = Decoder::new(gpt.config(), 1, 8);
         assert!(dec.is_empty());
         let first = dec.feed(&gpt.params, &gpt.layout, &seq, 6).to_vec();
         dec.reset();
@@ -565,7 +530,7 @@ pub(crate) mod tests {
     #[should_panic(expected = "exceed the decoder")]
     fn feeding_past_max_len_panics() {
         let gpt = random_gpt(small(true), 1, 6);
-        let mut dec = Decoder::new(&gpt.config, 1, 4);
+        let mut dec = Decoder::new(gpt.config(), 1, 4);
         dec.feed(&gpt.params, &gpt.layout, &[1, 2, 3], 3);
         dec.feed(&gpt.params, &gpt.layout, &[4, 5], 2);
     }

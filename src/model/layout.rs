@@ -9,7 +9,7 @@
 //! are one contiguous range, ready for bucketed all-reduce), then `ln_f`.
 
 use super::config::ModelConfig;
-use std::ops::Range;
+use std::ops::{Index, IndexMut, Range};
 
 /// One named tensor of the arena.
 #[derive(Clone, Debug, PartialEq)]
@@ -35,27 +35,96 @@ impl TensorInfo {
     }
 }
 
-/// Ranges of one transformer block's tensors. Bias ranges are empty without biases.
+/// Where one tensor lives in the arena: elements `start..end`. `Copy`, and it indexes
+/// slices directly: `&params[span]`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Span {
+    pub start: usize,
+    pub end: usize,
+}
+
+impl Span {
+    pub fn len(self) -> usize {
+        self.end - self.start
+    }
+
+    pub fn is_empty(self) -> bool {
+        self.end == self.start
+    }
+
+    pub fn range(self) -> Range<usize> {
+        self.start..self.end
+    }
+}
+
+impl From<Range<usize>> for Span {
+    fn from(r: Range<usize>) -> Span {
+        Span {
+            start: r.start,
+            end: r.end,
+        }
+    }
+}
+
+impl Index<Span> for [f32] {
+    type Output = [f32];
+    fn index(&self, s: Span) -> &[f32] {
+        &self[s.start..s.end]
+    }
+}
+
+impl IndexMut<Span> for [f32] {
+    fn index_mut(&mut self, s: Span) -> &mut [f32] {
+        &mut self[s.start..s.end]
+    }
+}
+
+impl Index<Span> for Vec<f32> {
+    type Output = [f32];
+    fn index(&self, s: Span) -> &[f32] {
+        &self[s.start..s.end]
+    }
+}
+
+impl IndexMut<Span> for Vec<f32> {
+    fn index_mut(&mut self, s: Span) -> &mut [f32] {
+        &mut self[s.start..s.end]
+    }
+}
+
+/// A linear layer's tensors: weight `[OC, C]` and bias `[OC]` (empty without biases).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LinearSpans {
+    pub weight: Span,
+    pub bias: Span,
+    /// Input channels (C).
+    pub c: usize,
+    /// Output channels (OC).
+    pub oc: usize,
+}
+
+/// A layer norm's tensors: weight and bias, `[C]` each (bias empty without biases).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NormSpans {
+    pub weight: Span,
+    pub bias: Span,
+}
+
+/// Where one transformer block's tensors live.
 #[derive(Clone, Debug, Default)]
-pub struct LayerRanges {
-    pub ln_1_w: Range<usize>,
-    pub ln_1_b: Range<usize>,
+pub struct BlockLayout {
+    pub ln_1: NormSpans,
     /// `[3C, C]`: query, key and value projections stacked.
-    pub c_attn_w: Range<usize>,
-    pub c_attn_b: Range<usize>,
+    pub c_attn: LinearSpans,
     /// `[C, C]`
-    pub attn_proj_w: Range<usize>,
-    pub attn_proj_b: Range<usize>,
-    pub ln_2_w: Range<usize>,
-    pub ln_2_b: Range<usize>,
+    pub attn_proj: LinearSpans,
+    pub ln_2: NormSpans,
     /// `[4C, C]`
-    pub c_fc_w: Range<usize>,
-    pub c_fc_b: Range<usize>,
+    pub c_fc: LinearSpans,
     /// `[C, 4C]`
-    pub mlp_proj_w: Range<usize>,
-    pub mlp_proj_b: Range<usize>,
-    /// All of this layer's tensors: one contiguous span of the arena.
-    pub span: Range<usize>,
+    pub mlp_proj: LinearSpans,
+    /// All of this block's tensors: one contiguous span of the arena.
+    pub span: Span,
 }
 
 /// The named tensors of a model and where they live in the arena.
@@ -63,12 +132,11 @@ pub struct LayerRanges {
 pub struct ParamLayout {
     pub tensors: Vec<TensorInfo>,
     /// `[Vp, C]` token embedding, also the (tied) classifier.
-    pub wte: Range<usize>,
+    pub wte: Span,
     /// `[block_size, C]` position embedding.
-    pub wpe: Range<usize>,
-    pub layers: Vec<LayerRanges>,
-    pub ln_f_w: Range<usize>,
-    pub ln_f_b: Range<usize>,
+    pub wpe: Span,
+    pub layers: Vec<BlockLayout>,
+    pub ln_f: NormSpans,
     /// Total floats in the arena.
     pub len: usize,
 }
@@ -82,25 +150,42 @@ struct Builder {
 }
 
 impl Builder {
-    fn push(&mut self, name: String, shape: Vec<usize>) -> Range<usize> {
+    fn push(&mut self, name: String, shape: Vec<usize>) -> Span {
         let offset = self.len.div_ceil(ALIGN) * ALIGN;
         let info = TensorInfo {
             name,
             shape,
             offset,
         };
-        let range = info.range();
-        self.len = range.end;
+        let span = Span::from(info.range());
+        self.len = span.end;
         self.tensors.push(info);
-        range
+        span
     }
 
-    /// A bias of `n` floats, or an empty range when the model has no biases.
-    fn bias(&mut self, bias: bool, name: String, n: usize) -> Range<usize> {
-        if bias {
-            self.push(name, vec![n])
-        } else {
-            self.len..self.len
+    /// A bias of `n` floats, or an empty span when the model has no biases.
+    fn bias(&mut self, bias: bool, name: String, n: usize) -> Span {
+        match bias {
+            true => self.push(name, vec![n]),
+            false => Span::from(self.len..self.len),
+        }
+    }
+
+    /// A linear layer `name` from `c` to `oc` channels.
+    fn linear(&mut self, bias: bool, name: &str, c: usize, oc: usize) -> LinearSpans {
+        LinearSpans {
+            weight: self.push(format!("{name}.weight"), vec![oc, c]),
+            bias: self.bias(bias, format!("{name}.bias"), oc),
+            c,
+            oc,
+        }
+    }
+
+    /// A layer norm `name` over `c` channels.
+    fn norm(&mut self, bias: bool, name: &str, c: usize) -> NormSpans {
+        NormSpans {
+            weight: self.push(format!("{name}.weight"), vec![c]),
+            bias: self.bias(bias, format!("{name}.bias"), c),
         }
     }
 }
@@ -121,33 +206,25 @@ impl ParamLayout {
         for i in 0..cfg.n_layer {
             let p = |s: &str| format!("transformer.h.{i}.{s}");
             let start = b.len.div_ceil(ALIGN) * ALIGN;
-            let mut l = LayerRanges {
-                ln_1_w: b.push(p("ln_1.weight"), vec![c]),
-                ln_1_b: b.bias(bias, p("ln_1.bias"), c),
-                c_attn_w: b.push(p("attn.c_attn.weight"), vec![3 * c, c]),
-                c_attn_b: b.bias(bias, p("attn.c_attn.bias"), 3 * c),
-                attn_proj_w: b.push(p("attn.c_proj.weight"), vec![c, c]),
-                attn_proj_b: b.bias(bias, p("attn.c_proj.bias"), c),
-                ln_2_w: b.push(p("ln_2.weight"), vec![c]),
-                ln_2_b: b.bias(bias, p("ln_2.bias"), c),
-                c_fc_w: b.push(p("mlp.c_fc.weight"), vec![4 * c, c]),
-                c_fc_b: b.bias(bias, p("mlp.c_fc.bias"), 4 * c),
-                mlp_proj_w: b.push(p("mlp.c_proj.weight"), vec![c, 4 * c]),
-                mlp_proj_b: b.bias(bias, p("mlp.c_proj.bias"), c),
-                span: 0..0,
+            let mut l = BlockLayout {
+                ln_1: b.norm(bias, &p("ln_1"), c),
+                c_attn: b.linear(bias, &p("attn.c_attn"), c, 3 * c),
+                attn_proj: b.linear(bias, &p("attn.c_proj"), c, c),
+                ln_2: b.norm(bias, &p("ln_2"), c),
+                c_fc: b.linear(bias, &p("mlp.c_fc"), c, 4 * c),
+                mlp_proj: b.linear(bias, &p("mlp.c_proj"), 4 * c, c),
+                span: Span::default(),
             };
-            l.span = start..b.len;
+            l.span = Span::from(start..b.len);
             layers.push(l);
         }
-        let ln_f_w = b.push("transformer.ln_f.weight".into(), vec![c]);
-        let ln_f_b = b.bias(bias, "transformer.ln_f.bias".into(), c);
+        let ln_f = b.norm(bias, "transformer.ln_f", c);
         ParamLayout {
             tensors: b.tensors,
             wte,
             wpe,
             layers,
-            ln_f_w,
-            ln_f_b,
+            ln_f,
             len: b.len,
         }
     }

@@ -1,6 +1,7 @@
 //! `dtype = "bfloat16"` of the whole model: the loss against an independent f64
 //! reference that rounds at the same places, and the gradients against f32.
 
+use super::layout::{LinearSpans, NormSpans};
 use super::*;
 use crate::kernels::bf16::round;
 use crate::kernels::bf16_gemm::{self, Kernel};
@@ -35,7 +36,7 @@ fn medium(bias: bool) -> ModelConfig {
 
 fn model(cfg: ModelConfig, b: usize, t: usize, seed: u64) -> Gpt {
     let mut gpt = Gpt::new(cfg, b, t).unwrap();
-    let real = gpt.config.vocab_size * gpt.config.n_embd;
+    let real = gpt.config().vocab_size * gpt.config().n_embd;
     let noise = rand_vec(gpt.params.len(), seed);
     for (i, (p, n)) in gpt.params.iter_mut().zip(noise).enumerate() {
         *p = if (real..gpt.layout.wte.end).contains(&i) {
@@ -127,16 +128,13 @@ fn attention(qkv: &[f64], b: usize, t: usize, c: usize, nh: usize) -> Vec<f64> {
 /// the bf16 model does: matmul weights, layer-norm outputs, q/k/v, the attention
 /// output, the pre-GELU layer, the GELU output and the final layer norm's output.
 fn reference_loss(gpt: &Gpt, x: &[u32], y: &[i32], b: usize, t: usize, bf16: bool) -> f64 {
-    let cfg = &gpt.config;
+    let cfg = gpt.config();
     let (c, v) = (cfg.n_embd, cfg.vocab_size);
-    let get = |r: std::ops::Range<usize>| -> Vec<f64> {
-        gpt.params[r].iter().map(|&p| p as f64).collect()
-    };
-    let weight = |r: std::ops::Range<usize>| -> Vec<f64> {
-        get(r).into_iter().map(|p| rd(bf16, p)).collect()
-    };
+    let get = |s: Span| -> Vec<f64> { gpt.params[s].iter().map(|&p| p as f64).collect() };
     let rounded = |v: Vec<f64>| -> Vec<f64> { v.into_iter().map(|p| rd(bf16, p)).collect() };
-    let (wte, wpe) = (get(gpt.layout.wte.clone()), get(gpt.layout.wpe.clone()));
+    let norm = |h: &[f64], n: NormSpans| layernorm(h, &get(n.weight), &get(n.bias), c);
+    let dense = |x: &[f64], l: LinearSpans| linear(x, &rounded(get(l.weight)), &get(l.bias), l.c);
+    let (wte, wpe) = (get(gpt.layout.wte), get(gpt.layout.wpe));
     let mut h = vec![0.0; b * t * c];
     for (row, &tok) in x.iter().enumerate() {
         for i in 0..c {
@@ -144,54 +142,19 @@ fn reference_loss(gpt: &Gpt, x: &[u32], y: &[i32], b: usize, t: usize, bf16: boo
         }
     }
     for r in &gpt.layout.layers {
-        let ln1 = rounded(layernorm(
-            &h,
-            &get(r.ln_1_w.clone()),
-            &get(r.ln_1_b.clone()),
-            c,
-        ));
-        let qkv = rounded(linear(
-            &ln1,
-            &weight(r.c_attn_w.clone()),
-            &get(r.c_attn_b.clone()),
-            c,
-        ));
+        let ln1 = rounded(norm(&h, r.ln_1));
+        let qkv = rounded(dense(&ln1, r.c_attn));
         let atty = rounded(attention(&qkv, b, t, c, cfg.n_head));
-        let proj = linear(
-            &atty,
-            &weight(r.attn_proj_w.clone()),
-            &get(r.attn_proj_b.clone()),
-            c,
-        );
+        let proj = dense(&atty, r.attn_proj);
         h.iter_mut().zip(proj).for_each(|(h, p)| *h += p);
-        let ln2 = rounded(layernorm(
-            &h,
-            &get(r.ln_2_w.clone()),
-            &get(r.ln_2_b.clone()),
-            c,
-        ));
-        let fc = rounded(linear(
-            &ln2,
-            &weight(r.c_fc_w.clone()),
-            &get(r.c_fc_b.clone()),
-            c,
-        ));
+        let ln2 = rounded(norm(&h, r.ln_2));
+        let fc = rounded(dense(&ln2, r.c_fc));
         let g = rounded(fc.into_iter().map(gelu).collect());
-        let proj = linear(
-            &g,
-            &weight(r.mlp_proj_w.clone()),
-            &get(r.mlp_proj_b.clone()),
-            4 * c,
-        );
+        let proj = dense(&g, r.mlp_proj);
         h.iter_mut().zip(proj).for_each(|(h, p)| *h += p);
     }
-    let lnf = rounded(layernorm(
-        &h,
-        &get(gpt.layout.ln_f_w.clone()),
-        &get(gpt.layout.ln_f_b.clone()),
-        c,
-    ));
-    let wte_r = weight(gpt.layout.wte.start..gpt.layout.wte.start + v * c);
+    let lnf = rounded(norm(&h, gpt.layout.ln_f));
+    let wte_r = rounded(wte[..v * c].to_vec());
     let logits = linear(&lnf, &wte_r, &[], c);
     let mut total = 0.0;
     for (row, &tg) in y.iter().enumerate() {
@@ -212,7 +175,7 @@ fn bf16_loss_matches_a_reference_that_rounds_the_same_way() {
     ] {
         let bias = cfg.bias;
         let mut gpt = model(cfg, b, t, 21);
-        let (x, y) = batch(b, t, gpt.config.vocab_size);
+        let (x, y) = batch(b, t, gpt.config().vocab_size);
         gpt.set_training(false);
         let f32_loss = gpt.forward(&x, &y, b, t) as f64;
         gpt.set_dtype(Dtype::Bfloat16);
@@ -278,7 +241,7 @@ fn bf16_gradients_are_close_to_f32_ones() {
     };
     for (cfg, b, t) in [(tiny(true), 2, 8), (dropout, 2, 8), (medium(false), 8, 16)] {
         let mut gpt = model(cfg, b, t, 33);
-        let (x, y) = batch(b, t, gpt.config.vocab_size);
+        let (x, y) = batch(b, t, gpt.config().vocab_size);
         let grads_of = |gpt: &mut Gpt| {
             gpt.zero_grad();
             gpt.set_dropout_seed(9);
@@ -307,12 +270,12 @@ fn bf16_weights_are_copied_once_per_sync() {
     // The matmuls read the copy made by sync_bf16_weights, not `params` directly.
     let (b, t) = (1, 8);
     let mut gpt = model(tiny(true), b, t, 5);
-    let (x, y) = batch(b, t, gpt.config.vocab_size);
+    let (x, y) = batch(b, t, gpt.config().vocab_size);
     gpt.set_dtype(Dtype::Bfloat16);
     gpt.set_training(false);
     let before = gpt.forward(&x, &y, b, t);
-    let w = gpt.layout.layers[0].c_fc_w.clone();
-    gpt.params[w.clone()].iter_mut().for_each(|p| *p *= 1.5);
+    let w = gpt.layout.layers[0].c_fc.weight;
+    gpt.params[w].iter_mut().for_each(|p| *p *= 1.5);
     assert_eq!(
         gpt.forward(&x, &y, b, t),
         before,
@@ -337,7 +300,7 @@ fn bf16_training_lowers_the_loss_and_is_deterministic() {
         );
         gpt.set_dtype(Dtype::Bfloat16);
         gpt.set_dropout_seed(5);
-        let (x, y) = batch(b, t, gpt.config.vocab_size);
+        let (x, y) = batch(b, t, gpt.config().vocab_size);
         let mut opt = crate::optim::AdamW::new(&gpt.layout, Default::default());
         (0..6)
             .map(|_| {

@@ -1,0 +1,306 @@
+//! One transformer block, forward and backward, written once for both precisions
+//! (`BF16`: bf16 autocast) and run by training, evaluation and decoding alike.
+//!
+//! ```text
+//! res2 = x    + drop(attn(ln_1(x) · W_attnᵀ) · W_projᵀ)           (B, T, C)
+//! res3 = res2 + drop(gelu(ln_2(res2) · W_fcᵀ) · W_projᵀ)
+//! ```
+//!
+//! Under bf16 autocast every matmul operand holds bf16 values: the weights come from
+//! the bf16 copy, and each activation feeding a matmul is rounded (the layer-norm
+//! outputs and the GELU output by their kernels, q/k/v, the attention output and the
+//! pre-GELU layer when they are saved), as is each matmul's output gradient.
+//! Accumulation, layer norm, softmax, GELU and the residual stream stay f32.
+
+use super::activations::{BlockActs, Saved, Scratch};
+use super::layout::{BlockLayout, LinearSpans, NormSpans, Span};
+use crate::kernels::attention::{attention_backward, attention_forward};
+use crate::kernels::bf16;
+use crate::kernels::dropout::{self, Dropout};
+use crate::kernels::gelu::{gelu_backward, gelu_forward};
+use crate::kernels::layernorm::{
+    layernorm_backward, layernorm_forward, layernorm_recompute, Norm, NormGrads,
+};
+use crate::kernels::matmul::{
+    linear_backward, linear_backward_input, linear_backward_params, linear_forward, Linear,
+    LinearGrads,
+};
+use crate::kernels::residual::residual_add_inplace;
+use crate::kernels::Dims;
+
+/// A block's parameters as the kernels read them.
+#[derive(Clone, Copy)]
+pub struct BlockWeights<'a> {
+    /// The f32 master parameters: biases and layer-norm parameters come from here.
+    pub params: &'a [f32],
+    /// The matmul weights: `params` itself, or (bf16) its bf16-rounded copy.
+    pub matmul: &'a [f32],
+    pub at: &'a BlockLayout,
+}
+
+impl<'a> BlockWeights<'a> {
+    fn linear(&self, l: LinearSpans) -> Linear<'a> {
+        Linear {
+            weight: &self.matmul[l.weight],
+            bias: &self.params[l.bias],
+            c: l.c,
+            oc: l.oc,
+        }
+    }
+
+    fn norm(&self, n: NormSpans) -> Norm<'a> {
+        norm_of(self.params, n)
+    }
+}
+
+/// A layer norm's parameters in the arena `params`.
+pub fn norm_of(params: &[f32], n: NormSpans) -> Norm<'_> {
+    Norm {
+        weight: &params[n.weight],
+        bias: &params[n.bias],
+    }
+}
+
+/// How a block's queries reach their keys and values.
+pub enum Attend<'a> {
+    /// Causally over the pass's own positions (training, evaluation); the
+    /// log-sum-exp backward needs goes to the block's activations.
+    Causal,
+    /// Through a key/value cache (decoding): the function appends the new positions'
+    /// keys and values, `(out, qkv)`, to its cache and writes each new query's
+    /// attention over everything cached up to it into `out`.
+    Cache(&'a mut dyn FnMut(&mut [f32], &[f32])),
+}
+
+/// The three dropout masks of one block in one pass.
+#[derive(Clone, Copy)]
+pub struct BlockDropout {
+    pub attn_probs: Dropout,
+    pub attn_resid: Dropout,
+    pub mlp_resid: Dropout,
+}
+
+/// Dropout sites within a block, for deriving mask seeds.
+const SITE_ATTN_PROBS: u64 = 1;
+const SITE_ATTN_RESID: u64 = 2;
+const SITE_MLP_RESID: u64 = 3;
+const SITES_PER_LAYER: u64 = 4;
+
+impl BlockDropout {
+    /// Block `layer`'s masks of probability `p` for the pass seeded `pass_seed` (site 0
+    /// of the pass is the embedding's).
+    pub fn new(pass_seed: u64, layer: usize, p: f32) -> BlockDropout {
+        let site = |s: u64| Dropout {
+            p,
+            seed: Dropout::derive(pass_seed, 1 + layer as u64 * SITES_PER_LAYER + s),
+        };
+        BlockDropout {
+            attn_probs: site(SITE_ATTN_PROBS),
+            attn_resid: site(SITE_ATTN_RESID),
+            mlp_resid: site(SITE_MLP_RESID),
+        }
+    }
+}
+
+/// One block forward: `x` (B, T, C) in, `a.res3` out; `a` keeps what backward needs.
+pub fn block_forward<const BF16: bool>(
+    w: &BlockWeights,
+    x: &[f32],
+    a: &mut BlockActs,
+    s: &mut Scratch,
+    attend: Attend,
+    drop: Option<BlockDropout>,
+    d: Dims,
+) {
+    let (n, c, at) = (d.bt(), d.c, w.at);
+    let (m1, r1) = a.ln1_stats.rows_mut(n);
+    let ln1 = a.ln1.save(&mut s.staging, n * c, |o| {
+        layernorm_forward::<BF16>(o, m1, r1, x, w.norm(at.ln_1))
+    });
+    let qkv = a.qkv.save(&mut s.staging_wide, n * 3 * c, |o| {
+        linear_forward::<BF16>(o, ln1, w.linear(at.c_attn))
+    });
+    let lse = &mut a.att_lse[..d.b * d.nh * d.t];
+    let atty = a.atty.save(&mut s.staging, n * c, |o| match attend {
+        Attend::Causal => attention_forward(o, lse, qkv, d, drop.map(|m| m.attn_probs)),
+        Attend::Cache(attend) => attend(o, qkv),
+    });
+    let res2 = &mut a.res2[..n * c];
+    linear_forward::<BF16>(res2, atty, w.linear(at.attn_proj));
+    if let Some(m) = drop {
+        dropout::apply(res2, m.attn_resid, 0);
+    }
+    residual_add_inplace(res2, x);
+
+    let (m2, r2) = a.ln2_stats.rows_mut(n);
+    let ln2 = a.ln2.save(&mut s.staging, n * c, |o| {
+        layernorm_forward::<BF16>(o, m2, r2, res2, w.norm(at.ln_2))
+    });
+    let fch = a.fch.save(&mut s.staging_wide, n * 4 * c, |o| {
+        linear_forward::<BF16>(o, ln2, w.linear(at.c_fc))
+    });
+    let hidden = &mut s.hidden[..n * 4 * c];
+    gelu_forward::<BF16, f32>(hidden, fch);
+    let res3 = &mut a.res3[..n * c];
+    linear_forward::<BF16>(res3, hidden, w.linear(at.mlp_proj));
+    if let Some(m) = drop {
+        dropout::apply(res3, m.mlp_resid, 0);
+    }
+    residual_add_inplace(res3, res2);
+}
+
+/// One block backward, [`block_forward`] in reverse. On entry `s.dres` holds
+/// d(block output); on return, d(block input `x`). Parameter gradients accumulate into
+/// `g` (the whole gradient arena, laid out like the parameters).
+pub fn block_backward<const BF16: bool>(
+    w: &BlockWeights,
+    g: &mut [f32],
+    x: &[f32],
+    a: &BlockActs,
+    s: &mut Scratch,
+    drop: Option<BlockDropout>,
+    d: Dims,
+) {
+    let (n, c, at) = (d.bt(), d.c, w.at);
+    let (res2, fch) = (&a.res2[..n * c], &a.fch);
+
+    // MLP branch. The GELU output is recomputed into `hidden`, multiplied into
+    // W_proj's gradient, then overwritten by its own gradient.
+    let dout = branch_grad::<BF16>(&s.dres[..n * c], &mut s.dbranch, drop.map(|m| m.mlp_resid));
+    let hidden = &mut s.hidden[..n * 4 * c];
+    gelu_of_saved::<BF16>(hidden, fch);
+    let proj = w.linear(at.mlp_proj);
+    linear_backward_params::<BF16>(linear_grads(g, at.mlp_proj), dout, hidden, proj.c, proj.oc);
+    linear_backward_input::<BF16>(hidden, dout, proj);
+    gelu_backward_of_saved::<BF16>(hidden, fch);
+    let (m2, r2) = a.ln2_stats.rows(n);
+    let ln2 = a.ln2.load(&mut s.staging, n * c, |o| {
+        layernorm_recompute::<BF16>(o, res2, m2, r2, w.norm(at.ln_2))
+    });
+    let dln2 = &mut s.dinp[..n * c];
+    linear_backward::<BF16>(
+        dln2,
+        linear_grads(g, at.c_fc),
+        hidden,
+        ln2,
+        w.linear(at.c_fc),
+    );
+    let ln_w = &w.params[at.ln_2.weight];
+    layernorm_backward(
+        &mut s.dres[..n * c],
+        norm_grads(g, at.ln_2),
+        dln2,
+        res2,
+        ln_w,
+        m2,
+        r2,
+    );
+
+    // Attention branch.
+    let dout = branch_grad::<BF16>(&s.dres[..n * c], &mut s.dbranch, drop.map(|m| m.attn_resid));
+    let atty = a.atty.load(&mut s.staging, n * c, not_recomputed);
+    let datty = &mut s.dinp[..n * c];
+    let proj = w.linear(at.attn_proj);
+    linear_backward::<BF16>(datty, linear_grads(g, at.attn_proj), dout, atty, proj);
+    let qkv = a.qkv.load(&mut s.staging_wide, n * 3 * c, not_recomputed);
+    let dqkv = &mut s.dqkv[..n * 3 * c];
+    let lse = &a.att_lse[..d.b * d.nh * d.t];
+    attention_backward(dqkv, datty, qkv, atty, lse, d, drop.map(|m| m.attn_probs));
+    if BF16 {
+        bf16::round_in_place(dqkv);
+    }
+    let (m1, r1) = a.ln1_stats.rows(n);
+    let ln1 = a.ln1.load(&mut s.staging, n * c, |o| {
+        layernorm_recompute::<BF16>(o, x, m1, r1, w.norm(at.ln_1))
+    });
+    let dln1 = &mut s.dinp[..n * c];
+    linear_backward::<BF16>(
+        dln1,
+        linear_grads(g, at.c_attn),
+        dqkv,
+        ln1,
+        w.linear(at.c_attn),
+    );
+    let ln_w = &w.params[at.ln_1.weight];
+    layernorm_backward(
+        &mut s.dres[..n * c],
+        norm_grads(g, at.ln_1),
+        dln1,
+        x,
+        ln_w,
+        m1,
+        r1,
+    );
+}
+
+/// The gradient reaching a residual branch's output projection: `dres` itself, or
+/// (with the branch's dropout, or under bf16 autocast) a copy in `dbranch` with the
+/// mask applied and rounded to bf16.
+fn branch_grad<'a, const BF16: bool>(
+    dres: &'a [f32],
+    dbranch: &'a mut [f32],
+    mask: Option<Dropout>,
+) -> &'a [f32] {
+    if !BF16 && mask.is_none() {
+        return dres;
+    }
+    let out = &mut dbranch[..dres.len()];
+    out.copy_from_slice(dres);
+    if let Some(m) = mask {
+        dropout::apply(out, m, 0);
+    }
+    if BF16 {
+        bf16::round_in_place(out);
+    }
+    out
+}
+
+/// `out = gelu(fch)`, read straight from the saved pre-GELU layer (f32 or bf16).
+fn gelu_of_saved<const BF16: bool>(out: &mut [f32], fch: &Saved) {
+    let n = out.len();
+    match fch {
+        Saved::F32(v) => gelu_forward::<BF16, _>(out, &v[..n]),
+        Saved::Bf16(v) => gelu_forward::<BF16, _>(out, &v[..n]),
+        Saved::Recomputed => not_recomputed(out),
+    }
+}
+
+/// `d = gelu'(fch) · d` in place, reading the saved pre-GELU layer (f32 or bf16).
+fn gelu_backward_of_saved<const BF16: bool>(d: &mut [f32], fch: &Saved) {
+    let n = d.len();
+    match fch {
+        Saved::F32(v) => gelu_backward::<BF16, _>(d, &v[..n]),
+        Saved::Bf16(v) => gelu_backward::<BF16, _>(d, &v[..n]),
+        Saved::Recomputed => not_recomputed(d),
+    }
+}
+
+/// The recompute of activations that every precision keeps.
+fn not_recomputed(_: &mut [f32]) {
+    unreachable!("q/k/v, the attention output and the pre-GELU layer are always kept")
+}
+
+/// A linear layer's gradient slices in the arena `g`.
+fn linear_grads(g: &mut [f32], l: LinearSpans) -> LinearGrads<'_> {
+    let (dweight, dbias) = split_two(g, l.weight, l.bias);
+    LinearGrads { dweight, dbias }
+}
+
+/// A layer norm's gradient slices in the arena `g`.
+pub fn norm_grads(g: &mut [f32], l: NormSpans) -> NormGrads<'_> {
+    let (dweight, dbias) = split_two(g, l.weight, l.bias);
+    NormGrads { dweight, dbias }
+}
+
+/// Two disjoint mutable sub-slices of one buffer (`second` may be empty).
+pub fn split_two(buf: &mut [f32], first: Span, second: Span) -> (&mut [f32], &mut [f32]) {
+    if second.is_empty() {
+        return (&mut buf[first], &mut []);
+    }
+    assert!(
+        first.end <= second.start,
+        "spans must be ordered and disjoint"
+    );
+    let (lo, hi) = buf.split_at_mut(second.start);
+    (&mut lo[first], &mut hi[..second.len()])
+}
