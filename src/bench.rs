@@ -52,7 +52,7 @@ pub struct BenchReport {
 }
 
 /// Runs the benchmark in the current rayon pool.
-pub fn run(opts: &BenchOptions) -> Result<BenchReport, crate::model::ModelError> {
+pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     let (b, t) = (opts.batch_size, opts.block_size);
     let mut gpt = Gpt::new(opts.model.clone(), b, t)?;
     gpt.init_gpt2(1337);

@@ -73,7 +73,7 @@ fn model_config(args: &BenchArgs) -> anyhow::Result<ModelConfig> {
         }
     }
     cfg.block_size = cfg.block_size.max(args.block_size);
-    cfg.validate().map_err(anyhow::Error::msg)?;
+    cfg.validate()?;
     Ok(cfg)
 }
 

@@ -78,14 +78,7 @@ pub fn print_sample(trainer: &mut Trainer, max_new_tokens: usize) -> Result<()> 
         seed: trainer.cfg.seed,
     };
     let m = &trainer.model;
-    stream(
-        &m.params,
-        &m.layout,
-        m.config(),
-        &trainer.meta,
-        "\n",
-        &opts,
-    )
+    stream(&m.params, &m.layout, m.config(), &trainer.meta, "\n", &opts)
 }
 
 /// Generates all samples in one batch; the first is streamed token by token, the

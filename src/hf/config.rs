@@ -221,7 +221,7 @@ impl HfConfig {
             dropout,
         };
         cfg.validate()
-            .map_err(|e| anyhow::anyhow!("{}: {e}", origin.display()))?;
+            .with_context(|| origin.display().to_string())?;
         Ok(cfg)
     }
 }

@@ -1,5 +1,6 @@
 //! Model hyper-parameters: the shape of a GPT-2-class network.
 
+use anyhow::bail;
 use serde::{Deserialize, Serialize};
 
 /// The vocabulary is padded up to a multiple of this many rows so that the
@@ -91,7 +92,7 @@ impl ModelConfig {
     }
 
     /// Checks that the shape can be built; the message names the offending key.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> anyhow::Result<()> {
         let positive = [
             ("vocab_size", self.vocab_size),
             ("block_size", self.block_size),
@@ -101,28 +102,29 @@ impl ModelConfig {
         ];
         for (key, value) in positive {
             if value == 0 {
-                return Err(format!("{key} must be at least 1"));
+                bail!("{key} must be at least 1");
             }
         }
         if !self.n_embd.is_multiple_of(self.n_head) {
-            return Err(format!(
+            bail!(
                 "n_embd ({}) must be divisible by n_head ({})",
-                self.n_embd, self.n_head
-            ));
+                self.n_embd,
+                self.n_head
+            );
         }
         if !(0.0..1.0).contains(&self.dropout) {
-            return Err(format!("dropout must be in [0, 1), got {}", self.dropout));
+            bail!("dropout must be in [0, 1), got {}", self.dropout);
         }
         self.check_size()
     }
 
     /// Refuses shapes too large to hold (see [`MAX_PARAMS`]), naming the largest key.
-    fn check_size(&self) -> Result<(), String> {
+    fn check_size(&self) -> anyhow::Result<()> {
         if self.n_layer > MAX_LAYERS {
-            return Err(format!(
+            bail!(
                 "n_layer {} is too large (at most {MAX_LAYERS})",
                 self.n_layer
-            ));
+            );
         }
         if self.checked_arena_len().is_some_and(|n| n <= MAX_PARAMS) {
             return Ok(());
@@ -137,10 +139,10 @@ impl ModelConfig {
             .max_by_key(|s| s.1)
             .copied()
             .unwrap_or_default();
-        Err(format!(
+        bail!(
             "the model is too large (more than {MAX_PARAMS} parameters); {key} = {value} is the \
              likely mistake"
-        ))
+        )
     }
 
     /// An upper bound of the parameter count, including padding and every bias;
@@ -220,32 +222,36 @@ mod tests {
     fn validate_names_the_bad_key() {
         let mut cfg = ModelConfig::preset("gpt2").unwrap();
         cfg.n_head = 7;
-        assert!(cfg.validate().unwrap_err().contains("n_head"));
+        assert!(cfg.validate().unwrap_err().to_string().contains("n_head"));
         cfg.n_head = 12;
         cfg.n_layer = 0;
-        assert!(cfg.validate().unwrap_err().contains("n_layer"));
+        assert!(cfg.validate().unwrap_err().to_string().contains("n_layer"));
     }
 
     #[test]
     fn absurd_sizes_are_refused_without_overflow() {
         let gpt2_xl = ModelConfig::preset("gpt2-xl").unwrap();
-        assert_eq!(gpt2_xl.validate(), Ok(()));
+        assert!(gpt2_xl.validate().is_ok());
         let wide = ModelConfig {
             n_embd: 1 << 40,
             n_head: 1,
             ..gpt2_xl.clone()
         };
-        let err = wide.validate().unwrap_err();
+        let err = wide.validate().unwrap_err().to_string();
         assert!(err.contains("too large") && err.contains("n_embd"), "{err}");
         let deep = ModelConfig {
             n_layer: usize::MAX,
             ..gpt2_xl.clone()
         };
-        assert!(deep.validate().unwrap_err().contains("n_layer"));
+        assert!(deep.validate().unwrap_err().to_string().contains("n_layer"));
         let long = ModelConfig {
             block_size: usize::MAX - 8,
             ..gpt2_xl
         };
-        assert!(long.validate().unwrap_err().contains("block_size"));
+        assert!(long
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("block_size"));
     }
 }

@@ -30,18 +30,10 @@ use crate::kernels::dropout::{self, Dropout};
 use crate::kernels::encoder::{encoder_backward, encoder_forward};
 use crate::kernels::layernorm::{layernorm_backward, layernorm_forward};
 use crate::kernels::Dims;
+use anyhow::{bail, Context, Result};
 use block::{block_backward, block_forward, norm_grads, norm_of, split_two};
 use block::{Attend, BlockDropout, BlockWeights};
 use std::ops::Range;
-
-/// Errors from building a model out of a parameter buffer.
-#[derive(Debug, thiserror::Error)]
-pub enum ModelError {
-    #[error("invalid model config: {0}")]
-    Config(String),
-    #[error("parameter buffer holds {got} floats but this config needs {want}")]
-    ParamCount { got: usize, want: usize },
-}
 
 /// A GPT-2 with its parameters, gradients and activation buffers.
 pub struct Gpt {
@@ -73,13 +65,14 @@ pub struct Gpt {
 impl Gpt {
     /// A model with all-zero parameters whose activations fit batches up to
     /// `max_b × max_t` (`max_t ≤ block_size`). Call [`Gpt::init_gpt2`] or fill `params`.
-    pub fn new(config: ModelConfig, max_b: usize, max_t: usize) -> Result<Gpt, ModelError> {
-        config.validate().map_err(ModelError::Config)?;
+    pub fn new(config: ModelConfig, max_b: usize, max_t: usize) -> Result<Gpt> {
+        config.validate().context("invalid model config")?;
         if max_t > config.block_size || max_b == 0 || max_t == 0 {
-            return Err(ModelError::Config(format!(
-                "batch shape {max_b}×{max_t} must be at least 1×1 with T ≤ block_size ({})",
+            bail!(
+                "invalid model config: batch shape {max_b}×{max_t} must be at least 1×1 with \
+                 T ≤ block_size ({})",
                 config.block_size
-            )));
+            );
         }
         let layout = ParamLayout::new(&config);
         let acts = Activations::new(&config, max_b, max_t, Dtype::Float32);
@@ -107,13 +100,14 @@ impl Gpt {
         params: Vec<f32>,
         max_b: usize,
         max_t: usize,
-    ) -> Result<Gpt, ModelError> {
+    ) -> Result<Gpt> {
         let mut gpt = Gpt::new(config, max_b, max_t)?;
         if params.len() != gpt.layout.len {
-            return Err(ModelError::ParamCount {
-                got: params.len(),
-                want: gpt.layout.len,
-            });
+            bail!(
+                "parameter buffer holds {} floats but this config needs {}",
+                params.len(),
+                gpt.layout.len
+            );
         }
         gpt.params = params;
         Ok(gpt)
