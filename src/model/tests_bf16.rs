@@ -18,9 +18,8 @@ fn tiny(bias: bool) -> ModelConfig {
     }
 }
 
-/// Large enough that the big matmuls take the packing bf16 kernel where one is enabled
-/// (m·n·k ≥ 2^20 at B·T = 128: AMX by default where usable; `NANOGPT_BF16_GEMM=avx512bf16`
-/// or `=f32 cargo test` covers the others).
+/// Large enough that the big matmuls take the AMX kernel where it is usable
+/// (m·n·k ≥ 2^20 at B·T = 128; `NANOGPT_BF16_GEMM=f32 cargo test` covers the f32 GEMM).
 fn medium(bias: bool) -> ModelConfig {
     ModelConfig {
         vocab_size: 37,
