@@ -22,6 +22,7 @@ pub use layout::{ParamLayout, TensorInfo};
 
 use crate::config::Dtype;
 use crate::kernels::attention::{attention_backward, attention_forward};
+use crate::kernels::bf16;
 use crate::kernels::classifier::{
     classifier_forward, classifier_forward_bf16, classifier_logits, ClassifierGrads, WtePacks,
 };
@@ -36,7 +37,6 @@ use crate::kernels::matmul::{
     linear_forward, linear_forward_bf16,
 };
 use crate::kernels::residual::residual_add_inplace;
-use crate::kernels::{bf16, bf16_gemm};
 use activations::{HalfScratch, LayerActs};
 use layout::LayerRanges;
 
@@ -184,7 +184,7 @@ impl Gpt {
                 Dtype::Float32 => Vec::new(),
                 Dtype::Bfloat16 => vec![0.0; self.params.len()],
             };
-            let amx = bf16_gemm::kernel() == bf16_gemm::Kernel::Amx;
+            let amx = bf16::gemm::kernel() == bf16::gemm::Kernel::Amx;
             self.wte_packs = (dtype == Dtype::Bfloat16 && amx).then(WtePacks::default);
             self.dtype = dtype;
             self.pending = None;

@@ -2,8 +2,8 @@
 //! reference that rounds at the same places, and the gradients against f32.
 
 use super::*;
+use crate::kernels::bf16::gemm::{self, Kernel};
 use crate::kernels::bf16::round;
-use crate::kernels::bf16_gemm::{self, Kernel};
 use crate::kernels::testutil::rand_vec;
 
 fn tiny(bias: bool) -> ModelConfig {
@@ -218,7 +218,7 @@ fn bf16_loss_matches_a_reference_that_rounds_the_same_way() {
         // The rounding points are checked on the f32 GEMM: its sums round like the
         // reference's here, so no bf16 rounding flips. Any other kernel sums in
         // another order and may flip a rounding or two (checked below).
-        let bf16_loss = bf16_gemm::with_kernel(Kernel::F32, || gpt.forward(&x, &y, b, t)) as f64;
+        let bf16_loss = gemm::with_kernel(Kernel::F32, || gpt.forward(&x, &y, b, t)) as f64;
         let default_loss = gpt.forward(&x, &y, b, t) as f64;
         let want_bf16 = reference_loss(&gpt, &x, &y, b, t, true);
         let want_f32 = reference_loss(&gpt, &x, &y, b, t, false);
@@ -240,7 +240,7 @@ fn bf16_loss_matches_a_reference_that_rounds_the_same_way() {
             "bf16 {bf16_loss} vs reference {want_bf16} (rounding moves it by {effect})"
         );
         // The default kernel (AMX where usable): as accurate per product (tested in
-        // kernels::bf16_amx), but one flipped bf16 rounding of a q/k/v element moved
+        // kernels::bf16::amx), but one flipped bf16 rounding of a q/k/v element moved
         // the medium model's loss by 1.1e-5 (a fifth of the whole rounding effect).
         assert!(
             (default_loss - want_bf16).abs() < 0.3 * effect,
