@@ -96,7 +96,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         },
     };
     if opts.dtype == Dtype::Bfloat16 {
-        eprintln!("bf16 matmuls: {}", crate::kernels::bf16_gemm::path());
+        eprintln!("bf16 matmuls: {}", super::bf16_matmuls());
     }
     let r = run_bench(&opts)?;
     if args.json {

@@ -48,3 +48,23 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Bench(args) => bench::run(args).map(|()| 0),
     }
 }
+
+/// How this run's bf16 matmuls are computed, for the `bf16 matmuls:` line that
+/// `train` and `bench` print at the start of a bfloat16 run.
+pub fn bf16_matmuls() -> &'static str {
+    use crate::kernels::bf16::{amx, gemm};
+    match gemm::kernel() {
+        gemm::Kernel::Amx => {
+            "AMX-BF16 (tdpbf16ps) for the large linear layers, f32 GEMM over bf16 values elsewhere"
+        }
+        gemm::Kernel::F32 if gemm::f32_requested() => {
+            "emulated via f32 GEMM (bf16 operands, f32 accumulation), as NANOGPT_BF16_GEMM=f32 asks"
+        }
+        gemm::Kernel::F32 if amx::cpu_has_amx() => {
+            "emulated via f32 GEMM (bf16 operands, f32 accumulation); the CPU has AMX but the OS refused the tile permission"
+        }
+        gemm::Kernel::F32 => {
+            "emulated via f32 GEMM (bf16 operands, f32 accumulation); no AMX on this CPU"
+        }
+    }
+}

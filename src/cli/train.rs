@@ -77,7 +77,7 @@ pub fn run(args: TrainArgs) -> Result<i32> {
             trainer.peak_gflops()
         );
         if trainer.cfg.dtype == crate::model::Dtype::Bfloat16 {
-            println!("bf16 matmuls: {}", crate::kernels::bf16_gemm::path());
+            println!("bf16 matmuls: {}", super::bf16_matmuls());
         }
     }
     if !trainer.cfg.eval_only {

@@ -5,8 +5,8 @@
 //! `(N, V)` logits never exist. Only the real vocabulary `V` is computed: the padded
 //! rows of `wte` never receive probability and get no gradient.
 
-use super::bf16_amx::PackedB;
-use super::bf16_gemm::{kernel, matmul_bf16, matmul_bf16_packed, Kernel};
+use super::bf16::amx::PackedB;
+use super::bf16::gemm::{kernel, matmul_bf16, matmul_bf16_packed, Kernel};
 use super::fastmath::{exp_fast, has_avx2_fma};
 use super::matmul::{matmul, Mat};
 use rayon::prelude::*;
@@ -446,7 +446,7 @@ mod tests {
         // Products of ≥ 2^20 multiply-adds: these take the AMX kernel where present.
         // (100 rows in 3 chunks of 34: 34 · 128 · 256 ≥ 2^20.)
         let unpacked = check_bf16(100, 128, 256, 48, false);
-        if crate::kernels::bf16_amx::permitted() {
+        if crate::kernels::bf16::amx::permitted() {
             // With wte packed beforehand: the same kernel on the same packs.
             assert_eq!(check_bf16(100, 128, 256, 48, true), unpacked);
         } else {

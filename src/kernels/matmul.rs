@@ -2,7 +2,7 @@
 //!
 //! Weights are `(OC, C)` (PyTorch `nn.Linear` order): `out = inp · weightᵀ + bias`.
 
-use super::bf16_gemm::matmul_bf16;
+use super::bf16::gemm::matmul_bf16;
 use rayon::prelude::*;
 
 /// A read-only strided view of a matrix: element `(i, j)` is `data[i·rs + j·cs]`.

@@ -16,8 +16,6 @@
 
 pub mod attention;
 pub mod bf16;
-pub mod bf16_amx;
-pub mod bf16_gemm;
 pub mod classifier;
 pub mod dropout;
 pub mod encoder;

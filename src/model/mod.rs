@@ -22,7 +22,6 @@ pub use config::{Dtype, ModelConfig};
 pub use layout::{ParamLayout, Span, TensorInfo};
 
 use crate::kernels::bf16;
-use crate::kernels::bf16_gemm;
 use crate::kernels::classifier::{
     classifier_forward, classifier_logits, Classifier, ClassifierGrads, WtePacks,
 };
@@ -156,7 +155,7 @@ impl Gpt {
                 Dtype::Float32 => Vec::new(),
                 Dtype::Bfloat16 => vec![0.0; self.params.len()],
             };
-            let amx = bf16_gemm::kernel() == bf16_gemm::Kernel::Amx;
+            let amx = bf16::gemm::kernel() == bf16::gemm::Kernel::Amx;
             self.wte_packs = (dtype == Dtype::Bfloat16 && amx).then(WtePacks::default);
             self.dtype = dtype;
             self.pending = None;

@@ -3,8 +3,8 @@
 
 use super::layout::{LinearSpans, NormSpans};
 use super::*;
+use crate::kernels::bf16::gemm::{self, Kernel};
 use crate::kernels::bf16::round;
-use crate::kernels::bf16_gemm::{self, Kernel};
 use crate::kernels::testutil::rand_vec;
 
 fn tiny(bias: bool) -> ModelConfig {
@@ -19,9 +19,8 @@ fn tiny(bias: bool) -> ModelConfig {
     }
 }
 
-/// Large enough that the big matmuls take the packing bf16 kernel where one is enabled
-/// (m·n·k ≥ 2^20 at B·T = 128: AMX by default where usable; `NANOGPT_BF16_GEMM=avx512bf16`
-/// or `=f32 cargo test` covers the others).
+/// Large enough that the big matmuls take the AMX kernel where it is usable
+/// (m·n·k ≥ 2^20 at B·T = 128; `NANOGPT_BF16_GEMM=f32 cargo test` covers the f32 GEMM).
 fn medium(bias: bool) -> ModelConfig {
     ModelConfig {
         vocab_size: 37,
@@ -182,7 +181,7 @@ fn bf16_loss_matches_a_reference_that_rounds_the_same_way() {
         // The rounding points are checked on the f32 GEMM: its sums round like the
         // reference's here, so no bf16 rounding flips. Any other kernel sums in
         // another order and may flip a rounding or two (checked below).
-        let bf16_loss = bf16_gemm::with_kernel(Kernel::F32, || gpt.forward(&x, &y, b, t)) as f64;
+        let bf16_loss = gemm::with_kernel(Kernel::F32, || gpt.forward(&x, &y, b, t)) as f64;
         let default_loss = gpt.forward(&x, &y, b, t) as f64;
         let want_bf16 = reference_loss(&gpt, &x, &y, b, t, true);
         let want_f32 = reference_loss(&gpt, &x, &y, b, t, false);
@@ -204,7 +203,7 @@ fn bf16_loss_matches_a_reference_that_rounds_the_same_way() {
             "bf16 {bf16_loss} vs reference {want_bf16} (rounding moves it by {effect})"
         );
         // The default kernel (AMX where usable): as accurate per product (tested in
-        // kernels::bf16_amx), but one flipped bf16 rounding of a q/k/v element moved
+        // kernels::bf16::amx), but one flipped bf16 rounding of a q/k/v element moved
         // the medium model's loss by 1.1e-5 (a fifth of the whole rounding effect).
         assert!(
             (default_loss - want_bf16).abs() < 0.3 * effect,

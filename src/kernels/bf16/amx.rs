@@ -9,18 +9,20 @@
 //! `[n / 16][k / 32][16 pairs][16 columns]`. Each 32 × 32 output block holds four
 //! accumulator tiles (tmm0–3) fed by two A tiles (tmm4–5) and two B tiles (tmm6–7)
 //! over all of `k`. Tasks own disjoint output blocks and run `k` in a fixed order, so
-//! results do not depend on the thread count. Like `vdpbf16ps`, the instruction treats
-//! subnormal inputs and results as zero.
+//! results do not depend on the thread count. The instruction treats subnormal inputs
+//! and results as zero (bf16 subnormals are below 1.2e-38, far under anything a model
+//! holds).
 //!
 //! The tile registers need the process's permission (`arch_prctl(ARCH_REQ_XCOMP_PERM,
 //! XFEATURE_XTILEDATA)`, asked once; the kernel grants it to the whole process) and a
 //! tile configuration, which is per thread: every task loads it and releases the
 //! tiles when done.
 
-use super::bf16_gemm::{at, pair};
-use super::matmul::Mat;
-use super::SharedMut;
+use super::Bf16;
+use crate::kernels::matmul::Mat;
+use crate::kernels::SharedMut;
 use rayon::prelude::*;
+use std::cell::RefCell;
 use std::sync::OnceLock;
 
 /// Rows and columns of one tile (16 f32 accumulators or 16 bf16 pairs per row).
@@ -76,6 +78,23 @@ fn request_permission() -> bool {
     false
 }
 
+/// Two bf16 values in one 32-bit lane: `lo` is element `2p`, `hi` element `2p + 1`
+/// (the pair layout of the packed tiles).
+#[inline]
+fn pair(lo: f32, hi: f32) -> u32 {
+    Bf16::from_f32(lo).0 as u32 | (Bf16::from_f32(hi).0 as u32) << 16
+}
+
+/// Element `(i, j)` of `m`, or 0 outside it (the zero padding of the packs).
+#[inline]
+fn at(m: &Mat, i: usize, j: usize) -> f32 {
+    if i < m.rows && j < m.cols {
+        m.data[i * m.rs + j * m.cs]
+    } else {
+        0.0
+    }
+}
+
 /// Pairs in a pack of `blocks16` tile rows (or columns) of `kc` tiles each.
 fn pack_len(blocks16: usize, kc: usize) -> usize {
     blocks16 * kc * TILE
@@ -114,22 +133,25 @@ fn pack_tile<const SI: usize, const SP: usize>(dst: &mut [u32], x: &Mat, i0: usi
     }
 }
 
-/// `dst = a · b` (or `+=` when `accumulate`) on the AMX tiles; `pa` and `pb` are the
-/// packing buffers (grown as needed). The caller checked [`permitted`].
-pub(crate) fn matmul(
-    dst: &mut [f32],
-    a: Mat,
-    b: Mat,
-    accumulate: bool,
-    pa: &mut Vec<u32>,
-    pb: &mut Vec<u32>,
-) {
+thread_local! {
+    /// Packing buffers (A, B) of the calling thread, grown to its largest product and
+    /// reused, so a training step allocates nothing once warm. The bf16 matmuls are
+    /// called from the thread that runs the step, never from inside a parallel task,
+    /// so one thread's buffers serve them all.
+    static PACKS: RefCell<(Vec<u32>, Vec<u32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// `dst = a · b` (or `+=` when `accumulate`) on the AMX tiles, packing into this
+/// thread's buffers. The caller checked [`permitted`].
+pub(crate) fn matmul(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
     assert_eq!(b.rows, a.cols, "inner dimensions differ");
     if trivial(dst, a.rows, b.cols, a.cols, accumulate) {
         return;
     }
-    pack_b(pb, b);
-    multiply(dst, a, pb, b.cols, accumulate, pa);
+    PACKS.with_borrow_mut(|(pa, pb)| {
+        pack_b(pb, b);
+        multiply(dst, a, pb, b.cols, accumulate, pa);
+    });
 }
 
 /// A `k × n` right-hand operand packed for the tiles once and reused by many
@@ -155,18 +177,12 @@ impl PackedB {
 }
 
 /// [`matmul`] with a right-hand operand packed beforehand.
-pub(crate) fn matmul_packed(
-    dst: &mut [f32],
-    a: Mat,
-    b: &PackedB,
-    accumulate: bool,
-    pa: &mut Vec<u32>,
-) {
+pub(crate) fn matmul_packed(dst: &mut [f32], a: Mat, b: &PackedB, accumulate: bool) {
     assert_eq!(b.k, a.cols, "inner dimensions differ");
     if trivial(dst, a.rows, b.n, a.cols, accumulate) {
         return;
     }
-    multiply(dst, a, &b.tiles, b.n, accumulate, pa);
+    PACKS.with_borrow_mut(|(pa, _)| multiply(dst, a, &b.tiles, b.n, accumulate, pa));
 }
 
 /// Checks the shapes; true (with `dst` done) when there is nothing to multiply.
@@ -257,7 +273,7 @@ fn multiply(dst: &mut [f32], a: Mat, pb: &[u32], n: usize, accumulate: bool, pa:
 }
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) mod x86 {
+mod x86 {
     use super::{T, TILE};
     use core::arch::asm;
 
@@ -373,10 +389,6 @@ mod tests {
         permitted()
     }
 
-    fn amx(dst: &mut [f32], a: Mat, b: Mat, acc: bool) {
-        matmul(dst, a, b, acc, &mut Vec::new(), &mut Vec::new());
-    }
-
     /// `a` (m × k) and `b` (k × n) as the views linear_forward/backward pass: stored
     /// transposed when asked.
     fn views<'a>(
@@ -409,7 +421,7 @@ mod tests {
         let prior = rand_vec(m * n, 3);
         let (mut want, mut got) = (prior.clone(), prior.clone());
         f32_gemm(&mut want, am, bm, acc);
-        amx(&mut got, am, bm, acc);
+        matmul(&mut got, am, bm, acc);
         // |error| ≤ k · 2^-23 · Σ|a·b| roughly; Σ|a·b| ≤ k for values in [-1, 1].
         let tol = 1e-6 * k as f64;
         let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
@@ -446,9 +458,9 @@ mod tests {
             return;
         }
         let mut dst = vec![5.0; 6];
-        amx(&mut dst, Mat::new(&[], 2, 0), Mat::new(&[], 0, 3), true);
+        matmul(&mut dst, Mat::new(&[], 2, 0), Mat::new(&[], 0, 3), true);
         assert_eq!(dst, vec![5.0; 6]);
-        amx(&mut dst, Mat::new(&[], 2, 0), Mat::new(&[], 0, 3), false);
+        matmul(&mut dst, Mat::new(&[], 2, 0), Mat::new(&[], 0, 3), false);
         assert_eq!(dst, vec![0.0; 6]);
     }
 
@@ -464,7 +476,7 @@ mod tests {
         let mut want = vec![0.0; m * n];
         f32_gemm(&mut want, Mat::new(&ra, m, k), Mat::new(&rb, k, n), false);
         let mut got = vec![0.0; m * n];
-        amx(&mut got, Mat::new(&a, m, k), Mat::new(&b, k, n), false);
+        matmul(&mut got, Mat::new(&a, m, k), Mat::new(&b, k, n), false);
         let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
         assert_close("rounded on packing", &got, &want64, 0.0, 1e-5);
     }
@@ -484,11 +496,81 @@ mod tests {
                 .build()
                 .unwrap();
             let mut out = vec![0.0; m * n];
-            pool.install(|| amx(&mut out, Mat::new(&a, m, k), Mat::new(&b, k, n), false));
+            pool.install(|| matmul(&mut out, Mat::new(&a, m, k), Mat::new(&b, k, n), false));
             out
         };
         let one = run(1);
         assert_eq!(one, run(3));
         assert_eq!(one, run(8));
+    }
+
+    /// Timing, not correctness: `cargo test --release --lib amx_kernel_speed -- --ignored
+    /// --nocapture`. Alternates the two paths on GPT-2 124M shapes (B·T = 1024).
+    #[test]
+    #[ignore]
+    #[cfg(target_arch = "x86_64")]
+    fn amx_kernel_speed() {
+        if !permitted() {
+            eprintln!("no usable AMX here: nothing to time");
+            return;
+        }
+        {
+            // Peak of one 32 × 32 AMX block, on cache-resident packs.
+            let kc = 24;
+            let p = vec![0x3F80_3F80u32; 2 * kc * 256];
+            let mut c = [[0.0f32; 32]; 32];
+            let reps = 20_000;
+            // SAFETY: permitted() checked; the config is loaded on this thread before
+            // the blocks and released after.
+            let t = unsafe {
+                x86::configure();
+                let s = std::time::Instant::now();
+                for _ in 0..reps {
+                    x86::block(kc, std::hint::black_box(&p), &p, &mut c);
+                }
+                let t = s.elapsed().as_secs_f64();
+                x86::release();
+                t
+            };
+            let flops = (reps * 2 * 32 * 32 * 32 * kc) as f64;
+            println!(
+                "AMX block alone, one thread: {:.1} GFLOP/s",
+                flops / t / 1e9
+            );
+        }
+        // (m, k, n, A transposed, B transposed) as the linear layers pass them:
+        // forward x · Wᵀ, dinp = dout · W, dweight = doutᵀ · x.
+        let shapes = [
+            (1024, 768, 2304, false, true),
+            (1024, 768, 3072, false, true),
+            (1024, 3072, 768, false, true),
+            (1024, 2304, 768, false, false),
+            (1024, 768, 3072, false, false),
+            (768, 1024, 3072, true, false),
+            (3072, 1024, 768, true, false),
+        ];
+        for (m, k, n, ta, tb) in shapes {
+            let (a, b) = (rounded(m * k, 1), rounded(k * n, 2));
+            let (am, bm) = views(&a, &b, m, k, n, ta, tb);
+            let mut out = vec![0.0; m * n];
+            let mut t = [Vec::new(), Vec::new()];
+            for _ in 0..7 {
+                let s = std::time::Instant::now();
+                f32_gemm(&mut out, am, bm, false);
+                t[0].push(s.elapsed().as_secs_f64());
+                let s = std::time::Instant::now();
+                matmul(&mut out, am, bm, false);
+                t[1].push(s.elapsed().as_secs_f64());
+            }
+            let gf = |t: &mut Vec<f64>| {
+                t.sort_by(f64::total_cmp);
+                2.0 * (m * n * k) as f64 / t[t.len() / 2] / 1e9
+            };
+            let (f32, amx) = (gf(&mut t[0]), gf(&mut t[1]));
+            println!(
+                "{m}×{k}×{n} (Aᵀ {ta}, Bᵀ {tb}): f32 GEMM {f32:.1}, AMX-BF16 {amx:.1} GFLOP/s \
+                 (medians of 7, alternating)"
+            );
+        }
     }
 }

@@ -1,16 +1,21 @@
-//! bfloat16 storage and the conversions of `dtype = "bfloat16"` training.
+//! bfloat16 for `dtype = "bfloat16"` training: the [`Bf16`] type and the rounding and
+//! widening passes (here), the bf16 matmuls and the choice of their kernel
+//! ([`gemm`]), and the AMX-BF16 kernel ([`amx`]).
 //!
 //! bf16 is the top half of an IEEE f32: sign, 8 exponent bits, 7 mantissa bits. Every
 //! bf16 value is exactly an f32, and the product of two bf16 values is exact in f32
 //! (8 + 8 significant bits fit in 24), so a GEMM over bf16-rounded f32 operands with
 //! f32 accumulation computes what a bf16 GEMM with f32 accumulation computes, up to
-//! the summation order. That is how matmuls run where the CPU has no bf16 dot
-//! product instruction, and for small products (see [`super::bf16_gemm`]).
+//! the summation order. That is how matmuls run where the CPU has no AMX, and for
+//! small products (see [`gemm`]).
 //!
 //! Rounding from f32 is round-to-nearest-even; NaN stays NaN (quiet), infinities and
 //! signed zeros are kept, subnormals round like any other value (bf16 has f32's
 //! exponent range, so it has the same subnormals, with fewer mantissa bits), and
 //! values that round past the largest finite bf16 become infinity.
+
+pub mod amx;
+pub mod gemm;
 
 use rayon::prelude::*;
 
