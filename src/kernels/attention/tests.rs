@@ -1,0 +1,213 @@
+use super::super::testutil::{assert_close, dot, numeric_grad, rand_vec, to_f64};
+use super::*;
+
+/// Every instruction-set variant this CPU can run.
+fn isas() -> Vec<Isa> {
+    let mut v = vec![Isa::Base];
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            v.push(Isa::Avx2);
+            if is_x86_feature_detected!("avx512f") {
+                v.push(Isa::Avx512);
+            }
+        }
+    }
+    v
+}
+
+/// Naive f64 attention with the full `T × T` softmax: `(out, lse)`.
+fn reference(
+    qkv: &[f64],
+    b: usize,
+    t: usize,
+    c: usize,
+    nh: usize,
+    mask: Option<Dropout>,
+) -> (Vec<f64>, Vec<f64>) {
+    let hs = c / nh;
+    let scale = 1.0 / (hs as f64).sqrt();
+    let mut out = vec![0.0; b * t * c];
+    let mut lse = vec![0.0; b * nh * t];
+    let mut x = vec![0.0; t];
+    for bi in 0..b {
+        for h in 0..nh {
+            for ti in 0..t {
+                let q = &qkv[(bi * t + ti) * 3 * c + h * hs..][..hs];
+                for (s, xs) in x[..=ti].iter_mut().enumerate() {
+                    let k = &qkv[(bi * t + s) * 3 * c + c + h * hs..][..hs];
+                    *xs = q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>() * scale;
+                }
+                let mx = x[..=ti].iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let sum: f64 = x[..=ti].iter().map(|&v| (v - mx).exp()).sum();
+                let l = mx + sum.ln();
+                lse[(bi * nh + h) * t + ti] = l;
+                let o = &mut out[(bi * t + ti) * c + h * hs..][..hs];
+                for (s, &xs) in x[..=ti].iter().enumerate() {
+                    let index = (((bi * nh + h) * t + ti) * t + s) as u64;
+                    let f = mask.map_or(1.0, |m| m.factor(index) as f64);
+                    let pf = (xs - l).exp() * f;
+                    let v = &qkv[(bi * t + s) * 3 * c + 2 * c + h * hs..][..hs];
+                    for (od, &vd) in o.iter_mut().zip(v) {
+                        *od += pf * vd;
+                    }
+                }
+            }
+        }
+    }
+    (out, lse)
+}
+
+fn inputs(b: usize, t: usize, c: usize, seed: u64) -> (Vec<f32>, Vec<f32>) {
+    // Scaled up so that attention is far from uniform.
+    let qkv: Vec<f32> = rand_vec(b * t * 3 * c, seed)
+        .iter()
+        .map(|v| 2.0 * v)
+        .collect();
+    (qkv, rand_vec(b * t * c, seed + 1))
+}
+
+/// Checks forward against the reference and backward against central differences
+/// of `L = Σ out · w`, on every coordinate, or on `subset` of them if given.
+fn check(
+    (b, t, c, nh): (usize, usize, usize, usize),
+    mask: Option<Dropout>,
+    seed: u64,
+    subset: Option<usize>,
+) {
+    let (qkv, w) = inputs(b, t, c, seed);
+    let qkv64 = to_f64(&qkv);
+    let (want_out, want_lse) = reference(&qkv64, b, t, c, nh, mask);
+    let loss = |x: &[f64]| dot(&reference(x, b, t, c, nh, mask).0, &w);
+    let eps = 1e-5;
+    let (indices, want_grad): (Vec<usize>, Vec<f64>) = match subset {
+        None => ((0..qkv.len()).collect(), numeric_grad(loss, &qkv64, eps)),
+        Some(n) => {
+            let stride = (qkv.len() / n).max(1) | 1;
+            let idx: Vec<usize> = (0..qkv.len()).step_by(stride).collect();
+            let mut x = qkv64.clone();
+            let grad = idx
+                .iter()
+                .map(|&i| {
+                    let orig = x[i];
+                    x[i] = orig + eps;
+                    let plus = loss(&x);
+                    x[i] = orig - eps;
+                    let minus = loss(&x);
+                    x[i] = orig;
+                    (plus - minus) / (2.0 * eps)
+                })
+                .collect();
+            (idx, grad)
+        }
+    };
+    for isa in isas() {
+        let what = format!("B={b} T={t} C={c} NH={nh} mask={mask:?} {isa:?}");
+        let g = Geom::new(t, c, nh);
+        let mut out = vec![f32::NAN; b * t * c];
+        let mut lse = vec![f32::NAN; b * nh * t];
+        forward_impl(isa, &mut out, &mut lse, &qkv, g, mask);
+        assert_close(&format!("{what}: out"), &out, &want_out, 1e-5, 1e-6);
+        assert_close(&format!("{what}: lse"), &lse, &want_lse, 1e-5, 1e-6);
+        let mut dqkv = vec![f32::NAN; qkv.len()];
+        backward_impl(isa, &mut dqkv, &w, &qkv, &out, &lse, g, mask);
+        let got: Vec<f32> = indices.iter().map(|&i| dqkv[i]).collect();
+        assert_close(&format!("{what}: dqkv"), &got, &want_grad, 1e-4, 1e-5);
+    }
+}
+
+const DROP: Option<Dropout> = Some(Dropout { p: 0.25, seed: 99 });
+
+#[test]
+fn small_two_heads() {
+    check((2, 7, 16, 2), None, 1, None);
+    check((2, 7, 16, 2), DROP, 2, None);
+}
+
+#[test]
+fn single_token() {
+    check((1, 1, 16, 2), None, 3, None);
+    check((1, 1, 16, 2), DROP, 4, None);
+}
+
+#[test]
+fn several_blocks_ragged_tail() {
+    // T = 70 is more than two blocks and not a multiple of the block size; HS = 8.
+    check((1, 70, 16, 2), None, 5, None);
+    check((1, 70, 16, 2), DROP, 6, None);
+}
+
+#[test]
+fn one_head() {
+    // HS = 24: a 16-wide strip plus an 8-wide one.
+    check((2, 33, 24, 1), None, 7, None);
+    check((2, 33, 24, 1), DROP, 8, None);
+}
+
+#[test]
+fn head_size_16() {
+    check((2, 9, 48, 3), None, 9, None);
+    check((2, 9, 48, 3), DROP, 10, None);
+}
+
+#[test]
+fn head_size_64() {
+    check((2, 65, 128, 2), None, 11, Some(500));
+    check((2, 65, 128, 2), DROP, 12, Some(500));
+}
+
+#[test]
+fn head_size_80() {
+    check((1, 40, 160, 2), None, 13, Some(400));
+    check((1, 40, 160, 2), DROP, 14, Some(400));
+}
+
+#[test]
+fn head_larger_than_tile() {
+    // HS = 136 > DT: channels go through the transposed tiles in two chunks.
+    const { assert!(136 > DT) };
+    check((1, 35, 136, 1), None, 15, Some(400));
+    check((1, 35, 136, 1), DROP, 16, Some(400));
+}
+
+#[test]
+fn dropout_changes_output() {
+    let (b, t, c, nh) = (1, 20, 16, 2);
+    let (qkv, _) = inputs(b, t, c, 17);
+    let run = |mask| {
+        let mut out = vec![0.0; b * t * c];
+        let mut lse = vec![0.0; b * nh * t];
+        attention_forward(&mut out, &mut lse, &qkv, b, t, c, nh, mask);
+        (out, lse)
+    };
+    let (plain, plain_lse) = run(None);
+    let (dropped, dropped_lse) = run(DROP);
+    assert_ne!(plain, dropped);
+    assert_eq!(plain_lse, dropped_lse, "lse must not depend on dropout");
+    assert_eq!(plain, run(Some(Dropout { p: 0.0, seed: 5 })).0);
+}
+
+#[test]
+fn deterministic_across_thread_counts() {
+    let (b, t, c, nh) = (2, 100, 64, 4);
+    let (qkv, dout) = inputs(b, t, c, 18);
+    let run = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            let mut out = vec![0.0; b * t * c];
+            let mut lse = vec![0.0; b * nh * t];
+            attention_forward(&mut out, &mut lse, &qkv, b, t, c, nh, DROP);
+            let mut dqkv = vec![0.0; qkv.len()];
+            attention_backward(&mut dqkv, &dout, &qkv, &out, &lse, b, t, c, nh, DROP);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            (bits(&out), bits(&lse), bits(&dqkv))
+        })
+    };
+    let one = run(1);
+    assert!(one.2.iter().any(|&x| x != 0));
+    assert_eq!(one, run(2));
+    assert_eq!(one, run(3));
+}
