@@ -36,7 +36,7 @@ use crate::kernels::matmul::{
     linear_forward, linear_forward_bf16,
 };
 use crate::kernels::residual::residual_add_inplace;
-use crate::kernels::{bf16, bf16_gemm};
+use crate::kernels::{bf16, bf16_gemm, Dims};
 use activations::{HalfScratch, LayerActs};
 use layout::LayerRanges;
 
@@ -47,21 +47,6 @@ pub enum ModelError {
     Config(String),
     #[error("parameter buffer holds {got} floats but this config needs {want}")]
     ParamCount { got: usize, want: usize },
-}
-
-/// Shape of one pass.
-#[derive(Clone, Copy, Debug)]
-struct Dims {
-    b: usize,
-    t: usize,
-    c: usize,
-    nh: usize,
-}
-
-impl Dims {
-    fn bt(&self) -> usize {
-        self.b * self.t
-    }
 }
 
 /// Dropout site numbers within a block, for deriving mask seeds.
@@ -570,16 +555,7 @@ fn layer_forward(
         3 * c,
     );
     let lse = &mut a.att_lse[..d.b * d.nh * d.t];
-    attention_forward(
-        atty,
-        lse,
-        qkv,
-        d.b,
-        d.t,
-        c,
-        d.nh,
-        drop.map(|m| m.attn_probs),
-    );
+    attention_forward(atty, lse, qkv, d, drop.map(|m| m.attn_probs));
     let res2 = &mut a.res2[..bt * c];
     linear_forward(
         res2,
@@ -700,18 +676,7 @@ fn layer_backward(
     );
     let dqkv = &mut s.d4c[..bt * 3 * c];
     let (qkv, lse) = (&a.qkv[..bt * 3 * c], &a.att_lse[..d.b * d.nh * d.t]);
-    attention_backward(
-        dqkv,
-        dbtc,
-        qkv,
-        atty,
-        lse,
-        d.b,
-        d.t,
-        c,
-        d.nh,
-        drop.map(|m| m.attn_probs),
-    );
+    attention_backward(dqkv, dbtc, qkv, atty, lse, d, drop.map(|m| m.attn_probs));
     let (dw, db) = split_two(g, w.c_attn_w.clone(), w.c_attn_b.clone());
     linear_backward(
         dbtc,
@@ -775,7 +740,7 @@ fn layer_forward_bf16(
     bf16::round_and_store(qkv, &mut h.qkv[..bt * 3 * c]);
     let lse = &mut a.att_lse[..d.b * d.nh * d.t];
     let probs = drop.map(|m| m.attn_probs);
-    attention_forward(wide, lse, qkv, d.b, d.t, c, d.nh, probs);
+    attention_forward(wide, lse, qkv, d, probs);
     bf16::round_and_store(wide, &mut h.atty[..bt * c]);
     let res2 = &mut a.res2[..bt * c];
     let (wt, b) = (&wr[r.attn_proj_w.clone()], &p[r.attn_proj_b.clone()]);
@@ -862,7 +827,7 @@ fn layer_backward_bf16(
     bf16::load(qkv, &h.qkv[..bt * 3 * c]);
     let lse = &a.att_lse[..d.b * d.nh * d.t];
     let probs = drop.map(|m| m.attn_probs);
-    attention_backward(dqkv, dbtc, qkv, wide, lse, d.b, d.t, c, d.nh, probs);
+    attention_backward(dqkv, dbtc, qkv, wide, lse, d, probs);
     bf16::round_in_place(dqkv);
     let (m1, r1) = (&a.ln1_mean[..bt], &a.ln1_rstd[..bt]);
     let (ln_w, ln_b) = (&p[r.ln_1_w.clone()], &p[r.ln_1_b.clone()]);

@@ -5,9 +5,11 @@ use rayon::prelude::*;
 
 use super::isa::{Isa, Variant};
 use super::tiles::{row_dot, transpose_into, Dst, Gemm, Src};
-use super::{effective, mask_factor, Geom, SharedMut, BK, BQ, DT, NO_MASK};
+use super::{check_heads, effective, mask_factor, out_base, qkv_base, score_scale};
+use super::{SharedMut, BK, BQ, DT, NO_MASK};
 use crate::kernels::dropout::Dropout;
 use crate::kernels::fastmath::{exp_fast, fmadd};
+use crate::kernels::Dims;
 
 #[allow(clippy::too_many_arguments)]
 pub(super) fn backward_impl(
@@ -17,17 +19,24 @@ pub(super) fn backward_impl(
     qkv: &[f32],
     out: &[f32],
     lse: &[f32],
-    g: Geom,
+    d: Dims,
     dropout: Option<Dropout>,
 ) {
+    check_heads(d);
+    let (n3, n) = (d.bt() * 3 * d.c, d.bt() * d.c);
+    assert_eq!(dqkv.len(), n3, "dqkv must be (B, T, 3C)");
+    assert_eq!(qkv.len(), n3, "qkv must be (B, T, 3C)");
+    assert_eq!(dout.len(), n, "dout must be (B, T, C)");
+    assert_eq!(out.len(), n, "out must be (B, T, C)");
+    assert_eq!(lse.len(), d.b * d.nh * d.t, "lse must be (B, NH, T)");
     if lse.is_empty() {
         return;
     }
     let mask = effective(dropout);
     let dqkv = SharedMut(dqkv.as_mut_ptr());
-    lse.par_chunks(g.t).enumerate().for_each(|(bh, lse_bh)| {
+    lse.par_chunks(d.t).enumerate().for_each(|(bh, lse_bh)| {
         let task = BwdTask {
-            g,
+            d,
             dqkv,
             dout,
             qkv,
@@ -45,7 +54,7 @@ pub(super) fn backward_impl(
 
 /// One backward task: all of head `bh`.
 pub(super) struct BwdTask<'a> {
-    g: Geom,
+    d: Dims,
     dqkv: SharedMut,
     dout: &'a [f32],
     qkv: &'a [f32],
@@ -58,7 +67,7 @@ pub(super) struct BwdTask<'a> {
 #[inline(always)]
 pub(super) fn backward_head<K: Variant, const DROP: bool>(task: BwdTask) {
     let BwdTask {
-        g,
+        d,
         dqkv,
         dout,
         qkv,
@@ -67,10 +76,10 @@ pub(super) fn backward_head<K: Variant, const DROP: bool>(task: BwdTask) {
         bh,
         mask,
     } = task;
-    let (t, c, hs, scale, fma) = (g.t, g.c, g.hs, g.scale, K::FMA);
+    let (t, c, hs, scale, fma) = (d.t, d.c, d.hs(), score_scale(d), K::FMA);
     let row3 = 3 * c;
-    let qbase = g.qkv_base(bh);
-    let obase = g.out_base(bh);
+    let qbase = qkv_base(d, bh);
+    let obase = out_base(d, bh);
     let mask_base = (bh * t) as u64 * t as u64;
     let qkv_rows = Src::rows(qkv.as_ptr(), row3);
     let dout_rows = Src::rows(dout.as_ptr(), c);

@@ -4,24 +4,30 @@ use rayon::prelude::*;
 
 use super::isa::{Isa, Variant};
 use super::tiles::{transpose_into, Dst, Gemm, Src};
-use super::{effective, mask_factor, Geom, SharedMut, BK, BQ, DT, NO_MASK};
+use super::{check_heads, effective, mask_factor, out_base, qkv_base, score_scale};
+use super::{SharedMut, BK, BQ, DT, NO_MASK};
 use crate::kernels::dropout::Dropout;
 use crate::kernels::fastmath::exp_fast;
+use crate::kernels::Dims;
 
 pub(super) fn forward_impl(
     isa: Isa,
     out: &mut [f32],
     lse: &mut [f32],
     qkv: &[f32],
-    g: Geom,
+    d: Dims,
     dropout: Option<Dropout>,
 ) {
+    check_heads(d);
+    assert_eq!(qkv.len(), d.bt() * 3 * d.c, "qkv must be (B, T, 3C)");
+    assert_eq!(out.len(), d.bt() * d.c, "out must be (B, T, C)");
+    assert_eq!(lse.len(), d.b * d.nh * d.t, "lse must be (B, NH, T)");
     if lse.is_empty() {
         return;
     }
     let mask = effective(dropout);
     let out = SharedMut(out.as_mut_ptr());
-    lse.par_chunks_mut(g.t)
+    lse.par_chunks_mut(d.t)
         .enumerate()
         .for_each(|(bh, lse_bh)| {
             lse_bh
@@ -29,7 +35,7 @@ pub(super) fn forward_impl(
                 .enumerate()
                 .for_each(|(qb, lse_blk)| {
                     let task = FwdTask {
-                        g,
+                        d,
                         qkv,
                         out,
                         lse: lse_blk,
@@ -56,7 +62,7 @@ fn fmax(a: f32, b: f32) -> f32 {
 
 /// One forward task: query rows `i0..i0 + lse.len()` of head `bh`.
 pub(super) struct FwdTask<'a> {
-    g: Geom,
+    d: Dims,
     qkv: &'a [f32],
     out: SharedMut,
     lse: &'a mut [f32],
@@ -68,7 +74,7 @@ pub(super) struct FwdTask<'a> {
 #[inline(always)]
 pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
     let FwdTask {
-        g,
+        d,
         qkv,
         out,
         lse,
@@ -76,11 +82,11 @@ pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
         i0,
         mask,
     } = task;
-    let (t, c, hs, fma) = (g.t, g.c, g.hs, K::FMA);
+    let (t, c, hs, scale, fma) = (d.t, d.c, d.hs(), score_scale(d), K::FMA);
     let row3 = 3 * c;
     let nr = lse.len();
-    let qbase = g.qkv_base(bh);
-    let obase = g.out_base(bh) + i0 * c;
+    let qbase = qkv_base(d, bh);
+    let obase = out_base(d, bh) + i0 * c;
     let mask_base = (bh * t) as u64 * t as u64;
     let qkv_rows = Src::rows(qkv.as_ptr(), row3);
     assert!(nr > 0 && i0 + nr <= t && qbase + (t - 1) * row3 + 2 * c + hs <= qkv.len());
@@ -91,7 +97,7 @@ pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
     let mut qt = [[0.0f32; BQ]; DT];
     if resident {
         let src = &qkv[qbase + i0 * row3..];
-        transpose_into(K::AVX, &mut qt, src, row3, (nr, hs), g.scale);
+        transpose_into(K::AVX, &mut qt, src, row3, (nr, hs), scale);
     }
     // Unnormalised output rows: this stack tile when the head fits in it, else `out`.
     let mut o = [[0.0f32; DT]; BQ];
@@ -108,7 +114,7 @@ pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
             let dn = DT.min(hs - d0);
             if !resident {
                 let src = &qkv[qbase + i0 * row3 + d0..];
-                transpose_into(K::AVX, &mut qt, src, row3, (nr, dn), g.scale);
+                transpose_into(K::AVX, &mut qt, src, row3, (nr, dn), scale);
             }
             // SAFETY: key rows j0..j0 + nc <= T, channels d0..d0 + dn <= HS of this
             // head lie in `qkv`; `qt` has DT >= dn rows of BQ; `st` has BK >= nc rows.

@@ -20,6 +20,7 @@ mod tests;
 mod tiles;
 
 use super::dropout::Dropout;
+use super::Dims;
 use backward::backward_impl;
 use forward::forward_impl;
 use isa::Isa;
@@ -44,23 +45,15 @@ const DT: usize = 128;
 ///   mask index `((b·NH + h)·T + t)·T + s`.
 ///
 /// Parallel over `(b, h, query block)`; results do not depend on the thread count.
-#[allow(clippy::too_many_arguments)]
 pub fn attention_forward(
     out: &mut [f32],
     lse: &mut [f32],
     qkv: &[f32],
-    b: usize,
-    t: usize,
-    c: usize,
-    nh: usize,
+    d: Dims,
     dropout: Option<Dropout>,
 ) {
     let _t = crate::profile::scope(crate::profile::Section::Attention);
-    let g = Geom::new(t, c, nh);
-    assert_eq!(qkv.len(), b * t * 3 * c, "qkv must be (B, T, 3C)");
-    assert_eq!(out.len(), b * t * c, "out must be (B, T, C)");
-    assert_eq!(lse.len(), b * nh * t, "lse must be (B, NH, T)");
-    forward_impl(Isa::detect(), out, lse, qkv, g, dropout);
+    forward_impl(Isa::detect(), out, lse, qkv, d, dropout);
 }
 
 /// Causal self-attention backward, recomputing the probabilities from `lse`.
@@ -69,27 +62,45 @@ pub fn attention_forward(
 /// produced by [`attention_forward`]; `dqkv`: `(B, T, 3C)`, **overwritten**.
 ///
 /// Parallel over `(b, h)`; results do not depend on the thread count.
-#[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
     dqkv: &mut [f32],
     dout: &[f32],
     qkv: &[f32],
     out: &[f32],
     lse: &[f32],
-    b: usize,
-    t: usize,
-    c: usize,
-    nh: usize,
+    d: Dims,
     dropout: Option<Dropout>,
 ) {
     let _t = crate::profile::scope(crate::profile::Section::AttentionBackward);
-    let g = Geom::new(t, c, nh);
-    assert_eq!(dqkv.len(), b * t * 3 * c, "dqkv must be (B, T, 3C)");
-    assert_eq!(qkv.len(), b * t * 3 * c, "qkv must be (B, T, 3C)");
-    assert_eq!(dout.len(), b * t * c, "dout must be (B, T, C)");
-    assert_eq!(out.len(), b * t * c, "out must be (B, T, C)");
-    assert_eq!(lse.len(), b * nh * t, "lse must be (B, NH, T)");
-    backward_impl(Isa::detect(), dqkv, dout, qkv, out, lse, g, dropout);
+    backward_impl(Isa::detect(), dqkv, dout, qkv, out, lse, d, dropout);
+}
+
+/// Panics unless `C` splits into `NH` heads.
+fn check_heads(d: Dims) {
+    let (c, nh) = (d.c, d.nh);
+    assert!(
+        nh > 0 && c > 0 && c.is_multiple_of(nh),
+        "C = {c} must be a positive multiple of NH = {nh}"
+    );
+}
+
+/// The factor of the scores, `1 / √HS`.
+fn score_scale(d: Dims) -> f32 {
+    1.0 / (d.hs() as f32).sqrt()
+}
+
+/// Index in `qkv`/`dqkv` of channel 0 of head `h`'s query at token `(b, 0)`, where
+/// `bh = b·NH + h`; keys are `C` further on, values `2C`, and token `s` is `s·3C`
+/// further on.
+fn qkv_base(d: Dims, bh: usize) -> usize {
+    let (b, h) = (bh / d.nh, bh % d.nh);
+    b * d.t * 3 * d.c + h * d.hs()
+}
+
+/// Index in `out`/`dout` of channel 0 of head `h` at token `(b, 0)`, `bh = b·NH + h`.
+fn out_base(d: Dims, bh: usize) -> usize {
+    let (b, h) = (bh / d.nh, bh % d.nh);
+    b * d.t * d.c + h * d.hs()
 }
 
 /// The mask to apply, or `None` where it would be the identity.
@@ -107,46 +118,6 @@ fn mask_factor<const DROP: bool>(mask: Dropout, index: u64) -> f32 {
         mask.factor(index)
     } else {
         1.0
-    }
-}
-
-/// Shape of one call.
-#[derive(Clone, Copy)]
-struct Geom {
-    t: usize,
-    c: usize,
-    nh: usize,
-    hs: usize,
-    scale: f32,
-}
-
-impl Geom {
-    fn new(t: usize, c: usize, nh: usize) -> Self {
-        assert!(
-            nh > 0 && c > 0 && c.is_multiple_of(nh),
-            "C = {c} must be a positive multiple of NH = {nh}"
-        );
-        let hs = c / nh;
-        Geom {
-            t,
-            c,
-            nh,
-            hs,
-            scale: 1.0 / (hs as f32).sqrt(),
-        }
-    }
-
-    /// Index in `qkv`/`dqkv` of channel 0 of head `h`'s query at token `(b, 0)`;
-    /// keys are `C` further on, values `2C`, and token `s` is `s·3C` further on.
-    fn qkv_base(&self, bh: usize) -> usize {
-        let (b, h) = (bh / self.nh, bh % self.nh);
-        b * self.t * 3 * self.c + h * self.hs
-    }
-
-    /// Index in `out`/`dout` of channel 0 of head `h` at token `(b, 0)`.
-    fn out_base(&self, bh: usize) -> usize {
-        let (b, h) = (bh / self.nh, bh % self.nh);
-        b * self.t * self.c + h * self.hs
     }
 }
 

@@ -1,5 +1,6 @@
 use super::super::testutil::{assert_close, dot, numeric_grad, rand_vec, to_f64};
 use super::*;
+use crate::kernels::Dims;
 
 /// Every instruction-set variant this CPU can run.
 fn isas() -> Vec<Isa> {
@@ -75,6 +76,7 @@ fn check(
     seed: u64,
     subset: Option<usize>,
 ) {
+    let d = Dims { b, t, c, nh };
     let (qkv, w) = inputs(b, t, c, seed);
     let qkv64 = to_f64(&qkv);
     let (want_out, want_lse) = reference(&qkv64, b, t, c, nh, mask);
@@ -103,14 +105,13 @@ fn check(
     };
     for isa in isas() {
         let what = format!("B={b} T={t} C={c} NH={nh} mask={mask:?} {isa:?}");
-        let g = Geom::new(t, c, nh);
         let mut out = vec![f32::NAN; b * t * c];
         let mut lse = vec![f32::NAN; b * nh * t];
-        forward_impl(isa, &mut out, &mut lse, &qkv, g, mask);
+        forward_impl(isa, &mut out, &mut lse, &qkv, d, mask);
         assert_close(&format!("{what}: out"), &out, &want_out, 1e-5, 1e-6);
         assert_close(&format!("{what}: lse"), &lse, &want_lse, 1e-5, 1e-6);
         let mut dqkv = vec![f32::NAN; qkv.len()];
-        backward_impl(isa, &mut dqkv, &w, &qkv, &out, &lse, g, mask);
+        backward_impl(isa, &mut dqkv, &w, &qkv, &out, &lse, d, mask);
         let got: Vec<f32> = indices.iter().map(|&i| dqkv[i]).collect();
         assert_close(&format!("{what}: dqkv"), &got, &want_grad, 1e-4, 1e-5);
     }
@@ -173,11 +174,12 @@ fn head_larger_than_tile() {
 #[test]
 fn dropout_changes_output() {
     let (b, t, c, nh) = (1, 20, 16, 2);
+    let d = Dims { b, t, c, nh };
     let (qkv, _) = inputs(b, t, c, 17);
     let run = |mask| {
         let mut out = vec![0.0; b * t * c];
         let mut lse = vec![0.0; b * nh * t];
-        attention_forward(&mut out, &mut lse, &qkv, b, t, c, nh, mask);
+        attention_forward(&mut out, &mut lse, &qkv, d, mask);
         (out, lse)
     };
     let (plain, plain_lse) = run(None);
@@ -190,6 +192,7 @@ fn dropout_changes_output() {
 #[test]
 fn deterministic_across_thread_counts() {
     let (b, t, c, nh) = (2, 100, 64, 4);
+    let d = Dims { b, t, c, nh };
     let (qkv, dout) = inputs(b, t, c, 18);
     let run = |threads: usize| {
         let pool = rayon::ThreadPoolBuilder::new()
@@ -199,9 +202,9 @@ fn deterministic_across_thread_counts() {
         pool.install(|| {
             let mut out = vec![0.0; b * t * c];
             let mut lse = vec![0.0; b * nh * t];
-            attention_forward(&mut out, &mut lse, &qkv, b, t, c, nh, DROP);
+            attention_forward(&mut out, &mut lse, &qkv, d, DROP);
             let mut dqkv = vec![0.0; qkv.len()];
-            attention_backward(&mut dqkv, &dout, &qkv, &out, &lse, b, t, c, nh, DROP);
+            attention_backward(&mut dqkv, &dout, &qkv, &out, &lse, d, DROP);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             (bits(&out), bits(&lse), bits(&dqkv))
         })
