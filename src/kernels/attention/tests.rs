@@ -1,5 +1,5 @@
-use super::super::testutil::{assert_close, dot, numeric_grad, rand_vec, to_f64};
 use super::*;
+use crate::kernels::testutil::{assert_close, dot, numeric_grad, rand_vec, to_f64};
 use crate::kernels::Dims;
 
 /// Every instruction-set variant this CPU can run.
@@ -17,48 +17,6 @@ fn isas() -> Vec<Isa> {
     v
 }
 
-/// Naive f64 attention with the full `T × T` softmax: `(out, lse)`.
-fn reference(
-    qkv: &[f64],
-    b: usize,
-    t: usize,
-    c: usize,
-    nh: usize,
-    mask: Option<Dropout>,
-) -> (Vec<f64>, Vec<f64>) {
-    let hs = c / nh;
-    let scale = 1.0 / (hs as f64).sqrt();
-    let mut out = vec![0.0; b * t * c];
-    let mut lse = vec![0.0; b * nh * t];
-    let mut x = vec![0.0; t];
-    for bi in 0..b {
-        for h in 0..nh {
-            for ti in 0..t {
-                let q = &qkv[(bi * t + ti) * 3 * c + h * hs..][..hs];
-                for (s, xs) in x[..=ti].iter_mut().enumerate() {
-                    let k = &qkv[(bi * t + s) * 3 * c + c + h * hs..][..hs];
-                    *xs = q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>() * scale;
-                }
-                let mx = x[..=ti].iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let sum: f64 = x[..=ti].iter().map(|&v| (v - mx).exp()).sum();
-                let l = mx + sum.ln();
-                lse[(bi * nh + h) * t + ti] = l;
-                let o = &mut out[(bi * t + ti) * c + h * hs..][..hs];
-                for (s, &xs) in x[..=ti].iter().enumerate() {
-                    let index = (((bi * nh + h) * t + ti) * t + s) as u64;
-                    let f = mask.map_or(1.0, |m| m.factor(index) as f64);
-                    let pf = (xs - l).exp() * f;
-                    let v = &qkv[(bi * t + s) * 3 * c + 2 * c + h * hs..][..hs];
-                    for (od, &vd) in o.iter_mut().zip(v) {
-                        *od += pf * vd;
-                    }
-                }
-            }
-        }
-    }
-    (out, lse)
-}
-
 fn inputs(b: usize, t: usize, c: usize, seed: u64) -> (Vec<f32>, Vec<f32>) {
     // Scaled up so that attention is far from uniform.
     let qkv: Vec<f32> = rand_vec(b * t * 3 * c, seed)
@@ -68,8 +26,9 @@ fn inputs(b: usize, t: usize, c: usize, seed: u64) -> (Vec<f32>, Vec<f32>) {
     (qkv, rand_vec(b * t * c, seed + 1))
 }
 
-/// Checks forward against the reference and backward against central differences
-/// of `L = Σ out · w`, on every coordinate, or on `subset` of them if given.
+/// Checks forward against [`naive_forward`], and backward against central differences
+/// of `L = Σ out · w` (on every coordinate, or on `subset` of them if given) and
+/// against [`naive_backward`] (on every coordinate).
 fn check(
     (b, t, c, nh): (usize, usize, usize, usize),
     mask: Option<Dropout>,
@@ -79,8 +38,8 @@ fn check(
     let d = Dims { b, t, c, nh };
     let (qkv, w) = inputs(b, t, c, seed);
     let qkv64 = to_f64(&qkv);
-    let (want_out, want_lse) = reference(&qkv64, b, t, c, nh, mask);
-    let loss = |x: &[f64]| dot(&reference(x, b, t, c, nh, mask).0, &w);
+    let (want_out, want_lse) = naive_forward(&qkv64, d, mask);
+    let loss = |x: &[f64]| dot(&naive_forward(x, d, mask).0, &w);
     let eps = 1e-5;
     let (indices, want_grad): (Vec<usize>, Vec<f64>) = match subset {
         None => ((0..qkv.len()).collect(), numeric_grad(loss, &qkv64, eps)),
@@ -103,6 +62,7 @@ fn check(
             (idx, grad)
         }
     };
+    let want_dqkv = naive_backward(&to_f64(&w), &qkv64, d, mask);
     for isa in isas() {
         let what = format!("B={b} T={t} C={c} NH={nh} mask={mask:?} {isa:?}");
         let mut out = vec![f32::NAN; b * t * c];
@@ -114,10 +74,40 @@ fn check(
         backward_impl(isa, &mut dqkv, &w, &qkv, &out, &lse, d, mask);
         let got: Vec<f32> = indices.iter().map(|&i| dqkv[i]).collect();
         assert_close(&format!("{what}: dqkv"), &got, &want_grad, 1e-4, 1e-5);
+        assert_close(
+            &format!("{what}: dqkv (naive)"),
+            &dqkv,
+            &want_dqkv,
+            1e-4,
+            1e-5,
+        );
     }
 }
 
 const DROP: Option<Dropout> = Some(Dropout { p: 0.25, seed: 99 });
+
+#[test]
+fn naive_backward_is_the_gradient_of_naive_forward() {
+    for (mask, seed) in [(None, 19), (DROP, 20)] {
+        let d = Dims {
+            b: 2,
+            t: 6,
+            c: 12,
+            nh: 2,
+        };
+        let (qkv, w) = inputs(d.b, d.t, d.c, seed);
+        let qkv = to_f64(&qkv);
+        let loss = |x: &[f64]| dot(&naive_forward(x, d, mask).0, &w);
+        let want = numeric_grad(loss, &qkv, 1e-5);
+        let got = naive_backward(&to_f64(&w), &qkv, d, mask);
+        for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (g - w).abs() <= 1e-8 * (1.0 + w.abs()),
+                "{mask:?}: {i}: {g} vs {w}"
+            );
+        }
+    }
+}
 
 #[test]
 fn small_two_heads() {
