@@ -220,8 +220,7 @@ pub(crate) fn native(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
                         // SAFETY: rows blk·MR.. and columns panel·NR.. of dst belong to
                         // this task alone (tasks partition the (block, panel) grid), and
                         // at + cols ≤ m·n since row < m and panel·NR + cols ≤ n.
-                        let row =
-                            unsafe { std::slice::from_raw_parts_mut(out.get().add(at), cols) };
+                        let row = unsafe { out.slice(at, cols) };
                         if accumulate {
                             row.iter_mut().zip(acc).for_each(|(d, s)| *d += s);
                         } else {

@@ -344,10 +344,7 @@ fn cached_attention(
                 // writes channels h·HS..(h+1)·HS of its sequence b's rows, so the
                 // slices of distinct tasks are disjoint; `out` is not otherwise used
                 // until every task has finished.
-                let o = unsafe {
-                    let at = (b * new + i) * c + h * hs;
-                    std::slice::from_raw_parts_mut(out_ptr.get().add(at), hs)
-                };
+                let o = unsafe { out_ptr.slice((b * new + i) * c + h * hs, hs) };
                 let ctx = HeadCache { keys, values, hs };
                 attend_one(o, q, ctx, &mut scores[..n_keys], scale);
             }

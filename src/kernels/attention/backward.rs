@@ -33,7 +33,9 @@ pub(super) fn backward_impl(
         return;
     }
     let mask = effective(dropout);
-    let dqkv = SharedMut(dqkv.as_mut_ptr());
+    // The task of batch element b and head h writes only channels h·HS..(h+1)·HS of
+    // the q, k and v of its own rows of `dqkv`: the tasks' pieces are disjoint.
+    let dqkv = SharedMut::new(dqkv);
     lse.par_chunks(d.t).enumerate().for_each(|(bh, lse_bh)| {
         let task = BwdTask {
             d,
@@ -55,7 +57,7 @@ pub(super) fn backward_impl(
 /// One backward task: all of head `bh`.
 pub(super) struct BwdTask<'a> {
     d: Dims,
-    dqkv: SharedMut,
+    dqkv: SharedMut<'a>,
     dout: &'a [f32],
     qkv: &'a [f32],
     out: &'a [f32],
@@ -84,7 +86,7 @@ pub(super) fn backward_head<K: Variant, const DROP: bool>(task: BwdTask) {
     let qkv_rows = Src::rows(qkv.as_ptr(), row3);
     let dout_rows = Src::rows(dout.as_ptr(), c);
     let dqkv_rows = Dst {
-        ptr: dqkv.get(),
+        ptr: dqkv.ptr(),
         rs: row3,
     };
     assert!(lse.len() == t && qbase + (t - 1) * row3 + 2 * c + hs <= qkv.len());
@@ -239,9 +241,9 @@ pub(super) fn backward_head<K: Variant, const DROP: bool>(task: BwdTask) {
             for (cc, (dkr, dvr)) in dk[..nc].iter().zip(&dv[..nc]).enumerate() {
                 let row = qbase + (j0 + cc) * row3;
                 // SAFETY: this task's own rows and head channels of `dqkv`.
-                unsafe { dqkv.run(row + c, hs) }.copy_from_slice(&dkr[..hs]);
+                unsafe { dqkv.slice(row + c, hs) }.copy_from_slice(&dkr[..hs]);
                 // SAFETY: as above.
-                unsafe { dqkv.run(row + 2 * c, hs) }.copy_from_slice(&dvr[..hs]);
+                unsafe { dqkv.slice(row + 2 * c, hs) }.copy_from_slice(&dvr[..hs]);
             }
         }
     }

@@ -26,7 +26,9 @@ pub(super) fn forward_impl(
         return;
     }
     let mask = effective(dropout);
-    let out = SharedMut(out.as_mut_ptr());
+    // The task of batch element b, head h and one query block writes only channels
+    // h·HS..(h+1)·HS of its own rows of `out`: the tasks' pieces are disjoint.
+    let out = SharedMut::new(out);
     lse.par_chunks_mut(d.t)
         .enumerate()
         .for_each(|(bh, lse_bh)| {
@@ -64,7 +66,7 @@ fn fmax(a: f32, b: f32) -> f32 {
 pub(super) struct FwdTask<'a> {
     d: Dims,
     qkv: &'a [f32],
-    out: SharedMut,
+    out: SharedMut<'a>,
     lse: &'a mut [f32],
     bh: usize,
     i0: usize,
@@ -177,7 +179,7 @@ pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
                         &mut o[r][..hs]
                     } else {
                         // SAFETY: this task's own rows and head channels of `out`.
-                        unsafe { out.run(obase + r * c, hs) }
+                        unsafe { out.slice(obase + r * c, hs) }
                     };
                     for v in row {
                         *v *= a;
@@ -201,7 +203,7 @@ pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
             }
         } else {
             Dst {
-                ptr: out.get().wrapping_add(obase),
+                ptr: out.ptr().wrapping_add(obase),
                 rs: c,
             }
         };
@@ -223,7 +225,7 @@ pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
     for r in 0..nr {
         let inv = 1.0 / l[r];
         // SAFETY: this task's own rows and head channels of `out`.
-        let dst = unsafe { out.run(obase + r * c, hs) };
+        let dst = unsafe { out.slice(obase + r * c, hs) };
         if resident {
             for (d, &v) in dst.iter_mut().zip(&o[r]) {
                 *d = v * inv;

@@ -38,7 +38,7 @@ mod tests;
 mod tiles;
 
 use super::dropout::Dropout;
-use super::Dims;
+use super::{Dims, SharedMut};
 use backward::backward_impl;
 use forward::forward_impl;
 use isa::Isa;
@@ -244,36 +244,5 @@ fn mask_factor<const DROP: bool>(mask: Dropout, index: u64) -> f32 {
         mask.factor(index)
     } else {
         1.0
-    }
-}
-
-/// Pointer to an output buffer that parallel tasks write in disjoint pieces.
-///
-/// Sound because the task for batch element `b` and head `h` (and, in the forward
-/// pass, one query block) reads and writes only channels `h·HS..(h+1)·HS` (of q, k and
-/// v, for `dqkv`) of its own rows of batch element `b`: distinct tasks touch disjoint
-/// elements, and the `&mut` slice the pointer came from is not used while they run,
-/// so there is no data race and no aliasing `&mut`.
-#[derive(Clone, Copy)]
-struct SharedMut(*mut f32);
-
-// SAFETY: see the type's documentation; tasks write disjoint elements only.
-unsafe impl Send for SharedMut {}
-// SAFETY: as above.
-unsafe impl Sync for SharedMut {}
-
-impl SharedMut {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
-
-    /// The `len` floats at offset `off`, as a slice.
-    ///
-    /// # Safety
-    /// They must lie in the buffer, and no one else may access them while the slice
-    /// lives (in practice: they are channels of the calling task's own head).
-    #[inline(always)]
-    unsafe fn run<'a>(self, off: usize, len: usize) -> &'a mut [f32] {
-        std::slice::from_raw_parts_mut(self.0.add(off), len)
     }
 }
