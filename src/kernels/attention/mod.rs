@@ -26,11 +26,15 @@
 //! run time. Each task performs its floating-point operations in a fixed order, so the
 //! results do not depend on the number of threads.
 //!
+//! [`cached_attention`] is the same attention for generation: new positions against
+//! a cache of keys and values.
+//!
 //! Files: `forward.rs` and `backward.rs` hold the passes, `tiles.rs` the products and
-//! transposes they are built from, `isa.rs` the instruction-set variants, and
-//! `tests.rs` the tests.
+//! transposes they are built from, `isa.rs` the instruction-set variants, `cached.rs`
+//! the cached attention, and `tests.rs` the tests of the passes.
 
 mod backward;
+mod cached;
 mod forward;
 mod isa;
 #[cfg(test)]
@@ -42,6 +46,8 @@ use super::{Dims, SharedMut};
 use backward::backward_impl;
 use forward::forward_impl;
 use isa::Isa;
+
+pub use cached::{cached_attention, KvCache};
 
 /// Causal attention the plain way, in f64, as defined in the [module docs](self):
 /// returns `(out, lse)`, shaped and laid out like [`attention_forward`]'s outputs.
