@@ -11,6 +11,8 @@ use crate::kernels::dropout::Dropout;
 use crate::kernels::fastmath::{exp_fast, fmadd};
 use crate::kernels::Dims;
 
+/// [`attention_backward`](super::attention_backward) with the given variant (the
+/// tests run each one this CPU has).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn backward_impl(
     isa: Isa,

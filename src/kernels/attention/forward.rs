@@ -10,6 +10,8 @@ use crate::kernels::dropout::Dropout;
 use crate::kernels::fastmath::exp_fast;
 use crate::kernels::Dims;
 
+/// [`attention_forward`](super::attention_forward) with the given variant (the tests
+/// run each one this CPU has).
 pub(super) fn forward_impl(
     isa: Isa,
     out: &mut [f32],

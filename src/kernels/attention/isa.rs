@@ -60,6 +60,22 @@ impl Isa {
         Isa::Base
     }
 
+    /// Every variant this CPU can run.
+    #[cfg(test)]
+    pub(super) fn available() -> Vec<Isa> {
+        let mut v = vec![Isa::Base];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                v.push(Isa::Avx2);
+                if is_x86_feature_detected!("avx512f") {
+                    v.push(Isa::Avx512);
+                }
+            }
+        }
+        v
+    }
+
     pub(super) fn forward<const DROP: bool>(self, task: FwdTask) {
         match self {
             Isa::Base => forward_block::<Base, DROP>(task),

@@ -1,21 +1,10 @@
+//! Tests of the flash-style passes: forward against [`naive_forward`], backward against
+//! central differences and [`naive_backward`], on every instruction-set variant this
+//! CPU has; and the properties the model relies on (dropout, thread-count independence).
+
 use super::*;
 use crate::kernels::testutil::{assert_close, dot, numeric_grad, rand_vec, to_f64};
 use crate::kernels::Dims;
-
-/// Every instruction-set variant this CPU can run.
-fn isas() -> Vec<Isa> {
-    let mut v = vec![Isa::Base];
-    #[cfg(target_arch = "x86_64")]
-    {
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            v.push(Isa::Avx2);
-            if is_x86_feature_detected!("avx512f") {
-                v.push(Isa::Avx512);
-            }
-        }
-    }
-    v
-}
 
 fn inputs(b: usize, t: usize, c: usize, seed: u64) -> (Vec<f32>, Vec<f32>) {
     // Scaled up so that attention is far from uniform.
@@ -63,7 +52,7 @@ fn check(
         }
     };
     let want_dqkv = naive_backward(&to_f64(&w), &qkv64, d, mask);
-    for isa in isas() {
+    for isa in Isa::available() {
         let what = format!("B={b} T={t} C={c} NH={nh} mask={mask:?} {isa:?}");
         let mut out = vec![f32::NAN; b * t * c];
         let mut lse = vec![f32::NAN; b * nh * t];
