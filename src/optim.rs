@@ -133,15 +133,13 @@ impl AdamW {
             let r = piece.range.clone();
             let s = piece.slot..piece.slot + r.len();
             // SAFETY: pieces are disjoint sub-ranges of the tensors, which the layout
-            // guarantees do not overlap and lie inside the arena (len checked by the
-            // callers); their slots are disjoint too and lie inside m and v
-            // (checked in `for_shard`). Each task touches only its own piece of
-            // params, m and v.
+            // guarantees do not overlap; their slots are disjoint too (`for_shard`).
+            // Each task touches only its own piece of params, m and v.
             let (p, m, v) = unsafe {
                 (
-                    std::slice::from_raw_parts_mut(params.get().add(r.start), r.len()),
-                    std::slice::from_raw_parts_mut(m.get().add(s.start), s.len()),
-                    std::slice::from_raw_parts_mut(v.get().add(s.start), s.len()),
+                    params.slice(r.start, r.len()),
+                    m.slice(s.start, s.len()),
+                    v.slice(s.start, s.len()),
                 )
             };
             let decay = if piece.decay {

@@ -35,9 +35,9 @@ pub fn encoder_backward(
     assert_eq!(dout.len(), inp.len() * c);
     const BLOCK: usize = 64;
     let blocks = c.div_ceil(BLOCK);
+    let (wte_len, wpe_len) = (dwte.len(), dwpe.len());
     let dwte_ptr = SharedMut::new(dwte);
     let dwpe_ptr = SharedMut::new(dwpe);
-    let (wte_len, wpe_len) = (dwte.len(), dwpe.len());
     (0..blocks).into_par_iter().for_each(|blk| {
         let lo = blk * BLOCK;
         let hi = (lo + BLOCK).min(c);
@@ -46,15 +46,16 @@ pub fn encoder_backward(
             let d = &dout[row * c + lo..row * c + hi];
             assert!((tok + 1) * c <= wte_len && (pos + 1) * c <= wpe_len);
             // SAFETY: every task owns the channel columns [lo, hi) of both tables and
-            // touches no other column, so no two tasks write the same element; the
-            // bounds were checked just above.
-            unsafe {
-                let wte_row = dwte_ptr.get().add(tok * c + lo);
-                let wpe_row = dwpe_ptr.get().add(pos * c + lo);
-                for (i, &g) in d.iter().enumerate() {
-                    *wte_row.add(i) += g;
-                    *wpe_row.add(i) += g;
-                }
+            // touches no other column, so no two tasks' slices overlap.
+            let (wte_row, wpe_row) = unsafe {
+                (
+                    dwte_ptr.slice(tok * c + lo, hi - lo),
+                    dwpe_ptr.slice(pos * c + lo, hi - lo),
+                )
+            };
+            for ((w, p), &g) in wte_row.iter_mut().zip(wpe_row).zip(d) {
+                *w += g;
+                *p += g;
             }
         }
     });

@@ -160,10 +160,10 @@ pub fn layernorm_backward(
         });
     // Parameter gradients, parallel over channel blocks so no two tasks share an element.
     const BLOCK: usize = 32;
-    let dw = SharedMut::new(dweight);
-    let db = SharedMut::new(dbias);
     let has_bias = !dbias.is_empty();
     assert!(dweight.len() == c && (!has_bias || dbias.len() == c));
+    let dw = SharedMut::new(dweight);
+    let db = SharedMut::new(dbias);
     (0..c.div_ceil(BLOCK)).into_par_iter().for_each(|blk| {
         let (lo, hi) = (blk * BLOCK, ((blk + 1) * BLOCK).min(c));
         let mut acc_w = [0.0f32; BLOCK];
@@ -177,14 +177,16 @@ pub fn layernorm_backward(
                 acc_b[i] += dy;
             }
         }
-        // SAFETY: this task alone owns channels [lo, hi) of dweight and dbias, whose
-        // lengths were checked to be C above.
-        unsafe {
-            for i in 0..hi - lo {
-                *dw.get().add(lo + i) += acc_w[i];
-                if has_bias {
-                    *db.get().add(lo + i) += acc_b[i];
-                }
+        // SAFETY: this task alone owns channels [lo, hi) of dweight and dbias.
+        let dw = unsafe { dw.slice(lo, hi - lo) };
+        for (d, &a) in dw.iter_mut().zip(&acc_w) {
+            *d += a;
+        }
+        if has_bias {
+            // SAFETY: as above.
+            let db = unsafe { db.slice(lo, hi - lo) };
+            for (d, &a) in db.iter_mut().zip(&acc_b) {
+                *d += a;
             }
         }
     });

@@ -28,6 +28,8 @@ pub mod residual;
 #[cfg(test)]
 pub(crate) mod testutil;
 
+use std::marker::PhantomData;
+
 /// The shape of one pass: `B` sequences of `T` positions, `C` channels in `NH` heads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Dims {
@@ -49,21 +51,86 @@ impl Dims {
     }
 }
 
-/// A raw pointer that parallel tasks may share because each writes a disjoint part.
+/// A mutable buffer that parallel tasks write in disjoint pieces.
+///
+/// It holds the `&'a mut [f32]` it was made from for `'a`, so the buffer cannot be
+/// used otherwise, or freed, while any copy of it lives; the copies may go to other
+/// threads. Each task takes the pieces it owns with [`SharedMut::slice`].
 #[derive(Clone, Copy)]
-pub(crate) struct SharedMut(*mut f32);
+pub(crate) struct SharedMut<'a> {
+    ptr: *mut f32,
+    len: usize,
+    buf: PhantomData<&'a mut [f32]>,
+}
 
-// SAFETY: the pointer is only dereferenced by tasks that write disjoint elements, which
-// each user documents at the point of use.
-unsafe impl Send for SharedMut {}
-unsafe impl Sync for SharedMut {}
+// SAFETY: a `SharedMut` is a `&mut [f32]` whose elements are reached only through
+// `slice` and `ptr`, whose callers promise that pieces in use at the same time are
+// disjoint; so sharing it between threads races on nothing.
+unsafe impl Send for SharedMut<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for SharedMut<'_> {}
 
-impl SharedMut {
-    pub(crate) fn new(slice: &mut [f32]) -> SharedMut {
-        SharedMut(slice.as_mut_ptr())
+impl<'a> SharedMut<'a> {
+    pub(crate) fn new(buf: &'a mut [f32]) -> Self {
+        SharedMut {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+            buf: PhantomData,
+        }
     }
 
-    pub(crate) fn get(self) -> *mut f32 {
-        self.0
+    /// The `len` elements from `start`, for the calling task to write.
+    ///
+    /// # Panics
+    /// If they are not all in the buffer.
+    ///
+    /// # Safety
+    /// The caller owns them: no two pieces of one buffer that are in use at the same
+    /// time (slices from this function, or elements written through [`Self::ptr`])
+    /// may overlap. In practice the tasks partition the buffer, and each takes only
+    /// pieces of its own part; every use site says why its pieces are disjoint.
+    #[inline]
+    pub(crate) unsafe fn slice(self, start: usize, len: usize) -> &'a mut [f32] {
+        assert!(
+            start <= self.len && len <= self.len - start,
+            "{len} elements from {start} exceed the buffer's {}",
+            self.len
+        );
+        // SAFETY: in bounds (asserted), borrowed for 'a, and owned by this caller alone.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
+    }
+
+    /// The start of the buffer, for writes in a pattern no slice can describe (the
+    /// strided rows of a head in attention). Writing through it is bound by the
+    /// contract of [`Self::slice`], and must stay within the buffer.
+    pub(crate) fn ptr(self) -> *mut f32 {
+        self.ptr
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SharedMut;
+    use rayon::prelude::*;
+
+    #[test]
+    fn shared_mut_hands_out_disjoint_pieces() {
+        let mut buf = vec![0.0f32; 10];
+        let shared = SharedMut::new(&mut buf);
+        (0..5).into_par_iter().for_each(|i| {
+            // SAFETY: task i alone takes elements 2i and 2i + 1.
+            let piece = unsafe { shared.slice(2 * i, 2) };
+            piece.fill(i as f32);
+        });
+        assert_eq!(buf, [0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 4.0, 4.0]);
+    }
+
+    #[test]
+    #[should_panic(expected = "2 elements from 3 exceed the buffer's 4")]
+    fn shared_mut_checks_bounds() {
+        let mut buf = vec![0.0f32; 4];
+        let shared = SharedMut::new(&mut buf);
+        // SAFETY: the only piece taken.
+        let _ = unsafe { shared.slice(3, 2) };
     }
 }

@@ -17,11 +17,11 @@ use super::activations::{BlockActs, NormStats, Scratch};
 use super::block::{block_forward, norm_of, Attend, BlockWeights};
 use super::config::{Dtype, ModelConfig};
 use super::layout::ParamLayout;
+use crate::kernels::attention::{cached_attention, KvCache};
 use crate::kernels::classifier::{classifier_logits, Classifier};
 use crate::kernels::encoder::encoder_forward;
 use crate::kernels::layernorm::layernorm_forward;
-use crate::kernels::{Dims, SharedMut};
-use rayon::prelude::*;
+use crate::kernels::Dims;
 
 /// Sizes fixed when the decoder is built.
 #[derive(Clone, Copy, Debug)]
@@ -153,11 +153,12 @@ impl Decoder {
         for (at, (keys, values)) in layout.layers.iter().zip(caches) {
             let scores = &mut self.scores;
             let mut attend = |out: &mut [f32], qkv: &[f32]| {
-                let cache = LayerCache {
+                let cache = KvCache {
                     keys: &mut *keys,
                     values: &mut *values,
+                    max_len: s.max_len,
                 };
-                cached_attention(out, qkv, cache, scores, s, start, p)
+                cached_attention(out, qkv, cache, scores, d, start)
             };
             let w = BlockWeights {
                 params,
@@ -247,120 +248,6 @@ impl Decoder {
             "token id beyond the vocabulary"
         );
     }
-}
-
-/// One layer's key and value caches, each (B, NH, max_len, HS).
-struct LayerCache<'a> {
-    keys: &'a mut [f32],
-    values: &'a mut [f32],
-}
-
-/// Causal attention of `new` rows per sequence against one layer's cache.
-///
-/// - `qkv`: (B, new, 3C) the new rows' queries, keys and values (head `h` in channels
-///   `h·HS..(h+1)·HS` of each third); the keys and values are first copied into
-///   `cache` at positions `start..start + new`.
-/// - `out`: (B, new, C) written: the row at absolute position `pos` is the softmax
-///   (scale 1/√HS, max-subtracted) of its scores against cached keys `0..=pos`,
-///   applied to the matching values.
-/// - `scores`: (B, NH, max_len) scratch, one row per task.
-///
-/// Parallel over (sequence, head); each task owns that head's cache slices.
-fn cached_attention(
-    out: &mut [f32],
-    qkv: &[f32],
-    cache: LayerCache,
-    scores: &mut [f32],
-    s: Shape,
-    start: usize,
-    new: usize,
-) {
-    let (c, hs, span) = (s.c, s.hs, s.max_len * s.hs);
-    assert!(out.len() == s.b * new * c && qkv.len() == s.b * new * 3 * c);
-    let out_ptr = SharedMut::new(out);
-    let scale = 1.0 / (hs as f32).sqrt();
-    cache
-        .keys
-        .par_chunks_exact_mut(span)
-        .zip(cache.values.par_chunks_exact_mut(span))
-        .zip(scores.par_chunks_exact_mut(s.max_len))
-        .enumerate()
-        .for_each(|(bh, ((keys, values), scores))| {
-            let (b, h) = (bh / s.nh, bh % s.nh);
-            let rows = &qkv[b * new * 3 * c..(b + 1) * new * 3 * c];
-            for (i, row) in rows.chunks_exact(3 * c).enumerate() {
-                let at = (start + i) * hs..(start + i + 1) * hs;
-                keys[at.clone()].copy_from_slice(&row[c + h * hs..c + (h + 1) * hs]);
-                values[at].copy_from_slice(&row[2 * c + h * hs..2 * c + (h + 1) * hs]);
-            }
-            for (i, row) in rows.chunks_exact(3 * c).enumerate() {
-                let q = &row[h * hs..(h + 1) * hs];
-                let n_keys = start + i + 1;
-                // SAFETY: `out` is (B, new, C) (checked above) and this task alone
-                // writes channels h·HS..(h+1)·HS of its sequence b's rows, so the
-                // slices of distinct tasks are disjoint; `out` is not otherwise used
-                // until every task has finished.
-                let o = unsafe {
-                    let at = (b * new + i) * c + h * hs;
-                    std::slice::from_raw_parts_mut(out_ptr.get().add(at), hs)
-                };
-                let ctx = HeadCache { keys, values, hs };
-                attend_one(o, q, ctx, &mut scores[..n_keys], scale);
-            }
-        });
-}
-
-/// One head's cached keys and values, each (max_len, HS).
-#[derive(Clone, Copy)]
-struct HeadCache<'a> {
-    keys: &'a [f32],
-    values: &'a [f32],
-    hs: usize,
-}
-
-/// `out = softmax(scale · K q) · V` over the first `scores.len()` cached positions.
-///
-/// out, q: (HS); scores: (n) scratch.
-fn attend_one(out: &mut [f32], q: &[f32], head: HeadCache, scores: &mut [f32], scale: f32) {
-    let hs = head.hs;
-    let mut max = f32::NEG_INFINITY;
-    for (sc, k) in scores.iter_mut().zip(head.keys.chunks_exact(hs)) {
-        *sc = scale * dot(q, k);
-        max = max.max(*sc);
-    }
-    let mut sum = 0.0f32;
-    for sc in scores.iter_mut() {
-        *sc = (*sc - max).exp();
-        sum += *sc;
-    }
-    out.fill(0.0);
-    for (&w, v) in scores.iter().zip(head.values.chunks_exact(hs)) {
-        for (o, &v) in out.iter_mut().zip(v) {
-            *o += w * v;
-        }
-    }
-    let inv = 1.0 / sum;
-    out.iter_mut().for_each(|o| *o *= inv);
-}
-
-/// Dot product with eight independent partial sums, so the loop vectorises.
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    const LANES: usize = 8;
-    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    let mut acc = [0.0f32; LANES];
-    for (x, y) in ca.zip(cb) {
-        for j in 0..LANES {
-            acc[j] += x[j] * y[j];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
 }
 
 #[cfg(test)]
@@ -533,12 +420,5 @@ pub(crate) mod tests {
         let mut dec = Decoder::new(gpt.config(), 1, 4);
         dec.feed(&gpt.params, &gpt.layout, &[1, 2, 3], 3);
         dec.feed(&gpt.params, &gpt.layout, &[4, 5], 2);
-    }
-
-    #[test]
-    fn dot_matches_a_plain_sum() {
-        let (a, b) = (rand_vec(67, 1), rand_vec(67, 2));
-        let want: f64 = a.iter().zip(&b).map(|(&x, &y)| x as f64 * y as f64).sum();
-        assert!((dot(&a, &b) as f64 - want).abs() < 1e-5);
     }
 }

@@ -255,7 +255,7 @@ fn multiply(dst: &mut [f32], a: Mat, pb: &[u32], n: usize, accumulate: bool, pa:
                     // SAFETY: rows bi·32.. and columns bj·32.. of dst belong to this
                     // task alone (tasks partition the block grid), and at + cols ≤ m·n
                     // since the row is < m and bj·32 + cols ≤ n.
-                    let row = unsafe { std::slice::from_raw_parts_mut(out.get().add(at), cols) };
+                    let row = unsafe { out.slice(at, cols) };
                     if accumulate {
                         row.iter_mut().zip(acc).for_each(|(d, s)| *d += s);
                     } else {

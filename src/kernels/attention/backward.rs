@@ -1,0 +1,252 @@
+//! The backward pass: one task per (batch element, head), recomputing the
+//! probabilities of each tile from the forward pass's log-sum-exp.
+
+use rayon::prelude::*;
+
+use super::isa::{Isa, Variant};
+use super::tiles::{row_dot, transpose_into, Dst, Gemm, Src};
+use super::{check_heads, effective, mask_factor, out_base, qkv_base, score_scale};
+use super::{SharedMut, BK, BQ, DT, NO_MASK};
+use crate::kernels::dropout::Dropout;
+use crate::kernels::fastmath::{exp_fast, fmadd};
+use crate::kernels::Dims;
+
+/// [`attention_backward`](super::attention_backward) with the given variant (the
+/// tests run each one this CPU has).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn backward_impl(
+    isa: Isa,
+    dqkv: &mut [f32],
+    dout: &[f32],
+    qkv: &[f32],
+    out: &[f32],
+    lse: &[f32],
+    d: Dims,
+    dropout: Option<Dropout>,
+) {
+    check_heads(d);
+    let (n3, n) = (d.bt() * 3 * d.c, d.bt() * d.c);
+    assert_eq!(dqkv.len(), n3, "dqkv must be (B, T, 3C)");
+    assert_eq!(qkv.len(), n3, "qkv must be (B, T, 3C)");
+    assert_eq!(dout.len(), n, "dout must be (B, T, C)");
+    assert_eq!(out.len(), n, "out must be (B, T, C)");
+    assert_eq!(lse.len(), d.b * d.nh * d.t, "lse must be (B, NH, T)");
+    if lse.is_empty() {
+        return;
+    }
+    let mask = effective(dropout);
+    // The task of batch element b and head h writes only channels h·HS..(h+1)·HS of
+    // the q, k and v of its own rows of `dqkv`: the tasks' pieces are disjoint.
+    let dqkv = SharedMut::new(dqkv);
+    lse.par_chunks(d.t).enumerate().for_each(|(bh, lse_bh)| {
+        let task = BwdTask {
+            d,
+            dqkv,
+            dout,
+            qkv,
+            out,
+            lse: lse_bh,
+            bh,
+            mask: mask.unwrap_or(NO_MASK),
+        };
+        match mask {
+            Some(_) => isa.backward::<true>(task),
+            None => isa.backward::<false>(task),
+        }
+    });
+}
+
+/// One backward task: all of head `bh`.
+pub(super) struct BwdTask<'a> {
+    d: Dims,
+    dqkv: SharedMut<'a>,
+    dout: &'a [f32],
+    qkv: &'a [f32],
+    out: &'a [f32],
+    lse: &'a [f32],
+    bh: usize,
+    mask: Dropout,
+}
+
+#[inline(always)]
+pub(super) fn backward_head<K: Variant, const DROP: bool>(task: BwdTask) {
+    let BwdTask {
+        d,
+        dqkv,
+        dout,
+        qkv,
+        out,
+        lse,
+        bh,
+        mask,
+    } = task;
+    let (t, c, hs, scale, fma) = (d.t, d.c, d.hs(), score_scale(d), K::FMA);
+    let row3 = 3 * c;
+    let qbase = qkv_base(d, bh);
+    let obase = out_base(d, bh);
+    let mask_base = (bh * t) as u64 * t as u64;
+    let qkv_rows = Src::rows(qkv.as_ptr(), row3);
+    let dout_rows = Src::rows(dout.as_ptr(), c);
+    let dqkv_rows = Dst {
+        ptr: dqkv.ptr(),
+        rs: row3,
+    };
+    assert!(lse.len() == t && qbase + (t - 1) * row3 + 2 * c + hs <= qkv.len());
+    assert!(obase + (t - 1) * c + hs <= dout.len().min(out.len()));
+
+    let resident = hs <= DT;
+    // Transposed key and value tiles: kt[d][c] = k[j0 + c][d0 + d], likewise vt.
+    let mut kt = [[0.0f32; BK]; DT];
+    let mut vt = [[0.0f32; BK]; DT];
+    // dK_j and dV_j: these stack tiles when the head fits in them, else `dqkv` itself.
+    let mut dk = [[0.0f32; DT]; BK];
+    let mut dv = [[0.0f32; DT]; BK];
+    // p[r][c]: probabilities (times the dropout factor once dS is formed);
+    // ds[r][c]: first dP̃ = dO·v, then scale · dS.
+    let mut p = [[0.0f32; BK]; BQ];
+    let mut ds = [[0.0f32; BK]; BQ];
+    let mut dd = [0.0f32; BQ];
+
+    for j0 in (0..t).step_by(BK) {
+        let nc = BK.min(t - j0);
+        if resident {
+            let src = &qkv[qbase + j0 * row3 + c..];
+            transpose_into(K::AVX, &mut kt, src, row3, (nc, hs), 1.0);
+            transpose_into(K::AVX, &mut vt, &src[c..], row3, (nc, hs), 1.0);
+        }
+        // Query blocks start on the diagonal: i0 = j0 is the only partial tile, and the
+        // first to touch dK_j and dV_j (which it overwrites). Likewise j0 = 0 is the
+        // first key block to touch each dQ_i.
+        for i0 in (j0..t).step_by(BQ) {
+            let nr = BQ.min(t - i0);
+            for d0 in (0..hs).step_by(DT) {
+                let dn = DT.min(hs - d0);
+                if !resident {
+                    let src = &qkv[qbase + j0 * row3 + c + d0..];
+                    transpose_into(K::AVX, &mut kt, src, row3, (nc, dn), 1.0);
+                    transpose_into(K::AVX, &mut vt, &src[c..], row3, (nc, dn), 1.0);
+                }
+                // SAFETY: query rows i0..i0 + nr <= T, channels d0..d0 + dn <= HS of
+                // this head lie in `qkv` and `dout` (asserted above); kt/vt have
+                // DT >= dn rows of BK columns; p/ds have BQ >= nr rows of BK.
+                unsafe {
+                    K::gemm(Gemm {
+                        m: nr,
+                        n: BK,
+                        kn: dn,
+                        a: qkv_rows.at(0, qbase + i0 * row3 + d0),
+                        b: Src::rows(kt.as_ptr().cast(), BK),
+                        c: Dst {
+                            ptr: p.as_mut_ptr().cast(),
+                            rs: BK,
+                        },
+                        add: d0 > 0,
+                    });
+                    K::gemm(Gemm {
+                        m: nr,
+                        n: BK,
+                        kn: dn,
+                        a: dout_rows.at(0, obase + i0 * c + d0),
+                        b: Src::rows(vt.as_ptr().cast(), BK),
+                        c: Dst {
+                            ptr: ds.as_mut_ptr().cast(),
+                            rs: BK,
+                        },
+                        add: d0 > 0,
+                    });
+                }
+            }
+            // D_r = dO_r · O_r (cheap next to the tile: recomputed rather than stored).
+            for (r, d) in dd[..nr].iter_mut().enumerate() {
+                let o = obase + (i0 + r) * c;
+                *d = row_dot(fma, &dout[o..o + hs], &out[o..o + hs]);
+            }
+            for r in 0..nr {
+                let lse_r = lse[i0 + r];
+                // Keys below `lim` are visible to this row: all of a tile below the
+                // diagonal, and up to the query itself in the diagonal tile.
+                let lim = if i0 == j0 { r + 1 } else { BK };
+                let (pr, dsr) = (&mut p[r], &mut ds[r]);
+                for v in pr.iter_mut() {
+                    *v = exp_fast(fma, fmadd(fma, *v, scale, -lse_r));
+                }
+                pr[lim..].fill(0.0);
+                if DROP {
+                    for cc in 0..lim {
+                        let index = mask_base + ((i0 + r) * t + j0 + cc) as u64;
+                        let f = mask_factor::<DROP>(mask, index);
+                        dsr[cc] = pr[cc] * (f * dsr[cc] - dd[r]) * scale;
+                        pr[cc] *= f;
+                    }
+                    dsr[lim..].fill(0.0);
+                } else {
+                    for (dv, &pv) in dsr.iter_mut().zip(pr.iter()) {
+                        *dv = pv * (*dv - dd[r]) * scale;
+                    }
+                }
+            }
+            let (dk_dst, dv_dst) = if resident {
+                let dk = Dst {
+                    ptr: dk.as_mut_ptr().cast(),
+                    rs: DT,
+                };
+                let dv = Dst {
+                    ptr: dv.as_mut_ptr().cast(),
+                    rs: DT,
+                };
+                (dk, dv)
+            } else {
+                let dk = dqkv_rows.at(0, qbase + j0 * row3 + c);
+                (dk, dk.at(0, c))
+            };
+            let dout_i = dout_rows.at(0, obase + i0 * c);
+            let q_i = qkv_rows.at(0, qbase + i0 * row3);
+            let k_j = qkv_rows.at(0, qbase + j0 * row3 + c);
+            let dq_i = dqkv_rows.at(0, qbase + i0 * row3);
+            // SAFETY: p/ds hold BQ >= nr rows of BK >= nc; the q/k rows read lie in
+            // `qkv` and the dout rows in `dout` (asserted above); dk/dv have BK rows of
+            // DT >= HS; the dq/dk/dv rows written are this task's own (`SharedMut`).
+            unsafe {
+                // dV_j (+)= (P∘M)ᵀ · dO_i
+                K::gemm(Gemm {
+                    m: nc,
+                    n: hs,
+                    kn: nr,
+                    a: Src::cols(p.as_ptr().cast(), BK),
+                    b: dout_i,
+                    c: dv_dst,
+                    add: i0 > j0,
+                });
+                // dK_j (+)= scale · dSᵀ · Q_i
+                K::gemm(Gemm {
+                    m: nc,
+                    n: hs,
+                    kn: nr,
+                    a: Src::cols(ds.as_ptr().cast(), BK),
+                    b: q_i,
+                    c: dk_dst,
+                    add: i0 > j0,
+                });
+                // dQ_i (+)= scale · dS · K_j
+                K::gemm(Gemm {
+                    m: nr,
+                    n: hs,
+                    kn: nc,
+                    a: Src::rows(ds.as_ptr().cast(), BK),
+                    b: k_j,
+                    c: dq_i,
+                    add: j0 > 0,
+                });
+            }
+        }
+        if resident {
+            for (cc, (dkr, dvr)) in dk[..nc].iter().zip(&dv[..nc]).enumerate() {
+                let row = qbase + (j0 + cc) * row3;
+                // SAFETY: this task's own rows and head channels of `dqkv`.
+                unsafe { dqkv.slice(row + c, hs) }.copy_from_slice(&dkr[..hs]);
+                // SAFETY: as above.
+                unsafe { dqkv.slice(row + 2 * c, hs) }.copy_from_slice(&dvr[..hs]);
+            }
+        }
+    }
+}

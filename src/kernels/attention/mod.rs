@@ -1,0 +1,254 @@
+//! Causal multi-head self-attention.
+//!
+//! For each sequence `b`, head `h` and position `t`, with `q_t`, `k_s`, `v_s` the
+//! head's `HS` channels of the query, key and value of positions `t` and `s`:
+//!
+//! ```text
+//! x_s   = q_t · k_s / √HS           for the causal keys s <= t
+//! lse_t = log Σ_s exp(x_s)
+//! p_s   = exp(x_s − lse_t)          the softmax over s
+//! out_t = Σ_s p_s · m_s · v_s       m_s: the dropout factor, 0 or 1 / (1 − p)
+//! ```
+//!
+//! [`naive_forward`] and [`naive_backward`] are that algorithm written out plainly,
+//! with the whole `T × T` matrix of scores, in f64: the definition to read first, and
+//! the reference the tests hold the fast kernels to.
+//!
+//! [`attention_forward`] and [`attention_backward`] compute the same flash-style,
+//! without any `T × T` matrix. The forward pass walks each head's queries in blocks
+//! of `BQ` rows and its keys in blocks of `BK` rows with an online (running-max)
+//! softmax; it keeps only the per-row log-sum-exp. The backward pass recomputes the
+//! probabilities of each (query block, key block) tile from that log-sum-exp.
+//!
+//! Both passes are built from one register-tiled matrix kernel, `gemm_acc`, over
+//! fixed-size stack tiles, so nothing is allocated on the heap. On x86-64 everything is
+//! compiled three times (baseline, AVX2 + FMA, AVX-512) and the variant is picked at
+//! run time. Each task performs its floating-point operations in a fixed order, so the
+//! results do not depend on the number of threads.
+//!
+//! [`cached_attention`] is the same attention for generation: new positions against
+//! a cache of keys and values.
+//!
+//! Files: `forward.rs` and `backward.rs` hold the passes, `tiles.rs` the products and
+//! transposes they are built from, `isa.rs` the instruction-set variants, `cached.rs`
+//! the cached attention, and `tests.rs` the tests of the passes.
+
+mod backward;
+mod cached;
+mod forward;
+mod isa;
+#[cfg(test)]
+mod tests;
+mod tiles;
+
+use super::dropout::Dropout;
+use super::{Dims, SharedMut};
+use backward::backward_impl;
+use forward::forward_impl;
+use isa::Isa;
+
+pub use cached::{cached_attention, KvCache};
+
+/// Causal attention the plain way, in f64, as defined in the [module docs](self):
+/// returns `(out, lse)`, shaped and laid out like [`attention_forward`]'s outputs.
+///
+/// A reference for reading and for tests: it allocates, and takes `O(T²·HS)` time
+/// per head.
+pub fn naive_forward(qkv: &[f64], d: Dims, dropout: Option<Dropout>) -> (Vec<f64>, Vec<f64>) {
+    let hs = d.hs();
+    let mut out = vec![0.0; d.bt() * d.c];
+    let mut lse = vec![0.0; d.b * d.nh * d.t];
+    for query in naive_queries(d) {
+        let (b, h, t) = query;
+        let (p, l) = naive_probs(qkv, d, query);
+        lse[(b * d.nh + h) * d.t + t] = l;
+        let o = &mut out[(b * d.t + t) * d.c + h * hs..][..hs];
+        for (s, &ps) in p.iter().enumerate() {
+            let pm = ps * naive_mask(dropout, d, query, s);
+            let v = &qkv[naive_at(d, (b, h, s), 2)..][..hs];
+            for (od, &vd) in o.iter_mut().zip(v) {
+                *od += pm * vd;
+            }
+        }
+    }
+    (out, lse)
+}
+
+/// The gradient of [`naive_forward`]: `dqkv` for `dout`, both laid out like
+/// [`attention_backward`]'s. Per query, with the notation of the [module docs](self):
+///
+/// ```text
+/// dv_s += p_s · m_s · dout_t
+/// dp_s  = m_s · (dout_t · v_s)
+/// dx_s  = p_s · (dp_s − Σ_r p_r · dp_r)     the softmax's backward
+/// dq_t += Σ_s dx_s · k_s / √HS
+/// dk_s += dx_s · q_t / √HS
+/// ```
+pub fn naive_backward(dout: &[f64], qkv: &[f64], d: Dims, dropout: Option<Dropout>) -> Vec<f64> {
+    let hs = d.hs();
+    let scale = 1.0 / (hs as f64).sqrt();
+    let mut dqkv = vec![0.0; qkv.len()];
+    for query in naive_queries(d) {
+        let (b, h, t) = query;
+        let (p, _) = naive_probs(qkv, d, query);
+        let dy = &dout[(b * d.t + t) * d.c + h * hs..][..hs];
+        let mut dp = vec![0.0; p.len()];
+        for (s, &ps) in p.iter().enumerate() {
+            let m = naive_mask(dropout, d, query, s);
+            let v = naive_at(d, (b, h, s), 2);
+            dp[s] = m * naive_dot(dy, &qkv[v..][..hs]);
+            for (dv, &g) in dqkv[v..][..hs].iter_mut().zip(dy) {
+                *dv += ps * m * g;
+            }
+        }
+        let p_dp = naive_dot(&p, &dp);
+        let q = naive_at(d, query, 0);
+        for (s, (&ps, &dps)) in p.iter().zip(&dp).enumerate() {
+            let dx = ps * (dps - p_dp) * scale;
+            let k = naive_at(d, (b, h, s), 1);
+            for i in 0..hs {
+                dqkv[q + i] += dx * qkv[k + i];
+                dqkv[k + i] += dx * qkv[q + i];
+            }
+        }
+    }
+    dqkv
+}
+
+/// A query of the plain algorithm: sequence `b`, head `h`, position `t`.
+type Query = (usize, usize, usize);
+
+/// Every query, in memory order of `lse`.
+fn naive_queries(d: Dims) -> impl Iterator<Item = Query> {
+    (0..d.b).flat_map(move |b| (0..d.nh).flat_map(move |h| (0..d.t).map(move |t| (b, h, t))))
+}
+
+/// Index in a `(B, T, 3C)` tensor of channel 0 of head `h` at token `(b, s)`, in the
+/// query (`part` 0), key (1) or value (2) third.
+fn naive_at(d: Dims, (b, h, s): Query, part: usize) -> usize {
+    (b * d.t + s) * 3 * d.c + part * d.c + h * d.hs()
+}
+
+/// The probabilities `p_s`, `s <= t`, of query `(b, h, t)`, and their `lse_t`.
+fn naive_probs(qkv: &[f64], d: Dims, (b, h, t): Query) -> (Vec<f64>, f64) {
+    let hs = d.hs();
+    let scale = 1.0 / (hs as f64).sqrt();
+    let q = &qkv[naive_at(d, (b, h, t), 0)..][..hs];
+    let x: Vec<f64> = (0..=t)
+        .map(|s| {
+            let k = &qkv[naive_at(d, (b, h, s), 1)..][..hs];
+            naive_dot(q, k) * scale
+        })
+        .collect();
+    // log Σ exp(x_s), as max + log Σ exp(x_s − max) so that nothing overflows.
+    let max = x.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let lse = max + x.iter().map(|&v| (v - max).exp()).sum::<f64>().ln();
+    (x.iter().map(|&v| (v - lse).exp()).collect(), lse)
+}
+
+/// The dropout factor `m_s` of query `(b, h, t)` and key `s`: mask index
+/// `((b·NH + h)·T + t)·T + s`, as in [`attention_forward`]; 1 without dropout.
+fn naive_mask(dropout: Option<Dropout>, d: Dims, (b, h, t): Query, s: usize) -> f64 {
+    let index = (((b * d.nh + h) * d.t + t) * d.t + s) as u64;
+    dropout.map_or(1.0, |m| m.factor(index) as f64)
+}
+
+fn naive_dot(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// Query rows per block.
+const BQ: usize = 32;
+/// Key rows per block. Equal to [`BQ`], so query and key blocks line up and the only
+/// partially masked tile of a query block is its diagonal one.
+const BK: usize = BQ;
+/// Head channels held in one stack tile. Larger heads are processed in chunks of this
+/// many channels, re-transposing each chunk per tile and accumulating in the output.
+const DT: usize = 128;
+
+/// Causal self-attention forward (flash-style; no `T × T` buffer).
+///
+/// - `qkv`: `(B, T, 3C)`; token `(b, t)` holds q in channels `[0, C)`, k in `[C, 2C)`,
+///   v in `[2C, 3C)`, and head `h` uses channels `h·HS..(h+1)·HS` of each (`HS = C/NH`).
+/// - `out`: `(B, T, C)`, heads concatenated the same way; overwritten.
+/// - `lse`: `(B, NH, T)`, the log-sum-exp of the scaled scores `q_t·k_s / √HS` over
+///   the causal keys `s <= t` (without dropout); overwritten, and needed by backward.
+/// - `dropout`: applied to the attention probabilities; element `(b, h, t, s)` uses
+///   mask index `((b·NH + h)·T + t)·T + s`.
+///
+/// Parallel over `(b, h, query block)`; results do not depend on the thread count.
+pub fn attention_forward(
+    out: &mut [f32],
+    lse: &mut [f32],
+    qkv: &[f32],
+    d: Dims,
+    dropout: Option<Dropout>,
+) {
+    let _t = crate::profile::scope(crate::profile::Section::Attention);
+    forward_impl(Isa::detect(), out, lse, qkv, d, dropout);
+}
+
+/// Causal self-attention backward, recomputing the probabilities from `lse`.
+///
+/// `dout`: `(B, T, C)`; `qkv`, `out`, `lse` and `dropout` exactly as given to and
+/// produced by [`attention_forward`]; `dqkv`: `(B, T, 3C)`, **overwritten**.
+///
+/// Parallel over `(b, h)`; results do not depend on the thread count.
+pub fn attention_backward(
+    dqkv: &mut [f32],
+    dout: &[f32],
+    qkv: &[f32],
+    out: &[f32],
+    lse: &[f32],
+    d: Dims,
+    dropout: Option<Dropout>,
+) {
+    let _t = crate::profile::scope(crate::profile::Section::AttentionBackward);
+    backward_impl(Isa::detect(), dqkv, dout, qkv, out, lse, d, dropout);
+}
+
+/// Panics unless `C` splits into `NH` heads.
+fn check_heads(d: Dims) {
+    let (c, nh) = (d.c, d.nh);
+    assert!(
+        nh > 0 && c > 0 && c.is_multiple_of(nh),
+        "C = {c} must be a positive multiple of NH = {nh}"
+    );
+}
+
+/// The factor of the scores, `1 / √HS`.
+fn score_scale(d: Dims) -> f32 {
+    1.0 / (d.hs() as f32).sqrt()
+}
+
+/// Index in `qkv`/`dqkv` of channel 0 of head `h`'s query at token `(b, 0)`, where
+/// `bh = b·NH + h`; keys are `C` further on, values `2C`, and token `s` is `s·3C`
+/// further on.
+fn qkv_base(d: Dims, bh: usize) -> usize {
+    let (b, h) = (bh / d.nh, bh % d.nh);
+    b * d.t * 3 * d.c + h * d.hs()
+}
+
+/// Index in `out`/`dout` of channel 0 of head `h` at token `(b, 0)`, `bh = b·NH + h`.
+fn out_base(d: Dims, bh: usize) -> usize {
+    let (b, h) = (bh / d.nh, bh % d.nh);
+    b * d.t * d.c + h * d.hs()
+}
+
+/// The mask to apply, or `None` where it would be the identity.
+fn effective(dropout: Option<Dropout>) -> Option<Dropout> {
+    dropout.filter(|d| d.p > 0.0)
+}
+
+/// A stand-in mask for the instantiations without dropout, which never read it.
+const NO_MASK: Dropout = Dropout { p: 0.0, seed: 0 };
+
+/// The dropout factor of element `index` when `DROP`, else the constant 1.
+#[inline(always)]
+fn mask_factor<const DROP: bool>(mask: Dropout, index: u64) -> f32 {
+    if DROP {
+        mask.factor(index)
+    } else {
+        1.0
+    }
+}
