@@ -10,6 +10,7 @@ use crate::model::{Gpt, ModelConfig};
 use crate::optim::{AdamW, AdamWConfig};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
+use std::fmt::Display;
 use std::path::Path;
 use std::time::Duration;
 
@@ -255,6 +256,7 @@ fn resume(cfg: &TrainConfig, meta: &Meta, adam_cfg: AdamWConfig) -> Result<Train
         state.iter_num
     );
     check_resume_compatible(cfg, meta, state)?;
+    note_ignored_architecture(cfg, &ckpt.path().display(), &state.model);
     let model_cfg = ModelConfig {
         dropout: cfg.dropout,
         ..state.model.clone()
@@ -273,8 +275,7 @@ fn resume(cfg: &TrainConfig, meta: &Meta, adam_cfg: AdamWConfig) -> Result<Train
     })
 }
 
-/// The architecture comes from the checkpoint (the config is told where it differs);
-/// the data and the window length must fit it.
+/// The data and the window length must fit the checkpoint's model.
 fn check_resume_compatible(cfg: &TrainConfig, meta: &Meta, state: &CheckpointState) -> Result<()> {
     let m = &state.model;
     let out = cfg.out_dir.display();
@@ -294,24 +295,12 @@ fn check_resume_compatible(cfg: &TrainConfig, meta: &Meta, state: &CheckpointSta
             m.block_size
         );
     }
-    // As in nanoGPT, the checkpoint's architecture wins over the config's.
-    let ignored = [
-        ("n_layer", cfg.n_layer, m.n_layer),
-        ("n_head", cfg.n_head, m.n_head),
-        ("n_embd", cfg.n_embd, m.n_embd),
-        ("bias", cfg.bias as usize, m.bias as usize),
-    ];
-    for (key, config, checkpoint) in ignored {
-        if config != checkpoint {
-            eprintln!("note: resuming with the checkpoint's {key} = {checkpoint} (the config's {config} is ignored)");
-        }
-    }
     Ok(())
 }
 
 /// The pretrained model `name` (see [`crate::hf`]) for fine-tuning: its architecture
-/// wins over the config's (which is told when it differs), `block_size` crops the
-/// position table, `dropout` applies. The dataset must be GPT-2 tokens.
+/// wins over the config's, `block_size` crops the position table, `dropout`
+/// applies. The dataset must be GPT-2 tokens.
 fn load_pretrained(cfg: &TrainConfig, meta: &Meta, name: &str) -> Result<Gpt> {
     let pretrained = crate::hf::Pretrained::open(name)
         .with_context(|| format!("init_from={name}: cannot load the pretrained model"))?;
@@ -327,28 +316,34 @@ fn load_pretrained(cfg: &TrainConfig, meta: &Meta, name: &str) -> Result<Gpt> {
             meta.vocab_size
         );
     }
-    let ignored: Vec<String> = [
-        ("n_layer", cfg.n_layer, model_cfg.n_layer),
-        ("n_head", cfg.n_head, model_cfg.n_head),
-        ("n_embd", cfg.n_embd, model_cfg.n_embd),
-        ("bias", cfg.bias as usize, 1),
-    ]
-    .iter()
-    .filter(|(_, mine, theirs)| mine != theirs)
-    .map(|(key, mine, theirs)| match *key {
-        "bias" => format!("bias = {} (it has biases)", *mine != 0),
-        _ => format!("{key} = {mine} (it has {theirs})"),
-    })
-    .collect();
-    if !ignored.is_empty() {
-        eprintln!(
-            "note: the architecture comes from {}: ignoring {} from the config",
-            pretrained.location.display(),
-            ignored.join(", ")
-        );
-    }
+    note_ignored_architecture(cfg, &pretrained.location.display(), &model_cfg);
     let (b, t) = (cfg.batch_size, cfg.block_size);
     let mut model = Gpt::new(model_cfg, b, t)?;
     pretrained.load_params(&model.layout, &model.config, &mut model.params)?;
     Ok(model)
+}
+
+/// As in nanoGPT, the architecture of the model a run resumes or fine-tunes wins
+/// over the config's: one note names the keys the config sets otherwise.
+fn note_ignored_architecture(cfg: &TrainConfig, source: &dyn Display, model: &ModelConfig) {
+    let sizes = [
+        ("n_layer", cfg.n_layer, model.n_layer),
+        ("n_head", cfg.n_head, model.n_head),
+        ("n_embd", cfg.n_embd, model.n_embd),
+    ];
+    let mut ignored: Vec<String> = sizes
+        .iter()
+        .filter(|(_, ours, theirs)| ours != theirs)
+        .map(|(key, ours, theirs)| format!("{key} = {ours} (it has {theirs})"))
+        .collect();
+    if cfg.bias != model.bias {
+        let has = if model.bias { "biases" } else { "none" };
+        ignored.push(format!("bias = {} (it has {has})", cfg.bias));
+    }
+    if !ignored.is_empty() {
+        eprintln!(
+            "note: the architecture comes from {source}: ignoring {} from the config",
+            ignored.join(", ")
+        );
+    }
 }
