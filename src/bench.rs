@@ -2,9 +2,10 @@
 //! synthetic tokens, and report ms/step, tokens/s, MFU and peak RSS.
 
 use crate::config::Dtype;
+use crate::dist::{clip_and_step, Single, StepSettings};
 use crate::kernels::matmul::{matmul, Mat};
 use crate::model::{Gpt, ModelConfig};
-use crate::optim::{clip_factor, grad_norm, AdamW, AdamWConfig};
+use crate::optim::{AdamW, AdamWConfig};
 use serde::Serialize;
 use std::time::Instant;
 
@@ -71,10 +72,20 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport, crate::model::ModelError>
             let _t = crate::profile::scope(crate::profile::Section::ZeroGrad);
             gpt.zero_grad();
         }
-        gpt.forward(&inputs, &targets, b, t);
+        let loss = gpt.forward(&inputs, &targets, b, t);
         gpt.backward();
-        let factor = clip_factor(grad_norm(&gpt.grads), 1.0);
-        opt.step_scaled(&mut gpt.params, &gpt.grads, 1e-4, factor);
+        let settings = StepSettings {
+            lr: 1e-4,
+            grad_clip: 1.0,
+        };
+        clip_and_step(
+            None,
+            &Single,
+            &mut gpt,
+            &mut opt,
+            settings,
+            loss.is_finite(),
+        );
         gpt.sync_bf16_weights();
         if step >= opts.warmup {
             times.push(start.elapsed().as_secs_f64() * 1e3);

@@ -29,12 +29,12 @@ use start::Start;
 
 use crate::config::{InitFrom, TrainConfig};
 use crate::data::{batch_offsets, fill_batch, Draw, Meta, TokenFile};
-use crate::dist::{Collective, CommReport, DataParallel, Single};
+use crate::dist::{self, Collective, CommReport, DataParallel, Single, StepSettings};
 use crate::fault;
 use crate::kernels::dropout::mix64;
 use crate::metrics::MetricsLog;
 use crate::model::Gpt;
-use crate::optim::{clip_factor, grad_norm, AdamW, LrSchedule};
+use crate::optim::{AdamW, LrSchedule};
 use crate::progress::Progress;
 use crate::shutdown::{self, StopSignal};
 use anyhow::Result;
@@ -253,6 +253,48 @@ impl Trainer {
     /// the loss or gradient norm is not finite). The stop request of a signal is
     /// sampled here, and with several ranks agreed on with the loss's all-reduce.
     pub fn train_step(&mut self, iter: u64) -> Result<StepOutcome> {
+        let mut loss = self.micro_steps(iter)?;
+        fault::during_step(iter);
+        if fault::nan_grad(iter) {
+            match self.dp {
+                None => self.model.grads[self.model.layout.tensors[0].range().start] = f32::NAN,
+                Some(_) => loss = f32::NAN,
+            }
+        }
+        let requested = shutdown::requested();
+        let (loss, stop) = match &mut self.dp {
+            Some(dp) => dp.global_loss_and_stop(&*self.comm, loss, requested),
+            None => (loss, requested),
+        };
+        let settings = StepSettings {
+            lr: self.schedule.lr_at(iter),
+            grad_clip: self.cfg.grad_clip as f32,
+        };
+        let (dp, comm) = (self.dp.as_mut(), &*self.comm);
+        let (model, opt) = (&mut self.model, &mut self.opt);
+        let update = dist::clip_and_step(dp, comm, model, opt, settings, loss.is_finite());
+        if let Some(dp) = &mut self.dp {
+            if (iter + 1).is_multiple_of(REPLICA_CHECK_EVERY) {
+                dp.check_replicas(&*self.comm, &self.model.params, iter + 1)?;
+            }
+        }
+        if fault::nan_param(iter) {
+            self.model.params[self.model.layout.tensors[0].range().start] = f32::NAN;
+        }
+        self.model.sync_bf16_weights();
+        Ok(StepOutcome {
+            loss,
+            lr: settings.lr,
+            grad_norm: update.grad_norm,
+            applied: update.applied,
+            stop,
+        })
+    }
+
+    /// This rank's micro-steps of iteration `iter`: forward and backward, the
+    /// gradients accumulated (and with several ranks, reduced during the last
+    /// backward). Returns this rank's part of the mean loss.
+    fn micro_steps(&mut self, iter: u64) -> Result<f32> {
         let accum = self.cfg.gradient_accumulation_steps;
         let (b, t) = (self.cfg.batch_size, self.cfg.block_size);
         let global = batch_offsets(
@@ -269,7 +311,7 @@ impl Trainer {
         self.model.set_training(true);
         self.model.set_grad_scale(1.0 / accum as f32);
         self.model.zero_grad();
-        let mut loss = 0.0f32;
+        let mut loss = 0.0;
         for (k, rows) in global.chunks_exact(b).enumerate() {
             if !mine.contains(&k) {
                 continue;
@@ -290,51 +332,7 @@ impl Trainer {
                 _ => self.model.backward(),
             }
         }
-        fault::during_step(iter);
-        if fault::nan_grad(iter) {
-            match self.dp {
-                None => self.model.grads[self.model.layout.tensors[0].range().start] = f32::NAN,
-                Some(_) => loss = f32::NAN,
-            }
-        }
-        let lr = self.schedule.lr_at(iter);
-        let grad_clip = self.cfg.grad_clip as f32;
-        let (grad_norm, applied, stop) = match &mut self.dp {
-            None => {
-                let norm = grad_norm(&self.model.grads);
-                let applied = loss.is_finite() && norm.is_finite();
-                if applied {
-                    let factor = clip_factor(norm, grad_clip);
-                    let (params, grads) = (&mut self.model.params, &self.model.grads);
-                    self.opt.step_scaled(params, grads, lr, factor);
-                }
-                (norm, applied, shutdown::requested())
-            }
-            Some(dp) => {
-                let (global_loss, stop) =
-                    dp.global_loss_and_stop(&*self.comm, loss, shutdown::requested());
-                loss = global_loss;
-                let (comm, model) = (&*self.comm, &mut self.model);
-                let opt = &mut self.opt;
-                let (norm, applied) =
-                    dp.clip_and_step(comm, model, opt, grad_clip, lr, loss.is_finite());
-                if (iter + 1).is_multiple_of(REPLICA_CHECK_EVERY) {
-                    dp.check_replicas(comm, &model.params, iter + 1)?;
-                }
-                (norm, applied, stop)
-            }
-        };
-        if fault::nan_param(iter) {
-            self.model.params[self.model.layout.tensors[0].range().start] = f32::NAN;
-        }
-        self.model.sync_bf16_weights();
-        Ok(StepOutcome {
-            loss,
-            lr,
-            grad_norm,
-            applied,
-            stop,
-        })
+        Ok(loss)
     }
 }
 
