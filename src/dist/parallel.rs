@@ -284,7 +284,9 @@ impl DataParallel {
             .collect();
         if !differ.is_empty() {
             bail!(
-                "the ranks' parameters differ at iteration {iter}: rank 0 has checksum {:016x}, {};                  a host computed differently (faulty memory or CPU, or a different binary);                  resume from the last checkpoint",
+                "the ranks' parameters differ at iteration {iter}: rank 0 has checksum {:016x}, {}; \
+                 a host computed differently (faulty memory or CPU, or a different binary); \
+                 resume from the last checkpoint",
                 sums[0],
                 differ.join(", ")
             );
