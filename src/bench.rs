@@ -1,10 +1,11 @@
 //! `nanogpt bench`: time training steps (forward, backward, clipping, AdamW) on
 //! synthetic tokens, and report ms/step, tokens/s, MFU and peak RSS.
 
+use crate::dist::{clip_and_step, Single, StepSettings};
 use crate::kernels::matmul::{matmul, Mat};
 use crate::model::Dtype;
 use crate::model::{Gpt, ModelConfig};
-use crate::optim::{clip_factor, grad_norm, AdamW, AdamWConfig};
+use crate::optim::{AdamW, AdamWConfig};
 use serde::Serialize;
 use std::time::Instant;
 
@@ -71,10 +72,20 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
             let _t = crate::profile::scope(crate::profile::Section::ZeroGrad);
             gpt.zero_grad();
         }
-        gpt.forward(&inputs, &targets, b, t);
+        let loss = gpt.forward(&inputs, &targets, b, t);
         gpt.backward();
-        let factor = clip_factor(grad_norm(&gpt.grads), 1.0);
-        opt.step_scaled(&mut gpt.params, &gpt.grads, 1e-4, factor);
+        let settings = StepSettings {
+            lr: 1e-4,
+            grad_clip: 1.0,
+        };
+        clip_and_step(
+            None,
+            &Single,
+            &mut gpt,
+            &mut opt,
+            settings,
+            loss.is_finite(),
+        );
         gpt.sync_bf16_weights();
         if step >= opts.warmup {
             times.push(start.elapsed().as_secs_f64() * 1e3);

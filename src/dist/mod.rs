@@ -14,6 +14,7 @@
 
 mod parallel;
 mod plan;
+mod update;
 mod watchdog;
 
 #[cfg(feature = "mpi")]
@@ -21,6 +22,7 @@ mod mpi;
 
 pub use parallel::{params_checksum, CommReport, DataParallel};
 pub use plan::{Bucket, GradPlan};
+pub use update::{clip_and_step, StepSettings, Update};
 pub use watchdog::Watchdog;
 
 use anyhow::Result;

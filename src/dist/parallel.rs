@@ -1,11 +1,11 @@
 //! The data-parallel side of a training step: gradients reduced once per optimizer
-//! step, overlapped with backward; the global loss and gradient norm; the update,
-//! replicated (ZeRO stage 0) or sharded (stage 1); the start-up broadcast and the
-//! checks that every rank holds the same weights.
+//! step, overlapped with backward; the global loss; the pieces of the update that
+//! a sharded optimizer (ZeRO stage 1) needs (see [`super::clip_and_step`]); the
+//! start-up broadcast and the checks that every rank holds the same weights.
 
 use super::{Collective, GradPlan, Reduce};
 use crate::model::Gpt;
-use crate::optim::{clip_factor, grad_sq_sum, AdamW, AdamWConfig};
+use crate::optim::{AdamW, AdamWConfig};
 use crate::shutdown::{self, StopSignal};
 use anyhow::{bail, Result};
 use rayon::prelude::*;
@@ -190,47 +190,36 @@ impl DataParallel {
         (v[0] as f32, shutdown::from_counts(stop, [v[1], v[2]]))
     }
 
-    /// Clipping to the global norm (when `grad_clip > 0`) and the AdamW step at
-    /// `lr`, after [`DataParallel::backward_reduce`]. The step is skipped (the
-    /// parameters and moments stay as they are) unless both `loss_finite` and the
-    /// norm are finite; the loss and the norm are global values, so every rank
-    /// decides alike. Returns the pre-clip norm and whether the step was taken.
-    pub fn clip_and_step(
+    /// Stage 1: this rank's shard of the summed gradients (what its optimizer
+    /// steps on), after [`DataParallel::backward_reduce`].
+    pub(super) fn shard_grads(&self) -> &[f32] {
+        &self.recv
+    }
+
+    /// Stage 1: the sum over the ranks of each one's `value` (a sum of squares of
+    /// its shard's gradients), every rank receiving it.
+    pub(super) fn sum_over_ranks(&mut self, comm: &dyn Collective, value: f64) -> f64 {
+        let start = Instant::now();
+        let mut sum = [value];
+        comm.all_reduce_sum_f64(&mut sum);
+        self.other += start.elapsed();
+        sum[0]
+    }
+
+    /// Stage 1: the AdamW step of this rank's shard (gradients times `grad_factor`),
+    /// then every rank's updated pieces into every rank's parameters.
+    pub(super) fn step_shard(
         &mut self,
         comm: &dyn Collective,
-        model: &mut Gpt,
         opt: &mut AdamW,
-        grad_clip: f32,
+        params: &mut [f32],
         lr: f32,
-        loss_finite: bool,
-    ) -> (f32, bool) {
-        if self.plan.zero_stage == 0 {
-            // Every rank holds the same summed gradients: same norm, same update.
-            let norm = grad_sq_sum(&model.grads).sqrt() as f32;
-            if !(loss_finite && norm.is_finite()) {
-                return (norm, false);
-            }
-            let factor = clip_factor(norm, grad_clip);
-            opt.step_scaled(&mut model.params, &model.grads, lr, factor);
-            return (norm, true);
-        }
+        grad_factor: f32,
+    ) {
+        opt.step_shard(params, &self.recv, lr, grad_factor);
         let start = Instant::now();
-        let mut sq = [grad_sq_sum(&self.recv)];
-        comm.all_reduce_sum_f64(&mut sq);
-        let norm = sq[0].sqrt() as f32;
-        let mut comm_time = start.elapsed();
-        if !(loss_finite && norm.is_finite()) {
-            // No rank updates its shard, so the replicas stay equal without a gather.
-            self.other += comm_time;
-            return (norm, false);
-        }
-        let factor = clip_factor(norm, grad_clip);
-        opt.step_shard(&mut model.params, &self.recv, lr, factor);
-        let start = Instant::now();
-        self.all_gather_params(comm, &mut model.params);
-        comm_time += start.elapsed();
-        self.other += comm_time;
-        (norm, true)
+        self.all_gather_params(comm, params);
+        self.other += start.elapsed();
     }
 
     /// Stage 1: every rank's updated pieces into every rank's parameters.
@@ -295,7 +284,9 @@ impl DataParallel {
             .collect();
         if !differ.is_empty() {
             bail!(
-                "the ranks' parameters differ at iteration {iter}: rank 0 has checksum {:016x}, {};                  a host computed differently (faulty memory or CPU, or a different binary);                  resume from the last checkpoint",
+                "the ranks' parameters differ at iteration {iter}: rank 0 has checksum {:016x}, {}; \
+                 a host computed differently (faulty memory or CPU, or a different binary); \
+                 resume from the last checkpoint",
                 sums[0],
                 differ.join(", ")
             );

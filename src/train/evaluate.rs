@@ -1,0 +1,85 @@
+//! Evaluation during training: nanoGPT's `estimate_loss` over both splits, and
+//! what follows it (the metrics row, the loss plot, the best-val checkpoint).
+
+use super::report::say;
+use super::Trainer;
+use crate::checkpoint;
+use crate::data::{self, fill_batch, Draw};
+use crate::fault;
+use crate::metrics::{plot_loss, Row};
+use crate::progress::Progress;
+use anyhow::Result;
+
+impl Trainer {
+    /// nanoGPT's `estimate_loss`: the mean loss of `eval_iters` batches of each split,
+    /// without dropout. The batches are the same at every evaluation; with several
+    /// ranks, each evaluates every W-th of them and the sums are added up.
+    pub fn evaluate(&mut self) -> Result<(f32, f32)> {
+        let (b, t) = (self.cfg.batch_size, self.cfg.block_size);
+        let (rank, world) = (self.rank() as u64, self.world_size());
+        self.model.set_training(false);
+        let mut totals = [0.0f64; 2];
+        for (total, draw) in totals.iter_mut().zip([Draw::EvalTrain, Draw::EvalVal]) {
+            let file = if draw == Draw::EvalVal {
+                &self.val
+            } else {
+                &self.train
+            };
+            for k in (rank..self.cfg.eval_iters).step_by(world) {
+                let offsets = &mut self.offsets;
+                data::loader::batch_offsets_into(self.cfg.seed, draw, k, file.len(), t, offsets)?;
+                fill_batch(
+                    file.tokens(),
+                    offsets,
+                    t,
+                    &mut self.inputs,
+                    &mut self.targets,
+                )?;
+                *total += self.model.forward(&self.inputs, &self.targets, b, t) as f64;
+                fault::during_eval(self.iter_num);
+            }
+        }
+        self.comm.all_reduce_sum_f64(&mut totals);
+        self.model.set_training(true);
+        if let Some(dp) = &mut self.dp {
+            dp.check_replicas(&*self.comm, &self.model.params, self.iter_num)?;
+        }
+        let n = self.cfg.eval_iters.max(1) as f64;
+        Ok(((totals[0] / n) as f32, (totals[1] / n) as f32))
+    }
+
+    pub(super) fn after_eval(
+        &mut self,
+        iter: u64,
+        train_loss: f32,
+        val_loss: f32,
+        progress: &mut Option<Progress>,
+    ) -> Result<()> {
+        if let Some(metrics) = &mut self.metrics {
+            metrics.append(Row::Eval {
+                iter,
+                train_loss,
+                val_loss,
+            })?;
+            if let Err(e) = plot_loss(metrics.rows(), &self.cfg.out_dir.join("loss.png")) {
+                say(progress, &format!("warning: loss.png not updated: {e:#}"));
+            }
+        }
+        // The losses are global, so every rank takes the same branch here.
+        let improved = val_loss < self.best_val_loss;
+        if improved {
+            self.best_val_loss = val_loss;
+        }
+        if iter > 0 && (improved || self.cfg.always_save_checkpoint) {
+            self.save_checkpoint(iter)?;
+            say(
+                progress,
+                &format!(
+                    "saving checkpoint to {}",
+                    checkpoint::checkpoint_path(&self.cfg.out_dir).display()
+                ),
+            );
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,342 @@
+//! The training loop: nanoGPT's train.py, step for step.
+//!
+//! ```text
+//! for iter in start..=max_iters:
+//!     every eval_interval: estimate train/val loss, checkpoint if val improved
+//!     for each micro-step: forward + backward on its rows of the global batch
+//!     clip to grad_clip, AdamW step at lr(iter) (skipped if the loss or norm is
+//!         not finite), log
+//!     every ckpt_interval, or on SIGINT/SIGTERM: checkpoint (then stop, for a signal)
+//! ```
+//! The global batch of an iteration is a pure function of `(seed, iter)`, and the
+//! dropout masks of `(seed, iter, micro-step)`, so a resumed run repeats exactly what
+//! an uninterrupted one would have done.
+//!
+//! Data parallel ([`crate::dist`]): with W ranks, rank r runs micro-steps
+//! `r·A/W .. (r+1)·A/W` of the same global batch (A = `gradient_accumulation_steps`,
+//! the global count), the gradients are summed across ranks once per step (started
+//! layer by layer during the last micro-step's backward), and the loss, gradient
+//! norm and evaluation are global, so any number of ranks follows the same
+//! trajectory as one process. Only rank 0 writes files and progress.
+
+mod evaluate;
+mod report;
+mod save;
+mod start;
+
+use report::say;
+use start::Start;
+
+use crate::config::{InitFrom, TrainConfig};
+use crate::data::{batch_offsets, fill_batch, Draw, Meta, TokenFile};
+use crate::dist::{self, Collective, CommReport, DataParallel, Single, StepSettings};
+use crate::fault;
+use crate::kernels::dropout::mix64;
+use crate::metrics::MetricsLog;
+use crate::model::Gpt;
+use crate::optim::{AdamW, LrSchedule};
+use crate::progress::Progress;
+use crate::shutdown::{self, StopSignal};
+use anyhow::Result;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// With several ranks, check that all hold the same weights this often (and at
+/// every evaluation).
+const REPLICA_CHECK_EVERY: u64 = 100;
+
+/// What a finished run reports.
+#[derive(Clone, Debug)]
+pub struct TrainOutcome {
+    pub out_dir: PathBuf,
+    /// The last iteration trained (or evaluated, with `eval_only`).
+    pub iter_num: u64,
+    pub best_val_loss: f32,
+    /// The last evaluation's losses, if any ran.
+    pub last_eval: Option<(f32, f32)>,
+    pub final_train_loss: Option<f32>,
+    /// Set when a signal stopped the run: the signal and the checkpoint written.
+    pub stopped: Option<(StopSignal, PathBuf)>,
+}
+
+/// What one optimizer step did.
+#[derive(Clone, Copy, Debug)]
+pub struct StepOutcome {
+    /// Mean loss over all ranks' micro-steps.
+    pub loss: f32,
+    pub lr: f32,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f32,
+    /// False when the loss or the norm was not finite and the update was skipped.
+    pub applied: bool,
+    /// A signal asked some rank to stop (the same answer on every rank).
+    pub stop: Option<StopSignal>,
+}
+
+/// A run in progress: the model, its optimizer, the data and the bookkeeping.
+pub struct Trainer {
+    pub cfg: TrainConfig,
+    pub model: Gpt,
+    /// The optimizer; with `zero_stage = 1` on several ranks, this rank's shard.
+    pub opt: AdamW,
+    pub meta: Meta,
+    train: TokenFile,
+    val: TokenFile,
+    schedule: LrSchedule,
+    pub iter_num: u64,
+    pub best_val_loss: f32,
+    /// Rank 0's metrics log (other ranks write nothing).
+    metrics: Option<MetricsLog>,
+    /// The ranks of the job ([`Single`] without MPI).
+    comm: Box<dyn Collective>,
+    /// Gradient reduction and sharded state, with more than one rank.
+    dp: Option<DataParallel>,
+    /// One micro-batch: B·T inputs and targets, B offsets.
+    inputs: Vec<u32>,
+    targets: Vec<i32>,
+    offsets: Vec<usize>,
+    peak_gflops: f64,
+    /// Steps skipped in a row for a non-finite loss or gradient norm.
+    nonfinite_in_row: u64,
+}
+
+impl Trainer {
+    /// Resolves the data, builds or loads the model and opens the output directory.
+    pub fn new(cfg: TrainConfig) -> Result<Trainer> {
+        Trainer::with_collective(cfg, Box::new(Single))
+    }
+
+    /// [`Trainer::new`] as one rank of `comm`: rank 0 builds or loads the model and
+    /// every rank starts from its weights.
+    pub fn with_collective(cfg: TrainConfig, comm: Box<dyn Collective>) -> Result<Trainer> {
+        let Start { data, state, dp } = Start::new(&cfg, &*comm)?;
+        let root = comm.rank() == 0;
+        let resume_from = (cfg.init() == InitFrom::Resume).then_some(state.iter_num);
+        let metrics = match root {
+            true => Some(MetricsLog::open(&cfg.out_dir, resume_from)?),
+            false => None,
+        };
+        let schedule = LrSchedule {
+            learning_rate: cfg.learning_rate as f32,
+            min_lr: cfg.min_lr as f32,
+            warmup_iters: cfg.warmup_iters,
+            lr_decay_iters: cfg.lr_decay_iters,
+            decay_lr: cfg.decay_lr,
+        };
+        let bt = cfg.batch_size * cfg.block_size;
+        let peak_gflops = match root {
+            true => crate::bench::gemm_peak_gflops_quick(),
+            false => 0.0,
+        };
+        Ok(Trainer {
+            inputs: vec![0; bt],
+            targets: vec![0; bt],
+            offsets: vec![0; cfg.batch_size],
+            peak_gflops,
+            nonfinite_in_row: 0,
+            cfg,
+            model: state.model,
+            opt: state.opt,
+            meta: data.meta,
+            train: data.train,
+            val: data.val,
+            schedule,
+            iter_num: state.iter_num,
+            best_val_loss: state.best_val_loss,
+            metrics,
+            comm,
+            dp,
+        })
+    }
+
+    /// This process's rank (0 without MPI).
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// Every rank waits here until rank 0 arrives (a no-op on one process): call it
+    /// after rank 0's final output (the quick start's sample can take a while), so no
+    /// rank enters `MPI_Finalize` and its grace period while rank 0 still works.
+    pub fn wait_for_root(&self) {
+        self.comm.barrier_patient();
+    }
+
+    /// The GEMM peak (GFLOP/s, this rank's threads) that MFU is reported against;
+    /// measured on rank 0 when the trainer starts.
+    pub fn peak_gflops(&self) -> f64 {
+        self.peak_gflops
+    }
+
+    /// Ranks in the job.
+    pub fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    /// Communication figures so far (with more than one rank).
+    pub fn comm_report(&self) -> Option<CommReport> {
+        let dp = self.dp.as_ref()?;
+        Some(dp.report(&*self.comm, self.cfg.tokens_per_iter()))
+    }
+
+    /// Runs to `max_iters` (nanoGPT trains iterations `start..=max_iters`, evaluating
+    /// at every multiple of `eval_interval`, the last one included).
+    pub fn run(&mut self) -> Result<TrainOutcome> {
+        let root = self.rank() == 0;
+        let mut progress = root.then(|| Progress::new(self.iter_num, self.cfg.max_iters + 1));
+        let mut last_eval = None;
+        let mut final_train_loss = None;
+        let mut stopped = None;
+        loop {
+            let iter = self.iter_num;
+            if self.cfg.eval_interval > 0 && iter.is_multiple_of(self.cfg.eval_interval) {
+                let (train_loss, val_loss) = self.evaluate()?;
+                last_eval = Some((train_loss, val_loss));
+                say(
+                    &mut progress,
+                    &format!("step {iter}: train loss {train_loss:.4}, val loss {val_loss:.4}"),
+                );
+                self.after_eval(iter, train_loss, val_loss, &mut progress)?;
+            }
+            if self.cfg.eval_only {
+                break;
+            }
+            let start = Instant::now();
+            let step = self.train_step(iter)?;
+            let elapsed = start.elapsed();
+            if let Some(dp) = &mut self.dp {
+                dp.record_step(elapsed);
+            }
+            final_train_loss = Some(step.loss);
+            let secs = elapsed.as_secs_f64();
+            self.log_step(
+                iter,
+                step.loss,
+                step.lr,
+                step.grad_norm,
+                secs,
+                &mut progress,
+            )?;
+            self.count_nonfinite(iter, &step, &mut progress)?;
+            self.iter_num += 1;
+            if let Some(signal) = step.stop {
+                stopped = Some((signal, self.save_latest(self.iter_num)?));
+                break;
+            }
+            let every = self.cfg.ckpt_interval;
+            if every > 0 && self.iter_num.is_multiple_of(every) {
+                let path = self.save_latest(self.iter_num)?;
+                say(
+                    &mut progress,
+                    &format!("saving checkpoint to {}", path.display()),
+                );
+            }
+            if self.iter_num > self.cfg.max_iters {
+                break;
+            }
+        }
+        if let Some(p) = &mut progress {
+            p.finish();
+        }
+        self.write_comm_report()?;
+        Ok(TrainOutcome {
+            out_dir: self.cfg.out_dir.clone(),
+            iter_num: self.iter_num,
+            best_val_loss: self.best_val_loss,
+            last_eval,
+            final_train_loss,
+            stopped,
+        })
+    }
+
+    /// One optimizer step at iteration `iter`: this rank's micro-steps' forward and
+    /// backward, the gradient reduction across ranks, clipping, AdamW (skipped when
+    /// the loss or gradient norm is not finite). The stop request of a signal is
+    /// sampled here, and with several ranks agreed on with the loss's all-reduce.
+    pub fn train_step(&mut self, iter: u64) -> Result<StepOutcome> {
+        let mut loss = self.micro_steps(iter)?;
+        fault::during_step(iter);
+        if fault::nan_grad(iter) {
+            match self.dp {
+                None => self.model.grads[self.model.layout.tensors[0].range().start] = f32::NAN,
+                Some(_) => loss = f32::NAN,
+            }
+        }
+        let requested = shutdown::requested();
+        let (loss, stop) = match &mut self.dp {
+            Some(dp) => dp.global_loss_and_stop(&*self.comm, loss, requested),
+            None => (loss, requested),
+        };
+        let settings = StepSettings {
+            lr: self.schedule.lr_at(iter),
+            grad_clip: self.cfg.grad_clip as f32,
+        };
+        let (dp, comm) = (self.dp.as_mut(), &*self.comm);
+        let (model, opt) = (&mut self.model, &mut self.opt);
+        let update = dist::clip_and_step(dp, comm, model, opt, settings, loss.is_finite());
+        if let Some(dp) = &mut self.dp {
+            if (iter + 1).is_multiple_of(REPLICA_CHECK_EVERY) {
+                dp.check_replicas(&*self.comm, &self.model.params, iter + 1)?;
+            }
+        }
+        if fault::nan_param(iter) {
+            self.model.params[self.model.layout.tensors[0].range().start] = f32::NAN;
+        }
+        self.model.sync_bf16_weights();
+        Ok(StepOutcome {
+            loss,
+            lr: settings.lr,
+            grad_norm: update.grad_norm,
+            applied: update.applied,
+            stop,
+        })
+    }
+
+    /// This rank's micro-steps of iteration `iter`: forward and backward, the
+    /// gradients accumulated (and with several ranks, reduced during the last
+    /// backward). Returns this rank's part of the mean loss.
+    fn micro_steps(&mut self, iter: u64) -> Result<f32> {
+        let accum = self.cfg.gradient_accumulation_steps;
+        let (b, t) = (self.cfg.batch_size, self.cfg.block_size);
+        let global = batch_offsets(
+            self.cfg.seed,
+            Draw::Train,
+            iter,
+            b * accum,
+            self.train.len(),
+            t,
+        )?;
+        // This rank's share of the global batch's micro-steps.
+        let per_rank = accum / self.world_size();
+        let mine = self.rank() * per_rank..(self.rank() + 1) * per_rank;
+        self.model.set_training(true);
+        self.model.set_grad_scale(1.0 / accum as f32);
+        self.model.zero_grad();
+        let mut loss = 0.0;
+        for (k, rows) in global.chunks_exact(b).enumerate() {
+            if !mine.contains(&k) {
+                continue;
+            }
+            fill_batch(
+                self.train.tokens(),
+                rows,
+                t,
+                &mut self.inputs,
+                &mut self.targets,
+            )?;
+            self.model
+                .set_dropout_seed(dropout_seed(self.cfg.seed, iter, k));
+            loss += self.model.forward(&self.inputs, &self.targets, b, t) / accum as f32;
+            match &mut self.dp {
+                // The last micro-step: reduce each layer as backward finishes it.
+                Some(dp) if k + 1 == mine.end => dp.backward_reduce(&*self.comm, &mut self.model),
+                _ => self.model.backward(),
+            }
+        }
+        Ok(loss)
+    }
+}
+
+/// Seed of the dropout masks of micro-step `k` of iteration `iter`.
+fn dropout_seed(seed: u64, iter: u64, k: usize) -> u64 {
+    mix64(mix64(seed ^ 0x6472_6f70) ^ mix64(iter) ^ mix64(k as u64 + 1).rotate_left(17))
+}

@@ -1,0 +1,349 @@
+//! Where a run starts: the dataset opened and checked, `out_dir` made ready, the
+//! model and optimizer built from scratch, resumed from a checkpoint or loaded from
+//! pretrained weights, and with several ranks, rank 0's start copied to every rank.
+
+use crate::checkpoint::{self, Checkpoint, CheckpointState};
+use crate::config::{InitFrom, TrainConfig};
+use crate::data::{self, Meta, Split, TokenFile};
+use crate::dist::{Collective, DataParallel};
+use crate::model::{Gpt, ModelConfig};
+use crate::optim::{AdamW, AdamWConfig};
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::fmt::Display;
+use std::path::Path;
+use std::time::Duration;
+
+/// Everything a run starts with besides its config and its ranks.
+pub struct Start {
+    pub data: Dataset,
+    pub state: TrainState,
+    /// Gradient reduction and sharded optimizer state, with more than one rank.
+    pub dp: Option<DataParallel>,
+}
+
+/// The dataset of a run, checked against the config.
+pub struct Dataset {
+    /// The tokenizer and the split sizes (`meta.json`).
+    pub meta: Meta,
+    pub train: TokenFile,
+    pub val: TokenFile,
+}
+
+/// The model and optimizer a run starts from, and how far the run has come.
+pub struct TrainState {
+    /// The model, in the config's dtype (master weights in f32).
+    pub model: Gpt,
+    /// The optimizer; with `zero_stage = 1` on several ranks, this rank's shard.
+    pub opt: AdamW,
+    /// The first iteration to train: 0, or the checkpoint's when resuming.
+    pub iter_num: u64,
+    /// The best val loss so far: infinite before the first evaluation.
+    pub best_val_loss: f32,
+}
+
+impl Start {
+    /// Opens the data and prepares `out_dir`, then builds or loads the model on rank
+    /// 0 and starts every other rank from its weights (one process: just builds it).
+    pub fn new(cfg: &TrainConfig, comm: &dyn Collective) -> Result<Start> {
+        cfg.check_world_size(comm.world_size())?;
+        comm.set_timeout(Duration::from_secs_f64(cfg.collective_timeout_s));
+        let root = comm.rank() == 0;
+        // Rank 0 prepares a built-in dataset first, so ranks sharing its directory
+        // find it ready (ranks on other hosts prepare their own copy).
+        if !root {
+            comm.barrier_patient();
+        }
+        let data = Dataset::open(cfg)?;
+        if root {
+            prepare_out_dir(cfg)?;
+            comm.barrier_patient();
+        }
+        let mut start = if comm.world_size() == 1 {
+            let state = TrainState::build(cfg, &data.meta)?;
+            Start {
+                data,
+                state,
+                dp: None,
+            }
+        } else {
+            start_distributed(cfg, data, comm)?
+        };
+        // Master weights and optimizer state stay f32; with bfloat16 the model makes
+        // its bf16 weight copy here and after every optimizer step.
+        start.state.model.set_dtype(cfg.dtype);
+        Ok(start)
+    }
+}
+
+impl Dataset {
+    /// The dataset of `cfg` and its two splits, checked against the config.
+    fn open(cfg: &TrainConfig) -> Result<Dataset> {
+        let data_dir = data::resolve_dataset(&cfg.dataset)?;
+        let meta = Meta::load(&data_dir)?;
+        let train = TokenFile::open_split(&data_dir, Split::Train, &meta)?;
+        let val = TokenFile::open_split(&data_dir, Split::Val, &meta)?;
+        for file in [&train, &val] {
+            file.check_block_size(cfg.block_size)?;
+            file.check_vocab(meta.vocab_size)?;
+        }
+        Ok(Dataset { meta, train, val })
+    }
+}
+
+/// What rank 0 tells the others before sending the weights.
+#[derive(Serialize, Deserialize)]
+struct StartHeader {
+    model: ModelConfig,
+    adam: AdamWConfig,
+    iter_num: u64,
+    /// None: no evaluation yet (infinite).
+    best_val_loss: Option<f32>,
+    adam_step: u64,
+}
+
+/// Several ranks: rank 0 builds or loads the model (any `init_from`); every rank
+/// then holds its weights (and AdamW state), checked by checksum.
+fn start_distributed(cfg: &TrainConfig, data: Dataset, comm: &dyn Collective) -> Result<Start> {
+    let built = match comm.rank() {
+        0 => Some(TrainState::build(cfg, &data.meta)?),
+        _ => None,
+    };
+    let mut bytes = Vec::new();
+    if let Some(state) = &built {
+        let best = state.best_val_loss;
+        bytes = serde_json::to_vec(&StartHeader {
+            model: state.model.config().clone(),
+            adam: state.opt.config,
+            iter_num: state.iter_num,
+            best_val_loss: best.is_finite().then_some(best),
+            adam_step: state.opt.step,
+        })?;
+    }
+    comm.broadcast_bytes(&mut bytes, 0);
+    let header: StartHeader =
+        serde_json::from_slice(&bytes).context("internal error: bad start header from rank 0")?;
+    let (mut model, root_opt) = match built {
+        Some(state) => (state.model, Some(state.opt)),
+        None => (
+            Gpt::new(header.model.clone(), cfg.batch_size, cfg.block_size)?,
+            None,
+        ),
+    };
+    let mut dp = DataParallel::new(comm, &model, cfg.zero_stage);
+    let moments = header.adam_step > 0;
+    let opt = dp.start(
+        comm,
+        &mut model,
+        root_opt,
+        header.adam,
+        header.adam_step,
+        moments,
+        header.iter_num,
+    )?;
+    dp.calibrate(comm, &model);
+    let state = TrainState {
+        model,
+        opt,
+        iter_num: header.iter_num,
+        best_val_loss: header.best_val_loss.unwrap_or(f32::INFINITY),
+    };
+    Ok(Start {
+        data,
+        state,
+        dp: Some(dp),
+    })
+}
+
+fn prepare_out_dir(cfg: &TrainConfig) -> Result<()> {
+    let dir = &cfg.out_dir;
+    if dir.exists() && !dir.is_dir() {
+        bail!(
+            "out_dir {} is a file, not a directory; choose another out_dir",
+            dir.display()
+        );
+    }
+    std::fs::create_dir_all(dir).with_context(|| {
+        format!(
+            "cannot create out_dir {}; check permissions or choose another out_dir",
+            dir.display()
+        )
+    })?;
+    if cfg.init() != InitFrom::Resume {
+        check_fresh_start(dir)?;
+    }
+    Ok(())
+}
+
+/// A run that does not resume, in an `out_dir` with an earlier run's checkpoints.
+/// Its best-val checkpoint is replaced at the first save, as in nanoGPT (a warning
+/// says so); its interval checkpoints would outrank the new run's when resuming, so
+/// they are refused rather than silently deleted.
+fn check_fresh_start(dir: &Path) -> Result<()> {
+    let old = checkpoint::interval_checkpoints(dir)?;
+    if let Some((iter, path)) = old.last() {
+        bail!(
+            "out_dir {} holds {} interval checkpoint(s) of an earlier run (the newest, {}, \
+             resumes at iteration {iter}); continue that run with init_from=resume, or \
+             choose another out_dir, or delete them to start over",
+            dir.display(),
+            old.len(),
+            path.display()
+        );
+    }
+    let best = checkpoint::checkpoint_path(dir);
+    if best.exists() {
+        eprintln!(
+            "warning: {} belongs to an earlier run and will be replaced at this run's first \
+             checkpoint; stop now and use init_from=resume or another out_dir to keep it",
+            best.display()
+        );
+    }
+    Ok(())
+}
+
+impl TrainState {
+    /// The model and optimizer of `cfg.init_from`: new, resumed or pretrained.
+    fn build(cfg: &TrainConfig, meta: &Meta) -> Result<TrainState> {
+        let adam_cfg = AdamWConfig {
+            beta1: cfg.beta1 as f32,
+            beta2: cfg.beta2 as f32,
+            eps: 1e-8,
+            weight_decay: cfg.weight_decay as f32,
+        };
+        let model = match cfg.init() {
+            InitFrom::Scratch => new_model(cfg, meta)?,
+            InitFrom::Resume => return resume(cfg, meta, adam_cfg),
+            InitFrom::Pretrained(name) => load_pretrained(cfg, meta, &name)?,
+        };
+        let opt = AdamW::new(&model.layout, adam_cfg);
+        Ok(TrainState {
+            model,
+            opt,
+            iter_num: 0,
+            best_val_loss: f32::INFINITY,
+        })
+    }
+}
+
+/// A model of the config's architecture with GPT-2's initialisation.
+fn new_model(cfg: &TrainConfig, meta: &Meta) -> Result<Gpt> {
+    let model_cfg = ModelConfig {
+        vocab_size: meta.vocab_size,
+        block_size: cfg.block_size,
+        n_layer: cfg.n_layer,
+        n_head: cfg.n_head,
+        n_embd: cfg.n_embd,
+        bias: cfg.bias,
+        dropout: cfg.dropout,
+    };
+    let mut model = Gpt::new(model_cfg, cfg.batch_size, cfg.block_size)?;
+    model.init_gpt2(cfg.seed);
+    Ok(model)
+}
+
+/// The newest checkpoint in `out_dir`: weights, AdamW moments and progress.
+fn resume(cfg: &TrainConfig, meta: &Meta, adam_cfg: AdamWConfig) -> Result<TrainState> {
+    let latest = Checkpoint::open_latest(&cfg.out_dir)?;
+    for note in &latest.notes {
+        eprintln!("note: {note}");
+    }
+    let ckpt = latest.checkpoint;
+    let state = &ckpt.state;
+    println!(
+        "resuming from {} at iteration {}",
+        ckpt.path().display(),
+        state.iter_num
+    );
+    check_resume_compatible(cfg, meta, state)?;
+    note_ignored_architecture(cfg, &ckpt.path().display(), &state.model);
+    let model_cfg = ModelConfig {
+        dropout: cfg.dropout,
+        ..state.model.clone()
+    };
+    let mut model = Gpt::new(model_cfg, cfg.batch_size, cfg.block_size)?;
+    ckpt.load_params(&model.layout, &mut model.params)?;
+    let mut opt = AdamW::new(&model.layout, adam_cfg);
+    if ckpt.load_moments(&model.layout, &mut opt.m, &mut opt.v)? {
+        opt.step = state.adam_step;
+    }
+    Ok(TrainState {
+        model,
+        opt,
+        iter_num: state.iter_num,
+        best_val_loss: state.best_val_loss,
+    })
+}
+
+/// The data and the window length must fit the checkpoint's model.
+fn check_resume_compatible(cfg: &TrainConfig, meta: &Meta, state: &CheckpointState) -> Result<()> {
+    let m = &state.model;
+    let out = cfg.out_dir.display();
+    if meta.vocab_size != m.vocab_size {
+        bail!(
+            "cannot resume from {out}: the checkpoint's vocabulary has {} tokens but the dataset's \
+             meta.json says {}; resume on the dataset the run was trained on",
+            m.vocab_size,
+            meta.vocab_size
+        );
+    }
+    if cfg.block_size > m.block_size {
+        bail!(
+            "cannot resume from {out}: block_size {} is longer than the checkpoint's {}; use block_size <= {}",
+            cfg.block_size,
+            m.block_size,
+            m.block_size
+        );
+    }
+    Ok(())
+}
+
+/// The pretrained model `name` (see [`crate::hf`]) for fine-tuning: its architecture
+/// wins over the config's, `block_size` crops the position table, `dropout`
+/// applies. The dataset must be GPT-2 tokens.
+fn load_pretrained(cfg: &TrainConfig, meta: &Meta, name: &str) -> Result<Gpt> {
+    let pretrained = crate::hf::Pretrained::open(name)
+        .with_context(|| format!("init_from={name}: cannot load the pretrained model"))?;
+    let model_cfg = pretrained.model_config(Some(cfg.block_size), cfg.dropout)?;
+    if meta.tokenizer != data::TokenizerKind::Gpt2 || meta.vocab_size > model_cfg.vocab_size {
+        bail!(
+            "init_from={name} is a GPT-2 with {} tokens, but dataset {} holds {} tokens (vocabulary {}); \
+             fine-tuning needs text prepared with GPT-2's tokenizer: `nanogpt prepare SOURCE --out DIR \
+             --tokenizer gpt2`, then dataset=DIR",
+            model_cfg.vocab_size,
+            cfg.dataset,
+            meta.tokenizer,
+            meta.vocab_size
+        );
+    }
+    note_ignored_architecture(cfg, &pretrained.location.display(), &model_cfg);
+    let (b, t) = (cfg.batch_size, cfg.block_size);
+    let mut model = Gpt::new(model_cfg.clone(), b, t)?;
+    pretrained.load_params(&model.layout, &model_cfg, &mut model.params)?;
+    Ok(model)
+}
+
+/// As in nanoGPT, the architecture of the model a run resumes or fine-tunes wins
+/// over the config's: one note names the keys the config sets otherwise.
+fn note_ignored_architecture(cfg: &TrainConfig, source: &dyn Display, model: &ModelConfig) {
+    let sizes = [
+        ("n_layer", cfg.n_layer, model.n_layer),
+        ("n_head", cfg.n_head, model.n_head),
+        ("n_embd", cfg.n_embd, model.n_embd),
+    ];
+    let mut ignored: Vec<String> = sizes
+        .iter()
+        .filter(|(_, ours, theirs)| ours != theirs)
+        .map(|(key, ours, theirs)| format!("{key} = {ours} (it has {theirs})"))
+        .collect();
+    if cfg.bias != model.bias {
+        let has = if model.bias { "biases" } else { "none" };
+        ignored.push(format!("bias = {} (it has {has})", cfg.bias));
+    }
+    if !ignored.is_empty() {
+        eprintln!(
+            "note: the architecture comes from {source}: ignoring {} from the config",
+            ignored.join(", ")
+        );
+    }
+}
