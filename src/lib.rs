@@ -12,6 +12,7 @@ pub mod data;
 pub mod dist;
 pub mod eval;
 pub mod fault;
+pub mod fsutil;
 pub mod hf;
 pub mod kernels;
 pub mod metrics;

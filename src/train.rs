@@ -561,9 +561,7 @@ impl Trainer {
         };
         let path = self.cfg.out_dir.join("comm.json");
         let text = serde_json::to_string_pretty(&report)?;
-        checkpoint::write_atomic(&path, |tmp| {
-            std::fs::write(tmp, &text).with_context(|| format!("cannot write {}", tmp.display()))
-        })?;
+        crate::fsutil::write_bytes_atomic(&path, text)?;
         println!(
             "{} ranks: {:.1} ms/step, of which computing {:.1}, waiting for the gradient \
              reduction {:.1} ({:.0}% of its {:.1} ms hidden behind backward), other \

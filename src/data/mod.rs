@@ -12,11 +12,11 @@
 mod bundled;
 pub mod loader;
 mod meta;
-mod output;
 mod prepare;
 pub mod readers;
 #[cfg(test)]
 mod testutil;
+mod token_writer;
 mod tokenizer;
 
 pub use bundled::{ensure_bundled_shakespeare, resolve_dataset, SHAKESPEARE_TEXT};
