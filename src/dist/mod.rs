@@ -248,46 +248,6 @@ pub fn launcher_world_size() -> Option<usize> {
         .find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
 }
 
-/// Worker threads per rank when the config says `threads = 0`: this host's cores
-/// shared among its ranks (the cores this process may run on, divided by the
-/// number of ranks on the host), at least one.
-pub fn default_threads(local_ranks: usize) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    (cores / local_ranks.max(1)).max(1)
-}
-
-/// The host's online cores (`/sys/devices/system/cpu/online`), if known.
-pub fn host_cores() -> Option<usize> {
-    let text = std::fs::read_to_string("/sys/devices/system/cpu/online").ok()?;
-    parse_cpu_list(text.trim())
-}
-
-/// Counts the CPUs of a Linux CPU list such as `0-3,8,10-11`.
-fn parse_cpu_list(list: &str) -> Option<usize> {
-    let mut n = 0;
-    for part in list.split(',').filter(|p| !p.is_empty()) {
-        n += match part.split_once('-') {
-            Some((a, b)) => b.parse::<usize>().ok()? + 1 - a.parse::<usize>().ok()?,
-            None => part.parse::<usize>().map(|_| 1).ok()?,
-        };
-    }
-    Some(n)
-}
-
-/// A warning when the launcher pinned this rank to fewer cores than its share of
-/// the host (Open MPI binds each rank to one core when it starts two or fewer).
-pub fn binding_warning(local_ranks: usize) -> Option<String> {
-    let usable = std::thread::available_parallelism().ok()?.get();
-    let share = host_cores()? / local_ranks.max(1);
-    (usable < share).then(|| {
-        format!(
-            "this rank may only run on {usable} of its {share} cores (the MPI launcher bound \
-             it to them); with Open MPI add `--bind-to none`, or set `threads` and the \
-             launcher's binding to match"
-        )
-    })
-}
-
 /// Ends the process after an error: alone, prints `error: ...` and exits 1; in a
 /// job of several ranks, names the rank and host and aborts the whole job
 /// (`MPI_Abort`), so no other rank is left waiting.
@@ -344,19 +304,5 @@ mod tests {
             },
         );
         assert_eq!(recv, grads);
-    }
-
-    #[test]
-    fn cpu_lists_are_counted() {
-        assert_eq!(parse_cpu_list("0-3,8,10-11"), Some(7));
-        assert_eq!(parse_cpu_list("0"), Some(1));
-        assert_eq!(parse_cpu_list("x"), None);
-    }
-
-    #[test]
-    fn default_threads_share_the_cores() {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        assert_eq!(default_threads(1), cores);
-        assert_eq!(default_threads(cores * 4), 1);
     }
 }
