@@ -457,7 +457,7 @@ fn export_for_python_check() {
         &base,
         "_gpt2",
         &mut gpt2,
-        &nanogpt::source::gpt2_meta(Path::new("test")),
+        &nanogpt::model_source::gpt2_meta(Path::new("test")),
         &ids,
         2,
         16,

@@ -3,7 +3,7 @@
 use crate::data::{TokenFile, Tokenizer};
 use crate::eval::evaluate_tokens;
 use crate::model::Gpt;
-use crate::source::load_model;
+use crate::model_source::load_model;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::path::PathBuf;

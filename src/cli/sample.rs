@@ -2,8 +2,8 @@
 
 use crate::data::{Meta, Tokenizer};
 use crate::model::{ModelConfig, ParamLayout};
+use crate::model_source::load_model;
 use crate::sample::{generate, SampleOptions};
-use crate::source::load_model;
 use crate::train::Trainer;
 use anyhow::{bail, Context, Result};
 use clap::Args;
