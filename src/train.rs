@@ -588,7 +588,7 @@ fn say(progress: &mut Option<Progress>, line: &str) {
 
 /// The dataset of `cfg` and its two splits, checked against the config.
 fn open_data(cfg: &TrainConfig) -> Result<(Meta, TokenFile, TokenFile)> {
-    let data_dir = data::resolve_dataset(&cfg.dataset)?;
+    let data_dir = data::find_or_prepare_dataset(&cfg.dataset)?;
     let meta = Meta::load(&data_dir)?;
     let train = TokenFile::open_split(&data_dir, Split::Train, &meta)?;
     let val = TokenFile::open_split(&data_dir, Split::Val, &meta)?;
