@@ -23,7 +23,7 @@ const BUILT_IN: [(&str, TokenizerKind); 2] = [
 
 /// Prepares the bundled Shakespeare into `dir` unless it already holds a prepared
 /// dataset (`meta.json`, `train.bin` and `val.bin`) with that tokenizer.
-pub fn ensure_bundled_shakespeare(dir: &Path, tokenizer: TokenizerKind) -> Result<()> {
+fn ensure_bundled_shakespeare(dir: &Path, tokenizer: TokenizerKind) -> Result<()> {
     if is_prepared(dir, tokenizer)? {
         return Ok(());
     }

@@ -19,10 +19,9 @@ mod testutil;
 mod token_writer;
 mod tokenizer;
 
-pub use bundled::{ensure_bundled_shakespeare, find_or_prepare_dataset, SHAKESPEARE_TEXT};
+pub use bundled::{find_or_prepare_dataset, SHAKESPEARE_TEXT};
 pub use loader::{
-    batch_offsets, batch_offsets_into, eval_window_count, eval_window_offsets, fill_batch, Draw,
-    TokenFile,
+    batch_offsets, eval_window_count, eval_window_offsets, fill_batch, Draw, TokenFile,
 };
 pub use meta::{Meta, TokenizerKind};
 pub use prepare::{prepare, PrepareOptions, PrepareSummary};

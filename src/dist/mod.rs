@@ -19,7 +19,7 @@ mod watchdog;
 #[cfg(feature = "mpi")]
 mod mpi;
 
-pub use parallel::{params_checksum, CommReport, DataParallel};
+pub use parallel::{CommReport, DataParallel};
 pub use plan::{Bucket, GradPlan};
 pub use watchdog::Watchdog;
 
@@ -242,7 +242,8 @@ pub fn launched_by_mpi() -> bool {
 }
 
 /// The number of processes a launcher says it started, where it says so.
-pub fn launcher_world_size() -> Option<usize> {
+#[cfg(not(feature = "mpi"))]
+fn launcher_world_size() -> Option<usize> {
     ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"]
         .iter()
         .find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
