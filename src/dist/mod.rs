@@ -65,20 +65,15 @@ pub trait Collective {
     fn describe(&self) -> String;
     /// Abort the job when a collective makes no progress for this long (0: never).
     fn set_timeout(&self, timeout: Duration);
-    fn barrier(&self);
-    /// Like [`Collective::barrier`], for phases where one rank may legitimately
+    /// Waits for every rank, patiently: for phases where one rank may legitimately
     /// work for long (preparing data, loading a model) while the others wait.
     fn barrier_patient(&self);
-    /// `recv = Σ_ranks send`.
-    fn all_reduce_sum(&self, send: &[f32], recv: &mut [f32]);
     /// Sums a few `f64` values across ranks, in place.
     fn all_reduce_sum_f64(&self, values: &mut [f64]);
     /// Copies `root`'s `buf` to every rank.
     fn broadcast(&self, buf: &mut [f32], root: usize);
     /// Copies `root`'s bytes (any length) to every rank.
     fn broadcast_bytes(&self, buf: &mut Vec<u8>, root: usize);
-    /// `recv` (len n) = block `rank` of `Σ_ranks send` (len n · world_size).
-    fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]);
     /// `recv` (len n · world_size) = every rank's `send` (len n), in rank order.
     fn all_gather(&self, send: &[f32], recv: &mut [f32]);
     fn all_gather_u64(&self, value: u64) -> Vec<u64>;
@@ -100,8 +95,6 @@ pub trait Collective {
         recv: &mut [f32],
         backward: &mut BackwardFn,
     ) -> OverlapTimes;
-    /// Ends the whole job at once (every rank), with exit code `code`.
-    fn abort(&self, code: i32) -> !;
 }
 
 /// One process: every collective is a copy or nothing.
@@ -125,17 +118,10 @@ impl Collective for Single {
         "single process".into()
     }
     fn set_timeout(&self, _: Duration) {}
-    fn barrier(&self) {}
     fn barrier_patient(&self) {}
-    fn all_reduce_sum(&self, send: &[f32], recv: &mut [f32]) {
-        recv.copy_from_slice(send);
-    }
     fn all_reduce_sum_f64(&self, _: &mut [f64]) {}
     fn broadcast(&self, _: &mut [f32], _: usize) {}
     fn broadcast_bytes(&self, _: &mut Vec<u8>, _: usize) {}
-    fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]) {
-        recv.copy_from_slice(send);
-    }
     fn all_gather(&self, send: &[f32], recv: &mut [f32]) {
         recv.copy_from_slice(send);
     }
@@ -165,9 +151,6 @@ impl Collective for Single {
         });
         assert_eq!(i, buckets.len(), "every bucket reported");
         OverlapTimes::default()
-    }
-    fn abort(&self, code: i32) -> ! {
-        std::process::exit(code)
     }
 }
 
