@@ -5,6 +5,7 @@
 //! replaced by a single rename: a crash leaves either the old checkpoint or the new
 //! one, never a mix. `ckpt.json` beside it is a human-readable copy of the state.
 
+use crate::fsutil::{temp_target, write_atomic, write_bytes_atomic};
 use crate::model::{ModelConfig, ParamLayout, TensorInfo};
 use anyhow::{bail, Context, Result};
 use safetensors::tensor::{Dtype, TensorView};
@@ -99,7 +100,9 @@ pub fn prune_interval_checkpoints(out_dir: &Path, keep: usize) -> Result<Vec<Pat
     Ok(old.iter().map(|(_, p)| p.clone()).collect())
 }
 
-/// Temporary files that an interrupted write left in `out_dir` (never loaded).
+/// Temporary checkpoint files (`.ckpt-000400.safetensors.tmp-PID`, named as
+/// [`crate::fsutil`] names them) that an interrupted write left in `out_dir`; they are
+/// never loaded.
 pub fn leftover_temp_files(out_dir: &Path) -> Vec<PathBuf> {
     let Ok(entries) = std::fs::read_dir(out_dir) else {
         return Vec::new();
@@ -108,8 +111,7 @@ pub fn leftover_temp_files(out_dir: &Path) -> Vec<PathBuf> {
         .flatten()
         .filter(|e| {
             let name = e.file_name();
-            let name = name.to_string_lossy();
-            name.starts_with(".ckpt") && name.contains(".safetensors.tmp-")
+            temp_target(&name.to_string_lossy()).is_some_and(is_checkpoint_name)
         })
         .map(|e| e.path())
         .collect();
@@ -191,10 +193,7 @@ pub fn save_to(
     })
     .with_context(not_saved)?;
     let pretty = serde_json::to_string_pretty(state)?;
-    write_atomic(&dest.with_extension("json"), |tmp| {
-        std::fs::write(tmp, pretty).with_context(|| format!("cannot write {}", tmp.display()))
-    })
-    .with_context(not_saved)
+    write_bytes_atomic(&dest.with_extension("json"), pretty).with_context(not_saved)
 }
 
 fn all_finite(values: &[f32]) -> bool {
@@ -204,44 +203,6 @@ fn all_finite(values: &[f32]) -> bool {
 fn f32_view<'a>(buf: &'a [f32], t: &TensorInfo) -> Result<TensorView<'a>> {
     let bytes: &[u8] = bytemuck::cast_slice(&buf[t.range()]);
     Ok(TensorView::new(Dtype::F32, t.shape.clone(), bytes)?)
-}
-
-/// Writes `dest` through `write(tmp)` on a temporary file in the same directory,
-/// then fsyncs it, renames it into place and fsyncs the directory. On failure the
-/// previous `dest` is untouched and the temporary file removed.
-pub fn write_atomic(dest: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let dir = match dest.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    let name = dest.file_name().context("destination has no file name")?;
-    let tmp = dir.join(format!(
-        ".{}.tmp-{}",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    let result = write(&tmp).and_then(|()| {
-        File::open(&tmp)
-            .and_then(|f| f.sync_all())
-            .with_context(|| format!("cannot sync {} to disk", tmp.display()))?;
-        std::fs::rename(&tmp, dest)
-            .with_context(|| format!("cannot move {} into place", tmp.display()))?;
-        // The rename is durable only once the directory entry is on disk. Some file
-        // systems cannot sync a directory; the file itself is complete either way.
-        if let Ok(d) = File::open(dir) {
-            let _ = d.sync_all();
-        }
-        Ok(())
-    });
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result.with_context(|| {
-        format!(
-            "{} was not written (any previous copy is intact)",
-            dest.display()
-        )
-    })
 }
 
 /// An opened checkpoint, memory-mapped: read the state, then copy tensors out.
@@ -511,22 +472,16 @@ mod tests {
         (cfg, layout, state)
     }
 
-    fn temp_dir(tag: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("nanogpt-ckpt-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
-    }
-
     #[test]
     fn round_trips_parameters_moments_and_state() {
         let (_, layout, state) = setup();
-        let dir = temp_dir("roundtrip");
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
         let params: Vec<f32> = (0..layout.len).map(|i| i as f32 * 0.5).collect();
         let m: Vec<f32> = params.iter().map(|p| -p).collect();
         let v: Vec<f32> = params.iter().map(|p| p * p).collect();
-        save(&dir, &state, &layout, &params, Some((&m, &v))).unwrap();
-        let ckpt = Checkpoint::open(&dir).unwrap();
+        save(dir, &state, &layout, &params, Some((&m, &v))).unwrap();
+        let ckpt = Checkpoint::open(dir).unwrap();
         assert_eq!(ckpt.state, state);
         let mut p2 = vec![0.0; layout.len];
         ckpt.load_params(&layout, &mut p2).unwrap();
@@ -541,7 +496,7 @@ mod tests {
         let json: CheckpointState =
             serde_json::from_str(&std::fs::read_to_string(dir.join("ckpt.json")).unwrap()).unwrap();
         assert_eq!(json, state);
-        let leftovers: Vec<_> = std::fs::read_dir(&dir)
+        let leftovers: Vec<_> = std::fs::read_dir(dir)
             .unwrap()
             .filter_map(|e| e.ok())
             .filter(|e| e.file_name().to_string_lossy().contains(".tmp"))
@@ -552,10 +507,11 @@ mod tests {
     #[test]
     fn without_moments_loads_params_only() {
         let (_, layout, state) = setup();
-        let dir = temp_dir("nomoments");
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
         let params = vec![1.0; layout.len];
-        save(&dir, &state, &layout, &params, None).unwrap();
-        let ckpt = Checkpoint::open(&dir).unwrap();
+        save(dir, &state, &layout, &params, None).unwrap();
+        let ckpt = Checkpoint::open(dir).unwrap();
         let (mut m, mut v) = (vec![0.0; layout.len], vec![0.0; layout.len]);
         assert!(!ckpt.load_moments(&layout, &mut m, &mut v).unwrap());
     }
@@ -563,18 +519,19 @@ mod tests {
     #[test]
     fn clear_errors_for_missing_truncated_and_mismatched_files() {
         let (cfg, layout, state) = setup();
-        let dir = temp_dir("errors");
-        let err = Checkpoint::open(&dir).err().unwrap().to_string();
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let err = Checkpoint::open(dir).err().unwrap().to_string();
         assert!(
             err.contains("no checkpoint at") && err.contains("init_from=scratch"),
             "{err}"
         );
 
-        save(&dir, &state, &layout, &vec![0.0; layout.len], None).unwrap();
-        let path = checkpoint_path(&dir);
+        save(dir, &state, &layout, &vec![0.0; layout.len], None).unwrap();
+        let path = checkpoint_path(dir);
         let bytes = std::fs::read(&path).unwrap();
         std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
-        let err = match Checkpoint::open(&dir) {
+        let err = match Checkpoint::open(dir) {
             Err(e) => e.to_string(),
             Ok(c) => c
                 .load_params(&layout, &mut vec![0.0; layout.len])
@@ -583,10 +540,10 @@ mod tests {
         };
         assert!(err.contains("damaged or truncated"), "{err}");
 
-        save(&dir, &state, &layout, &vec![0.0; layout.len], None).unwrap();
+        save(dir, &state, &layout, &vec![0.0; layout.len], None).unwrap();
         let wider = ModelConfig { n_embd: 16, ..cfg };
         let other = ParamLayout::new(&wider);
-        let err = Checkpoint::open(&dir)
+        let err = Checkpoint::open(dir)
             .unwrap()
             .load_params(&other, &mut vec![0.0; other.len])
             .unwrap_err()
@@ -595,35 +552,17 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_write_keeps_the_previous_file() {
-        let dir = temp_dir("failed");
-        let dest = dir.join("x.bin");
-        std::fs::write(&dest, b"old").unwrap();
-        let err = write_atomic(&dest, |tmp| {
-            std::fs::write(tmp, b"partial")?;
-            bail!("disk full")
-        })
-        .unwrap_err();
-        assert!(format!("{err:#}").contains("any previous copy is intact"));
-        assert_eq!(std::fs::read(&dest).unwrap(), b"old");
-        assert_eq!(
-            std::fs::read_dir(&dir).unwrap().count(),
-            1,
-            "temporary file removed"
-        );
-    }
-
-    #[test]
     fn refuses_non_finite_values_and_keeps_the_previous_file() {
         let (_, layout, state) = setup();
-        let dir = temp_dir("nonfinite");
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
         let params = vec![0.5; layout.len];
-        save(&dir, &state, &layout, &params, None).unwrap();
-        let before = std::fs::read(checkpoint_path(&dir)).unwrap();
+        save(dir, &state, &layout, &params, None).unwrap();
+        let before = std::fs::read(checkpoint_path(dir)).unwrap();
         let t = &layout.tensors[1];
         let mut bad = params.clone();
         bad[t.range().start] = f32::INFINITY;
-        let err = save(&dir, &state, &layout, &bad, None).unwrap_err();
+        let err = save(dir, &state, &layout, &bad, None).unwrap_err();
         assert!(
             err.to_string().contains(&format!(
                 "for iteration 250: the parameters of {} hold NaN or infinite values",
@@ -633,43 +572,44 @@ mod tests {
         );
         let mut v = vec![0.0; layout.len];
         v[t.range().end - 1] = f32::NAN;
-        let err = save(&dir, &state, &layout, &params, Some((&params, &v))).unwrap_err();
+        let err = save(dir, &state, &layout, &params, Some((&params, &v))).unwrap_err();
         assert!(
             err.to_string().contains("the AdamW second moments of"),
             "{err}"
         );
-        assert_eq!(std::fs::read(checkpoint_path(&dir)).unwrap(), before);
+        assert_eq!(std::fs::read(checkpoint_path(dir)).unwrap(), before);
     }
 
     #[test]
     fn the_latest_complete_checkpoint_is_chosen_and_old_ones_pruned() {
         let (_, layout, mut state) = setup();
-        let dir = temp_dir("latest");
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
         let params = vec![0.25; layout.len];
         for iter in [100, 200, 300] {
             state.iter_num = iter;
-            save_to(&interval_path(&dir, iter), &state, &layout, &params, None).unwrap();
+            save_to(&interval_path(dir, iter), &state, &layout, &params, None).unwrap();
         }
         state.iter_num = 250;
-        save(&dir, &state, &layout, &params, None).unwrap();
+        save(dir, &state, &layout, &params, None).unwrap();
         // The newest is damaged (truncated), and a write was interrupted.
-        let newest = interval_path(&dir, 300);
+        let newest = interval_path(dir, 300);
         let bytes = std::fs::read(&newest).unwrap();
         std::fs::write(&newest, &bytes[..bytes.len() - 10]).unwrap();
         std::fs::write(dir.join(".ckpt-000400.safetensors.tmp-1"), b"partial").unwrap();
-        let latest = Checkpoint::open_latest(&dir).unwrap();
+        let latest = Checkpoint::open_latest(dir).unwrap();
         assert_eq!(latest.checkpoint.state.iter_num, 250);
-        assert_eq!(latest.checkpoint.path(), checkpoint_path(&dir));
+        assert_eq!(latest.checkpoint.path(), checkpoint_path(dir));
         assert_eq!(latest.notes.len(), 2, "{:?}", latest.notes);
         assert!(latest.notes[0].contains(".ckpt-000400.safetensors.tmp-1"));
         assert!(latest.notes[1].contains("damaged or truncated"));
-        std::fs::remove_file(checkpoint_path(&dir)).unwrap();
+        std::fs::remove_file(checkpoint_path(dir)).unwrap();
         std::fs::remove_file(&newest).unwrap();
-        let latest = Checkpoint::open_latest(&dir).unwrap();
-        assert_eq!(latest.checkpoint.path(), interval_path(&dir, 200));
+        let latest = Checkpoint::open_latest(dir).unwrap();
+        assert_eq!(latest.checkpoint.path(), interval_path(dir, 200));
 
-        let removed = prune_interval_checkpoints(&dir, 1).unwrap();
-        assert_eq!(removed, [interval_path(&dir, 100)]);
+        let removed = prune_interval_checkpoints(dir, 1).unwrap();
+        assert_eq!(removed, [interval_path(dir, 100)]);
         assert!(!dir.join("ckpt-000100.json").exists());
         assert!(dir.join("ckpt-000200.json").exists());
         assert_eq!(interval_iter("ckpt-1234567.safetensors"), Some(1_234_567));

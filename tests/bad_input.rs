@@ -7,33 +7,34 @@
 use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 
 use nanogpt::checkpoint::{self, CheckpointState};
 use nanogpt::model::{ModelConfig, ParamLayout};
 
 mod common;
-use common::{temp_dir, BIN};
+use common::{
+    command, fixture, refused, refused_multiline, run, succeeds, temp_dir, TINY_BATCH, TINY_MODEL,
+};
 
 /// The characters of the test dataset's vocabulary (ids 0..9).
 const CHARS: &str = "\nabcdefgh";
 const VOCAB: u16 = 9;
 
-/// A tiny model on the test dataset; `out_dir` is `run` unless overridden.
-const TINY: [&str; 11] = [
+/// Two quick iterations on the test dataset; `out_dir` is `run` unless overridden.
+const SCHEDULE: [&str; 6] = [
     "dataset=ds",
-    "n_layer=2",
-    "n_head=2",
-    "n_embd=32",
-    "block_size=16",
-    "batch_size=4",
     "eval_iters=1",
     "eval_interval=2",
     "max_iters=2",
     "warmup_iters=1",
     "out_dir=run",
 ];
+
+/// `train` with the tiny model and [`SCHEDULE`], then `extra` (later keys win).
+fn train_args<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    [&["train"], &TINY_MODEL[..], &TINY_BATCH, &SCHEDULE, extra].concat()
+}
 
 /// A scratch directory for one test: `ds/` holds a valid char-level dataset.
 struct Scene {
@@ -92,34 +93,17 @@ impl Scene {
     /// message that carries a command to copy).
     fn refused_with(&self, args: &[&str], phrases: &[&str], one_line: bool) -> String {
         let before = snapshot(self.path());
-        let out = Command::new(BIN)
-            .args(args)
-            .current_dir(self.path())
-            .env("RAYON_NUM_THREADS", "2")
-            // A backtrace must not appear even when one is asked for.
-            .env("RUST_BACKTRACE", "1")
-            .env("HF_HUB_OFFLINE", "1")
-            .output()
-            .expect("run nanogpt");
-        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-        assert!(
-            !out.status.success(),
-            "nanogpt {args:?} should have failed:\n{stderr}"
-        );
-        assert_eq!(out.status.code(), Some(1), "exit status:\n{stderr}");
-        let lower = stderr.to_lowercase();
-        assert!(!lower.contains("panicked"), "a panic:\n{stderr}");
-        assert!(!lower.contains("backtrace"), "a backtrace:\n{stderr}");
-        let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error")).collect();
-        assert_eq!(errors.len(), 1, "one error line:\n{stderr}");
+        // A backtrace must not appear even when one is asked for (command() asks).
+        let out = run(command(self.path(), args).env("HF_HUB_OFFLINE", "1"));
+        let stderr = match one_line {
+            true => refused(&out),
+            false => refused_multiline(&out),
+        };
         let last = match one_line {
             true => stderr.lines().last().unwrap_or_default(),
             false => &stderr[stderr.find("error: ").unwrap_or(0)..],
         };
-        assert!(
-            last.starts_with("error: "),
-            "the error is the last line:\n{stderr}"
-        );
+        assert!(last.starts_with("error: "), "{stderr}");
         for phrase in phrases {
             assert!(last.contains(phrase), "missing {phrase:?} in:\n{last}");
         }
@@ -136,10 +120,7 @@ impl Scene {
 
     /// `nanogpt train` with the tiny settings, then `extra` (later keys win).
     fn train_refused(&self, extra: &[&str], phrases: &[&str]) -> String {
-        let mut args = vec!["train"];
-        args.extend(TINY);
-        args.extend(extra);
-        self.refused(&args, phrases)
+        self.refused(&train_args(extra), phrases)
     }
 }
 
@@ -183,20 +164,8 @@ fn trained_run() -> &'static Path {
     static RUN: OnceLock<tempfile::TempDir> = OnceLock::new();
     RUN.get_or_init(|| {
         let scene = Scene::new("trained");
-        let mut args = vec!["train"];
-        args.extend(TINY);
-        let out = Command::new(BIN)
-            .args(&args)
-            .current_dir(scene.path())
-            .env("RAYON_NUM_THREADS", "2")
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let keep = tempfile::tempdir().unwrap();
+        succeeds(&mut command(scene.path(), train_args(&[])));
+        let keep = temp_dir("bad-trained-run");
         for entry in std::fs::read_dir(scene.file("run")).unwrap() {
             let entry = entry.unwrap();
             std::fs::copy(entry.path(), keep.path().join(entry.file_name())).unwrap();
@@ -207,7 +176,7 @@ fn trained_run() -> &'static Path {
 }
 
 fn tiny_hf_model() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/tiny_a")
+    fixture("hf/tiny_a")
 }
 
 // ---- token files -------------------------------------------------------------
@@ -691,9 +660,7 @@ fn pytorch_pickle_weights_are_never_loaded() {
     );
     s.write("m/pytorch_model.bin", b"\x80\x02 never parsed");
     s.write("w.pt", b"\x80\x02 never parsed");
-    let mut args = vec!["train"];
-    args.extend(TINY);
-    args.push("init_from=m");
+    let args = train_args(&["init_from=m"]);
     let convert = "GPT2LMHeadModel.from_pretrained('m').save_pretrained('m-safetensors')";
     s.refused_with(&args, &["m holds PyTorch pickle weights", convert], false);
     s.refused_with(
@@ -756,9 +723,8 @@ fn prepare_corrupt_parquet() {
 #[test]
 fn prepare_parquet_that_panics_the_parquet_reader() {
     let s = Scene::new("prep-parquet-panic");
-    let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/fuzz/parquet_short_dictionary_page.parquet");
-    s.write("d.parquet", std::fs::read(fixture).unwrap());
+    let file = fixture("fuzz/parquet_short_dictionary_page.parquet");
+    s.write("d.parquet", std::fs::read(file).unwrap());
     prepare_refused(
         &s,
         "d.parquet",
@@ -856,20 +822,8 @@ fn a_checkpoint_cannot_redirect_where_a_run_writes() {
     state.train_config["dataset"] = "../escaped-data".into();
     checkpoint::save(&s.file("run"), &state, &layout, &params, Some((&m, &v))).unwrap();
 
-    let mut args = vec!["train"];
-    args.extend(TINY);
-    args.extend(["init_from=resume", "max_iters=4"]);
-    let out = Command::new(BIN)
-        .args(&args)
-        .current_dir(s.path())
-        .env("RAYON_NUM_THREADS", "2")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let args = train_args(&["init_from=resume", "max_iters=4"]);
+    succeeds(&mut command(s.path(), args));
     let parent = s.path().parent().unwrap();
     assert!(!parent.join("escaped").exists() && !parent.join("escaped-data").exists());
     let state = nanogpt::checkpoint::Checkpoint::open(&s.file("run"))

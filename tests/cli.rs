@@ -1,78 +1,18 @@
 //! The `nanogpt` binary end to end on tiny data: prepare, train, resume, eval,
 //! sample, and the errors a user sees. Nothing here needs the network.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
 
 mod common;
-use common::{metric, temp_dir, BIN};
-
-fn nanogpt(dir: &Path, args: &[&str]) -> Output {
-    Command::new(BIN)
-        .args(args)
-        .current_dir(dir)
-        .env("RAYON_NUM_THREADS", "2")
-        .output()
-        .expect("run nanogpt")
-}
-
-fn ok(dir: &Path, args: &[&str]) -> String {
-    let out = nanogpt(dir, args);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "nanogpt {args:?} failed:\n{stderr}");
-    String::from_utf8(out.stdout).expect("utf-8 output")
-}
-
-/// Runs and expects failure; returns stderr.
-fn fails(dir: &Path, args: &[&str]) -> String {
-    let out = nanogpt(dir, args);
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!out.status.success(), "nanogpt {args:?} should have failed");
-    assert!(
-        !stderr.contains("panicked"),
-        "a panic instead of an error:\n{stderr}"
-    );
-    assert!(
-        stderr.starts_with("error: "),
-        "unexpected error format:\n{stderr}"
-    );
-    stderr
-}
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
-
-fn read_json(path: &Path) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
-}
+use common::{fails, fixture, metric, ok, read_json, temp_dir, TINY_MODEL, TINY_SHAKESPEARE};
 
 fn tokens_in(path: &Path) -> usize {
     std::fs::metadata(path).unwrap().len() as usize / 2
 }
 
-/// A tiny, fast model on the bundled Shakespeare (characters).
-const TINY: [&str; 11] = [
-    "dataset=shakespeare_char",
-    "n_layer=2",
-    "n_head=2",
-    "n_embd=32",
-    "block_size=16",
-    "batch_size=4",
-    "eval_iters=2",
-    "log_interval=1",
-    "warmup_iters=2",
-    "learning_rate=3e-3",
-    "dropout=0.1",
-];
-
+/// Trains [`TINY_SHAKESPEARE`] with `extra` settings in `dir`; returns stdout.
 fn train(dir: &Path, extra: &[&str]) -> String {
-    let mut args = vec!["train"];
-    args.extend(TINY);
-    args.extend(extra);
-    ok(dir, &args)
+    ok(dir, &[&["train"], &TINY_SHAKESPEARE[..], extra].concat())
 }
 
 #[test]
@@ -337,7 +277,8 @@ fn bench_json(dir: &Path, extra: &[&str]) -> serde_json::Value {
     let mut args = vec!["bench", "--batch-size", "2", "--block-size", "16"];
     args.extend(["--peak-gflops", "100", "--json"]);
     args.extend(extra);
-    args.extend(["n_layer=2", "n_head=2", "n_embd=32", "vocab_size=65"]);
+    args.extend(TINY_MODEL);
+    args.push("vocab_size=65");
     serde_json::from_str(ok(dir, &args).trim()).expect("one JSON object")
 }
 

@@ -17,10 +17,9 @@ use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
 mod common;
-use common::{temp_dir, BIN};
+use common::{command, ok, read_json, refused, run, succeeds, temp_dir};
 
 const FIXTURES: [&str; 3] = ["tiny_a", "tiny_b_legacy", "tiny_c_sharded"];
 
@@ -33,7 +32,7 @@ const LOGITS_RTOL: f32 = 1e-6;
 const LOSS_RTOL: f64 = 1e-6;
 
 fn hf_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf")
+    common::fixture("hf")
 }
 
 fn fixture(name: &str) -> PathBuf {
@@ -209,7 +208,6 @@ fn eval_command_reads_a_hugging_face_directory() {
             &want.eval_block_size.to_string(),
             "--json",
         ],
-        &[],
     );
     let json: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     let loss = json["loss"].as_f64().unwrap();
@@ -321,7 +319,7 @@ fn export_command_writes_what_loads_back_with_the_same_logits() {
         let dir = temp_dir("hf-export-cli");
         let mut model = random_model(bias, 77, 5);
         save_checkpoint(&dir.path().join("out"), &model, &char_meta(77));
-        let stdout = ok(dir.path(), &["export", "--from", "out", "--to", "hf"], &[]);
+        let stdout = ok(dir.path(), &["export", "--from", "out", "--to", "hf"]);
         assert!(stdout.contains("from_pretrained"), "{stdout}");
         assert!(stdout.contains("char tokenizer"), "{stdout}");
         let mut files: Vec<String> = std::fs::read_dir(dir.path().join("hf"))
@@ -333,10 +331,7 @@ fn export_command_writes_what_loads_back_with_the_same_logits() {
             files,
             ["config.json", "generation_config.json", "model.safetensors"]
         );
-        let config: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(dir.path().join("hf/config.json")).unwrap(),
-        )
-        .unwrap();
+        let config = read_json(&dir.path().join("hf/config.json"));
         assert_eq!(config["n_positions"], 16);
         assert_eq!(config["vocab_size"], 77);
         assert!(config["eos_token_id"].is_null());
@@ -371,10 +366,7 @@ fn gpt2_tokenized_exports_carry_the_tokenizer() {
     for f in ["vocab.json", "merges.txt", "tokenizer_config.json"] {
         assert!(dir.path().join(f).is_file(), "{f}");
     }
-    let gen: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(dir.path().join("generation_config.json")).unwrap(),
-    )
-    .unwrap();
+    let gen = read_json(&dir.path().join("generation_config.json"));
     assert_eq!(gen["eos_token_id"], 50256);
 }
 
@@ -457,7 +449,7 @@ fn export_for_python_check() {
         &base,
         "_gpt2",
         &mut gpt2,
-        &nanogpt::source::gpt2_meta(Path::new("test")),
+        &nanogpt::model_source::gpt2_meta(Path::new("test")),
         &ids,
         2,
         16,
@@ -485,7 +477,7 @@ fn check_case(
     let (out, hf) = (format!("out{tag}"), format!("hf{tag}"));
     let _ = std::fs::remove_dir_all(base.join(&hf));
     save_checkpoint(&base.join(&out), model, meta);
-    ok(base, &["export", "--from", &out, "--to", &hf], &[]);
+    ok(base, &["export", "--from", &out, "--to", &hf]);
     model.set_training(false);
     let logits = model.logits(ids, b, t);
     let loss = model.forward(ids, &shifted_targets(ids, b, t), b, t);
@@ -552,8 +544,7 @@ fn open_err(path: &Path) -> String {
 
 fn edit_config(dir: &Path, key: &str, value: serde_json::Value) {
     let path = dir.join("config.json");
-    let mut json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let mut json = read_json(&path);
     json[key] = value;
     std::fs::write(&path, json.to_string()).unwrap();
 }
@@ -870,9 +861,9 @@ fn commands_find_names_in_the_cache_given_by_the_environment() {
         ("HF_HUB_CACHE", cache.path().to_str().unwrap()),
         ("HF_HUB_OFFLINE", "1"),
     ];
-    let out = ok(
+    let mut cmd = command(
         Path::new(env!("CARGO_MANIFEST_DIR")),
-        &[
+        [
             "eval",
             "--init-from",
             "gpt2",
@@ -882,8 +873,8 @@ fn commands_find_names_in_the_cache_given_by_the_environment() {
             &want.eval_block_size.to_string(),
             "--json",
         ],
-        &env,
     );
+    let (out, _) = succeeds(cmd.envs(env));
     let loss = serde_json::from_str::<serde_json::Value>(out.trim()).unwrap()["loss"]
         .as_f64()
         .unwrap();
@@ -900,14 +891,11 @@ fn commands_find_names_in_the_cache_given_by_the_environment() {
         nanogpt::hf::resolve::locate("gpt2", &env).unwrap()
     };
     assert!(matches!(located, Located::Dir(_)));
-    let err = fails(
-        Path::new(env!("CARGO_MANIFEST_DIR")),
-        &["eval", "--init-from", "gpt2-large", "--data", "x.bin"],
-        &[
-            ("HF_HOME", home.path().to_str().unwrap()),
-            ("HF_HUB_OFFLINE", "1"),
-        ],
-    );
+    let args = ["eval", "--init-from", "gpt2-large", "--data", "x.bin"];
+    let mut cmd = command(Path::new(env!("CARGO_MANIFEST_DIR")), args);
+    let err = refused(&run(cmd
+        .env("HF_HOME", home.path())
+        .env("HF_HUB_OFFLINE", "1")));
     assert!(
         err.contains(&format!("{}/hub/models--gpt2-large", home.path().display())),
         "{err}"
@@ -916,32 +904,6 @@ fn commands_find_names_in_the_cache_given_by_the_environment() {
 
 // ---------------------------------------------------------------------------------
 // Fine-tuning through the command line
-
-fn nanogpt(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(BIN);
-    cmd.args(args)
-        .current_dir(dir)
-        .env("RAYON_NUM_THREADS", "2");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().expect("run nanogpt")
-}
-
-fn ok(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> String {
-    let out = nanogpt(dir, args, env);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "nanogpt {args:?} failed:\n{stderr}");
-    String::from_utf8(out.stdout).unwrap() + &stderr
-}
-
-fn fails(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> String {
-    let out = nanogpt(dir, args, env);
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!out.status.success(), "nanogpt {args:?} should have failed");
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    stderr
-}
 
 #[test]
 fn fine_tune_from_a_hugging_face_directory_then_export() {
@@ -970,7 +932,6 @@ fn fine_tune_from_a_hugging_face_directory_then_export() {
             "--val-fraction",
             "0.2",
         ],
-        &[],
     );
     let args = [
         "train",
@@ -987,18 +948,17 @@ fn fine_tune_from_a_hugging_face_directory_then_export() {
         "dropout=0.1",
         "n_layer=6",
     ];
-    let log = ok(root, &args, &[]);
+    let (stdout, stderr) = succeeds(&mut command(root, args));
+    let log = stdout + &stderr;
     assert!(log.contains("ignoring n_layer = 6 (it has 2)"), "{log}");
-    let state: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(root.join("out/ckpt.json")).unwrap())
-            .unwrap();
+    let state = read_json(&root.join("out/ckpt.json"));
     assert_eq!(state["model"]["n_embd"], 32);
     assert_eq!(state["model"]["n_layer"], 2);
     assert_eq!(state["model"]["block_size"], 8);
     assert_eq!(state["model"]["bias"], true);
     assert_eq!(state["tokenizer"]["tokenizer"], "gpt2");
 
-    let stdout = ok(root, &["export", "--from", "out", "--to", "hf"], &[]);
+    let stdout = ok(root, &["export", "--from", "out", "--to", "hf"]);
     assert!(stdout.contains("vocab.json"), "{stdout}");
     let (cfg, _) = load(&root.join("hf"), None);
     assert_eq!((cfg.vocab_size, cfg.block_size), (50257, 8));
@@ -1015,7 +975,6 @@ fn fine_tune_from_a_hugging_face_directory_then_export() {
             "--max-new-tokens",
             "4",
         ],
-        &[],
     );
     assert!(sample.starts_with("To be"), "{sample}");
 
@@ -1031,30 +990,27 @@ fn fine_tune_from_a_hugging_face_directory_then_export() {
             "--tokenizer",
             "char",
         ],
-        &[],
     );
-    let err = fails(
+    let err = refused(&run(&mut command(
         root,
-        &[
+        [
             "train",
             "init_from=pretrained",
             "dataset=cdata",
             "out_dir=out2",
             "block_size=8",
         ],
-        &[],
-    );
+    )));
     assert!(err.contains("--tokenizer gpt2"), "{err}");
-    let err = fails(
+    let err = refused(&run(&mut command(
         root,
-        &[
+        [
             "train",
             "init_from=pretrained",
             "dataset=data",
             "out_dir=out3",
             "block_size=64",
         ],
-        &[],
-    );
+    )));
     assert!(err.contains("n_positions 16"), "{err}");
 }

@@ -13,28 +13,24 @@ use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{metric, temp_dir, BIN};
+use common::{metric, read_json, succeeds, temp_dir, text, BIN, TINY_SHAKESPEARE};
 
-/// A tiny model on the bundled Shakespeare, one thread per rank, dropout on (so the
-/// micro-step seeds matter), four micro-steps per step.
-const TINY: [&str; 16] = [
-    "dataset=shakespeare_char",
-    "n_layer=2",
-    "n_head=2",
-    "n_embd=32",
-    "block_size=16",
-    "batch_size=4",
+/// [`TINY_SHAKESPEARE`] as the jobs here train it: one thread per rank, four
+/// evaluation batches every 5 iterations, a short schedule, a checkpoint at every
+/// evaluation, and a collective timeout.
+const JOB: [&str; 6] = [
     "eval_iters=4",
     "eval_interval=5",
-    "log_interval=1",
-    "warmup_iters=2",
     "lr_decay_iters=10",
-    "learning_rate=3e-3",
-    "dropout=0.1",
     "threads=1",
     "always_save_checkpoint=true",
     "collective_timeout_s=60",
 ];
+
+/// `train` with the settings of every job, then `extra` (later keys win).
+fn train_args<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    [&["train"], &TINY_SHAKESPEARE[..], &JOB, extra].concat()
+}
 
 /// One MPI job at a time: the machine may have two cores.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -44,17 +40,8 @@ fn workdir() -> &'static Path {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
     DIR.get_or_init(|| {
         let dir = temp_dir("mpi");
-        let out = Command::new(BIN)
-            .args(["prepare", "shakespeare", "--out", "data/shakespeare_char"])
-            .args(["--tokenizer", "char"])
-            .current_dir(dir.path())
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let prepare = ["prepare", "shakespeare", "--out", "data/shakespeare_char"];
+        succeeds(common::command(dir.path(), prepare).args(["--tokenizer", "char"]));
         dir
     })
     .path()
@@ -69,7 +56,7 @@ fn is_open_mpi() -> bool {
     *OPEN.get_or_init(|| {
         let out = Command::new(mpirun()).arg("--version").output();
         let out = out.unwrap_or_else(|e| panic!("cannot run `{}`: {e}; install an MPI", mpirun()));
-        String::from_utf8_lossy(&out.stdout).contains("Open MPI")
+        text(&out.stdout).contains("Open MPI")
     })
 }
 
@@ -89,7 +76,7 @@ fn command(ranks: usize, extra: &[&str]) -> Command {
         cmd.arg(BIN);
         cmd
     };
-    cmd.arg("train").args(TINY).args(extra);
+    cmd.args(train_args(extra));
     cmd.current_dir(workdir());
     cmd
 }
@@ -112,8 +99,8 @@ fn wait_for(mut child: Child, limit: Duration) -> Output {
             let out = child.wait_with_output().unwrap();
             panic!(
                 "the job ran past {limit:?}:\n{}\n{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
+                text(&out.stdout),
+                text(&out.stderr)
             );
         }
         std::thread::sleep(Duration::from_millis(50));
@@ -135,12 +122,12 @@ fn train(ranks: usize, out: &str, extra: &[&str]) -> String {
     args.extend(extra.iter().map(|s| s.to_string()));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = run_for(command(ranks, &args), Duration::from_secs(300));
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = text(&out.stderr);
     assert!(
         out.status.success(),
         "{ranks} ranks {extra:?} failed:\n{stderr}"
     );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    text(&out.stdout)
 }
 
 /// (iteration, loss) pairs.
@@ -210,10 +197,7 @@ fn two_ranks_follow_the_one_process_run() {
         );
         assert!(stdout.contains("data parallel: 2 ranks"), "{stdout}");
         assert_same_run(&one, &out);
-        let report: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(workdir().join(&out).join("comm.json")).unwrap(),
-        )
-        .unwrap();
+        let report = read_json(&workdir().join(&out).join("comm.json"));
         assert_eq!(report["world_size"], 2);
         assert_eq!(report["steps"], 10, "11 steps, the first left out");
         assert!(
@@ -233,10 +217,7 @@ fn checkpoints_resume_on_another_number_of_ranks() {
         let out = format!("resume-{resume_ranks}");
         train(3, &out, &[acc, "max_iters=5", "zero_stage=1"]);
         assert_eq!(params(&out).2, 5);
-        let state: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(workdir().join(&out).join("ckpt.json")).unwrap(),
-        )
-        .unwrap();
+        let state = read_json(&workdir().join(&out).join("ckpt.json"));
         assert_eq!(state["world_size"], 3);
         // ... continues on 1 or 2 ranks exactly as the uninterrupted run.
         train(
@@ -255,7 +236,7 @@ fn an_uneven_split_of_micro_steps_is_refused() {
         command(2, &["gradient_accumulation_steps=3", "out_dir=uneven"]),
         Duration::from_secs(120),
     );
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = text(&out.stderr);
     assert!(!out.status.success());
     assert!(
         stderr.contains("rank 0 of 2") || stderr.contains("rank 1 of 2"),
@@ -273,13 +254,12 @@ fn an_error_on_one_rank_ends_every_rank() {
     // MPMD launch: rank 1 is given a dataset that does not exist.
     let common = ["out_dir=one-bad", "gradient_accumulation_steps=2"];
     let mut cmd = command(1, &common);
-    cmd.args([":", "-n", "1", BIN, "train"])
-        .args(TINY)
-        .args(common)
+    cmd.args([":", "-n", "1", BIN])
+        .args(train_args(&common))
         .arg("dataset=no-such-data");
     let start = Instant::now();
     let out = run_for(cmd, Duration::from_secs(120));
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = text(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("error: rank 1 of 2"), "{stderr}");
     assert!(stderr.contains("no-such-data"), "{stderr}");
@@ -373,7 +353,7 @@ fn a_killed_rank_ends_the_job_and_the_run_resumes() {
 fn a_stopped_rank_trips_the_watchdog() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let (out, took) = fault("stopped", "-STOP", "collective_timeout_s=3");
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = text(&out.stderr);
     assert!(!out.status.success(), "the job must fail:\n{stderr}");
     assert!(stderr.contains("rank 0 of 2"), "{stderr}");
     assert!(stderr.contains("made no progress for 3 s"), "{stderr}");
@@ -386,10 +366,7 @@ fn sigterm_to_one_rank_stops_every_rank_at_the_same_step() {
     // Only rank 1 is signalled; rank 0 learns of it with the step's loss all-reduce,
     // writes the checkpoint and says so. Disagreeing ranks would hang (watchdog).
     let (out, took) = fault("sigterm", "-TERM", "collective_timeout_s=20");
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert!(took < Duration::from_secs(30), "ended after {took:?}");
     assert_eq!(out.status.code(), Some(143), "{stdout}\n{stderr}");
     assert!(!stderr.contains("made no progress"), "{stderr}");

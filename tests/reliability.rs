@@ -14,36 +14,19 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{metric, temp_dir, text, BIN};
+use common::{
+    command, metric, read_json, refused, succeeds, temp_dir, text, BIN, TINY_SHAKESPEARE,
+};
 
-/// A tiny, fast model on the bundled Shakespeare (characters), dropout on, with an
-/// evaluation every 4 iterations and an interval checkpoint every 3.
-const TINY: [&str; 14] = [
-    "dataset=shakespeare_char",
-    "n_layer=2",
-    "n_head=2",
-    "n_embd=32",
-    "block_size=16",
-    "batch_size=4",
-    "eval_iters=2",
-    "log_interval=1",
-    "warmup_iters=2",
-    "learning_rate=3e-3",
-    "dropout=0.1",
-    "eval_interval=4",
-    "ckpt_interval=3",
-    "out_dir=run",
-];
+/// The suite's runs: [`TINY_SHAKESPEARE`] into `run/`, with an evaluation every 4
+/// iterations and an interval checkpoint every 3.
+const SCHEDULE: [&str; 3] = ["eval_interval=4", "ckpt_interval=3", "out_dir=run"];
 
-/// `nanogpt train TINY... extra...` in `dir`, with `NANOGPT_FAULT=fault` if given.
-fn command(dir: &Path, extra: &[&str], fault: Option<&str>) -> Command {
-    let mut cmd = Command::new(BIN);
-    cmd.arg("train")
-        .args(TINY)
-        .args(extra)
-        .current_dir(dir)
-        .env("RAYON_NUM_THREADS", "2")
-        .env_remove("NANOGPT_FAULT");
+/// `nanogpt train TINY_SHAKESPEARE... SCHEDULE... extra...` in `dir`, with
+/// `NANOGPT_FAULT=fault` if given.
+fn train_command(dir: &Path, extra: &[&str], fault: Option<&str>) -> Command {
+    let args = [&["train"], &TINY_SHAKESPEARE[..], &SCHEDULE, extra].concat();
+    let mut cmd = command(dir, args);
     if let Some(fault) = fault {
         cmd.env("NANOGPT_FAULT", fault);
     }
@@ -51,28 +34,12 @@ fn command(dir: &Path, extra: &[&str], fault: Option<&str>) -> Command {
 }
 
 fn run(dir: &Path, extra: &[&str], fault: Option<&str>) -> Output {
-    command(dir, extra, fault).output().expect("run nanogpt")
+    common::run(&mut train_command(dir, extra, fault))
 }
 
 /// Trains successfully; returns stdout.
 fn train(dir: &Path, extra: &[&str]) -> String {
-    let out = run(dir, extra, None);
-    assert!(
-        out.status.success(),
-        "nanogpt train {extra:?} failed:\n{}",
-        text(&out.stderr)
-    );
-    text(&out.stdout)
-}
-
-/// An error exit: status 1, one `error: ` line, no panic. Returns stderr.
-fn assert_error(out: &Output) -> String {
-    let stderr = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(!stderr.contains("panicked"), "a panic:\n{stderr}");
-    let last = stderr.lines().last().unwrap_or_default();
-    assert!(last.starts_with("error: "), "{stderr}");
-    stderr
+    succeeds(&mut train_command(dir, extra, None)).0
 }
 
 /// The step rows of `metrics.jsonl`: (iter, loss bits), for exact comparison.
@@ -94,14 +61,8 @@ fn reference(max_iters: u64) -> Vec<(u64, u32)> {
 
 /// Resumes `dir/run` to `max_iters`; returns stdout and stderr.
 fn resume(dir: &Path, max_iters: u64) -> (String, String) {
-    let out = run(
-        dir,
-        &[&format!("max_iters={max_iters}"), "init_from=resume"],
-        None,
-    );
-    let stderr = text(&out.stderr);
-    assert!(out.status.success(), "resume failed:\n{stderr}");
-    (text(&out.stdout), stderr)
+    let until = format!("max_iters={max_iters}");
+    succeeds(&mut train_command(dir, &[&until, "init_from=resume"], None))
 }
 
 fn files(dir: &Path) -> Vec<String> {
@@ -165,9 +126,7 @@ fn interval_checkpoints_keep_the_newest_and_resume_picks_the_latest() {
             "metrics.jsonl"
         ]
     );
-    let state: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(run_dir.join("ckpt-000009.json")).unwrap())
-            .unwrap();
+    let state = read_json(&run_dir.join("ckpt-000009.json"));
     assert_eq!(state["iter_num"], 9);
     assert_eq!(state["adam_step"], 9);
     // ckpt.safetensors is from the evaluation at 8; the interval one at 9 is newer.
@@ -211,7 +170,7 @@ fn killed_mid_checkpoint_write_resumes_from_the_previous_one() {
 fn killed_at_an_arbitrary_moment_resumes_exactly() {
     let dir = temp_dir("anytime");
     let d = dir.path();
-    let mut child = command(
+    let mut child = train_command(
         d,
         &["max_iters=300", "ckpt_interval=20", "eval_interval=50"],
         None,
@@ -247,7 +206,7 @@ fn killed_at_an_arbitrary_moment_resumes_exactly() {
 /// `gap` between them) once it pauses; returns its output and how long it took
 /// to exit after the last signal.
 fn signal_during_pause(d: &Path, signals: &[&str], gap: Duration) -> (Output, Duration) {
-    let mut child = command(
+    let mut child = train_command(
         d,
         &["max_iters=12", "ckpt_interval=0"],
         Some("pause-during-step:5:1500"),
@@ -338,10 +297,6 @@ fn a_second_sigint_exits_at_once() {
     assert_eq!(step_losses(&d.join("run")), reference(12));
 }
 
-fn checkpoint_state(path: &Path) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
-}
-
 #[test]
 fn a_non_finite_gradient_skips_the_update_and_the_run_goes_on() {
     let dir = temp_dir("nan-skip");
@@ -366,7 +321,7 @@ fn a_non_finite_gradient_skips_the_update_and_the_run_goes_on() {
     assert!(!stdout.contains("warning: iteration 7"), "{stdout}");
     // Two updates fewer than iterations; the losses before the fault are the
     // reference's, the ones after differ (the model missed two updates).
-    let state = checkpoint_state(&d.join("run/ckpt-000012.json"));
+    let state = read_json(&d.join("run/ckpt-000012.json"));
     assert_eq!(state["iter_num"], 12);
     assert_eq!(state["adam_step"], 10);
     let (got, want) = (step_losses(&d.join("run")), reference(12));
@@ -383,7 +338,7 @@ fn persistent_non_finite_steps_stop_the_run() {
         &["max_iters=12", "max_nonfinite_steps=3"],
         Some("nan-grad:5:100"),
     );
-    let stderr = assert_error(&out);
+    let stderr = refused(&out);
     assert!(
         stderr.contains(
             "error: 3 optimizer steps in a row (iterations 5..=7) had a non-finite loss or \
@@ -392,7 +347,7 @@ fn persistent_non_finite_steps_stop_the_run() {
         "{stderr}"
     );
     // The checkpoint at 6 (after the skipped step 5) holds the finite weights.
-    let state = checkpoint_state(&d.join("run/ckpt-000006.json"));
+    let state = read_json(&d.join("run/ckpt-000006.json"));
     assert_eq!(state["adam_step"], 5);
     assert!(temp_files(&d.join("run")).is_empty());
 }
@@ -404,7 +359,7 @@ fn non_finite_parameters_are_never_checkpointed() {
     // A NaN weight after iteration 4's update: iteration 5 is skipped (NaN loss),
     // then the checkpoint at 6 is refused.
     let out = run(d, &["max_iters=12"], Some("nan-param:4"));
-    let stderr = assert_error(&out);
+    let stderr = refused(&out);
     assert!(
         stderr.contains(
             "refusing to write run/ckpt-000006.safetensors for iteration 6: the parameters of"
@@ -418,15 +373,22 @@ fn non_finite_parameters_are_never_checkpointed() {
     assert!(temp_files(&run_dir).is_empty());
 }
 
-fn snapshot(dir: &Path) -> Vec<(String, Vec<u8>)> {
+/// The name and bytes of every file in `dir`.
+fn contents(dir: &Path) -> Vec<(String, Vec<u8>)> {
     files(dir)
         .into_iter()
-        .filter(|n| n.starts_with("ckpt"))
         .map(|n| {
             let bytes = std::fs::read(dir.join(&n)).unwrap();
             (n, bytes)
         })
         .collect()
+}
+
+/// The checkpoints of `dir` and their bytes.
+fn snapshot(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut files = contents(dir);
+    files.retain(|(n, _)| n.starts_with("ckpt"));
+    files
 }
 
 #[test]
@@ -451,7 +413,7 @@ fn a_full_disk_stops_the_run_and_keeps_the_previous_checkpoint() {
     let script = format!(
         "trap '' XFSZ; ulimit -f {blocks}; exec \"$0\" \"$@\" max_iters=8 ckpt_interval=2 init_from=resume"
     );
-    let mut cmd = command(d, &[], None);
+    let mut cmd = train_command(d, &[], None);
     let args: Vec<String> = std::iter::once(BIN.to_string())
         .chain(cmd.get_args().map(|a| a.to_string_lossy().into_owned()))
         .collect();
@@ -463,7 +425,7 @@ fn a_full_disk_stops_the_run_and_keeps_the_previous_checkpoint() {
         .env("RAYON_NUM_THREADS", "2")
         .env_remove("NANOGPT_FAULT");
     let out = cmd.output().unwrap();
-    let stderr = assert_error(&out);
+    let stderr = refused(&out);
     // Resuming at 4 evaluates first and (always_save_checkpoint) rewrites ckpt.safetensors.
     assert!(
         stderr.contains(
@@ -509,7 +471,7 @@ fn a_read_only_out_dir_stops_the_run_and_keeps_the_previous_checkpoint() {
     // itself is writable) but cannot create a checkpoint beside it.
     let out = run(d, &["max_iters=8", "ckpt_interval=2"], None);
     std::fs::set_permissions(&run_dir, mode(0o755)).unwrap();
-    let stderr = assert_error(&out);
+    let stderr = refused(&out);
     assert!(
         stderr.contains("error: the checkpoint of iteration 2 was not saved")
             && stderr.contains(
@@ -529,7 +491,7 @@ fn a_read_only_out_dir_stops_the_run_and_keeps_the_previous_checkpoint() {
 fn a_malformed_fault_setting_is_refused() {
     let dir = temp_dir("fault-typo");
     let out = run(dir.path(), &["max_iters=2"], Some("kill-during-stp:1"));
-    let stderr = assert_error(&out);
+    let stderr = refused(&out);
     assert!(
         stderr.contains("NANOGPT_FAULT=kill-during-stp:1"),
         "{stderr}"
@@ -546,25 +508,11 @@ fn eval_and_sample_read_interval_checkpoints() {
     let run_dir = dir.path().join("run");
     assert!(!run_dir.join("ckpt.safetensors").exists());
     let eval = |init_from: &str| {
-        let out = Command::new(BIN)
-            .args([
-                "eval",
-                "--init-from",
-                init_from,
-                "--block-size",
-                "16",
-                "--json",
-            ])
-            .args(["--data", "data/shakespeare_char/val.bin"])
-            .current_dir(dir.path())
-            .output()
-            .expect("run nanogpt eval");
-        assert!(
-            out.status.success(),
-            "eval {init_from}: {}",
-            text(&out.stderr)
-        );
-        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let data = "data/shakespeare_char/val.bin";
+        let args = ["eval", "--init-from", init_from, "--block-size", "16"];
+        let mut cmd = command(dir.path(), args);
+        let (stdout, _) = succeeds(cmd.args(["--json", "--data", data]));
+        let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
         report["loss"].as_f64().unwrap()
     };
     // Interval checkpoints resuming at 3 and 6; the directory means the newest.
@@ -575,14 +523,10 @@ fn eval_and_sample_read_interval_checkpoints() {
         newest, older,
         "the directory must not mean an older checkpoint"
     );
-    let out = Command::new(BIN)
-        .args(["sample", "--out-dir", "run", "--max-new-tokens", "20"])
-        .args(["--num-samples", "1", "--seed", "1"])
-        .current_dir(dir.path())
-        .output()
-        .expect("run nanogpt sample");
-    assert!(out.status.success(), "sample: {}", text(&out.stderr));
-    assert!(out.stdout.len() >= 20, "{}", text(&out.stdout));
+    let args = ["sample", "--out-dir", "run", "--max-new-tokens", "20"];
+    let mut cmd = command(dir.path(), args);
+    let (sample, _) = succeeds(cmd.args(["--num-samples", "1", "--seed", "1"]));
+    assert!(sample.len() >= 20, "{sample}");
     // Its state has no best val loss yet (infinite, null in JSON): resuming works.
     let stdout = train(
         dir.path(),
@@ -598,29 +542,15 @@ fn a_fresh_start_over_interval_checkpoints_is_refused() {
     let dir = temp_dir("fresh-over");
     train(dir.path(), &["max_iters=4"]);
     let run_dir = dir.path().join("run");
-    let snapshot = |d: &Path| {
-        let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(d)
-            .unwrap()
-            .map(|e| e.unwrap())
-            .map(|e| {
-                (
-                    e.file_name().to_string_lossy().into_owned(),
-                    std::fs::read(e.path()).unwrap(),
-                )
-            })
-            .collect();
-        files.sort();
-        files
-    };
-    let before = snapshot(&run_dir);
-    let stderr = assert_error(&run(dir.path(), &["max_iters=4"], None));
+    let before = contents(&run_dir);
+    let stderr = refused(&run(dir.path(), &["max_iters=4"], None));
     assert!(
         stderr.contains("interval checkpoint(s) of an earlier run")
             && stderr.contains("init_from=resume"),
         "{stderr}"
     );
     assert!(
-        before == snapshot(&run_dir),
+        before == contents(&run_dir),
         "the earlier run's files changed"
     );
 }

@@ -3,7 +3,7 @@
 use crate::data::{TokenFile, Tokenizer};
 use crate::eval::evaluate_tokens;
 use crate::model::Gpt;
-use crate::source::load_model;
+use crate::model_source::load_model;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::path::PathBuf;
@@ -32,7 +32,7 @@ pub struct EvalArgs {
 }
 
 pub fn run(args: EvalArgs) -> Result<()> {
-    crate::threads::init_pool(args.threads);
+    crate::threads::init_pool(args.threads, 1);
     let loaded = load_model(&args.init_from)?;
     let t = args.block_size.unwrap_or(loaded.config.block_size);
     if t == 0 || t > loaded.config.block_size || args.batch_size == 0 {

@@ -2,7 +2,7 @@
 //! GPT-2 model directory.
 
 use crate::hf::export;
-use crate::source::load_model;
+use crate::model_source::load_model;
 use anyhow::Result;
 use clap::Args;
 use std::path::PathBuf;

@@ -2,8 +2,8 @@
 
 use crate::data::{Meta, Tokenizer};
 use crate::model::{ModelConfig, ParamLayout};
+use crate::model_source::load_model;
 use crate::sample::{generate, SampleOptions};
-use crate::source::load_model;
 use crate::train::Trainer;
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -40,7 +40,7 @@ pub struct SampleArgs {
 }
 
 pub fn run(args: SampleArgs) -> Result<()> {
-    crate::threads::init_pool(args.threads);
+    crate::threads::init_pool(args.threads, 1);
     if args.temperature < 0.0 || !args.temperature.is_finite() {
         bail!("--temperature must be 0 or more");
     }

@@ -29,13 +29,10 @@ pub fn run(args: TrainArgs) -> Result<i32> {
         None => TrainConfig::quick_start_with(overrides)?,
     };
     let (root, world) = (comm.rank() == 0, comm.world_size());
-    let threads = crate::threads::init_pool(match cfg.threads {
-        0 => crate::dist::default_threads(comm.local_size()),
-        n => n,
-    });
+    let threads = crate::threads::init_pool(cfg.threads, comm.local_size());
     let launched = crate::dist::launched_by_mpi();
     if let Some(warning) = launched
-        .then(|| crate::dist::binding_warning(comm.local_size()))
+        .then(|| crate::threads::binding_warning(comm.local_size()))
         .flatten()
     {
         match world {

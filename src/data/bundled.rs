@@ -23,7 +23,7 @@ const BUILT_IN: [(&str, TokenizerKind); 2] = [
 
 /// Prepares the bundled Shakespeare into `dir` unless it already holds a prepared
 /// dataset (`meta.json`, `train.bin` and `val.bin`) with that tokenizer.
-pub fn ensure_bundled_shakespeare(dir: &Path, tokenizer: TokenizerKind) -> Result<()> {
+fn ensure_bundled_shakespeare(dir: &Path, tokenizer: TokenizerKind) -> Result<()> {
     if is_prepared(dir, tokenizer)? {
         return Ok(());
     }
@@ -64,14 +64,15 @@ fn is_prepared(dir: &Path, tokenizer: TokenizerKind) -> Result<bool> {
     Ok(true)
 }
 
-/// The directory for a config's `dataset`: an existing directory of that name;
-/// else for the built-in `shakespeare_char` / `shakespeare`, `data/<name>` under
-/// the current directory, prepared on first use; else an existing `data/<name>`.
-pub fn resolve_dataset(name: &str) -> Result<PathBuf> {
-    resolve_dataset_in(Path::new(""), name)
+/// The prepared directory for a config's `dataset`: an existing directory of that
+/// name; else for the built-in `shakespeare_char` / `shakespeare`, `data/<name>`
+/// under the current directory, prepared on first use; else an existing
+/// `data/<name>`. Anything else is an error saying how to prepare it.
+pub fn find_or_prepare_dataset(name: &str) -> Result<PathBuf> {
+    find_or_prepare_dataset_in(Path::new(""), name)
 }
 
-fn resolve_dataset_in(root: &Path, name: &str) -> Result<PathBuf> {
+fn find_or_prepare_dataset_in(root: &Path, name: &str) -> Result<PathBuf> {
     if name.is_empty() {
         bail!("the `dataset` key is empty; name a prepared folder or `shakespeare_char`");
     }
@@ -110,7 +111,7 @@ mod tests {
     #[test]
     fn built_in_name_is_prepared_once_under_data() {
         let root = TempDir::new("bundled-resolve");
-        let dir = resolve_dataset_in(root.path(), "shakespeare_char").unwrap();
+        let dir = find_or_prepare_dataset_in(root.path(), "shakespeare_char").unwrap();
         assert_eq!(dir, root.path().join("data/shakespeare_char"));
         let meta = Meta::load(&dir).unwrap();
         assert_eq!((meta.tokenizer, meta.vocab_size), (TokenizerKind::Char, 65));
@@ -118,7 +119,7 @@ mod tests {
             .unwrap()
             .modified()
             .unwrap();
-        resolve_dataset_in(root.path(), "shakespeare_char").unwrap();
+        find_or_prepare_dataset_in(root.path(), "shakespeare_char").unwrap();
         let again = std::fs::metadata(dir.join("train.bin"))
             .unwrap()
             .modified()
@@ -131,10 +132,10 @@ mod tests {
         let root = TempDir::new("bundled-unknown");
         std::fs::create_dir_all(root.path().join("data/owt")).unwrap();
         assert_eq!(
-            resolve_dataset_in(root.path(), "owt").unwrap(),
+            find_or_prepare_dataset_in(root.path(), "owt").unwrap(),
             root.path().join("data/owt")
         );
-        let err = resolve_dataset_in(root.path(), "openwebtext")
+        let err = find_or_prepare_dataset_in(root.path(), "openwebtext")
             .unwrap_err()
             .to_string();
         assert!(

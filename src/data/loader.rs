@@ -95,10 +95,6 @@ impl TokenFile {
         Ok(file)
     }
 
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// Number of tokens.
     pub fn len(&self) -> usize {
         self.map.len() / 2
@@ -161,14 +157,6 @@ pub enum Draw {
 }
 
 impl Draw {
-    /// The file this draw reads.
-    pub fn split(self) -> Split {
-        match self {
-            Draw::Train | Draw::EvalTrain => Split::Train,
-            Draw::EvalVal => Split::Val,
-        }
-    }
-
     fn tag(self) -> u64 {
         match self {
             Draw::Train => 1,

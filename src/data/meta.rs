@@ -7,9 +7,9 @@ use std::str::FromStr;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
-use super::output::AtomicFile;
 use super::tokenizer::GPT2_VOCAB_SIZE;
 use super::{Split, MAX_VOCAB_SIZE};
+use crate::fsutil::AtomicFile;
 
 /// How text was turned into token ids.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

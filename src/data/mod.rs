@@ -6,23 +6,22 @@
 //! - [`Tokenizer`] encodes prompts and decodes samples for a prepared dataset.
 //! - [`loader`] memory-maps the `.bin` files and cuts them into batches that are a
 //!   pure function of `(seed, iteration)`.
-//! - [`resolve_dataset`] maps a config's `dataset` key to a directory, preparing the
-//!   bundled Shakespeare on first use.
+//! - [`find_or_prepare_dataset`] maps a config's `dataset` key to its prepared
+//!   directory, preparing the bundled Shakespeare on first use.
 
 mod bundled;
 pub mod loader;
 mod meta;
-mod output;
 mod prepare;
 pub mod readers;
 #[cfg(test)]
 mod testutil;
+mod token_writer;
 mod tokenizer;
 
-pub use bundled::{ensure_bundled_shakespeare, resolve_dataset, SHAKESPEARE_TEXT};
+pub use bundled::{find_or_prepare_dataset, SHAKESPEARE_TEXT};
 pub use loader::{
-    batch_offsets, batch_offsets_into, eval_window_count, eval_window_offsets, fill_batch, Draw,
-    TokenFile,
+    batch_offsets, eval_window_count, eval_window_offsets, fill_batch, Draw, TokenFile,
 };
 pub use meta::{Meta, TokenizerKind};
 pub use prepare::{prepare, PrepareOptions, PrepareSummary};

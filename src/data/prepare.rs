@@ -14,8 +14,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
 
 use super::meta::{Meta, TokenizerKind};
-use super::output::TokenWriter;
 use super::readers::{ProgressUnit, Source};
+use super::token_writer::TokenWriter;
 use super::tokenizer::Tokenizer;
 use super::Split;
 

@@ -1,7 +1,6 @@
 //! Helpers shared by the data tests.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use parquet::basic::Compression;
@@ -12,38 +11,31 @@ use parquet::schema::parser::parse_message_type;
 
 use super::readers::Source;
 
-/// A fresh directory under the system temp dir, removed on drop.
-pub(crate) struct TempDir(PathBuf);
+/// A fresh directory `nanogpt-test-<label>-…` under the system temp dir, removed
+/// on drop.
+pub(crate) struct TempDir(tempfile::TempDir);
 
 impl TempDir {
     pub(crate) fn new(label: &str) -> TempDir {
-        static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let path =
-            std::env::temp_dir().join(format!("nanogpt-test-{label}-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir_all(&path).expect("create temp dir");
-        TempDir(path)
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("nanogpt-test-{label}-"))
+            .tempdir()
+            .expect("create temp dir");
+        TempDir(dir)
     }
 
     pub(crate) fn path(&self) -> &Path {
-        &self.0
+        self.0.path()
     }
 
     /// Writes `contents` to `name` inside the directory and returns its path.
     pub(crate) fn write(&self, name: &str, contents: impl AsRef<[u8]>) -> PathBuf {
-        let path = self.0.join(name);
+        let path = self.path().join(name);
         if let Some(parent) = path.parent() {
             std::fs::create_dir_all(parent).expect("create parent dir");
         }
         std::fs::write(&path, contents).expect("write test file");
         path
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 

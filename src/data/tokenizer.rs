@@ -71,13 +71,6 @@ impl Tokenizer {
         }
     }
 
-    pub fn kind(&self) -> TokenizerKind {
-        match self {
-            Tokenizer::Gpt2(_) => TokenizerKind::Gpt2,
-            Tokenizer::Char { .. } => TokenizerKind::Char,
-        }
-    }
-
     pub fn vocab_size(&self) -> usize {
         match self {
             Tokenizer::Gpt2(_) => GPT2_VOCAB_SIZE,

@@ -20,7 +20,7 @@ mod watchdog;
 #[cfg(feature = "mpi")]
 mod mpi;
 
-pub use parallel::{params_checksum, CommReport, DataParallel};
+pub use parallel::{CommReport, DataParallel};
 pub use plan::{Bucket, GradPlan};
 pub use update::{clip_and_step, StepSettings, Update};
 pub use watchdog::Watchdog;
@@ -67,20 +67,15 @@ pub trait Collective {
     fn describe(&self) -> String;
     /// Abort the job when a collective makes no progress for this long (0: never).
     fn set_timeout(&self, timeout: Duration);
-    fn barrier(&self);
-    /// Like [`Collective::barrier`], for phases where one rank may legitimately
+    /// Waits for every rank, patiently: for phases where one rank may legitimately
     /// work for long (preparing data, loading a model) while the others wait.
     fn barrier_patient(&self);
-    /// `recv = Σ_ranks send`.
-    fn all_reduce_sum(&self, send: &[f32], recv: &mut [f32]);
     /// Sums a few `f64` values across ranks, in place.
     fn all_reduce_sum_f64(&self, values: &mut [f64]);
     /// Copies `root`'s `buf` to every rank.
     fn broadcast(&self, buf: &mut [f32], root: usize);
     /// Copies `root`'s bytes (any length) to every rank.
     fn broadcast_bytes(&self, buf: &mut Vec<u8>, root: usize);
-    /// `recv` (len n) = block `rank` of `Σ_ranks send` (len n · world_size).
-    fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]);
     /// `recv` (len n · world_size) = every rank's `send` (len n), in rank order.
     fn all_gather(&self, send: &[f32], recv: &mut [f32]);
     fn all_gather_u64(&self, value: u64) -> Vec<u64>;
@@ -102,8 +97,6 @@ pub trait Collective {
         recv: &mut [f32],
         backward: &mut BackwardFn,
     ) -> OverlapTimes;
-    /// Ends the whole job at once (every rank), with exit code `code`.
-    fn abort(&self, code: i32) -> !;
 }
 
 /// One process: every collective is a copy or nothing.
@@ -127,17 +120,10 @@ impl Collective for Single {
         "single process".into()
     }
     fn set_timeout(&self, _: Duration) {}
-    fn barrier(&self) {}
     fn barrier_patient(&self) {}
-    fn all_reduce_sum(&self, send: &[f32], recv: &mut [f32]) {
-        recv.copy_from_slice(send);
-    }
     fn all_reduce_sum_f64(&self, _: &mut [f64]) {}
     fn broadcast(&self, _: &mut [f32], _: usize) {}
     fn broadcast_bytes(&self, _: &mut Vec<u8>, _: usize) {}
-    fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]) {
-        recv.copy_from_slice(send);
-    }
     fn all_gather(&self, send: &[f32], recv: &mut [f32]) {
         recv.copy_from_slice(send);
     }
@@ -167,9 +153,6 @@ impl Collective for Single {
         });
         assert_eq!(i, buckets.len(), "every bucket reported");
         OverlapTimes::default()
-    }
-    fn abort(&self, code: i32) -> ! {
-        std::process::exit(code)
     }
 }
 
@@ -244,50 +227,11 @@ pub fn launched_by_mpi() -> bool {
 }
 
 /// The number of processes a launcher says it started, where it says so.
-pub fn launcher_world_size() -> Option<usize> {
+#[cfg(not(feature = "mpi"))]
+fn launcher_world_size() -> Option<usize> {
     ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"]
         .iter()
         .find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
-}
-
-/// Worker threads per rank when the config says `threads = 0`: this host's cores
-/// shared among its ranks (the cores this process may run on, divided by the
-/// number of ranks on the host), at least one.
-pub fn default_threads(local_ranks: usize) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    (cores / local_ranks.max(1)).max(1)
-}
-
-/// The host's online cores (`/sys/devices/system/cpu/online`), if known.
-pub fn host_cores() -> Option<usize> {
-    let text = std::fs::read_to_string("/sys/devices/system/cpu/online").ok()?;
-    parse_cpu_list(text.trim())
-}
-
-/// Counts the CPUs of a Linux CPU list such as `0-3,8,10-11`.
-fn parse_cpu_list(list: &str) -> Option<usize> {
-    let mut n = 0;
-    for part in list.split(',').filter(|p| !p.is_empty()) {
-        n += match part.split_once('-') {
-            Some((a, b)) => b.parse::<usize>().ok()? + 1 - a.parse::<usize>().ok()?,
-            None => part.parse::<usize>().map(|_| 1).ok()?,
-        };
-    }
-    Some(n)
-}
-
-/// A warning when the launcher pinned this rank to fewer cores than its share of
-/// the host (Open MPI binds each rank to one core when it starts two or fewer).
-pub fn binding_warning(local_ranks: usize) -> Option<String> {
-    let usable = std::thread::available_parallelism().ok()?.get();
-    let share = host_cores()? / local_ranks.max(1);
-    (usable < share).then(|| {
-        format!(
-            "this rank may only run on {usable} of its {share} cores (the MPI launcher bound \
-             it to them); with Open MPI add `--bind-to none`, or set `threads` and the \
-             launcher's binding to match"
-        )
-    })
 }
 
 /// Ends the process after an error: alone, prints `error: ...` and exits 1; in a
@@ -346,19 +290,5 @@ mod tests {
             },
         );
         assert_eq!(recv, grads);
-    }
-
-    #[test]
-    fn cpu_lists_are_counted() {
-        assert_eq!(parse_cpu_list("0-3,8,10-11"), Some(7));
-        assert_eq!(parse_cpu_list("0"), Some(1));
-        assert_eq!(parse_cpu_list("x"), None);
-    }
-
-    #[test]
-    fn default_threads_share_the_cores() {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        assert_eq!(default_threads(1), cores);
-        assert_eq!(default_threads(cores * 4), 1);
     }
 }

@@ -207,22 +207,9 @@ impl Collective for Mpi {
         self.watchdog.set_timeout(timeout);
     }
 
-    fn barrier(&self) {
-        let _g = self.watchdog.arm("barrier", 1);
-        self.world.barrier();
-    }
-
     fn barrier_patient(&self) {
         let _g = self.watchdog.arm("barrier (waiting for rank 0)", 30);
         self.world.barrier();
-    }
-
-    fn all_reduce_sum(&self, send: &[f32], recv: &mut [f32]) {
-        assert_eq!(send.len(), recv.len());
-        count(send.len());
-        let _g = self.watchdog.arm("all-reduce", 1);
-        self.world
-            .all_reduce_into(send, recv, SystemOperation::sum());
     }
 
     fn all_reduce_sum_f64(&self, values: &mut [f64]) {
@@ -247,14 +234,6 @@ impl Collective for Mpi {
         self.root(root).broadcast_into(&mut len);
         buf.resize(count(len as usize), 0);
         self.root(root).broadcast_into(&mut buf[..]);
-    }
-
-    fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]) {
-        assert_eq!(send.len(), recv.len() * self.size);
-        count(send.len());
-        let _g = self.watchdog.arm("reduce-scatter", 1);
-        self.world
-            .reduce_scatter_block_into(send, recv, SystemOperation::sum());
     }
 
     fn all_gather(&self, send: &[f32], recv: &mut [f32]) {
@@ -353,9 +332,5 @@ impl Collective for Mpi {
             stop.store(true, Ordering::Relaxed);
         });
         OverlapTimes { exposed }
-    }
-
-    fn abort(&self, code: i32) -> ! {
-        abort_world(code)
     }
 }

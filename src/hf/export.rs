@@ -9,8 +9,8 @@
 
 use super::tokenizer_files;
 use super::weights::transpose;
-use crate::checkpoint::write_atomic;
 use crate::data::{TokenizerKind, GPT2_EOT, GPT2_VOCAB_SIZE};
+use crate::fsutil::{write_atomic, write_bytes_atomic};
 use crate::model::{ModelConfig, ParamLayout};
 use anyhow::{bail, Context, Result};
 use safetensors::tensor::{Dtype, View};
@@ -123,13 +123,13 @@ pub fn export(
             .with_context(|| format!("cannot write {}", tmp.display()))
     })?;
     let eot = gpt2_tokens.then_some(GPT2_EOT);
-    write_text(&dir.join("generation_config.json"), &generation_config(eot))?;
+    write_bytes_atomic(&dir.join("generation_config.json"), generation_config(eot))?;
     if gpt2_tokens {
         for (name, text) in tokenizer_files::gpt2_tokenizer_files(cfg.block_size)? {
-            write_text(&dir.join(name), &text)?;
+            write_bytes_atomic(&dir.join(name), &text)?;
         }
     }
-    write_text(&dir.join("config.json"), &config_json(cfg, eot))?;
+    write_bytes_atomic(&dir.join("config.json"), config_json(cfg, eot))?;
     Ok(ExportSummary {
         dir: dir.to_path_buf(),
         files: names.iter().map(|s| s.to_string()).collect(),
@@ -235,12 +235,6 @@ fn generation_config(eot: Option<u32>) -> String {
         None => serde_json::json!({}),
     };
     serde_json::to_string_pretty(&json).expect("JSON values serialise") + "\n"
-}
-
-fn write_text(path: &Path, text: &str) -> Result<()> {
-    write_atomic(path, |tmp| {
-        std::fs::write(tmp, text).with_context(|| format!("cannot write {}", tmp.display()))
-    })
 }
 
 /// A new or empty directory, one holding only files an export writes, or a

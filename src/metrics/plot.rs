@@ -14,7 +14,7 @@ use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
 
 use super::text::CrispText;
-use super::{write_atomically, Row};
+use super::Row;
 
 /// Width of `loss.png` in pixels.
 pub const PLOT_WIDTH: u32 = 1024;
@@ -80,7 +80,7 @@ pub fn plot_loss(rows: &[Row], path: &Path) -> Result<()> {
             return Err(anyhow!("plotting panicked: {msg}"));
         }
     };
-    write_atomically(path, &png).context("writing the loss plot")
+    crate::fsutil::write_bytes_atomic(path, png).context("writing the loss plot")
 }
 
 type Points = Vec<(f64, f64)>;

@@ -4,30 +4,6 @@ use super::plot::{
 use super::*;
 
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicUsize, Ordering};
-
-/// A fresh directory under the system temp dir, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "nanogpt-metrics-{tag}-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.0);
-    }
-}
 
 fn step(iter: u64, loss: f32) -> Row {
     Row::Step {
@@ -72,8 +48,8 @@ fn set(keys: &[&str]) -> BTreeSet<String> {
 
 #[test]
 fn lines_have_exact_format_and_keys() {
-    let dir = TempDir::new("format");
-    let mut log = MetricsLog::open(&dir.0, None).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = MetricsLog::open(dir.path(), None).unwrap();
     log.append(step(10, 4.25)).unwrap();
     log.append(Row::Step {
         iter: 11,
@@ -87,7 +63,7 @@ fn lines_have_exact_format_and_keys() {
     .unwrap();
     log.append(eval(12, 3.5, 3.75)).unwrap();
 
-    let text = fs::read_to_string(dir.0.join(METRICS_FILE)).unwrap();
+    let text = fs::read_to_string(dir.path().join(METRICS_FILE)).unwrap();
     let lines: Vec<&str> = text.lines().collect();
     assert_eq!(
         lines,
@@ -121,7 +97,7 @@ fn lines_have_exact_format_and_keys() {
 
 #[test]
 fn jsonl_round_trip() {
-    let dir = TempDir::new("roundtrip");
+    let dir = tempfile::tempdir().unwrap();
     let rows = vec![
         step(0, 10.987_654),
         Row::Step {
@@ -136,7 +112,7 @@ fn jsonl_round_trip() {
         eval(2, 2.345_678, 3.456_789),
         step(u64::MAX, f32::MIN_POSITIVE),
     ];
-    let mut log = MetricsLog::open(&dir.0, None).unwrap();
+    let mut log = MetricsLog::open(dir.path(), None).unwrap();
     for row in &rows {
         log.append(row.clone()).unwrap();
     }
@@ -198,10 +174,10 @@ fn unknown_keys_are_ignored_and_bad_rows_rejected() {
 
 #[test]
 fn fresh_open_starts_empty_file() {
-    let dir = TempDir::new("fresh");
-    let path = dir.0.join(METRICS_FILE);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(METRICS_FILE);
     fs::write(&path, "{\"iter\":1,\"train_loss\":1,\"val_loss\":1}\n").unwrap();
-    let mut log = MetricsLog::open(&dir.0, None).unwrap();
+    let mut log = MetricsLog::open(dir.path(), None).unwrap();
     assert!(log.rows().is_empty());
     assert_eq!(fs::read_to_string(&path).unwrap(), "");
     log.append(step(0, 1.0)).unwrap();
@@ -210,8 +186,8 @@ fn fresh_open_starts_empty_file() {
 
 #[test]
 fn open_creates_missing_out_dir() {
-    let dir = TempDir::new("mkdir");
-    let out = dir.0.join("a/b");
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("a/b");
     let mut log = MetricsLog::open(&out, Some(5)).unwrap();
     log.append(step(5, 1.0)).unwrap();
     assert_eq!(
@@ -222,16 +198,16 @@ fn open_creates_missing_out_dir() {
 
 #[test]
 fn resume_drops_rows_at_or_after_checkpoint_iteration() {
-    let dir = TempDir::new("resume");
+    let dir = tempfile::tempdir().unwrap();
     let rows = run_rows(30, 10);
-    let mut log = MetricsLog::open(&dir.0, None).unwrap();
+    let mut log = MetricsLog::open(dir.path(), None).unwrap();
     for row in &rows {
         log.append(row.clone()).unwrap();
     }
     drop(log);
 
     // Checkpoint at iteration 20: the crashed run logged eval 20 and steps 20..29 after it.
-    let mut log = MetricsLog::open(&dir.0, Some(20)).unwrap();
+    let mut log = MetricsLog::open(dir.path(), Some(20)).unwrap();
     let kept: Vec<Row> = rows.iter().filter(|r| r.iter() < 20).cloned().collect();
     assert_eq!(kept.len(), 22);
     assert_eq!(log.rows(), &kept[..]);
@@ -246,10 +222,10 @@ fn resume_drops_rows_at_or_after_checkpoint_iteration() {
     assert_eq!(read_rows(log.path()).unwrap(), expected);
 
     // Resuming at 0 keeps nothing; no temp files are left behind.
-    let log = MetricsLog::open(&dir.0, Some(0)).unwrap();
+    let log = MetricsLog::open(dir.path(), Some(0)).unwrap();
     assert!(log.rows().is_empty());
     assert_eq!(fs::read_to_string(log.path()).unwrap(), "");
-    let names: Vec<_> = fs::read_dir(&dir.0)
+    let names: Vec<_> = fs::read_dir(dir.path())
         .unwrap()
         .map(|e| e.unwrap().file_name())
         .collect();
@@ -258,16 +234,16 @@ fn resume_drops_rows_at_or_after_checkpoint_iteration() {
 
 #[test]
 fn resume_without_metrics_file_starts_empty() {
-    let dir = TempDir::new("resume-missing");
-    let log = MetricsLog::open(&dir.0, Some(100)).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let log = MetricsLog::open(dir.path(), Some(100)).unwrap();
     assert!(log.rows().is_empty());
     assert!(log.path().exists());
 }
 
 #[test]
 fn truncated_last_line_is_ignored() {
-    let dir = TempDir::new("truncated");
-    let path = dir.0.join(METRICS_FILE);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(METRICS_FILE);
     let full = format!(
         "{}\n{}\n",
         step(0, 5.0).to_json_line(),
@@ -290,7 +266,7 @@ fn truncated_last_line_is_ignored() {
 
     // Resuming drops the partial line and appends on a fresh line.
     fs::write(&path, format!("{full}{partial}")).unwrap();
-    let mut log = MetricsLog::open(&dir.0, Some(1)).unwrap();
+    let mut log = MetricsLog::open(dir.path(), Some(1)).unwrap();
     log.append(step(1, 4.0)).unwrap();
     assert_eq!(
         read_rows(&path).unwrap(),
@@ -300,8 +276,8 @@ fn truncated_last_line_is_ignored() {
 
 #[test]
 fn garbage_line_error_names_file_and_line() {
-    let dir = TempDir::new("garbage");
-    let path = dir.0.join(METRICS_FILE);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(METRICS_FILE);
     let good = step(0, 5.0).to_json_line();
     fs::write(&path, format!("{good}\n\n{{\"iter\":1,oops\n{good}\n")).unwrap();
     let err = format!("{:#}", read_rows(&path).unwrap_err());
@@ -317,10 +293,13 @@ fn garbage_line_error_names_file_and_line() {
 
     // Resuming from a corrupt file fails and leaves it alone.
     let before = fs::read(&path).unwrap();
-    assert!(MetricsLog::open(&dir.0, Some(10)).is_err());
+    assert!(MetricsLog::open(dir.path(), Some(10)).is_err());
     assert_eq!(fs::read(&path).unwrap(), before);
 
-    let err = format!("{:#}", read_rows(&dir.0.join("missing.jsonl")).unwrap_err());
+    let err = format!(
+        "{:#}",
+        read_rows(&dir.path().join("missing.jsonl")).unwrap_err()
+    );
     assert!(err.contains("missing.jsonl"), "{err}");
 }
 
@@ -372,8 +351,8 @@ fn count_colour(rgb: &[u8], c: plotters::style::RGBColor) -> usize {
 
 #[test]
 fn plot_renders_png_with_series_colours() {
-    let dir = TempDir::new("plot");
-    let path = dir.0.join(LOSS_PLOT_FILE);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(LOSS_PLOT_FILE);
     let rows = synthetic_run(2000, 100);
     plot_loss(&rows, &path).unwrap();
     // Rendering again replaces the file in place.
@@ -404,7 +383,7 @@ fn plot_renders_png_with_series_colours() {
         .count();
     assert!(title > 50, "only {title} dark pixels in the title band");
 
-    let names: Vec<_> = fs::read_dir(&dir.0)
+    let names: Vec<_> = fs::read_dir(dir.path())
         .unwrap()
         .map(|e| e.unwrap().file_name())
         .collect();
@@ -413,8 +392,8 @@ fn plot_renders_png_with_series_colours() {
 
 #[test]
 fn plot_handles_empty_partial_and_non_finite_rows() {
-    let dir = TempDir::new("plot-edge");
-    let path = dir.0.join(LOSS_PLOT_FILE);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(LOSS_PLOT_FILE);
     let cases: Vec<Vec<Row>> = vec![
         vec![],
         vec![step(0, 10.9)],
@@ -433,8 +412,12 @@ fn plot_handles_empty_partial_and_non_finite_rows() {
 
 #[test]
 fn plot_failure_is_an_error() {
-    let dir = TempDir::new("plot-err");
-    let err = plot_loss(&synthetic_run(10, 5), &dir.0.join("no/such/dir/loss.png")).unwrap_err();
+    let dir = tempfile::tempdir().unwrap();
+    let err = plot_loss(
+        &synthetic_run(10, 5),
+        &dir.path().join("no/such/dir/loss.png"),
+    )
+    .unwrap_err();
     assert!(format!("{err:#}").contains("loss.png"), "{err:#}");
 }
 
@@ -456,10 +439,10 @@ fn long_runs_are_downsampled_for_plotting() {
     let flat = vec![(0, 4.0), (1, 4.0), (2, 4.0)];
     assert_eq!(smooth(&flat), flat);
 
-    let dir = TempDir::new("plot-long");
+    let dir = tempfile::tempdir().unwrap();
     let rows = synthetic_run(200_000, 10_000);
     let t = std::time::Instant::now();
-    plot_loss(&rows, &dir.0.join(LOSS_PLOT_FILE)).unwrap();
+    plot_loss(&rows, &dir.path().join(LOSS_PLOT_FILE)).unwrap();
     assert!(t.elapsed().as_secs_f64() < 5.0, "{:?}", t.elapsed());
 }
 

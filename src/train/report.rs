@@ -2,10 +2,9 @@
 //! warnings and the error for steps skipped as non-finite, the communication report.
 
 use super::{StepOutcome, Trainer};
-use crate::checkpoint;
 use crate::metrics::Row;
 use crate::progress::Progress;
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 
 impl Trainer {
     /// After a step: a warning for a skipped one, and an error once
@@ -93,9 +92,7 @@ impl Trainer {
         };
         let path = self.cfg.out_dir.join("comm.json");
         let text = serde_json::to_string_pretty(&report)?;
-        checkpoint::write_atomic(&path, |tmp| {
-            std::fs::write(tmp, &text).with_context(|| format!("cannot write {}", tmp.display()))
-        })?;
+        crate::fsutil::write_bytes_atomic(&path, text)?;
         println!(
             "{} ranks: {:.1} ms/step, of which computing {:.1}, waiting for the gradient \
              reduction {:.1} ({:.0}% of its {:.1} ms hidden behind backward), other \

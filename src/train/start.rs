@@ -79,7 +79,7 @@ impl Start {
 impl Dataset {
     /// The dataset of `cfg` and its two splits, checked against the config.
     fn open(cfg: &TrainConfig) -> Result<Dataset> {
-        let data_dir = data::resolve_dataset(&cfg.dataset)?;
+        let data_dir = data::find_or_prepare_dataset(&cfg.dataset)?;
         let meta = Meta::load(&data_dir)?;
         let train = TokenFile::open_split(&data_dir, Split::Train, &meta)?;
         let val = TokenFile::open_split(&data_dir, Split::Val, &meta)?;

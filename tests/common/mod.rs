@@ -1,11 +1,37 @@
-//! Helpers shared by the integration tests that run the `nanogpt` binary.
+//! Helpers shared by the integration tests that run the `nanogpt` binary: the tiny
+//! settings they train with, running the binary, and the checks every successful
+//! or refused run must pass.
 
 // Each test crate includes this module and uses a different part of it.
 #![allow(dead_code)]
 
+use std::ffi::OsStr;
 use std::path::Path;
+use std::process::{Command, Output};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_nanogpt");
+
+/// A tiny GPT: 2 layers, 2 heads, width 32.
+pub const TINY_MODEL: [&str; 3] = ["n_layer=2", "n_head=2", "n_embd=32"];
+
+/// Tiny batches: 4 rows of 16 tokens (with [`TINY_MODEL`], seconds of training).
+pub const TINY_BATCH: [&str; 2] = ["block_size=16", "batch_size=4"];
+
+/// [`TINY_MODEL`] and [`TINY_BATCH`] on the bundled Shakespeare (characters),
+/// learning fast, with dropout on (so the seeds matter) and every step logged.
+pub const TINY_SHAKESPEARE: [&str; 11] = [
+    "dataset=shakespeare_char",
+    TINY_MODEL[0],
+    TINY_MODEL[1],
+    TINY_MODEL[2],
+    TINY_BATCH[0],
+    TINY_BATCH[1],
+    "eval_iters=2",
+    "log_interval=1",
+    "warmup_iters=2",
+    "learning_rate=3e-3",
+    "dropout=0.1",
+];
 
 /// A scratch directory `nanogpt-<tag>-…` under the system temp dir, removed on drop.
 pub fn temp_dir(tag: &str) -> tempfile::TempDir {
@@ -18,6 +44,82 @@ pub fn temp_dir(tag: &str) -> tempfile::TempDir {
 /// A process's output stream as text.
 pub fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// `nanogpt ARGS` in `dir`, as every suite runs it: two rayon threads (the machine
+/// may have two cores), no fault injection inherited from the environment, and
+/// `RUST_BACKTRACE=1`, so that a backtrace, were one ever printed, would be seen.
+pub fn command<S: AsRef<OsStr>>(dir: &Path, args: impl IntoIterator<Item = S>) -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.args(args)
+        .current_dir(dir)
+        .env("RAYON_NUM_THREADS", "2")
+        .env("RUST_BACKTRACE", "1")
+        .env_remove("NANOGPT_FAULT");
+    cmd
+}
+
+/// Runs `cmd` to its end.
+pub fn run(cmd: &mut Command) -> Output {
+    cmd.output().expect("run nanogpt")
+}
+
+/// Runs `cmd` and expects success; returns its stdout and stderr.
+pub fn succeeds(cmd: &mut Command) -> (String, String) {
+    let out = run(cmd);
+    let stderr = text(&out.stderr);
+    assert!(out.status.success(), "{cmd:?} failed:\n{stderr}");
+    let stdout = String::from_utf8(out.stdout).expect("stdout is UTF-8");
+    (stdout, stderr)
+}
+
+/// `nanogpt ARGS` in `dir`, expected to succeed; its stdout.
+pub fn ok(dir: &Path, args: &[&str]) -> String {
+    succeeds(&mut command(dir, args)).0
+}
+
+/// `nanogpt ARGS` in `dir`, expected to fail with nothing on stderr but the error
+/// (ours or a usage error of the command line's parser); returns stderr.
+pub fn fails(dir: &Path, args: &[&str]) -> String {
+    let stderr = failed(&run(&mut command(dir, args)));
+    assert!(
+        stderr.starts_with("error: "),
+        "more than the error on stderr:\n{stderr}"
+    );
+    stderr
+}
+
+/// What every refused run must show: exit status 1, no panic, no backtrace, and
+/// exactly one `error:` line, the last of stderr. Returns stderr.
+pub fn refused(out: &Output) -> String {
+    let stderr = refused_multiline(out);
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("error: "),
+        "the error is not the last line:\n{stderr}"
+    );
+    stderr
+}
+
+/// [`refused`], the error allowed to continue on further lines (a message that
+/// carries a command to copy).
+pub fn refused_multiline(out: &Output) -> String {
+    let stderr = failed(out);
+    assert_eq!(out.status.code(), Some(1), "exit status:\n{stderr}");
+    stderr
+}
+
+/// A failure, not a crash: a non-zero exit status, no panic, no backtrace, and
+/// exactly one `error:` line. Returns stderr.
+fn failed(out: &Output) -> String {
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success(), "no failure:\n{stderr}");
+    let lower = stderr.to_lowercase();
+    assert!(!lower.contains("panicked"), "a panic:\n{stderr}");
+    assert!(!lower.contains("backtrace"), "a backtrace:\n{stderr}");
+    let errors = stderr.lines().filter(|l| l.starts_with("error")).count();
+    assert_eq!(errors, 1, "not one error line:\n{stderr}");
+    stderr
 }
 
 /// `(iter, value)` of every row of `out_dir/metrics.jsonl` that has `key` (a value
@@ -34,4 +136,17 @@ pub fn metric(out_dir: &Path, key: &str) -> Vec<(u64, f64)> {
             (row["iter"].as_u64().unwrap(), value)
         })
         .collect()
+}
+
+/// A fixture file or folder under `tests/fixtures`.
+pub fn fixture(rel: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(rel)
+}
+
+/// A JSON file, parsed.
+pub fn read_json(path: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }

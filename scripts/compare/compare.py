@@ -1,15 +1,16 @@
 """nanogpt vs PyTorch eager, side by side on this machine: prints the ratios.
 
-For each configuration, runs `nanogpt bench --json` and bench/torch_gpt2.py --json
-alternately (nanogpt, torch, nanogpt, torch, ...) for --rounds rounds, with the same
-shapes, the same thread count and the same optimizer (AdamW, clipping at 1.0), then
-reports each side's median over the rounds of its per-run median ms/step, the
-tokens/s ratio, MFU (nanogpt's FLOP count and measured GEMM peak) and peak RSS.
+For each configuration, runs `nanogpt bench --json` and
+scripts/compare/torch_gpt2.py --json alternately (nanogpt, torch, nanogpt, torch, ...)
+for --rounds rounds, with the same shapes, the same thread count and the same
+optimizer (AdamW, clipping at 1.0), then reports each side's median over the rounds
+of its per-run median ms/step, the tokens/s ratio, MFU (nanogpt's FLOP count and
+measured GEMM peak) and peak RSS.
 Alternating means a noisy neighbour slows both sides alike; the spread between
 rounds is printed so you can judge the noise.
 
-    python3 bench/compare.py                       # makes bench/.venv with torch first
-    python3 bench/compare.py --python /path/to/venv/bin/python --rounds 5 \
+    python3 scripts/compare/compare.py       # makes scripts/compare/.venv with torch first
+    python3 scripts/compare/compare.py --python /path/to/venv/bin/python --rounds 5 \
         --configs quickstart,gpt2-256 --json-out /tmp/compare.json
 
 Configurations (2 threads unless --threads):
@@ -33,7 +34,8 @@ import sys
 import venv
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
 
 GPT2 = {"n_layer": 12, "n_head": 12, "n_embd": 768, "vocab_size": 50304}
 QUICK = {"n_layer": 4, "n_head": 4, "n_embd": 128, "vocab_size": 65}
@@ -50,10 +52,10 @@ CONFIGS = {
 
 
 def torch_python(explicit):
-    """A Python with torch: --python, or bench/.venv (created on first use)."""
+    """A Python with torch: --python, or scripts/compare/.venv (created on first use)."""
     if explicit:
         return explicit
-    env_dir = ROOT / "bench" / ".venv"
+    env_dir = HERE / ".venv"
     py = env_dir / "bin" / "python"
     if not py.exists():
         print(f"setting up {env_dir} with torch (large download, once)", file=sys.stderr)
@@ -75,7 +77,7 @@ def nanogpt_cmd(a, arch, b, t, extra):
 
 
 def torch_cmd(a, py, arch, b, t, extra):
-    return [py, str(ROOT / "bench" / "torch_gpt2.py"), "--n-layer", str(arch["n_layer"]),
+    return [py, str(HERE / "torch_gpt2.py"), "--n-layer", str(arch["n_layer"]),
             "--n-head", str(arch["n_head"]), "--n-embd", str(arch["n_embd"]),
             "--vocab-size", str(arch["vocab_size"]), "--batch-size", str(b),
             "--block-size", str(t), "--steps", str(a.steps), "--threads", str(a.threads),
@@ -120,7 +122,7 @@ def compare(a, py, name):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nanogpt", default=str(ROOT / "target" / "release" / "nanogpt"))
-    ap.add_argument("--python", help="a Python with torch (default: bench/.venv, created)")
+    ap.add_argument("--python", help="a Python with torch (default: scripts/compare/.venv, created)")
     ap.add_argument("--configs", default="quickstart,gpt2-256")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per run")

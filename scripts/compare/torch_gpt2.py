@@ -6,11 +6,11 @@ the step is forward + backward + clip_grad_norm_(1.0) + AdamW (PyTorch's default
 implementation, as nanoGPT uses on CPU), on synthetic tokens.
 
     python3 -m venv .venv && .venv/bin/pip install torch
-    .venv/bin/python bench/torch_gpt2.py --batch-size 4 --block-size 256 --threads 2 --json
-    .venv/bin/python bench/torch_gpt2.py --n-layer 4 --n-head 4 --n-embd 128 --vocab-size 65 \
+    .venv/bin/python scripts/compare/torch_gpt2.py --batch-size 4 --block-size 256 --threads 2 --json
+    .venv/bin/python scripts/compare/torch_gpt2.py --n-layer 4 --n-head 4 --n-embd 128 --vocab-size 65 \
         --batch-size 12 --block-size 64 --steps 50 --threads 2     # the quick-start shape
 
-bench/compare.py runs this and nanogpt alternately and prints the ratios.
+scripts/compare/compare.py runs this and nanogpt alternately and prints the ratios.
 """
 
 import argparse

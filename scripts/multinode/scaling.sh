@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# multinode_scaling.sh - weak scaling of data-parallel training, for docs/PERFORMANCE.md.
+# scaling.sh - weak scaling of data-parallel training, for docs/PERFORMANCE.md.
 #
-#   bench/multinode_scaling.sh [NANOGPT_BINARY] [MODEL_ARGS...]
+#   scripts/multinode/scaling.sh [NANOGPT_BINARY] [MODEL_ARGS...]
 #
 # Runs the same per-rank work (B x T tokens, one micro-step per rank per optimizer
 # step, 1 thread per rank) as
@@ -24,8 +24,8 @@ BIN=$(realpath "${1:-target/release/nanogpt}")
 shift || true
 MODEL=("$@")
 [ ${#MODEL[@]} -gt 0 ] || MODEL=(n_layer=12 n_head=12 n_embd=768 batch_size=2 block_size=256)
-HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-MPINET=${MPINET:-$HERE/../shared/tools/mpinet/netns-cluster.sh}
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+MPINET=${MPINET:-$ROOT/../shared/tools/mpinet/netns-cluster.sh}
 STEPS=${STEPS:-5}
 WORK=$(mktemp -d /tmp/nanogpt-scaling.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT

@@ -17,7 +17,7 @@
 //! Crash safety: [`MetricsLog::append`] writes each line with a single `write` call, so a
 //! crash loses at most the line being written, and [`read_rows`] ignores a truncated last
 //! line. Resuming ([`MetricsLog::open`] with `Some(k)`) rewrites the file atomically
-//! (temp file + rename), dropping rows a crashed run logged at or past its checkpoint.
+//! ([`crate::fsutil`]), dropping rows a crashed run logged at or past its checkpoint.
 
 mod plot;
 mod text;
@@ -218,7 +218,7 @@ impl MetricsLog {
                     text.push_str(&row.to_json_line());
                     text.push('\n');
                 }
-                write_atomically(&path, text.as_bytes())?;
+                crate::fsutil::write_bytes_atomic(&path, text)?;
                 rows
             }
         };
@@ -259,30 +259,6 @@ impl MetricsLog {
     pub fn path(&self) -> &Path {
         &self.path
     }
-}
-
-/// Writes `bytes` to `path` via a temporary file in the same directory, fsync and rename,
-/// so `path` always holds either the old or the new complete contents.
-pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    let name = path
-        .file_name()
-        .ok_or_else(|| anyhow!("{} has no file name", path.display()))?;
-    let mut tmp_name = std::ffi::OsString::from(".");
-    tmp_name.push(name);
-    tmp_name.push(format!(".tmp{}", std::process::id()));
-    let tmp = path.with_file_name(tmp_name);
-    let result = (|| -> std::io::Result<()> {
-        let mut f = File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        drop(f);
-        fs::rename(&tmp, path)
-    })();
-    if let Err(e) = result {
-        let _ = fs::remove_file(&tmp);
-        return Err(e).with_context(|| format!("writing {}", path.display()));
-    }
-    Ok(())
 }
 
 #[cfg(test)]

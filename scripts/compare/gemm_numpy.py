@@ -1,7 +1,7 @@
 """OpenBLAS (through numpy) on the GEMM shapes of benches/gemm.rs, for the same table.
 
     python3 -m venv .venv && .venv/bin/pip install numpy
-    OPENBLAS_NUM_THREADS=2 .venv/bin/python bench/gemm_numpy.py
+    OPENBLAS_NUM_THREADS=2 .venv/bin/python scripts/compare/gemm_numpy.py
 """
 import time
 

@@ -8,7 +8,7 @@ warm-up + cosine schedule, clipping at 1.0). `--gelu none` is nanoGPT's exact GE
 every whole 64-token window of val.bin, like `nanogpt eval`.
 
     nanogpt prepare shakespeare --tokenizer char --out data/shakespeare_char
-    .venv/bin/python bench/torch_quickstart.py --data data/shakespeare_char --gelu none
+    .venv/bin/python scripts/compare/torch_quickstart.py --data data/shakespeare_char --gelu none
 """
 
 import argparse

@@ -1,0 +1,269 @@
+//! Files replaced all-or-nothing: everything nanogpt writes (checkpoints, token
+//! files, `meta.json`, the metrics log on resume, the loss plot, exports) goes to a
+//! temporary file `.NAME.tmp-PID` beside the destination, which is synced to disk,
+//! renamed over the destination and made durable by syncing the directory. A crash
+//! or an error leaves the previous file as it was, never a half-written one that
+//! looks finished; a failed write removes its temporary file.
+//!
+//! The process id in the temporary name keeps concurrent writers (several ranks
+//! preparing the same bundled dataset) off each other's files; [`temp_target`]
+//! recognises the names, so that leftovers of a killed process can be reported.
+
+use std::fs::File;
+use std::io::BufWriter;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+
+/// What a temporary file's name carries after the destination's name.
+const TEMP_MARK: &str = ".tmp-";
+
+/// Writes `dest` through `write(tmp)`, which creates and fills the temporary file
+/// `tmp` beside it; then syncs, renames and syncs the directory. On failure the
+/// previous `dest` is untouched, the temporary file removed, and the error names
+/// `dest`.
+pub fn write_atomic(dest: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let tmp = temp_path(dest)?;
+    let result = write(&tmp).and_then(|()| {
+        let file =
+            File::open(&tmp).with_context(|| format!("cannot sync {} to disk", tmp.display()))?;
+        commit(file, &tmp, dest)
+    });
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result.with_context(|| not_written(dest))
+}
+
+/// [`write_atomic`] of a whole buffer.
+pub fn write_bytes_atomic(dest: &Path, bytes: impl AsRef<[u8]>) -> Result<()> {
+    write_atomic(dest, |tmp| {
+        std::fs::write(tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))
+    })
+}
+
+/// A file written piece by piece under its temporary name; [`AtomicFile::commit`]
+/// moves it into place, dropping it uncommitted deletes it.
+pub struct AtomicFile {
+    dest: PathBuf,
+    tmp: PathBuf,
+    writer: Option<BufWriter<File>>,
+}
+
+impl AtomicFile {
+    pub fn create(dest: &Path) -> Result<AtomicFile> {
+        let tmp = temp_path(dest)?;
+        let file = File::create(&tmp).with_context(|| {
+            format!(
+                "cannot create {}; check that the folder is writable",
+                tmp.display()
+            )
+        })?;
+        Ok(AtomicFile {
+            dest: dest.to_path_buf(),
+            tmp,
+            writer: Some(BufWriter::with_capacity(1 << 20, file)),
+        })
+    }
+
+    /// The path the file will have once committed.
+    pub fn dest(&self) -> &Path {
+        &self.dest
+    }
+
+    pub fn writer(&mut self) -> &mut BufWriter<File> {
+        self.writer
+            .as_mut()
+            .expect("AtomicFile writer is present until commit")
+    }
+
+    /// Flushes, then syncs and renames the file to its destination (see
+    /// [`write_atomic`]); on failure the temporary file is removed by the drop.
+    pub fn commit(mut self) -> Result<()> {
+        let writer = self.writer.take().expect("commit is called once");
+        let result = writer
+            .into_inner()
+            .map_err(|e| e.into_error())
+            .with_context(|| format!("cannot write {}", self.tmp.display()))
+            .and_then(|file| commit(file, &self.tmp, &self.dest));
+        if result.is_err() {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+        result.with_context(|| not_written(&self.dest))
+    }
+}
+
+impl Drop for AtomicFile {
+    fn drop(&mut self) {
+        if self.writer.is_some() {
+            // Not committed: the partial file must not survive.
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// The destination's name if `name` is a temporary file's (`.NAME.tmp-PID`).
+pub fn temp_target(name: &str) -> Option<&str> {
+    let (target, pid) = name.strip_prefix('.')?.rsplit_once(TEMP_MARK)?;
+    let is_pid = !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit());
+    (is_pid && !target.is_empty()).then_some(target)
+}
+
+/// `.NAME.tmp-PID` in the destination's directory.
+fn temp_path(dest: &Path) -> Result<PathBuf> {
+    let name = dest
+        .file_name()
+        .with_context(|| format!("{} is not a file path", dest.display()))?;
+    let tmp = format!(
+        ".{}{TEMP_MARK}{}",
+        name.to_string_lossy(),
+        std::process::id()
+    );
+    Ok(dest.with_file_name(tmp))
+}
+
+/// Syncs the complete temporary `file`, renames it over `dest` and syncs the
+/// directory, so that the new contents survive a power cut.
+fn commit(file: File, tmp: &Path, dest: &Path) -> Result<()> {
+    file.sync_all()
+        .with_context(|| format!("cannot sync {} to disk", tmp.display()))?;
+    drop(file);
+    std::fs::rename(tmp, dest)
+        .with_context(|| format!("cannot move {} into place", tmp.display()))?;
+    // The rename is durable only once the directory entry is on disk. Some file
+    // systems cannot sync a directory; the file itself is complete either way.
+    if let Ok(dir) = File::open(parent_dir(dest)) {
+        let _ = dir.sync_all();
+    }
+    Ok(())
+}
+
+/// The directory holding `path` (`.` for a bare file name).
+fn parent_dir(path: &Path) -> &Path {
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    }
+}
+
+fn not_written(dest: &Path) -> String {
+    format!(
+        "{} was not written (any previous copy is intact)",
+        dest.display()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn a_write_replaces_the_file_and_leaves_no_temporary_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let dest = dir.path().join("a.json");
+        std::fs::write(&dest, "old").unwrap();
+        write_bytes_atomic(&dest, "new").unwrap();
+        assert_eq!(std::fs::read_to_string(&dest).unwrap(), "new");
+        assert_eq!(names(dir.path()), ["a.json"]);
+    }
+
+    #[test]
+    fn a_failed_write_keeps_the_previous_file_and_removes_the_temporary_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let dest = dir.path().join("a.json");
+        std::fs::write(&dest, "old").unwrap();
+        let err = write_atomic(&dest, |tmp| {
+            std::fs::write(tmp, "half")?;
+            anyhow::bail!("disk full")
+        })
+        .unwrap_err();
+        let msg = format!("{err:#}");
+        assert!(
+            msg.starts_with(&format!(
+                "{} was not written (any previous copy is intact)",
+                dest.display()
+            )) && msg.ends_with("disk full"),
+            "{msg}"
+        );
+        assert_eq!(std::fs::read_to_string(&dest).unwrap(), "old");
+        assert_eq!(names(dir.path()), ["a.json"]);
+    }
+
+    #[test]
+    fn a_streamed_file_appears_only_on_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let dest = dir.path().join("x.bin");
+        std::fs::write(&dest, "old").unwrap();
+        let mut file = AtomicFile::create(&dest).unwrap();
+        file.writer().write_all(b"new").unwrap();
+        assert_eq!(std::fs::read_to_string(&dest).unwrap(), "old");
+        let tmp = format!(".x.bin.tmp-{}", std::process::id());
+        assert_eq!(names(dir.path()), [tmp.as_str(), "x.bin"]);
+        file.commit().unwrap();
+        assert_eq!(std::fs::read_to_string(&dest).unwrap(), "new");
+        assert_eq!(names(dir.path()), ["x.bin"]);
+    }
+
+    #[test]
+    fn a_dropped_streamed_file_leaves_the_previous_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let dest = dir.path().join("x.bin");
+        std::fs::write(&dest, "old").unwrap();
+        let mut file = AtomicFile::create(&dest).unwrap();
+        file.writer().write_all(b"partial").unwrap();
+        drop(file);
+        assert_eq!(std::fs::read_to_string(&dest).unwrap(), "old");
+        assert_eq!(names(dir.path()), ["x.bin"]);
+    }
+
+    #[test]
+    fn a_failed_commit_keeps_the_previous_file() {
+        let dir = tempfile::tempdir().unwrap();
+        // A directory cannot be replaced by a file: the rename fails.
+        let dest = dir.path().join("taken");
+        std::fs::create_dir(&dest).unwrap();
+        std::fs::write(dest.join("inside"), "kept").unwrap();
+        let mut file = AtomicFile::create(&dest).unwrap();
+        file.writer().write_all(b"new").unwrap();
+        let err = format!("{:#}", file.commit().unwrap_err());
+        assert!(
+            err.contains("was not written (any previous copy is intact)"),
+            "{err}"
+        );
+        assert!(err.contains("cannot move"), "{err}");
+        assert_eq!(names(dir.path()), ["taken"]);
+        assert_eq!(
+            std::fs::read_to_string(dest.join("inside")).unwrap(),
+            "kept"
+        );
+    }
+
+    #[test]
+    fn temporary_names_are_recognised() {
+        let dest = Path::new("run/ckpt-000400.safetensors");
+        let tmp = temp_path(dest).unwrap();
+        assert_eq!(tmp.parent(), Some(Path::new("run")));
+        let name = tmp.file_name().unwrap().to_str().unwrap();
+        assert_eq!(temp_target(name), Some("ckpt-000400.safetensors"));
+        assert_eq!(temp_target(".ckpt.json.tmp-12"), Some("ckpt.json"));
+        for other in [
+            "ckpt.json",
+            ".ckpt.json",
+            ".ckpt.json.tmp-",
+            ".x.tmp-1a",
+            "..tmp-3",
+        ] {
+            assert_eq!(temp_target(other), None, "{other}");
+        }
+    }
+}
