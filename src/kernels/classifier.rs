@@ -38,11 +38,6 @@ impl WtePacks {
         self.logits.pack(wte_v.t());
         self.dx.pack(wte_v);
     }
-
-    /// Bytes held.
-    pub fn num_bytes(&self) -> usize {
-        self.logits.num_bytes() + self.dx.num_bytes()
-    }
 }
 
 /// The classifier's weights: the tied token embedding `wte` (≥ V rows of C), of which

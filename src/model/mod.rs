@@ -163,10 +163,6 @@ impl Gpt {
         self.sync_bf16_weights();
     }
 
-    pub fn dtype(&self) -> Dtype {
-        self.dtype
-    }
-
     /// bf16 mode: re-rounds the weight copy the matmuls read from `params`. Call it
     /// whenever `params` changed (after each optimizer step, after loading); the
     /// micro-steps of one optimizer step share the copy. A no-op in f32 mode.

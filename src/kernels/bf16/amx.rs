@@ -169,11 +169,6 @@ impl PackedB {
         pack_b(&mut self.tiles, b);
         (self.k, self.n) = (b.rows, b.cols);
     }
-
-    /// Bytes held.
-    pub fn num_bytes(&self) -> usize {
-        self.tiles.len() * 4
-    }
 }
 
 /// [`matmul`] with a right-hand operand packed beforehand.
