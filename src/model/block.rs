@@ -166,7 +166,8 @@ pub fn block_backward<const BF16: bool>(
 
     // MLP branch. The GELU output is recomputed into `hidden`, multiplied into
     // W_proj's gradient, then overwritten by its own gradient.
-    let dout = branch_grad::<BF16>(&s.dres[..n * c], &mut s.dbranch, drop.map(|m| m.mlp_resid));
+    let mask = drop.map(|m| m.mlp_resid);
+    let dout = branch_grad::<BF16>(&s.dres[..n * c], &mut s.dbranch, mask);
     let hidden = &mut s.hidden[..n * 4 * c];
     gelu_of_saved::<BF16>(hidden, fch);
     let proj = w.linear(at.mlp_proj);
@@ -177,27 +178,15 @@ pub fn block_backward<const BF16: bool>(
     let ln2 = a.ln2.load(&mut s.staging, n * c, |o| {
         layernorm_recompute::<BF16>(o, res2, m2, r2, w.norm(at.ln_2))
     });
-    let dln2 = &mut s.dinp[..n * c];
-    linear_backward::<BF16>(
-        dln2,
-        linear_grads(g, at.c_fc),
-        hidden,
-        ln2,
-        w.linear(at.c_fc),
-    );
-    let ln_w = &w.params[at.ln_2.weight];
-    layernorm_backward(
-        &mut s.dres[..n * c],
-        norm_grads(g, at.ln_2),
-        dln2,
-        res2,
-        ln_w,
-        m2,
-        r2,
-    );
+    let (dres, dln2) = (&mut s.dres[..n * c], &mut s.dinp[..n * c]);
+    let fc = w.linear(at.c_fc);
+    linear_backward::<BF16>(dln2, linear_grads(g, at.c_fc), hidden, ln2, fc);
+    let ln_w = w.norm(at.ln_2).weight;
+    layernorm_backward(dres, norm_grads(g, at.ln_2), dln2, res2, ln_w, m2, r2);
 
     // Attention branch.
-    let dout = branch_grad::<BF16>(&s.dres[..n * c], &mut s.dbranch, drop.map(|m| m.attn_resid));
+    let mask = drop.map(|m| m.attn_resid);
+    let dout = branch_grad::<BF16>(&s.dres[..n * c], &mut s.dbranch, mask);
     let atty = a.atty.load(&mut s.staging, n * c, not_recomputed);
     let datty = &mut s.dinp[..n * c];
     let proj = w.linear(at.attn_proj);
@@ -213,24 +202,11 @@ pub fn block_backward<const BF16: bool>(
     let ln1 = a.ln1.load(&mut s.staging, n * c, |o| {
         layernorm_recompute::<BF16>(o, x, m1, r1, w.norm(at.ln_1))
     });
-    let dln1 = &mut s.dinp[..n * c];
-    linear_backward::<BF16>(
-        dln1,
-        linear_grads(g, at.c_attn),
-        dqkv,
-        ln1,
-        w.linear(at.c_attn),
-    );
-    let ln_w = &w.params[at.ln_1.weight];
-    layernorm_backward(
-        &mut s.dres[..n * c],
-        norm_grads(g, at.ln_1),
-        dln1,
-        x,
-        ln_w,
-        m1,
-        r1,
-    );
+    let (dres, dln1) = (&mut s.dres[..n * c], &mut s.dinp[..n * c]);
+    let attn = w.linear(at.c_attn);
+    linear_backward::<BF16>(dln1, linear_grads(g, at.c_attn), dqkv, ln1, attn);
+    let ln_w = w.norm(at.ln_1).weight;
+    layernorm_backward(dres, norm_grads(g, at.ln_1), dln1, x, ln_w, m1, r1);
 }
 
 /// The gradient reaching a residual branch's output projection: `dres` itself, or

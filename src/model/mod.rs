@@ -177,14 +177,6 @@ impl Gpt {
         }
     }
 
-    /// The weights the matmuls read: `params`, or their bf16 copy.
-    fn matmul_weights(&self) -> &[f32] {
-        match self.dtype {
-            Dtype::Float32 => &self.params,
-            Dtype::Bfloat16 => &self.params_bf16,
-        }
-    }
-
     /// Bytes held by the activation arena.
     pub fn activation_bytes(&self) -> usize {
         self.acts.num_bytes()
@@ -227,11 +219,7 @@ impl Gpt {
     ) -> f32 {
         self.trunk_forward::<BF16>(inputs, d, dropout);
         let n = d.bt();
-        let matmul = if BF16 {
-            &self.params_bf16
-        } else {
-            &self.params
-        };
+        let matmul = matmul_weights(BF16, &self.params, &self.params_bf16);
         let cls = Classifier {
             wte: &matmul[self.layout.wte],
             packs: self.wte_packs.as_ref(),
@@ -295,7 +283,7 @@ impl Gpt {
             config,
             ..
         } = self;
-        let matmul = if BF16 { &params_bf16[..] } else { &params[..] };
+        let matmul = matmul_weights(BF16, params, params_bf16);
         let s = &mut acts.scratch;
         // The classifier left d(ln_f output) in `dinp`; the residual gradient starts at 0.
         s.dres[..n * c].fill(0.0);
@@ -320,15 +308,12 @@ impl Gpt {
             block_backward::<BF16>(&w, grads, x, &acts.blocks[l], s, drop, d);
             done(buckets.next().expect("a block's bucket"), grads);
         }
+        let dres = &mut s.dres[..n * c];
         if let Some(seed) = dropout {
-            dropout::apply(
-                &mut s.dres[..n * c],
-                embedding_dropout(seed, config.dropout),
-                0,
-            );
+            dropout::apply(dres, embedding_dropout(seed, config.dropout), 0);
         }
         let (dwte, dwpe) = split_two(grads, layout.wte, layout.wpe);
-        encoder_backward(dwte, dwpe, &s.dres[..n * c], &acts.inputs[..n], d.t, c);
+        encoder_backward(dwte, dwpe, dres, &acts.inputs[..n], d.t, c);
         done(buckets.next().expect("the embeddings' bucket"), grads);
     }
 
@@ -342,8 +327,9 @@ impl Gpt {
         }
         let (n, v) = (d.bt(), self.config.vocab_size);
         let mut out = vec![0.0; n * v];
+        let bf16 = self.dtype == Dtype::Bfloat16;
         let cls = Classifier {
-            wte: &self.matmul_weights()[self.layout.wte],
+            wte: &matmul_weights(bf16, &self.params, &self.params_bf16)[self.layout.wte],
             packs: None,
             c: d.c,
             v,
@@ -385,17 +371,11 @@ impl Gpt {
             config,
             ..
         } = self;
-        let matmul = if BF16 { &params_bf16[..] } else { &params[..] };
+        let matmul = matmul_weights(BF16, params, params_bf16);
         acts.inputs[..n].copy_from_slice(inputs);
+        let (wte, wpe) = (&params[layout.wte], &params[layout.wpe]);
         let encoded = &mut acts.encoded[..n * c];
-        encoder_forward(
-            encoded,
-            inputs,
-            &params[layout.wte],
-            &params[layout.wpe],
-            d.t,
-            c,
-        );
+        encoder_forward(encoded, inputs, wte, wpe, d.t, c);
         if let Some(seed) = dropout {
             dropout::apply(encoded, embedding_dropout(seed, config.dropout), 0);
         }
@@ -415,6 +395,14 @@ impl Gpt {
         let (mean, rstd) = acts.lnf_stats.rows_mut(n);
         let ln_f = norm_of(params, layout.ln_f);
         layernorm_forward::<BF16>(&mut acts.lnf[..n * c], mean, rstd, &last[..n * c], ln_f);
+    }
+}
+
+/// The weights the matmuls read: `params`, or under bf16 autocast their bf16 copy.
+fn matmul_weights<'a>(bf16: bool, params: &'a [f32], params_bf16: &'a [f32]) -> &'a [f32] {
+    match bf16 {
+        true => params_bf16,
+        false => params,
     }
 }
 
