@@ -613,28 +613,34 @@ mod tests {
             .all(|(a, b)| (a - b).abs() < 1e-5));
     }
 
+    /// The losses of `steps` optimizer steps on one batch, in `dtype`, with dropout.
+    fn train_losses(dtype: Dtype, steps: usize, lr: f32) -> Vec<f32> {
+        let (b, t) = (2, 8);
+        let mut gpt = model(tiny(true, 0.1), b, t);
+        gpt.set_dtype(dtype);
+        gpt.set_dropout_seed(5);
+        let (x, y) = batch(b, t, gpt.config().vocab_size);
+        let mut opt = crate::optim::AdamW::new(&gpt.layout, Default::default());
+        (0..steps)
+            .map(|_| {
+                gpt.zero_grad();
+                let loss = gpt.forward(&x, &y, b, t);
+                gpt.backward();
+                crate::optim::clip_grad_norm(&mut gpt.grads, 1.0);
+                opt.step(&mut gpt.params, &gpt.grads, lr);
+                gpt.sync_bf16_weights();
+                loss
+            })
+            .collect()
+    }
+
     #[test]
-    fn training_is_bit_identical_across_runs() {
-        let run = || {
-            let (b, t) = (2, 8);
-            let mut gpt = model(tiny(true, 0.1), b, t);
-            gpt.set_dropout_seed(5);
-            let (x, y) = batch(b, t, gpt.config().vocab_size);
-            let mut opt = crate::optim::AdamW::new(&gpt.layout, Default::default());
-            (0..5)
-                .map(|_| {
-                    gpt.zero_grad();
-                    let loss = gpt.forward(&x, &y, b, t);
-                    gpt.backward();
-                    crate::optim::clip_grad_norm(&mut gpt.grads, 1.0);
-                    opt.step(&mut gpt.params, &gpt.grads, 1e-3);
-                    loss
-                })
-                .collect::<Vec<f32>>()
-        };
-        let first = run();
-        assert_eq!(first, run());
-        assert!(first[4] < first[0], "the loss goes down: {first:?}");
+    fn training_is_bit_identical_across_runs_and_lowers_the_loss() {
+        for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+            let first = train_losses(dtype, 6, 1e-2);
+            assert_eq!(first, train_losses(dtype, 6, 1e-2), "{dtype:?}");
+            assert!(first[5] < first[0] * 0.95, "{dtype:?}: {first:?}");
+        }
     }
 
     #[test]
