@@ -13,7 +13,7 @@ use std::fs::File;
 use std::io::BufWriter;
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 
 /// What a temporary file's name carries after the destination's name.
 const TEMP_MARK: &str = ".tmp-";
@@ -102,6 +102,84 @@ impl Drop for AtomicFile {
     }
 }
 
+/// The lock file a writer holds in the folder it writes (see [`DirLock`]).
+pub const LOCK_FILE: &str = ".nanogpt.lock";
+
+/// An exclusive advisory lock on a folder that one run writes into (`train`'s
+/// `out_dir`, `prepare`'s `--out`), so that a second run writing the same folder is
+/// refused instead of interleaving its files with the first one's. It is an OS lock
+/// on `FOLDER/.nanogpt.lock` (`flock`), held until this value is dropped or the
+/// process ends in any way, so a crash never leaves a stale lock; the file records
+/// the holder's process id and host for the refusal message.
+#[derive(Debug)]
+pub struct DirLock {
+    _file: File,
+}
+
+impl DirLock {
+    /// Takes the lock on `dir` (which must exist), the folder that the setting `key`
+    /// names (for messages: `out_dir`, `--out`), for `what` (e.g. "a training run"),
+    /// or fails at once, naming the process that holds it.
+    pub fn acquire(dir: &Path, key: &str, what: &str) -> Result<DirLock> {
+        let path = dir.join(LOCK_FILE);
+        let opened = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path);
+        let mut file = match opened {
+            Ok(file) => file,
+            Err(e) => bail!(
+                "cannot create {} in {key} {}: {e}; check that the folder is writable, or \
+                 choose another {key}",
+                path.display(),
+                dir.display()
+            ),
+        };
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let mut holder = String::new();
+                let _ = std::io::Read::read_to_string(&mut file, &mut holder);
+                let holder = holder.trim();
+                let holder = match holder.is_empty() {
+                    true => "another process".to_string(),
+                    false => holder.to_string(),
+                };
+                bail!(
+                    "{key} {} is in use by {holder}; wait for that run to finish (or stop it), \
+                     or choose another {key}",
+                    dir.display()
+                );
+            }
+            Err(std::fs::TryLockError::Error(e)) => {
+                return Err(e).with_context(|| format!("cannot lock {}", path.display()));
+            }
+        }
+        let me = format!(
+            "{what} (pid {} on host {})\n",
+            std::process::id(),
+            host_name()
+        );
+        // Best effort: the lock itself is what protects the folder.
+        let _ = file.set_len(0).and_then(|()| {
+            std::io::Write::write_all(&mut file, me.as_bytes())?;
+            file.sync_data()
+        });
+        Ok(DirLock { _file: file })
+    }
+}
+
+/// This machine's host name, for messages.
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "this host".to_string())
+}
+
 /// The destination's name if `name` is a temporary file's (`.NAME.tmp-PID`).
 pub fn temp_target(name: &str) -> Option<&str> {
     let (target, pid) = name.strip_prefix('.')?.rsplit_once(TEMP_MARK)?;
@@ -165,6 +243,24 @@ mod tests {
             .collect();
         names.sort();
         names
+    }
+
+    #[test]
+    fn a_locked_folder_refuses_a_second_writer_until_the_first_lets_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = DirLock::acquire(dir.path(), "out_dir", "a training run").unwrap();
+        let err = DirLock::acquire(dir.path(), "out_dir", "another run").unwrap_err();
+        let msg = format!("{err:#}");
+        let holder = format!(
+            "in use by a training run (pid {} on host ",
+            std::process::id()
+        );
+        assert!(msg.contains(&holder), "{msg}");
+        assert!(msg.contains(&dir.path().display().to_string()), "{msg}");
+        drop(first);
+        assert!(msg.contains("choose another out_dir"), "{msg}");
+        let again = DirLock::acquire(dir.path(), "out_dir", "a later run");
+        assert!(again.is_ok(), "released on drop");
     }
 
     #[test]

@@ -151,7 +151,9 @@ fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
             let path = entry.unwrap().path();
             if path.is_dir() {
                 stack.push(path);
-            } else {
+            } else if !path.ends_with(".nanogpt.lock") {
+                // (The lock file records the last run that held the folder: a refused
+                // run may have been that run.)
                 files.insert(path.clone(), std::fs::read(&path).unwrap());
             }
         }

@@ -116,6 +116,7 @@ fn interval_checkpoints_keep_the_newest_and_resume_picks_the_latest() {
     assert_eq!(
         files(&run_dir),
         [
+            ".nanogpt.lock",
             "ckpt-000006.json",
             "ckpt-000006.safetensors",
             "ckpt-000009.json",
@@ -243,6 +244,53 @@ fn signal_during_pause(d: &Path, signals: &[&str], gap: Duration) -> (Output, Du
     let took = sent.elapsed();
     out.stderr = (seen + &rest).into_bytes();
     (out, took)
+}
+
+#[test]
+fn a_second_run_on_the_same_out_dir_is_refused_while_the_first_lasts() {
+    let dir = temp_dir("two-writers");
+    let d = dir.path();
+    let mut first = train_command(d, &["max_iters=12"], Some("pause-during-step:5:20000"))
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(first.stderr.take().unwrap());
+    let mut seen = String::new();
+    while !seen.contains("fault injection: pausing") {
+        let mut line = String::new();
+        assert!(
+            stderr.read_line(&mut line).unwrap() > 0,
+            "ended early:\n{seen}"
+        );
+        seen.push_str(&line);
+    }
+    let lock_file = d.join("run/.nanogpt.lock");
+    let before = (contents(&d.join("run")), std::fs::read(&lock_file).unwrap());
+    let holder = format!("in use by a training run (pid {} on host", first.id());
+    for extra in [&["max_iters=12"][..], &["max_iters=12", "init_from=resume"]] {
+        let started = Instant::now();
+        let out = run(d, extra, None);
+        let msg = refused(&out);
+        assert!(
+            msg.contains(&holder) && msg.contains("out_dir"),
+            "{extra:?}: {msg}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "refused promptly"
+        );
+    }
+    let after = (contents(&d.join("run")), std::fs::read(&lock_file).unwrap());
+    assert!(
+        after == before,
+        "the first run's files (and its lock) are untouched"
+    );
+    first.kill().unwrap();
+    first.wait().unwrap();
+    // The OS released the lock with the process: the run can continue.
+    let out = train(d, &["max_iters=6", "init_from=resume"]);
+    assert!(out.contains("iter 6"), "{out}");
 }
 
 fn signal_checkpoints_and_resumes(tag: &str, signal: &str, name: &str, code: i32) {
@@ -373,10 +421,12 @@ fn non_finite_parameters_are_never_checkpointed() {
     assert!(temp_files(&run_dir).is_empty());
 }
 
-/// The name and bytes of every file in `dir`.
+/// The name and bytes of every file in `dir` but the lock file (which records the
+/// last run that held the folder, and a refused run may have been that run).
 fn contents(dir: &Path) -> Vec<(String, Vec<u8>)> {
     files(dir)
         .into_iter()
+        .filter(|n| n != ".nanogpt.lock")
         .map(|n| {
             let bytes = std::fs::read(dir.join(&n)).unwrap();
             (n, bytes)

@@ -128,6 +128,7 @@ pub(crate) fn prepare_source(source: &Source, opts: &PrepareOptions) -> Result<P
             out_dir.display()
         )
     })?;
+    let _lock = crate::fsutil::DirLock::acquire(out_dir, "--out", "a prepare run")?;
     let mut out = Outputs::create(&opts.out_dir)?;
     let bar = progress_bar(source, "tokenizing", opts.show_progress)?;
     let docs = if single {

@@ -91,6 +91,9 @@ pub struct Trainer {
     comm: Box<dyn Collective>,
     /// Gradient reduction and sharded state, with more than one rank.
     dp: Option<DataParallel>,
+    /// Rank 0's lock on `out_dir`: a second run writing it is refused while this one
+    /// lasts (released when the trainer is dropped or the process ends).
+    _out_dir_lock: Option<crate::fsutil::DirLock>,
     /// One micro-batch: B·T inputs and targets, B offsets.
     inputs: Vec<u32>,
     targets: Vec<i32>,
@@ -109,7 +112,12 @@ impl Trainer {
     /// [`Trainer::new`] as one rank of `comm`: rank 0 builds or loads the model and
     /// every rank starts from its weights.
     pub fn with_collective(cfg: TrainConfig, comm: Box<dyn Collective>) -> Result<Trainer> {
-        let Start { data, state, dp } = Start::new(&cfg, &*comm)?;
+        let Start {
+            data,
+            state,
+            dp,
+            out_dir_lock,
+        } = Start::new(&cfg, &*comm)?;
         let root = comm.rank() == 0;
         let resume_from = (cfg.init() == InitFrom::Resume).then_some(state.iter_num);
         let metrics = match root {
@@ -146,6 +154,7 @@ impl Trainer {
             metrics,
             comm,
             dp,
+            _out_dir_lock: out_dir_lock,
         })
     }
 

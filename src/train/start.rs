@@ -6,6 +6,7 @@ use crate::checkpoint::{self, Checkpoint, CheckpointState};
 use crate::config::{InitFrom, TrainConfig};
 use crate::data::{self, Meta, Split, TokenFile};
 use crate::dist::{Collective, DataParallel};
+use crate::fsutil::DirLock;
 use crate::model::{Gpt, ModelConfig};
 use crate::optim::{AdamW, AdamWConfig};
 use anyhow::{bail, Context, Result};
@@ -20,6 +21,8 @@ pub struct Start {
     pub state: TrainState,
     /// Gradient reduction and sharded optimizer state, with more than one rank.
     pub dp: Option<DataParallel>,
+    /// Rank 0's lock on `out_dir`, held while the run lasts.
+    pub out_dir_lock: Option<DirLock>,
 }
 
 /// The dataset of a run, checked against the config.
@@ -55,8 +58,9 @@ impl Start {
             comm.barrier_patient();
         }
         let data = Dataset::open(cfg)?;
+        let mut out_dir_lock = None;
         if root {
-            prepare_out_dir(cfg)?;
+            out_dir_lock = Some(prepare_out_dir(cfg)?);
             comm.barrier_patient();
         }
         let mut start = if comm.world_size() == 1 {
@@ -65,10 +69,12 @@ impl Start {
                 data,
                 state,
                 dp: None,
+                out_dir_lock: None,
             }
         } else {
             start_distributed(cfg, data, comm)?
         };
+        start.out_dir_lock = out_dir_lock;
         // Master weights and optimizer state stay f32; with bfloat16 the model makes
         // its bf16 weight copy here and after every optimizer step.
         start.state.model.set_dtype(cfg.dtype);
@@ -152,10 +158,13 @@ fn start_distributed(cfg: &TrainConfig, data: Dataset, comm: &dyn Collective) ->
         data,
         state,
         dp: Some(dp),
+        out_dir_lock: None,
     })
 }
 
-fn prepare_out_dir(cfg: &TrainConfig) -> Result<()> {
+/// Creates `out_dir` and locks it for this run (held until the run ends; under MPI by
+/// rank 0, for the whole job).
+fn prepare_out_dir(cfg: &TrainConfig) -> Result<DirLock> {
     let dir = &cfg.out_dir;
     if dir.exists() && !dir.is_dir() {
         bail!(
@@ -169,10 +178,11 @@ fn prepare_out_dir(cfg: &TrainConfig) -> Result<()> {
             dir.display()
         )
     })?;
+    let lock = DirLock::acquire(dir, "out_dir", "a training run")?;
     if cfg.init() != InitFrom::Resume {
         check_fresh_start(dir)?;
     }
-    Ok(())
+    Ok(lock)
 }
 
 /// A run that does not resume, in an `out_dir` with an earlier run's checkpoints.
