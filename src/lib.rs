@@ -8,6 +8,7 @@ pub mod bench;
 pub mod checkpoint;
 pub mod cli;
 pub mod config;
+pub mod console;
 pub mod data;
 pub mod dist;
 pub mod eval;

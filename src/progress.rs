@@ -42,7 +42,7 @@ impl Progress {
     pub fn println(&mut self, line: &str) {
         match &self.bar {
             Some(bar) => bar.println(line),
-            None => println!("{line}"),
+            None => crate::outln!("{line}"),
         }
     }
 

@@ -604,3 +604,60 @@ fn a_fresh_start_over_interval_checkpoints_is_refused() {
         "the earlier run's files changed"
     );
 }
+
+/// Runs `args` with stdout into a pipe that is closed after its first line; returns
+/// the exit status, stderr and how long the command took after the close.
+fn with_stdout_closed_early(
+    dir: &Path,
+    args: &[&str],
+) -> (std::process::ExitStatus, String, Duration) {
+    let mut child = command(dir, args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut first = String::new();
+    stdout.read_line(&mut first).unwrap();
+    drop(stdout); // as `| head -1` does
+    let closed = Instant::now();
+    let out = child.wait_with_output().unwrap();
+    (out.status, text(&out.stderr), closed.elapsed())
+}
+
+#[test]
+fn a_closed_stdout_neither_panics_nor_ends_a_training_run() {
+    let dir = temp_dir("closed-stdout");
+    let d = dir.path();
+    let args = [
+        &["train"],
+        &TINY_SHAKESPEARE[..],
+        &SCHEDULE,
+        &["max_iters=8"],
+    ]
+    .concat();
+    let (status, stderr, _) = with_stdout_closed_early(d, &args);
+    assert!(status.success(), "{status:?}\n{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    // The run went on to the end: every step is in metrics.jsonl, and its final
+    // evaluation's checkpoint is written.
+    let iters: Vec<u64> = metric(&d.join("run"), "loss").iter().map(|r| r.0).collect();
+    assert_eq!(iters, (0..=8).collect::<Vec<u64>>());
+    assert!(d.join("run/ckpt.safetensors").exists());
+
+    // sample stops at once, quietly, with status 0 (generating 5,000 tokens would take
+    // far longer than the bound).
+    let sample = [
+        "sample",
+        "--out-dir",
+        "run",
+        "--max-new-tokens",
+        "5000",
+        "--num-samples",
+        "1",
+    ];
+    let (status, stderr, took) = with_stdout_closed_early(d, &sample);
+    assert_eq!(status.code(), Some(0), "{stderr}");
+    assert!(stderr.is_empty(), "{stderr}");
+    assert!(took < Duration::from_secs(20), "sample ran on for {took:?}");
+}

@@ -45,11 +45,13 @@ pub fn run(args: EvalArgs) -> Result<()> {
     let mut model = Gpt::from_params(loaded.config, loaded.params, args.batch_size, t)?;
     let report = evaluate_tokens(&mut model, &tokens, t, args.batch_size, |_, _| {})?;
     if args.json {
-        println!("{}", serde_json::to_string(&report)?);
+        crate::outln!("{}", serde_json::to_string(&report)?);
     } else {
-        println!(
+        crate::outln!(
             "loss {:.4}, perplexity {:.2}, over {} tokens",
-            report.loss, report.perplexity, report.tokens
+            report.loss,
+            report.perplexity,
+            report.tokens
         );
     }
     Ok(())

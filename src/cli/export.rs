@@ -27,7 +27,7 @@ pub fn run(args: ExportArgs) -> Result<()> {
         &args.to,
     )?;
     let c = &loaded.config;
-    println!(
+    crate::outln!(
         "exported {} ({} parameters: {} layers, {} heads, {} wide, vocabulary {}, context {}) to {}: {}",
         args.from,
         summary.parameters,
@@ -40,13 +40,13 @@ pub fn run(args: ExportArgs) -> Result<()> {
         summary.files.join(", ")
     );
     if loaded.meta.tokenizer != crate::data::TokenizerKind::Gpt2 {
-        println!(
+        crate::outln!(
             "note: the model uses a {} tokenizer, which Hugging Face's GPT-2 has no files for: \
              the weights load, but encode text yourself (meta.json of the dataset lists the vocabulary)",
             loaded.meta.tokenizer
         );
     }
-    println!(
+    crate::outln!(
         "load it with: GPT2LMHeadModel.from_pretrained(\"{}\")",
         summary.dir.display()
     );

@@ -32,6 +32,6 @@ pub fn run(args: PrepareArgs) -> Result<()> {
         ..PrepareOptions::new(args.source, args.out)
     };
     let summary = prepare(&opts)?;
-    println!("{summary}");
+    crate::outln!("{summary}");
     Ok(())
 }

@@ -1,5 +1,6 @@
 //! `nanogpt sample`: generate text from a trained model, streamed as it comes.
 
+use crate::console::exit_if_closed;
 use crate::data::{Meta, Tokenizer};
 use crate::model::{ModelConfig, ParamLayout};
 use crate::model_source::load_model;
@@ -104,22 +105,28 @@ fn stream(
             config.vocab_size
         );
     }
+    // The samples are this command's product: a reader that has gone (`| head`) ends
+    // the command at once, quietly (console::exit_if_closed).
     let mut out = std::io::stdout().lock();
-    write!(out, "{prompt}")?;
+    let mut print = |text: &str| exit_if_closed(write!(out, "{text}").and_then(|()| out.flush()));
+    print(prompt)?;
     let mut live = tokenizer.stream_decoder();
+    let mut streamed = Ok(());
     let samples = generate(params, layout, config, &ids, opts, |sample, token| {
-        if sample == 0 {
-            let _ = write!(out, "{}", live.push(token));
-            let _ = out.flush();
+        if sample == 0 && streamed.is_ok() {
+            streamed = print(&live.push(token));
         }
     });
-    writeln!(out, "{}", live.finish())?;
+    streamed?;
+    print(&format!("{}\n", live.finish()))?;
     for rest in samples.iter().skip(1) {
-        writeln!(out, "---------------")?;
-        writeln!(out, "{prompt}{}", tokenizer.decode(rest))?;
+        print(&format!(
+            "---------------\n{prompt}{}\n",
+            tokenizer.decode(rest)
+        ))?;
     }
     if samples.len() > 1 {
-        writeln!(out, "---------------")?;
+        print("---------------\n")?;
     }
     Ok(())
 }

@@ -36,12 +36,12 @@ pub fn run(args: TrainArgs) -> Result<i32> {
         .flatten()
     {
         match world {
-            1 => eprintln!("warning: {warning}"),
-            _ => eprintln!("warning: rank {} of {world}: {warning}", comm.rank()),
+            1 => crate::errln!("warning: {warning}"),
+            _ => crate::errln!("warning: rank {} of {world}: {warning}", comm.rank()),
         }
     }
     if root {
-        println!(
+        crate::outln!(
             "training: {} threads, {} tokens per iteration ({} micro-steps × {} × {})",
             threads,
             cfg.tokens_per_iter(),
@@ -50,7 +50,7 @@ pub fn run(args: TrainArgs) -> Result<i32> {
             cfg.block_size
         );
         if world > 1 {
-            println!(
+            crate::outln!(
                 "data parallel: {world} ranks ({}), {} micro-steps each, {} threads per rank \
                  on this host, ZeRO stage {}",
                 comm.describe(),
@@ -62,19 +62,19 @@ pub fn run(args: TrainArgs) -> Result<i32> {
     }
     let mut trainer = Trainer::with_collective(cfg, comm)?;
     if root {
-        println!(
+        crate::outln!(
             "model: {:.2}M parameters, data: {} train / {} val tokens ({} tokenizer)",
             trainer.model.config().num_params() as f64 / 1e6,
             trainer.meta.train_tokens,
             trainer.meta.val_tokens,
             trainer.meta.tokenizer
         );
-        println!(
+        crate::outln!(
             "mfu: against this machine's f32 GEMM peak, {:.0} GFLOP/s per rank, measured now",
             trainer.peak_gflops()
         );
         if trainer.cfg.dtype == crate::model::Dtype::Bfloat16 {
-            println!("bf16 matmuls: {}", super::bf16_matmuls());
+            crate::outln!("bf16 matmuls: {}", super::bf16_matmuls());
         }
     }
     if !trainer.cfg.eval_only {
@@ -84,7 +84,7 @@ pub fn run(args: TrainArgs) -> Result<i32> {
     let outcome = trainer.run()?;
     if let Some((signal, path)) = &outcome.stopped {
         if root {
-            println!(
+            crate::outln!(
                 "stopped by {} after iteration {}: checkpoint written to {}; continue with \
                  init_from=resume",
                 signal.name(),
@@ -104,13 +104,13 @@ pub fn run(args: TrainArgs) -> Result<i32> {
 /// Rank 0's closing lines: the last evaluation, the quick start's sample, a hint.
 fn report_outcome(trainer: &mut Trainer, outcome: &TrainOutcome, quick_start: bool) -> Result<()> {
     if let Some((train_loss, val_loss)) = outcome.last_eval {
-        println!("done: train loss {train_loss:.4}, val loss {val_loss:.4}");
+        crate::outln!("done: train loss {train_loss:.4}, val loss {val_loss:.4}");
     }
     if quick_start && !trainer.cfg.eval_only {
-        println!("\nA sample from the trained model:\n");
+        crate::outln!("\nA sample from the trained model:\n");
         super::sample::print_sample(trainer, QUICK_START_SAMPLE_TOKENS)?;
     }
-    println!(
+    crate::outln!(
         "\nsample more with: nanogpt sample --out-dir {}",
         outcome.out_dir.display()
     );

@@ -240,14 +240,16 @@ fn launcher_world_size() -> Option<usize> {
 pub fn fail(err: &anyhow::Error) -> ! {
     match job() {
         Some(job) if job.world_size > 1 => {
-            eprintln!(
+            crate::errln!(
                 "error: rank {} of {} (host {}): {err:#}",
-                job.rank, job.world_size, job.host
+                job.rank,
+                job.world_size,
+                job.host
             );
             abort_job(1)
         }
         _ => {
-            eprintln!("error: {err:#}");
+            crate::errln!("error: {err:#}");
             std::process::exit(1)
         }
     }

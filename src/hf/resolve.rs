@@ -254,7 +254,7 @@ fn download(
     }
     let api = builder.build().map_err(|e| e.to_string())?;
     let repo = api.model(id.to_string());
-    eprintln!(
+    crate::errln!(
         "downloading {id} from the Hugging Face Hub into {}",
         cache.display()
     );

@@ -299,11 +299,12 @@ impl WeightFiles {
             );
         }
         let n_head = n_embd / 64;
-        eprintln!(
+        crate::errln!(
             "note: {origin} has no config.json beside it; read the shape off the tensors \
              (vocab {}, n_positions {}, n_layer {n_layer}, n_embd {n_embd}) and assumed n_head = \
              {n_head} (heads of 64, as in every OpenAI GPT-2)",
-            wte[0], wpe[0]
+            wte[0],
+            wpe[0]
         );
         Ok(HfConfig::gpt2_shaped(
             wte[0], wpe[0], n_layer, n_head, n_embd,

@@ -93,7 +93,7 @@ impl Trainer {
         let path = self.cfg.out_dir.join("comm.json");
         let text = serde_json::to_string_pretty(&report)?;
         crate::fsutil::write_bytes_atomic(&path, text)?;
-        println!(
+        crate::outln!(
             "{} ranks: {:.1} ms/step, of which computing {:.1}, waiting for the gradient \
              reduction {:.1} ({:.0}% of its {:.1} ms hidden behind backward), other \
              collectives {:.1}; {:.0} tokens/s per rank",

@@ -24,7 +24,7 @@ impl Trainer {
             if let Err(e) =
                 checkpoint::prune_interval_checkpoints(&self.cfg.out_dir, self.cfg.keep_last)
             {
-                eprintln!("warning: {e:#}");
+                crate::errln!("warning: {e:#}");
             }
         }
         Ok(path)

@@ -203,7 +203,7 @@ fn check_fresh_start(dir: &Path) -> Result<()> {
     }
     let best = checkpoint::checkpoint_path(dir);
     if best.exists() {
-        eprintln!(
+        crate::errln!(
             "warning: {} belongs to an earlier run and will be replaced at this run's first \
              checkpoint; stop now and use init_from=resume or another out_dir to keep it",
             best.display()
@@ -256,11 +256,11 @@ fn new_model(cfg: &TrainConfig, meta: &Meta) -> Result<Gpt> {
 fn resume(cfg: &TrainConfig, meta: &Meta, adam_cfg: AdamWConfig) -> Result<TrainState> {
     let latest = Checkpoint::open_latest(&cfg.out_dir)?;
     for note in &latest.notes {
-        eprintln!("note: {note}");
+        crate::errln!("note: {note}");
     }
     let ckpt = latest.checkpoint;
     let state = &ckpt.state;
-    println!(
+    crate::outln!(
         "resuming from {} at iteration {}",
         ckpt.path().display(),
         state.iter_num
@@ -351,7 +351,7 @@ fn note_ignored_architecture(cfg: &TrainConfig, source: &dyn Display, model: &Mo
         ignored.push(format!("bias = {} (it has {has})", cfg.bias));
     }
     if !ignored.is_empty() {
-        eprintln!(
+        crate::errln!(
             "note: the architecture comes from {source}: ignoring {} from the config",
             ignored.join(", ")
         );
