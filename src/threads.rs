@@ -1,11 +1,25 @@
 //! Threads and cores: the one rayon thread pool every kernel runs on, sized from
 //! the cores this process may run on and shared among the ranks on its host.
 
+/// The most threads per usable core a run may ask for. More only adds switching
+/// (and thousands of threads take minutes to start): it is refused, with the number
+/// that works.
+pub const MAX_THREADS_PER_CORE: usize = 4;
+
 /// Sizes rayon's global pool to `threads`, or with `threads = 0` to this process's
 /// share of the cores: the cores it may run on divided by `local_ranks` (the ranks
 /// on this host; 1 for a single process), at least one. Call once, before any
-/// kernel runs; later calls keep the first size and return it.
-pub fn init_pool(threads: usize, local_ranks: usize) -> usize {
+/// kernel runs; later calls keep the first size and return it. Refuses more than
+/// [`MAX_THREADS_PER_CORE`] threads per usable core.
+pub fn init_pool(threads: usize, local_ranks: usize) -> anyhow::Result<usize> {
+    let cores = usable_cores();
+    let most = MAX_THREADS_PER_CORE * cores;
+    if threads > most {
+        anyhow::bail!(
+            "threads = {threads} is more than this machine can use ({cores} cores here, at \
+             most {most} threads); set threads=0 (one per core) or a number up to {most}"
+        );
+    }
     let n = match threads {
         0 => default_threads(local_ranks),
         n => n,
@@ -15,7 +29,7 @@ pub fn init_pool(threads: usize, local_ranks: usize) -> usize {
     let _ = rayon::ThreadPoolBuilder::new()
         .num_threads(n)
         .build_global();
-    rayon::current_num_threads()
+    Ok(rayon::current_num_threads())
 }
 
 /// A warning when the launcher pinned this rank to fewer cores than its share of

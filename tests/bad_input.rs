@@ -14,7 +14,8 @@ use nanogpt::model::{ModelConfig, ParamLayout};
 
 mod common;
 use common::{
-    command, fixture, refused, refused_multiline, run, succeeds, temp_dir, TINY_BATCH, TINY_MODEL,
+    command, fixture, ok, refused, refused_multiline, run, succeeds, temp_dir, TINY_BATCH,
+    TINY_MODEL,
 };
 
 /// The characters of the test dataset's vocabulary (ids 0..9).
@@ -631,6 +632,52 @@ fn negative_size() {
 fn absurd_size() {
     let s = Scene::new("cfg-absurd");
     s.train_refused(&["n_embd=4000000000000"], &["n_embd", "too large"]);
+}
+
+#[test]
+fn thousands_of_threads_are_refused_with_the_number_that_works() {
+    let s = Scene::new("cfg-threads");
+    let started = std::time::Instant::now();
+    let msg = s.train_refused(&["threads=100000"], &["threads = 100000", "threads=0"]);
+    assert!(started.elapsed().as_secs() < 10, "refused at once: {msg}");
+    s.refused(
+        &[
+            "eval",
+            "--init-from",
+            "run",
+            "--data",
+            "x.bin",
+            "--threads",
+            "100000",
+        ],
+        &["threads = 100000", "at most"],
+    );
+}
+
+#[test]
+fn an_eval_batch_beyond_the_file_is_cut_to_its_windows() {
+    // 10^11 sequences would need terabytes; the file has 12 windows of 8 tokens.
+    let s = Scene::new("eval-huge-batch");
+    s.add_run("run");
+    s.write("small.bin", tokens(100, 9));
+    let eval = |batch: &str| {
+        let args = [
+            "eval",
+            "--init-from",
+            "run",
+            "--data",
+            "small.bin",
+            "--block-size",
+            "8",
+        ];
+        let json = ok(
+            s.path(),
+            &[&args[..], &["--json", "--batch-size", batch]].concat(),
+        );
+        let v: serde_json::Value = serde_json::from_str(json.trim()).unwrap();
+        (v["loss"].as_f64().unwrap(), v["tokens"].as_u64().unwrap())
+    };
+    assert_eq!(eval("100000000000"), eval("12"));
 }
 
 #[test]

@@ -81,7 +81,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.steps == 0 || args.batch_size == 0 || args.block_size == 0 {
         bail!("--steps, --batch-size and --block-size must be at least 1");
     }
-    crate::threads::init_pool(args.threads, 1);
+    crate::threads::init_pool(args.threads, 1)?;
     let opts = BenchOptions {
         model: model_config(&args)?,
         batch_size: args.batch_size,

@@ -1,6 +1,6 @@
 //! `nanogpt eval --init-from SRC --data FILE`.
 
-use crate::data::{TokenFile, Tokenizer};
+use crate::data::{eval_window_count, TokenFile, Tokenizer};
 use crate::eval::evaluate_tokens;
 use crate::model::Gpt;
 use crate::model_source::load_model;
@@ -32,7 +32,7 @@ pub struct EvalArgs {
 }
 
 pub fn run(args: EvalArgs) -> Result<()> {
-    crate::threads::init_pool(args.threads, 1);
+    crate::threads::init_pool(args.threads, 1)?;
     let loaded = load_model(&args.init_from)?;
     let t = args.block_size.unwrap_or(loaded.config.block_size);
     if t == 0 || t > loaded.config.block_size || args.batch_size == 0 {
@@ -42,8 +42,12 @@ pub fn run(args: EvalArgs) -> Result<()> {
         );
     }
     let tokens = read_tokens(&args, &loaded.meta, loaded.config.vocab_size)?;
-    let mut model = Gpt::from_params(loaded.config, loaded.params, args.batch_size, t)?;
-    let report = evaluate_tokens(&mut model, &tokens, t, args.batch_size, |_, _| {})?;
+    // No batch larger than the file's windows (a larger one would only allocate more).
+    let batch = args
+        .batch_size
+        .min(eval_window_count(tokens.len(), t).max(1));
+    let mut model = Gpt::from_params(loaded.config, loaded.params, batch, t)?;
+    let report = evaluate_tokens(&mut model, &tokens, t, batch, |_, _| {})?;
     if args.json {
         crate::outln!("{}", serde_json::to_string(&report)?);
     } else {

@@ -41,7 +41,7 @@ pub struct SampleArgs {
 }
 
 pub fn run(args: SampleArgs) -> Result<()> {
-    crate::threads::init_pool(args.threads, 1);
+    crate::threads::init_pool(args.threads, 1)?;
     if args.temperature < 0.0 || !args.temperature.is_finite() {
         bail!("--temperature must be 0 or more");
     }

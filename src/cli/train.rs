@@ -29,7 +29,7 @@ pub fn run(args: TrainArgs) -> Result<i32> {
         None => TrainConfig::quick_start_with(overrides)?,
     };
     let (root, world) = (comm.rank() == 0, comm.world_size());
-    let threads = crate::threads::init_pool(cfg.threads, comm.local_size());
+    let threads = crate::threads::init_pool(cfg.threads, comm.local_size())?;
     let launched = crate::dist::launched_by_mpi();
     if let Some(warning) = launched
         .then(|| crate::threads::binding_warning(comm.local_size()))
