@@ -14,7 +14,7 @@ use nanogpt::model::{ModelConfig, ParamLayout};
 
 mod common;
 use common::{
-    command, fixture, ok, refused, refused_multiline, run, succeeds, temp_dir, TINY_BATCH,
+    command, fails, fixture, ok, refused, refused_multiline, run, succeeds, temp_dir, TINY_BATCH,
     TINY_MODEL,
 };
 
@@ -678,6 +678,50 @@ fn an_eval_batch_beyond_the_file_is_cut_to_its_windows() {
         (v["loss"].as_f64().unwrap(), v["tokens"].as_u64().unwrap())
     };
     assert_eq!(eval("100000000000"), eval("12"));
+}
+
+#[test]
+fn a_negative_temperature_is_a_value_not_a_flag() {
+    let s = Scene::new("sample-temp");
+    s.add_run("run");
+    s.refused(
+        &["sample", "--out-dir", "run", "--temperature", "-1"],
+        &["--temperature must be 0 or more", "got -1"],
+    );
+}
+
+#[test]
+fn sample_refuses_two_model_sources() {
+    let s = Scene::new("sample-two-sources");
+    s.add_run("run");
+    let stderr = fails(
+        s.path(),
+        &["sample", "--out-dir", "run", "--init-from", "run"],
+    );
+    assert!(
+        stderr.contains("--init-from") && stderr.contains("cannot be used with"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn the_closing_sample_works_with_a_vocabulary_without_a_newline() {
+    let s = Scene::new("no-newline");
+    s.write("t.txt", "abcab cab bca ".repeat(200));
+    ok(
+        s.path(),
+        &["prepare", "t.txt", "--out", "nonl", "--tokenizer", "char"],
+    );
+    let args = [&["train", "dataset=nonl"][..], &TINY_MODEL, &TINY_BATCH];
+    let args = [
+        &args.concat()[..],
+        &["max_iters=2", "eval_interval=2", "eval_iters=1"],
+    ];
+    let stdout = ok(s.path(), &args.concat());
+    assert!(
+        stdout.contains("A sample from the trained model"),
+        "{stdout}"
+    );
 }
 
 #[test]

@@ -18,7 +18,7 @@ pub struct SampleArgs {
     #[arg(long, default_value = "out")]
     pub out_dir: PathBuf,
     /// Another model source instead of --out-dir.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "out_dir")]
     pub init_from: Option<String>,
     /// The prompt, or FILE:path to read it from a file.
     #[arg(long, default_value = "\n")]
@@ -28,7 +28,7 @@ pub struct SampleArgs {
     #[arg(long, default_value_t = 500)]
     pub max_new_tokens: usize,
     /// Below 1 sharpens the distribution, above 1 flattens it; 0 is greedy.
-    #[arg(long, default_value_t = 0.8)]
+    #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
     pub temperature: f32,
     /// Keep only the k most likely tokens (0 keeps all).
     #[arg(long, default_value_t = 200)]
@@ -43,7 +43,10 @@ pub struct SampleArgs {
 pub fn run(args: SampleArgs) -> Result<()> {
     crate::threads::init_pool(args.threads, 1)?;
     if args.temperature < 0.0 || !args.temperature.is_finite() {
-        bail!("--temperature must be 0 or more");
+        bail!(
+            "--temperature must be 0 or more (0 is greedy), got {}",
+            args.temperature
+        );
     }
     let src = args
         .init_from
@@ -79,7 +82,29 @@ pub fn print_sample(trainer: &mut Trainer, max_new_tokens: usize) -> Result<()> 
         seed: trainer.cfg.seed,
     };
     let m = &trainer.model;
-    stream(&m.params, &m.layout, m.config(), &trainer.meta, "\n", &opts)
+    let prompt = closing_prompt(&trainer.meta)?;
+    stream(
+        &m.params,
+        &m.layout,
+        m.config(),
+        &trainer.meta,
+        &prompt,
+        &opts,
+    )
+}
+
+/// The closing sample's prompt: a newline, as nanoGPT's sample.py starts, or where
+/// the vocabulary has none (a character set without `\n`), its first character.
+fn closing_prompt(meta: &Meta) -> Result<String> {
+    let tokenizer = Tokenizer::from_meta(meta)?;
+    if tokenizer
+        .encode_prompt("\n")
+        .is_ok_and(|ids| !ids.is_empty())
+    {
+        return Ok("\n".into());
+    }
+    let first = tokenizer.decode(&[0]);
+    Ok(first)
 }
 
 /// Generates all samples in one batch; the first is streamed token by token, the
