@@ -661,3 +661,24 @@ fn a_closed_stdout_neither_panics_nor_ends_a_training_run() {
     assert!(stderr.is_empty(), "{stderr}");
     assert!(took < Duration::from_secs(20), "sample ran on for {took:?}");
 }
+
+#[test]
+fn an_evaluation_only_resume_keeps_every_logged_row_and_appends_its_evaluation() {
+    let dir = temp_dir("eval-only");
+    let d = dir.path();
+    train(d, &["max_iters=8"]);
+    let log = d.join("run/metrics.jsonl");
+    let before = std::fs::read_to_string(&log).unwrap();
+    let out = train(d, &["max_iters=8", "init_from=resume", "eval_only=True"]);
+    assert!(out.contains("val loss"), "{out}");
+    let after = std::fs::read_to_string(&log).unwrap();
+    let added = after
+        .strip_prefix(before.as_str())
+        .expect("every earlier row kept");
+    let rows: Vec<serde_json::Value> = added
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 1, "{added}");
+    assert!(rows[0]["val_loss"].is_number(), "{added}");
+}

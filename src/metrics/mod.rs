@@ -205,25 +205,29 @@ impl MetricsLog {
         let rows = match resume_from {
             None => Vec::new(),
             Some(k) => {
-                let mut rows = match File::open(&path) {
-                    Ok(f) => {
-                        parse_rows(BufReader::new(f), &path).context("resuming the metrics log")?
-                    }
+                let logged = match fs::read(&path) {
+                    Ok(bytes) => bytes,
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
                     Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
                 };
+                let mut rows =
+                    parse_rows(&logged[..], &path).context("resuming the metrics log")?;
                 rows.retain(|r| r.iter() < k);
                 let mut text = String::with_capacity(rows.len() * 96);
                 for row in &rows {
                     text.push_str(&row.to_json_line());
                     text.push('\n');
                 }
-                crate::fsutil::write_bytes_atomic(&path, text)?;
+                // Rewritten only when something goes (rows past the resume point, a
+                // truncated last line): a log that keeps every row is left as it is.
+                if text.as_bytes() != logged.as_slice() {
+                    crate::fsutil::write_bytes_atomic(&path, text)?;
+                }
                 rows
             }
         };
         let file = if resume_from.is_some() {
-            OpenOptions::new().append(true).open(&path)
+            OpenOptions::new().append(true).create(true).open(&path)
         } else {
             File::create(&path)
         }

@@ -119,7 +119,14 @@ impl Trainer {
             out_dir_lock,
         } = Start::new(&cfg, &*comm)?;
         let root = comm.rank() == 0;
-        let resume_from = (cfg.init() == InitFrom::Resume).then_some(state.iter_num);
+        // A resumed run drops the rows logged past its checkpoint (it runs them again);
+        // an evaluation-only run changes nothing logged: every row stays, and its
+        // evaluation is appended.
+        let keep_rows_before = match cfg.eval_only {
+            false => state.iter_num,
+            true => u64::MAX,
+        };
+        let resume_from = (cfg.init() == InitFrom::Resume).then_some(keep_rows_before);
         let metrics = match root {
             true => Some(MetricsLog::open(&cfg.out_dir, resume_from)?),
             false => None,
@@ -197,7 +204,8 @@ impl Trainer {
         let mut stopped = None;
         loop {
             let iter = self.iter_num;
-            if self.cfg.eval_interval > 0 && iter.is_multiple_of(self.cfg.eval_interval) {
+            let due = self.cfg.eval_interval > 0 && iter.is_multiple_of(self.cfg.eval_interval);
+            if due || self.cfg.eval_only {
                 let (train_loss, val_loss) = self.evaluate()?;
                 last_eval = Some((train_loss, val_loss));
                 say(
