@@ -102,6 +102,21 @@ impl Drop for AtomicFile {
     }
 }
 
+/// Refuses a `path` to read that is not a regular file (a device such as
+/// `/dev/zero`, a named pipe, a folder): reading one could block or never end.
+/// `what` names it for the message (e.g. "--data").
+pub fn check_regular_file(path: &Path, what: &str) -> Result<()> {
+    let meta = std::fs::metadata(path)
+        .with_context(|| format!("cannot read {what} {}", path.display()))?;
+    if !meta.is_file() {
+        bail!(
+            "{what} {} is not a regular file (a device, a pipe or a folder); give a file",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
 /// The lock file a writer holds in the folder it writes (see [`DirLock`]).
 pub const LOCK_FILE: &str = ".nanogpt.lock";
 

@@ -725,6 +725,47 @@ fn the_closing_sample_works_with_a_vocabulary_without_a_newline() {
 }
 
 #[test]
+fn a_device_or_a_pipe_is_refused_as_data() {
+    let s = Scene::new("not-a-file");
+    s.add_run("run");
+    let started = std::time::Instant::now();
+    s.refused(
+        &["eval", "--init-from", "run", "--data", "/dev/zero"],
+        &["--data /dev/zero", "not a regular file"],
+    );
+    // The pipe lives outside the scene: the scene's before/after snapshot reads every
+    // file in it, and reading a pipe with no writer would block.
+    let pipes = temp_dir("bad-pipe");
+    let fifo = pipes.path().join("f.txt");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+    assert!(made.unwrap().success());
+    let fifo = fifo.to_str().unwrap();
+    s.refused(
+        &["prepare", fifo, "--out", "p"],
+        &[fifo, "not a regular file"],
+    );
+    assert!(
+        started.elapsed().as_secs() < 10,
+        "refused at once, without reading"
+    );
+}
+
+#[test]
+fn a_metrics_log_that_links_outside_out_dir_is_not_written_through() {
+    let s = Scene::new("metrics-link");
+    let outside = temp_dir("bad-outside");
+    let target = outside.path().join("elsewhere.jsonl");
+    std::fs::write(&target, "precious\n").unwrap();
+    std::fs::create_dir_all(s.file("run")).unwrap();
+    std::os::unix::fs::symlink(&target, s.file("run/metrics.jsonl")).unwrap();
+    s.train_refused(
+        &[],
+        &["metrics.jsonl is a symbolic link", "remove the link"],
+    );
+    assert_eq!(std::fs::read_to_string(&target).unwrap(), "precious\n");
+}
+
+#[test]
 fn n_embd_not_divisible_by_n_head() {
     let s = Scene::new("cfg-heads");
     s.train_refused(

@@ -64,6 +64,7 @@ pub fn run(args: EvalArgs) -> Result<()> {
 /// The tokens of `--data`: a .bin file as is, anything else read as UTF-8 text.
 fn read_tokens(args: &EvalArgs, meta: &crate::data::Meta, vocab: usize) -> Result<Vec<u16>> {
     let path = &args.data;
+    crate::fsutil::check_regular_file(path, "--data")?;
     if path.extension().is_some_and(|e| e == "bin") {
         let file = TokenFile::open(path)?;
         file.check_vocab(vocab)?;

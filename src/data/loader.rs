@@ -49,6 +49,7 @@ impl TokenFile {
                 path.display()
             )
         })?;
+        crate::fsutil::check_regular_file(path, "token file")?;
         let bytes = file
             .metadata()
             .with_context(|| format!("cannot read {}", path.display()))?

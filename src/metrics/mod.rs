@@ -202,6 +202,14 @@ impl MetricsLog {
         fs::create_dir_all(out_dir)
             .with_context(|| format!("creating output directory {}", out_dir.display()))?;
         let path = out_dir.join(METRICS_FILE);
+        // Appending through a link would write outside out_dir.
+        if fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_symlink()) {
+            bail!(
+                "{} is a symbolic link; nanogpt writes only inside out_dir: remove the link \
+                 (or choose another out_dir)",
+                path.display()
+            );
+        }
         let rows = match resume_from {
             None => Vec::new(),
             Some(k) => {

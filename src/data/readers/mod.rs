@@ -74,6 +74,7 @@ impl Source {
         if path.is_dir() {
             return Self::from_dir(path, text_column);
         }
+        crate::fsutil::check_regular_file(path, "source")?;
         match extension(path).as_str() {
             "txt" => Ok(Source::TextFile(path.to_path_buf())),
             "jsonl" => Ok(Source::jsonl(vec![path.to_path_buf()], text_column)),
