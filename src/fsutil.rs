@@ -102,12 +102,15 @@ impl Drop for AtomicFile {
     }
 }
 
-/// Refuses a `path` to read that is not a regular file (a device such as
-/// `/dev/zero`, a named pipe, a folder): reading one could block or never end.
-/// `what` names it for the message (e.g. "--data").
+/// Refuses a `path` to read that exists and is not a regular file (a device such as
+/// `/dev/zero`, a named pipe, a folder): opening or reading one could block or never
+/// end, so call it before opening. A path that cannot be inspected (missing, say) is
+/// left to the caller's open, whose message names the fix. `what` names the path
+/// for the message (e.g. "--data").
 pub fn check_regular_file(path: &Path, what: &str) -> Result<()> {
-    let meta = std::fs::metadata(path)
-        .with_context(|| format!("cannot read {what} {}", path.display()))?;
+    let Ok(meta) = std::fs::metadata(path) else {
+        return Ok(());
+    };
     if !meta.is_file() {
         bail!(
             "{what} {} is not a regular file (a device, a pipe or a folder); give a file",

@@ -10,7 +10,7 @@
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, ChildStderr, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
@@ -203,19 +203,10 @@ fn killed_at_an_arbitrary_moment_resumes_exactly() {
     );
 }
 
-/// Starts a run that pauses 1.5 s in iteration 5 and sends it `signals` (with
-/// `gap` between them) once it pauses; returns its output and how long it took
-/// to exit after the last signal.
-fn signal_during_pause(d: &Path, signals: &[&str], gap: Duration) -> (Output, Duration) {
-    let mut child = train_command(
-        d,
-        &["max_iters=12", "ckpt_interval=0"],
-        Some("pause-during-step:5:1500"),
-    )
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
+/// Spawns `cmd` (a run with a `pause-during-step` fault) and waits until it pauses;
+/// returns the child, the rest of its stderr and what it printed there so far.
+fn start_paused(cmd: &mut Command) -> (Child, BufReader<ChildStderr>, String) {
+    let mut child = cmd.stderr(Stdio::piped()).spawn().unwrap();
     let mut stderr = BufReader::new(child.stderr.take().unwrap());
     let mut seen = String::new();
     while !seen.contains("fault injection: pausing") {
@@ -226,6 +217,19 @@ fn signal_during_pause(d: &Path, signals: &[&str], gap: Duration) -> (Output, Du
         );
         seen.push_str(&line);
     }
+    (child, stderr, seen)
+}
+
+/// Starts a run that pauses 1.5 s in iteration 5 and sends it `signals` (with
+/// `gap` between them) once it pauses; returns its output and how long it took
+/// to exit after the last signal.
+fn signal_during_pause(d: &Path, signals: &[&str], gap: Duration) -> (Output, Duration) {
+    let mut cmd = train_command(
+        d,
+        &["max_iters=12", "ckpt_interval=0"],
+        Some("pause-during-step:5:1500"),
+    );
+    let (child, mut stderr, seen) = start_paused(cmd.stdout(Stdio::piped()));
     let pid = child.id().to_string();
     for (i, signal) in signals.iter().enumerate() {
         if i > 0 {
@@ -250,21 +254,8 @@ fn signal_during_pause(d: &Path, signals: &[&str], gap: Duration) -> (Output, Du
 fn a_second_run_on_the_same_out_dir_is_refused_while_the_first_lasts() {
     let dir = temp_dir("two-writers");
     let d = dir.path();
-    let mut first = train_command(d, &["max_iters=12"], Some("pause-during-step:5:20000"))
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut stderr = BufReader::new(first.stderr.take().unwrap());
-    let mut seen = String::new();
-    while !seen.contains("fault injection: pausing") {
-        let mut line = String::new();
-        assert!(
-            stderr.read_line(&mut line).unwrap() > 0,
-            "ended early:\n{seen}"
-        );
-        seen.push_str(&line);
-    }
+    let mut cmd = train_command(d, &["max_iters=12"], Some("pause-during-step:5:20000"));
+    let (mut first, _stderr, _) = start_paused(cmd.stdout(Stdio::null()));
     let lock_file = d.join("run/.nanogpt.lock");
     let before = (contents(&d.join("run")), std::fs::read(&lock_file).unwrap());
     let holder = format!("in use by a training run (pid {} on host", first.id());

@@ -43,13 +43,13 @@ impl TokenFile {
         if cfg!(target_endian = "big") {
             bail!("token files are little-endian and this machine is big-endian: unsupported");
         }
+        crate::fsutil::check_regular_file(path, "token file")?;
         let file = File::open(path).with_context(|| {
             format!(
                 "cannot open token file {}; prepare the dataset with `nanogpt prepare`",
                 path.display()
             )
         })?;
-        crate::fsutil::check_regular_file(path, "token file")?;
         let bytes = file
             .metadata()
             .with_context(|| format!("cannot read {}", path.display()))?
