@@ -1,6 +1,6 @@
 //! `nanogpt prepare SOURCE --out DIR`.
 
-use crate::data::{prepare, PrepareOptions, TokenizerKind};
+use crate::data::{prepare, DataFormat, PrepareOptions, TokenizerKind};
 use anyhow::Result;
 use clap::Args;
 use std::path::PathBuf;
@@ -22,6 +22,12 @@ pub struct PrepareArgs {
     /// JSONL field or parquet column holding the text.
     #[arg(long, default_value = "text")]
     pub text_column: String,
+    /// How .jsonl lines are read: alpaca ({"instruction", "input"?, "output"}), chat
+    /// ({"messages": [{"role", "content"}]}) or text. Default: detected per file from
+    /// the keys of its first line. Alpaca and chat write train.mask / val.mask too
+    /// (loss on the responses only; see docs/finetune.md).
+    #[arg(long)]
+    pub format: Option<DataFormat>,
 }
 
 pub fn run(args: PrepareArgs) -> Result<()> {
@@ -29,6 +35,7 @@ pub fn run(args: PrepareArgs) -> Result<()> {
         tokenizer: args.tokenizer,
         val_fraction: args.val_fraction,
         text_column: args.text_column,
+        format: args.format,
         ..PrepareOptions::new(args.source, args.out)
     };
     let summary = prepare(&opts)?;

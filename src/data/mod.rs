@@ -10,7 +10,9 @@
 //!   directory, preparing the bundled Shakespeare on first use.
 
 mod bundled;
+pub mod instruct;
 pub mod loader;
+pub mod mask;
 mod meta;
 mod prepare;
 pub mod readers;
@@ -23,6 +25,8 @@ pub use bundled::{find_or_prepare_dataset, SHAKESPEARE_TEXT};
 pub use loader::{
     batch_offsets, eval_window_count, eval_window_offsets, fill_batch, Draw, TokenFile,
 };
+pub use instruct::DataFormat;
+pub use mask::{apply_mask, count_trained, TokenMask};
 pub use meta::{Meta, TokenizerKind};
 pub use prepare::{prepare, PrepareOptions, PrepareSummary};
 pub use tokenizer::{StreamDecoder, Tokenizer, GPT2_EOT, GPT2_VOCAB_SIZE};

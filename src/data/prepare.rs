@@ -13,6 +13,8 @@ use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
 
+use super::instruct::{instruct_eot, DataFormat, Example, CHAR_EOT};
+use super::mask::{mask_path, MaskWriter};
 use super::meta::{Meta, TokenizerKind};
 use super::readers::{ProgressUnit, Source};
 use super::token_writer::TokenWriter;
@@ -42,6 +44,9 @@ pub struct PrepareOptions {
     pub text_column: String,
     /// Draw a progress bar (only ever when stderr is a terminal).
     pub show_progress: bool,
+    /// How `.jsonl` lines are read; `None` detects it per file (see
+    /// [`DataFormat::detect`]). Alpaca and chat examples are written with a loss mask.
+    pub format: Option<DataFormat>,
 }
 
 impl PrepareOptions {
@@ -54,6 +59,7 @@ impl PrepareOptions {
             val_fraction: None,
             text_column: "text".to_string(),
             show_progress: true,
+            format: None,
         }
     }
 }
@@ -88,7 +94,7 @@ impl fmt::Display for PrepareSummary {
 
 /// Tokenizes a text source into `train.bin`, `val.bin` and `meta.json`.
 pub fn prepare(opts: &PrepareOptions) -> Result<PrepareSummary> {
-    let source = Source::resolve(&opts.source, &opts.text_column)?;
+    let source = Source::resolve_as(&opts.source, &opts.text_column, opts.format)?;
     prepare_source(&source, opts)
 }
 
@@ -113,7 +119,13 @@ pub(crate) fn prepare_source(source: &Source, opts: &PrepareOptions) -> Result<P
     let tokenizer = match opts.tokenizer {
         TokenizerKind::Gpt2 => Tokenizer::gpt2(),
         TokenizerKind::Char if scan.chars.is_empty() => bail!(empty_corpus(source)),
-        TokenizerKind::Char => Tokenizer::char_level(scan.chars.iter().copied())?,
+        // Instruction data ends each response with U+0003 (END OF TEXT).
+        TokenizerKind::Char => Tokenizer::char_level(
+            scan.chars
+                .iter()
+                .copied()
+                .chain(source.is_instruct().then_some(CHAR_EOT)),
+        )?,
     };
     let out_dir = &opts.out_dir;
     if out_dir.exists() && !out_dir.is_dir() {
@@ -129,9 +141,11 @@ pub(crate) fn prepare_source(source: &Source, opts: &PrepareOptions) -> Result<P
         )
     })?;
     let _lock = crate::fsutil::DirLock::acquire(out_dir, "--out", "a prepare run")?;
-    let mut out = Outputs::create(&opts.out_dir)?;
+    let mut out = Outputs::create(&opts.out_dir, source.is_instruct())?;
     let bar = progress_bar(source, "tokenizing", opts.show_progress)?;
-    let docs = if single {
+    let docs = if source.is_instruct() {
+        write_examples(source, &tokenizer, fraction, &mut out, &bar)?
+    } else if single {
         let train_chars = (scan.char_count as f64 * (1.0 - fraction)) as u64;
         write_single_document(source, &tokenizer, train_chars, &mut out, &bar)?
     } else {
@@ -313,26 +327,71 @@ fn encode_all(tokenizer: &Tokenizer, texts: &[&str]) -> Result<Vec<Vec<u16>>> {
 }
 
 struct Outputs {
+    dir: PathBuf,
     train: TokenWriter,
     val: TokenWriter,
+    /// The `.mask` files of instruction data (train, val).
+    masks: Option<(MaskWriter, MaskWriter)>,
 }
 
 impl Outputs {
-    fn create(dir: &Path) -> Result<Outputs> {
+    fn create(dir: &Path, masked: bool) -> Result<Outputs> {
+        let bin = |split: Split| dir.join(split.file_name());
+        let masks = match masked {
+            true => Some((
+                MaskWriter::create(&mask_path(&bin(Split::Train)))?,
+                MaskWriter::create(&mask_path(&bin(Split::Val)))?,
+            )),
+            false => None,
+        };
         Ok(Outputs {
-            train: TokenWriter::create(&dir.join(Split::Train.file_name()))?,
-            val: TokenWriter::create(&dir.join(Split::Val.file_name()))?,
+            dir: dir.to_path_buf(),
+            train: TokenWriter::create(&bin(Split::Train))?,
+            val: TokenWriter::create(&bin(Split::Val))?,
+            masks,
         })
     }
 
-    fn write(&mut self, split: Split, tokens: &[u16]) -> Result<()> {
+    /// Appends `tokens` to a split, and with masks, their `mask` (one byte each).
+    fn write(&mut self, split: Split, tokens: &[u16], mask: &[u8]) -> Result<()> {
         match split {
-            Split::Train => self.train.write(tokens),
-            Split::Val => self.val.write(tokens),
+            Split::Train => self.train.write(tokens)?,
+            Split::Val => self.val.write(tokens)?,
         }
+        if let Some((train, val)) = &mut self.masks {
+            debug_assert_eq!(tokens.len(), mask.len());
+            match split {
+                Split::Train => train.write(mask)?,
+                Split::Val => val.write(mask)?,
+            }
+        }
+        Ok(())
     }
 
+    /// Renames everything into place. Plain text removes the masks of an earlier
+    /// instruction dataset in the same folder first, so they cannot apply to it.
     fn commit(self) -> Result<()> {
+        match self.masks {
+            Some((train, val)) => {
+                debug_assert_eq!(train.len(), self.train.tokens());
+                train.commit()?;
+                val.commit()?;
+            }
+            None => {
+                for split in [Split::Train, Split::Val] {
+                    let stale = mask_path(&self.dir.join(split.file_name()));
+                    if stale.exists() {
+                        std::fs::remove_file(&stale).with_context(|| {
+                            format!(
+                                "cannot remove {}, the mask of an earlier instruction \
+                                 dataset; remove it by hand or choose another --out",
+                                stale.display()
+                            )
+                        })?;
+                    }
+                }
+            }
+        }
         self.train.commit()?;
         self.val.commit()
     }
@@ -367,7 +426,7 @@ fn write_single_document(
         let encoded = encode_all(tokenizer, &texts)
             .with_context(|| format!("cannot tokenize {}", source.describe()))?;
         for ((_, split), tokens) in parts.iter().zip(encoded) {
-            out.write(*split, &tokens)?;
+            out.write(*split, &tokens, &[])?;
         }
         Ok(())
     })?;
@@ -402,7 +461,7 @@ fn write_documents(
         for mut tokens in encoded {
             if !tokens.is_empty() {
                 tokens.extend(eot);
-                router.route(index, tokens, out)?;
+                router.route(index, (tokens, Vec::new()), out)?;
             }
             index += 1;
         }
@@ -410,6 +469,60 @@ fn write_documents(
     })?;
     router.finish(out)
 }
+
+/// Instruction examples: each goes whole to train or val (split as documents are),
+/// its tokens with a mask that trains the responses and their end-of-text.
+fn write_examples(
+    source: &Source,
+    tokenizer: &Tokenizer,
+    fraction: f64,
+    out: &mut Outputs,
+    bar: &ProgressBar,
+) -> Result<DocCounts> {
+    let eot = instruct_eot(tokenizer)?;
+    let mut router = DocRouter::new(fraction);
+    let mut index = 0u64;
+    let mut batch: Vec<Example> = Vec::new();
+    let mut bytes = 0;
+    let mut flush = |batch: &mut Vec<Example>, router: &mut DocRouter| -> Result<()> {
+        let encoded = batch
+            .par_iter()
+            .map(|example| encode_example(example, tokenizer, eot))
+            .collect::<Result<Vec<_>>>()
+            .with_context(|| format!("cannot tokenize {}", source.describe()))?;
+        for doc in encoded {
+            router.route(index, doc, out)?;
+            index += 1;
+        }
+        batch.clear();
+        Ok(())
+    };
+    for example in source.examples() {
+        let (example, progress) = example?;
+        bar.inc(progress);
+        bytes += progress as usize;
+        batch.push(example);
+        if bytes >= BATCH_BYTES {
+            flush(&mut batch, &mut router)?;
+            bytes = 0;
+        }
+    }
+    flush(&mut batch, &mut router)?;
+    router.finish(out)
+}
+
+/// An example's tokens (uint16) and mask.
+fn encode_example(example: &Example, tokenizer: &Tokenizer, eot: u32) -> Result<Doc> {
+    let (ids, mask) = example.encode(tokenizer, eot)?;
+    let tokens = ids
+        .into_iter()
+        .map(|id| u16::try_from(id).with_context(|| format!("token id {id} does not fit uint16")))
+        .collect::<Result<Vec<u16>>>()?;
+    Ok((tokens, mask))
+}
+
+/// A document's tokens and its mask (empty without masks).
+type Doc = (Vec<u16>, Vec<u8>);
 
 /// Whether document `index` belongs to val: a fixed hash of the index, so the
 /// split does not depend on batching, threads or the number of documents.
@@ -430,7 +543,7 @@ fn splitmix64(x: u64) -> u64 {
 /// still gets one: its last document.
 struct DocRouter {
     fraction: f64,
-    held: Option<Vec<u16>>,
+    held: Option<Doc>,
     counts: DocCounts,
 }
 
@@ -443,16 +556,16 @@ impl DocRouter {
         }
     }
 
-    fn route(&mut self, index: u64, tokens: Vec<u16>, out: &mut Outputs) -> Result<()> {
+    fn route(&mut self, index: u64, doc: Doc, out: &mut Outputs) -> Result<()> {
         if is_val_document(index, self.fraction) {
             self.release_held(out)?;
-            out.write(Split::Val, &tokens)?;
+            out.write(Split::Val, &doc.0, &doc.1)?;
             self.counts.val += 1;
         } else if self.counts.val == 0 {
             self.release_held(out)?;
-            self.held = Some(tokens);
+            self.held = Some(doc);
         } else {
-            out.write(Split::Train, &tokens)?;
+            out.write(Split::Train, &doc.0, &doc.1)?;
             self.counts.train += 1;
         }
         Ok(())
@@ -460,7 +573,7 @@ impl DocRouter {
 
     fn release_held(&mut self, out: &mut Outputs) -> Result<()> {
         if let Some(held) = self.held.take() {
-            out.write(Split::Train, &held)?;
+            out.write(Split::Train, &held.0, &held.1)?;
             self.counts.train += 1;
         }
         Ok(())
@@ -472,7 +585,7 @@ impl DocRouter {
                 true => Split::Val,
                 false => Split::Train,
             };
-            out.write(split, &last)?;
+            out.write(split, &last.0, &last.1)?;
             match split {
                 Split::Val => self.counts.val += 1,
                 Split::Train => self.counts.train += 1,
@@ -651,6 +764,130 @@ mod tests {
         o.val_fraction = Some(1.0);
         let err = prepare(&o).unwrap_err().to_string();
         assert!(err.contains("--val-fraction"), "{err}");
+    }
+
+    fn read_mask(path: &Path) -> Vec<u8> {
+        std::fs::read(path).unwrap()
+    }
+
+    #[test]
+    fn alpaca_examples_get_a_mask_over_response_and_eot() {
+        let dir = TempDir::new("prep-alpaca");
+        let src = dir.write(
+            "a.jsonl",
+            "{\"instruction\": \"Say hi\", \"output\": \"hi\"}\n\
+             {\"instruction\": \"Add\", \"input\": \"1 2\", \"output\": \"3\"}\n",
+        );
+        let out = dir.path().join("out");
+        let mut o = opts(&src, &out, TokenizerKind::Gpt2);
+        o.val_fraction = Some(0.5);
+        let summary = prepare(&o).unwrap();
+        assert_eq!(summary.documents, 2);
+        let t = Tokenizer::gpt2();
+        let mut want_tokens = Vec::new();
+        let mut want_mask = Vec::new();
+        for (prompt, response) in [
+            (crate::data::instruct::alpaca_prompt("Say hi", ""), "hi"),
+            (crate::data::instruct::alpaca_prompt("Add", "1 2"), "3"),
+        ] {
+            let p = t.encode(&prompt).unwrap();
+            let r = t.encode(response).unwrap();
+            want_mask.extend(std::iter::repeat_n(0u8, p.len()));
+            want_mask.extend(std::iter::repeat_n(1u8, r.len() + 1));
+            want_tokens.push([p, r, vec![50256]].concat());
+        }
+        let (train, val) = (read_bin(&out.join("train.bin")), read_bin(&out.join("val.bin")));
+        let (tm, vm) = (read_mask(&out.join("train.mask")), read_mask(&out.join("val.mask")));
+        assert_eq!((train.len(), val.len()), (tm.len(), vm.len()));
+        let all: Vec<u16> = [train, val].concat();
+        let mut sorted_want: Vec<Vec<u32>> = want_tokens.clone();
+        let got: Vec<u32> = all.iter().map(|&x| x as u32).collect();
+        // One example per split; which one goes where is the hash's choice.
+        if got[..sorted_want[0].len()] != sorted_want[0][..] {
+            sorted_want.swap(0, 1);
+            let n = want_mask.len() - want_tokens[1].len();
+            want_mask.rotate_left(n);
+        }
+        assert_eq!(got, sorted_want.concat());
+        assert_eq!([tm, vm].concat(), want_mask);
+        assert_eq!(*got.last().unwrap(), 50256);
+    }
+
+    #[test]
+    fn chat_examples_char_level_use_u0003_as_end_of_text() {
+        let dir = TempDir::new("prep-chat");
+        let line = r#"{"messages": [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"}]}"#;
+        let src = dir.write("c.jsonl", format!("{line}\n{line}\n"));
+        let out = dir.path().join("out");
+        prepare(&opts(&src, &out, TokenizerKind::Char)).unwrap();
+        let meta = Meta::load(&out).unwrap();
+        let t = Tokenizer::from_meta(&meta).unwrap();
+        assert!(meta.chars.as_deref().unwrap().starts_with('\u{3}'));
+        let train = read_bin(&out.join("train.bin"));
+        let text = t.decode(&train.iter().map(|&x| x as u32).collect::<Vec<_>>());
+        assert_eq!(text, "<|user|>\nab\n<|assistant|>\nba\u{3}");
+        let mask = read_mask(&out.join("train.mask"));
+        let trained: String = text
+            .chars()
+            .zip(&mask)
+            .filter(|(_, &m)| m == 1)
+            .map(|(c, _)| c)
+            .collect();
+        assert_eq!(trained, "ba\u{3}");
+    }
+
+    #[test]
+    fn plain_text_removes_an_earlier_mask_and_format_overrides() {
+        let dir = TempDir::new("prep-stale");
+        let line = r#"{"instruction": "i", "output": "o", "text": "plain"}"#;
+        let src = dir.write("x.jsonl", format!("{line}\n{line}\n"));
+        let out = dir.path().join("out");
+        prepare(&opts(&src, &out, TokenizerKind::Gpt2)).unwrap();
+        assert!(out.join("train.mask").exists() && out.join("val.mask").exists());
+        let mut o = opts(&src, &out, TokenizerKind::Gpt2);
+        o.format = Some(DataFormat::Text);
+        let summary = prepare(&o).unwrap();
+        assert_eq!(summary.meta.train_tokens + summary.meta.val_tokens, 4);
+        assert!(!out.join("train.mask").exists() && !out.join("val.mask").exists());
+    }
+
+    #[test]
+    fn bad_example_names_file_line_and_field() {
+        let dir = TempDir::new("prep-bad-example");
+        let src = dir.write(
+            "x.jsonl",
+            "{\"instruction\": \"i\", \"output\": \"o\"}\n\n{\"instruction\": \"i\"}\n",
+        );
+        let err = format!(
+            "{:#}",
+            prepare(&opts(&src, &dir.path().join("o"), TokenizerKind::Gpt2)).unwrap_err()
+        );
+        assert!(
+            err.contains("x.jsonl line 3") && err.contains("`output` is missing"),
+            "{err}"
+        );
+        let mut o = opts(&src, &dir.path().join("o"), TokenizerKind::Gpt2);
+        o.format = Some(DataFormat::Chat);
+        let err = format!("{:#}", prepare(&o).unwrap_err());
+        assert!(
+            err.contains("line 1") && err.contains("`messages` is missing"),
+            "{err}"
+        );
+        dir.write("mix/a.jsonl", "{\"text\": \"t\"}\n");
+        dir.write("mix/b.jsonl", "{\"messages\": []}\n");
+        let err = prepare(&opts(
+            &dir.path().join("mix"),
+            &dir.path().join("o"),
+            TokenizerKind::Gpt2,
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("a.jsonl holds plain text"), "{err}");
+        let txt = dir.write("t.txt", "text");
+        let mut o = opts(&txt, &dir.path().join("o"), TokenizerKind::Gpt2);
+        o.format = Some(DataFormat::Alpaca);
+        let err = prepare(&o).unwrap_err().to_string();
+        assert!(err.contains("--format alpaca reads .jsonl"), "{err}");
     }
 
     #[test]

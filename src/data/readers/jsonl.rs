@@ -2,11 +2,13 @@
 
 use std::fs::File;
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use serde_json::{Map, Value};
 
 use super::{not_utf8, open, Piece};
+use crate::data::instruct::{DataFormat, Example};
 
 /// JSON Lines documents, one per non-blank line.
 pub(super) struct JsonlDocs {
@@ -38,12 +40,7 @@ impl JsonlDocs {
             let file = match &mut self.current {
                 Some(file) => file,
                 None => match self.files.next() {
-                    Some(path) => self.current.insert(JsonlFile {
-                        reader: BufReader::with_capacity(1 << 20, open(&path)?),
-                        path,
-                        line: 0,
-                        offset: 0,
-                    }),
+                    Some(path) => self.current.insert(JsonlFile::open(path)?),
                     None => return Ok(None),
                 },
             };
@@ -56,8 +53,28 @@ impl JsonlDocs {
 }
 
 impl JsonlFile {
+    fn open(path: PathBuf) -> Result<JsonlFile> {
+        Ok(JsonlFile {
+            reader: BufReader::with_capacity(1 << 20, open(&path)?),
+            path,
+            line: 0,
+            offset: 0,
+        })
+    }
+
     /// The next document of this file, or `None` at its end.
     fn next_line(&mut self, field: &str) -> Result<Option<Piece>> {
+        match self.next_object()? {
+            Some((object, progress)) => {
+                let text = self.field_of(object, field)?;
+                Ok(Some(Piece { text, progress }))
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// The next non-blank line as a JSON object, with the bytes read to reach it.
+    fn next_object(&mut self) -> Result<Option<(Map<String, Value>, u64)>> {
         let mut bytes = Vec::new();
         let mut progress = 0;
         loop {
@@ -82,18 +99,22 @@ impl JsonlFile {
             if line.trim().is_empty() {
                 continue;
             }
-            let text = self.field_of(line, field)?;
-            return Ok(Some(Piece { text, progress }));
+            let object = serde_json::from_str(line)
+                .with_context(|| format!("{}: not a JSON object; each line must be one", self.at()))?;
+            return Ok(Some((object, progress)));
         }
     }
 
-    fn field_of(&self, line: &str, field: &str) -> Result<String> {
-        let at = || format!("{} line {}", self.path.display(), self.line);
-        let mut object: serde_json::Map<String, serde_json::Value> = serde_json::from_str(line)
-            .with_context(|| format!("{}: not a JSON object; each line must be one", at()))?;
+    /// `FILE line N`, for messages.
+    fn at(&self) -> String {
+        format!("{} line {}", self.path.display(), self.line)
+    }
+
+    fn field_of(&self, mut object: Map<String, Value>, field: &str) -> Result<String> {
+        let at = || self.at();
         match object.remove(field) {
-            Some(serde_json::Value::String(text)) => Ok(text),
-            Some(serde_json::Value::Null) => Ok(String::new()),
+            Some(Value::String(text)) => Ok(text),
+            Some(Value::Null) => Ok(String::new()),
             Some(other) => bail!(
                 "{}: field `{field}` holds {}, not a string",
                 at(),
@@ -112,14 +133,76 @@ impl JsonlFile {
     }
 }
 
-fn json_kind(value: &serde_json::Value) -> &'static str {
+/// The format of a `.jsonl` file, read off the keys of its first record (see
+/// [`DataFormat::detect`]); an empty file reads as plain text.
+pub(super) fn detect_format(path: &Path) -> Result<DataFormat> {
+    let mut file = JsonlFile::open(path.to_path_buf())?;
+    Ok(match file.next_object()? {
+        Some((object, _)) => DataFormat::detect(&object),
+        None => DataFormat::Text,
+    })
+}
+
+/// Instruction examples from JSON Lines files, one per non-blank line, each file in
+/// its own format; errors name the file, the line and the field.
+pub(super) struct JsonlExamples {
+    files: std::vec::IntoIter<(PathBuf, DataFormat)>,
+    current: Option<(JsonlFile, DataFormat)>,
+    failed: bool,
+}
+
+impl JsonlExamples {
+    pub(super) fn new(files: Vec<(PathBuf, DataFormat)>) -> Self {
+        JsonlExamples {
+            files: files.into_iter(),
+            current: None,
+            failed: false,
+        }
+    }
+
+    fn next_example(&mut self) -> Result<Option<(Example, u64)>> {
+        loop {
+            let (file, format) = match &mut self.current {
+                Some(current) => current,
+                None => match self.files.next() {
+                    Some((path, format)) => self.current.insert((JsonlFile::open(path)?, format)),
+                    None => return Ok(None),
+                },
+            };
+            match file.next_object()? {
+                Some((object, progress)) => {
+                    let example = Example::from_json(*format, &object).with_context(|| {
+                        format!("{} ({} example)", file.at(), format.as_str())
+                    })?;
+                    return Ok(Some((example, progress)));
+                }
+                None => self.current = None,
+            }
+        }
+    }
+}
+
+impl Iterator for JsonlExamples {
+    type Item = Result<(Example, u64)>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.failed {
+            return None;
+        }
+        let next = self.next_example().transpose();
+        self.failed = matches!(next, Some(Err(_)));
+        next
+    }
+}
+
+fn json_kind(value: &Value) -> &'static str {
     match value {
-        serde_json::Value::Null => "null",
-        serde_json::Value::Bool(_) => "a boolean",
-        serde_json::Value::Number(_) => "a number",
-        serde_json::Value::String(_) => "a string",
-        serde_json::Value::Array(_) => "an array",
-        serde_json::Value::Object(_) => "an object",
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
     }
 }
 

@@ -18,7 +18,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 
 use super::bundled::SHAKESPEARE_TEXT;
-use jsonl::JsonlDocs;
+use super::instruct::{DataFormat, Example};
+use jsonl::{JsonlDocs, JsonlExamples};
 use text::TextChunks;
 
 /// Name that selects the bundled tiny Shakespeare text.
@@ -42,6 +43,9 @@ pub enum ProgressUnit {
 /// A stream of pieces; errors name the file and position.
 pub type Pieces = Box<dyn Iterator<Item = Result<Piece>> + Send>;
 
+/// A stream of instruction examples, each with the bytes read for it.
+pub type Examples = Box<dyn Iterator<Item = Result<(Example, u64)>> + Send>;
+
 /// Where `nanogpt prepare` reads text from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Source {
@@ -55,12 +59,73 @@ pub enum Source {
     Jsonl { files: Vec<PathBuf>, field: String },
     /// Parquet files: one document per row, in the string column `column`.
     Parquet { files: Vec<PathBuf>, column: String },
+    /// JSON Lines instruction examples, each file Alpaca or chat.
+    Instruct { files: Vec<(PathBuf, DataFormat)> },
 }
 
 impl Source {
     /// Interprets the SOURCE argument: `shakespeare`, a file, or a directory.
     /// `text_column` names the JSONL field / parquet column holding the text.
     pub fn resolve(spec: &str, text_column: &str) -> Result<Source> {
+        Self::resolve_as(spec, text_column, None)
+    }
+
+    /// [`Source::resolve`] with the format of `.jsonl` files given (`--format`), or
+    /// with `None`, detected per file from the keys of its first line.
+    pub fn resolve_as(
+        spec: &str,
+        text_column: &str,
+        format: Option<DataFormat>,
+    ) -> Result<Source> {
+        let source = Self::resolve_text(spec, text_column)?;
+        match source {
+            Source::Jsonl { files, field } => Self::jsonl_formats(files, field, format),
+            other => match format {
+                Some(f) if f != DataFormat::Text => bail!(
+                    "--format {f} reads .jsonl files, but the source {} is not; convert the \
+                     examples to JSON Lines or drop --format",
+                    other.describe()
+                ),
+                _ => Ok(other),
+            },
+        }
+    }
+
+    /// Plain JSON Lines, or instruction examples when the files' format says so.
+    fn jsonl_formats(
+        files: Vec<PathBuf>,
+        field: String,
+        format: Option<DataFormat>,
+    ) -> Result<Source> {
+        let formats = files
+            .iter()
+            .map(|f| format.map_or_else(|| jsonl::detect_format(f), Ok))
+            .collect::<Result<Vec<_>>>()?;
+        let text = formats.iter().filter(|&&f| f == DataFormat::Text).count();
+        if text == files.len() {
+            return Ok(Source::jsonl(files, &field));
+        }
+        if text > 0 {
+            let name = |want: bool| {
+                let i = formats
+                    .iter()
+                    .position(|&f| (f == DataFormat::Text) == want)
+                    .expect("both kinds present");
+                files[i].display().to_string()
+            };
+            bail!(
+                "{} holds plain text but {} holds instruction examples; prepare them \
+                 separately, or pass --format to read them all one way",
+                name(true),
+                name(false)
+            );
+        }
+        Ok(Source::Instruct {
+            files: files.into_iter().zip(formats).collect(),
+        })
+    }
+
+    fn resolve_text(spec: &str, text_column: &str) -> Result<Source> {
         let path = Path::new(spec);
         if !path.exists() {
             if spec == BUNDLED_SHAKESPEARE {
@@ -145,6 +210,19 @@ impl Source {
         matches!(self, Source::Bundled | Source::TextFile(_))
     }
 
+    /// True for instruction examples (written with a loss mask).
+    pub fn is_instruct(&self) -> bool {
+        matches!(self, Source::Instruct { .. })
+    }
+
+    /// The instruction examples of an [`Source::Instruct`] (nothing for the others).
+    pub fn examples(&self) -> Examples {
+        match self {
+            Source::Instruct { files } => Box::new(JsonlExamples::new(files.clone())),
+            _ => Box::new(std::iter::empty()),
+        }
+    }
+
     /// A short description for `meta.json`.
     pub fn describe(&self) -> String {
         let list = |files: &[PathBuf]| match files {
@@ -162,6 +240,12 @@ impl Source {
             Source::TextFiles(files) => list(files),
             Source::Jsonl { files, field } => format!("{} (field `{field}`)", list(files)),
             Source::Parquet { files, column } => format!("{} (column `{column}`)", list(files)),
+            Source::Instruct { files } => {
+                let paths: Vec<PathBuf> = files.iter().map(|(p, _)| p.clone()).collect();
+                let mut kinds: Vec<&str> = files.iter().map(|(_, f)| f.as_str()).collect();
+                kinds.dedup();
+                format!("{} ({} examples)", list(&paths), kinds.join(" + "))
+            }
         }
     }
 
@@ -174,6 +258,10 @@ impl Source {
             Source::TextFiles(files) | Source::Jsonl { files, .. } => {
                 (bytes(files)?, ProgressUnit::Bytes)
             }
+            Source::Instruct { files } => {
+                let paths: Vec<PathBuf> = files.iter().map(|(p, _)| p.clone()).collect();
+                (bytes(&paths)?, ProgressUnit::Bytes)
+            }
             Source::Parquet { files, .. } => {
                 let rows = files
                     .iter()
@@ -184,9 +272,16 @@ impl Source {
         })
     }
 
-    /// Opens the source for one pass over its text.
+    /// Opens the source for one pass over its text (for instruction examples, the
+    /// whole text of each, prompt and response).
     pub fn pieces(&self) -> Result<Pieces> {
         Ok(match self {
+            Source::Instruct { .. } => Box::new(self.examples().map(|e| {
+                e.map(|(example, progress)| Piece {
+                    text: example.full_text(),
+                    progress,
+                })
+            })),
             Source::Bundled => Box::new(TextChunks::new(
                 Cursor::new(SHAKESPEARE_TEXT.as_bytes()),
                 "bundled Shakespeare".into(),
