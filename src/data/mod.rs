@@ -22,10 +22,10 @@ mod token_writer;
 mod tokenizer;
 
 pub use bundled::{find_or_prepare_dataset, SHAKESPEARE_TEXT};
+pub use instruct::DataFormat;
 pub use loader::{
     batch_offsets, eval_window_count, eval_window_offsets, fill_batch, Draw, TokenFile,
 };
-pub use instruct::DataFormat;
 pub use mask::{apply_mask, count_trained, TokenMask};
 pub use meta::{Meta, TokenizerKind};
 pub use prepare::{prepare, PrepareOptions, PrepareSummary};

@@ -796,8 +796,14 @@ mod tests {
             want_mask.extend(std::iter::repeat_n(1u8, r.len() + 1));
             want_tokens.push([p, r, vec![50256]].concat());
         }
-        let (train, val) = (read_bin(&out.join("train.bin")), read_bin(&out.join("val.bin")));
-        let (tm, vm) = (read_mask(&out.join("train.mask")), read_mask(&out.join("val.mask")));
+        let (train, val) = (
+            read_bin(&out.join("train.bin")),
+            read_bin(&out.join("val.bin")),
+        );
+        let (tm, vm) = (
+            read_mask(&out.join("train.mask")),
+            read_mask(&out.join("val.mask")),
+        );
         assert_eq!((train.len(), val.len()), (tm.len(), vm.len()));
         let all: Vec<u16> = [train, val].concat();
         let mut sorted_want: Vec<Vec<u32>> = want_tokens.clone();

@@ -13,17 +13,20 @@ use anyhow::Result;
 impl Trainer {
     /// nanoGPT's `estimate_loss`: the mean loss of `eval_iters` batches of each split,
     /// without dropout. The batches are the same at every evaluation; with several
-    /// ranks, each evaluates every W-th of them and the sums are added up.
+    /// ranks, each evaluates every W-th of them and the sums are added up. With loss
+    /// masks (instruction data), the mean is over the trained targets of all batches.
     pub fn evaluate(&mut self) -> Result<(f32, f32)> {
         let (b, t) = (self.cfg.batch_size, self.cfg.block_size);
         let (rank, world) = (self.rank() as u64, self.world_size());
         self.model.set_training(false);
-        let mut totals = [0.0f64; 2];
-        for (total, draw) in totals.iter_mut().zip([Draw::EvalTrain, Draw::EvalVal]) {
-            let file = if draw == Draw::EvalVal {
-                &self.val
-            } else {
-                &self.train
+        // Loss sums, then (with masks) the trained targets they are over.
+        let mut totals = [0.0f64; 4];
+        let (sums, counts) = totals.split_at_mut(2);
+        let draws = [Draw::EvalTrain, Draw::EvalVal];
+        for ((total, count), draw) in sums.iter_mut().zip(counts).zip(draws) {
+            let (file, mask) = match draw {
+                Draw::EvalVal => (&self.val, &self.masks.val),
+                _ => (&self.train, &self.masks.train),
             };
             for k in (rank..self.cfg.eval_iters).step_by(world) {
                 let offsets = &mut self.offsets;
@@ -35,7 +38,16 @@ impl Trainer {
                     &mut self.inputs,
                     &mut self.targets,
                 )?;
-                *total += self.model.forward(&self.inputs, &self.targets, b, t) as f64;
+                match mask {
+                    // Weighted by the batch's trained targets: a mean over all of them.
+                    Some(mask) => {
+                        let kept = data::apply_mask(mask.bytes(), offsets, t, &mut self.targets)?;
+                        let mean = self.model.forward(&self.inputs, &self.targets, b, t) as f64;
+                        *total += mean * kept as f64;
+                        *count += kept as f64;
+                    }
+                    None => *total += self.model.forward(&self.inputs, &self.targets, b, t) as f64,
+                }
                 fault::during_eval(self.iter_num);
             }
         }
@@ -43,6 +55,10 @@ impl Trainer {
         self.model.set_training(true);
         if let Some(dp) = &mut self.dp {
             dp.check_replicas(&*self.comm, &self.model.params, self.iter_num)?;
+        }
+        if self.masks.train.is_some() {
+            let mean = |sum: f64, count: f64| (sum / count.max(1.0)) as f32;
+            return Ok((mean(totals[0], totals[2]), mean(totals[1], totals[3])));
         }
         let n = self.cfg.eval_iters.max(1) as f64;
         Ok(((totals[0] / n) as f32, (totals[1] / n) as f32))

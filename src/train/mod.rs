@@ -25,10 +25,10 @@ mod save;
 mod start;
 
 use report::say;
-use start::Start;
+use start::{Masks, Start};
 
 use crate::config::{InitFrom, TrainConfig};
-use crate::data::{batch_offsets, fill_batch, Draw, Meta, TokenFile};
+use crate::data::{apply_mask, batch_offsets, count_trained, fill_batch, Draw, Meta, TokenFile};
 use crate::dist::{self, Collective, CommReport, DataParallel, Single, StepSettings};
 use crate::fault;
 use crate::kernels::dropout::mix64;
@@ -82,6 +82,8 @@ pub struct Trainer {
     pub meta: Meta,
     train: TokenFile,
     val: TokenFile,
+    /// Instruction data: only the targets these masks mark are trained and scored.
+    masks: Masks,
     schedule: LrSchedule,
     pub iter_num: u64,
     pub best_val_loss: f32,
@@ -155,6 +157,7 @@ impl Trainer {
             meta: data.meta,
             train: data.train,
             val: data.val,
+            masks: data.masks,
             schedule,
             iter_num: state.iter_num,
             best_val_loss: state.best_val_loss,
@@ -328,6 +331,13 @@ impl Trainer {
         self.model.set_training(true);
         self.model.set_grad_scale(1.0 / accum as f32);
         self.model.zero_grad();
+        // With a mask: the mean over the trained targets of the whole global batch,
+        // whatever its split into micro-steps and ranks (every rank counts them all).
+        let trained = self
+            .masks
+            .train
+            .as_ref()
+            .map(|m| count_trained(m.bytes(), &global, t).max(1) as f64);
         let mut loss = 0.0;
         for (k, rows) in global.chunks_exact(b).enumerate() {
             if !mine.contains(&k) {
@@ -340,9 +350,22 @@ impl Trainer {
                 &mut self.inputs,
                 &mut self.targets,
             )?;
+            // This micro-step's weight in the step's mean: 1/accum, or with a mask its
+            // share of the trained targets (the classifier divides by its own count).
+            let mut share = None;
+            if let (Some(mask), Some(trained)) = (&self.masks.train, trained) {
+                let kept = apply_mask(mask.bytes(), rows, t, &mut self.targets)?;
+                let weight = (kept as f64 / trained) as f32;
+                self.model.set_grad_scale(weight);
+                share = Some(weight);
+            }
             self.model
                 .set_dropout_seed(dropout_seed(self.cfg.seed, iter, k));
-            loss += self.model.forward(&self.inputs, &self.targets, b, t) / accum as f32;
+            let micro = self.model.forward(&self.inputs, &self.targets, b, t);
+            loss += match share {
+                Some(weight) => micro * weight,
+                None => micro / accum as f32,
+            };
             match &mut self.dp {
                 // The last micro-step: reduce each layer as backward finishes it.
                 Some(dp) if k + 1 == mine.end => dp.backward_reduce(&*self.comm, &mut self.model),

@@ -31,6 +31,15 @@ pub struct Dataset {
     pub meta: Meta,
     pub train: TokenFile,
     pub val: TokenFile,
+    /// Loss masks of instruction data (`train.mask`, `val.mask`), if prepared with them.
+    pub masks: Masks,
+}
+
+/// The loss masks of the two splits: both or neither.
+#[derive(Default)]
+pub struct Masks {
+    pub train: Option<data::TokenMask>,
+    pub val: Option<data::TokenMask>,
 }
 
 /// The model and optimizer a run starts from, and how far the run has come.
@@ -93,8 +102,32 @@ impl Dataset {
             file.check_block_size(cfg.block_size)?;
             file.check_vocab(meta.vocab_size)?;
         }
-        Ok(Dataset { meta, train, val })
+        let masks = open_masks(&data_dir, &train, &val)?;
+        Ok(Dataset {
+            meta,
+            train,
+            val,
+            masks,
+        })
     }
+}
+
+/// The masks beside the token files; one without the other is refused.
+fn open_masks(dir: &Path, train: &TokenFile, val: &TokenFile) -> Result<Masks> {
+    let open = |split: Split, file: &TokenFile| {
+        data::TokenMask::open_beside(&dir.join(split.file_name()), file.len())
+    };
+    let masks = Masks {
+        train: open(Split::Train, train)?,
+        val: open(Split::Val, val)?,
+    };
+    if masks.train.is_some() != masks.val.is_some() {
+        bail!(
+            "{} has a mask for only one of train.bin and val.bin; prepare the dataset again",
+            dir.display()
+        );
+    }
+    Ok(masks)
 }
 
 /// What rank 0 tells the others before sending the weights.

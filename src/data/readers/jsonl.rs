@@ -99,8 +99,9 @@ impl JsonlFile {
             if line.trim().is_empty() {
                 continue;
             }
-            let object = serde_json::from_str(line)
-                .with_context(|| format!("{}: not a JSON object; each line must be one", self.at()))?;
+            let object = serde_json::from_str(line).with_context(|| {
+                format!("{}: not a JSON object; each line must be one", self.at())
+            })?;
             return Ok(Some((object, progress)));
         }
     }
@@ -171,9 +172,8 @@ impl JsonlExamples {
             };
             match file.next_object()? {
                 Some((object, progress)) => {
-                    let example = Example::from_json(*format, &object).with_context(|| {
-                        format!("{} ({} example)", file.at(), format.as_str())
-                    })?;
+                    let example = Example::from_json(*format, &object)
+                        .with_context(|| format!("{} ({} example)", file.at(), format.as_str()))?;
                     return Ok(Some((example, progress)));
                 }
                 None => self.current = None,

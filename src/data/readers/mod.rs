@@ -72,11 +72,7 @@ impl Source {
 
     /// [`Source::resolve`] with the format of `.jsonl` files given (`--format`), or
     /// with `None`, detected per file from the keys of its first line.
-    pub fn resolve_as(
-        spec: &str,
-        text_column: &str,
-        format: Option<DataFormat>,
-    ) -> Result<Source> {
+    pub fn resolve_as(spec: &str, text_column: &str, format: Option<DataFormat>) -> Result<Source> {
         let source = Self::resolve_text(spec, text_column)?;
         match source {
             Source::Jsonl { files, field } => Self::jsonl_formats(files, field, format),

@@ -1,0 +1,150 @@
+//! Instruction tuning end to end: `prepare` of Alpaca / chat `.jsonl` with loss masks,
+//! training on the responses only, `eval --data FILE.jsonl` against a `transformers`
+//! reference, sampling with templates and `chat`.
+
+use std::path::Path;
+
+mod common;
+use common::{fails, metric, ok, temp_dir, TINY_MODEL};
+
+/// Chat examples of a toy task, "reverse this word": `n` lines, deterministic.
+fn reverse_chat_jsonl(n: usize, seed: u64) -> String {
+    let mut state = seed;
+    let mut next = move || {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (state >> 33) as usize
+    };
+    (0..n)
+        .map(|_| {
+            let len = 3 + next() % 3;
+            let word: String = (0..len)
+                .map(|_| (b'a' + (next() % 8) as u8) as char)
+                .collect();
+            let reversed: String = word.chars().rev().collect();
+            format!(
+                "{{\"messages\": [{{\"role\": \"user\", \"content\": \"{word}\"}}, \
+                 {{\"role\": \"assistant\", \"content\": \"{reversed}\"}}]}}\n"
+            )
+        })
+        .collect()
+}
+
+/// Prepares `n` reverse-a-word chat examples (char-level) into `dir/data/rev`.
+fn prepare_reverse(dir: &Path, n: usize) {
+    std::fs::write(dir.join("rev.jsonl"), reverse_chat_jsonl(n, 7)).unwrap();
+    let stdout = ok(
+        dir,
+        &[
+            "prepare",
+            "rev.jsonl",
+            "--out",
+            "data/rev",
+            "--tokenizer",
+            "char",
+            "--val-fraction",
+            "0.2",
+        ],
+    );
+    assert!(stdout.contains("wrote"), "{stdout}");
+    assert!(dir.join("data/rev/train.mask").exists());
+}
+
+/// The same tokens without their masks: every token trained.
+fn unmasked_copy(dir: &Path) {
+    std::fs::create_dir_all(dir.join("data/rev-plain")).unwrap();
+    for f in ["train.bin", "val.bin", "meta.json"] {
+        std::fs::copy(
+            dir.join("data/rev").join(f),
+            dir.join("data/rev-plain").join(f),
+        )
+        .unwrap();
+    }
+}
+
+/// A short run on `dataset`; returns the logged step losses.
+fn train_losses(dir: &Path, dataset: &str, out: &str, extra: &[&str]) -> Vec<(u64, f64)> {
+    let (dataset, out_dir) = (format!("dataset={dataset}"), format!("out_dir={out}"));
+    let args = [
+        &["train", &dataset, &out_dir] as &[&str],
+        &TINY_MODEL,
+        &[
+            "block_size=32",
+            "dropout=0",
+            "eval_interval=0",
+            "eval_iters=0",
+            "log_interval=1",
+            "warmup_iters=0",
+            "learning_rate=1e-2",
+            "threads=1",
+        ],
+        extra,
+    ]
+    .concat();
+    ok(dir, &args);
+    metric(&dir.join(out), "loss")
+}
+
+fn rel(a: f64, b: f64) -> f64 {
+    (a - b).abs() / a.abs().max(1e-12)
+}
+
+#[test]
+fn masked_loss_is_the_mean_over_response_tokens_of_the_global_batch() {
+    let tmp = temp_dir("inst-train");
+    let d = tmp.path();
+    prepare_reverse(d, 300);
+    unmasked_copy(d);
+    let iters = ["max_iters=4"];
+    let one = train_losses(
+        d,
+        "data/rev",
+        "b4",
+        &[&iters[..], &["batch_size=4"]].concat(),
+    );
+    let two = train_losses(
+        d,
+        "data/rev",
+        "b2a2",
+        &[
+            &iters[..],
+            &["batch_size=2", "gradient_accumulation_steps=2"],
+        ]
+        .concat(),
+    );
+    assert_eq!(one.len(), 5);
+    // Same global batch, split in two micro-steps with different numbers of trained
+    // targets: the same mean, hence the same gradient and the same next losses.
+    assert!(rel(one[0].1, two[0].1) <= 1e-6, "{one:?} vs {two:?}");
+    for ((_, a), (_, b)) in one.iter().zip(&two) {
+        assert!(rel(*a, *b) <= 1e-5, "{one:?} vs {two:?}");
+    }
+    // The mask changes what is scored: every token (prompt included) is another mean.
+    let plain = train_losses(
+        d,
+        "data/rev-plain",
+        "plain",
+        &[&iters[..], &["batch_size=4"]].concat(),
+    );
+    assert!(rel(one[0].1, plain[0].1) > 1e-3, "{one:?} vs {plain:?}");
+}
+
+#[test]
+fn a_mask_without_its_pair_or_of_another_length_is_refused() {
+    let tmp = temp_dir("inst-badmask");
+    let d = tmp.path();
+    prepare_reverse(d, 60);
+    std::fs::remove_file(d.join("data/rev/val.mask")).unwrap();
+    let err = fails(
+        d,
+        &["train", "dataset=data/rev", "block_size=32", "max_iters=0"],
+    );
+    assert!(err.contains("only one of train.bin and val.bin"), "{err}");
+    std::fs::write(d.join("data/rev/val.mask"), [1u8; 3]).unwrap();
+    let err = fails(
+        d,
+        &["train", "dataset=data/rev", "block_size=32", "max_iters=0"],
+    );
+    assert!(err.contains("val.mask has 3 bytes"), "{err}");
+}
