@@ -58,3 +58,50 @@ pub fn evaluate_tokens(
         tokens: count,
     })
 }
+
+/// Evaluates `model` (built for batches of at least `1 × block_size`) on instruction
+/// examples, each on its own (no packing): the mean cross-entropy over every trained
+/// token (`mask` 1: the responses and their end-of-text), each token weighing the same.
+///
+/// An example of `n` tokens predicts tokens `1..n`. One longer than `block_size + 1`
+/// is cut into consecutive windows as [`evaluate_tokens`] cuts a file: window `k`
+/// reads `k·T .. k·T+T` and predicts the tokens one further, with no context from
+/// the window before, so every trained token is still scored exactly once.
+pub fn evaluate_examples(
+    model: &mut Gpt,
+    examples: &[(Vec<u32>, Vec<u8>)],
+    block_size: usize,
+    mut on_example: impl FnMut(usize, usize),
+) -> Result<EvalReport> {
+    model.set_training(false);
+    let mut targets = Vec::with_capacity(block_size);
+    let (mut total, mut count) = (0.0f64, 0usize);
+    for (i, (tokens, mask)) in examples.iter().enumerate() {
+        assert_eq!(tokens.len(), mask.len(), "one mask byte per token");
+        for start in (0..tokens.len().saturating_sub(1)).step_by(block_size) {
+            let t = block_size.min(tokens.len() - 1 - start);
+            targets.clear();
+            targets.extend((start + 1..start + 1 + t).map(|j| match mask[j] {
+                0 => -1,
+                _ => tokens[j] as i32,
+            }));
+            let kept = targets.iter().filter(|&&x| x >= 0).count();
+            if kept == 0 {
+                continue;
+            }
+            let mean = model.forward(&tokens[start..start + t], &targets, 1, t) as f64;
+            total += mean * kept as f64;
+            count += kept;
+        }
+        on_example(i + 1, examples.len());
+    }
+    if count == 0 {
+        bail!("the examples have no response tokens to evaluate");
+    }
+    let loss = total / count as f64;
+    Ok(EvalReport {
+        loss,
+        perplexity: loss.exp(),
+        tokens: count,
+    })
+}

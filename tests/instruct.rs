@@ -148,3 +148,36 @@ fn a_mask_without_its_pair_or_of_another_length_is_refused() {
     );
     assert!(err.contains("val.mask has 3 bytes"), "{err}");
 }
+
+/// `eval --data FILE.jsonl` against `transformers` (scripts/reference/instruct_eval.py):
+/// the masked mean over the response tokens of each example evaluated alone, whole
+/// and cut into windows of 16.
+#[test]
+fn eval_matches_transformers_on_alpaca_and_chat_examples() {
+    let fixtures = common::fixture("instruct");
+    let expected = common::read_json(&fixtures.join("expected.json"));
+    let model = fixtures.join("model");
+    for file in ["alpaca.jsonl", "chat.jsonl"] {
+        for block in ["64", "16"] {
+            let data = fixtures.join(file);
+            let args = [
+                "eval",
+                "--init-from",
+                model.to_str().unwrap(),
+                "--data",
+                data.to_str().unwrap(),
+                "--block-size",
+                block,
+                "--json",
+            ];
+            let got: serde_json::Value = serde_json::from_str(&ok(&fixtures, &args)).unwrap();
+            let want = &expected[format!("{file} block {block}")];
+            assert_eq!(got["tokens"], want["tokens"], "{file} block {block}");
+            let (g, w) = (
+                got["loss"].as_f64().unwrap(),
+                want["loss"].as_f64().unwrap(),
+            );
+            assert!(rel(w, g) <= 1e-5, "{file} block {block}: {g} vs {w}");
+        }
+    }
+}

@@ -1,7 +1,9 @@
 //! `nanogpt eval --init-from SRC --data FILE`.
 
-use crate::data::{eval_window_count, TokenFile, Tokenizer};
-use crate::eval::evaluate_tokens;
+use crate::data::instruct::instruct_eot;
+use crate::data::readers::Source;
+use crate::data::{eval_window_count, DataFormat, TokenFile, Tokenizer};
+use crate::eval::{evaluate_examples, evaluate_tokens, EvalReport};
 use crate::model::Gpt;
 use crate::model_source::load_model;
 use anyhow::{bail, Context, Result};
@@ -15,9 +17,13 @@ pub struct EvalArgs {
     #[arg(long)]
     pub init_from: String,
     /// A .bin token file (uint16, nanoGPT's format) or a .txt file, tokenised with
-    /// the model's tokenizer.
+    /// the model's tokenizer; or a .jsonl of instruction examples (Alpaca or chat),
+    /// each evaluated on its own, the loss over its response tokens only.
     #[arg(long)]
     pub data: PathBuf,
+    /// How a .jsonl is read (alpaca, chat or text); default: detected from its first line.
+    #[arg(long)]
+    pub format: Option<DataFormat>,
     /// Window length (default: the model's block size).
     #[arg(long)]
     pub block_size: Option<usize>,
@@ -41,6 +47,12 @@ pub fn run(args: EvalArgs) -> Result<()> {
             loaded.config.block_size
         );
     }
+    if let Some(source) = instruct_source(&args)? {
+        let examples = read_examples(&source, &loaded.meta, loaded.config.vocab_size)?;
+        let mut model = Gpt::from_params(loaded.config, loaded.params, 1, t)?;
+        let report = evaluate_examples(&mut model, &examples, t, |_, _| {})?;
+        return print_report(&args, &report, &format!(" of {} examples", examples.len()));
+    }
     let tokens = read_tokens(&args, &loaded.meta, loaded.config.vocab_size)?;
     // No batch larger than the file's windows (a larger one would only allocate more).
     let batch = args
@@ -48,17 +60,67 @@ pub fn run(args: EvalArgs) -> Result<()> {
         .min(eval_window_count(tokens.len(), t).max(1));
     let mut model = Gpt::from_params(loaded.config, loaded.params, batch, t)?;
     let report = evaluate_tokens(&mut model, &tokens, t, batch, |_, _| {})?;
+    print_report(&args, &report, "")
+}
+
+fn print_report(args: &EvalArgs, report: &EvalReport, of: &str) -> Result<()> {
     if args.json {
-        crate::outln!("{}", serde_json::to_string(&report)?);
+        crate::outln!("{}", serde_json::to_string(report)?);
     } else {
         crate::outln!(
-            "loss {:.4}, perplexity {:.2}, over {} tokens",
+            "loss {:.4}, perplexity {:.2}, over {} tokens{of}",
             report.loss,
             report.perplexity,
             report.tokens
         );
     }
     Ok(())
+}
+
+/// The instruction examples of a `.jsonl` `--data` (`None` for any other file, and
+/// for a `.jsonl` of plain text, which is read as text as before).
+fn instruct_source(args: &EvalArgs) -> Result<Option<Source>> {
+    let path = &args.data;
+    if !path.extension().is_some_and(|e| e == "jsonl") {
+        if let Some(f) = args.format.filter(|&f| f != DataFormat::Text) {
+            bail!(
+                "--format {f} reads .jsonl files, but --data {} is not one",
+                path.display()
+            );
+        }
+        return Ok(None);
+    }
+    crate::fsutil::check_regular_file(path, "--data")?;
+    let source = Source::resolve_as(&path.to_string_lossy(), "text", args.format)?;
+    Ok(source.is_instruct().then_some(source))
+}
+
+/// Every example's tokens and mask, with the model's tokenizer.
+fn read_examples(
+    source: &Source,
+    meta: &crate::data::Meta,
+    vocab: usize,
+) -> Result<Vec<(Vec<u32>, Vec<u8>)>> {
+    let tokenizer = Tokenizer::from_meta(meta)?;
+    let eot = instruct_eot(&tokenizer)?;
+    let mut examples = Vec::new();
+    for example in source.examples() {
+        let (example, _) = example?;
+        let (ids, mask) = example
+            .encode(&tokenizer, eot)
+            .with_context(|| format!("cannot tokenise {}", source.describe()))?;
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
+            bail!(
+                "{} encodes to token {id}, beyond the model's vocabulary of {vocab}",
+                source.describe()
+            );
+        }
+        examples.push((ids, mask));
+    }
+    if examples.is_empty() {
+        bail!("{} holds no examples", source.describe());
+    }
+    Ok(examples)
 }
 
 /// The tokens of `--data`: a .bin file as is, anything else read as UTF-8 text.
