@@ -2,9 +2,10 @@
 //! the KV-cached [`Decoder`].
 //!
 //! Each step: the model sees the last `block_size` tokens of each sequence; the logits
-//! of its last position are divided by the temperature, cut to the `top_k` largest,
-//! turned into probabilities by a softmax over the real vocabulary, and one token is
-//! drawn from them.
+//! of its last position get the repetition penalty (off by default), are divided by
+//! the temperature, cut to the `top_k` largest, turned into probabilities by a softmax
+//! over the real vocabulary, cut to the nucleus `top_p` (off by default), and one
+//! token is drawn from them: the order of Hugging Face's `generate`.
 
 use crate::model::decode::Decoder;
 use crate::model::{ModelConfig, ParamLayout};
@@ -26,6 +27,13 @@ pub struct SampleOptions {
     pub top_k: Option<usize>,
     /// Seeds the sampling RNG: the same seed gives the same samples.
     pub seed: u64,
+    /// Nucleus sampling: keep the most likely tokens whose probabilities add up to at
+    /// least `p` (Hugging Face's `top_p`). `None` or `Some(1.0)` keeps all.
+    pub top_p: Option<f32>,
+    /// Hugging Face's `repetition_penalty`: the logit of every token already in the
+    /// sequence (prompt included) is divided by it when positive, multiplied when
+    /// negative. `1.0` is off.
+    pub repetition_penalty: f32,
 }
 
 impl Default for SampleOptions {
@@ -36,6 +44,8 @@ impl Default for SampleOptions {
             temperature: 0.8,
             top_k: Some(200),
             seed: 1337,
+            top_p: None,
+            repetition_penalty: 1.0,
         }
     }
 }
@@ -59,6 +69,24 @@ pub fn generate(
     opts: &SampleOptions,
     mut on_token: impl FnMut(usize, u32),
 ) -> Vec<Vec<u32>> {
+    generate_until(params, layout, config, prompt, opts, |i, t| {
+        on_token(i, t);
+        false
+    })
+}
+
+/// [`generate`], where a sequence stops early when `on_token(sample, id)` returns
+/// true for it (that token is kept as its last); generation ends when every sequence
+/// has stopped or has `max_new_tokens`. Stopped sequences are still decoded with the
+/// batch, but their draws are dropped and not reported.
+pub fn generate_until(
+    params: &[f32],
+    layout: &ParamLayout,
+    config: &ModelConfig,
+    prompt: &[u32],
+    opts: &SampleOptions,
+    mut on_token: impl FnMut(usize, u32) -> bool,
+) -> Vec<Vec<u32>> {
     assert!(!prompt.is_empty(), "generation needs a non-empty prompt");
     let b = opts.num_samples;
     if b == 0 || opts.max_new_tokens == 0 {
@@ -68,7 +96,9 @@ pub fn generate(
     // The longest context ever fed: the prompt and all but the last new token, cropped.
     let longest = (prompt.len() + opts.max_new_tokens - 1).min(block);
     let mut dec = Decoder::new(config, b, longest);
-    let mut sampler = Sampler::new(config.vocab_size, opts.temperature, opts.top_k);
+    let mut sampler = Sampler::new(config.vocab_size, opts.temperature, opts.top_k)
+        .with_top_p(opts.top_p)
+        .with_repetition_penalty(opts.repetition_penalty);
     let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
     let total = prompt.len() + opts.max_new_tokens;
     let mut seqs: Vec<Vec<u32>> = (0..b)
@@ -79,6 +109,8 @@ pub fn generate(
         })
         .collect();
     let mut window = Vec::with_capacity(b * block);
+    // Where each sequence stopped (its length then), if it did.
+    let mut stopped: Vec<Option<usize>> = vec![None; b];
     for _ in 0..opts.max_new_tokens {
         let logits = next_logits(&mut dec, params, layout, &seqs, block, &mut window);
         for (i, (row, seq)) in logits
@@ -86,13 +118,19 @@ pub fn generate(
             .zip(&mut seqs)
             .enumerate()
         {
-            let token = sampler.pick(row, &mut rng);
+            let token = sampler.pick_after(row, seq, &mut rng);
             seq.push(token);
-            on_token(i, token);
+            if stopped[i].is_none() && on_token(i, token) {
+                stopped[i] = Some(seq.len());
+            }
+        }
+        if stopped.iter().all(Option::is_some) {
+            break;
         }
     }
     seqs.into_iter()
-        .map(|s| s[prompt.len()..].to_vec())
+        .zip(stopped)
+        .map(|(s, end)| s[prompt.len()..end.unwrap_or(s.len())].to_vec())
         .collect()
 }
 
@@ -134,8 +172,16 @@ pub struct Sampler {
     temperature: f32,
     /// Tokens kept by top-k; `None` keeps all.
     top_k: Option<usize>,
+    /// Nucleus mass kept by top-p; `None` keeps all.
+    top_p: Option<f32>,
+    /// 1.0: no repetition penalty.
+    repetition_penalty: f32,
     /// (V) the logits sorted partially for top-k, then the unnormalised probabilities.
     scratch: Vec<f32>,
+    /// (V) the logits after the repetition penalty (used only with one).
+    penalized: Vec<f32>,
+    /// (V) token ids, sorted by probability for top-p.
+    order: Vec<u32>,
 }
 
 impl Sampler {
@@ -149,8 +195,56 @@ impl Sampler {
         Sampler {
             temperature,
             top_k: top_k.filter(|&k| k > 0 && k < v),
+            top_p: None,
+            repetition_penalty: 1.0,
             scratch: vec![0.0; v],
+            penalized: Vec::new(),
+            order: Vec::new(),
         }
+    }
+
+    /// Nucleus sampling (see [`SampleOptions::top_p`]).
+    ///
+    /// # Panics
+    /// If `p` is not in `(0, 1]`.
+    pub fn with_top_p(mut self, p: Option<f32>) -> Sampler {
+        if let Some(p) = p {
+            assert!(p > 0.0 && p <= 1.0, "top_p must be in (0, 1], got {p}");
+        }
+        self.top_p = p.filter(|&p| p < 1.0);
+        if self.top_p.is_some() {
+            self.order = Vec::with_capacity(self.scratch.len());
+        }
+        self
+    }
+
+    /// Hugging Face's repetition penalty (see [`SampleOptions::repetition_penalty`]).
+    ///
+    /// # Panics
+    /// If `penalty` is not finite and positive.
+    pub fn with_repetition_penalty(mut self, penalty: f32) -> Sampler {
+        assert!(
+            penalty > 0.0 && penalty.is_finite(),
+            "repetition penalty must be positive, got {penalty}"
+        );
+        self.repetition_penalty = penalty;
+        if penalty != 1.0 {
+            self.penalized = vec![0.0; self.scratch.len()];
+        }
+        self
+    }
+
+    /// [`Sampler::pick`] after the repetition penalty for the tokens of `history`.
+    pub fn pick_after(&mut self, logits: &[f32], history: &[u32], rng: &mut impl Rng) -> u32 {
+        if self.repetition_penalty == 1.0 {
+            return self.pick(logits, rng);
+        }
+        let mut penalized = std::mem::take(&mut self.penalized);
+        penalized.copy_from_slice(logits);
+        apply_repetition_penalty(&mut penalized, history, self.repetition_penalty);
+        let token = self.pick(&penalized, rng);
+        self.penalized = penalized;
+        token
     }
 
     /// The token drawn from `logits` (V): the argmax when the temperature is 0, else a
@@ -174,6 +268,9 @@ impl Sampler {
             };
             sum += *p as f64;
         }
+        if let Some(p) = self.top_p {
+            sum = top_p_filter(&mut self.scratch, sum, p, &mut self.order);
+        }
         draw(&self.scratch, sum, rng) as u32
     }
 
@@ -189,6 +286,49 @@ impl Sampler {
             .select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
         *kth
     }
+}
+
+/// Hugging Face's repetition penalty, in place: the logit of each distinct token of
+/// `history` is divided by `penalty` when positive, multiplied by it otherwise.
+/// Ids outside `logits` are skipped.
+pub fn apply_repetition_penalty(logits: &mut [f32], history: &[u32], penalty: f32) {
+    let mut distinct: Vec<u32> = history
+        .iter()
+        .copied()
+        .filter(|&id| (id as usize) < logits.len())
+        .collect();
+    distinct.sort_unstable();
+    distinct.dedup();
+    for id in distinct {
+        let l = &mut logits[id as usize];
+        *l = if *l > 0.0 { *l / penalty } else { *l * penalty };
+    }
+}
+
+/// Nucleus filter over unnormalised `weights` (sum `sum`), as Hugging Face's
+/// `TopPLogitsWarper`: with the tokens sorted by ascending probability, those whose
+/// cumulative probability is at most `1 − p` are removed (zeroed); the most likely
+/// token always stays. Returns the sum of the weights kept. `order` is scratch.
+pub fn top_p_filter(weights: &mut [f32], sum: f64, p: f32, order: &mut Vec<u32>) -> f64 {
+    order.clear();
+    order.extend((0..weights.len() as u32).filter(|&i| weights[i as usize] > 0.0));
+    // Ascending by weight; equal weights by id, so the cut is deterministic.
+    order.sort_unstable_by(|&a, &b| {
+        weights[a as usize]
+            .total_cmp(&weights[b as usize])
+            .then(b.cmp(&a))
+    });
+    let limit = 1.0 - p as f64;
+    let mut cumulative = 0.0f64;
+    for &i in &order[..order.len().saturating_sub(1)] {
+        cumulative += weights[i as usize] as f64 / sum;
+        if cumulative > limit {
+            break;
+        }
+        weights[i as usize] = 0.0;
+    }
+    // Summed again in index order, as `draw` accumulates.
+    weights.iter().map(|&w| w as f64).sum()
 }
 
 /// Index of the largest value; the first one on ties.
@@ -234,6 +374,7 @@ mod tests {
             temperature,
             top_k,
             seed,
+            ..SampleOptions::default()
         }
     }
 
@@ -377,6 +518,81 @@ mod tests {
         let logits = [3.0f32, 1.0, 3.0, 0.0];
         let got = frequencies(&logits, 1.0, Some(1));
         assert_freqs(&got, &[0.5, 0.0, 0.5, 0.0]);
+    }
+
+    #[test]
+    fn top_p_removes_the_tail_up_to_one_minus_p() {
+        // Probabilities 0.5, 0.3, 0.15, 0.05 (as weights summing to 2).
+        let base = [1.0f32, 0.6, 0.3, 0.1];
+        let mut order = Vec::new();
+        // Ascending cumulative: 0.05, 0.20, 0.50, 1.00. p = 0.75 removes those ≤ 0.25.
+        let mut w = base;
+        let kept = top_p_filter(&mut w, 2.0, 0.75, &mut order);
+        assert_eq!(w, [1.0, 0.6, 0.0, 0.0]);
+        assert!((kept - 1.6).abs() < 1e-6);
+        // p = 0.9 removes only the 0.05 token; p = 0.3 keeps only the most likely.
+        let mut w = base;
+        top_p_filter(&mut w, 2.0, 0.9, &mut order);
+        assert_eq!(w, [1.0, 0.6, 0.3, 0.0]);
+        let mut w = base;
+        top_p_filter(&mut w, 2.0, 0.3, &mut order);
+        assert_eq!(w, [1.0, 0.0, 0.0, 0.0]);
+        // Zero weights (cut by top-k) stay out of the count.
+        let mut w = [0.0f32, 0.6, 0.3, 0.1];
+        top_p_filter(&mut w, 1.0, 0.65, &mut order);
+        assert_eq!(w, [0.0, 0.6, 0.3, 0.0]);
+    }
+
+    #[test]
+    fn top_p_draws_renormalise_over_the_nucleus() {
+        let probs = [0.5f64, 0.3, 0.15, 0.05];
+        let logits = probs.map(|p| p.ln() as f32);
+        let draws = 100_000;
+        let mut sampler = Sampler::new(4, 1.0, None).with_top_p(Some(0.75));
+        let mut rng = ChaCha8Rng::seed_from_u64(9);
+        let mut counts = [0usize; 4];
+        for _ in 0..draws {
+            counts[sampler.pick(&logits, &mut rng) as usize] += 1;
+        }
+        let got = counts.map(|n| n as f64 / draws as f64);
+        assert_freqs(&got, &[0.625, 0.375, 0.0, 0.0]);
+        assert_eq!((counts[2], counts[3]), (0, 0));
+    }
+
+    #[test]
+    fn repetition_penalty_divides_positive_and_multiplies_negative_logits() {
+        let mut logits = [2.0f32, -1.0, 0.5, 3.0, 0.0];
+        // Token 1 twice: penalised once; id 9 is outside the vocabulary.
+        apply_repetition_penalty(&mut logits, &[0, 1, 1, 4, 9], 2.0);
+        assert_eq!(logits, [1.0, -2.0, 0.5, 3.0, 0.0]);
+        // Greedy: token 0 (logit 2) loses to token 3 (logit 1.5) once penalised.
+        let mut s = Sampler::new(4, 0.0, None).with_repetition_penalty(1.5);
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        assert_eq!(s.pick_after(&[2.0, 0.0, 0.0, 1.5], &[], &mut rng), 0);
+        assert_eq!(s.pick_after(&[2.0, 0.0, 0.0, 1.5], &[0], &mut rng), 3);
+    }
+
+    #[test]
+    fn generation_stops_where_the_callback_says() {
+        let gpt = random_gpt(small(true), 1, 16);
+        let o = opts(1.0, None, 3);
+        let full = run(&gpt, &[1, 2], &o);
+        let mut calls = [0usize; 3];
+        let cut = generate_until(
+            &gpt.params,
+            &gpt.layout,
+            gpt.config(),
+            &[1, 2],
+            &o,
+            |i, _| {
+                calls[i] += 1;
+                calls[i] == 2 + i
+            },
+        );
+        for i in 0..3 {
+            assert_eq!(cut[i], full[i][..2 + i], "sample {i}");
+            assert_eq!(calls[i], 2 + i, "no tokens reported after the stop");
+        }
     }
 
     #[test]

@@ -1,10 +1,11 @@
 //! `nanogpt sample`: generate text from a trained model, streamed as it comes.
 
 use crate::console::exit_if_closed;
+use crate::data::instruct::{alpaca_prompt, instruct_eot, Role};
 use crate::data::{Meta, Tokenizer};
 use crate::model::{ModelConfig, ParamLayout};
 use crate::model_source::load_model;
-use crate::sample::{generate, SampleOptions};
+use crate::sample::{generate_until, SampleOptions};
 use crate::train::Trainer;
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -38,6 +39,51 @@ pub struct SampleArgs {
     /// Threads (0: one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// Nucleus sampling: keep the most likely tokens whose probabilities add up to P
+    /// (0 < P ≤ 1; 1 keeps all), after top-k.
+    #[arg(long)]
+    pub top_p: Option<f32>,
+    /// Divide the logit of every token already in the text by this when positive,
+    /// multiply when negative (Hugging Face's repetition_penalty; 1 is off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    /// Stop a sample when its text contains this string, which is not printed
+    /// (repeatable).
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Wrap --start in an instruction template and stop at end-of-text: alpaca
+    /// (Stanford Alpaca's prompt, no input) or chat (`<|user|>` … `<|assistant|>`).
+    #[arg(long, default_value = "none")]
+    pub template: Template,
+}
+
+/// The prompt templates of instruction-tuned models (docs/finetune.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Template {
+    /// The prompt as given.
+    None,
+    /// Stanford Alpaca's prompt without input.
+    Alpaca,
+    /// One user turn of the chat template.
+    Chat,
+}
+
+impl Template {
+    /// `text` wrapped in the template.
+    pub fn wrap(self, text: &str) -> String {
+        match self {
+            Template::None => text.to_string(),
+            Template::Alpaca => alpaca_prompt(text, ""),
+            Template::Chat => format!("{}{text}\n{}", Role::User.tag(), Role::Assistant.tag()),
+        }
+    }
+}
+
+/// Where samples end early: at end-of-text, and at any of the stop strings.
+#[derive(Clone, Debug, Default)]
+pub struct Stops {
+    pub eot: Option<u32>,
+    pub strings: Vec<String>,
 }
 
 pub fn run(args: SampleArgs) -> Result<()> {
@@ -52,14 +98,39 @@ pub fn run(args: SampleArgs) -> Result<()> {
         .init_from
         .clone()
         .unwrap_or_else(|| args.out_dir.to_string_lossy().into_owned());
+    if args.top_p.is_some_and(|p| !(p > 0.0 && p <= 1.0)) {
+        bail!(
+            "--top-p must be above 0 and at most 1 (e.g. 0.9), got {}",
+            args.top_p.unwrap_or_default()
+        );
+    }
+    if !(args.repetition_penalty > 0.0 && args.repetition_penalty.is_finite()) {
+        bail!(
+            "--repetition-penalty must be above 0 (1 is off, e.g. 1.2 discourages repeats), got {}",
+            args.repetition_penalty
+        );
+    }
+    if args.stop.iter().any(String::is_empty) {
+        bail!("--stop needs a non-empty string");
+    }
     let loaded = load_model(&src)?;
-    let prompt = read_prompt(&args.start)?;
+    let prompt = args.template.wrap(&read_prompt(&args.start)?);
     let opts = SampleOptions {
         num_samples: args.num_samples,
         max_new_tokens: args.max_new_tokens,
         temperature: args.temperature,
         top_k: (args.top_k > 0).then_some(args.top_k),
         seed: args.seed,
+        top_p: args.top_p,
+        repetition_penalty: args.repetition_penalty,
+    };
+    let eot = match args.template {
+        Template::None => None,
+        _ => Some(instruct_eot(&Tokenizer::from_meta(&loaded.meta)?)?),
+    };
+    let stops = Stops {
+        eot,
+        strings: args.stop.clone(),
     };
     let layout = ParamLayout::new(&loaded.config);
     stream(
@@ -69,6 +140,7 @@ pub fn run(args: SampleArgs) -> Result<()> {
         &loaded.meta,
         &prompt,
         &opts,
+        &stops,
     )
 }
 
@@ -80,6 +152,7 @@ pub fn print_sample(trainer: &mut Trainer, max_new_tokens: usize) -> Result<()> 
         temperature: 0.8,
         top_k: Some(200),
         seed: trainer.cfg.seed,
+        ..SampleOptions::default()
     };
     let m = &trainer.model;
     let prompt = closing_prompt(&trainer.meta)?;
@@ -90,6 +163,7 @@ pub fn print_sample(trainer: &mut Trainer, max_new_tokens: usize) -> Result<()> 
         &trainer.meta,
         &prompt,
         &opts,
+        &Stops::default(),
     )
 }
 
@@ -116,6 +190,7 @@ fn stream(
     meta: &Meta,
     prompt: &str,
     opts: &SampleOptions,
+    stops: &Stops,
 ) -> Result<()> {
     let tokenizer = Tokenizer::from_meta(meta)?;
     let ids = tokenizer
@@ -135,25 +210,115 @@ fn stream(
     let mut out = std::io::stdout().lock();
     let mut print = |text: &str| exit_if_closed(write!(out, "{text}").and_then(|()| out.flush()));
     print(prompt)?;
-    let mut live = tokenizer.stream_decoder();
+    let mut texts: Vec<StopText> = (0..opts.num_samples)
+        .map(|_| StopText::new(&tokenizer))
+        .collect();
     let mut streamed = Ok(());
-    let samples = generate(params, layout, config, &ids, opts, |sample, token| {
+    let samples = generate_until(params, layout, config, &ids, opts, |sample, token| {
+        let text = &mut texts[sample];
+        let stop = text.push(token, stops);
         if sample == 0 && streamed.is_ok() {
-            streamed = print(&live.push(token));
+            streamed = print(text.take_printable(stops));
         }
+        stop
     });
     streamed?;
-    print(&format!("{}\n", live.finish()))?;
-    for rest in samples.iter().skip(1) {
-        print(&format!(
-            "---------------\n{prompt}{}\n",
-            tokenizer.decode(rest)
-        ))?;
+    let mut texts = texts.into_iter();
+    if let Some(first) = texts.next() {
+        print(&format!("{}\n", first.finish()))?;
+    }
+    for rest in texts {
+        print(&format!("---------------\n{prompt}{}\n", rest.finish_all()))?;
     }
     if samples.len() > 1 {
         print("---------------\n")?;
     }
     Ok(())
+}
+
+/// The text of one sample as it is generated, cut at its first stop.
+pub struct StopText<'a> {
+    decoder: crate::data::StreamDecoder<'a>,
+    text: String,
+    /// Bytes of `text` already handed out by [`StopText::take_printable`].
+    printed: usize,
+    stopped: bool,
+}
+
+impl<'a> StopText<'a> {
+    pub fn new(tokenizer: &'a Tokenizer) -> StopText<'a> {
+        StopText {
+            decoder: tokenizer.stream_decoder(),
+            text: String::new(),
+            printed: 0,
+            stopped: false,
+        }
+    }
+
+    /// Adds a token; true when the sample stops here (end-of-text, which adds no
+    /// text, or a stop string, which is cut off with what follows it).
+    pub fn push(&mut self, token: u32, stops: &Stops) -> bool {
+        if self.stopped {
+            return true;
+        }
+        if stops.eot == Some(token) {
+            self.stopped = true;
+            return true;
+        }
+        let before = self.text.len();
+        self.text.push_str(&self.decoder.push(token));
+        for stop in &stops.strings {
+            // A stop string may end inside this token's text, or start before it.
+            let from = floor_char_boundary(&self.text, before.saturating_sub(stop.len() - 1));
+            if let Some(at) = self.text[from..].find(stop.as_str()) {
+                self.text.truncate(from + at);
+                self.stopped = true;
+            }
+        }
+        self.stopped
+    }
+
+    /// The text not yet handed out that cannot be the start of a stop string.
+    pub fn take_printable(&mut self, stops: &Stops) -> &str {
+        let mut end = self.text.len();
+        if !self.stopped {
+            for stop in &stops.strings {
+                let held = (1..stop.len())
+                    .rev()
+                    .find(|&k| self.text.ends_with(&stop[..floor_char_boundary(stop, k)]))
+                    .map_or(0, |k| floor_char_boundary(stop, k));
+                end = end.min(self.text.len() - held);
+            }
+        }
+        let end = end.max(self.printed);
+        let out = &self.text[self.printed..end];
+        self.printed = end;
+        out
+    }
+
+    /// What is left to print at the end (the held-back text of an unstopped sample).
+    pub fn finish(mut self) -> String {
+        let mut rest = self.text.split_off(self.printed.min(self.text.len()));
+        if !self.stopped {
+            rest.push_str(&self.decoder.finish());
+        }
+        rest
+    }
+
+    /// The whole text of the sample.
+    pub fn finish_all(mut self) -> String {
+        self.printed = 0;
+        self.finish()
+    }
+}
+
+/// The largest char boundary of `s` at or below `i`.
+fn floor_char_boundary(s: &str, mut i: usize) -> usize {
+    i = i.min(s.len());
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
 }
 
 /// The `--start` text, or the contents of the file it names as `FILE:path`.
@@ -162,5 +327,55 @@ fn read_prompt(start: &str) -> Result<String> {
         Some(path) => std::fs::read_to_string(path)
             .with_context(|| format!("cannot read the prompt file {path} (must be UTF-8 text)")),
         None => Ok(start.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(text: &str, stops: &Stops) -> (String, bool, String) {
+        let t = Tokenizer::char_level("abcdefgh\u{3}".chars()).unwrap();
+        let mut st = StopText::new(&t);
+        let (mut streamed, mut stopped) = (String::new(), false);
+        for id in t.encode(text).unwrap() {
+            stopped = st.push(id, stops);
+            streamed.push_str(st.take_printable(stops));
+            if stopped {
+                break;
+            }
+        }
+        let all = format!("{streamed}{}", st.finish());
+        (streamed, stopped, all)
+    }
+
+    #[test]
+    fn stop_strings_are_cut_and_never_streamed() {
+        let stops = Stops {
+            eot: Some(0),
+            strings: vec!["cde".into(), "hh".into()],
+        };
+        // "cd" is held back until "e" shows it is the stop.
+        assert_eq!(run("abcdefg", &stops), ("ab".into(), true, "ab".into()));
+        // Held back, then released when it turns out not to be the stop.
+        let (streamed, stopped, all) = run("abcdbh", &stops);
+        assert_eq!(
+            (streamed.as_str(), stopped, all.as_str()),
+            ("abcdb", false, "abcdbh")
+        );
+        assert_eq!(run("ahhb", &stops).2, "a");
+        // End-of-text (id 0) stops and prints nothing.
+        assert_eq!(run("ab\u{3}cd", &stops), ("ab".into(), true, "ab".into()));
+    }
+
+    #[test]
+    fn templates_wrap_the_prompt() {
+        assert_eq!(Template::None.wrap("hi"), "hi");
+        assert_eq!(Template::Chat.wrap("hi"), "<|user|>\nhi\n<|assistant|>\n");
+        let a = Template::Alpaca.wrap("hi");
+        assert!(
+            a.starts_with("Below is an instruction")
+                && a.ends_with("### Instruction:\nhi\n\n### Response:")
+        );
     }
 }
