@@ -5,6 +5,7 @@
 //! an AdamW optimizer over the same buffers ([`optim`]).
 
 pub mod bench;
+pub mod chat;
 pub mod checkpoint;
 pub mod cli;
 pub mod config;

@@ -7,7 +7,8 @@ use std::path::Path;
 mod common;
 use common::{fails, metric, ok, temp_dir, TINY_MODEL};
 
-/// Chat examples of a toy task, "reverse this word": `n` lines, deterministic.
+/// Chat examples of a toy task, "is there an `a` in this word?" (answers `yes` or
+/// `no`, which a tiny model learns in seconds): `n` lines, deterministic.
 fn reverse_chat_jsonl(n: usize, seed: u64) -> String {
     let mut state = seed;
     let mut next = move || {
@@ -22,10 +23,10 @@ fn reverse_chat_jsonl(n: usize, seed: u64) -> String {
             let word: String = (0..len)
                 .map(|_| (b'a' + (next() % 8) as u8) as char)
                 .collect();
-            let reversed: String = word.chars().rev().collect();
+            let answer = if word.contains('a') { "yes" } else { "no" };
             format!(
                 "{{\"messages\": [{{\"role\": \"user\", \"content\": \"{word}\"}}, \
-                 {{\"role\": \"assistant\", \"content\": \"{reversed}\"}}]}}\n"
+                 {{\"role\": \"assistant\", \"content\": \"{answer}\"}}]}}\n"
             )
         })
         .collect()
@@ -180,4 +181,102 @@ fn eval_matches_transformers_on_alpaca_and_chat_examples() {
             assert!(rel(w, g) <= 1e-5, "{file} block {block}: {g} vs {w}");
         }
     }
+}
+
+/// A tiny model that learned the toy task (chat template, char-level), trained once
+/// for the sampling and chat tests.
+fn reverse_model() -> &'static Path {
+    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        let tmp = temp_dir("inst-model");
+        let d = tmp.path();
+        prepare_reverse(d, 1000);
+        let losses = train_losses(
+            d,
+            "data/rev",
+            "run",
+            &[
+                // Examples of ~30 characters: a window of 64 mostly holds the word
+                // with its answer (random windows of 32 often cut the word off).
+                "block_size=64",
+                "n_embd=64",
+                "batch_size=16",
+                "max_iters=800",
+                "eval_interval=800",
+                "eval_iters=4",
+                "warmup_iters=20",
+                "learning_rate=2e-3",
+                "lr_decay_iters=800",
+                "min_lr=2e-4",
+            ],
+        );
+        eprintln!("toy task: loss {:?} -> {:?}", losses[0], losses.last());
+        tmp
+    })
+    .path()
+}
+
+#[test]
+fn sample_with_the_chat_template_stops_at_end_of_text() {
+    let d = reverse_model();
+    let args = [
+        "sample",
+        "--out-dir",
+        "run",
+        "--template",
+        "chat",
+        "--start",
+        "bcad",
+        "--temperature",
+        "0",
+        "--num-samples",
+        "1",
+        "--max-new-tokens",
+        "20",
+    ];
+    let out = ok(d, &args);
+    let reply = out
+        .strip_prefix("<|user|>\nbcad\n<|assistant|>\n")
+        .unwrap_or_else(|| panic!("{out:?}"));
+    assert_eq!(reply, "yes\n", "greedy reply, cut at end-of-text");
+    // A stop string ends it earlier, without printing it.
+    let out = ok(d, &[&args[..], &["--stop", "s"]].concat());
+    assert!(out.ends_with("<|assistant|>\nye\n"), "{out:?}");
+    let err = fails(d, &[&args[..], &["--top-p", "0"]].concat());
+    assert!(err.contains("--top-p"), "{err}");
+}
+
+#[test]
+fn chat_answers_each_line_and_ends_at_exit() {
+    use std::io::Write;
+    let d = reverse_model();
+    let mut child = common::command(
+        d,
+        [
+            "chat",
+            "--out-dir",
+            "run",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "8",
+        ],
+    )
+    .stdin(std::process::Stdio::piped())
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::piped())
+    .spawn()
+    .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"abc\nfghe\n/exit\nbcd\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let (stdout, stderr) = (common::text(&out.stdout), common::text(&out.stderr));
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(stdout, "yes\nno\n", "{stderr}");
+    // The block of 64 holds one turn and a reply of 8, not two: the first is left out.
+    assert!(stderr.contains("left out the oldest 1 turn"), "{stderr}");
 }

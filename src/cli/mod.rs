@@ -1,6 +1,7 @@
 //! The `nanogpt` command line: one subcommand per job.
 
 mod bench;
+mod chat;
 mod eval;
 mod export;
 mod prepare;
@@ -30,6 +31,8 @@ pub enum Command {
     Eval(eval::EvalArgs),
     /// Generate text from a trained model.
     Sample(sample::SampleArgs),
+    /// Talk with an instruction-tuned model over stdin/stdout (chat or Alpaca template).
+    Chat(chat::ChatArgs),
     /// Write a trained model as a Hugging Face GPT-2 directory (transformers opens it).
     Export(export::ExportArgs),
     /// Time training steps on synthetic tokens: ms/step, tokens/s, MFU, peak RSS.
@@ -44,6 +47,7 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Train(args) => train::run(args),
         Command::Eval(args) => eval::run(args).map(|()| 0),
         Command::Sample(args) => sample::run(args).map(|()| 0),
+        Command::Chat(args) => chat::run(args).map(|()| 0),
         Command::Export(args) => export::run(args).map(|()| 0),
         Command::Bench(args) => bench::run(args).map(|()| 0),
     }

@@ -305,6 +305,11 @@ impl<'a> StopText<'a> {
         rest
     }
 
+    /// The text so far (without a stop string), printed or not.
+    pub fn whole(&self) -> String {
+        self.text.clone()
+    }
+
     /// The whole text of the sample.
     pub fn finish_all(mut self) -> String {
         self.printed = 0;
