@@ -229,6 +229,56 @@ fn checkpoints_resume_on_another_number_of_ranks() {
     }
 }
 
+/// Instruction data (chat examples, char-level, with loss masks) in the work directory.
+fn instruct_dataset() -> &'static str {
+    static DONE: OnceLock<()> = OnceLock::new();
+    DONE.get_or_init(|| {
+        let lines: String = (0..300)
+            .map(|i| {
+                let word: String = (0..3 + i % 3)
+                    .map(|k| (b'a' + ((i * 7 + k * 3) % 8) as u8) as char)
+                    .collect();
+                let answer = if word.contains('a') { "yes" } else { "no" };
+                format!(
+                    "{{\"messages\": [{{\"role\": \"user\", \"content\": \"{word}\"}}, \
+                     {{\"role\": \"assistant\", \"content\": \"{answer}\"}}]}}\n"
+                )
+            })
+            .collect();
+        std::fs::write(workdir().join("inst.jsonl"), lines).unwrap();
+        let prepare = [
+            "prepare",
+            "inst.jsonl",
+            "--out",
+            "data/inst",
+            "--tokenizer",
+            "char",
+        ];
+        succeeds(common::command(workdir(), prepare).args(["--val-fraction", "0.2"]));
+        assert!(workdir().join("data/inst/train.mask").exists());
+    });
+    // Found as data/inst (the name keeps the reference run's folder name flat).
+    "dataset=inst"
+}
+
+/// With a loss mask the micro-steps of a global batch train different numbers of
+/// targets; the step's loss is still the mean over all of them, on any rank count.
+#[test]
+fn masked_instruction_data_trains_the_same_on_two_ranks() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let data = instruct_dataset();
+    let extra = [
+        data,
+        "block_size=32",
+        "gradient_accumulation_steps=4",
+        "max_iters=5",
+    ];
+    let one = reference(&extra);
+    let out = "two-masked";
+    train(2, out, &extra);
+    assert_same_run(&one, out);
+}
+
 #[test]
 fn an_uneven_split_of_micro_steps_is_refused() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
