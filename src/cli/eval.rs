@@ -81,7 +81,7 @@ fn print_report(args: &EvalArgs, report: &EvalReport, of: &str) -> Result<()> {
 /// for a `.jsonl` of plain text, which is read as text as before).
 fn instruct_source(args: &EvalArgs) -> Result<Option<Source>> {
     let path = &args.data;
-    if !path.extension().is_some_and(|e| e == "jsonl") {
+    if path.extension().is_none_or(|e| e != "jsonl") {
         if let Some(f) = args.format.filter(|&f| f != DataFormat::Text) {
             bail!(
                 "--format {f} reads .jsonl files, but --data {} is not one",
