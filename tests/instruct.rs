@@ -280,3 +280,29 @@ fn chat_answers_each_line_and_ends_at_exit() {
     // The block of 64 holds one turn and a reply of 8, not two: the first is left out.
     assert!(stderr.contains("left out the oldest 1 turn"), "{stderr}");
 }
+
+#[test]
+fn bad_instruction_lines_are_refused_with_file_line_and_field() {
+    let tmp = temp_dir("inst-bad");
+    let d = tmp.path();
+    std::fs::write(
+        d.join("a.jsonl"),
+        "{\"instruction\": \"i\", \"output\": \"o\"}\n{\"instruction\": \"i\", \"input\": 3, \"output\": \"o\"}\n",
+    )
+    .unwrap();
+    let err = fails(d, &["prepare", "a.jsonl", "--out", "data/a"]);
+    assert!(
+        err.contains("a.jsonl line 2") && err.contains("`input` holds a number"),
+        "{err}"
+    );
+    assert!(!d.join("data/a/train.bin").exists(), "nothing written");
+    let err = fails(
+        d,
+        &["prepare", "a.jsonl", "--out", "data/a", "--format", "yaml"],
+    );
+    assert!(err.contains("yaml"), "{err}");
+    let model = common::fixture("instruct/model");
+    let model = model.to_str().unwrap();
+    let err = fails(d, &["eval", "--init-from", model, "--data", "a.jsonl"]);
+    assert!(err.contains("a.jsonl line 2"), "{err}");
+}

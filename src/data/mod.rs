@@ -2,7 +2,9 @@
 //!
 //! - [`prepare()`] turns a text source (the bundled Shakespeare, `.txt`, `.jsonl` or
 //!   `.parquet` files) into nanoGPT's format: `train.bin` / `val.bin` (uint16
-//!   little-endian token ids) plus a [`Meta`] file, `meta.json`.
+//!   little-endian token ids) plus a [`Meta`] file, `meta.json`. Instruction
+//!   examples ([`instruct`]: Alpaca or chat `.jsonl`) also get `train.mask` /
+//!   `val.mask` ([`mask`]: one byte per token, 1 = trained).
 //! - [`Tokenizer`] encodes prompts and decodes samples for a prepared dataset.
 //! - [`loader`] memory-maps the `.bin` files and cuts them into batches that are a
 //!   pure function of `(seed, iteration)`.
