@@ -9,7 +9,7 @@ use common::{fails, metric, ok, temp_dir, TINY_MODEL};
 
 /// Chat examples of a toy task, "is there an `a` in this word?" (answers `yes` or
 /// `no`, which a tiny model learns in seconds): `n` lines, deterministic.
-fn reverse_chat_jsonl(n: usize, seed: u64) -> String {
+fn toy_chat_jsonl(n: usize, seed: u64) -> String {
     let mut state = seed;
     let mut next = move || {
         state = state
@@ -32,16 +32,16 @@ fn reverse_chat_jsonl(n: usize, seed: u64) -> String {
         .collect()
 }
 
-/// Prepares `n` reverse-a-word chat examples (char-level) into `dir/data/rev`.
-fn prepare_reverse(dir: &Path, n: usize) {
-    std::fs::write(dir.join("rev.jsonl"), reverse_chat_jsonl(n, 7)).unwrap();
+/// Prepares `n` examples of the toy task (chat form, char-level) into `dir/data/toy`.
+fn prepare_toy(dir: &Path, n: usize) {
+    std::fs::write(dir.join("toy.jsonl"), toy_chat_jsonl(n, 7)).unwrap();
     let stdout = ok(
         dir,
         &[
             "prepare",
-            "rev.jsonl",
+            "toy.jsonl",
             "--out",
-            "data/rev",
+            "data/toy",
             "--tokenizer",
             "char",
             "--val-fraction",
@@ -49,16 +49,16 @@ fn prepare_reverse(dir: &Path, n: usize) {
         ],
     );
     assert!(stdout.contains("wrote"), "{stdout}");
-    assert!(dir.join("data/rev/train.mask").exists());
+    assert!(dir.join("data/toy/train.mask").exists());
 }
 
 /// The same tokens without their masks: every token trained.
 fn unmasked_copy(dir: &Path) {
-    std::fs::create_dir_all(dir.join("data/rev-plain")).unwrap();
+    std::fs::create_dir_all(dir.join("data/toy-plain")).unwrap();
     for f in ["train.bin", "val.bin", "meta.json"] {
         std::fs::copy(
-            dir.join("data/rev").join(f),
-            dir.join("data/rev-plain").join(f),
+            dir.join("data/toy").join(f),
+            dir.join("data/toy-plain").join(f),
         )
         .unwrap();
     }
@@ -95,18 +95,18 @@ fn rel(a: f64, b: f64) -> f64 {
 fn masked_loss_is_the_mean_over_response_tokens_of_the_global_batch() {
     let tmp = temp_dir("inst-train");
     let d = tmp.path();
-    prepare_reverse(d, 300);
+    prepare_toy(d, 300);
     unmasked_copy(d);
     let iters = ["max_iters=4"];
     let one = train_losses(
         d,
-        "data/rev",
+        "data/toy",
         "b4",
         &[&iters[..], &["batch_size=4"]].concat(),
     );
     let two = train_losses(
         d,
-        "data/rev",
+        "data/toy",
         "b2a2",
         &[
             &iters[..],
@@ -124,7 +124,7 @@ fn masked_loss_is_the_mean_over_response_tokens_of_the_global_batch() {
     // The mask changes what is scored: every token (prompt included) is another mean.
     let plain = train_losses(
         d,
-        "data/rev-plain",
+        "data/toy-plain",
         "plain",
         &[&iters[..], &["batch_size=4"]].concat(),
     );
@@ -135,17 +135,17 @@ fn masked_loss_is_the_mean_over_response_tokens_of_the_global_batch() {
 fn a_mask_without_its_pair_or_of_another_length_is_refused() {
     let tmp = temp_dir("inst-badmask");
     let d = tmp.path();
-    prepare_reverse(d, 60);
-    std::fs::remove_file(d.join("data/rev/val.mask")).unwrap();
+    prepare_toy(d, 60);
+    std::fs::remove_file(d.join("data/toy/val.mask")).unwrap();
     let err = fails(
         d,
-        &["train", "dataset=data/rev", "block_size=32", "max_iters=0"],
+        &["train", "dataset=data/toy", "block_size=32", "max_iters=0"],
     );
     assert!(err.contains("only one of train.bin and val.bin"), "{err}");
-    std::fs::write(d.join("data/rev/val.mask"), [1u8; 3]).unwrap();
+    std::fs::write(d.join("data/toy/val.mask"), [1u8; 3]).unwrap();
     let err = fails(
         d,
-        &["train", "dataset=data/rev", "block_size=32", "max_iters=0"],
+        &["train", "dataset=data/toy", "block_size=32", "max_iters=0"],
     );
     assert!(err.contains("val.mask has 3 bytes"), "{err}");
 }
@@ -185,15 +185,15 @@ fn eval_matches_transformers_on_alpaca_and_chat_examples() {
 
 /// A tiny model that learned the toy task (chat template, char-level), trained once
 /// for the sampling and chat tests.
-fn reverse_model() -> &'static Path {
+fn toy_model() -> &'static Path {
     static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
     DIR.get_or_init(|| {
         let tmp = temp_dir("inst-model");
         let d = tmp.path();
-        prepare_reverse(d, 1000);
+        prepare_toy(d, 1000);
         let losses = train_losses(
             d,
-            "data/rev",
+            "data/toy",
             "run",
             &[
                 // Examples of ~30 characters: a window of 64 mostly holds the word
@@ -218,7 +218,7 @@ fn reverse_model() -> &'static Path {
 
 #[test]
 fn sample_with_the_chat_template_stops_at_end_of_text() {
-    let d = reverse_model();
+    let d = toy_model();
     let args = [
         "sample",
         "--out-dir",
@@ -249,7 +249,7 @@ fn sample_with_the_chat_template_stops_at_end_of_text() {
 #[test]
 fn chat_answers_each_line_and_ends_at_exit() {
     use std::io::Write;
-    let d = reverse_model();
+    let d = toy_model();
     let mut child = common::command(
         d,
         [
