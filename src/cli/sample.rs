@@ -83,9 +83,10 @@ pub fn print_sample(trainer: &mut Trainer, max_new_tokens: usize) -> Result<()> 
     };
     let m = &trainer.model;
     let prompt = closing_prompt(&trainer.meta)?;
+    // With LoRA, the base with the adapters merged in.
     stream(
-        &m.params,
-        &m.layout,
+        &m.merged_params(),
+        m.base_layout(),
         m.config(),
         &trainer.meta,
         &prompt,

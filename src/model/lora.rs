@@ -140,6 +140,19 @@ impl LoraConfig {
     }
 }
 
+/// What a LoRA checkpoint records beside its adapters: their settings and the
+/// identity of the base they adapt.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LoraState {
+    pub config: LoraConfig,
+    /// The base: a pretrained name or path (as `init_from` gave it), or `scratch`
+    /// (GPT-2's initialisation from `base_seed`).
+    pub base: String,
+    pub base_seed: u64,
+    /// [`fingerprint`] of the base weights as the model holds them.
+    pub base_fingerprint: String,
+}
+
 /// Where one adapter's `A` (r, in) and `B` (out, r) live in the adapter arena.
 #[derive(Clone, Copy, Debug)]
 pub struct AdapterSpans {
@@ -262,7 +275,8 @@ pub struct Frozen {
     pub params: Vec<f32>,
     /// bf16 runs: `params` rounded, the matmuls' operand. Empty in f32 runs.
     pub params_bf16: Vec<f32>,
-    pub config: LoraConfig,
+    /// The adapters' settings and the base's identity.
+    pub state: LoraState,
     pub adapters: LoraLayout,
 }
 
@@ -288,7 +302,7 @@ impl Frozen {
             &self.layout,
             &self.adapters,
             adapters,
-            &self.config,
+            &self.state.config,
         );
         params
     }

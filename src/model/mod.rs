@@ -127,17 +127,25 @@ impl Gpt {
 
     /// This model as the frozen base of LoRA adapters `lora`, initialised as PEFT
     /// does from `seed` (`B = 0`: the adapted model starts as the base). Its
-    /// parameters become the base; `params`, `grads` and `layout` the adapters'.
-    pub fn with_lora(mut self, lora: LoraConfig, seed: u64) -> Gpt {
+    /// parameters become the base (named `base.0`, GPT-2-initialised from `base.1`
+    /// when `scratch`; its fingerprint is taken here); `params`, `grads` and
+    /// `layout` the adapters'.
+    pub fn with_lora(mut self, lora: LoraConfig, base: (&str, u64), seed: u64) -> Gpt {
         assert!(self.frozen.is_none(), "the model already has adapters");
         let adapters = LoraLayout::new(&self.config, &lora);
         let len = adapters.params.len;
         let dtype = self.dtype;
+        let state = lora::LoraState {
+            config: lora,
+            base: base.0.to_string(),
+            base_seed: base.1,
+            base_fingerprint: lora::fingerprint(&self.params),
+        };
         let mut frozen = Frozen {
             layout: std::mem::replace(&mut self.layout, adapters.params.clone()),
             params: std::mem::replace(&mut self.params, vec![0.0; len]),
             params_bf16: Vec::new(),
-            config: lora,
+            state,
             adapters,
         };
         frozen.set_dtype(Dtype::Float32);
@@ -156,6 +164,16 @@ impl Gpt {
     /// LoRA: the frozen base and the adapters' settings; None for full training.
     pub fn frozen(&self) -> Option<&Frozen> {
         self.frozen.as_deref()
+    }
+
+    /// The base model's parameters, to write: `params` without LoRA. With LoRA,
+    /// only for receiving rank 0's base at start-up (before [`Gpt::set_dtype`]: the
+    /// bf16 copy and the fingerprint are not refreshed).
+    pub fn base_params_mut(&mut self) -> &mut [f32] {
+        match self.frozen.as_mut() {
+            None => &mut self.params,
+            Some(f) => &mut f.params,
+        }
     }
 
     /// The base model's parameter layout: `layout` itself without LoRA.
@@ -230,7 +248,7 @@ impl Gpt {
         self.dtype = dtype;
         self.pending = None;
         if let Some(f) = self.frozen.as_mut() {
-            let (r, drop) = (f.config.rank, f.config.dropout > 0.0);
+            let (r, drop) = (f.state.config.rank, f.state.config.dropout > 0.0);
             let bt = self.max_b * self.max_t;
             self.acts.add_lora(&self.config, bt, r, drop);
             f.set_dtype(dtype);
@@ -527,8 +545,8 @@ impl<'a> Weights<'a> {
             lora: self.lora.map(|(f, weights)| BlockLora {
                 weights,
                 at: &f.adapters.blocks[l],
-                scale: f.config.scale(),
-                dropout: lora_dropout.map(|seed| (f.config.dropout, seed)),
+                scale: f.state.config.scale(),
+                dropout: lora_dropout.map(|seed| (f.state.config.dropout, seed)),
                 layer: l,
             }),
         }
@@ -567,7 +585,7 @@ fn pass_dropout(
     config: &ModelConfig,
     frozen: &Option<Box<Frozen>>,
 ) -> (Option<u64>, Option<u64>) {
-    let lora_p = frozen.as_ref().map_or(0.0, |f| f.config.dropout);
+    let lora_p = frozen.as_ref().map_or(0.0, |f| f.state.config.dropout);
     (
         pass.filter(|_| config.dropout > 0.0),
         pass.filter(|_| lora_p > 0.0),

@@ -41,7 +41,7 @@ fn adapted(cfg: ModelConfig, targets: &str, lora_dropout: f32, b: usize, t: usiz
         };
     }
     let lora = LoraConfig::new(3, 6.0, lora_dropout, targets).unwrap();
-    let mut gpt = gpt.with_lora(lora, 5);
+    let mut gpt = gpt.with_lora(lora, ("test", 0), 5);
     let noise = rand_vec(gpt.params.len(), 4);
     for tensor in gpt.layout.tensors.clone() {
         if tensor.name.contains("lora_B") {
@@ -121,7 +121,7 @@ fn zero_b_gives_the_base_model_bit_for_bit() {
     let want = base.logits(&x, b, t);
     let want_loss = base.forward(&x, &y, b, t);
     let lora = LoraConfig::new(4, 8.0, 0.0, ALL).unwrap();
-    let mut gpt = base.with_lora(lora, 1);
+    let mut gpt = base.with_lora(lora, ("test", 0), 1);
     gpt.set_training(false);
     assert!(gpt.params.iter().any(|&p| p != 0.0), "A is initialised");
     assert_eq!(gpt.logits(&x, b, t), want);
