@@ -1,0 +1,181 @@
+//! LoRA fine-tuning through the `nanogpt` binary: resuming exactly, the base's
+//! identity, the merge that eval, sample and export see, and bad `lora_*` keys.
+//! The adapters' numerics against PEFT are in `lora_golden` below.
+
+use std::path::Path;
+
+mod common;
+use common::{command, fails, metric, ok, read_json, refused, run, succeeds, temp_dir};
+use common::{TINY_BATCH, TINY_MODEL, TINY_SHAKESPEARE};
+
+/// Adapters on every kind of layer, with both dropouts on, every step logged.
+const LORA: [&str; 5] = [
+    "lora_rank=4",
+    "lora_alpha=8",
+    "lora_dropout=0.1",
+    "lora_targets=c_attn,attn.c_proj,c_fc,mlp.c_proj",
+    "lr_decay_iters=8",
+];
+
+fn train(dir: &Path, extra: &[&str]) -> (String, String) {
+    let args = [
+        &["train"],
+        &TINY_SHAKESPEARE[..],
+        &LORA,
+        &["threads=1"],
+        extra,
+    ]
+    .concat();
+    succeeds(&mut command(dir, args))
+}
+
+/// Every step's loss and every evaluation, as bits.
+fn trajectory(out_dir: &Path) -> Vec<(u64, u32)> {
+    ["loss", "val_loss", "grad_norm"]
+        .iter()
+        .flat_map(|key| metric(out_dir, key))
+        .map(|(iter, v)| (iter, (v as f32).to_bits()))
+        .collect()
+}
+
+#[test]
+fn a_resumed_lora_run_repeats_the_uninterrupted_one() {
+    for dtype in ["float32", "bfloat16"] {
+        let dir = temp_dir("lora-resume");
+        let d = dir.path();
+        let dt = format!("dtype={dtype}");
+        let whole = ["out_dir=whole", "max_iters=8", "eval_interval=4", &dt];
+        train(d, &whole);
+        // Stopped after iteration 4 with a checkpoint that resumes at 5.
+        let part = ["out_dir=part", "max_iters=4", "eval_interval=4", &dt];
+        train(d, &[&part[..], &["ckpt_interval=5"]].concat());
+        let resumed = ["out_dir=part", "max_iters=8", "eval_interval=4", &dt];
+        let (stdout, _) = train(d, &[&resumed[..], &["init_from=resume"]].concat());
+        assert!(stdout.contains("at iteration 5"), "{stdout}");
+        let (a, b) = (trajectory(&d.join("whole")), trajectory(&d.join("part")));
+        assert_eq!(a.len(), 9 + 3 + 9, "{dtype}: steps, evaluations, norms");
+        assert_eq!(a, b, "{dtype}: the resumed run differs");
+        // The checkpoint holds the adapters and their moments, and names the base.
+        let state = read_json(&d.join("part/ckpt-000005.json"));
+        assert_eq!(state["lora"]["config"]["rank"], 4);
+        assert_eq!(state["lora"]["base"], "scratch");
+        assert!(state["lora"]["base_fingerprint"]
+            .as_str()
+            .unwrap()
+            .starts_with("fnv64:"));
+    }
+}
+
+#[test]
+fn a_lora_checkpoint_is_small_and_evaluates_as_its_merge() {
+    let dir = temp_dir("lora-merge");
+    let d = dir.path();
+    train(d, &["out_dir=run", "max_iters=6", "eval_interval=6"]);
+    let ckpt = std::fs::metadata(d.join("run/ckpt.safetensors"))
+        .unwrap()
+        .len();
+    // 2 layers × 2048 adapter floats (A and B of 4 targets at r = 4), with two
+    // moments: 49 kB plus the header; the whole model's would be ~320 kB.
+    assert!((49_152..64_000).contains(&ckpt), "checkpoint {ckpt} bytes");
+    // The merged export is the whole model, and evaluates like the run's checkpoint.
+    let out = ok(d, &["export", "--from", "run", "--to", "hf"]);
+    assert!(out.contains("exported"), "{out}");
+    // Tokens of the character vocabulary (65), as a nanoGPT .bin file.
+    let tokens: Vec<u8> = (0..400u16)
+        .flat_map(|i| (i * 7 % 65).to_le_bytes())
+        .collect();
+    std::fs::write(d.join("val.bin"), tokens).unwrap();
+    let eval = |src: &str| -> f64 {
+        let args = ["eval", "--init-from", src, "--data", "val.bin", "--json"];
+        let out = ok(d, &args);
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()["loss"]
+            .as_f64()
+            .unwrap()
+    };
+    let (lora, merged) = (eval("run"), eval("hf"));
+    assert!((lora - merged).abs() < 1e-5, "{lora} vs {merged}");
+    let sample = ok(
+        d,
+        &["sample", "--init-from", "run", "--max-new-tokens", "8"],
+    );
+    assert!(!sample.is_empty());
+}
+
+#[test]
+fn lora_keys_are_checked() {
+    let dir = temp_dir("lora-keys");
+    let d = dir.path();
+    let base = [&["train"], &TINY_MODEL[..], &TINY_BATCH, &["max_iters=1"]].concat();
+    for (key, names) in [
+        ("lora_targets=c_attn,q_proj", "lora_targets"),
+        ("lora_dropout=1.5", "lora_dropout"),
+        ("lora_alpha=-1", "lora_alpha"),
+    ] {
+        let args = [&base[..], &["lora_rank=2", key]].concat();
+        let err = refused(&run(&mut command(d, args)));
+        assert!(err.contains(names), "{key}: {err}");
+    }
+    let err = fails(d, &[&base[..], &["lora_rank=x"]].concat());
+    assert!(err.contains("lora_rank"), "{err}");
+}
+
+/// A base that is a Hugging Face directory: changed after training, the adapters'
+/// run refuses to resume, and eval refuses to merge them.
+#[test]
+fn a_changed_base_is_refused() {
+    let dir = temp_dir("lora-base");
+    let d = dir.path();
+    let write_base = |seed: u64| {
+        let cfg = nanogpt::model::ModelConfig {
+            vocab_size: 50257,
+            block_size: 16,
+            n_layer: 1,
+            n_head: 2,
+            n_embd: 8,
+            bias: true,
+            dropout: 0.0,
+        };
+        let mut model = nanogpt::model::Gpt::new(cfg, 1, 1).unwrap();
+        model.init_gpt2(seed);
+        let kind = Some(nanogpt::data::TokenizerKind::Gpt2);
+        nanogpt::hf::export(&model.params, model.config(), kind, &d.join("base")).unwrap();
+    };
+    write_base(1);
+    let text = "To be, or not to be, that is the question:\n".repeat(40);
+    std::fs::write(d.join("text.txt"), text).unwrap();
+    let prepare = [
+        "prepare",
+        "text.txt",
+        "--out",
+        "data",
+        "--tokenizer",
+        "gpt2",
+    ];
+    ok(d, &[&prepare[..], &["--val-fraction", "0.2"]].concat());
+    let args = [
+        "train",
+        "init_from=base",
+        "dataset=data",
+        "out_dir=out",
+        "block_size=8",
+        "batch_size=2",
+        "max_iters=2",
+        "eval_interval=2",
+        "eval_iters=1",
+        "lora_rank=2",
+        "threads=1",
+    ];
+    succeeds(&mut command(d, args));
+    let state = read_json(&d.join("out/ckpt.json"));
+    assert_eq!(state["lora"]["base"], "base");
+    write_base(2);
+    let resume = [&args[..], &["init_from=resume", "max_iters=4"]].concat();
+    let err = refused(&run(&mut command(d, resume)));
+    assert!(err.contains("LoRA adapters trained on base base"), "{err}");
+    assert!(err.contains("restore the base weights"), "{err}");
+    let err = refused(&run(&mut command(
+        d,
+        ["eval", "--init-from", "out", "--data", "text.txt"],
+    )));
+    assert!(err.contains("fingerprint"), "{err}");
+}
