@@ -179,3 +179,137 @@ fn a_changed_base_is_refused() {
     )));
     assert!(err.contains("fingerprint"), "{err}");
 }
+
+// ---------------------------------------------------------------------------------
+// Against PEFT (tests/fixtures/lora, scripts/reference/lora_fixtures.py)
+
+mod lora_golden {
+    use super::common::{fixture, temp_dir};
+    use nanogpt::hf::adapter::{read_adapter, write_adapter, PREFIX};
+    use nanogpt::model::Gpt;
+    use safetensors::SafeTensors;
+
+    fn f32s(st: &SafeTensors, key: &str) -> Vec<f32> {
+        let view = st
+            .tensor(key)
+            .unwrap_or_else(|_| panic!("fixture lacks {key}"));
+        view.data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect()
+    }
+
+    fn ints(st: &SafeTensors, key: &str) -> Vec<i32> {
+        let view = st.tensor(key).unwrap();
+        view.data()
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes(b.try_into().unwrap()))
+            .collect()
+    }
+
+    /// `max |got − want| / max |want|`, the relative error of a whole tensor.
+    fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+        assert_eq!(got.len(), want.len());
+        let diff = got
+            .iter()
+            .zip(want)
+            .map(|(g, w)| (*g as f64 - *w as f64).abs())
+            .fold(0.0, f64::max);
+        let scale = want.iter().map(|w| (*w as f64).abs()).fold(0.0, f64::max);
+        diff / scale
+    }
+
+    /// The fixture's base with PEFT's adapters, as nanogpt loads them.
+    fn adapted(b: usize, t: usize) -> Gpt {
+        let base = fixture("lora/base");
+        let pretrained = nanogpt::hf::Pretrained::open(base.to_str().unwrap()).unwrap();
+        let (cfg, params) = pretrained.load(None, 0.0).unwrap();
+        let adapter = read_adapter(&fixture("lora/adapter"), &cfg).unwrap();
+        let c = &adapter.config;
+        assert_eq!((c.rank, c.alpha, c.targets.len()), (4, 12.0, 4));
+        let gpt = Gpt::from_params(cfg, params, b, t).unwrap();
+        let mut gpt = gpt.with_lora(adapter.config.clone(), ("base", 0), 0);
+        gpt.params.copy_from_slice(&adapter.weights);
+        gpt
+    }
+
+    #[test]
+    fn golden_logits_loss_and_adapter_gradients_match_peft() {
+        let bytes = std::fs::read(fixture("lora/expected.safetensors")).unwrap();
+        let want = SafeTensors::deserialize(&bytes).unwrap();
+        let (b, t) = (2, 16);
+        let mut gpt = adapted(b, t);
+        let ids: Vec<u32> = ints(&want, "ids").iter().map(|&i| i as u32).collect();
+        let targets = ints(&want, "targets");
+        gpt.set_training(false);
+        let logits = gpt.logits(&ids, b, t);
+        let err = rel_err(&logits, &f32s(&want, "logits"));
+        assert!(err <= 1e-5, "logits differ from PEFT's by {err:.2e}");
+        gpt.set_training(true);
+        gpt.zero_grad();
+        let loss = gpt.forward(&ids, &targets, b, t);
+        gpt.backward();
+        let want_loss = f32s(&want, "loss")[0];
+        assert!(
+            ((loss - want_loss) / want_loss).abs() <= 1e-5,
+            "{loss} vs {want_loss}"
+        );
+        let mut checked = 0;
+        for tensor in gpt.layout.tensors.clone() {
+            let key = format!("{PREFIX}{}.grad", tensor.name);
+            let err = rel_err(&gpt.grads[tensor.range()], &f32s(&want, &key));
+            assert!(err <= 1e-5, "{key}: differs from PEFT's by {err:.2e}");
+            checked += 1;
+        }
+        assert_eq!(checked, 16, "A and B of 4 targets in 2 layers");
+    }
+
+    /// The adapter written back is PEFT's file: the same tensors, names, shapes and
+    /// values, and a config naming the same settings.
+    #[test]
+    fn an_exported_adapter_is_what_peft_saves() {
+        let gpt = adapted(1, 4);
+        let frozen = gpt.frozen().unwrap();
+        let dir = temp_dir("lora-adapter");
+        let out = dir.path().join("adapter");
+        write_adapter(&out, &frozen.state, &frozen.adapters, &gpt.params).unwrap();
+        let ours = std::fs::read(out.join("adapter_model.safetensors")).unwrap();
+        let peft = std::fs::read(fixture("lora/adapter/adapter_model.safetensors")).unwrap();
+        let (ours, peft) = (
+            SafeTensors::deserialize(&ours).unwrap(),
+            SafeTensors::deserialize(&peft).unwrap(),
+        );
+        let mut names: Vec<_> = ours.names().into_iter().cloned().collect();
+        let mut want: Vec<_> = peft.names().into_iter().cloned().collect();
+        names.sort();
+        want.sort();
+        assert_eq!(names, want);
+        for name in &names {
+            let (a, b) = (ours.tensor(name).unwrap(), peft.tensor(name).unwrap());
+            assert_eq!((a.dtype(), a.shape()), (b.dtype(), b.shape()), "{name}");
+            assert_eq!(a.data(), b.data(), "{name}");
+        }
+        let cfg = |p: &std::path::Path| -> serde_json::Value {
+            serde_json::from_str(&std::fs::read_to_string(p.join("adapter_config.json")).unwrap())
+                .unwrap()
+        };
+        let (ours, peft) = (cfg(&out), cfg(&fixture("lora/adapter")));
+        for key in [
+            "peft_type",
+            "r",
+            "fan_in_fan_out",
+            "bias",
+            "use_rslora",
+            "use_dora",
+        ] {
+            assert_eq!(ours[key], peft[key], "{key}");
+        }
+        assert_eq!(ours["lora_alpha"].as_f64(), peft["lora_alpha"].as_f64());
+        let set = |v: &serde_json::Value| {
+            let mut s: Vec<String> = serde_json::from_value(v["target_modules"].clone()).unwrap();
+            s.sort();
+            s
+        };
+        assert_eq!(set(&ours), set(&peft));
+    }
+}
