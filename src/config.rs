@@ -120,6 +120,9 @@ pub struct TrainConfig {
     /// Comma-separated layers that get adapters: `c_attn`, `attn.c_proj`, `c_fc`,
     /// `mlp.c_proj`.
     pub lora_targets: String,
+    /// A PEFT LoRA adapter directory to continue training: the base is `init_from`,
+    /// the adapters' settings come from the directory. Empty: none.
+    pub adapter: String,
 }
 
 impl Default for TrainConfig {
@@ -163,6 +166,7 @@ impl Default for TrainConfig {
             lora_alpha: 8.0,
             lora_dropout: 0.0,
             lora_targets: "c_attn".to_string(),
+            adapter: String::new(),
         }
     }
 }

@@ -51,6 +51,46 @@ pub fn load_model(src: &str) -> Result<LoadedModel> {
     load_pretrained(src)
 }
 
+/// [`load_model`], then with `adapter` (a PEFT LoRA adapter directory) merged into
+/// its weights: adapters trained elsewhere evaluate, sample and export here.
+pub fn load_model_with_adapter(src: &str, adapter: Option<&Path>) -> Result<LoadedModel> {
+    let mut loaded = load_model(src)?;
+    if let Some(dir) = adapter {
+        let peft = crate::hf::adapter::read_adapter(dir, &loaded.config)?;
+        let base = ParamLayout::new(&loaded.config);
+        let (layout, weights) = (&peft.layout, &peft.weights);
+        lora::merge_into(&mut loaded.params, &base, layout, weights, &peft.config);
+    }
+    Ok(loaded)
+}
+
+/// A LoRA run's adapters, unmerged: the run's settings and base, the architecture,
+/// and the adapter arena with its weights. `src` is a run's `out_dir` or a
+/// checkpoint file; a full-model checkpoint is refused.
+pub fn load_adapters(src: &str) -> Result<(LoraState, ModelConfig, LoraLayout, Vec<f32>)> {
+    let path = Path::new(src);
+    let file = match path.is_dir() {
+        true => run_checkpoint(path)?,
+        false => Some(path.to_path_buf()).filter(|p| is_checkpoint_file(p)),
+    };
+    let Some(file) = file else {
+        bail!("{src} is neither a training run's out_dir nor a nanogpt checkpoint file");
+    };
+    let ckpt = Checkpoint::open_file(&file)?;
+    let Some(state) = ckpt.state.lora.clone() else {
+        bail!(
+            "{} holds a whole model, not LoRA adapters (its run had lora_rank = 0); export it \
+             without --adapter-only",
+            file.display()
+        );
+    };
+    let config = ckpt.state.model.clone();
+    let layout = LoraLayout::new(&config, &state.config);
+    let mut weights = vec![0.0; layout.params.len];
+    ckpt.load_params(&layout.params, &mut weights)?;
+    Ok((state, config, layout, weights))
+}
+
 /// The checkpoint of a run directory to evaluate or sample: the best-val one when
 /// present (as nanoGPT's `ckpt.pt`), else the newest interval checkpoint.
 fn run_checkpoint(dir: &Path) -> Result<Option<PathBuf>> {

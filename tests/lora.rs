@@ -5,7 +5,7 @@
 use std::path::Path;
 
 mod common;
-use common::{command, fails, metric, ok, read_json, refused, run, succeeds, temp_dir};
+use common::{command, fails, fixture, metric, ok, read_json, refused, run, succeeds, temp_dir};
 use common::{TINY_BATCH, TINY_MODEL, TINY_SHAKESPEARE};
 
 /// Adapters on every kind of layer, with both dropouts on, every step logged.
@@ -312,4 +312,40 @@ mod lora_golden {
         };
         assert_eq!(set(&ours), set(&peft));
     }
+}
+
+/// `nanogpt eval` of PEFT's adapter on its base (`--adapter`) gives PEFT's number,
+/// and a LoRA run's exported adapter evaluates on its base as the run's checkpoint.
+#[test]
+fn peft_adapters_evaluate_through_the_adapter_flag() {
+    let bytes = std::fs::read(fixture("lora/expected.safetensors")).unwrap();
+    let want = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let view = want.tensor("eval_loss").unwrap();
+    let want = f64::from_le_bytes(view.data()[..8].try_into().unwrap());
+    let dir = temp_dir("lora-adapter-flag");
+    let (base, adapter) = (fixture("lora/base"), fixture("lora/adapter"));
+    let tokens = fixture("lora/tokens.bin");
+    let args = [
+        "eval",
+        "--init-from",
+        base.to_str().unwrap(),
+        "--adapter",
+        adapter.to_str().unwrap(),
+        "--data",
+        tokens.to_str().unwrap(),
+        "--block-size",
+        "16",
+        "--json",
+    ];
+    let out = ok(dir.path(), &args);
+    let got = serde_json::from_str::<serde_json::Value>(&out).unwrap()["loss"]
+        .as_f64()
+        .unwrap();
+    assert!(((got - want) / want).abs() < 1e-5, "{got} vs PEFT's {want}");
+    // Without the adapter the base alone scores differently.
+    let plain = ok(dir.path(), &[&args[..3], &args[5..]].concat());
+    let plain = serde_json::from_str::<serde_json::Value>(&plain).unwrap()["loss"]
+        .as_f64()
+        .unwrap();
+    assert!((plain - want).abs() > 1e-3, "{plain} vs {want}");
 }

@@ -3,7 +3,7 @@
 use crate::console::exit_if_closed;
 use crate::data::{Meta, Tokenizer};
 use crate::model::{ModelConfig, ParamLayout};
-use crate::model_source::load_model;
+use crate::model_source::load_model_with_adapter;
 use crate::sample::{generate, SampleOptions};
 use crate::train::Trainer;
 use anyhow::{bail, Context, Result};
@@ -20,6 +20,9 @@ pub struct SampleArgs {
     /// Another model source instead of --out-dir.
     #[arg(long, conflicts_with = "out_dir")]
     pub init_from: Option<String>,
+    /// A PEFT LoRA adapter directory to merge into the model (its base).
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
     /// The prompt, or FILE:path to read it from a file.
     #[arg(long, default_value = "\n")]
     pub start: String,
@@ -52,7 +55,7 @@ pub fn run(args: SampleArgs) -> Result<()> {
         .init_from
         .clone()
         .unwrap_or_else(|| args.out_dir.to_string_lossy().into_owned());
-    let loaded = load_model(&src)?;
+    let loaded = load_model_with_adapter(&src, args.adapter.as_deref())?;
     let prompt = read_prompt(&args.start)?;
     let opts = SampleOptions {
         num_samples: args.num_samples,

@@ -260,8 +260,10 @@ impl TrainState {
             InitFrom::Resume => return resume(cfg, meta, adam_cfg),
             InitFrom::Pretrained(name) => (load_pretrained(cfg, meta, &name)?, name),
         };
-        // LoRA: the loaded model becomes the frozen base of new adapters.
+        // LoRA: the loaded model becomes the frozen base of new adapters, or of a
+        // PEFT adapter's.
         let model = match cfg.lora()? {
+            _ if !cfg.adapter.is_empty() => with_peft_adapter(cfg, model, &base)?,
             None => model,
             Some(lora) => model.with_lora(lora, (&base, cfg.seed), cfg.seed),
         };
@@ -273,6 +275,23 @@ impl TrainState {
             best_val_loss: f32::INFINITY,
         })
     }
+}
+
+/// `model` as the base of the PEFT adapter `cfg.adapter`, whose settings win over
+/// the config's `lora_*` keys (a note says so).
+fn with_peft_adapter(cfg: &TrainConfig, model: Gpt, base: &str) -> Result<Gpt> {
+    let dir = Path::new(&cfg.adapter);
+    let peft = crate::hf::adapter::read_adapter(dir, model.config())
+        .with_context(|| format!("adapter={}: cannot load the LoRA adapter", cfg.adapter))?;
+    if cfg.lora()?.is_some_and(|ours| ours != peft.config) {
+        crate::errln!(
+            "note: the adapter's settings come from {}: ignoring the config's lora_* keys",
+            dir.display()
+        );
+    }
+    let mut model = model.with_lora(peft.config, (base, cfg.seed), cfg.seed);
+    model.params.copy_from_slice(&peft.weights);
+    Ok(model)
 }
 
 /// A model of the config's architecture with GPT-2's initialisation.
