@@ -146,15 +146,15 @@ def check_export(base_dir, adapter_dir, merged_dir):
     from peft import PeftModel
     from transformers import GPT2LMHeadModel
 
-    base = GPT2LMHeadModel.from_pretrained(base_dir)
-    peft = PeftModel.from_pretrained(base, adapter_dir).eval()
+    base = GPT2LMHeadModel.from_pretrained(base_dir).eval()
     merged = GPT2LMHeadModel.from_pretrained(merged_dir).eval()
     n_pos = min(merged.config.n_positions, 32)
     ids = torch.randint(0, merged.config.vocab_size, (2, n_pos), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
+        plain = base(input_ids=ids).logits  # before PEFT wraps (and changes) `base`
+        peft = PeftModel.from_pretrained(base, adapter_dir).eval()
         got = peft(input_ids=ids).logits
         want = merged(input_ids=ids).logits
-        plain = base(input_ids=ids).logits
     err = ((got - want).abs().max() / want.abs().max()).item()
     moved = ((plain - want).abs().max() / want.abs().max()).item()
     print(f"PEFT(base, {adapter_dir}) vs {merged_dir}: max |Δ logits| / max |logits| = {err:.3e} "
