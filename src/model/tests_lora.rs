@@ -213,3 +213,24 @@ fn bf16_adapter_gradients_are_close_to_f32_ones() {
         "bf16 adapter gradients differ by {rel:.4} (relative norm)"
     );
 }
+
+#[test]
+fn gpt2_r8_c_attn_adapters_are_a_fraction_of_a_percent() {
+    // What a data-parallel LoRA step all-reduces (the trained arena) at 124M.
+    let cfg = ModelConfig::preset("gpt2").unwrap();
+    let full = ParamLayout::new(&cfg).len;
+    let lora = LoraConfig::new(8, 16.0, 0.0, "c_attn").unwrap();
+    let adapters = lora::LoraLayout::new(&cfg, &lora).params.len;
+    // 12 layers × (A 8×768 + B 2304×8) = 294 912 floats.
+    assert_eq!(adapters, 12 * (8 * 768 + 2304 * 8));
+    let share = adapters as f64 / full as f64;
+    assert!(
+        share <= 0.01,
+        "adapters are {:.3} % of the model",
+        100.0 * share
+    );
+    println!(
+        "gpt2, LoRA r8 c_attn: {adapters} of {full} floats ({:.3} %)",
+        100.0 * share
+    );
+}
