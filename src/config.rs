@@ -868,7 +868,7 @@ mod tests {
     #[test]
     fn keys_list_every_field() {
         let keys = TrainConfig::keys();
-        assert_eq!(keys.len(), 34);
+        assert_eq!(keys.len(), 39);
         for key in [
             "gradient_accumulation_steps",
             "ckpt_interval",
