@@ -119,6 +119,16 @@ fn lora_keys_are_checked() {
     assert!(err.contains("lora_rank"), "{err}");
 }
 
+/// The adapters (and their state) in the checkpoint of `out_dir`.
+fn adapters(out_dir: &Path) -> (serde_json::Value, Vec<f32>) {
+    let ckpt = nanogpt::checkpoint::Checkpoint::open(out_dir).unwrap();
+    let state = ckpt.state.lora.clone().expect("a LoRA checkpoint");
+    let layout = nanogpt::model::lora::LoraLayout::new(&ckpt.state.model, &state.config);
+    let mut weights = vec![0.0; layout.params.len];
+    ckpt.load_params(&layout.params, &mut weights).unwrap();
+    (serde_json::to_value(&state.config).unwrap(), weights)
+}
+
 /// A base that is a Hugging Face directory: changed after training, the adapters'
 /// run refuses to resume, and eval refuses to merge them.
 #[test]
@@ -168,6 +178,46 @@ fn a_changed_base_is_refused() {
     succeeds(&mut command(d, args));
     let state = read_json(&d.join("out/ckpt.json"));
     assert_eq!(state["lora"]["base"], "base");
+    // Its adapters as a PEFT directory continue training on the same base: after a
+    // step too small to change an f32 (lr 1e-30), the new run's checkpoint holds them.
+    ok(
+        d,
+        &["export", "--from", "out", "--to", "peft", "--adapter-only"],
+    );
+    let cont = [
+        "out_dir=cont",
+        "adapter=peft",
+        "max_iters=1",
+        "eval_interval=1",
+    ];
+    let tiny_step = ["learning_rate=1e-30", "decay_lr=false", "lora_rank=3"];
+    let cont = [
+        &args[..],
+        &cont,
+        &tiny_step,
+        &["always_save_checkpoint=true"],
+    ]
+    .concat();
+    let (_, stderr) = succeeds(&mut command(d, cont));
+    assert!(
+        stderr.contains("ignoring the config's lora_* keys"),
+        "{stderr}"
+    );
+    assert_eq!(adapters(&d.join("cont")), adapters(&d.join("out")));
+    // A whole-model run has no adapters to export alone.
+    let whole = [&args[..9], &["out_dir=whole", "threads=1"]].concat();
+    succeeds(&mut command(d, whole));
+    let err = fails(
+        d,
+        &["export", "--from", "whole", "--to", "x", "--adapter-only"],
+    );
+    assert!(
+        err.contains("holds a whole model, not LoRA adapters"),
+        "{err}"
+    );
+    let bad = [&args[..], &["out_dir=o2", "adapter=nowhere"]].concat();
+    let err = refused(&run(&mut command(d, bad)));
+    assert!(err.contains("adapter=nowhere"), "{err}");
     write_base(2);
     let resume = [&args[..], &["init_from=resume", "max_iters=4"]].concat();
     let err = refused(&run(&mut command(d, resume)));
