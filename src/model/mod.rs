@@ -351,6 +351,7 @@ impl Gpt {
     /// in the order it reports them: `ln_f`, the last block down to the first, then
     /// the embeddings (`wte` and `wpe`). Descending, and together they tile `0..len`
     /// exactly (alignment gaps included), so they can serve as all-reduce buckets.
+    /// With LoRA: each block's adapters, from the last block down to the first.
     pub fn grad_buckets(&self) -> Vec<Range<usize>> {
         match &self.frozen {
             None => buckets(&self.layout).collect(),
