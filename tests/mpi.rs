@@ -255,6 +255,20 @@ fn lora_runs_follow_the_one_process_run() {
             100.0 * adapter_bytes as f64 / full_bytes as f64
         );
     }
+    // Saved by 3 ranks at iteration 5, resumed on 2: rank 0 reloads the base and
+    // sends it, and the run ends as the one-process run did.
+    let out = "lora-resume";
+    train(
+        3,
+        out,
+        &[&lora[..4], &["max_iters=5", "zero_stage=1"]].concat(),
+    );
+    train(2, out, &[&lora[..], &["init_from=resume"]].concat());
+    let ((sa, ea), (sb, eb)) = (losses(&one), losses(out));
+    assert_eq!((sa.len(), ea.len()), (sb.len(), eb.len()), "{out}: rows");
+    for ((i, a), (_, b)) in sa.iter().chain(&ea).zip(sb.iter().chain(&eb)) {
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "{out} at {i}: {a} vs {b}");
+    }
 }
 
 #[test]
