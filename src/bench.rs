@@ -3,6 +3,7 @@
 
 use crate::dist::{clip_and_step, Single, StepSettings};
 use crate::kernels::matmul::{matmul, Mat};
+use crate::model::lora::LoraConfig;
 use crate::model::Dtype;
 use crate::model::{Gpt, ModelConfig};
 use crate::optim::{AdamW, AdamWConfig};
@@ -24,6 +25,8 @@ pub struct BenchOptions {
     pub profile: bool,
     /// Matmul precision (bfloat16: autocast, see [`Gpt::set_dtype`]).
     pub dtype: Dtype,
+    /// Train LoRA adapters on the frozen model instead of the whole model.
+    pub lora: Option<LoraConfig>,
 }
 
 /// What was measured.
@@ -34,6 +37,8 @@ pub struct BenchReport {
     pub batch_size: usize,
     pub block_size: usize,
     pub params: usize,
+    /// Parameters trained: all of them, or with LoRA the adapters'.
+    pub trained_params: usize,
     /// Median over the timed steps.
     pub ms_per_step: f64,
     pub ms_per_step_min: f64,
@@ -57,6 +62,9 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     let (b, t) = (opts.batch_size, opts.block_size);
     let mut gpt = Gpt::new(opts.model.clone(), b, t)?;
     gpt.init_gpt2(1337);
+    if let Some(lora) = &opts.lora {
+        gpt = gpt.with_lora(lora.clone(), ("scratch", 1337), 1337);
+    }
     gpt.set_dtype(opts.dtype);
     let mut opt = AdamW::new(&gpt.layout, AdamWConfig::default());
     let v = opts.model.vocab_size;
@@ -107,6 +115,7 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
         batch_size: b,
         block_size: t,
         params: opts.model.num_params(),
+        trained_params: gpt.layout.tensors.iter().map(|t| t.numel()).sum(),
         ms_per_step: median,
         ms_per_step_min: times[0],
         ms_per_step_mean: times.iter().sum::<f64>() / times.len() as f64,

@@ -38,6 +38,10 @@ pub struct CheckpointState {
     pub tokenizer: serde_json::Value,
     /// Ranks that trained it (informative: checkpoints are world-size independent).
     pub world_size: usize,
+    /// LoRA runs: the adapters' settings and the base they adapt (the tensors are
+    /// then the adapters and their moments only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<crate::model::lora::LoraState>,
 }
 
 /// An `f32` that JSON wrote as `null` because it was infinite (serde_json writes
@@ -402,7 +406,12 @@ fn read_state(path: &Path, bytes: &[u8]) -> Result<CheckpointState> {
             format!("its run state describes an impossible model: {e}"),
         )
     })?;
-    let floats: usize = ParamLayout::new(&state.model)
+    // A LoRA checkpoint holds the adapters only (their base is loaded apart).
+    let layout = match &state.lora {
+        None => ParamLayout::new(&state.model),
+        Some(l) => crate::model::lora::LoraLayout::new(&state.model, &l.config).params,
+    };
+    let floats: usize = layout
         .tensors
         .iter()
         .map(|t| t.shape.iter().product::<usize>())
@@ -468,6 +477,7 @@ mod tests {
             adam_step: 250,
             tokenizer: serde_json::json!({"tokenizer": "char"}),
             world_size: 1,
+            lora: None,
         };
         (cfg, layout, state)
     }

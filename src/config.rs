@@ -110,6 +110,19 @@ pub struct TrainConfig {
     /// Abort the job when a collective waits this many seconds for another rank
     /// (stopped, hung or unreachable); 0 waits forever.
     pub collective_timeout_s: f64,
+    // LoRA (docs/finetune.md)
+    /// Rank of the LoRA adapters; 0 (default) trains the whole model.
+    pub lora_rank: usize,
+    /// The adapters' output is scaled by `lora_alpha / lora_rank` (PEFT's default 8).
+    pub lora_alpha: f64,
+    /// Dropout on the adapters' input, in training.
+    pub lora_dropout: f64,
+    /// Comma-separated layers that get adapters: `c_attn`, `attn.c_proj`, `c_fc`,
+    /// `mlp.c_proj`.
+    pub lora_targets: String,
+    /// A PEFT LoRA adapter directory to continue training: the base is `init_from`,
+    /// the adapters' settings come from the directory. Empty: none.
+    pub adapter: String,
 }
 
 impl Default for TrainConfig {
@@ -149,6 +162,11 @@ impl Default for TrainConfig {
             threads: 0,
             zero_stage: 0,
             collective_timeout_s: 300.0,
+            lora_rank: 0,
+            lora_alpha: 8.0,
+            lora_dropout: 0.0,
+            lora_targets: "c_attn".to_string(),
+            adapter: String::new(),
         }
     }
 }
@@ -220,6 +238,9 @@ impl TrainConfig {
         self.check_schedule(&mut problems);
         self.check_names(&mut problems);
         self.check_distributed(&mut problems);
+        if let Err(e) = self.lora() {
+            problems.push(e.to_string());
+        }
         match problems.is_empty() {
             true => Ok(()),
             false => bail!(problems.join("; ")),
@@ -371,6 +392,16 @@ impl TrainConfig {
                 "`collective_timeout_s` must be a number of seconds ≥ 0 (0 = no timeout), got {t}"
             ));
         }
+    }
+
+    /// The LoRA settings (`lora_rank > 0`), or None for full training; an error
+    /// names the `lora_*` key at fault.
+    pub fn lora(&self) -> Result<Option<crate::model::lora::LoraConfig>> {
+        if self.lora_rank == 0 {
+            return Ok(None);
+        }
+        let (alpha, p) = (self.lora_alpha as f32, self.lora_dropout as f32);
+        crate::model::lora::LoraConfig::new(self.lora_rank, alpha, p, &self.lora_targets).map(Some)
     }
 
     /// With `world_size` ranks: `gradient_accumulation_steps` counts the micro-steps
@@ -837,7 +868,7 @@ mod tests {
     #[test]
     fn keys_list_every_field() {
         let keys = TrainConfig::keys();
-        assert_eq!(keys.len(), 34);
+        assert_eq!(keys.len(), 39);
         for key in [
             "gradient_accumulation_steps",
             "ckpt_interval",

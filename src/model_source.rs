@@ -5,6 +5,7 @@
 use crate::checkpoint::{checkpoint_path, interval_checkpoints, is_checkpoint_name, Checkpoint};
 use crate::data::{Meta, TokenizerKind, GPT2_VOCAB_SIZE};
 use crate::hf::Pretrained;
+use crate::model::lora::{self, LoraLayout, LoraState};
 use crate::model::{ModelConfig, ParamLayout};
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
@@ -50,6 +51,46 @@ pub fn load_model(src: &str) -> Result<LoadedModel> {
     load_pretrained(src)
 }
 
+/// [`load_model`], then with `adapter` (a PEFT LoRA adapter directory) merged into
+/// its weights: adapters trained elsewhere evaluate, sample and export here.
+pub fn load_model_with_adapter(src: &str, adapter: Option<&Path>) -> Result<LoadedModel> {
+    let mut loaded = load_model(src)?;
+    if let Some(dir) = adapter {
+        let peft = crate::hf::adapter::read_adapter(dir, &loaded.config)?;
+        let base = ParamLayout::new(&loaded.config);
+        let (layout, weights) = (&peft.layout, &peft.weights);
+        lora::merge_into(&mut loaded.params, &base, layout, weights, &peft.config);
+    }
+    Ok(loaded)
+}
+
+/// A LoRA run's adapters, unmerged: the run's settings and base, the architecture,
+/// and the adapter arena with its weights. `src` is a run's `out_dir` or a
+/// checkpoint file; a full-model checkpoint is refused.
+pub fn load_adapters(src: &str) -> Result<(LoraState, ModelConfig, LoraLayout, Vec<f32>)> {
+    let path = Path::new(src);
+    let file = match path.is_dir() {
+        true => run_checkpoint(path)?,
+        false => Some(path.to_path_buf()).filter(|p| is_checkpoint_file(p)),
+    };
+    let Some(file) = file else {
+        bail!("{src} is neither a training run's out_dir nor a nanogpt checkpoint file");
+    };
+    let ckpt = Checkpoint::open_file(&file)?;
+    let Some(state) = ckpt.state.lora.clone() else {
+        bail!(
+            "{} holds a whole model, not LoRA adapters (its run had lora_rank = 0); export it \
+             without --adapter-only",
+            file.display()
+        );
+    };
+    let config = ckpt.state.model.clone();
+    let layout = LoraLayout::new(&config, &state.config);
+    let mut weights = vec![0.0; layout.params.len];
+    ckpt.load_params(&layout.params, &mut weights)?;
+    Ok((state, config, layout, weights))
+}
+
 /// The checkpoint of a run directory to evaluate or sample: the best-val one when
 /// present (as nanoGPT's `ckpt.pt`), else the newest interval checkpoint.
 fn run_checkpoint(dir: &Path) -> Result<Option<PathBuf>> {
@@ -64,8 +105,14 @@ fn load_checkpoint(file: &Path) -> Result<LoadedModel> {
     let ckpt = Checkpoint::open_file(file)?;
     let config = ckpt.state.model.clone();
     let layout = ParamLayout::new(&config);
-    let mut params = vec![0.0; layout.len];
-    ckpt.load_params(&layout, &mut params)?;
+    let params = match &ckpt.state.lora {
+        None => {
+            let mut params = vec![0.0; layout.len];
+            ckpt.load_params(&layout, &mut params)?;
+            params
+        }
+        Some(state) => merged_adapters(&ckpt, state, &config)?,
+    };
     let meta: Meta = serde_json::from_value(ckpt.state.tokenizer.clone()).with_context(|| {
         format!(
             "the checkpoint {} has no valid tokenizer description",
@@ -80,6 +127,52 @@ fn load_checkpoint(file: &Path) -> Result<LoadedModel> {
         params,
         meta,
     })
+}
+
+/// A LoRA checkpoint's model: its base (checked against the fingerprint the run
+/// recorded) with its adapters merged in.
+fn merged_adapters(ckpt: &Checkpoint, state: &LoraState, config: &ModelConfig) -> Result<Vec<f32>> {
+    let mut params = load_lora_base(state, config)?;
+    check_lora_base(state, &params, &ckpt.path().display().to_string())?;
+    let adapters = LoraLayout::new(config, &state.config);
+    let mut weights = vec![0.0; adapters.params.len];
+    ckpt.load_params(&adapters.params, &mut weights)?;
+    let base = ParamLayout::new(config);
+    lora::merge_into(&mut params, &base, &adapters, &weights, &state.config);
+    Ok(params)
+}
+
+/// The base weights a LoRA run adapts, laid out for `config`: the pretrained model
+/// `state.base`, or GPT-2's initialisation from `state.base_seed` (`scratch`).
+pub fn load_lora_base(state: &LoraState, config: &ModelConfig) -> Result<Vec<f32>> {
+    let layout = ParamLayout::new(config);
+    let mut params = vec![0.0; layout.len];
+    if state.base == "scratch" {
+        crate::model::init::init_gpt2(&mut params, &layout, config, state.base_seed);
+        return Ok(params);
+    }
+    let pretrained = Pretrained::open(&state.base).with_context(|| {
+        format!(
+            "cannot load the LoRA base model {}; the adapters need the base they were trained on",
+            state.base
+        )
+    })?;
+    pretrained.load_params(&layout, config, &mut params)?;
+    Ok(params)
+}
+
+/// Refuses a base whose weights are not those the adapters of `what` were trained on.
+pub fn check_lora_base(state: &LoraState, params: &[f32], what: &str) -> Result<()> {
+    let found = lora::fingerprint(params);
+    if found != state.base_fingerprint {
+        bail!(
+            "{what} holds LoRA adapters trained on base {} with fingerprint {}, but that base now \
+             has fingerprint {found}; restore the base weights the adapters were trained on",
+            state.base,
+            state.base_fingerprint
+        );
+    }
+    Ok(())
 }
 
 /// Pretrained GPT-2 weights, with the whole position table; the tokenizer is

@@ -480,6 +480,7 @@ fn write_mismatched_checkpoint(s: &Scene, rel: &str, claimed: ModelConfig, actua
         adam_step: 2,
         tokenizer: serde_json::from_str(&meta_json(1000, 300)).unwrap(),
         world_size: 1,
+        lora: None,
     };
     let dir = s.file(rel);
     std::fs::create_dir_all(&dir).unwrap();

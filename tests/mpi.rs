@@ -207,6 +207,70 @@ fn two_ranks_follow_the_one_process_run() {
     }
 }
 
+/// LoRA (adapters on every kind of layer, with their dropout): 2 ranks and 3 ranks
+/// with ZeRO-1 follow the one-process run, and only the adapters' gradients are
+/// reduced.
+#[test]
+fn lora_runs_follow_the_one_process_run() {
+    use nanogpt::model::lora::LoraLayout;
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let lora = [
+        "lora_rank=4",
+        "lora_dropout=0.1",
+        "lora_targets=c_attn,attn.c_proj,c_fc,mlp.c_proj",
+        "gradient_accumulation_steps=6",
+        "max_iters=6",
+    ];
+    let one = reference(&lora);
+    let adapters = |out: &str| {
+        let ckpt = Checkpoint::open(&workdir().join(out)).unwrap();
+        let state = ckpt.state.lora.clone().expect("a LoRA checkpoint");
+        let layout = LoraLayout::new(&ckpt.state.model, &state.config).params;
+        let mut p = vec![0.0; layout.len];
+        ckpt.load_params(&layout, &mut p).unwrap();
+        (ckpt.state.model.clone(), state.config, p)
+    };
+    for (ranks, stage) in [(2, "zero_stage=0"), (3, "zero_stage=1")] {
+        let out = format!("lora-{ranks}");
+        train(ranks, &out, &[&lora[..], &[stage]].concat());
+        let ((sa, ea), (sb, eb)) = (losses(&one), losses(&out));
+        assert_eq!((sa.len(), ea.len()), (sb.len(), eb.len()), "{out}: rows");
+        for ((i, a), (_, b)) in sa.iter().chain(&ea).zip(sb.iter().chain(&eb)) {
+            assert!((a - b).abs() <= 1e-5 * a.abs(), "{out} at {i}: {a} vs {b}");
+        }
+        let ((model, config, pa), (_, _, pb)) = (adapters(&one), adapters(&out));
+        let worst = pa
+            .iter()
+            .zip(&pb)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max);
+        assert!(worst <= 1e-5, "{out}: adapters differ by up to {worst}");
+        // What each step all-reduces: the adapter arena, not the model's.
+        let report = read_json(&workdir().join(&out).join("comm.json"));
+        let adapter_bytes = LoraLayout::new(&model, &config).params.len * 4;
+        let full_bytes = ParamLayout::new(&model).len * 4;
+        assert_eq!(report["grad_bytes"], adapter_bytes, "{report}");
+        eprintln!(
+            "{out}: {adapter_bytes} gradient bytes per step reduced, {:.1} % of full training's {full_bytes}",
+            100.0 * adapter_bytes as f64 / full_bytes as f64
+        );
+    }
+    // Saved by 3 ranks at iteration 5, resumed on 2: rank 0 reloads the base and
+    // sends it, and the run ends as the one-process run did.
+    let out = "lora-resume";
+    train(
+        3,
+        out,
+        &[&lora[..4], &["max_iters=5", "zero_stage=1"]].concat(),
+    );
+    train(2, out, &[&lora[..], &["init_from=resume"]].concat());
+    let ((sa, ea), (sb, eb)) = (losses(&one), losses(out));
+    assert_eq!((sa.len(), ea.len()), (sb.len(), eb.len()), "{out}: rows");
+    for ((i, a), (_, b)) in sa.iter().chain(&ea).zip(sb.iter().chain(&eb)) {
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "{out} at {i}: {a} vs {b}");
+    }
+}
+
 #[test]
 fn checkpoints_resume_on_another_number_of_ranks() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());

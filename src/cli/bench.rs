@@ -11,7 +11,9 @@ pub struct BenchArgs {
     /// Model preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl).
     #[arg(long, default_value = "gpt2")]
     pub model: String,
-    /// Architecture overrides, e.g. `n_layer=4 n_embd=128 n_head=4 vocab_size=65`.
+    /// Architecture overrides, e.g. `n_layer=4 n_embd=128 n_head=4 vocab_size=65`,
+    /// and LoRA: `lora_rank=8 lora_alpha=16 lora_targets=c_attn` (adapters trained,
+    /// the model frozen).
     pub overrides: Vec<String>,
     #[arg(long, default_value_t = 4)]
     pub batch_size: usize,
@@ -41,6 +43,22 @@ pub struct BenchArgs {
     pub json: bool,
 }
 
+/// The LoRA keys among the overrides (`lora_rank` > 0 turns LoRA on).
+fn lora_config(args: &BenchArgs) -> anyhow::Result<Option<crate::model::lora::LoraConfig>> {
+    let (mut rank, mut alpha, mut targets) = (0usize, 8.0f32, "c_attn".to_string());
+    for (key, value) in args.overrides.iter().filter_map(|kv| kv.split_once('=')) {
+        let bad = || format!("{key} must be a number, got '{value}'");
+        match key {
+            "lora_rank" => rank = value.parse().with_context(bad)?,
+            "lora_alpha" => alpha = value.parse().with_context(bad)?,
+            "lora_targets" => targets = value.to_string(),
+            _ => {}
+        }
+    }
+    let lora = (rank > 0).then(|| crate::model::lora::LoraConfig::new(rank, alpha, 0.0, &targets));
+    lora.transpose()
+}
+
 fn model_config(args: &BenchArgs) -> anyhow::Result<ModelConfig> {
     let mut cfg = ModelConfig::preset(&args.model).with_context(|| {
         format!(
@@ -67,8 +85,10 @@ fn model_config(args: &BenchArgs) -> anyhow::Result<ModelConfig> {
                     .parse()
                     .with_context(|| format!("bias must be true or false, got '{value}'"))?
             }
+            "lora_rank" | "lora_alpha" | "lora_targets" => {}
             _ => bail!(
-                "unknown architecture key '{key}': use n_layer, n_head, n_embd, vocab_size or bias"
+                "unknown key '{key}': use n_layer, n_head, n_embd, vocab_size, bias, lora_rank, \
+                 lora_alpha or lora_targets"
             ),
         }
     }
@@ -94,6 +114,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             "bfloat16" => Dtype::Bfloat16,
             _ => Dtype::Float32,
         },
+        lora: lora_config(&args)?,
     };
     if opts.dtype == Dtype::Bfloat16 {
         eprintln!("bf16 matmuls: {}", super::bf16_matmuls());

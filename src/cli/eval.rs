@@ -5,7 +5,7 @@ use crate::data::readers::Source;
 use crate::data::{eval_window_count, DataFormat, TokenFile, Tokenizer};
 use crate::eval::{evaluate_examples, evaluate_tokens, EvalReport};
 use crate::model::Gpt;
-use crate::model_source::load_model;
+use crate::model_source::load_model_with_adapter;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::path::PathBuf;
@@ -16,6 +16,9 @@ pub struct EvalArgs {
     /// or a .safetensors file.
     #[arg(long)]
     pub init_from: String,
+    /// A PEFT LoRA adapter directory to merge into the model (its base).
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
     /// A .bin token file (uint16, nanoGPT's format) or a .txt file, tokenised with
     /// the model's tokenizer; or a .jsonl of instruction examples (Alpaca or chat),
     /// each evaluated on its own, the loss over its response tokens only.
@@ -39,7 +42,7 @@ pub struct EvalArgs {
 
 pub fn run(args: EvalArgs) -> Result<()> {
     crate::threads::init_pool(args.threads, 1)?;
-    let loaded = load_model(&args.init_from)?;
+    let loaded = load_model_with_adapter(&args.init_from, args.adapter.as_deref())?;
     let t = args.block_size.unwrap_or(loaded.config.block_size);
     if t == 0 || t > loaded.config.block_size || args.batch_size == 0 {
         bail!(

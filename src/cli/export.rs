@@ -2,7 +2,7 @@
 //! GPT-2 model directory.
 
 use crate::hf::export;
-use crate::model_source::load_model;
+use crate::model_source::{load_adapters, load_model_with_adapter};
 use anyhow::Result;
 use clap::Args;
 use std::path::PathBuf;
@@ -16,10 +16,20 @@ pub struct ExportArgs {
     /// The Hugging Face model directory to write (new, empty, or a previous export).
     #[arg(long)]
     pub to: PathBuf,
+    /// A PEFT LoRA adapter directory to merge into the model first.
+    #[arg(long, conflicts_with = "adapter_only")]
+    pub adapter: Option<PathBuf>,
+    /// For a LoRA run: write only its adapters, as a PEFT adapter directory
+    /// (adapter_config.json, adapter_model.safetensors) for its base model.
+    #[arg(long)]
+    pub adapter_only: bool,
 }
 
 pub fn run(args: ExportArgs) -> Result<()> {
-    let loaded = load_model(&args.from)?;
+    if args.adapter_only {
+        return export_adapter(&args);
+    }
+    let loaded = load_model_with_adapter(&args.from, args.adapter.as_deref())?;
     let summary = export(
         &loaded.params,
         &loaded.config,
@@ -49,6 +59,30 @@ pub fn run(args: ExportArgs) -> Result<()> {
     crate::outln!(
         "load it with: GPT2LMHeadModel.from_pretrained(\"{}\")",
         summary.dir.display()
+    );
+    Ok(())
+}
+
+/// `--adapter-only`: a LoRA run's adapters as a PEFT adapter directory.
+fn export_adapter(args: &ExportArgs) -> Result<()> {
+    let (state, _, layout, weights) = load_adapters(&args.from)?;
+    let files = crate::hf::adapter::write_adapter(&args.to, &state, &layout, &weights)?;
+    crate::outln!(
+        "exported the LoRA adapters of {} (rank {}, alpha {}, on {}) to {}: {}",
+        args.from,
+        state.config.rank,
+        state.config.alpha,
+        state.config.targets.join(", "),
+        args.to.display(),
+        files.join(", ")
+    );
+    let base = match state.base.as_str() {
+        "scratch" => "BASE".to_string(),
+        name => format!("\"{name}\""),
+    };
+    crate::outln!(
+        "load it with: PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained({base}), \"{}\")",
+        args.to.display()
     );
     Ok(())
 }

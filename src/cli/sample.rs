@@ -4,7 +4,7 @@ use crate::console::exit_if_closed;
 use crate::data::instruct::{alpaca_prompt, instruct_eot, Role};
 use crate::data::{Meta, Tokenizer};
 use crate::model::{ModelConfig, ParamLayout};
-use crate::model_source::load_model;
+use crate::model_source::load_model_with_adapter;
 use crate::sample::{generate_until, SampleOptions};
 use crate::train::Trainer;
 use anyhow::{bail, Context, Result};
@@ -21,6 +21,9 @@ pub struct SampleArgs {
     /// Another model source instead of --out-dir.
     #[arg(long, conflicts_with = "out_dir")]
     pub init_from: Option<String>,
+    /// A PEFT LoRA adapter directory to merge into the model (its base).
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
     /// The prompt, or FILE:path to read it from a file.
     #[arg(long, default_value = "\n")]
     pub start: String,
@@ -113,7 +116,7 @@ pub fn run(args: SampleArgs) -> Result<()> {
     if args.stop.iter().any(String::is_empty) {
         bail!("--stop needs a non-empty string");
     }
-    let loaded = load_model(&src)?;
+    let loaded = load_model_with_adapter(&src, args.adapter.as_deref())?;
     let prompt = args.template.wrap(&read_prompt(&args.start)?);
     let opts = SampleOptions {
         num_samples: args.num_samples,
@@ -156,9 +159,10 @@ pub fn print_sample(trainer: &mut Trainer, max_new_tokens: usize) -> Result<()> 
     };
     let m = &trainer.model;
     let prompt = closing_prompt(&trainer.meta)?;
+    // With LoRA, the base with the adapters merged in.
     stream(
-        &m.params,
-        &m.layout,
+        &m.merged_params(),
+        m.base_layout(),
         m.config(),
         &trainer.meta,
         &prompt,

@@ -19,6 +19,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod adapter;
 pub mod config;
 pub mod export;
 pub mod resolve;

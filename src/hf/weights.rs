@@ -467,7 +467,7 @@ fn damaged(path: &Path, err: impl std::fmt::Display) -> anyhow::Error {
 }
 
 /// Converts the leading `dst.len()` elements of `view` to f32.
-fn convert(view: &TensorView, name: &str, path: &Path, dst: &mut [f32]) -> Result<()> {
+pub(crate) fn convert(view: &TensorView, name: &str, path: &Path, dst: &mut [f32]) -> Result<()> {
     let bytes = &view.data()[..dst.len() * view.dtype().size()];
     match view.dtype() {
         Dtype::F32 => copy_f32(dst, bytes),

@@ -15,7 +15,8 @@ use rayon::prelude::*;
 pub struct ClassifierGrads<'a> {
     /// (N, C): gradient w.r.t. the classifier input, **overwritten**.
     pub dx: &'a mut [f32],
-    /// (Vp, C): gradient of the tied embedding, **accumulated**.
+    /// (Vp, C): gradient of the tied embedding, **accumulated**; empty when the
+    /// embedding is frozen (not computed).
     pub dwte: &'a mut [f32],
     /// Multiplies the gradient of the mean loss (e.g. `1 / grad_accum_steps`).
     pub scale: f32,
@@ -123,8 +124,11 @@ pub fn classifier_forward<const BF16: bool>(
                 None => gemm(dx, dlogits, wte_v, false),
             }
             // The bf16 kernels pack into buffers they keep: one product over all of V.
-            let block = if BF16 { v } else { DWTE_BLOCK };
-            weight_gradient(&mut g.dwte[..v * c], dlogits, x_m, gemm, block);
+            // An empty `dwte` is a frozen embedding (LoRA): its gradient is not formed.
+            if !g.dwte.is_empty() {
+                let block = if BF16 { v } else { DWTE_BLOCK };
+                weight_gradient(&mut g.dwte[..v * c], dlogits, x_m, gemm, block);
+            }
         }
     }
     if count == 0 {

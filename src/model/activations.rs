@@ -152,6 +152,9 @@ pub struct BlockActs {
     pub fch: Saved,
     /// (B, T, C) the block's output: residual stream after the MLP branch.
     pub res3: Vec<f32>,
+    /// LoRA only (else empty): each target's (B, T, r) adapter product `s·drop(x)·Aᵀ`,
+    /// in four equal segments indexed by [`super::lora::Target`].
+    pub lora_u: Vec<f32>,
 }
 
 impl BlockActs {
@@ -169,12 +172,13 @@ impl BlockActs {
             ln2_stats: NormStats::new(bt),
             fch: Saved::kept(dtype, bt * 4 * c),
             res3: vec![0.0; bt * c],
+            lora_u: Vec::new(),
         }
     }
 
     fn num_bytes(&self) -> usize {
         let saved = [&self.ln1, &self.qkv, &self.atty, &self.ln2, &self.fch];
-        let f32s = [&self.att_lse, &self.res2, &self.res3];
+        let f32s = [&self.att_lse, &self.res2, &self.res3, &self.lora_u];
         saved.iter().map(|s| s.num_bytes()).sum::<usize>()
             + f32s.iter().map(|v| v.len() * 4).sum::<usize>()
             + self.ln1_stats.num_bytes()
@@ -205,6 +209,15 @@ pub struct Scratch {
     pub staging: Vec<f32>,
     /// bf16 runs: the same for (B, T, 3C) q/k/v and (B, T, 4C) pre-GELU values.
     pub staging_wide: Vec<f32>,
+    /// LoRA with dropout (else empty): (B, T, 4C) an adapter's dropped input, or in
+    /// backward its masked input gradient.
+    pub lora_x: Vec<f32>,
+    /// LoRA (else empty): (B, T, r) an adapter's `du`, from its parameter gradient
+    /// to its input gradient.
+    pub lora_du: Vec<f32>,
+    /// LoRA (else empty): (2C) where the frozen layer norms' parameter gradients go,
+    /// unread.
+    pub norm_sink: Vec<f32>,
 }
 
 impl Scratch {
@@ -222,6 +235,9 @@ impl Scratch {
             dqkv: z(backward, bt * 3 * c),
             staging: z(bf16, bt * c),
             staging_wide: z(bf16, bt * 4 * c),
+            lora_x: Vec::new(),
+            lora_du: Vec::new(),
+            norm_sink: Vec::new(),
         }
     }
 
@@ -234,6 +250,9 @@ impl Scratch {
             &self.dqkv,
             &self.staging,
             &self.staging_wide,
+            &self.lora_x,
+            &self.lora_du,
+            &self.norm_sink,
         ];
         bufs.iter().map(|v| v.len() * 4).sum()
     }
@@ -289,6 +308,18 @@ impl Activations {
     /// allocator, so untouched pages cost no memory and this is cheap to ask.
     pub fn num_bytes_for(cfg: &ModelConfig, b: usize, t: usize, dtype: Dtype) -> usize {
         Activations::new(cfg, b, t, dtype).num_bytes()
+    }
+
+    /// Adds the buffers of LoRA adapters of rank `rank` (with input dropout when
+    /// `dropout`) for the `max_bt` rows the arena was made for.
+    pub fn add_lora(&mut self, cfg: &ModelConfig, max_bt: usize, rank: usize, dropout: bool) {
+        for block in &mut self.blocks {
+            block.lora_u = vec![0.0; 4 * max_bt * rank];
+        }
+        let s = &mut self.scratch;
+        s.lora_du = vec![0.0; max_bt * rank];
+        s.lora_x = vec![0.0; if dropout { max_bt * 4 * cfg.n_embd } else { 0 }];
+        s.norm_sink = vec![0.0; 2 * cfg.n_embd];
     }
 
     /// Bytes held, all buffers together (4 per f32 and token id, 2 per bf16).

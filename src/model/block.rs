@@ -14,6 +14,7 @@
 
 use super::activations::{BlockActs, Saved, Scratch};
 use super::layout::{BlockLayout, LinearSpans, NormSpans, Span};
+use super::lora::{u_segment, u_segment_mut, BlockLora, LoraBufs, Target};
 use crate::kernels::attention::{attention_backward, attention_forward};
 use crate::kernels::bf16;
 use crate::kernels::dropout::{self, Dropout};
@@ -36,6 +37,9 @@ pub struct BlockWeights<'a> {
     /// The matmul weights: `params` itself, or (bf16) its bf16-rounded copy.
     pub matmul: &'a [f32],
     pub at: &'a BlockLayout,
+    /// LoRA: the block's adapters. The base is then frozen: backward forms no base
+    /// parameter gradients, and the gradient arena it is given is the adapters'.
+    pub lora: Option<BlockLora<'a>>,
 }
 
 impl<'a> BlockWeights<'a> {
@@ -118,7 +122,11 @@ pub fn block_forward<const BF16: bool>(
         layernorm_forward::<BF16>(o, m1, r1, x, w.norm(at.ln_1))
     });
     let qkv = a.qkv.save(&mut s.staging_wide, n * 3 * c, |o| {
-        linear_forward::<BF16>(o, ln1, w.linear(at.c_attn))
+        linear_forward::<BF16>(o, ln1, w.linear(at.c_attn));
+        if let Some(l) = &w.lora {
+            let u = u_segment_mut(&mut a.lora_u, Target::CAttn);
+            l.forward::<BF16>(Target::CAttn, o, ln1, u, &mut s.lora_x);
+        }
     });
     let lse = &mut a.att_lse[..d.b * d.nh * d.t];
     let atty = a.atty.save(&mut s.staging, n * c, |o| match attend {
@@ -127,6 +135,10 @@ pub fn block_forward<const BF16: bool>(
     });
     let res2 = &mut a.res2[..n * c];
     linear_forward::<BF16>(res2, atty, w.linear(at.attn_proj));
+    if let Some(l) = &w.lora {
+        let u = u_segment_mut(&mut a.lora_u, Target::AttnProj);
+        l.forward::<BF16>(Target::AttnProj, res2, atty, u, &mut s.lora_x);
+    }
     if let Some(m) = drop {
         dropout::apply(res2, m.attn_resid, 0);
     }
@@ -137,12 +149,20 @@ pub fn block_forward<const BF16: bool>(
         layernorm_forward::<BF16>(o, m2, r2, res2, w.norm(at.ln_2))
     });
     let fch = a.fch.save(&mut s.staging_wide, n * 4 * c, |o| {
-        linear_forward::<BF16>(o, ln2, w.linear(at.c_fc))
+        linear_forward::<BF16>(o, ln2, w.linear(at.c_fc));
+        if let Some(l) = &w.lora {
+            let u = u_segment_mut(&mut a.lora_u, Target::CFc);
+            l.forward::<BF16>(Target::CFc, o, ln2, u, &mut s.lora_x);
+        }
     });
     let hidden = &mut s.hidden[..n * 4 * c];
     gelu_forward::<BF16, f32>(hidden, fch);
     let res3 = &mut a.res3[..n * c];
     linear_forward::<BF16>(res3, hidden, w.linear(at.mlp_proj));
+    if let Some(l) = &w.lora {
+        let u = u_segment_mut(&mut a.lora_u, Target::MlpProj);
+        l.forward::<BF16>(Target::MlpProj, res3, hidden, u, &mut s.lora_x);
+    }
     if let Some(m) = drop {
         dropout::apply(res3, m.mlp_resid, 0);
     }
@@ -151,7 +171,8 @@ pub fn block_forward<const BF16: bool>(
 
 /// One block backward, [`block_forward`] in reverse. On entry `s.dres` holds
 /// d(block output); on return, d(block input `x`). Parameter gradients accumulate into
-/// `g` (the whole gradient arena, laid out like the parameters).
+/// `g` (the whole gradient arena, laid out like the parameters; with LoRA, the
+/// adapters' arena).
 pub fn block_backward<const BF16: bool>(
     w: &BlockWeights,
     g: &mut [f32],
@@ -171,26 +192,37 @@ pub fn block_backward<const BF16: bool>(
     let hidden = &mut s.hidden[..n * 4 * c];
     gelu_of_saved::<BF16>(hidden, fch);
     let proj = w.linear(at.mlp_proj);
-    linear_backward_params::<BF16>(linear_grads(g, at.mlp_proj), dout, hidden, proj.c, proj.oc);
+    let mut bufs = lora_bufs(a, Target::MlpProj, &mut s.lora_x, &mut s.lora_du);
+    match &w.lora {
+        None => {
+            let g = linear_grads(g, at.mlp_proj);
+            linear_backward_params::<BF16>(g, dout, hidden, proj.c, proj.oc);
+        }
+        Some(l) => l.backward_params::<BF16>(Target::MlpProj, g, dout, hidden, &mut bufs),
+    }
     linear_backward_input::<BF16>(hidden, dout, proj);
+    if let Some(l) = &w.lora {
+        l.backward_input::<BF16>(Target::MlpProj, hidden, &mut bufs);
+    }
     gelu_backward_of_saved::<BF16>(hidden, fch);
     let (m2, r2) = a.ln2_stats.rows(n);
     let ln2 = a.ln2.load(&mut s.staging, n * c, |o| {
         layernorm_recompute::<BF16>(o, res2, m2, r2, w.norm(at.ln_2))
     });
     let (dres, dln2) = (&mut s.dres[..n * c], &mut s.dinp[..n * c]);
-    let fc = w.linear(at.c_fc);
-    linear_backward::<BF16>(dln2, linear_grads(g, at.c_fc), hidden, ln2, fc);
+    let bufs = lora_bufs(a, Target::CFc, &mut s.lora_x, &mut s.lora_du);
+    adapted_backward::<BF16>(w, Target::CFc, g, dln2, hidden, ln2, bufs);
     let ln_w = w.norm(at.ln_2).weight;
-    layernorm_backward(dres, norm_grads(g, at.ln_2), dln2, res2, ln_w, m2, r2);
+    let ng = block_norm_grads(w, g, &mut s.norm_sink, at.ln_2);
+    layernorm_backward(dres, ng, dln2, res2, ln_w, m2, r2);
 
     // Attention branch.
     let mask = drop.map(|m| m.attn_resid);
     let dout = branch_grad::<BF16>(&s.dres[..n * c], &mut s.dbranch, mask);
     let atty = a.atty.load(&mut s.staging, n * c, not_recomputed);
     let datty = &mut s.dinp[..n * c];
-    let proj = w.linear(at.attn_proj);
-    linear_backward::<BF16>(datty, linear_grads(g, at.attn_proj), dout, atty, proj);
+    let bufs = lora_bufs(a, Target::AttnProj, &mut s.lora_x, &mut s.lora_du);
+    adapted_backward::<BF16>(w, Target::AttnProj, g, datty, dout, atty, bufs);
     let qkv = a.qkv.load(&mut s.staging_wide, n * 3 * c, not_recomputed);
     let dqkv = &mut s.dqkv[..n * 3 * c];
     let lse = &a.att_lse[..d.b * d.nh * d.t];
@@ -203,10 +235,67 @@ pub fn block_backward<const BF16: bool>(
         layernorm_recompute::<BF16>(o, x, m1, r1, w.norm(at.ln_1))
     });
     let (dres, dln1) = (&mut s.dres[..n * c], &mut s.dinp[..n * c]);
-    let attn = w.linear(at.c_attn);
-    linear_backward::<BF16>(dln1, linear_grads(g, at.c_attn), dqkv, ln1, attn);
+    let bufs = lora_bufs(a, Target::CAttn, &mut s.lora_x, &mut s.lora_du);
+    adapted_backward::<BF16>(w, Target::CAttn, g, dln1, dqkv, ln1, bufs);
     let ln_w = w.norm(at.ln_1).weight;
-    layernorm_backward(dres, norm_grads(g, at.ln_1), dln1, x, ln_w, m1, r1);
+    let ng = block_norm_grads(w, g, &mut s.norm_sink, at.ln_1);
+    layernorm_backward(dres, ng, dln1, x, ln_w, m1, r1);
+}
+
+/// The backward of linear layer `t` with its adapter, if any: `dinp` overwritten
+/// with the input gradient; the parameter gradients accumulate into `g`: the
+/// base's, or with LoRA (base frozen) the adapter's.
+fn adapted_backward<const BF16: bool>(
+    w: &BlockWeights,
+    t: Target,
+    g: &mut [f32],
+    dinp: &mut [f32],
+    dout: &[f32],
+    inp: &[f32],
+    mut bufs: LoraBufs,
+) {
+    let spans = t.linear(w.at);
+    let lin = w.linear(spans);
+    match &w.lora {
+        None => linear_backward::<BF16>(dinp, linear_grads(g, spans), dout, inp, lin),
+        Some(l) => {
+            l.backward_params::<BF16>(t, g, dout, inp, &mut bufs);
+            linear_backward_input::<BF16>(dinp, dout, lin);
+            l.backward_input::<BF16>(t, dinp, &mut bufs);
+        }
+    }
+}
+
+/// Target `t`'s adapter buffers in block `a` and the shared scratch.
+fn lora_bufs<'a>(a: &'a BlockActs, t: Target, x: &'a mut [f32], du: &'a mut [f32]) -> LoraBufs<'a> {
+    LoraBufs {
+        u: u_segment(&a.lora_u, t),
+        x,
+        du,
+    }
+}
+
+/// Where a block's layer norm's parameter gradients go: the arena `g`, or with
+/// LoRA (frozen base) the unread `sink`.
+fn block_norm_grads<'a>(
+    w: &BlockWeights,
+    g: &'a mut [f32],
+    sink: &'a mut [f32],
+    n: NormSpans,
+) -> NormGrads<'a> {
+    match w.lora {
+        None => norm_grads(g, n),
+        Some(_) => sink_grads(sink, !n.bias.is_empty()),
+    }
+}
+
+/// Parameter gradients of a frozen layer norm, into the unread `sink` (2C).
+pub fn sink_grads(sink: &mut [f32], bias: bool) -> NormGrads<'_> {
+    let (dweight, dbias) = sink.split_at_mut(sink.len() / 2);
+    NormGrads {
+        dweight,
+        dbias: if bias { dbias } else { &mut [] },
+    }
 }
 
 /// The gradient reaching a residual branch's output projection: `dres` itself, or

@@ -164,6 +164,7 @@ impl Decoder {
                 params,
                 matmul: params,
                 at,
+                lora: None,
             };
             let (x, a) = (&self.x[..n * c], &mut self.acts);
             block_forward::<false>(

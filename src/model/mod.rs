@@ -14,8 +14,11 @@ pub mod config;
 pub mod decode;
 pub mod init;
 pub mod layout;
+pub mod lora;
 #[cfg(test)]
 mod tests_bf16;
+#[cfg(test)]
+mod tests_lora;
 
 pub use activations::Activations;
 pub use config::{Dtype, ModelConfig};
@@ -32,16 +35,25 @@ use crate::kernels::Dims;
 use anyhow::{bail, Context, Result};
 use block::{block_backward, block_forward, norm_grads, norm_of, split_two};
 use block::{Attend, BlockDropout, BlockWeights};
+use lora::{BlockLora, Frozen, LoraConfig, LoraLayout};
+use std::borrow::Cow;
 use std::ops::Range;
 
 /// A GPT-2 with its parameters, gradients and activation buffers.
+///
+/// `layout`, `params` and `grads` are the *trained* parameters: the whole model, or
+/// with LoRA ([`Gpt::with_lora`]) the adapters, the base then being frozen in
+/// [`Gpt::frozen`] without gradients. Optimizer, clipping, all-reduce and
+/// checkpoints work on the trained arena either way.
 pub struct Gpt {
     config: ModelConfig,
     pub layout: ParamLayout,
-    /// All parameters, laid out by `layout`.
+    /// All trained parameters, laid out by `layout`.
     pub params: Vec<f32>,
     /// Gradients, same layout as `params`.
     pub grads: Vec<f32>,
+    /// LoRA: the frozen base model and the adapters' places. None: full training.
+    frozen: Option<Box<Frozen>>,
     /// Precision of the matmuls (see [`Gpt::set_dtype`]).
     dtype: Dtype,
     /// bf16 mode: `params` rounded to bf16 (held as f32, same layout), the operand
@@ -78,6 +90,7 @@ impl Gpt {
         Ok(Gpt {
             params: vec![0.0; layout.len],
             grads: vec![0.0; layout.len],
+            frozen: None,
             dtype: Dtype::Float32,
             params_bf16: Vec::new(),
             wte_packs: None,
@@ -110,6 +123,72 @@ impl Gpt {
         }
         gpt.params = params;
         Ok(gpt)
+    }
+
+    /// This model as the frozen base of LoRA adapters `lora`, initialised as PEFT
+    /// does from `seed` (`B = 0`: the adapted model starts as the base). Its
+    /// parameters become the base (named `base.0`, GPT-2-initialised from `base.1`
+    /// when `scratch`; its fingerprint is taken here); `params`, `grads` and
+    /// `layout` the adapters'.
+    pub fn with_lora(mut self, lora: LoraConfig, base: (&str, u64), seed: u64) -> Gpt {
+        assert!(self.frozen.is_none(), "the model already has adapters");
+        let adapters = LoraLayout::new(&self.config, &lora);
+        let len = adapters.params.len;
+        let dtype = self.dtype;
+        let state = lora::LoraState {
+            config: lora,
+            base: base.0.to_string(),
+            base_seed: base.1,
+            base_fingerprint: lora::fingerprint(&self.params),
+        };
+        let mut frozen = Frozen {
+            layout: std::mem::replace(&mut self.layout, adapters.params.clone()),
+            params: std::mem::replace(&mut self.params, vec![0.0; len]),
+            params_bf16: Vec::new(),
+            state,
+            adapters,
+        };
+        frozen.set_dtype(Dtype::Float32);
+        lora::init_adapters(&mut self.params, &frozen.adapters, seed);
+        self.grads = vec![0.0; len];
+        self.frozen = Some(Box::new(frozen));
+        // Rebuild the activations and the bf16 copies for the adapted model.
+        self.dtype = Dtype::Float32;
+        self.params_bf16 = Vec::new();
+        self.wte_packs = None;
+        self.acts = Activations::new(&self.config, 0, 0, Dtype::Float32);
+        self.set_dtype_rebuild(dtype);
+        self
+    }
+
+    /// LoRA: the frozen base and the adapters' settings; None for full training.
+    pub fn frozen(&self) -> Option<&Frozen> {
+        self.frozen.as_deref()
+    }
+
+    /// The base model's parameters, to write: `params` without LoRA. With LoRA,
+    /// only for receiving rank 0's base at start-up (before [`Gpt::set_dtype`]: the
+    /// bf16 copy and the fingerprint are not refreshed).
+    pub fn base_params_mut(&mut self) -> &mut [f32] {
+        match self.frozen.as_mut() {
+            None => &mut self.params,
+            Some(f) => &mut f.params,
+        }
+    }
+
+    /// The base model's parameter layout: `layout` itself without LoRA.
+    pub fn base_layout(&self) -> &ParamLayout {
+        self.frozen.as_ref().map_or(&self.layout, |f| &f.layout)
+    }
+
+    /// The whole model's parameters as one arena laid out by [`Gpt::base_layout`]:
+    /// `params` itself, or with LoRA the base with the adapters merged in
+    /// (`W + s·B·A`), for sampling and export.
+    pub fn merged_params(&self) -> Cow<'_, [f32]> {
+        match &self.frozen {
+            None => Cow::Borrowed(&self.params),
+            Some(f) => Cow::Owned(f.merged(&self.params)),
+        }
     }
 
     /// The architecture (fixed when the model is built: the buffers follow from it).
@@ -150,15 +229,33 @@ impl Gpt {
     pub fn set_dtype(&mut self, dtype: Dtype) {
         if dtype != self.dtype {
             self.acts = Activations::new(&self.config, 0, 0, Dtype::Float32);
-            self.acts = Activations::new(&self.config, self.max_b, self.max_t, dtype);
-            self.params_bf16 = match dtype {
-                Dtype::Float32 => Vec::new(),
-                Dtype::Bfloat16 => vec![0.0; self.params.len()],
-            };
-            let amx = bf16::gemm::kernel() == bf16::gemm::Kernel::Amx;
-            self.wte_packs = (dtype == Dtype::Bfloat16 && amx).then(WtePacks::default);
-            self.dtype = dtype;
-            self.pending = None;
+            self.set_dtype_rebuild(dtype);
+        } else {
+            self.sync_bf16_weights();
+        }
+    }
+
+    /// [`Gpt::set_dtype`] once the old activations are freed: the arena, the bf16
+    /// copies (with LoRA, the frozen base's, made once, and its `wte` packs).
+    fn set_dtype_rebuild(&mut self, dtype: Dtype) {
+        self.acts = Activations::new(&self.config, self.max_b, self.max_t, dtype);
+        self.params_bf16 = match dtype {
+            Dtype::Float32 => Vec::new(),
+            Dtype::Bfloat16 => vec![0.0; self.params.len()],
+        };
+        let amx = bf16::gemm::kernel() == bf16::gemm::Kernel::Amx;
+        self.wte_packs = (dtype == Dtype::Bfloat16 && amx).then(WtePacks::default);
+        self.dtype = dtype;
+        self.pending = None;
+        if let Some(f) = self.frozen.as_mut() {
+            let (r, drop) = (f.state.config.rank, f.state.config.dropout > 0.0);
+            let bt = self.max_b * self.max_t;
+            self.acts.add_lora(&self.config, bt, r, drop);
+            f.set_dtype(dtype);
+            if let Some(packs) = self.wte_packs.as_mut() {
+                let wte = &f.params_bf16[f.layout.wte];
+                packs.pack(wte, self.config.n_embd, self.config.vocab_size);
+            }
         }
         self.sync_bf16_weights();
     }
@@ -170,7 +267,9 @@ impl Gpt {
         if self.dtype == Dtype::Bfloat16 {
             let _t = crate::profile::scope(crate::profile::Section::Bf16Weights);
             bf16::round_into(&mut self.params_bf16, &self.params);
-            if let Some(packs) = self.wte_packs.as_mut() {
+            // With LoRA the packed `wte` is the frozen base's, packed once.
+            let packs = self.wte_packs.as_mut().filter(|_| self.frozen.is_none());
+            if let Some(packs) = packs {
                 let wte = &self.params_bf16[self.layout.wte];
                 packs.pack(wte, self.config.n_embd, self.config.vocab_size);
             }
@@ -196,10 +295,10 @@ impl Gpt {
         let dims = self.check_batch(inputs, b, t);
         assert_eq!(targets.len(), b * t, "targets must be B·T long");
         let seed = self.dropout_seed;
-        let dropout = (self.training && self.config.dropout > 0.0).then_some(seed);
+        let pass = self.training.then_some(seed);
         let loss = match self.dtype {
-            Dtype::Float32 => self.forward_loss::<false>(inputs, targets, dims, dropout),
-            Dtype::Bfloat16 => self.forward_loss::<true>(inputs, targets, dims, dropout),
+            Dtype::Float32 => self.forward_loss::<false>(inputs, targets, dims, pass),
+            Dtype::Bfloat16 => self.forward_loss::<true>(inputs, targets, dims, pass),
         };
         if self.training {
             self.pending = Some((dims, seed));
@@ -209,24 +308,31 @@ impl Gpt {
     }
 
     /// [`Gpt::forward`] in one precision: the trunk, then the classifier with its loss
-    /// (and, in training, its gradient).
+    /// (and, in training, its gradient). `pass`: the training pass's dropout seed.
     fn forward_loss<const BF16: bool>(
         &mut self,
         inputs: &[u32],
         targets: &[i32],
         d: Dims,
-        dropout: Option<u64>,
+        pass: Option<u64>,
     ) -> f32 {
-        self.trunk_forward::<BF16>(inputs, d, dropout);
+        self.trunk_forward::<BF16>(inputs, d, pass);
         let n = d.bt();
-        let matmul = matmul_weights(BF16, &self.params, &self.params_bf16);
+        let base = weights(
+            BF16,
+            &self.layout,
+            &self.params,
+            &self.params_bf16,
+            &self.frozen,
+        );
         let cls = Classifier {
-            wte: &matmul[self.layout.wte],
+            wte: &base.matmul[base.layout.wte],
             packs: self.wte_packs.as_ref(),
             c: d.c,
             v: self.config.vocab_size,
         };
         let acts = &mut self.acts;
+        // With LoRA `layout.wte` is empty: the frozen embedding gets no gradient.
         let grads = self.training.then(|| ClassifierGrads {
             dx: &mut acts.scratch.dinp[..n * d.c],
             dwte: &mut self.grads[self.layout.wte],
@@ -245,8 +351,12 @@ impl Gpt {
     /// in the order it reports them: `ln_f`, the last block down to the first, then
     /// the embeddings (`wte` and `wpe`). Descending, and together they tile `0..len`
     /// exactly (alignment gaps included), so they can serve as all-reduce buckets.
+    /// With LoRA: each block's adapters, from the last block down to the first.
     pub fn grad_buckets(&self) -> Vec<Range<usize>> {
-        buckets(&self.layout).collect()
+        match &self.frozen {
+            None => buckets(&self.layout).collect(),
+            Some(f) => f.adapters.buckets.clone(),
+        }
     }
 
     /// [`Gpt::backward`], calling `done(range, grads)` as soon as the gradients in
@@ -258,19 +368,19 @@ impl Gpt {
             .pending
             .take()
             .expect("backward() needs a forward() in training mode first");
-        let dropout = (self.config.dropout > 0.0).then_some(seed);
         match self.dtype {
-            Dtype::Float32 => self.backward_pass::<false>(dims, dropout, done),
-            Dtype::Bfloat16 => self.backward_pass::<true>(dims, dropout, done),
+            Dtype::Float32 => self.backward_pass::<false>(dims, seed, done),
+            Dtype::Bfloat16 => self.backward_pass::<true>(dims, seed, done),
         }
     }
 
     /// [`Gpt::backward_with`] in one precision: ln_f, the blocks from the last, the
-    /// embeddings.
+    /// embeddings (with LoRA: no embedding or `ln_f` gradients, the blocks' adapters').
+    /// `pass`: the dropout seed of the forward pass.
     fn backward_pass<const BF16: bool>(
         &mut self,
         d: Dims,
-        dropout: Option<u64>,
+        pass: u64,
         mut done: impl FnMut(Range<usize>, &[f32]),
     ) {
         let (n, c) = (d.bt(), d.c);
@@ -281,32 +391,42 @@ impl Gpt {
             acts,
             layout,
             config,
+            frozen,
             ..
         } = self;
-        let matmul = matmul_weights(BF16, params, params_bf16);
+        let base = weights(BF16, layout, params, params_bf16, frozen);
+        let (dropout, lora_dropout) = pass_dropout(Some(pass), config, frozen);
         let s = &mut acts.scratch;
         // The classifier left d(ln_f output) in `dinp`; the residual gradient starts at 0.
         s.dres[..n * c].fill(0.0);
         let last = acts.blocks.last().map_or(&acts.encoded, |l| &l.res3);
         let (mean, rstd) = acts.lnf_stats.rows(n);
         let (dres, dlnf) = (&mut s.dres[..n * c], &s.dinp[..n * c]);
-        let (g, w) = (norm_grads(grads, layout.ln_f), &params[layout.ln_f.weight]);
+        let w = &base.params[base.layout.ln_f.weight];
+        let g = match base.lora {
+            None => norm_grads(grads, layout.ln_f),
+            Some(_) => block::sink_grads(&mut s.norm_sink, config.bias),
+        };
         layernorm_backward(dres, g, dlnf, &last[..n * c], w, mean, rstd);
-        let mut buckets = buckets(layout);
-        done(buckets.next().expect("the ln_f bucket"), grads);
-        for l in (0..layout.layers.len()).rev() {
+        let mut buckets = match frozen.as_deref() {
+            None => Buckets::Full(buckets(layout)),
+            Some(f) => Buckets::Adapters(f.adapters.buckets.iter()),
+        };
+        if base.lora.is_none() {
+            done(buckets.next().expect("the ln_f bucket"), grads);
+        }
+        for l in (0..base.layout.layers.len()).rev() {
             let x = match l {
                 0 => &acts.encoded[..n * c],
                 _ => &acts.blocks[l - 1].res3[..n * c],
             };
-            let w = BlockWeights {
-                params,
-                matmul,
-                at: &layout.layers[l],
-            };
+            let w = base.block(l, lora_dropout);
             let drop = dropout.map(|seed| BlockDropout::new(seed, l, config.dropout));
             block_backward::<BF16>(&w, grads, x, &acts.blocks[l], s, drop, d);
             done(buckets.next().expect("a block's bucket"), grads);
+        }
+        if base.lora.is_some() {
+            return; // the embeddings are frozen
         }
         let dres = &mut s.dres[..n * c];
         if let Some(seed) = dropout {
@@ -328,8 +448,15 @@ impl Gpt {
         let (n, v) = (d.bt(), self.config.vocab_size);
         let mut out = vec![0.0; n * v];
         let bf16 = self.dtype == Dtype::Bfloat16;
+        let base = weights(
+            bf16,
+            &self.layout,
+            &self.params,
+            &self.params_bf16,
+            &self.frozen,
+        );
         let cls = Classifier {
-            wte: &matmul_weights(bf16, &self.params, &self.params_bf16)[self.layout.wte],
+            wte: &base.matmul[base.layout.wte],
             packs: None,
             c: d.c,
             v,
@@ -360,8 +487,9 @@ impl Gpt {
         }
     }
 
-    /// Embedding, all blocks and the final layer norm; fills `acts` for `d`.
-    fn trunk_forward<const BF16: bool>(&mut self, inputs: &[u32], d: Dims, dropout: Option<u64>) {
+    /// Embedding, all blocks and the final layer norm; fills `acts` for `d`. `pass`:
+    /// the training pass's dropout seed (None: no dropout).
+    fn trunk_forward<const BF16: bool>(&mut self, inputs: &[u32], d: Dims, pass: Option<u64>) {
         let (n, c) = (d.bt(), d.c);
         let Gpt {
             params,
@@ -369,32 +497,115 @@ impl Gpt {
             acts,
             layout,
             config,
+            frozen,
             ..
         } = self;
-        let matmul = matmul_weights(BF16, params, params_bf16);
+        let base = weights(BF16, layout, params, params_bf16, frozen);
+        let (dropout, lora_dropout) = pass_dropout(pass, config, frozen);
         acts.inputs[..n].copy_from_slice(inputs);
-        let (wte, wpe) = (&params[layout.wte], &params[layout.wpe]);
+        let (wte, wpe) = (&base.params[base.layout.wte], &base.params[base.layout.wpe]);
         let encoded = &mut acts.encoded[..n * c];
         encoder_forward(encoded, inputs, wte, wpe, d.t, c);
         if let Some(seed) = dropout {
             dropout::apply(encoded, embedding_dropout(seed, config.dropout), 0);
         }
-        for l in 0..layout.layers.len() {
+        for l in 0..base.layout.layers.len() {
             let (before, this) = acts.blocks.split_at_mut(l);
             let x = before.last().map_or(&acts.encoded, |p| &p.res3);
-            let w = BlockWeights {
-                params,
-                matmul,
-                at: &layout.layers[l],
-            };
+            let w = base.block(l, lora_dropout);
             let drop = dropout.map(|seed| BlockDropout::new(seed, l, config.dropout));
             let (a, s) = (&mut this[0], &mut acts.scratch);
             block_forward::<BF16>(&w, &x[..n * c], a, s, Attend::Causal, drop, d);
         }
         let last = acts.blocks.last().map_or(&acts.encoded, |l| &l.res3);
         let (mean, rstd) = acts.lnf_stats.rows_mut(n);
-        let ln_f = norm_of(params, layout.ln_f);
+        let ln_f = norm_of(base.params, base.layout.ln_f);
         layernorm_forward::<BF16>(&mut acts.lnf[..n * c], mean, rstd, &last[..n * c], ln_f);
+    }
+}
+
+/// The base model's weights as one precision's kernels read them and, with LoRA,
+/// the adapters'.
+struct Weights<'a> {
+    layout: &'a ParamLayout,
+    /// f32 parameters (biases, layer norms, embeddings).
+    params: &'a [f32],
+    /// The matmul operand: `params` or its bf16 copy.
+    matmul: &'a [f32],
+    /// LoRA: the frozen base's settings and the adapters' matmul operand.
+    lora: Option<(&'a Frozen, &'a [f32])>,
+}
+
+impl<'a> Weights<'a> {
+    /// Block `l`'s weights; `lora_dropout`: the pass seed of the adapters' dropout.
+    fn block(&self, l: usize, lora_dropout: Option<u64>) -> BlockWeights<'a> {
+        BlockWeights {
+            params: self.params,
+            matmul: self.matmul,
+            at: &self.layout.layers[l],
+            lora: self.lora.map(|(f, weights)| BlockLora {
+                weights,
+                at: &f.adapters.blocks[l],
+                scale: f.state.config.scale(),
+                dropout: lora_dropout.map(|seed| (f.state.config.dropout, seed)),
+                layer: l,
+            }),
+        }
+    }
+}
+
+/// The weights of a model whose trained arena is `(layout, params, params_bf16)`:
+/// the whole model, or with `frozen` the adapters of that base.
+fn weights<'a>(
+    bf16: bool,
+    layout: &'a ParamLayout,
+    params: &'a [f32],
+    params_bf16: &'a [f32],
+    frozen: &'a Option<Box<Frozen>>,
+) -> Weights<'a> {
+    match frozen.as_deref() {
+        None => Weights {
+            layout,
+            params,
+            matmul: matmul_weights(bf16, params, params_bf16),
+            lora: None,
+        },
+        Some(f) => Weights {
+            layout: &f.layout,
+            params: &f.params,
+            matmul: matmul_weights(bf16, &f.params, &f.params_bf16),
+            lora: Some((f, matmul_weights(bf16, params, params_bf16))),
+        },
+    }
+}
+
+/// The seeds of a pass's model dropout and adapter dropout (each None when its
+/// probability is 0 or the pass is not a training one).
+fn pass_dropout(
+    pass: Option<u64>,
+    config: &ModelConfig,
+    frozen: &Option<Box<Frozen>>,
+) -> (Option<u64>, Option<u64>) {
+    let lora_p = frozen.as_ref().map_or(0.0, |f| f.state.config.dropout);
+    (
+        pass.filter(|_| config.dropout > 0.0),
+        pass.filter(|_| lora_p > 0.0),
+    )
+}
+
+/// The bucket order of a backward pass: the whole model's, or the adapters'.
+enum Buckets<'a, I> {
+    Full(I),
+    Adapters(std::slice::Iter<'a, Range<usize>>),
+}
+
+impl<I: Iterator<Item = Range<usize>>> Iterator for Buckets<'_, I> {
+    type Item = Range<usize>;
+    fn next(&mut self) -> Option<Range<usize>> {
+        match self {
+            Buckets::Full(i) => i.next(),
+            Buckets::Adapters(i) => i.next().cloned(),
+        }
     }
 }
 

@@ -50,6 +50,7 @@ impl Trainer {
             adam_step: self.opt.step,
             tokenizer: serde_json::to_value(&self.meta)?,
             world_size: self.world_size(),
+            lora: self.model.frozen().map(|f| f.state.clone()),
         };
         let moments = match &gathered {
             Some((m, v)) => Some((m.as_slice(), v.as_slice())),

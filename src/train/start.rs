@@ -7,7 +7,9 @@ use crate::config::{InitFrom, TrainConfig};
 use crate::data::{self, Meta, Split, TokenFile};
 use crate::dist::{Collective, DataParallel};
 use crate::fsutil::DirLock;
+use crate::model::lora::LoraState;
 use crate::model::{Gpt, ModelConfig};
+use crate::model_source::{check_lora_base, load_lora_base};
 use crate::optim::{AdamW, AdamWConfig};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -139,6 +141,9 @@ struct StartHeader {
     /// None: no evaluation yet (infinite).
     best_val_loss: Option<f32>,
     adam_step: u64,
+    /// LoRA: the adapters and the base's identity (the base follows the header).
+    #[serde(default)]
+    lora: Option<LoraState>,
 }
 
 /// Several ranks: rank 0 builds or loads the model (any `init_from`); every rank
@@ -157,6 +162,7 @@ fn start_distributed(cfg: &TrainConfig, data: Dataset, comm: &dyn Collective) ->
             iter_num: state.iter_num,
             best_val_loss: best.is_finite().then_some(best),
             adam_step: state.opt.step,
+            lora: state.model.frozen().map(|f| f.state.clone()),
         })?;
     }
     comm.broadcast_bytes(&mut bytes, 0);
@@ -169,6 +175,9 @@ fn start_distributed(cfg: &TrainConfig, data: Dataset, comm: &dyn Collective) ->
             None,
         ),
     };
+    if let Some(lora) = &header.lora {
+        model = share_lora_base(model, lora, comm, cfg.seed)?;
+    }
     let mut dp = DataParallel::new(comm, &model, cfg.zero_stage);
     let moments = header.adam_step > 0;
     let opt = dp.start(
@@ -193,6 +202,31 @@ fn start_distributed(cfg: &TrainConfig, data: Dataset, comm: &dyn Collective) ->
         dp: Some(dp),
         out_dir_lock: None,
     })
+}
+
+/// LoRA on several ranks: rank 0's frozen base to every rank, which then holds the
+/// same adapted model (the adapters themselves follow with the trained weights).
+fn share_lora_base(
+    mut model: Gpt,
+    lora: &LoraState,
+    comm: &dyn Collective,
+    seed: u64,
+) -> Result<Gpt> {
+    if comm.rank() == 0 {
+        comm.broadcast(model.base_params_mut(), 0);
+        return Ok(model);
+    }
+    comm.broadcast(&mut model.params, 0);
+    let model = model.with_lora(lora.config.clone(), (&lora.base, lora.base_seed), seed);
+    let found = &model.frozen().expect("adapted").state.base_fingerprint;
+    if *found != lora.base_fingerprint {
+        bail!(
+            "rank {}: the LoRA base received from rank 0 has fingerprint {found}, not {}",
+            comm.rank(),
+            lora.base_fingerprint
+        );
+    }
+    Ok(model)
 }
 
 /// Creates `out_dir` and locks it for this run (held until the run ends; under MPI by
@@ -254,10 +288,17 @@ impl TrainState {
             eps: 1e-8,
             weight_decay: cfg.weight_decay as f32,
         };
-        let model = match cfg.init() {
-            InitFrom::Scratch => new_model(cfg, meta)?,
+        let (model, base) = match cfg.init() {
+            InitFrom::Scratch => (new_model(cfg, meta)?, "scratch".to_string()),
             InitFrom::Resume => return resume(cfg, meta, adam_cfg),
-            InitFrom::Pretrained(name) => load_pretrained(cfg, meta, &name)?,
+            InitFrom::Pretrained(name) => (load_pretrained(cfg, meta, &name)?, name),
+        };
+        // LoRA: the loaded model becomes the frozen base of new adapters, or of a
+        // PEFT adapter's.
+        let model = match cfg.lora()? {
+            _ if !cfg.adapter.is_empty() => with_peft_adapter(cfg, model, &base)?,
+            None => model,
+            Some(lora) => model.with_lora(lora, (&base, cfg.seed), cfg.seed),
         };
         let opt = AdamW::new(&model.layout, adam_cfg);
         Ok(TrainState {
@@ -267,6 +308,23 @@ impl TrainState {
             best_val_loss: f32::INFINITY,
         })
     }
+}
+
+/// `model` as the base of the PEFT adapter `cfg.adapter`, whose settings win over
+/// the config's `lora_*` keys (a note says so).
+fn with_peft_adapter(cfg: &TrainConfig, model: Gpt, base: &str) -> Result<Gpt> {
+    let dir = Path::new(&cfg.adapter);
+    let peft = crate::hf::adapter::read_adapter(dir, model.config())
+        .with_context(|| format!("adapter={}: cannot load the LoRA adapter", cfg.adapter))?;
+    if cfg.lora()?.is_some_and(|ours| ours != peft.config) {
+        crate::errln!(
+            "note: the adapter's settings come from {}: ignoring the config's lora_* keys",
+            dir.display()
+        );
+    }
+    let mut model = model.with_lora(peft.config, (base, cfg.seed), cfg.seed);
+    model.params.copy_from_slice(&peft.weights);
+    Ok(model)
 }
 
 /// A model of the config's architecture with GPT-2's initialisation.
@@ -305,6 +363,14 @@ fn resume(cfg: &TrainConfig, meta: &Meta, adam_cfg: AdamWConfig) -> Result<Train
         ..state.model.clone()
     };
     let mut model = Gpt::new(model_cfg, cfg.batch_size, cfg.block_size)?;
+    note_ignored_lora(cfg, state.lora.as_ref());
+    if let Some(lora) = &state.lora {
+        // The adapters' base, loaded again and checked to be the one they were trained on.
+        model.params = load_lora_base(lora, model.config())?;
+        let what = format!("cannot resume from {}: it", ckpt.path().display());
+        check_lora_base(lora, &model.params, &what)?;
+        model = model.with_lora(lora.config.clone(), (&lora.base, lora.base_seed), cfg.seed);
+    }
     ckpt.load_params(&model.layout, &mut model.params)?;
     let mut opt = AdamW::new(&model.layout, adam_cfg);
     if ckpt.load_moments(&model.layout, &mut opt.m, &mut opt.v)? {
@@ -316,6 +382,26 @@ fn resume(cfg: &TrainConfig, meta: &Meta, adam_cfg: AdamWConfig) -> Result<Train
         iter_num: state.iter_num,
         best_val_loss: state.best_val_loss,
     })
+}
+
+/// A resumed run continues the checkpoint's training, LoRA or full: one note names
+/// the `lora_*` keys of the config that it ignores.
+fn note_ignored_lora(cfg: &TrainConfig, ckpt: Option<&LoraState>) {
+    let ours = cfg.lora().ok().flatten();
+    let theirs = ckpt.map(|s| &s.config);
+    if ours.as_ref() != theirs {
+        let has = match theirs {
+            None => "full training, no adapters".to_string(),
+            Some(l) => format!(
+                "lora_rank = {}, lora_alpha = {}, lora_dropout = {}, lora_targets = {}",
+                l.rank,
+                l.alpha,
+                l.dropout,
+                l.targets.join(",")
+            ),
+        };
+        crate::errln!("note: resuming continues the checkpoint's training ({has}): ignoring the config's lora_* keys");
+    }
 }
 
 /// The data and the window length must fit the checkpoint's model.

@@ -1,0 +1,236 @@
+//! LoRA through the whole model: adapter gradients against finite differences, the
+//! frozen base, the merge, and bf16 autocast.
+
+use super::lora::LoraConfig;
+use super::*;
+use crate::kernels::testutil::rand_vec;
+
+fn tiny(bias: bool, dropout: f32) -> ModelConfig {
+    ModelConfig {
+        vocab_size: 29,
+        block_size: 8,
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 12,
+        bias,
+        dropout,
+    }
+}
+
+fn batch(b: usize, t: usize, v: usize) -> (Vec<u32>, Vec<i32>) {
+    let inputs = (0..b * t).map(|i| ((i * 11 + 5) % v) as u32).collect();
+    let targets = (0..b * t)
+        .map(|i| match i % 5 {
+            3 => -1,
+            _ => ((i * 7 + 2) % v) as i32,
+        })
+        .collect();
+    (inputs, targets)
+}
+
+/// A random base (not GPT-2-init) with adapters on `targets`, `B` made non-zero.
+fn adapted(cfg: ModelConfig, targets: &str, lora_dropout: f32, b: usize, t: usize) -> Gpt {
+    let mut gpt = Gpt::new(cfg, b, t).unwrap();
+    let real = gpt.config().vocab_size * gpt.config().n_embd;
+    let noise = rand_vec(gpt.params.len(), 9);
+    for (i, (p, n)) in gpt.params.iter_mut().zip(noise).enumerate() {
+        *p = if i >= real && i < gpt.layout.wte.end {
+            0.0
+        } else {
+            0.3 * n
+        };
+    }
+    let lora = LoraConfig::new(3, 6.0, lora_dropout, targets).unwrap();
+    let mut gpt = gpt.with_lora(lora, ("test", 0), 5);
+    let noise = rand_vec(gpt.params.len(), 4);
+    for tensor in gpt.layout.tensors.clone() {
+        if tensor.name.contains("lora_B") {
+            for i in tensor.range() {
+                gpt.params[i] = 0.4 * noise[i];
+            }
+        }
+    }
+    gpt
+}
+
+const ALL: &str = "c_attn,attn.c_proj,c_fc,mlp.c_proj";
+
+fn loss_at(gpt: &mut Gpt, x: &[u32], y: &[i32], b: usize, t: usize, seed: u64) -> f64 {
+    gpt.set_dropout_seed(seed);
+    let loss = gpt.forward(x, y, b, t) as f64;
+    gpt.pending = None;
+    loss
+}
+
+/// Every adapter element's gradient against central differences of the f32 loss.
+fn check_adapter_gradients(bias: bool, dropout: f32, lora_dropout: f32) {
+    let (b, t) = (2, 5);
+    let mut gpt = adapted(tiny(bias, dropout), ALL, lora_dropout, b, t);
+    let (x, y) = batch(b, t, gpt.config().vocab_size);
+    gpt.zero_grad();
+    gpt.set_dropout_seed(77);
+    gpt.forward(&x, &y, b, t);
+    gpt.backward();
+    let grads = gpt.grads.clone();
+    let eps = 1e-2f32;
+    let mut checked = 0;
+    for tensor in gpt.layout.tensors.clone() {
+        for i in tensor.range().step_by(3) {
+            let orig = gpt.params[i];
+            gpt.params[i] = orig + eps;
+            let plus = loss_at(&mut gpt, &x, &y, b, t, 77);
+            gpt.params[i] = orig - eps;
+            let minus = loss_at(&mut gpt, &x, &y, b, t, 77);
+            gpt.params[i] = orig;
+            let numeric = (plus - minus) / (2.0 * eps as f64);
+            let analytic = grads[i] as f64;
+            assert!(
+                (numeric - analytic).abs() <= 2e-3 + 2e-2 * numeric.abs(),
+                "{} [{}]: backward {analytic} vs finite difference {numeric}",
+                tensor.name,
+                i - tensor.offset
+            );
+            checked += (analytic.abs() > 1e-4) as usize;
+        }
+    }
+    assert!(
+        checked > 40,
+        "too few non-zero gradients checked ({checked})"
+    );
+}
+
+#[test]
+fn adapter_gradients_match_finite_differences() {
+    check_adapter_gradients(true, 0.0, 0.0);
+    check_adapter_gradients(false, 0.0, 0.0);
+}
+
+#[test]
+fn adapter_gradients_match_finite_differences_with_both_dropouts() {
+    check_adapter_gradients(true, 0.1, 0.3);
+}
+
+#[test]
+fn zero_b_gives_the_base_model_bit_for_bit() {
+    let (b, t) = (2, 6);
+    let cfg = tiny(true, 0.0);
+    let (x, y) = batch(b, t, cfg.vocab_size);
+    let mut base = Gpt::new(cfg, b, t).unwrap();
+    base.init_gpt2(3);
+    base.set_training(false);
+    let want = base.logits(&x, b, t);
+    let want_loss = base.forward(&x, &y, b, t);
+    let lora = LoraConfig::new(4, 8.0, 0.0, ALL).unwrap();
+    let mut gpt = base.with_lora(lora, ("test", 0), 1);
+    gpt.set_training(false);
+    assert!(gpt.params.iter().any(|&p| p != 0.0), "A is initialised");
+    assert_eq!(gpt.logits(&x, b, t), want);
+    assert_eq!(gpt.forward(&x, &y, b, t), want_loss);
+}
+
+#[test]
+fn the_adapted_model_equals_its_merge() {
+    let (b, t) = (2, 6);
+    let mut gpt = adapted(tiny(true, 0.0), "c_attn,mlp.c_proj", 0.0, b, t);
+    let (x, _) = batch(b, t, gpt.config().vocab_size);
+    gpt.set_training(false);
+    let got = gpt.logits(&x, b, t);
+    let merged = gpt.merged_params().into_owned();
+    let mut plain = Gpt::from_params(gpt.config().clone(), merged, b, t).unwrap();
+    let want = plain.logits(&x, b, t);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-5 + 1e-5 * w.abs(),
+            "logit {i}: {g} vs {w}"
+        );
+    }
+}
+
+#[test]
+fn only_the_adapters_train_and_the_buckets_tile_them() {
+    let (b, t) = (2, 8);
+    let mut gpt = adapted(tiny(false, 0.1), "c_fc", 0.1, b, t);
+    let base = gpt.frozen().unwrap().params.clone();
+    let spans = &gpt.frozen().unwrap().adapters;
+    let adapter_floats: usize = gpt.layout.tensors.iter().map(|t| t.numel()).sum();
+    assert_eq!(
+        adapter_floats,
+        2 * 3 * (12 + 48),
+        "A and B of c_fc per layer"
+    );
+    assert_eq!(
+        gpt.grads.len(),
+        gpt.layout.len,
+        "gradients for adapters only"
+    );
+    let buckets = gpt.grad_buckets();
+    assert_eq!(buckets, spans.buckets);
+    assert_eq!(
+        (buckets[0].end, buckets.last().unwrap().start),
+        (gpt.layout.len, 0)
+    );
+    assert!(buckets.windows(2).all(|w| w[1].end == w[0].start), "tiles");
+    let (x, y) = batch(b, t, gpt.config().vocab_size);
+    let mut opt = crate::optim::AdamW::new(&gpt.layout, Default::default());
+    let mut losses = Vec::new();
+    for _ in 0..8 {
+        gpt.zero_grad();
+        losses.push(gpt.forward(&x, &y, b, t));
+        let mut seen = Vec::new();
+        gpt.backward_with(|range, _| seen.push(range));
+        assert_eq!(seen, buckets);
+        opt.step(&mut gpt.params, &gpt.grads, 3e-2);
+    }
+    assert_eq!(gpt.frozen().unwrap().params, base, "the base is frozen");
+    assert!(losses[7] < losses[0] * 0.99, "{losses:?}");
+}
+
+#[test]
+fn bf16_adapter_gradients_are_close_to_f32_ones() {
+    let (b, t) = (2, 8);
+    let grads = |dtype: Dtype| {
+        let mut gpt = adapted(tiny(true, 0.0), ALL, 0.2, b, t);
+        gpt.set_dtype(dtype);
+        let (x, y) = batch(b, t, gpt.config().vocab_size);
+        gpt.zero_grad();
+        gpt.set_dropout_seed(11);
+        let loss = gpt.forward(&x, &y, b, t);
+        gpt.backward();
+        (loss, gpt.grads.clone())
+    };
+    let (loss32, g32) = grads(Dtype::Float32);
+    let (loss16, g16) = grads(Dtype::Bfloat16);
+    assert!(
+        (loss32 - loss16).abs() < 2e-2 * loss32.abs(),
+        "{loss32} vs {loss16}"
+    );
+    assert_ne!(g32, g16, "bf16 rounds the operands");
+    let norm = |g: &[f32]| g.iter().map(|&v| (v as f64).powi(2)).sum::<f64>().sqrt();
+    let diff: Vec<f32> = g32.iter().zip(&g16).map(|(a, b)| a - b).collect();
+    let rel = norm(&diff) / norm(&g32);
+    assert!(
+        rel < 3e-2,
+        "bf16 adapter gradients differ by {rel:.4} (relative norm)"
+    );
+}
+
+#[test]
+fn gpt2_r8_c_attn_adapters_are_a_fraction_of_a_percent() {
+    // What a data-parallel LoRA step all-reduces (the trained arena) at 124M.
+    let cfg = ModelConfig::preset("gpt2").unwrap();
+    let full = ParamLayout::new(&cfg).len;
+    let lora = LoraConfig::new(8, 16.0, 0.0, "c_attn").unwrap();
+    let adapters = lora::LoraLayout::new(&cfg, &lora).params.len;
+    // 12 layers × (A 8×768 + B 2304×8) = 294 912 floats.
+    assert_eq!(adapters, 12 * (8 * 768 + 2304 * 8));
+    let share = adapters as f64 / full as f64;
+    assert!(
+        share <= 0.01,
+        "adapters are {:.3} % of the model",
+        100.0 * share
+    );
+    println!(
+        "gpt2, LoRA r8 c_attn: {adapters} of {full} floats ({:.3} %)",
+        100.0 * share
+    );
+}
