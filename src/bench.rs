@@ -24,12 +24,15 @@ pub struct BenchOptions {
     pub profile: bool,
     /// Matmul precision (bfloat16: autocast, see [`Gpt::set_dtype`]).
     pub dtype: Dtype,
+    /// Keep only each block's input; backward recomputes the rest.
+    pub activation_checkpointing: bool,
 }
 
 /// What was measured.
 #[derive(Clone, Debug, Serialize)]
 pub struct BenchReport {
     pub dtype: Dtype,
+    pub activation_checkpointing: bool,
     pub threads: usize,
     pub batch_size: usize,
     pub block_size: usize,
@@ -57,6 +60,7 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     let (b, t) = (opts.batch_size, opts.block_size);
     let mut gpt = Gpt::new(opts.model.clone(), b, t)?;
     gpt.init_gpt2(1337);
+    gpt.set_activation_checkpointing(opts.activation_checkpointing);
     gpt.set_dtype(opts.dtype);
     let mut opt = AdamW::new(&gpt.layout, AdamWConfig::default());
     let v = opts.model.vocab_size;
@@ -103,6 +107,7 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     let peak = opts.peak_gflops.unwrap_or_else(gemm_peak_gflops);
     Ok(BenchReport {
         dtype: opts.dtype,
+        activation_checkpointing: opts.activation_checkpointing,
         threads: rayon::current_num_threads(),
         batch_size: b,
         block_size: t,

@@ -101,6 +101,10 @@ pub struct TrainConfig {
     // system
     pub seed: u64,
     pub dtype: Dtype,
+    /// Keep only each transformer block's input during forward and recompute the
+    /// block's activations in backward: about one more forward pass of compute for
+    /// one block's activations instead of every block's. Same losses bit for bit.
+    pub activation_checkpointing: bool,
     /// Worker threads; 0 uses every core (with several ranks on a host, its share).
     pub threads: usize,
     // multi-node (MPI)
@@ -146,6 +150,7 @@ impl Default for TrainConfig {
             min_lr: 6e-5,
             seed: 1337,
             dtype: Dtype::Float32,
+            activation_checkpointing: false,
             threads: 0,
             zero_stage: 0,
             collective_timeout_s: 300.0,
@@ -837,7 +842,7 @@ mod tests {
     #[test]
     fn keys_list_every_field() {
         let keys = TrainConfig::keys();
-        assert_eq!(keys.len(), 34);
+        assert_eq!(keys.len(), 35);
         for key in [
             "gradient_accumulation_steps",
             "ckpt_interval",

@@ -340,3 +340,33 @@ fn bench_profile_rows_are_exclusive_and_add_up_to_at_most_the_step() {
         "rows add to {covered} ms, the step took {step}: {rows:?}"
     );
 }
+
+#[test]
+fn activation_checkpointing_trains_the_same_losses_in_a_smaller_arena() {
+    let dir = temp_dir("checkpointing");
+    let d = dir.path();
+    for dtype in ["float32", "bfloat16"] {
+        let run = |ckpt: &str| {
+            let out = format!("out_dir={dtype}-{ckpt}");
+            let dt = format!("dtype={dtype}");
+            let ck = format!("activation_checkpointing={ckpt}");
+            train(d, &["max_iters=3", "dropout=0.1", &out, &dt, &ck]);
+            metric(&d.join(format!("{dtype}-{ckpt}")), "loss")
+        };
+        let plain = run("false");
+        assert_eq!(plain.len(), 4);
+        assert_eq!(plain, run("true"), "{dtype}: bit-identical losses");
+    }
+    let r = [false, true].map(|on| {
+        let key = format!("activation_checkpointing={on}");
+        let r = bench_json(d, &["--steps", "1", &key]);
+        assert_eq!(r["activation_checkpointing"], on);
+        r["activation_mb"].as_f64().unwrap()
+    });
+    assert!(r[1] < r[0], "checkpointed arena is smaller: {r:?}");
+    let err = fails(d, &["bench", "activation_checkpointing=yes"]);
+    assert!(
+        err.contains("activation_checkpointing must be true or false"),
+        "{err}"
+    );
+}

@@ -11,6 +11,11 @@
 //! and the saved statistics (bit-identical). The GELU output is never kept: backward
 //! recomputes it from the pre-GELU layer. The residual stream, the layer-norm
 //! statistics and all gradients are f32.
+//!
+//! With activation checkpointing each block keeps only its output, the next block's
+//! input ([`BlockActs::output_only`]); one full [`BlockActs`] serves every block's
+//! forward, and backward refills it by running the block's forward again from its
+//! input. The arena then holds one block's activations instead of `n_layer`.
 
 use super::config::{Dtype, ModelConfig};
 use crate::kernels::bf16::{self, Bf16};
@@ -172,7 +177,25 @@ impl BlockActs {
         }
     }
 
-    fn num_bytes(&self) -> usize {
+    /// With activation checkpointing: only the block's output (B, T, C), the next
+    /// block's input. Backward recomputes the rest into the arena's
+    /// [`Activations::recompute`] from the block's own input.
+    pub fn output_only(cfg: &ModelConfig, b: usize, t: usize) -> BlockActs {
+        BlockActs {
+            ln1: Saved::Recomputed,
+            ln1_stats: NormStats::new(0),
+            qkv: Saved::Recomputed,
+            atty: Saved::Recomputed,
+            att_lse: Vec::new(),
+            res2: Vec::new(),
+            ln2: Saved::Recomputed,
+            ln2_stats: NormStats::new(0),
+            fch: Saved::Recomputed,
+            res3: vec![0.0; b * t * cfg.n_embd],
+        }
+    }
+
+    pub fn num_bytes(&self) -> usize {
         let saved = [&self.ln1, &self.qkv, &self.atty, &self.ln2, &self.fch];
         let f32s = [&self.att_lse, &self.res2, &self.res3];
         saved.iter().map(|s| s.num_bytes()).sum::<usize>()
@@ -245,7 +268,13 @@ pub struct Activations {
     pub inputs: Vec<u32>,
     /// (B, T, C) token + position embedding: the input of block 0.
     pub encoded: Vec<f32>,
+    /// Each block's activations; with activation checkpointing only its output
+    /// ([`BlockActs::output_only`]).
     pub blocks: Vec<BlockActs>,
+    /// With activation checkpointing: one block's full activations, which every
+    /// block's forward writes (its output then swapped into `blocks`) and backward
+    /// rewrites by running the block's forward again. None without.
+    pub recompute: Option<BlockActs>,
     /// (B, T, C) final layer norm output (rounded to bf16 in bf16 runs: it is the
     /// classifier's operand), with its statistics.
     pub lnf: Vec<f32>,
@@ -268,15 +297,27 @@ fn classifier_chunk_rows(cfg: &ModelConfig, rows: usize) -> usize {
 }
 
 impl Activations {
-    pub fn new(cfg: &ModelConfig, max_b: usize, max_t: usize, dtype: Dtype) -> Activations {
+    /// The arena for batches up to `max_b × max_t` of a run in `dtype`, keeping only
+    /// each block's input with `checkpointing`.
+    pub fn new(
+        cfg: &ModelConfig,
+        max_b: usize,
+        max_t: usize,
+        dtype: Dtype,
+        checkpointing: bool,
+    ) -> Activations {
         let (bt, c) = (max_b * max_t, cfg.n_embd);
         let blocks = (0..cfg.n_layer)
-            .map(|_| BlockActs::new(cfg, max_b, max_t, dtype))
+            .map(|_| match checkpointing {
+                true => BlockActs::output_only(cfg, max_b, max_t),
+                false => BlockActs::new(cfg, max_b, max_t, dtype),
+            })
             .collect();
         Activations {
             inputs: vec![0; bt],
             encoded: vec![0.0; bt * c],
             blocks,
+            recompute: checkpointing.then(|| BlockActs::new(cfg, max_b, max_t, dtype)),
             lnf: vec![0.0; bt * c],
             lnf_stats: NormStats::new(bt),
             losses: vec![0.0; bt],
@@ -287,13 +328,24 @@ impl Activations {
 
     /// Bytes an arena for `(b, t)` holds. The buffers are zero-filled by the
     /// allocator, so untouched pages cost no memory and this is cheap to ask.
-    pub fn num_bytes_for(cfg: &ModelConfig, b: usize, t: usize, dtype: Dtype) -> usize {
-        Activations::new(cfg, b, t, dtype).num_bytes()
+    pub fn num_bytes_for(
+        cfg: &ModelConfig,
+        b: usize,
+        t: usize,
+        dtype: Dtype,
+        checkpointing: bool,
+    ) -> usize {
+        Activations::new(cfg, b, t, dtype, checkpointing).num_bytes()
     }
 
     /// Bytes held, all buffers together (4 per f32 and token id, 2 per bf16).
     pub fn num_bytes(&self) -> usize {
-        let blocks: usize = self.blocks.iter().map(BlockActs::num_bytes).sum();
+        let blocks: usize = self
+            .blocks
+            .iter()
+            .chain(&self.recompute)
+            .map(BlockActs::num_bytes)
+            .sum();
         let f32s = [&self.encoded, &self.lnf, &self.losses, &self.logits_chunk];
         blocks
             + f32s.iter().map(|v| v.len() * 4).sum::<usize>()
@@ -312,8 +364,8 @@ mod tests {
         // No (B, NH, T, T) buffer: quadrupling T must scale the arena by about 4,
         // not 16 (the classifier chunk is capped, so slightly less than 4).
         let cfg = ModelConfig::preset("gpt2").unwrap();
-        let small = Activations::num_bytes_for(&cfg, 4, 256, Dtype::Float32) / 4;
-        let large = Activations::num_bytes_for(&cfg, 4, 1024, Dtype::Float32) / 4;
+        let small = Activations::num_bytes_for(&cfg, 4, 256, Dtype::Float32, false) / 4;
+        let large = Activations::num_bytes_for(&cfg, 4, 1024, Dtype::Float32, false) / 4;
         let ratio = large as f64 / small as f64;
         assert!(ratio <= 4.0, "T 256 → 1024 grew the arena {ratio:.2}×");
         // Exactly: per layer and token 12·C + 4 + NH floats (ln1 C+2, qkv 3C, atty C,
@@ -339,8 +391,8 @@ mod tests {
         // GPT-2 124M at B=4, T=1024 (the target configuration).
         let cfg = ModelConfig::preset("gpt2").unwrap();
         let (b, t, c) = (4, 1024, cfg.n_embd);
-        let f32_bytes = Activations::num_bytes_for(&cfg, b, t, Dtype::Float32);
-        let bf16_bytes = Activations::num_bytes_for(&cfg, b, t, Dtype::Bfloat16);
+        let f32_bytes = Activations::num_bytes_for(&cfg, b, t, Dtype::Float32, false);
+        let bf16_bytes = Activations::num_bytes_for(&cfg, b, t, Dtype::Bfloat16, false);
         // Per layer and token, bf16 keeps atty (C), qkv (3C) and fch (4C) in two bytes
         // and ln1, ln2 (C each) not at all: 4·(12C + 4 + NH) → 4·(2C + 4 + NH) + 2·8C.
         // Outside the blocks it adds the f32 scratch: staging C, staging_wide 4C and

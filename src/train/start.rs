@@ -77,6 +77,10 @@ impl Start {
         start.out_dir_lock = out_dir_lock;
         // Master weights and optimizer state stay f32; with bfloat16 the model makes
         // its bf16 weight copy here and after every optimizer step.
+        start
+            .state
+            .model
+            .set_activation_checkpointing(cfg.activation_checkpointing);
         start.state.model.set_dtype(cfg.dtype);
         Ok(start)
     }
