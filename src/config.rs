@@ -38,6 +38,9 @@ pub enum InitFrom {
     Pretrained(String),
 }
 
+/// The highest `zero_stage` this build implements.
+pub const MAX_ZERO_STAGE: u8 = 1;
+
 /// Every setting of a training run. Keys and defaults follow nanoGPT's train.py
 /// unless a field says otherwise; the vocabulary size comes from the dataset's
 /// `meta.json`, not from here.
@@ -364,7 +367,7 @@ impl TrainConfig {
     }
 
     fn check_distributed(&self, problems: &mut Vec<String>) {
-        if self.zero_stage > 1 {
+        if self.zero_stage > MAX_ZERO_STAGE {
             problems.push(format!(
                 "`zero_stage` must be 0 (replicated optimizer state) or 1 (sharded), got {}",
                 self.zero_stage

@@ -20,6 +20,52 @@
 use super::config::{Dtype, ModelConfig};
 use crate::kernels::bf16::{self, Bf16};
 
+/// Where the arena's buffers come from: zeroed memory, or (for the memory plan,
+/// [`Activations::num_bytes_for`]) empty buffers and a count of the bytes the real
+/// ones would take. One constructor serves both, so the plan cannot drift from what
+/// training allocates.
+pub struct Alloc {
+    count_only: bool,
+    /// Bytes allocated (or counted) so far.
+    pub bytes: usize,
+}
+
+impl Alloc {
+    pub fn real() -> Alloc {
+        Alloc {
+            count_only: false,
+            bytes: 0,
+        }
+    }
+
+    pub fn counting() -> Alloc {
+        Alloc {
+            count_only: true,
+            bytes: 0,
+        }
+    }
+
+    fn buf<T: Clone>(&mut self, zero: T, n: usize) -> Vec<T> {
+        self.bytes += n * std::mem::size_of::<T>();
+        match self.count_only {
+            true => Vec::new(),
+            false => vec![zero; n],
+        }
+    }
+
+    pub fn f32s(&mut self, n: usize) -> Vec<f32> {
+        self.buf(0.0, n)
+    }
+
+    fn bf16s(&mut self, n: usize) -> Vec<Bf16> {
+        self.buf(Bf16::default(), n)
+    }
+
+    fn u32s(&mut self, n: usize) -> Vec<u32> {
+        self.buf(0, n)
+    }
+}
+
 /// How an activation that backward needs gets there from forward.
 pub enum Saved {
     /// Kept in f32, as computed (f32 runs).
@@ -32,17 +78,17 @@ pub enum Saved {
 
 impl Saved {
     /// `n` elements kept in `dtype`: f32, or bf16.
-    fn kept(dtype: Dtype, n: usize) -> Saved {
+    fn kept(dtype: Dtype, n: usize, al: &mut Alloc) -> Saved {
         match dtype {
-            Dtype::Float32 => Saved::F32(vec![0.0; n]),
-            Dtype::Bfloat16 => Saved::Bf16(vec![Bf16::default(); n]),
+            Dtype::Float32 => Saved::F32(al.f32s(n)),
+            Dtype::Bfloat16 => Saved::Bf16(al.bf16s(n)),
         }
     }
 
     /// `n` elements kept in f32 runs and recomputed in bf16 runs.
-    fn kept_in_f32(dtype: Dtype, n: usize) -> Saved {
+    fn kept_in_f32(dtype: Dtype, n: usize, al: &mut Alloc) -> Saved {
         match dtype {
-            Dtype::Float32 => Saved::F32(vec![0.0; n]),
+            Dtype::Float32 => Saved::F32(al.f32s(n)),
             Dtype::Bfloat16 => Saved::Recomputed,
         }
     }
@@ -115,9 +161,13 @@ pub struct NormStats {
 
 impl NormStats {
     pub fn new(rows: usize) -> NormStats {
+        NormStats::alloc(rows, &mut Alloc::real())
+    }
+
+    fn alloc(rows: usize, al: &mut Alloc) -> NormStats {
         NormStats {
-            mean: vec![0.0; rows],
-            rstd: vec![0.0; rows],
+            mean: al.f32s(rows),
+            rstd: al.f32s(rows),
         }
     }
 
@@ -162,25 +212,29 @@ pub struct BlockActs {
 impl BlockActs {
     /// A block's activations for `b × t` rows, kept as runs of `dtype` keep them.
     pub fn new(cfg: &ModelConfig, b: usize, t: usize, dtype: Dtype) -> BlockActs {
+        BlockActs::alloc(cfg, b, t, dtype, &mut Alloc::real())
+    }
+
+    fn alloc(cfg: &ModelConfig, b: usize, t: usize, dtype: Dtype, al: &mut Alloc) -> BlockActs {
         let (bt, c) = (b * t, cfg.n_embd);
         BlockActs {
-            ln1: Saved::kept_in_f32(dtype, bt * c),
-            ln1_stats: NormStats::new(bt),
-            qkv: Saved::kept(dtype, bt * 3 * c),
-            atty: Saved::kept(dtype, bt * c),
-            att_lse: vec![0.0; b * cfg.n_head * t],
-            res2: vec![0.0; bt * c],
-            ln2: Saved::kept_in_f32(dtype, bt * c),
-            ln2_stats: NormStats::new(bt),
-            fch: Saved::kept(dtype, bt * 4 * c),
-            res3: vec![0.0; bt * c],
+            ln1: Saved::kept_in_f32(dtype, bt * c, al),
+            ln1_stats: NormStats::alloc(bt, al),
+            qkv: Saved::kept(dtype, bt * 3 * c, al),
+            atty: Saved::kept(dtype, bt * c, al),
+            att_lse: al.f32s(b * cfg.n_head * t),
+            res2: al.f32s(bt * c),
+            ln2: Saved::kept_in_f32(dtype, bt * c, al),
+            ln2_stats: NormStats::alloc(bt, al),
+            fch: Saved::kept(dtype, bt * 4 * c, al),
+            res3: al.f32s(bt * c),
         }
     }
 
     /// With activation checkpointing: only the block's output (B, T, C), the next
     /// block's input. Backward recomputes the rest into the arena's
     /// [`Activations::recompute`] from the block's own input.
-    pub fn output_only(cfg: &ModelConfig, b: usize, t: usize) -> BlockActs {
+    fn output_only(cfg: &ModelConfig, b: usize, t: usize, al: &mut Alloc) -> BlockActs {
         BlockActs {
             ln1: Saved::Recomputed,
             ln1_stats: NormStats::new(0),
@@ -191,7 +245,7 @@ impl BlockActs {
             ln2: Saved::Recomputed,
             ln2_stats: NormStats::new(0),
             fch: Saved::Recomputed,
-            res3: vec![0.0; b * t * cfg.n_embd],
+            res3: al.f32s(b * t * cfg.n_embd),
         }
     }
 
@@ -234,9 +288,19 @@ impl Scratch {
     /// Scratch for `b × t` rows of a run in `dtype`; without `backward`, only what a
     /// forward pass uses.
     pub fn new(cfg: &ModelConfig, bt: usize, dtype: Dtype, backward: bool) -> Scratch {
+        Scratch::alloc(cfg, bt, dtype, backward, &mut Alloc::real())
+    }
+
+    fn alloc(
+        cfg: &ModelConfig,
+        bt: usize,
+        dtype: Dtype,
+        backward: bool,
+        al: &mut Alloc,
+    ) -> Scratch {
         let c = cfg.n_embd;
         let bf16 = dtype == Dtype::Bfloat16;
-        let z = |keep: bool, n: usize| if keep { vec![0.0f32; n] } else { vec![] };
+        let mut z = |keep: bool, n: usize| al.f32s(if keep { n } else { 0 });
         Scratch {
             hidden: z(true, bt * 4 * c),
             dres: z(backward, bt * c),
@@ -306,28 +370,39 @@ impl Activations {
         dtype: Dtype,
         checkpointing: bool,
     ) -> Activations {
+        Activations::alloc(cfg, max_b, max_t, dtype, checkpointing, &mut Alloc::real())
+    }
+
+    fn alloc(
+        cfg: &ModelConfig,
+        max_b: usize,
+        max_t: usize,
+        dtype: Dtype,
+        checkpointing: bool,
+        al: &mut Alloc,
+    ) -> Activations {
         let (bt, c) = (max_b * max_t, cfg.n_embd);
         let blocks = (0..cfg.n_layer)
             .map(|_| match checkpointing {
-                true => BlockActs::output_only(cfg, max_b, max_t),
-                false => BlockActs::new(cfg, max_b, max_t, dtype),
+                true => BlockActs::output_only(cfg, max_b, max_t, al),
+                false => BlockActs::alloc(cfg, max_b, max_t, dtype, al),
             })
             .collect();
         Activations {
-            inputs: vec![0; bt],
-            encoded: vec![0.0; bt * c],
+            inputs: al.u32s(bt),
+            encoded: al.f32s(bt * c),
             blocks,
-            recompute: checkpointing.then(|| BlockActs::new(cfg, max_b, max_t, dtype)),
-            lnf: vec![0.0; bt * c],
-            lnf_stats: NormStats::new(bt),
-            losses: vec![0.0; bt],
-            logits_chunk: vec![0.0; classifier_chunk_rows(cfg, bt) * cfg.vocab_size],
-            scratch: Scratch::new(cfg, bt, dtype, true),
+            recompute: checkpointing.then(|| BlockActs::alloc(cfg, max_b, max_t, dtype, al)),
+            lnf: al.f32s(bt * c),
+            lnf_stats: NormStats::alloc(bt, al),
+            losses: al.f32s(bt),
+            logits_chunk: al.f32s(classifier_chunk_rows(cfg, bt) * cfg.vocab_size),
+            scratch: Scratch::alloc(cfg, bt, dtype, true, al),
         }
     }
 
-    /// Bytes an arena for `(b, t)` holds. The buffers are zero-filled by the
-    /// allocator, so untouched pages cost no memory and this is cheap to ask.
+    /// Bytes an arena for `(b, t)` holds, counted by the constructor itself without
+    /// allocating anything.
     pub fn num_bytes_for(
         cfg: &ModelConfig,
         b: usize,
@@ -335,7 +410,9 @@ impl Activations {
         dtype: Dtype,
         checkpointing: bool,
     ) -> usize {
-        Activations::new(cfg, b, t, dtype, checkpointing).num_bytes()
+        let mut al = Alloc::counting();
+        Activations::alloc(cfg, b, t, dtype, checkpointing, &mut al);
+        al.bytes
     }
 
     /// Bytes held, all buffers together (4 per f32 and token id, 2 per bf16).
@@ -384,6 +461,26 @@ mod tests {
             small as f64 * 4.0 / (1 << 20) as f64,
             large as f64 * 4.0 / (1 << 20) as f64
         );
+    }
+
+    #[test]
+    fn counted_bytes_are_the_allocated_bytes() {
+        let cfg = ModelConfig {
+            vocab_size: 50,
+            block_size: 8,
+            n_layer: 3,
+            n_head: 2,
+            n_embd: 16,
+            bias: true,
+            dropout: 0.1,
+        };
+        for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+            for checkpointing in [false, true] {
+                let real = Activations::new(&cfg, 3, 8, dtype, checkpointing).num_bytes();
+                let counted = Activations::num_bytes_for(&cfg, 3, 8, dtype, checkpointing);
+                assert_eq!(counted, real, "{dtype:?} checkpointing {checkpointing}");
+            }
+        }
     }
 
     #[test]

@@ -153,10 +153,7 @@ impl Gpt {
     pub fn set_dtype(&mut self, dtype: Dtype) {
         if dtype != self.dtype {
             self.rebuild_activations(dtype, self.checkpointing);
-            self.params_bf16 = match dtype {
-                Dtype::Float32 => Vec::new(),
-                Dtype::Bfloat16 => vec![0.0; self.params.len()],
-            };
+            self.params_bf16 = vec![0.0; bf16_copy_len(dtype, self.params.len())];
             let amx = bf16::gemm::kernel() == bf16::gemm::Kernel::Amx;
             self.wte_packs = (dtype == Dtype::Bfloat16 && amx).then(WtePacks::default);
             self.dtype = dtype;
@@ -269,7 +266,7 @@ impl Gpt {
     /// the embeddings (`wte` and `wpe`). Descending, and together they tile `0..len`
     /// exactly (alignment gaps included), so they can serve as all-reduce buckets.
     pub fn grad_buckets(&self) -> Vec<Range<usize>> {
-        buckets(&self.layout).collect()
+        grad_buckets_of(&self.layout)
     }
 
     /// [`Gpt::backward`], calling `done(range, grads)` as soon as the gradients in
@@ -433,6 +430,20 @@ impl Gpt {
         let (mean, rstd) = acts.lnf_stats.rows_mut(n);
         let ln_f = norm_of(params, layout.ln_f);
         layernorm_forward::<BF16>(&mut acts.lnf[..n * c], mean, rstd, &last[..n * c], ln_f);
+    }
+}
+
+/// [`Gpt::grad_buckets`] of a model laid out by `layout`, without building it.
+pub fn grad_buckets_of(layout: &ParamLayout) -> Vec<Range<usize>> {
+    buckets(layout).collect()
+}
+
+/// Floats of the bf16 weight copy of a `params_len` arena in `dtype` runs (held as
+/// f32 values rounded to bf16; none in f32 runs).
+pub fn bf16_copy_len(dtype: Dtype, params_len: usize) -> usize {
+    match dtype {
+        Dtype::Float32 => 0,
+        Dtype::Bfloat16 => params_len,
     }
 }
 

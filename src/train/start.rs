@@ -9,6 +9,7 @@ use crate::dist::{Collective, DataParallel};
 use crate::fsutil::DirLock;
 use crate::model::{Gpt, ModelConfig};
 use crate::optim::{AdamW, AdamWConfig};
+use crate::plan::{self, MemoryPlan, PlanInput};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::fmt::Display;
@@ -58,6 +59,9 @@ impl Start {
             comm.barrier_patient();
         }
         let data = Dataset::open(cfg)?;
+        if root {
+            check_memory(cfg, comm)?;
+        }
         let mut out_dir_lock = None;
         if root {
             out_dir_lock = Some(prepare_out_dir(cfg)?);
@@ -83,6 +87,21 @@ impl Start {
             .set_activation_checkpointing(cfg.activation_checkpointing);
         start.state.model.set_dtype(cfg.dtype);
         Ok(start)
+    }
+}
+
+/// Prints the memory plan of the run and refuses one that would not fit in this
+/// host's available memory, before anything sized by the model is allocated.
+fn check_memory(cfg: &TrainConfig, comm: &dyn Collective) -> Result<()> {
+    let model = plan::model_of(cfg)?;
+    let input = PlanInput::of(cfg, model, comm.world_size(), comm.local_size());
+    let memory = MemoryPlan::new(&input, plan::available()?);
+    for line in memory.summary() {
+        crate::outln!("{line}");
+    }
+    match plan::refusal(&memory, &input, cfg.gradient_accumulation_steps) {
+        Some(msg) => bail!(msg),
+        None => Ok(()),
     }
 }
 
