@@ -27,12 +27,15 @@ pub struct BenchOptions {
     pub dtype: Dtype,
     /// Train LoRA adapters on the frozen model instead of the whole model.
     pub lora: Option<LoraConfig>,
+    /// Keep only each block's input; backward recomputes the rest.
+    pub activation_checkpointing: bool,
 }
 
 /// What was measured.
 #[derive(Clone, Debug, Serialize)]
 pub struct BenchReport {
     pub dtype: Dtype,
+    pub activation_checkpointing: bool,
     pub threads: usize,
     pub batch_size: usize,
     pub block_size: usize,
@@ -65,6 +68,7 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     if let Some(lora) = &opts.lora {
         gpt = gpt.with_lora(lora.clone(), ("scratch", 1337), 1337);
     }
+    gpt.set_activation_checkpointing(opts.activation_checkpointing);
     gpt.set_dtype(opts.dtype);
     let mut opt = AdamW::new(&gpt.layout, AdamWConfig::default());
     let v = opts.model.vocab_size;
@@ -111,6 +115,7 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     let peak = opts.peak_gflops.unwrap_or_else(gemm_peak_gflops);
     Ok(BenchReport {
         dtype: opts.dtype,
+        activation_checkpointing: opts.activation_checkpointing,
         threads: rayon::current_num_threads(),
         batch_size: b,
         block_size: t,

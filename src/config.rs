@@ -38,6 +38,9 @@ pub enum InitFrom {
     Pretrained(String),
 }
 
+/// The highest `zero_stage` this build implements.
+pub const MAX_ZERO_STAGE: u8 = 1;
+
 /// Every setting of a training run. Keys and defaults follow nanoGPT's train.py
 /// unless a field says otherwise; the vocabulary size comes from the dataset's
 /// `meta.json`, not from here.
@@ -101,6 +104,10 @@ pub struct TrainConfig {
     // system
     pub seed: u64,
     pub dtype: Dtype,
+    /// Keep only each transformer block's input during forward and recompute the
+    /// block's activations in backward: about one more forward pass of compute for
+    /// one block's activations instead of every block's. Same losses bit for bit.
+    pub activation_checkpointing: bool,
     /// Worker threads; 0 uses every core (with several ranks on a host, its share).
     pub threads: usize,
     // multi-node (MPI)
@@ -159,6 +166,7 @@ impl Default for TrainConfig {
             min_lr: 6e-5,
             seed: 1337,
             dtype: Dtype::Float32,
+            activation_checkpointing: false,
             threads: 0,
             zero_stage: 0,
             collective_timeout_s: 300.0,
@@ -380,7 +388,7 @@ impl TrainConfig {
     }
 
     fn check_distributed(&self, problems: &mut Vec<String>) {
-        if self.zero_stage > 1 {
+        if self.zero_stage > MAX_ZERO_STAGE {
             problems.push(format!(
                 "`zero_stage` must be 0 (replicated optimizer state) or 1 (sharded), got {}",
                 self.zero_stage
@@ -868,7 +876,7 @@ mod tests {
     #[test]
     fn keys_list_every_field() {
         let keys = TrainConfig::keys();
-        assert_eq!(keys.len(), 39);
+        assert_eq!(keys.len(), 40);
         for key in [
             "gradient_accumulation_steps",
             "ckpt_interval",

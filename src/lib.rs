@@ -21,6 +21,7 @@ pub mod metrics;
 pub mod model;
 pub mod model_source;
 pub mod optim;
+pub mod plan;
 pub mod profile;
 pub mod progress;
 pub mod sample;

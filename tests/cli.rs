@@ -340,3 +340,98 @@ fn bench_profile_rows_are_exclusive_and_add_up_to_at_most_the_step() {
         "rows add to {covered} ms, the step took {step}: {rows:?}"
     );
 }
+
+#[test]
+fn activation_checkpointing_trains_the_same_losses_in_a_smaller_arena() {
+    let dir = temp_dir("checkpointing");
+    let d = dir.path();
+    for dtype in ["float32", "bfloat16"] {
+        let run = |ckpt: &str| {
+            let out = format!("out_dir={dtype}-{ckpt}");
+            let dt = format!("dtype={dtype}");
+            let ck = format!("activation_checkpointing={ckpt}");
+            train(d, &["max_iters=3", "dropout=0.1", &out, &dt, &ck]);
+            metric(&d.join(format!("{dtype}-{ckpt}")), "loss")
+        };
+        let plain = run("false");
+        assert_eq!(plain.len(), 4);
+        assert_eq!(plain, run("true"), "{dtype}: bit-identical losses");
+    }
+    let r = [false, true].map(|on| {
+        let key = format!("activation_checkpointing={on}");
+        let r = bench_json(d, &["--steps", "1", &key]);
+        assert_eq!(r["activation_checkpointing"], on);
+        r["activation_mb"].as_f64().unwrap()
+    });
+    assert!(r[1] < r[0], "checkpointed arena is smaller: {r:?}");
+    let err = fails(d, &["bench", "activation_checkpointing=yes"]);
+    assert!(
+        err.contains("activation_checkpointing must be true or false"),
+        "{err}"
+    );
+}
+
+/// A run whose activations dominate its memory: about 280 MB planned, 140 MB with
+/// activation checkpointing.
+const ACTIVATION_HEAVY: [&str; 7] = [
+    "dataset=shakespeare_char",
+    "n_layer=4",
+    "n_head=2",
+    "n_embd=64",
+    "batch_size=64",
+    "block_size=256",
+    "max_iters=1",
+];
+
+#[test]
+fn plan_reports_each_part_and_train_refuses_a_run_that_does_not_fit() {
+    let dir = temp_dir("plan");
+    let d = dir.path();
+    let plan = |extra: &[&str]| -> serde_json::Value {
+        let args = [&["plan", "--json"], &ACTIVATION_HEAVY[..], extra].concat();
+        serde_json::from_str(ok(d, &args).trim()).expect("one JSON object")
+    };
+    let peak = |p: &serde_json::Value| p["ranks"][0]["peak_rss_mb"].as_f64().unwrap();
+    let full = plan(&[]);
+    let ckpt = plan(&["activation_checkpointing=true"]);
+    assert!(full["fits"].as_bool().is_some());
+    let parts = full["ranks"][0]["parts"].as_array().unwrap();
+    assert!(parts.iter().any(|p| p["name"] == "activations"));
+    assert!(peak(&ckpt) + 100.0 < peak(&full), "{ckpt} vs {full}");
+    // Two ranks: every rank listed by its peak; ZeRO-1 shards the moments.
+    let two = plan(&["--world-size", "2", "gradient_accumulation_steps=2"]);
+    let sharded = plan(&[
+        "--world-size",
+        "2",
+        "gradient_accumulation_steps=2",
+        "zero_stage=1",
+    ]);
+    assert_eq!(two["ranks"].as_array().unwrap().len(), 2);
+    let r1 = |p: &serde_json::Value| p["ranks"][1]["peak_rss_mb"].as_f64().unwrap();
+    assert!(r1(&sharded) < r1(&two), "{sharded} vs {two}");
+
+    // Between the two plans: train refuses before creating out_dir, naming the fix.
+    let limit = ((peak(&full) + peak(&ckpt)) / 2.0) as u64;
+    let args = [&["train"], &ACTIVATION_HEAVY[..], &["out_dir=refused"]].concat();
+    let out =
+        common::run(common::command(d, &args).env("NANOGPT_MEMORY_LIMIT_MB", limit.to_string()));
+    let stdout = common::text(&out.stdout);
+    let err = common::refused(&out);
+    assert!(stdout.contains("memory plan:"), "{stdout}");
+    assert!(err.contains("NANOGPT_MEMORY_LIMIT_MB"), "{err}");
+    assert!(err.contains("cheapest settings that fit:"), "{err}");
+    assert!(
+        err.contains("activation_checkpointing=true") || err.contains("batch_size=32"),
+        "{err}"
+    );
+    assert!(
+        !d.join("refused").exists(),
+        "refused before creating out_dir"
+    );
+    // The same run under a limit it fits passes the check and trains.
+    let quick = [&args[..], &["max_iters=0", "eval_iters=1"]].concat();
+    let out = common::run(common::command(d, &quick).env("NANOGPT_MEMORY_LIMIT_MB", "100000"));
+    assert!(out.status.success(), "{}", common::text(&out.stderr));
+    let bad = common::run(common::command(d, &args).env("NANOGPT_MEMORY_LIMIT_MB", "lots"));
+    assert!(common::refused(&bad).contains("NANOGPT_MEMORY_LIMIT_MB must be a whole number"));
+}

@@ -272,6 +272,34 @@ fn lora_runs_follow_the_one_process_run() {
 }
 
 #[test]
+fn checkpointed_ranks_follow_the_one_process_run_and_the_plan_refuses_oversized_jobs() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (acc, iters) = ("gradient_accumulation_steps=4", "max_iters=10");
+    let one = reference(&[acc, iters]);
+    for stage in ["zero_stage=0", "zero_stage=1"] {
+        let out = format!("ckpt-{stage}");
+        let extra = [acc, iters, stage, "activation_checkpointing=true"];
+        let stdout = train(2, &out, &extra);
+        assert!(stdout.contains("memory plan:"), "{stdout}");
+        assert_same_run(&one, &out);
+    }
+    // Rank 0 plans for every rank of its host and stops the whole job, exit 1.
+    let mut cmd = command(2, &[acc, iters, "out_dir=too-big"]);
+    cmd.env("NANOGPT_MEMORY_LIMIT_MB", "1");
+    let out = run_for(cmd, Duration::from_secs(120));
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("MB are available (NANOGPT_MEMORY_LIMIT_MB)"),
+        "{stderr}"
+    );
+    assert!(
+        !workdir().join("too-big").exists(),
+        "refused before out_dir"
+    );
+}
+
+#[test]
 fn checkpoints_resume_on_another_number_of_ranks() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let acc = "gradient_accumulation_steps=6";

@@ -12,8 +12,8 @@ pub struct BenchArgs {
     #[arg(long, default_value = "gpt2")]
     pub model: String,
     /// Architecture overrides, e.g. `n_layer=4 n_embd=128 n_head=4 vocab_size=65`,
-    /// and LoRA: `lora_rank=8 lora_alpha=16 lora_targets=c_attn` (adapters trained,
-    /// the model frozen).
+    /// `activation_checkpointing=true`, and LoRA: `lora_rank=8 lora_alpha=16
+    /// lora_targets=c_attn` (adapters trained, the model frozen).
     pub overrides: Vec<String>,
     #[arg(long, default_value_t = 4)]
     pub batch_size: usize,
@@ -80,21 +80,37 @@ fn model_config(args: &BenchArgs) -> anyhow::Result<ModelConfig> {
             "n_head" => cfg.n_head = num()?,
             "n_embd" => cfg.n_embd = num()?,
             "vocab_size" => cfg.vocab_size = num()?,
-            "bias" => {
-                cfg.bias = value
-                    .parse()
-                    .with_context(|| format!("bias must be true or false, got '{value}'"))?
+            "bias" => cfg.bias = parse_bool(key, value)?,
+            "activation_checkpointing" => {
+                parse_bool(key, value)?;
             }
             "lora_rank" | "lora_alpha" | "lora_targets" => {}
             _ => bail!(
-                "unknown key '{key}': use n_layer, n_head, n_embd, vocab_size, bias, lora_rank, \
-                 lora_alpha or lora_targets"
+                "unknown key '{key}': use n_layer, n_head, n_embd, vocab_size, bias, \
+                 activation_checkpointing, lora_rank, lora_alpha or lora_targets"
             ),
         }
     }
     cfg.block_size = cfg.block_size.max(args.block_size);
     cfg.validate()?;
     Ok(cfg)
+}
+
+fn parse_bool(key: &str, value: &str) -> anyhow::Result<bool> {
+    value
+        .parse()
+        .with_context(|| format!("{key} must be true or false, got '{value}'"))
+}
+
+/// `activation_checkpointing=...` among the overrides (checked by [`model_config`]).
+fn checkpointing(args: &BenchArgs) -> anyhow::Result<bool> {
+    let mut on = false;
+    for kv in &args.overrides {
+        if let Some(("activation_checkpointing", value)) = kv.split_once('=') {
+            on = parse_bool("activation_checkpointing", value)?;
+        }
+    }
+    Ok(on)
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -110,6 +126,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         warmup: args.warmup,
         peak_gflops: args.peak_gflops,
         profile: args.profile,
+        activation_checkpointing: checkpointing(&args)?,
         dtype: match args.dtype.as_str() {
             "bfloat16" => Dtype::Bfloat16,
             _ => Dtype::Float32,
@@ -125,9 +142,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     } else {
         println!(
             "{} params, {}, B={} T={}, {} threads: {:.1} ms/step (median of {}, min {:.1}), {:.0} tokens/s, \
-             {:.1} GFLOP/s = {:.1}% MFU of {:.1} GFLOP/s, peak RSS {:.0} MB, activations {:.0} MB",
+             {:.1} GFLOP/s = {:.1}% MFU of {:.1} GFLOP/s, peak RSS {:.0} MB, activations {:.0} MB{}",
             r.params, r.dtype.as_str(), r.batch_size, r.block_size, r.threads, r.ms_per_step, args.steps, r.ms_per_step_min,
-            r.tokens_per_sec, r.achieved_gflops, 100.0 * r.mfu, r.peak_gflops, r.peak_rss_mb, r.activation_mb
+            r.tokens_per_sec, r.achieved_gflops, 100.0 * r.mfu, r.peak_gflops, r.peak_rss_mb, r.activation_mb,
+            if r.activation_checkpointing { " (checkpointed)" } else { "" }
         );
         print_profile(&r.profile, r.ms_per_step_mean);
     }

@@ -4,6 +4,7 @@ mod bench;
 mod chat;
 mod eval;
 mod export;
+mod plan;
 mod prepare;
 mod sample;
 mod train;
@@ -37,6 +38,8 @@ pub enum Command {
     Export(export::ExportArgs),
     /// Time training steps on synthetic tokens: ms/step, tokens/s, MFU, peak RSS.
     Bench(bench::BenchArgs),
+    /// Predicted peak memory per rank of a training run, against what is available.
+    Plan(plan::PlanArgs),
 }
 
 /// Runs the command; returns the process's exit status (non-zero only for a
@@ -50,6 +53,7 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Chat(args) => chat::run(args).map(|()| 0),
         Command::Export(args) => export::run(args).map(|()| 0),
         Command::Bench(args) => bench::run(args).map(|()| 0),
+        Command::Plan(args) => plan::run(args).map(|()| 0),
     }
 }
 

@@ -76,6 +76,11 @@ impl DataParallel {
         }
     }
 
+    /// Floats of the send and receive buffers (what the memory plan counts).
+    pub fn buffer_lens(&self) -> (usize, usize) {
+        (self.send.len(), self.recv.len())
+    }
+
     fn kind(&self) -> Reduce {
         match self.plan.zero_stage {
             0 => Reduce::AllReduce,

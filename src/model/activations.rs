@@ -11,9 +11,60 @@
 //! and the saved statistics (bit-identical). The GELU output is never kept: backward
 //! recomputes it from the pre-GELU layer. The residual stream, the layer-norm
 //! statistics and all gradients are f32.
+//!
+//! With activation checkpointing each block keeps only its output, the next block's
+//! input ([`BlockActs::output_only`]); one full [`BlockActs`] serves every block's
+//! forward, and backward refills it by running the block's forward again from its
+//! input. The arena then holds one block's activations instead of `n_layer`.
 
 use super::config::{Dtype, ModelConfig};
 use crate::kernels::bf16::{self, Bf16};
+
+/// Where the arena's buffers come from: zeroed memory, or (for the memory plan,
+/// [`Activations::num_bytes_for`]) empty buffers and a count of the bytes the real
+/// ones would take. One constructor serves both, so the plan cannot drift from what
+/// training allocates.
+pub struct Alloc {
+    count_only: bool,
+    /// Bytes allocated (or counted) so far.
+    pub bytes: usize,
+}
+
+impl Alloc {
+    pub fn real() -> Alloc {
+        Alloc {
+            count_only: false,
+            bytes: 0,
+        }
+    }
+
+    pub fn counting() -> Alloc {
+        Alloc {
+            count_only: true,
+            bytes: 0,
+        }
+    }
+
+    fn buf<T: Clone>(&mut self, zero: T, n: usize) -> Vec<T> {
+        self.bytes += n * std::mem::size_of::<T>();
+        match self.count_only {
+            true => Vec::new(),
+            false => vec![zero; n],
+        }
+    }
+
+    pub fn f32s(&mut self, n: usize) -> Vec<f32> {
+        self.buf(0.0, n)
+    }
+
+    fn bf16s(&mut self, n: usize) -> Vec<Bf16> {
+        self.buf(Bf16::default(), n)
+    }
+
+    fn u32s(&mut self, n: usize) -> Vec<u32> {
+        self.buf(0, n)
+    }
+}
 
 /// How an activation that backward needs gets there from forward.
 pub enum Saved {
@@ -27,17 +78,17 @@ pub enum Saved {
 
 impl Saved {
     /// `n` elements kept in `dtype`: f32, or bf16.
-    fn kept(dtype: Dtype, n: usize) -> Saved {
+    fn kept(dtype: Dtype, n: usize, al: &mut Alloc) -> Saved {
         match dtype {
-            Dtype::Float32 => Saved::F32(vec![0.0; n]),
-            Dtype::Bfloat16 => Saved::Bf16(vec![Bf16::default(); n]),
+            Dtype::Float32 => Saved::F32(al.f32s(n)),
+            Dtype::Bfloat16 => Saved::Bf16(al.bf16s(n)),
         }
     }
 
     /// `n` elements kept in f32 runs and recomputed in bf16 runs.
-    fn kept_in_f32(dtype: Dtype, n: usize) -> Saved {
+    fn kept_in_f32(dtype: Dtype, n: usize, al: &mut Alloc) -> Saved {
         match dtype {
-            Dtype::Float32 => Saved::F32(vec![0.0; n]),
+            Dtype::Float32 => Saved::F32(al.f32s(n)),
             Dtype::Bfloat16 => Saved::Recomputed,
         }
     }
@@ -110,9 +161,13 @@ pub struct NormStats {
 
 impl NormStats {
     pub fn new(rows: usize) -> NormStats {
+        NormStats::alloc(rows, &mut Alloc::real())
+    }
+
+    fn alloc(rows: usize, al: &mut Alloc) -> NormStats {
         NormStats {
-            mean: vec![0.0; rows],
-            rstd: vec![0.0; rows],
+            mean: al.f32s(rows),
+            rstd: al.f32s(rows),
         }
     }
 
@@ -160,23 +215,46 @@ pub struct BlockActs {
 impl BlockActs {
     /// A block's activations for `b × t` rows, kept as runs of `dtype` keep them.
     pub fn new(cfg: &ModelConfig, b: usize, t: usize, dtype: Dtype) -> BlockActs {
+        BlockActs::alloc(cfg, b, t, dtype, &mut Alloc::real())
+    }
+
+    fn alloc(cfg: &ModelConfig, b: usize, t: usize, dtype: Dtype, al: &mut Alloc) -> BlockActs {
         let (bt, c) = (b * t, cfg.n_embd);
         BlockActs {
-            ln1: Saved::kept_in_f32(dtype, bt * c),
-            ln1_stats: NormStats::new(bt),
-            qkv: Saved::kept(dtype, bt * 3 * c),
-            atty: Saved::kept(dtype, bt * c),
-            att_lse: vec![0.0; b * cfg.n_head * t],
-            res2: vec![0.0; bt * c],
-            ln2: Saved::kept_in_f32(dtype, bt * c),
-            ln2_stats: NormStats::new(bt),
-            fch: Saved::kept(dtype, bt * 4 * c),
-            res3: vec![0.0; bt * c],
+            ln1: Saved::kept_in_f32(dtype, bt * c, al),
+            ln1_stats: NormStats::alloc(bt, al),
+            qkv: Saved::kept(dtype, bt * 3 * c, al),
+            atty: Saved::kept(dtype, bt * c, al),
+            att_lse: al.f32s(b * cfg.n_head * t),
+            res2: al.f32s(bt * c),
+            ln2: Saved::kept_in_f32(dtype, bt * c, al),
+            ln2_stats: NormStats::alloc(bt, al),
+            fch: Saved::kept(dtype, bt * 4 * c, al),
+            res3: al.f32s(bt * c),
             lora_u: Vec::new(),
         }
     }
 
-    fn num_bytes(&self) -> usize {
+    /// With activation checkpointing: only the block's output (B, T, C), the next
+    /// block's input. Backward recomputes the rest into the arena's
+    /// [`Activations::recompute`] from the block's own input.
+    fn output_only(cfg: &ModelConfig, b: usize, t: usize, al: &mut Alloc) -> BlockActs {
+        BlockActs {
+            ln1: Saved::Recomputed,
+            ln1_stats: NormStats::new(0),
+            qkv: Saved::Recomputed,
+            atty: Saved::Recomputed,
+            att_lse: Vec::new(),
+            res2: Vec::new(),
+            ln2: Saved::Recomputed,
+            ln2_stats: NormStats::new(0),
+            fch: Saved::Recomputed,
+            res3: al.f32s(b * t * cfg.n_embd),
+            lora_u: Vec::new(),
+        }
+    }
+
+    pub fn num_bytes(&self) -> usize {
         let saved = [&self.ln1, &self.qkv, &self.atty, &self.ln2, &self.fch];
         let f32s = [&self.att_lse, &self.res2, &self.res3, &self.lora_u];
         saved.iter().map(|s| s.num_bytes()).sum::<usize>()
@@ -224,9 +302,19 @@ impl Scratch {
     /// Scratch for `b × t` rows of a run in `dtype`; without `backward`, only what a
     /// forward pass uses.
     pub fn new(cfg: &ModelConfig, bt: usize, dtype: Dtype, backward: bool) -> Scratch {
+        Scratch::alloc(cfg, bt, dtype, backward, &mut Alloc::real())
+    }
+
+    fn alloc(
+        cfg: &ModelConfig,
+        bt: usize,
+        dtype: Dtype,
+        backward: bool,
+        al: &mut Alloc,
+    ) -> Scratch {
         let c = cfg.n_embd;
         let bf16 = dtype == Dtype::Bfloat16;
-        let z = |keep: bool, n: usize| if keep { vec![0.0f32; n] } else { vec![] };
+        let mut z = |keep: bool, n: usize| al.f32s(if keep { n } else { 0 });
         Scratch {
             hidden: z(true, bt * 4 * c),
             dres: z(backward, bt * c),
@@ -264,7 +352,13 @@ pub struct Activations {
     pub inputs: Vec<u32>,
     /// (B, T, C) token + position embedding: the input of block 0.
     pub encoded: Vec<f32>,
+    /// Each block's activations; with activation checkpointing only its output
+    /// ([`BlockActs::output_only`]).
     pub blocks: Vec<BlockActs>,
+    /// With activation checkpointing: one block's full activations, which every
+    /// block's forward writes (its output then swapped into `blocks`) and backward
+    /// rewrites by running the block's forward again. None without.
+    pub recompute: Option<BlockActs>,
     /// (B, T, C) final layer norm output (rounded to bf16 in bf16 runs: it is the
     /// classifier's operand), with its statistics.
     pub lnf: Vec<f32>,
@@ -287,33 +381,69 @@ fn classifier_chunk_rows(cfg: &ModelConfig, rows: usize) -> usize {
 }
 
 impl Activations {
-    pub fn new(cfg: &ModelConfig, max_b: usize, max_t: usize, dtype: Dtype) -> Activations {
+    /// The arena for batches up to `max_b × max_t` of a run in `dtype`, keeping only
+    /// each block's input with `checkpointing`.
+    pub fn new(
+        cfg: &ModelConfig,
+        max_b: usize,
+        max_t: usize,
+        dtype: Dtype,
+        checkpointing: bool,
+    ) -> Activations {
+        Activations::alloc(cfg, max_b, max_t, dtype, checkpointing, &mut Alloc::real())
+    }
+
+    fn alloc(
+        cfg: &ModelConfig,
+        max_b: usize,
+        max_t: usize,
+        dtype: Dtype,
+        checkpointing: bool,
+        al: &mut Alloc,
+    ) -> Activations {
         let (bt, c) = (max_b * max_t, cfg.n_embd);
         let blocks = (0..cfg.n_layer)
-            .map(|_| BlockActs::new(cfg, max_b, max_t, dtype))
+            .map(|_| match checkpointing {
+                true => BlockActs::output_only(cfg, max_b, max_t, al),
+                false => BlockActs::alloc(cfg, max_b, max_t, dtype, al),
+            })
             .collect();
         Activations {
-            inputs: vec![0; bt],
-            encoded: vec![0.0; bt * c],
+            inputs: al.u32s(bt),
+            encoded: al.f32s(bt * c),
             blocks,
-            lnf: vec![0.0; bt * c],
-            lnf_stats: NormStats::new(bt),
-            losses: vec![0.0; bt],
-            logits_chunk: vec![0.0; classifier_chunk_rows(cfg, bt) * cfg.vocab_size],
-            scratch: Scratch::new(cfg, bt, dtype, true),
+            recompute: checkpointing.then(|| BlockActs::alloc(cfg, max_b, max_t, dtype, al)),
+            lnf: al.f32s(bt * c),
+            lnf_stats: NormStats::alloc(bt, al),
+            losses: al.f32s(bt),
+            logits_chunk: al.f32s(classifier_chunk_rows(cfg, bt) * cfg.vocab_size),
+            scratch: Scratch::alloc(cfg, bt, dtype, true, al),
         }
     }
 
-    /// Bytes an arena for `(b, t)` holds. The buffers are zero-filled by the
-    /// allocator, so untouched pages cost no memory and this is cheap to ask.
-    pub fn num_bytes_for(cfg: &ModelConfig, b: usize, t: usize, dtype: Dtype) -> usize {
-        Activations::new(cfg, b, t, dtype).num_bytes()
+    /// Bytes an arena for `(b, t)` holds, counted by the constructor itself without
+    /// allocating anything.
+    pub fn num_bytes_for(
+        cfg: &ModelConfig,
+        b: usize,
+        t: usize,
+        dtype: Dtype,
+        checkpointing: bool,
+    ) -> usize {
+        let mut al = Alloc::counting();
+        Activations::alloc(cfg, b, t, dtype, checkpointing, &mut al);
+        al.bytes
     }
 
     /// Adds the buffers of LoRA adapters of rank `rank` (with input dropout when
     /// `dropout`) for the `max_bt` rows the arena was made for.
     pub fn add_lora(&mut self, cfg: &ModelConfig, max_bt: usize, rank: usize, dropout: bool) {
-        for block in &mut self.blocks {
+        // With activation checkpointing only the block being recomputed keeps them.
+        let kept = match self.recompute.as_mut() {
+            Some(one) => std::slice::from_mut(one),
+            None => &mut self.blocks[..],
+        };
+        for block in kept {
             block.lora_u = vec![0.0; 4 * max_bt * rank];
         }
         let s = &mut self.scratch;
@@ -324,7 +454,12 @@ impl Activations {
 
     /// Bytes held, all buffers together (4 per f32 and token id, 2 per bf16).
     pub fn num_bytes(&self) -> usize {
-        let blocks: usize = self.blocks.iter().map(BlockActs::num_bytes).sum();
+        let blocks: usize = self
+            .blocks
+            .iter()
+            .chain(&self.recompute)
+            .map(BlockActs::num_bytes)
+            .sum();
         let f32s = [&self.encoded, &self.lnf, &self.losses, &self.logits_chunk];
         blocks
             + f32s.iter().map(|v| v.len() * 4).sum::<usize>()
@@ -343,8 +478,8 @@ mod tests {
         // No (B, NH, T, T) buffer: quadrupling T must scale the arena by about 4,
         // not 16 (the classifier chunk is capped, so slightly less than 4).
         let cfg = ModelConfig::preset("gpt2").unwrap();
-        let small = Activations::num_bytes_for(&cfg, 4, 256, Dtype::Float32) / 4;
-        let large = Activations::num_bytes_for(&cfg, 4, 1024, Dtype::Float32) / 4;
+        let small = Activations::num_bytes_for(&cfg, 4, 256, Dtype::Float32, false) / 4;
+        let large = Activations::num_bytes_for(&cfg, 4, 1024, Dtype::Float32, false) / 4;
         let ratio = large as f64 / small as f64;
         assert!(ratio <= 4.0, "T 256 → 1024 grew the arena {ratio:.2}×");
         // Exactly: per layer and token 12·C + 4 + NH floats (ln1 C+2, qkv 3C, atty C,
@@ -366,12 +501,32 @@ mod tests {
     }
 
     #[test]
+    fn counted_bytes_are_the_allocated_bytes() {
+        let cfg = ModelConfig {
+            vocab_size: 50,
+            block_size: 8,
+            n_layer: 3,
+            n_head: 2,
+            n_embd: 16,
+            bias: true,
+            dropout: 0.1,
+        };
+        for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+            for checkpointing in [false, true] {
+                let real = Activations::new(&cfg, 3, 8, dtype, checkpointing).num_bytes();
+                let counted = Activations::num_bytes_for(&cfg, 3, 8, dtype, checkpointing);
+                assert_eq!(counted, real, "{dtype:?} checkpointing {checkpointing}");
+            }
+        }
+    }
+
+    #[test]
     fn bf16_arena_keeps_matmul_operands_in_two_bytes() {
         // GPT-2 124M at B=4, T=1024 (the target configuration).
         let cfg = ModelConfig::preset("gpt2").unwrap();
         let (b, t, c) = (4, 1024, cfg.n_embd);
-        let f32_bytes = Activations::num_bytes_for(&cfg, b, t, Dtype::Float32);
-        let bf16_bytes = Activations::num_bytes_for(&cfg, b, t, Dtype::Bfloat16);
+        let f32_bytes = Activations::num_bytes_for(&cfg, b, t, Dtype::Float32, false);
+        let bf16_bytes = Activations::num_bytes_for(&cfg, b, t, Dtype::Bfloat16, false);
         // Per layer and token, bf16 keeps atty (C), qkv (3C) and fch (4C) in two bytes
         // and ln1, ln2 (C each) not at all: 4·(12C + 4 + NH) → 4·(2C + 4 + NH) + 2·8C.
         // Outside the blocks it adds the f32 scratch: staging C, staging_wide 4C and

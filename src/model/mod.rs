@@ -63,6 +63,8 @@ pub struct Gpt {
     /// it, refreshed with `params_bf16`. None otherwise.
     wte_packs: Option<WtePacks>,
     acts: Activations,
+    /// Activation checkpointing (see [`Gpt::set_activation_checkpointing`]).
+    checkpointing: bool,
     max_b: usize,
     max_t: usize,
     training: bool,
@@ -86,7 +88,7 @@ impl Gpt {
             );
         }
         let layout = ParamLayout::new(&config);
-        let acts = Activations::new(&config, max_b, max_t, Dtype::Float32);
+        let acts = Activations::new(&config, max_b, max_t, Dtype::Float32, false);
         Ok(Gpt {
             params: vec![0.0; layout.len],
             grads: vec![0.0; layout.len],
@@ -96,6 +98,7 @@ impl Gpt {
             wte_packs: None,
             layout,
             acts,
+            checkpointing: false,
             max_b,
             max_t,
             config,
@@ -156,7 +159,7 @@ impl Gpt {
         self.dtype = Dtype::Float32;
         self.params_bf16 = Vec::new();
         self.wte_packs = None;
-        self.acts = Activations::new(&self.config, 0, 0, Dtype::Float32);
+        self.acts = Activations::new(&self.config, 0, 0, Dtype::Float32, false);
         self.set_dtype_rebuild(dtype);
         self
     }
@@ -228,7 +231,7 @@ impl Gpt {
     /// the bf16 copy of the weights.
     pub fn set_dtype(&mut self, dtype: Dtype) {
         if dtype != self.dtype {
-            self.acts = Activations::new(&self.config, 0, 0, Dtype::Float32);
+            self.acts = Activations::new(&self.config, 0, 0, Dtype::Float32, false);
             self.set_dtype_rebuild(dtype);
         } else {
             self.sync_bf16_weights();
@@ -238,19 +241,13 @@ impl Gpt {
     /// [`Gpt::set_dtype`] once the old activations are freed: the arena, the bf16
     /// copies (with LoRA, the frozen base's, made once, and its `wte` packs).
     fn set_dtype_rebuild(&mut self, dtype: Dtype) {
-        self.acts = Activations::new(&self.config, self.max_b, self.max_t, dtype);
-        self.params_bf16 = match dtype {
-            Dtype::Float32 => Vec::new(),
-            Dtype::Bfloat16 => vec![0.0; self.params.len()],
-        };
+        self.rebuild_activations(dtype, self.checkpointing);
+        self.params_bf16 = vec![0.0; bf16_copy_len(dtype, self.params.len())];
         let amx = bf16::gemm::kernel() == bf16::gemm::Kernel::Amx;
         self.wte_packs = (dtype == Dtype::Bfloat16 && amx).then(WtePacks::default);
         self.dtype = dtype;
         self.pending = None;
         if let Some(f) = self.frozen.as_mut() {
-            let (r, drop) = (f.state.config.rank, f.state.config.dropout > 0.0);
-            let bt = self.max_b * self.max_t;
-            self.acts.add_lora(&self.config, bt, r, drop);
             f.set_dtype(dtype);
             if let Some(packs) = self.wte_packs.as_mut() {
                 let wte = &f.params_bf16[f.layout.wte];
@@ -258,6 +255,31 @@ impl Gpt {
             }
         }
         self.sync_bf16_weights();
+    }
+
+    /// Activation checkpointing: training forward keeps only each block's input (the
+    /// previous block's output), and backward runs each block's forward again, with
+    /// the same dropout masks, before differentiating it. The losses and gradients are
+    /// bit-identical to a run without; the arena keeps one block's activations instead
+    /// of every block's, for about one more forward pass of compute. Rebuilds the
+    /// activation arena (call it before training, not in the step loop).
+    pub fn set_activation_checkpointing(&mut self, on: bool) {
+        if on != self.checkpointing {
+            self.rebuild_activations(self.dtype, on);
+            self.checkpointing = on;
+            self.pending = None;
+        }
+    }
+
+    /// A new activation arena: the old one is freed first, so the two never coexist.
+    fn rebuild_activations(&mut self, dtype: Dtype, checkpointing: bool) {
+        let (b, t) = (self.max_b, self.max_t);
+        self.acts = Activations::new(&self.config, 0, 0, Dtype::Float32, false);
+        self.acts = Activations::new(&self.config, b, t, dtype, checkpointing);
+        if let Some(f) = self.frozen.as_deref() {
+            let (r, drop) = (f.state.config.rank, f.state.config.dropout > 0.0);
+            self.acts.add_lora(&self.config, b * t, r, drop);
+        }
     }
 
     /// bf16 mode: re-rounds the weight copy the matmuls read from `params`. Call it
@@ -354,7 +376,7 @@ impl Gpt {
     /// With LoRA: each block's adapters, from the last block down to the first.
     pub fn grad_buckets(&self) -> Vec<Range<usize>> {
         match &self.frozen {
-            None => buckets(&self.layout).collect(),
+            None => grad_buckets_of(&self.layout),
             Some(f) => f.adapters.buckets.clone(),
         }
     }
@@ -422,7 +444,14 @@ impl Gpt {
             };
             let w = base.block(l, lora_dropout);
             let drop = dropout.map(|seed| BlockDropout::new(seed, l, config.dropout));
-            block_backward::<BF16>(&w, grads, x, &acts.blocks[l], s, drop, d);
+            let a = match acts.recompute.as_mut() {
+                Some(a) => {
+                    block_forward::<BF16>(&w, x, a, s, Attend::Causal, drop, d);
+                    &*a
+                }
+                None => &acts.blocks[l],
+            };
+            block_backward::<BF16>(&w, grads, x, a, s, drop, d);
             done(buckets.next().expect("a block's bucket"), grads);
         }
         if base.lora.is_some() {
@@ -514,8 +543,16 @@ impl Gpt {
             let x = before.last().map_or(&acts.encoded, |p| &p.res3);
             let w = base.block(l, lora_dropout);
             let drop = dropout.map(|seed| BlockDropout::new(seed, l, config.dropout));
-            let (a, s) = (&mut this[0], &mut acts.scratch);
-            block_forward::<BF16>(&w, &x[..n * c], a, s, Attend::Causal, drop, d);
+            let s = &mut acts.scratch;
+            match acts.recompute.as_mut() {
+                Some(a) => {
+                    block_forward::<BF16>(&w, &x[..n * c], a, s, Attend::Causal, drop, d);
+                    std::mem::swap(&mut a.res3, &mut this[0].res3);
+                }
+                None => {
+                    block_forward::<BF16>(&w, &x[..n * c], &mut this[0], s, Attend::Causal, drop, d)
+                }
+            }
         }
         let last = acts.blocks.last().map_or(&acts.encoded, |l| &l.res3);
         let (mean, rstd) = acts.lnf_stats.rows_mut(n);
@@ -606,6 +643,20 @@ impl<I: Iterator<Item = Range<usize>>> Iterator for Buckets<'_, I> {
             Buckets::Full(i) => i.next(),
             Buckets::Adapters(i) => i.next().cloned(),
         }
+    }
+}
+
+/// [`Gpt::grad_buckets`] of a model laid out by `layout`, without building it.
+pub fn grad_buckets_of(layout: &ParamLayout) -> Vec<Range<usize>> {
+    buckets(layout).collect()
+}
+
+/// Floats of the bf16 weight copy of a `params_len` arena in `dtype` runs (held as
+/// f32 values rounded to bf16; none in f32 runs).
+pub fn bf16_copy_len(dtype: Dtype, params_len: usize) -> usize {
+    match dtype {
+        Dtype::Float32 => 0,
+        Dtype::Bfloat16 => params_len,
     }
 }
 
@@ -826,13 +877,25 @@ mod tests {
 
     /// The losses of `steps` optimizer steps on one batch, in `dtype`, with dropout.
     fn train_losses(dtype: Dtype, steps: usize, lr: f32) -> Vec<f32> {
+        train_run(tiny(true, 0.1), dtype, false, steps, lr).0
+    }
+
+    /// The losses and final parameters of `steps` optimizer steps on one batch.
+    fn train_run(
+        cfg: ModelConfig,
+        dtype: Dtype,
+        checkpointing: bool,
+        steps: usize,
+        lr: f32,
+    ) -> (Vec<f32>, Vec<f32>) {
         let (b, t) = (2, 8);
-        let mut gpt = model(tiny(true, 0.1), b, t);
+        let mut gpt = model(cfg, b, t);
+        gpt.set_activation_checkpointing(checkpointing);
         gpt.set_dtype(dtype);
         gpt.set_dropout_seed(5);
         let (x, y) = batch(b, t, gpt.config().vocab_size);
         let mut opt = crate::optim::AdamW::new(&gpt.layout, Default::default());
-        (0..steps)
+        let losses = (0..steps)
             .map(|_| {
                 gpt.zero_grad();
                 let loss = gpt.forward(&x, &y, b, t);
@@ -842,7 +905,50 @@ mod tests {
                 gpt.sync_bf16_weights();
                 loss
             })
-            .collect()
+            .collect();
+        (losses, gpt.params)
+    }
+
+    #[test]
+    fn activation_checkpointing_is_bit_identical() {
+        for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+            for dropout in [0.0, 0.2] {
+                let mut cfg = tiny(true, dropout);
+                cfg.n_layer = 3;
+                let plain = train_run(cfg.clone(), dtype, false, 4, 1e-2);
+                let checkpointed = train_run(cfg, dtype, true, 4, 1e-2);
+                assert_eq!(
+                    plain.0, checkpointed.0,
+                    "{dtype:?} dropout {dropout}: losses"
+                );
+                let same = plain
+                    .1
+                    .iter()
+                    .zip(&checkpointed.1)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{dtype:?} dropout {dropout}: parameters differ");
+            }
+        }
+    }
+
+    #[test]
+    fn activation_checkpointing_keeps_one_block_and_the_block_inputs() {
+        let cfg = ModelConfig::preset("gpt2").unwrap();
+        let (b, t, c) = (4, 1024, cfg.n_embd);
+        for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+            let full = Activations::new(&cfg, b, t, dtype, false);
+            let ckpt = Activations::new(&cfg, b, t, dtype, true);
+            let block = full.blocks[0].num_bytes();
+            // Every block but one drops all it keeps except its (B, T, C) f32 output.
+            let dropped = (cfg.n_layer - 1) * (block - b * t * c * 4) - b * t * c * 4;
+            assert_eq!(full.num_bytes() - ckpt.num_bytes(), dropped, "{dtype:?}");
+            println!(
+                "activation arena, GPT-2 124M, B=4, T=1024, {dtype:?}: {} bytes, \
+                 checkpointed {} bytes",
+                full.num_bytes(),
+                ckpt.num_bytes()
+            );
+        }
     }
 
     #[test]

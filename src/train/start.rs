@@ -11,6 +11,7 @@ use crate::model::lora::LoraState;
 use crate::model::{Gpt, ModelConfig};
 use crate::model_source::{check_lora_base, load_lora_base};
 use crate::optim::{AdamW, AdamWConfig};
+use crate::plan::{self, MemoryPlan, PlanInput};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::fmt::Display;
@@ -69,6 +70,9 @@ impl Start {
             comm.barrier_patient();
         }
         let data = Dataset::open(cfg)?;
+        if root {
+            check_memory(cfg, comm)?;
+        }
         let mut out_dir_lock = None;
         if root {
             out_dir_lock = Some(prepare_out_dir(cfg)?);
@@ -88,8 +92,27 @@ impl Start {
         start.out_dir_lock = out_dir_lock;
         // Master weights and optimizer state stay f32; with bfloat16 the model makes
         // its bf16 weight copy here and after every optimizer step.
+        start
+            .state
+            .model
+            .set_activation_checkpointing(cfg.activation_checkpointing);
         start.state.model.set_dtype(cfg.dtype);
         Ok(start)
+    }
+}
+
+/// Prints the memory plan of the run and refuses one that would not fit in this
+/// host's available memory, before anything sized by the model is allocated.
+fn check_memory(cfg: &TrainConfig, comm: &dyn Collective) -> Result<()> {
+    let model = plan::model_of(cfg)?;
+    let input = PlanInput::of(cfg, model, comm.world_size(), comm.local_size());
+    let memory = MemoryPlan::new(&input, plan::available()?);
+    for line in memory.summary() {
+        crate::outln!("{line}");
+    }
+    match plan::refusal(&memory, &input, cfg.gradient_accumulation_steps) {
+        Some(msg) => bail!(msg),
+        None => Ok(()),
     }
 }
 

@@ -1,0 +1,66 @@
+//! `nanogpt plan [CONFIG.toml] [key=value ...] [--world-size N] [--json]`.
+
+use crate::config::TrainConfig;
+use crate::plan::{self, MemoryPlan, PlanInput};
+use anyhow::{bail, Result};
+use clap::Args;
+use std::path::Path;
+
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    /// A TOML config and `key=value` overrides, as `train` takes them.
+    #[arg(value_name = "CONFIG.toml | key=value")]
+    pub args: Vec<String>,
+    /// Ranks of the run.
+    #[arg(long, default_value_t = 1)]
+    pub world_size: usize,
+    /// Ranks sharing one host's memory (default: 1).
+    #[arg(long, default_value_t = 1)]
+    pub ranks_per_host: usize,
+    /// Print one JSON object instead of lines.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Prints the plan; fails (exit 1) when the run would not fit, as `train` would.
+pub fn run(args: PlanArgs) -> Result<()> {
+    if args.world_size == 0 || args.ranks_per_host == 0 {
+        bail!("--world-size and --ranks-per-host must be at least 1");
+    }
+    let (config_path, overrides) = match args.args.first() {
+        Some(first) if !first.contains('=') => (Some(first.as_str()), &args.args[1..]),
+        _ => (None, &args.args[..]),
+    };
+    let cfg = match config_path {
+        Some(path) => TrainConfig::load(Some(Path::new(path)), overrides)?,
+        None => TrainConfig::quick_start_with(overrides)?,
+    };
+    cfg.check_world_size(args.world_size)?;
+    let model = plan::model_of(&cfg)?;
+    let ranks_per_host = args.ranks_per_host.min(args.world_size);
+    let input = PlanInput::of(&cfg, model, args.world_size, ranks_per_host);
+    let memory = MemoryPlan::new(&input, plan::available()?);
+    let refusal = plan::refusal(&memory, &input, cfg.gradient_accumulation_steps);
+    if args.json {
+        println!("{}", serde_json::to_string(&memory)?);
+    } else {
+        for line in memory.summary() {
+            println!("{line}");
+        }
+        for r in &memory.ranks {
+            println!(
+                "rank {}{}:",
+                r.rank,
+                if r.rank > 0 { " (and up)" } else { "" }
+            );
+            for p in &r.parts {
+                println!("  {:<24} {:>10.1} MB", p.name, p.bytes as f64 / 1e6);
+            }
+            println!("  {:<24} {:>10.1} MB", "peak", r.peak_rss_mb);
+        }
+    }
+    match refusal {
+        Some(msg) => bail!(msg),
+        None => Ok(()),
+    }
+}

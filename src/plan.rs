@@ -1,0 +1,640 @@
+//! The memory plan of a training run: the peak resident memory each rank will need,
+//! part by part, against the memory this host has available.
+//!
+//! Every size comes from the function the allocation itself uses — the parameter
+//! layout (weights, gradients, bf16 copy), the gradient plan of [`crate::dist`]
+//! (optimizer shard, communication buffers), the activation arena's own constructor
+//! counting instead of allocating — so the plan cannot drift from what training
+//! allocates; the unit tests compare each part with the buffers a real run holds.
+//! What no buffer accounts for (the program, thread stacks, GEMM packing, data
+//! batches) is a measured constant, [`BASELINE_BYTES`].
+
+use crate::checkpoint::Checkpoint;
+use crate::config::{InitFrom, TrainConfig};
+use crate::data::{self, Meta};
+use crate::dist::GradPlan;
+use crate::model::activations::Activations;
+use crate::model::{bf16_copy_len, grad_buckets_of, Dtype, ModelConfig, ParamLayout};
+use anyhow::{Context, Result};
+use serde::Serialize;
+
+/// Resident memory of a training process besides its buffers: the binary and its
+/// libraries, thread stacks, the GEMM's packing buffers, batches, evaluation and logs.
+/// Measured as the peak RSS of `train` on a 1-layer, 32-wide model (24.4 MB; `bench`
+/// of the same model: 7.8 MB); see docs/PERFORMANCE.md.
+pub const BASELINE_BYTES: u64 = 24 << 20;
+
+/// The settings that decide a rank's memory.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlanInput {
+    pub model: ModelConfig,
+    pub batch_size: usize,
+    pub block_size: usize,
+    pub dtype: Dtype,
+    pub activation_checkpointing: bool,
+    pub zero_stage: u8,
+    pub world_size: usize,
+    /// Ranks sharing this host's memory.
+    pub ranks_per_host: usize,
+}
+
+impl PlanInput {
+    /// The run of `cfg` with `model` on `world_size` ranks, `ranks_per_host` per host.
+    pub fn of(
+        cfg: &TrainConfig,
+        model: ModelConfig,
+        world_size: usize,
+        ranks_per_host: usize,
+    ) -> PlanInput {
+        PlanInput {
+            model,
+            batch_size: cfg.batch_size,
+            block_size: cfg.block_size,
+            dtype: cfg.dtype,
+            activation_checkpointing: cfg.activation_checkpointing,
+            zero_stage: cfg.zero_stage,
+            world_size,
+            ranks_per_host: ranks_per_host.max(1),
+        }
+    }
+}
+
+/// One part of a rank's memory.
+#[derive(Clone, Debug, Serialize)]
+pub struct Part {
+    pub name: &'static str,
+    pub bytes: u64,
+}
+
+/// The peak memory of one rank.
+#[derive(Clone, Debug, Serialize)]
+pub struct RankPlan {
+    pub rank: usize,
+    pub parts: Vec<Part>,
+    pub peak_rss_mb: f64,
+}
+
+impl RankPlan {
+    pub fn bytes(&self) -> u64 {
+        self.parts.iter().map(|p| p.bytes).sum()
+    }
+
+    pub fn part(&self, name: &str) -> u64 {
+        self.parts
+            .iter()
+            .find(|p| p.name == name)
+            .map_or(0, |p| p.bytes)
+    }
+}
+
+/// Names of the parts, as printed.
+pub const WEIGHTS: &str = "weights";
+pub const BF16_COPY: &str = "bf16 weight copy";
+pub const GRADIENTS: &str = "gradients";
+pub const MOMENTS: &str = "optimizer moments";
+pub const ACTIVATIONS: &str = "activations";
+pub const COMM: &str = "communication buffers";
+pub const GATHER: &str = "checkpoint gather";
+pub const BASELINE: &str = "program, threads, data";
+
+/// The peak memory of `rank` in the run `p`.
+pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
+    let layout = ParamLayout::new(&p.model);
+    let len = layout.len;
+    let f32s = |n: usize| n as u64 * 4;
+    let (w, stage) = (p.world_size, p.zero_stage);
+    let grad_plan = (w > 1).then(|| {
+        let buckets = grad_buckets_of(&layout);
+        GradPlan::new(&buckets, len, w, rank, stage)
+    });
+    let state_len = grad_plan.as_ref().map_or(len, |g| match stage {
+        0 => len,
+        _ => g.shard_len,
+    });
+    let comm = grad_plan.as_ref().map_or(0, |g| g.send_len + g.recv_len);
+    // ZeRO-1 rank 0 gathers the full moments into two arena-sized buffers to save them.
+    let gather = match (rank, &grad_plan) {
+        (0, Some(_)) if stage > 0 => 2 * len,
+        _ => 0,
+    };
+    let acts = Activations::num_bytes_for(
+        &p.model,
+        p.batch_size,
+        p.block_size,
+        p.dtype,
+        p.activation_checkpointing,
+    );
+    let parts = vec![
+        Part {
+            name: WEIGHTS,
+            bytes: f32s(len),
+        },
+        Part {
+            name: BF16_COPY,
+            bytes: f32s(bf16_copy_len(p.dtype, len)),
+        },
+        Part {
+            name: GRADIENTS,
+            bytes: f32s(len),
+        },
+        Part {
+            name: MOMENTS,
+            bytes: f32s(2 * state_len),
+        },
+        Part {
+            name: ACTIVATIONS,
+            bytes: acts as u64,
+        },
+        Part {
+            name: COMM,
+            bytes: f32s(comm),
+        },
+        Part {
+            name: GATHER,
+            bytes: f32s(gather),
+        },
+        Part {
+            name: BASELINE,
+            bytes: BASELINE_BYTES,
+        },
+    ];
+    let mut plan = RankPlan {
+        rank,
+        parts,
+        peak_rss_mb: 0.0,
+    };
+    plan.peak_rss_mb = plan.bytes() as f64 / 1e6;
+    plan
+}
+
+/// The architecture a run of `cfg` trains, found as `train` finds it: the config's
+/// (vocabulary from the dataset's meta.json), the newest checkpoint's when resuming,
+/// the pretrained model's when fine-tuning. Nothing is allocated by its size.
+pub fn model_of(cfg: &TrainConfig) -> Result<ModelConfig> {
+    match cfg.init() {
+        InitFrom::Scratch => {
+            let dir = data::find_or_prepare_dataset(&cfg.dataset)?;
+            let meta = Meta::load(&dir)?;
+            Ok(ModelConfig {
+                vocab_size: meta.vocab_size,
+                block_size: cfg.block_size,
+                n_layer: cfg.n_layer,
+                n_head: cfg.n_head,
+                n_embd: cfg.n_embd,
+                bias: cfg.bias,
+                dropout: cfg.dropout,
+            })
+        }
+        InitFrom::Resume => {
+            let latest = Checkpoint::open_latest(&cfg.out_dir)?;
+            Ok(latest.checkpoint.state.model.clone())
+        }
+        InitFrom::Pretrained(name) => match ModelConfig::preset(&name) {
+            Some(preset) => Ok(ModelConfig {
+                block_size: cfg.block_size.min(preset.block_size),
+                dropout: cfg.dropout,
+                ..preset
+            }),
+            None => {
+                crate::hf::Pretrained::open(&name)?.model_config(Some(cfg.block_size), cfg.dropout)
+            }
+        },
+    }
+}
+
+/// Memory this process may use, and where the figure comes from.
+#[derive(Clone, Debug, Serialize)]
+pub struct Available {
+    pub bytes: u64,
+    pub source: String,
+}
+
+/// The environment variable that sets the available memory (MB), overriding what
+/// the system says: for tests, and for users who want a tighter limit.
+pub const LIMIT_ENV: &str = "NANOGPT_MEMORY_LIMIT_MB";
+
+/// `MemAvailable` of /proc/meminfo, or this process's cgroup (v2 or v1) memory
+/// limit where that is lower; [`LIMIT_ENV`] overrides both. None if nothing says.
+pub fn available() -> Result<Option<Available>> {
+    if let Ok(text) = std::env::var(LIMIT_ENV) {
+        let mb: u64 = text.trim().parse().ok().with_context(|| {
+            format!("{LIMIT_ENV} must be a whole number of megabytes, got '{text}'")
+        })?;
+        return Ok(Some(Available {
+            bytes: mb * 1_000_000,
+            source: LIMIT_ENV.to_string(),
+        }));
+    }
+    let mem = mem_available().map(|bytes| Available {
+        bytes,
+        source: "MemAvailable".into(),
+    });
+    let cgroup = cgroup_limit().map(|(bytes, file)| Available {
+        bytes,
+        source: format!("cgroup limit {file}"),
+    });
+    Ok(match (mem, cgroup) {
+        (Some(m), Some(c)) => Some(if c.bytes < m.bytes { c } else { m }),
+        (m, c) => m.or(c),
+    })
+}
+
+fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// The memory limit of this process's cgroup (v2 `memory.max`, v1
+/// `memory.limit_in_bytes`) and its file, if one is set.
+fn cgroup_limit() -> Option<(u64, String)> {
+    let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    let mut files = Vec::new();
+    for line in own.lines() {
+        let mut f = line.splitn(3, ':');
+        let (_, controllers, path) = (f.next()?, f.next()?, f.next()?);
+        if controllers.is_empty() {
+            files.push(format!("/sys/fs/cgroup{path}/memory.max"));
+        } else if controllers.split(',').any(|c| c == "memory") {
+            files.push(format!("/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"));
+        }
+    }
+    files.push("/sys/fs/cgroup/memory.max".into());
+    files.push("/sys/fs/cgroup/memory/memory.limit_in_bytes".into());
+    files.into_iter().find_map(|file| {
+        let text = std::fs::read_to_string(&file).ok()?;
+        let bytes: u64 = text.trim().parse().ok()?;
+        // v1 reports "no limit" as a huge number.
+        (bytes < 1 << 60).then_some((bytes, file))
+    })
+}
+
+/// The plan of a run: every rank's peak (rank 0 and, when they differ, the others),
+/// the host's share and what is available.
+#[derive(Clone, Debug, Serialize)]
+pub struct MemoryPlan {
+    pub world_size: usize,
+    pub ranks_per_host: usize,
+    pub ranks: Vec<RankPlan>,
+    /// The most any host needs: its ranks' peaks together (rank 0's host).
+    pub host_peak_mb: f64,
+    pub available: Option<Available>,
+    pub fits: bool,
+}
+
+impl MemoryPlan {
+    pub fn new(p: &PlanInput, available: Option<Available>) -> MemoryPlan {
+        let mut ranks = vec![rank_plan(p, 0)];
+        if p.world_size > 1 {
+            ranks.push(rank_plan(p, 1));
+        }
+        let host = host_bytes(p, &ranks);
+        MemoryPlan {
+            world_size: p.world_size,
+            ranks_per_host: p.ranks_per_host,
+            host_peak_mb: host as f64 / 1e6,
+            fits: available.as_ref().is_none_or(|a| host <= a.bytes),
+            ranks,
+            available,
+        }
+    }
+
+    /// Lines for the user: each part of rank 0's peak, and the verdict.
+    pub fn summary(&self) -> Vec<String> {
+        let mb = |b: u64| b as f64 / 1e6;
+        let r0 = &self.ranks[0];
+        let parts: Vec<String> = r0
+            .parts
+            .iter()
+            .filter(|p| p.bytes > 0)
+            .map(|p| format!("{} {:.0}", p.name, mb(p.bytes)))
+            .collect();
+        let mut lines = vec![format!(
+            "memory plan: {:.0} MB peak per rank (rank 0: {} MB)",
+            r0.peak_rss_mb,
+            parts.join(" + ")
+        )];
+        if self.ranks_per_host > 1 || self.world_size > 1 {
+            lines.push(format!(
+                "memory plan: {} rank(s) per host need {:.0} MB together",
+                self.ranks_per_host, self.host_peak_mb
+            ));
+        }
+        lines.push(match &self.available {
+            Some(a) => format!(
+                "memory available: {:.0} MB ({}){}",
+                mb(a.bytes),
+                a.source,
+                if self.fits {
+                    ""
+                } else {
+                    ": the run does not fit"
+                }
+            ),
+            None => "memory available: unknown (no /proc/meminfo or cgroup limit)".into(),
+        });
+        lines
+    }
+}
+
+fn host_bytes(p: &PlanInput, ranks: &[RankPlan]) -> u64 {
+    let others = ranks.get(1).unwrap_or(&ranks[0]).bytes();
+    ranks[0].bytes() + (p.ranks_per_host as u64 - 1) * others
+}
+
+/// Settings that change memory, with a rough cost (relative step time or risk) for
+/// ordering the suggestions: cheapest first.
+fn variants(p: &PlanInput, grad_accum: usize) -> Vec<(f64, PlanInput, Vec<String>)> {
+    let mut out = Vec::new();
+    let stages: Vec<u8> = match p.world_size {
+        1 => vec![p.zero_stage],
+        _ => (p.zero_stage..=crate::config::MAX_ZERO_STAGE).collect(),
+    };
+    let ckpts = match p.activation_checkpointing {
+        true => vec![true],
+        false => vec![false, true],
+    };
+    let dtypes = match p.dtype {
+        Dtype::Bfloat16 => vec![Dtype::Bfloat16],
+        Dtype::Float32 => vec![Dtype::Float32, Dtype::Bfloat16],
+    };
+    let mut batches = vec![p.batch_size];
+    while *batches.last().unwrap() > 1 {
+        let b = batches.last().unwrap().div_ceil(2);
+        batches.push(b);
+    }
+    for &stage in &stages {
+        for &ckpt in &ckpts {
+            for &dtype in &dtypes {
+                for (halvings, &b) in batches.iter().enumerate() {
+                    let mut changes = Vec::new();
+                    let mut cost = 1.0;
+                    if stage != p.zero_stage {
+                        changes.push(format!("zero_stage={stage}"));
+                        cost *= 1.0 + 0.02 * f64::from(stage - p.zero_stage);
+                    }
+                    if ckpt != p.activation_checkpointing {
+                        changes.push("activation_checkpointing=true".into());
+                        cost *= 1.33;
+                    }
+                    if dtype != p.dtype {
+                        changes.push("dtype=bfloat16".into());
+                        cost *= 1.2;
+                    }
+                    if b != p.batch_size {
+                        // The same tokens per step: more micro-steps of fewer rows.
+                        let factor = 1 << halvings;
+                        changes.push(format!(
+                            "batch_size={b} gradient_accumulation_steps={}",
+                            grad_accum * factor
+                        ));
+                        cost *= 1.0 + 0.05 * halvings as f64;
+                    }
+                    if changes.is_empty() {
+                        continue;
+                    }
+                    let q = PlanInput {
+                        batch_size: b,
+                        dtype,
+                        activation_checkpointing: ckpt,
+                        zero_stage: stage,
+                        ..p.clone()
+                    };
+                    out.push((cost, q, changes));
+                }
+            }
+        }
+    }
+    out.sort_by(|a, b| a.0.total_cmp(&b.0));
+    out
+}
+
+/// Up to `n` of the cheapest changes of settings (as `key=value` words) under which
+/// the run fits in `available` bytes, cheapest first.
+/// Each combination of keys appears once, with its cheapest values that fit.
+pub fn cheapest_fits(p: &PlanInput, grad_accum: usize, available: u64, n: usize) -> Vec<String> {
+    let mut seen = Vec::new();
+    variants(p, grad_accum)
+        .into_iter()
+        .filter(|(_, q, _)| {
+            let ranks: Vec<RankPlan> = (0..q.world_size.min(2)).map(|r| rank_plan(q, r)).collect();
+            host_bytes(q, &ranks) <= available
+        })
+        .filter(|(_, _, changes)| {
+            let keys: Vec<String> = changes
+                .iter()
+                .filter_map(|c| c.split('=').next())
+                .map(String::from)
+                .collect();
+            let new = !seen.contains(&keys);
+            seen.push(keys);
+            new
+        })
+        .take(n)
+        .map(|(_, q, changes)| {
+            let peak = rank_plan(&q, 0).peak_rss_mb;
+            format!("{} ({peak:.0} MB per rank)", changes.join(" "))
+        })
+        .collect()
+}
+
+/// The refusal of a run that does not fit, naming the cheapest settings that do.
+pub fn refusal(plan: &MemoryPlan, p: &PlanInput, grad_accum: usize) -> Option<String> {
+    let available = plan.available.as_ref()?;
+    if plan.fits {
+        return None;
+    }
+    let fixes = cheapest_fits(p, grad_accum, available.bytes, 3);
+    let advice = match fixes.is_empty() {
+        true => "no combination of zero_stage, activation_checkpointing, dtype and a smaller \
+                 batch_size fits: use more ranks (hosts) or a smaller model"
+            .to_string(),
+        false => format!("cheapest settings that fit: {}", fixes.join("; or ")),
+    };
+    Some(format!(
+        "the run needs {:.0} MB per host but {:.0} MB are available ({}); {advice} \
+         (see `nanogpt plan`)",
+        plan.host_peak_mb,
+        available.bytes as f64 / 1e6,
+        available.source
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dist::DataParallel;
+    use crate::model::Gpt;
+    use crate::optim::AdamW;
+
+    fn tiny() -> ModelConfig {
+        ModelConfig {
+            vocab_size: 50,
+            block_size: 8,
+            n_layer: 3,
+            n_head: 2,
+            n_embd: 16,
+            bias: true,
+            dropout: 0.1,
+        }
+    }
+
+    fn input(dtype: Dtype, ckpt: bool, stage: u8, w: usize) -> PlanInput {
+        PlanInput {
+            model: tiny(),
+            batch_size: 3,
+            block_size: 8,
+            dtype,
+            activation_checkpointing: ckpt,
+            zero_stage: stage,
+            world_size: w,
+            ranks_per_host: 1,
+        }
+    }
+
+    #[test]
+    fn plan_parts_are_the_allocated_buffers() {
+        for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+            for ckpt in [false, true] {
+                let p = input(dtype, ckpt, 0, 1);
+                let plan = rank_plan(&p, 0);
+                let mut gpt = Gpt::new(tiny(), 3, 8).unwrap();
+                gpt.set_activation_checkpointing(ckpt);
+                gpt.set_dtype(dtype);
+                let opt = AdamW::new(&gpt.layout, Default::default());
+                let bytes = |n: usize| n as u64 * 4;
+                assert_eq!(plan.part(WEIGHTS), bytes(gpt.params.len()));
+                assert_eq!(plan.part(GRADIENTS), bytes(gpt.grads.len()));
+                assert_eq!(plan.part(MOMENTS), bytes(opt.m.len() + opt.v.len()));
+                let bf16 = if dtype == Dtype::Bfloat16 {
+                    bytes(gpt.params.len())
+                } else {
+                    0
+                };
+                assert_eq!(plan.part(BF16_COPY), bf16);
+                assert_eq!(plan.part(ACTIVATIONS), gpt.activation_bytes() as u64);
+                assert_eq!(plan.part(COMM) + plan.part(GATHER), 0);
+            }
+        }
+    }
+
+    #[test]
+    fn sharded_plans_match_the_data_parallel_buffers() {
+        // The buffers DataParallel allocates on each rank of a 3-rank run.
+        struct Ranks(usize, usize);
+        impl crate::dist::Collective for Ranks {
+            fn rank(&self) -> usize {
+                self.0
+            }
+            fn world_size(&self) -> usize {
+                self.1
+            }
+            fn local_size(&self) -> usize {
+                1
+            }
+            fn host(&self) -> String {
+                String::new()
+            }
+            fn describe(&self) -> String {
+                String::new()
+            }
+            fn set_timeout(&self, _: std::time::Duration) {}
+            fn barrier_patient(&self) {}
+            fn all_reduce_sum_f64(&self, _: &mut [f64]) {}
+            fn broadcast(&self, _: &mut [f32], _: usize) {}
+            fn broadcast_bytes(&self, _: &mut Vec<u8>, _: usize) {}
+            fn all_gather(&self, _: &[f32], _: &mut [f32]) {}
+            fn all_gather_u64(&self, _: u64) -> Vec<u64> {
+                unreachable!("not a collective run")
+            }
+            fn gather(&self, _: &[f32], _: &mut [f32], _: usize) {}
+            fn scatter(&self, _: &[f32], _: &mut [f32], _: usize) {}
+            fn reduce_during_backward(
+                &self,
+                _: crate::dist::Reduce,
+                _: &[crate::dist::Bucket],
+                _: &mut [f32],
+                _: &mut [f32],
+                _: &mut crate::dist::BackwardFn,
+            ) -> crate::dist::OverlapTimes {
+                unreachable!("not a collective run")
+            }
+        }
+        let gpt = Gpt::new(tiny(), 3, 8).unwrap();
+        for stage in [0u8, 1] {
+            for rank in 0..3 {
+                let dp = DataParallel::new(&Ranks(rank, 3), &gpt, stage);
+                let plan = rank_plan(&input(Dtype::Float32, false, stage, 3), rank);
+                let (send, recv) = dp.buffer_lens();
+                assert_eq!(plan.part(COMM), (send + recv) as u64 * 4, "stage {stage}");
+                let state = match stage {
+                    0 => gpt.layout.len,
+                    _ => dp.plan.shard_len,
+                };
+                assert_eq!(plan.part(MOMENTS), state as u64 * 8);
+                let gather = if stage == 1 && rank == 0 {
+                    2 * gpt.layout.len
+                } else {
+                    0
+                };
+                assert_eq!(plan.part(GATHER), gather as u64 * 4);
+            }
+        }
+    }
+
+    #[test]
+    fn checkpointing_and_sharding_shrink_the_plan_and_suggestions_fit() {
+        let gpt2 = ModelConfig::preset("gpt2").unwrap();
+        let p = PlanInput {
+            model: gpt2,
+            batch_size: 8,
+            block_size: 1024,
+            dtype: Dtype::Float32,
+            activation_checkpointing: false,
+            zero_stage: 0,
+            world_size: 2,
+            ranks_per_host: 1,
+        };
+        let full = rank_plan(&p, 0).bytes();
+        let ckpt = rank_plan(
+            &PlanInput {
+                activation_checkpointing: true,
+                ..p.clone()
+            },
+            0,
+        )
+        .bytes();
+        assert!(ckpt + 2_500_000_000 < full, "{ckpt} vs {full}");
+        let limit = (full + ckpt) / 2;
+        let available = Some(Available {
+            bytes: limit,
+            source: "test".into(),
+        });
+        let plan = MemoryPlan::new(&p, available);
+        assert!(!plan.fits);
+        let msg = refusal(&plan, &p, 2).unwrap();
+        // Sharding the moments (cheapest) is not enough here; each suggestion fits.
+        assert!(msg.contains("cheapest settings that fit:"), "{msg}");
+        for fix in cheapest_fits(&p, 2, limit, 3) {
+            let mb: f64 = fix
+                .rsplit('(')
+                .next()
+                .unwrap()
+                .split(' ')
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap();
+            assert!(mb * 1e6 <= limit as f64 + 1e6, "{fix}");
+        }
+        assert!(
+            cheapest_fits(&p, 2, 1, 3).is_empty(),
+            "nothing fits in 1 byte"
+        );
+        assert!(
+            refusal(&MemoryPlan::new(&p, None), &p, 2).is_none(),
+            "unknown: no refusal"
+        );
+    }
+}
