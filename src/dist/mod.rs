@@ -14,6 +14,7 @@
 
 mod parallel;
 mod plan;
+pub mod preflight;
 mod update;
 mod watchdog;
 

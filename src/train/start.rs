@@ -12,7 +12,7 @@ use crate::optim::{AdamW, AdamWConfig};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::fmt::Display;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Everything a run starts with besides its config and its ranks.
@@ -31,6 +31,8 @@ pub struct Dataset {
     pub meta: Meta,
     pub train: TokenFile,
     pub val: TokenFile,
+    /// The folder the files are in.
+    pub dir: PathBuf,
 }
 
 /// The model and optimizer a run starts from, and how far the run has come.
@@ -63,6 +65,8 @@ impl Start {
             out_dir_lock = Some(prepare_out_dir(cfg)?);
             comm.barrier_patient();
         }
+        // Every rank must read the same data with the same binary as rank 0.
+        crate::dist::preflight::check_same_inputs(comm, &data.dir)?;
         let mut start = if comm.world_size() == 1 {
             let state = TrainState::build(cfg, &data.meta)?;
             Start {
@@ -93,7 +97,12 @@ impl Dataset {
             file.check_block_size(cfg.block_size)?;
             file.check_vocab(meta.vocab_size)?;
         }
-        Ok(Dataset { meta, train, val })
+        Ok(Dataset {
+            meta,
+            train,
+            val,
+            dir: data_dir,
+        })
     }
 }
 
