@@ -340,3 +340,27 @@ fn bench_profile_rows_are_exclusive_and_add_up_to_at_most_the_step() {
         "rows add to {covered} ms, the step took {step}: {rows:?}"
     );
 }
+
+#[test]
+fn the_closing_hint_names_the_binary_as_it_was_invoked() {
+    let dir = temp_dir("cli-argv0");
+    let stdout = train(dir.path(), &["max_iters=1", "eval_interval=1", "out_dir=o"]);
+    let want = format!("sample more with: {} sample --out-dir o", common::BIN);
+    assert!(stdout.contains(&want), "{stdout}");
+}
+
+/// Without the `mpi` feature, a process started by a launcher as one of several
+/// refuses, naming its host.
+#[cfg(not(feature = "mpi"))]
+#[test]
+fn several_processes_without_mpi_are_refused_naming_the_host() {
+    let dir = temp_dir("cli-no-mpi");
+    let mut cmd = common::command(dir.path(), ["train", "max_iters=1"]);
+    cmd.env("OMPI_COMM_WORLD_SIZE", "3");
+    let err = common::refused(&common::run(&mut cmd));
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+    assert!(
+        err.contains(&format!("host {}: started as one of 3", host.trim())),
+        "{err}"
+    );
+}

@@ -489,6 +489,10 @@ fn a_stopped_rank_trips_the_watchdog() {
     assert!(!out.status.success(), "the job must fail:\n{stderr}");
     assert!(stderr.contains("rank 0 of 2"), "{stderr}");
     assert!(stderr.contains("made no progress for 3 s"), "{stderr}");
+    assert!(
+        stderr.contains("rank 1 (host ") && stderr.contains(") did not arrive"),
+        "the stopped rank is named: {stderr}"
+    );
     assert!(took < Duration::from_secs(30), "ended after {took:?}");
 }
 

@@ -26,6 +26,7 @@ pub fn run(args: TrainArgs) -> Result<i32> {
     let cfg = crate::dist::preflight::shared_config(&*comm, config_path, overrides)?;
     let (root, world) = (comm.rank() == 0, comm.world_size());
     let threads = crate::threads::init_pool(cfg.threads, comm.local_size())?;
+    crate::dist::preflight::report_placement(&*comm, threads);
     let launched = crate::dist::launched_by_mpi();
     if let Some(warning) = launched
         .then(|| crate::threads::binding_warning(comm.local_size()))

@@ -325,6 +325,79 @@ pub fn check_same_inputs(comm: &dyn Collective, data_dir: &Path) -> Result<()> {
     )
 }
 
+/// Rank 0 prints which rank runs on which host, and warns (on stderr) when the
+/// ranks are spread unevenly over the hosts or a host has more threads than cores.
+/// A collective: every rank calls it with its number of worker threads.
+pub fn report_placement(comm: &dyn Collective, threads: usize) {
+    if comm.world_size() == 1 {
+        return;
+    }
+    let hosts = comm.hosts();
+    let threads = comm.all_gather_u64(threads as u64);
+    let cores = comm.all_gather_u64(crate::threads::host_cores().unwrap_or(0) as u64);
+    if comm.rank() != 0 {
+        return;
+    }
+    let (line, warnings) = placement(&hosts, &threads, &cores);
+    crate::outln!("{line}");
+    for w in warnings {
+        crate::errln!("warning: {w}");
+    }
+}
+
+/// The placement line (`placement: h1: rank 0 | h2: ranks 1, 2`) and its warnings,
+/// from every rank's host, threads and host cores (0: unknown).
+pub fn placement(hosts: &[String], threads: &[u64], cores: &[u64]) -> (String, Vec<String>) {
+    // Hosts in order of their first rank.
+    let mut order: Vec<(&str, Vec<usize>)> = Vec::new();
+    for (r, h) in hosts.iter().enumerate() {
+        match order.iter_mut().find(|(name, _)| name == h) {
+            Some((_, ranks)) => ranks.push(r),
+            None => order.push((h, vec![r])),
+        }
+    }
+    let list = |ranks: &[usize]| {
+        let s: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
+        format!(
+            "rank{} {}",
+            if ranks.len() > 1 { "s" } else { "" },
+            s.join(", ")
+        )
+    };
+    let line = order
+        .iter()
+        .map(|(h, ranks)| format!("{h}: {}", list(ranks)))
+        .collect::<Vec<_>>()
+        .join(" | ");
+    let mut warnings = Vec::new();
+    let most = order.iter().map(|(_, r)| r.len()).max().unwrap_or(0);
+    let least = order.iter().map(|(_, r)| r.len()).min().unwrap_or(0);
+    if order.len() > 1 && most != least {
+        let (busy, ranks) = order.iter().find(|(_, r)| r.len() == most).unwrap();
+        warnings.push(format!(
+            "the ranks are spread unevenly: host {busy} runs {} while another runs {least}; \
+             for one rank per host use `--map-by node` (Open MPI) or `-ppn 1` (MPICH, Intel \
+             MPI), or `nanogpt launch`",
+            list(ranks)
+        ));
+    }
+    for (h, ranks) in &order {
+        let r0 = ranks[0];
+        let used: u64 = ranks.iter().map(|&r| threads[r]).sum();
+        if cores[r0] > 0 && used > cores[r0] {
+            warnings.push(format!(
+                "host {h} runs {} × {} threads = {used} threads on {} cores: the ranks slow each \
+                 other down; set `threads` to at most {} (cores / ranks on the host)",
+                ranks.len(),
+                threads[r0],
+                cores[r0],
+                (cores[r0] / ranks.len() as u64).max(1)
+            ));
+        }
+    }
+    (format!("placement: {line}"), warnings)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -361,6 +434,32 @@ mod tests {
         }
         std::fs::write(&big, &data).unwrap();
         assert_eq!(base, print(&big));
+    }
+
+    #[test]
+    fn placement_warns_on_uneven_hosts_and_oversubscribed_cores() {
+        let hosts: Vec<String> = ["h1", "h1", "h2"].iter().map(|s| s.to_string()).collect();
+        let (line, w) = placement(&hosts, &[1, 1, 1], &[2, 2, 2]);
+        assert_eq!(line, "placement: h1: ranks 0, 1 | h2: rank 2");
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].contains("host h1 runs ranks 0, 1 while another runs 1"),
+            "{w:?}"
+        );
+        assert!(
+            w[0].contains("--map-by node") && w[0].contains("-ppn 1"),
+            "{w:?}"
+        );
+        let (_, w) = placement(&hosts, &[2, 2, 2], &[2, 2, 2]);
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert!(
+            w[1].contains("host h1 runs 2 × 2 threads = 4 threads on 2 cores"),
+            "{w:?}"
+        );
+        let even: Vec<String> = ["a", "b", "c"].iter().map(|s| s.to_string()).collect();
+        let (line, w) = placement(&even, &[2, 2, 2], &[2, 2, 0]);
+        assert_eq!(line, "placement: a: rank 0 | b: rank 1 | c: rank 2");
+        assert!(w.is_empty(), "{w:?}");
     }
 
     #[test]
