@@ -532,3 +532,51 @@ fn sigterm_to_one_rank_stops_every_rank_at_the_same_step() {
         "{stdout}"
     );
 }
+
+#[test]
+fn a_start_up_that_hangs_ends_with_the_likely_causes() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // Rank 1 starts 20 s late: rank 0 waits in MPI_Init for it, past its start-up
+    // limit of 2 s, as it would for a peer it cannot reach.
+    let common = ["out_dir=late", "gradient_accumulation_steps=2"];
+    let mut cmd = Command::new(mpirun());
+    cmd.args(["-n", "1"]);
+    if is_open_mpi() {
+        cmd.args(["--oversubscribe", "--bind-to", "none"]);
+        cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    }
+    cmd.args(["env", "NANOGPT_START_TIMEOUT_S=2", BIN])
+        .args(train_args(&common))
+        .args([
+            ":",
+            "-n",
+            "1",
+            "sh",
+            "-c",
+            "sleep 20; exec \"$0\" \"$@\"",
+            BIN,
+        ])
+        .args(train_args(&common))
+        .current_dir(workdir());
+    let start = Instant::now();
+    let out = run_for(cmd, Duration::from_secs(60));
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("rank 0, host ")
+            && stderr.contains(
+                "MPI start-up (MPI_Init and the first collectives) did not complete in 2 s"
+            ),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("--mca btl_tcp_if_include") && stderr.contains("-iface"),
+        "{stderr}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(15),
+        "ended after {:?}",
+        start.elapsed()
+    );
+}
