@@ -11,6 +11,7 @@ pub mod config;
 pub mod console;
 pub mod data;
 pub mod dist;
+pub mod doctor;
 pub mod eval;
 pub mod fault;
 pub mod fsutil;

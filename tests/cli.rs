@@ -364,3 +364,40 @@ fn several_processes_without_mpi_are_refused_naming_the_host() {
         "{err}"
     );
 }
+
+#[test]
+fn doctor_json_reports_one_rank_and_exits_non_zero_when_out_dir_cannot_be_written() {
+    let dir = temp_dir("cli-doctor");
+    let d = dir.path();
+    let args = [
+        "doctor",
+        "--json",
+        "dataset=shakespeare_char",
+        "n_layer=2",
+        "n_embd=32",
+    ];
+    let stdout = ok(d, &[&args[..], &["out_dir=o"]].concat());
+    let report: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(report["ok"], true, "{report}");
+    let ranks = report["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 1);
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+    assert_eq!(ranks[0]["host"], host.trim());
+    assert!(ranks[0]["binary"].as_str().unwrap().starts_with("nanogpt "));
+    assert_eq!(ranks[0]["out_dir_writable"], true);
+    assert_eq!(ranks[0]["data_fingerprint"].as_str().unwrap().len(), 16);
+    assert!(
+        report["all_reduce"]["bytes"].as_u64().unwrap() > 0,
+        "{report}"
+    );
+    // An out_dir under a file cannot be created: not ok, exit 1.
+    std::fs::write(d.join("f"), "x").unwrap();
+    let out = common::run(&mut common::command(
+        d,
+        [&args[..], &["out_dir=f/o"]].concat(),
+    ));
+    assert_eq!(out.status.code(), Some(1));
+    let report: serde_json::Value = serde_json::from_str(common::text(&out.stdout).trim()).unwrap();
+    assert_eq!(report["ok"], false, "{report}");
+    assert_eq!(report["ranks"][0]["out_dir_writable"], false);
+}

@@ -580,3 +580,56 @@ fn a_start_up_that_hangs_ends_with_the_likely_causes() {
         start.elapsed()
     );
 }
+
+#[test]
+fn doctor_under_mpirun_reports_every_rank_and_fails_on_other_data() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    copy_dataset(workdir(), false);
+    let other = temp_dir("mpi-doctor-other");
+    copy_dataset(other.path(), true);
+    let doctor = ["doctor", "--json", "dataset=tiny", "n_layer=2", "n_embd=32"];
+    let job = |rank1_dir: &Path| {
+        let mut cmd = Command::new(mpirun());
+        cmd.args(["-n", "1"]);
+        if is_open_mpi() {
+            cmd.args(["--oversubscribe", "--bind-to", "none"]);
+            cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+                .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+        }
+        cmd.arg(BIN)
+            .args(doctor)
+            .args([":", "-n", "1", "env", "-C"]);
+        cmd.arg(rank1_dir)
+            .arg(BIN)
+            .args(doctor)
+            .current_dir(workdir());
+        let out = run_for(cmd, Duration::from_secs(60));
+        let json = text(&out.stdout);
+        let json = json
+            .lines()
+            .find(|l| l.starts_with('{'))
+            .unwrap_or_else(|| panic!("no JSON:\n{json}\n{}", text(&out.stderr)));
+        (
+            out.status.success(),
+            serde_json::from_str::<serde_json::Value>(json).unwrap(),
+        )
+    };
+    let (ok, report) = job(workdir());
+    assert!(ok, "{report}");
+    assert_eq!(report["ok"], true, "{report}");
+    let ranks = report["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 2);
+    assert_eq!(ranks[0]["data_fingerprint"], ranks[1]["data_fingerprint"]);
+    assert!(
+        report["all_reduce"]["ms"].as_f64().unwrap() > 0.0,
+        "{report}"
+    );
+    let (ok, report) = job(other.path());
+    assert!(!ok, "{report}");
+    assert_eq!(report["ok"], false, "{report}");
+    let problems = report["ranks"][1]["problems"].to_string();
+    assert!(
+        problems.contains("train.bin has other content"),
+        "{problems}"
+    );
+}

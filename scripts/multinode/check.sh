@@ -86,6 +86,11 @@ host_bytes() { "$CLUSTER" bytes | awk '{print $2 + $3}'; }
 say "reference: 1 process"
 "$BIN" train "${CONFIG[@]}" max_iters=10 out_dir=one >one.log 2>&1 || { cat one.log; die "1-process run"; }
 
+say "doctor across the 3 hosts"
+"$CLUSTER" run -- "$BIN" doctor "${CONFIG[@]}" out_dir="$WORK/doctor" >doctor.log 2>&1 ||
+    { cat doctor.log; die "doctor found a problem"; }
+grep -av "setpgid" doctor.log | sed 's/^/multinode:   /'
+
 for stage in 0 1; do
     say "3 hosts, ZeRO stage $stage"
     before=($(host_bytes))

@@ -1,6 +1,7 @@
 //! The `nanogpt` command line: one subcommand per job.
 
 mod bench;
+mod doctor;
 mod eval;
 mod export;
 mod prepare;
@@ -34,6 +35,9 @@ pub enum Command {
     Export(export::ExportArgs),
     /// Time training steps on synthetic tokens: ms/step, tokens/s, MFU, peak RSS.
     Bench(bench::BenchArgs),
+    /// Check a job before training (alone or under mpirun/srun): per rank the host,
+    /// binary, CPU, memory, data fingerprint; out_dir; all-reduce speed.
+    Doctor(doctor::DoctorArgs),
 }
 
 /// Runs the command; returns the process's exit status (non-zero only for a
@@ -46,6 +50,7 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Sample(args) => sample::run(args).map(|()| 0),
         Command::Export(args) => export::run(args).map(|()| 0),
         Command::Bench(args) => bench::run(args).map(|()| 0),
+        Command::Doctor(args) => doctor::run(args),
     }
 }
 

@@ -116,7 +116,7 @@ fn report_outcome(trainer: &mut Trainer, outcome: &TrainOutcome, quick_start: bo
 }
 
 /// The config file (a first argument that is not `key=value`) and the overrides.
-fn split_args(args: &[String]) -> (Option<&str>, &[String]) {
+pub(super) fn split_args(args: &[String]) -> (Option<&str>, &[String]) {
     match args.first() {
         Some(first) if !first.contains('=') => (Some(first.as_str()), &args[1..]),
         _ => (None, args),
