@@ -17,6 +17,7 @@ pub mod fault;
 pub mod fsutil;
 pub mod hf;
 pub mod kernels;
+pub mod launch;
 pub mod metrics;
 pub mod model;
 pub mod model_source;

@@ -401,3 +401,76 @@ fn doctor_json_reports_one_rank_and_exits_non_zero_when_out_dir_cannot_be_writte
     assert_eq!(report["ok"], false, "{report}");
     assert_eq!(report["ranks"][0]["out_dir_writable"], false);
 }
+
+/// A directory with a fake `mpirun` whose `--version` prints `version`.
+fn fake_mpirun(dir: &Path, version: &str) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let bin = dir.join("fakebin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let script = bin.join("mpirun");
+    std::fs::write(&script, format!("#!/bin/sh\nprintf '%s\\n' '{version}'\n")).unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    bin
+}
+
+#[test]
+fn launch_dry_run_writes_the_line_of_each_mpi() {
+    let dir = temp_dir("cli-launch");
+    let d = dir.path();
+    std::fs::write(d.join("hosts"), "h1\nh2 # the second\n\nh3\n").unwrap();
+    let cases = [
+        (
+            "mpirun (Open MPI) 4.1.4",
+            "--hostfile hosts -n 3 --map-by node --bind-to none",
+        ),
+        (
+            "HYDRA build details:",
+            "-f hosts -n 3 -ppn 1 -bind-to none -genvall -iface eth0",
+        ),
+    ];
+    for (version, flags) in cases {
+        let bin = fake_mpirun(d, version);
+        let mut cmd = common::command(
+            d,
+            [
+                "launch",
+                "--hosts",
+                "hosts",
+                "-n",
+                "3",
+                "--iface",
+                "eth0",
+                "--dry-run",
+            ],
+        );
+        cmd.args(["--", "train", "c.toml", "max_iters=5"]);
+        let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
+        cmd.env("PATH", path).env_remove("NANOGPT_MPIRUN");
+        let (stdout, _) = common::succeeds(&mut cmd);
+        assert!(stdout.starts_with(&format!("mpirun {flags}")), "{stdout}");
+        let tail = format!(" {} train c.toml max_iters=5\n", common::BIN);
+        assert!(stdout.ends_with(&tail), "{stdout}");
+        if version.contains("Open MPI") {
+            assert!(stdout.contains("--mca btl_tcp_if_include eth0"), "{stdout}");
+            assert!(
+                stdout.contains("--mca oob_tcp_keepalive_time 5"),
+                "{stdout}"
+            );
+        }
+    }
+    // More ranks than hosts, and the other MPI's hosts-file syntax, are refused.
+    let bin = fake_mpirun(d, "mpirun (Open MPI) 4.1.4");
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
+    let mut cmd = common::command(d, ["launch", "--hosts", "hosts", "-n", "4", "--", "train"]);
+    cmd.env("PATH", &path).env_remove("NANOGPT_MPIRUN");
+    let err = common::refused(&common::run(&mut cmd));
+    assert!(
+        err.contains("lists 3 host(s)") && err.contains("-n 1..=3"),
+        "{err}"
+    );
+    std::fs::write(d.join("hydra"), "h1:2\n").unwrap();
+    let mut cmd = common::command(d, ["launch", "--hosts", "hydra", "-n", "1", "--", "train"]);
+    cmd.env("PATH", &path).env_remove("NANOGPT_MPIRUN");
+    let err = common::refused(&common::run(&mut cmd));
+    assert!(err.contains("hydra:1: `h1:2` is Hydra's syntax"), "{err}");
+}

@@ -6,10 +6,11 @@
 #      (launched from a hostfile), with ZeRO stage 0 and 1: per-step and eval losses
 #      agree to 1e-5 (relative), and so do the final checkpoints' losses;
 #   2. the gradient traffic really crossed the links (each host's eth0 counters);
-#   3. mismatches: other data on h2 (its own disk) refuses the job before step 1,
+#   3. `nanogpt doctor` and `nanogpt launch` across the hosts;
+#   4. mismatches: other data on h2 (its own disk) refuses the job before step 1,
 #      naming the rank, host and file; another config file on h3 is reported and
 #      ignored (the run equals the 1-process one);
-#   4. faults: a rank killed on h2 ends the job promptly; a rank stopped on h3 trips
+#   5. faults: a rank killed on h2 ends the job promptly; a rank stopped on h3 trips
 #      the collective watchdog, which names it; a link cut to h3 ends the whole job
 #      within collective_timeout_s + a few seconds, leaving no process behind; the
 #      run then resumes from its last checkpoint.
@@ -90,6 +91,18 @@ say "doctor across the 3 hosts"
 "$CLUSTER" run -- "$BIN" doctor "${CONFIG[@]}" out_dir="$WORK/doctor" >doctor.log 2>&1 ||
     { cat doctor.log; die "doctor found a problem"; }
 grep -av "setpgid" doctor.log | sed 's/^/multinode:   /'
+
+# `nanogpt launch` writes the line itself (here Open MPI's, with the subnet as the
+# interface and the ssh stand-in given through the environment), runs the doctor
+# with it, then the training.
+say "nanogpt launch across the 3 hosts"
+OMPI_MCA_plm_rsh_agent="/run/$CLUSTER_PREFIX-cluster/ssh" timeout 120 \
+    ip netns exec "$CLUSTER_PREFIX-sw" "$BIN" launch --hosts "/run/$CLUSTER_PREFIX-cluster/hostfile" \
+    -n 3 --iface 10.78.0.0/24 -- train "${CONFIG[@]}" max_iters=2 out_dir="$WORK/launched" \
+    >launched.log 2>&1 || { cat launched.log; die "nanogpt launch"; }
+grep -aq "^ok: every rank" launched.log && grep -aq "data parallel: 3 ranks" launched.log &&
+    [ -e launched/ckpt.safetensors ] || { cat launched.log; die "nanogpt launch did not train"; }
+say "  $(head -1 launched.log | cut -c1-200) ..."
 
 for stage in 0 1; do
     say "3 hosts, ZeRO stage $stage"

@@ -4,6 +4,7 @@ mod bench;
 mod doctor;
 mod eval;
 mod export;
+mod launch;
 mod prepare;
 mod sample;
 mod train;
@@ -38,6 +39,9 @@ pub enum Command {
     /// Check a job before training (alone or under mpirun/srun): per rank the host,
     /// binary, CPU, memory, data fingerprint; out_dir; all-reduce speed.
     Doctor(doctor::DoctorArgs),
+    /// Run `train` on several hosts: writes, prints and runs the mpirun line for the
+    /// MPI installed (Open MPI or MPICH/Intel MPI), after `doctor`.
+    Launch(launch::LaunchArgs),
 }
 
 /// Runs the command; returns the process's exit status (non-zero only for a
@@ -51,6 +55,7 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Export(args) => export::run(args).map(|()| 0),
         Command::Bench(args) => bench::run(args).map(|()| 0),
         Command::Doctor(args) => doctor::run(args),
+        Command::Launch(args) => launch::run(args),
     }
 }
 
