@@ -474,3 +474,19 @@ fn launch_dry_run_writes_the_line_of_each_mpi() {
     let err = common::refused(&common::run(&mut cmd));
     assert!(err.contains("hydra:1: `h1:2` is Hydra's syntax"), "{err}");
 }
+
+#[test]
+fn the_example_configs_load_and_split_over_2_3_and_4_ranks() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+    for name in [
+        "finetune_shakespeare.toml",
+        "train_gpt2.toml",
+        "finetune_gpt2_openwebtext_3nodes.toml",
+    ] {
+        let cfg = nanogpt::config::TrainConfig::load(Some(&root.join(name)), &[]).unwrap();
+        for ranks in 2..=4 {
+            cfg.check_world_size(ranks)
+                .unwrap_or_else(|e| panic!("{name}, {ranks} ranks: {e}"));
+        }
+    }
+}

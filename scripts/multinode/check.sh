@@ -98,7 +98,7 @@ grep -av "setpgid" doctor.log | sed 's/^/multinode:   /'
 say "nanogpt launch across the 3 hosts"
 OMPI_MCA_plm_rsh_agent="/run/$CLUSTER_PREFIX-cluster/ssh" timeout 120 \
     ip netns exec "$CLUSTER_PREFIX-sw" "$BIN" launch --hosts "/run/$CLUSTER_PREFIX-cluster/hostfile" \
-    -n 3 --iface 10.78.0.0/24 -- train "${CONFIG[@]}" max_iters=2 out_dir="$WORK/launched" \
+    -n 3 --iface 10.78.0.0/24 -- train "${CONFIG[@]}" max_iters=5 out_dir="$WORK/launched" \
     >launched.log 2>&1 || { cat launched.log; die "nanogpt launch"; }
 grep -aq "^ok: every rank" launched.log && grep -aq "data parallel: 3 ranks" launched.log &&
     [ -e launched/ckpt.safetensors ] || { cat launched.log; die "nanogpt launch did not train"; }
