@@ -193,7 +193,9 @@ fn measure_all_reduce(comm: &dyn Collective, cfg: &TrainConfig, vocab: usize) ->
         dropout: 0.0,
     };
     let n = ParamLayout::new(&model).len;
-    let plan = GradPlan::new(&[0..n], n, comm.world_size(), comm.rank(), 0);
+    // One bucket: the whole gradient.
+    let whole = [std::ops::Range { start: 0, end: n }];
+    let plan = GradPlan::new(&whole, n, comm.world_size(), comm.rank(), 0);
     let grads = vec![1.0f32; n];
     let (mut send, mut recv) = (vec![0.0; plan.send_len], vec![0.0; plan.recv_len]);
     let mut best = Duration::MAX;

@@ -259,7 +259,7 @@ fn copy_dataset(dir: &Path, alter: bool) {
         let mut bytes = std::fs::read(from.join(name)).unwrap();
         if alter && name == "train.bin" {
             // Two u16 tokens swapped in the middle: only a sampled hash sees it.
-            let mid = bytes.len() / 2 & !3;
+            let mid = (bytes.len() / 2) & !3;
             bytes.swap(mid, mid + 2);
             bytes.swap(mid + 1, mid + 3);
             assert_ne!(bytes, std::fs::read(from.join(name)).unwrap());
