@@ -490,3 +490,70 @@ fn the_example_configs_load_and_split_over_2_3_and_4_ranks() {
         }
     }
 }
+
+#[test]
+fn prepare_reads_a_hub_dataset_from_the_cache() {
+    let dir = temp_dir("cli-hub");
+    let d = dir.path();
+    // The layout huggingface_hub writes, for hf:openwebtext's repository.
+    let repo = d.join("hub/datasets--Skylion007--openwebtext");
+    let snap = repo.join("snapshots/abc123/plain_text");
+    std::fs::create_dir_all(&snap).unwrap();
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), "abc123").unwrap();
+    std::fs::copy(
+        fixture("docs.parquet"),
+        snap.join("train-00000-of-00001.parquet"),
+    )
+    .unwrap();
+    let prepare = |spec: &str, out: &str| {
+        let mut cmd = common::command(d, ["prepare", spec, "--out", out, "--tokenizer", "char"]);
+        cmd.env("HF_HUB_CACHE", d.join("hub"))
+            .env("HF_HUB_OFFLINE", "1");
+        common::run(&mut cmd)
+    };
+    let out = prepare("hf:openwebtext", "owt");
+    assert!(out.status.success(), "{}", common::text(&out.stderr));
+    assert!(common::text(&out.stderr).contains("1 parquet file(s) of split `train`"));
+    // The same text as the parquet file given directly.
+    let direct = fixture("docs.parquet");
+    ok(
+        d,
+        &[
+            "prepare",
+            direct.to_str().unwrap(),
+            "--out",
+            "direct",
+            "--tokenizer",
+            "char",
+        ],
+    );
+    for f in ["train.bin", "val.bin"] {
+        assert_eq!(
+            std::fs::read(d.join("owt").join(f)).unwrap(),
+            std::fs::read(d.join("direct").join(f)).unwrap(),
+            "{f}"
+        );
+    }
+    // Another split, offline: a clear refusal naming where it looked.
+    let mut cmd = common::command(
+        d,
+        [
+            "prepare",
+            "hf:openwebtext",
+            "--out",
+            "v",
+            "--split",
+            "validation",
+        ],
+    );
+    cmd.env("HF_HUB_CACHE", d.join("hub"))
+        .env("HF_HUB_OFFLINE", "1");
+    let err = common::refused(&common::run(&mut cmd));
+    assert!(
+        err.contains("no parquet files of split `validation`")
+            && err.contains("datasets--Skylion007--openwebtext")
+            && err.contains("HF_HUB_OFFLINE"),
+        "{err}"
+    );
+}

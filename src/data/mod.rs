@@ -10,6 +10,7 @@
 //!   directory, preparing the bundled Shakespeare on first use.
 
 mod bundled;
+pub mod hub;
 pub mod loader;
 mod meta;
 mod prepare;
@@ -24,7 +25,7 @@ pub use loader::{
     batch_offsets, eval_window_count, eval_window_offsets, fill_batch, Draw, TokenFile,
 };
 pub use meta::{Meta, TokenizerKind};
-pub use prepare::{prepare, PrepareOptions, PrepareSummary};
+pub use prepare::{prepare, prepare_source, PrepareOptions, PrepareSummary};
 pub use tokenizer::{StreamDecoder, Tokenizer, GPT2_EOT, GPT2_VOCAB_SIZE};
 
 /// The two token files of a prepared dataset.
