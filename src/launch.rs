@@ -116,8 +116,6 @@ impl Job<'_> {
                 push(&["--mca", "oob_tcp_keepalive_time", "5"]);
                 push(&["--mca", "oob_tcp_keepalive_intvl", "1"]);
                 push(&["--mca", "oob_tcp_keepalive_probes", "3"]);
-                // SIGTERM to the ranks, then this long before SIGKILL.
-                push(&["--mca", "odls_base_sigkill_timeout", "30"]);
             }
             Flavour::Hydra => {
                 push(&[
