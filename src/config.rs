@@ -76,7 +76,7 @@ pub struct TrainConfig {
     /// `openwebtext`, which is not available offline).
     pub dataset: String,
     /// Micro-steps per optimizer step. Default 1, suiting the quick start preset
-    /// (nanoGPT's default is 40 = 5 × 8 GPUs, set in `configs/train_gpt2.toml`).
+    /// (nanoGPT's default is 40 = 5 × 8 GPUs; `configs/train_gpt2.toml` sets 48).
     pub gradient_accumulation_steps: usize,
     /// Sequences per micro-step.
     pub batch_size: usize,
@@ -677,7 +677,7 @@ mod tests {
         let gpt2 = TrainConfig::load(Some(&root.join("configs/train_gpt2.toml")), &[]).unwrap();
         assert_eq!(
             (gpt2.gradient_accumulation_steps, gpt2.max_iters),
-            (40, 600_000)
+            (48, 600_000)
         );
         assert_eq!(gpt2.tokens_per_iter(), 491_520);
         let ft =
@@ -689,8 +689,13 @@ mod tests {
                 ft.decay_lr,
                 ft.gradient_accumulation_steps
             ),
-            (3e-5, false, 32)
+            (3e-5, false, 36)
         );
+        // The examples run unchanged on 1 to 4 ranks (hosts).
+        for ranks in 1..=4 {
+            gpt2.check_world_size(ranks).unwrap();
+            ft.check_world_size(ranks).unwrap();
+        }
     }
 
     #[test]

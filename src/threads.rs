@@ -57,7 +57,7 @@ fn usable_cores() -> usize {
 }
 
 /// The host's online cores (`/sys/devices/system/cpu/online`), if known.
-fn host_cores() -> Option<usize> {
+pub fn host_cores() -> Option<usize> {
     let text = std::fs::read_to_string("/sys/devices/system/cpu/online").ok()?;
     parse_cpu_list(text.trim())
 }

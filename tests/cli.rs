@@ -434,4 +434,218 @@ fn plan_reports_each_part_and_train_refuses_a_run_that_does_not_fit() {
     assert!(out.status.success(), "{}", common::text(&out.stderr));
     let bad = common::run(common::command(d, &args).env("NANOGPT_MEMORY_LIMIT_MB", "lots"));
     assert!(common::refused(&bad).contains("NANOGPT_MEMORY_LIMIT_MB must be a whole number"));
+fn the_closing_hint_names_the_binary_as_it_was_invoked() {
+    let dir = temp_dir("cli-argv0");
+    let stdout = train(dir.path(), &["max_iters=1", "eval_interval=1", "out_dir=o"]);
+    let want = format!("sample more with: {} sample --out-dir o", common::BIN);
+    assert!(stdout.contains(&want), "{stdout}");
+}
+
+/// Without the `mpi` feature, a process started by a launcher as one of several
+/// refuses, naming its host.
+#[cfg(not(feature = "mpi"))]
+#[test]
+fn several_processes_without_mpi_are_refused_naming_the_host() {
+    let dir = temp_dir("cli-no-mpi");
+    let mut cmd = common::command(dir.path(), ["train", "max_iters=1"]);
+    cmd.env("OMPI_COMM_WORLD_SIZE", "3");
+    let err = common::refused(&common::run(&mut cmd));
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+    assert!(
+        err.contains(&format!("host {}: started as one of 3", host.trim())),
+        "{err}"
+    );
+}
+
+#[test]
+fn doctor_json_reports_one_rank_and_exits_non_zero_when_out_dir_cannot_be_written() {
+    let dir = temp_dir("cli-doctor");
+    let d = dir.path();
+    let args = [
+        "doctor",
+        "--json",
+        "dataset=shakespeare_char",
+        "n_layer=2",
+        "n_embd=32",
+    ];
+    let stdout = ok(d, &[&args[..], &["out_dir=o"]].concat());
+    let report: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(report["ok"], true, "{report}");
+    let ranks = report["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 1);
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+    assert_eq!(ranks[0]["host"], host.trim());
+    assert!(ranks[0]["binary"].as_str().unwrap().starts_with("nanogpt "));
+    assert_eq!(ranks[0]["out_dir_writable"], true);
+    assert_eq!(ranks[0]["data_fingerprint"].as_str().unwrap().len(), 16);
+    assert!(
+        report["all_reduce"]["bytes"].as_u64().unwrap() > 0,
+        "{report}"
+    );
+    // An out_dir under a file cannot be created: not ok, exit 1.
+    std::fs::write(d.join("f"), "x").unwrap();
+    let out = common::run(&mut common::command(
+        d,
+        [&args[..], &["out_dir=f/o"]].concat(),
+    ));
+    assert_eq!(out.status.code(), Some(1));
+    let report: serde_json::Value = serde_json::from_str(common::text(&out.stdout).trim()).unwrap();
+    assert_eq!(report["ok"], false, "{report}");
+    assert_eq!(report["ranks"][0]["out_dir_writable"], false);
+}
+
+/// A directory with a fake `mpirun` whose `--version` prints `version`.
+fn fake_mpirun(dir: &Path, version: &str) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let bin = dir.join("fakebin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let script = bin.join("mpirun");
+    std::fs::write(&script, format!("#!/bin/sh\nprintf '%s\\n' '{version}'\n")).unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    bin
+}
+
+#[test]
+fn launch_dry_run_writes_the_line_of_each_mpi() {
+    let dir = temp_dir("cli-launch");
+    let d = dir.path();
+    std::fs::write(d.join("hosts"), "h1\nh2 # the second\n\nh3\n").unwrap();
+    let cases = [
+        (
+            "mpirun (Open MPI) 4.1.4",
+            "--hostfile hosts -n 3 --map-by node --bind-to none",
+        ),
+        (
+            "HYDRA build details:",
+            "-f hosts -n 3 -ppn 1 -bind-to none -genvall -iface eth0",
+        ),
+    ];
+    for (version, flags) in cases {
+        let bin = fake_mpirun(d, version);
+        let mut cmd = common::command(
+            d,
+            [
+                "launch",
+                "--hosts",
+                "hosts",
+                "-n",
+                "3",
+                "--iface",
+                "eth0",
+                "--dry-run",
+            ],
+        );
+        cmd.args(["--", "train", "c.toml", "max_iters=5"]);
+        let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
+        cmd.env("PATH", path).env_remove("NANOGPT_MPIRUN");
+        let (stdout, _) = common::succeeds(&mut cmd);
+        assert!(stdout.starts_with(&format!("mpirun {flags}")), "{stdout}");
+        let tail = format!(" {} train c.toml max_iters=5\n", common::BIN);
+        assert!(stdout.ends_with(&tail), "{stdout}");
+        if version.contains("Open MPI") {
+            assert!(stdout.contains("--mca btl_tcp_if_include eth0"), "{stdout}");
+            assert!(
+                stdout.contains("--mca oob_tcp_keepalive_time 5"),
+                "{stdout}"
+            );
+        }
+    }
+    // More ranks than hosts, and the other MPI's hosts-file syntax, are refused.
+    let bin = fake_mpirun(d, "mpirun (Open MPI) 4.1.4");
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
+    let mut cmd = common::command(d, ["launch", "--hosts", "hosts", "-n", "4", "--", "train"]);
+    cmd.env("PATH", &path).env_remove("NANOGPT_MPIRUN");
+    let err = common::refused(&common::run(&mut cmd));
+    assert!(
+        err.contains("lists 3 host(s)") && err.contains("-n 1..=3"),
+        "{err}"
+    );
+    std::fs::write(d.join("hydra"), "h1:2\n").unwrap();
+    let mut cmd = common::command(d, ["launch", "--hosts", "hydra", "-n", "1", "--", "train"]);
+    cmd.env("PATH", &path).env_remove("NANOGPT_MPIRUN");
+    let err = common::refused(&common::run(&mut cmd));
+    assert!(err.contains("hydra:1: `h1:2` is Hydra's syntax"), "{err}");
+}
+
+#[test]
+fn the_example_configs_load_and_split_over_2_3_and_4_ranks() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+    for name in [
+        "finetune_shakespeare.toml",
+        "train_gpt2.toml",
+        "finetune_gpt2_openwebtext_3nodes.toml",
+    ] {
+        let cfg = nanogpt::config::TrainConfig::load(Some(&root.join(name)), &[]).unwrap();
+        for ranks in 2..=4 {
+            cfg.check_world_size(ranks)
+                .unwrap_or_else(|e| panic!("{name}, {ranks} ranks: {e}"));
+        }
+    }
+}
+
+#[test]
+fn prepare_reads_a_hub_dataset_from_the_cache() {
+    let dir = temp_dir("cli-hub");
+    let d = dir.path();
+    // The layout huggingface_hub writes, for hf:openwebtext's repository.
+    let repo = d.join("hub/datasets--Skylion007--openwebtext");
+    let snap = repo.join("snapshots/abc123/plain_text");
+    std::fs::create_dir_all(&snap).unwrap();
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), "abc123").unwrap();
+    std::fs::copy(
+        fixture("docs.parquet"),
+        snap.join("train-00000-of-00001.parquet"),
+    )
+    .unwrap();
+    let prepare = |spec: &str, out: &str| {
+        let mut cmd = common::command(d, ["prepare", spec, "--out", out, "--tokenizer", "char"]);
+        cmd.env("HF_HUB_CACHE", d.join("hub"))
+            .env("HF_HUB_OFFLINE", "1");
+        common::run(&mut cmd)
+    };
+    let out = prepare("hf:openwebtext", "owt");
+    assert!(out.status.success(), "{}", common::text(&out.stderr));
+    assert!(common::text(&out.stderr).contains("1 parquet file(s) of split `train`"));
+    // The same text as the parquet file given directly.
+    let direct = fixture("docs.parquet");
+    ok(
+        d,
+        &[
+            "prepare",
+            direct.to_str().unwrap(),
+            "--out",
+            "direct",
+            "--tokenizer",
+            "char",
+        ],
+    );
+    for f in ["train.bin", "val.bin"] {
+        assert_eq!(
+            std::fs::read(d.join("owt").join(f)).unwrap(),
+            std::fs::read(d.join("direct").join(f)).unwrap(),
+            "{f}"
+        );
+    }
+    // Another split, offline: a clear refusal naming where it looked.
+    let mut cmd = common::command(
+        d,
+        [
+            "prepare",
+            "hf:openwebtext",
+            "--out",
+            "v",
+            "--split",
+            "validation",
+        ],
+    );
+    cmd.env("HF_HUB_CACHE", d.join("hub"))
+        .env("HF_HUB_OFFLINE", "1");
+    let err = common::refused(&common::run(&mut cmd));
+    assert!(
+        err.contains("no parquet files of split `validation`")
+            && err.contains("datasets--Skylion007--openwebtext")
+            && err.contains("HF_HUB_OFFLINE"),
+        "{err}"
+    );
 }

@@ -390,22 +390,154 @@ fn an_uneven_split_of_micro_steps_is_refused() {
     );
 }
 
+/// `dataset=tiny`: the test's Shakespeare copied to `DIR/data/tiny` (not a built-in
+/// name, so a rank whose folder lacks it fails rather than preparing it); with
+/// `alter`, train.bin holds other tokens (same size, same vocabulary).
+fn copy_dataset(dir: &Path, alter: bool) {
+    let from = workdir().join("data/shakespeare_char");
+    let to = dir.join("data/tiny");
+    std::fs::create_dir_all(&to).unwrap();
+    for name in ["meta.json", "train.bin", "val.bin"] {
+        let mut bytes = std::fs::read(from.join(name)).unwrap();
+        if alter && name == "train.bin" {
+            // Two u16 tokens swapped in the middle: only a sampled hash sees it.
+            let mid = (bytes.len() / 2) & !3;
+            bytes.swap(mid, mid + 2);
+            bytes.swap(mid + 1, mid + 3);
+            assert_ne!(bytes, std::fs::read(from.join(name)).unwrap());
+        }
+        std::fs::write(to.join(name), bytes).unwrap();
+    }
+}
+
+/// A two-rank MPMD job: rank 0 runs `train TINY... common` in the work dir, rank 1
+/// the same plus `rank1_extra`, in `rank1_dir` (if given) with `rank1_env` set.
+fn two_ranks_apart(
+    common: &[&str],
+    rank1_extra: &[&str],
+    rank1_dir: Option<&Path>,
+    rank1_env: &[&str],
+) -> Output {
+    let mut cmd = command(1, common);
+    let dir = rank1_dir.unwrap_or(workdir());
+    // `env -C DIR VAR=... BIN ...`: another working directory and environment on
+    // rank 1 only, as on another host.
+    cmd.args([":", "-n", "1", "env", "-C"])
+        .arg(dir)
+        .args(rank1_env)
+        .arg(BIN)
+        .args(train_args(common))
+        .args(rank1_extra);
+    run_for(cmd, Duration::from_secs(120))
+}
+
 #[test]
 fn an_error_on_one_rank_ends_every_rank() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    // MPMD launch: rank 1 is given a dataset that does not exist.
-    let common = ["out_dir=one-bad", "gradient_accumulation_steps=2"];
-    let mut cmd = command(1, &common);
-    cmd.args([":", "-n", "1", BIN])
-        .args(train_args(&common))
-        .arg("dataset=no-such-data");
+    // Rank 1's working directory has no dataset `tiny`.
+    copy_dataset(workdir(), false);
+    let empty = temp_dir("mpi-empty");
+    let common = [
+        "out_dir=one-bad",
+        "gradient_accumulation_steps=2",
+        "dataset=tiny",
+    ];
     let start = Instant::now();
-    let out = run_for(cmd, Duration::from_secs(120));
+    let out = two_ranks_apart(&common, &[], Some(empty.path()), &[]);
     let stderr = text(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("error: rank 1 of 2"), "{stderr}");
-    assert!(stderr.contains("no-such-data"), "{stderr}");
+    assert!(stderr.contains("dataset `tiny`"), "{stderr}");
     assert!(start.elapsed() < Duration::from_secs(60), "ended promptly");
+}
+
+#[test]
+fn a_rank_with_other_data_is_refused_before_step_1() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    copy_dataset(workdir(), false);
+    let other = temp_dir("mpi-other-data");
+    copy_dataset(other.path(), true);
+    let common = [
+        "out_dir=other-data",
+        "gradient_accumulation_steps=2",
+        "dataset=tiny",
+        "max_iters=5",
+    ];
+    let start = Instant::now();
+    let out = two_ranks_apart(&common, &[], Some(other.path()), &[]);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(!out.status.success(), "{stdout}\n{stderr}");
+    assert!(stderr.contains("error: rank 0 of 2"), "{stderr}");
+    assert!(stderr.contains("refusing to start"), "{stderr}");
+    assert!(
+        stderr.contains("rank 1 (host ")
+            && stderr.contains("data/tiny/train.bin has other content"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("meta.json"),
+        "only the file that differs: {stderr}"
+    );
+    // Before the model was built, before step 1, before any checkpoint.
+    assert!(
+        !stdout.contains("iter 0:") && !stdout.contains("model:"),
+        "{stdout}"
+    );
+    assert!(!workdir().join("other-data/ckpt.safetensors").exists());
+    assert!(start.elapsed() < Duration::from_secs(60), "ended promptly");
+
+    // The same files on both ranks: accepted.
+    let same = temp_dir("mpi-same-data");
+    copy_dataset(same.path(), false);
+    let common = [
+        "out_dir=same-data",
+        "gradient_accumulation_steps=2",
+        "dataset=tiny",
+        "max_iters=1",
+    ];
+    let out = two_ranks_apart(&common, &[], Some(same.path()), &[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}
+
+#[test]
+fn another_ranks_config_is_reported_and_ignored() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let acc = ["gradient_accumulation_steps=4", "max_iters=10"];
+    let one = reference(&acc);
+    // Rank 1 is given another learning rate: rank 0's config is the job's.
+    let common = [acc[0], acc[1], "out_dir=other-config"];
+    let out = two_ranks_apart(&common, &["learning_rate=0.5"], None, &[]);
+    let stderr = text(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("note: rank 1 (host ")
+            && stderr.contains("learning_rate=0.5] here differ from rank 0's")
+            && stderr.contains("using rank 0's"),
+        "{stderr}"
+    );
+    assert_same_run(&one, "other-config");
+}
+
+#[test]
+fn ranks_whose_weights_diverge_stop_with_a_clear_message() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // Rank 1 alone gets a NaN weight after iteration 2; the check at the evaluation
+    // of iteration 5 finds the ranks' weights differ.
+    let common = [
+        "out_dir=diverged",
+        "gradient_accumulation_steps=2",
+        "max_iters=10",
+    ];
+    let out = two_ranks_apart(&common, &[], None, &["NANOGPT_FAULT=nan-param:2"]);
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("weights differ at iteration 5"))
+        .unwrap_or_else(|| panic!("{stderr}"));
+    assert!(!line.contains("  "), "{line}");
+    assert!(line.contains("they were equal at iteration 0"), "{line}");
+    assert!(!line.contains("resume from the last checkpoint"), "{line}");
 }
 
 /// The pid of rank `rank` among the processes running `BIN` with `out_dir`.
@@ -499,6 +631,10 @@ fn a_stopped_rank_trips_the_watchdog() {
     assert!(!out.status.success(), "the job must fail:\n{stderr}");
     assert!(stderr.contains("rank 0 of 2"), "{stderr}");
     assert!(stderr.contains("made no progress for 3 s"), "{stderr}");
+    assert!(
+        stderr.contains("rank 1 (host ") && stderr.contains(") did not arrive"),
+        "the stopped rank is named: {stderr}"
+    );
     assert!(took < Duration::from_secs(30), "ended after {took:?}");
 }
 
@@ -536,5 +672,106 @@ fn sigterm_to_one_rank_stops_every_rank_at_the_same_step() {
     assert!(
         stdout.contains(&format!("resuming from {ckpt} at iteration {}", last + 1)),
         "{stdout}"
+    );
+}
+
+#[test]
+fn a_start_up_that_hangs_ends_with_the_likely_causes() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // Rank 1 starts 20 s late: rank 0 waits in MPI_Init for it, past its start-up
+    // limit of 2 s, as it would for a peer it cannot reach.
+    let common = ["out_dir=late", "gradient_accumulation_steps=2"];
+    let mut cmd = Command::new(mpirun());
+    cmd.args(["-n", "1"]);
+    if is_open_mpi() {
+        cmd.args(["--oversubscribe", "--bind-to", "none"]);
+        cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    }
+    cmd.args(["env", "NANOGPT_START_TIMEOUT_S=2", BIN])
+        .args(train_args(&common))
+        .args([
+            ":",
+            "-n",
+            "1",
+            "sh",
+            "-c",
+            "sleep 20; exec \"$0\" \"$@\"",
+            BIN,
+        ])
+        .args(train_args(&common))
+        .current_dir(workdir());
+    let start = Instant::now();
+    let out = run_for(cmd, Duration::from_secs(60));
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("rank 0, host ")
+            && stderr.contains(
+                "MPI start-up (MPI_Init and the first collectives) did not complete in 2 s"
+            ),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("--mca btl_tcp_if_include") && stderr.contains("-iface"),
+        "{stderr}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(15),
+        "ended after {:?}",
+        start.elapsed()
+    );
+}
+
+#[test]
+fn doctor_under_mpirun_reports_every_rank_and_fails_on_other_data() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    copy_dataset(workdir(), false);
+    let other = temp_dir("mpi-doctor-other");
+    copy_dataset(other.path(), true);
+    let doctor = ["doctor", "--json", "dataset=tiny", "n_layer=2", "n_embd=32"];
+    let job = |rank1_dir: &Path| {
+        let mut cmd = Command::new(mpirun());
+        cmd.args(["-n", "1"]);
+        if is_open_mpi() {
+            cmd.args(["--oversubscribe", "--bind-to", "none"]);
+            cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+                .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+        }
+        cmd.arg(BIN)
+            .args(doctor)
+            .args([":", "-n", "1", "env", "-C"]);
+        cmd.arg(rank1_dir)
+            .arg(BIN)
+            .args(doctor)
+            .current_dir(workdir());
+        let out = run_for(cmd, Duration::from_secs(60));
+        let json = text(&out.stdout);
+        let json = json
+            .lines()
+            .find(|l| l.starts_with('{'))
+            .unwrap_or_else(|| panic!("no JSON:\n{json}\n{}", text(&out.stderr)));
+        (
+            out.status.success(),
+            serde_json::from_str::<serde_json::Value>(json).unwrap(),
+        )
+    };
+    let (ok, report) = job(workdir());
+    assert!(ok, "{report}");
+    assert_eq!(report["ok"], true, "{report}");
+    let ranks = report["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 2);
+    assert_eq!(ranks[0]["data_fingerprint"], ranks[1]["data_fingerprint"]);
+    assert!(
+        report["all_reduce"]["ms"].as_f64().unwrap() > 0.0,
+        "{report}"
+    );
+    let (ok, report) = job(other.path());
+    assert!(!ok, "{report}");
+    assert_eq!(report["ok"], false, "{report}");
+    let problems = report["ranks"][1]["problems"].to_string();
+    assert!(
+        problems.contains("train.bin has other content"),
+        "{problems}"
     );
 }

@@ -6,8 +6,14 @@
 #      (launched from a hostfile), with ZeRO stage 0 and 1: per-step and eval losses
 #      agree to 1e-5 (relative), and so do the final checkpoints' losses;
 #   2. the gradient traffic really crossed the links (each host's eth0 counters);
-#   3. faults: a rank killed on h2 ends the job promptly; a rank stopped on h3 trips
-#      the collective watchdog; the run then resumes from its last checkpoint.
+#   3. `nanogpt doctor` and `nanogpt launch` across the hosts;
+#   4. mismatches: other data on h2 (its own disk) refuses the job before step 1,
+#      naming the rank, host and file; another config file on h3 is reported and
+#      ignored (the run equals the 1-process one);
+#   5. faults: a rank killed on h2 ends the job promptly; a rank stopped on h3 trips
+#      the collective watchdog, which names it; a link cut to h3 ends the whole job
+#      within collective_timeout_s + a few seconds, leaving no process behind; the
+#      run then resumes from its last checkpoint.
 #
 #   scripts/multinode/check.sh [NANOGPT_BINARY]    (default target/release/nanogpt)
 #
@@ -81,6 +87,23 @@ host_bytes() { "$CLUSTER" bytes | awk '{print $2 + $3}'; }
 say "reference: 1 process"
 "$BIN" train "${CONFIG[@]}" max_iters=10 out_dir=one >one.log 2>&1 || { cat one.log; die "1-process run"; }
 
+say "doctor across the 3 hosts"
+"$CLUSTER" run -- "$BIN" doctor "${CONFIG[@]}" out_dir="$WORK/doctor" >doctor.log 2>&1 ||
+    { cat doctor.log; die "doctor found a problem"; }
+grep -av "setpgid" doctor.log | sed 's/^/multinode:   /'
+
+# `nanogpt launch` writes the line itself (here Open MPI's, with the subnet as the
+# interface and the ssh stand-in given through the environment), runs the doctor
+# with it, then the training.
+say "nanogpt launch across the 3 hosts"
+OMPI_MCA_plm_rsh_agent="/run/$CLUSTER_PREFIX-cluster/ssh" timeout 120 \
+    ip netns exec "$CLUSTER_PREFIX-sw" "$BIN" launch --hosts "/run/$CLUSTER_PREFIX-cluster/hostfile" \
+    -n 3 --iface 10.78.0.0/24 -- train "${CONFIG[@]}" max_iters=5 out_dir="$WORK/launched" \
+    >launched.log 2>&1 || { cat launched.log; die "nanogpt launch"; }
+grep -aq "^ok: every rank" launched.log && grep -aq "data parallel: 3 ranks" launched.log &&
+    [ -e launched/ckpt.safetensors ] || { cat launched.log; die "nanogpt launch did not train"; }
+say "  $(head -1 launched.log | cut -c1-200) ..."
+
 for stage in 0 1; do
     say "3 hosts, ZeRO stage $stage"
     before=($(host_bytes))
@@ -98,6 +121,42 @@ for stage in 0 1; do
     grep -aE "^3 ranks:" three$stage.log | sed 's/^/multinode:   /'
 done
 
+# Mismatches. Hosts get their own disks: h2 sees data.h2 as data, h3 conf.h3 as conf.
+export CLUSTER_OVERLAY="$WORK/data $WORK/conf"
+say "mismatches"
+cp -r data data.h2
+# One 4 KiB piece of h2's train.bin replaced by another: same size, same vocabulary.
+dd if=data/shakespeare_char/train.bin of=data.h2/shakespeare_char/train.bin bs=4096 count=1 \
+    seek=100 conv=notrunc status=none
+cmp -s data/shakespeare_char/train.bin data.h2/shakespeare_char/train.bin && die "data.h2 unchanged"
+start=$SECONDS
+if "$CLUSTER" run -- "$BIN" train "${CONFIG[@]}" max_iters=10 out_dir="$WORK/mismatch" \
+    >mismatch.log 2>&1; then
+    cat mismatch.log; die "the job with other data on h2 ran"
+fi
+grep -aq "refusing to start" mismatch.log &&
+    grep -aq "rank 1 (host h2): .*shakespeare_char/train.bin has other content" mismatch.log ||
+    { cat mismatch.log; die "no clear refusal for other data on h2"; }
+grep -aqE "^iter [0-9]+:" mismatch.log && die "the job with other data on h2 trained"
+[ -e mismatch/ckpt.safetensors ] && die "the job with other data on h2 wrote a checkpoint"
+say "  other data on h2: refused before step 1 after $((SECONDS - start)) s:"
+grep -a "refusing to start" mismatch.log | cut -c1-240 | sed 's/^/multinode:   /'
+rm -rf data.h2
+
+mkdir -p conf conf.h3
+# The quick start's config (what the 1-process run used); h3's has another weight decay.
+cp "$HERE/../../configs/train_shakespeare_char.toml" conf/run.toml
+sed 's/^weight_decay = .*/weight_decay = 0.9/' conf/run.toml >conf.h3/run.toml
+cmp -s conf/run.toml conf.h3/run.toml && die "conf.h3 unchanged"
+"$CLUSTER" run -- "$BIN" train "$WORK/conf/run.toml" "${CONFIG[@]}" max_iters=10 \
+    out_dir="$WORK/conf3" >conf3.log 2>&1 || { cat conf3.log; die "the job with another config on h3"; }
+grep -aq "note: rank 2 (host h3): config $WORK/conf/run.toml here differs" conf3.log ||
+    { cat conf3.log; die "no note about h3's config"; }
+same_curve one conf3 || die "h3's config was used"
+say "  another config file on h3: reported and ignored (the run equals 1 process)"
+rm -rf conf.h3
+unset CLUSTER_OVERLAY
+
 # Faults. A long run; once it has a checkpoint, hurt the rank on one host.
 fault() {
     local out=$1 host=$2 signal=$3 timeout=$4
@@ -109,24 +168,39 @@ fault() {
         kill -0 $job 2>/dev/null || { cat $out.log; die "$out: the job ended early"; }
         [ $t -lt 600 ] || die "$out: no checkpoint after 120 s"
     done
-    until [ -n "$pid" ]; do pid=$("$CLUSTER" pid "$host" "out_dir=$WORK/$out" | head -1); done
-    kill "$signal" "$pid"
+    if [ "$signal" = cut ]; then
+        "$CLUSTER" cut "$host"
+    else
+        until [ -n "$pid" ]; do pid=$("$CLUSTER" pid "$host" "out_dir=$WORK/$out" | head -1); done
+        kill "$signal" "$pid"
+    fi
     local start=$SECONDS rc=0
     wait $job || rc=$?
     local took=$((SECONDS - start))
-    [ $rc -ne 0 ] || die "$out: the job succeeded after kill $signal"
-    [ $took -le $((timeout + 30)) ] || die "$out: the job took $took s to end"
-    say "  kill $signal on $host: job ended with status $rc after $took s"
+    [ $rc -ne 0 ] || die "$out: the job succeeded after $signal"
+    [ $took -le $((timeout + 15)) ] || die "$out: the job took $took s to end"
+    [ ! -s "$STATE_DIR/leftover" ] || { cat "$STATE_DIR/leftover"; die "$out: processes left behind"; }
+    say "  $signal on $host: job ended with status $rc after $took s, nothing left running"
 }
+STATE_DIR=/run/$CLUSTER_PREFIX-cluster
 
 say "faults"
 fault killed h2 -KILL 60
 fault stopped h3 -STOP 5
 grep -aq "made no progress for 5 s" stopped.log || { cat stopped.log; die "no watchdog message"; }
-grep -a "made no progress" stopped.log | head -1 | sed 's/^/multinode:   /'
+grep -aq "rank 2 (host h3) did not arrive" stopped.log || { cat stopped.log; die "stopped rank not named"; }
+grep -a "made no progress" stopped.log | head -1 | cut -c1-240 | sed 's/^/multinode:   /'
+fault cutlink h3 cut 5
+"$CLUSTER" mend h3
+# Whichever notices first names h3: our watchdog, or Open MPI's runtime (keepalive).
+grep -aqE "rank 2 \(host h3\) did not arrive|Remote daemon: .* on node h3" cutlink.log ||
+    { cat cutlink.log; die "cut-off host not named"; }
+grep -aE "rank 2 \(host h3\) did not arrive|Remote daemon: .* on node h3" cutlink.log | head -1 |
+    cut -c1-240 | sed 's/^/multinode:   /'
 saved=$(sed -n 's/.*"iter_num": *\([0-9]*\).*/\1/p' killed/ckpt.json)
 "$CLUSTER" run -- "$BIN" train "${CONFIG[@]}" max_iters=$((saved + 2)) lr_decay_iters=100000 \
     eval_interval=20 init_from=resume out_dir="$WORK/killed" >resume.log 2>&1 ||
     { cat resume.log; die "resuming after the fault"; }
 say "  resumed from iteration $saved and trained to $((saved + 2))"
-say "OK: 3 hosts agree with 1 process (ZeRO 0 and 1), traffic crossed the links, faults end the job"
+say "OK: 3 hosts agree with 1 process (ZeRO 0 and 1), traffic crossed the links, mismatches are" \
+    "refused or ignored before step 1, faults end the whole job"

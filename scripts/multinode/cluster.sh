@@ -6,6 +6,8 @@
 #                                   mpirun across the hosts, one rank per host
 #   cluster.sh bytes                per host: "hI TX_BYTES RX_BYTES" of its eth0
 #   cluster.sh pid HOST PATTERN     pids inside HOST whose command line matches PATTERN
+#   cluster.sh cut HOST            takes HOST's link down (a cut cable)
+#   cluster.sh mend HOST           brings it up again
 #   cluster.sh down                 remove everything `up` made
 #
 # Each host is a network namespace with one veth link ("eth0", 10.78.0.I/24) to a
@@ -21,6 +23,11 @@
 # the data through shared memory and nothing would cross a link.
 #
 # Needs root (or CAP_SYS_ADMIN + CAP_NET_ADMIN), iproute2 and unshare (util-linux).
+# After `run`, $STATE/leftover lists the processes the job left on the hosts (then
+# killed). CLUSTER_OVERLAY="DIR ..." gives hosts their own disks: host hI sees DIR.hI
+# (where it exists) in place of DIR.
+# Open MPI's runtime is told to notice a lost host in seconds (TCP keepalive on its
+# out-of-band channel); without it mpirun hangs after an abort when a link is cut.
 # Env: CLUSTER_PREFIX (ngpt), CLUSTER_SUBNET (10.78.0), CLUSTER_STATE
 # (/run/$CLUSTER_PREFIX-cluster), MPIRUN (mpirun), CLUSTER_TIMEOUT (job limit for
 # `run`, seconds, default 600).
@@ -90,7 +97,14 @@ case "\$host" in
     $SUBNET.*) host=h\${host##*.} ;;
     *) echo "cluster ssh: unknown host \$host" >&2; exit 255 ;;
 esac
-exec ip netns exec "$PREFIX-\$host" unshare --uts sh -c 'hostname "\$0" && eval "\$1"' "\$host" "\$*"
+# Own disks, where asked: each folder D of \$CLUSTER_OVERLAY for which D.HOST exists
+# is replaced by it for this host's processes (a private mount namespace).
+exec ip netns exec "$PREFIX-\$host" unshare --uts --mount sh -c '
+    hostname "\$0" || exit 1
+    for d in \${CLUSTER_OVERLAY:-}; do
+        [ -d "\$d.\$0" ] && { mount --bind "\$d.\$0" "\$d" || exit 1; }
+    done
+    eval "\$1"' "\$host" "\$*"
 EOF
     chmod +x "$STATE/ssh"
 
@@ -117,6 +131,8 @@ run() {
         timeout -k 10 "$limit" ip netns exec "$SWITCH" "$MPIRUN" --allow-run-as-root \
             --hostfile "$STATE/hostfile" -np "$n" --map-by node \
             --mca plm_rsh_agent "$STATE/ssh" \
+            --mca oob_tcp_keepalive_time 5 --mca oob_tcp_keepalive_intvl 1 \
+            --mca oob_tcp_keepalive_probes 3 \
             --mca btl tcp,self --mca pml ob1 \
             --mca btl_tcp_if_include "$SUBNET.0/24" --mca oob_tcp_if_include "$SUBNET.0/24" \
             "${opts[@]}" "$@" || rc=$?
@@ -129,8 +145,20 @@ run() {
             -launcher ssh -launcher-exec "$STATE/ssh" -localhost "$HEAD" \
             "${opts[@]}" "$@" || rc=$?
     fi
+    leftovers > "$STATE/leftover"
     reap
     return $rc
+}
+
+# What a finished job left running on the hosts (one "HOST COMMAND" a line).
+leftovers() {
+    local ns p
+    for ns in $(our_namespaces); do
+        for p in $(ip netns pids "$ns" 2>/dev/null); do
+            echo "${ns#"$PREFIX-"} $(tr '\0' ' ' < "/proc/$p/cmdline" 2>/dev/null | cut -c1-120)"
+        done
+    done
+    return 0
 }
 
 # Kills whatever a job left inside the host namespaces.
@@ -158,6 +186,16 @@ pid() {
     return 0
 }
 
+cut() {
+    local host=${1:?cut HOST}
+    ip -n "$PREFIX-$host" link set eth0 down
+}
+
+mend() {
+    local host=${1:?mend HOST}
+    ip -n "$PREFIX-$host" link set eth0 up
+}
+
 down() {
     local ns
     reap
@@ -169,6 +207,6 @@ down() {
 }
 
 case "${1:-}" in
-    up | run | bytes | pid | down) cmd=$1; shift; "$cmd" "$@" ;;
-    *) sed -n '2,9p' "$0"; exit 2 ;;
+    up | run | bytes | pid | cut | mend | down) cmd=$1; shift; "$cmd" "$@" ;;
+    *) sed -n '2,11p' "$0"; exit 2 ;;
 esac

@@ -2,8 +2,10 @@
 
 mod bench;
 mod chat;
+mod doctor;
 mod eval;
 mod export;
+mod launch;
 mod plan;
 mod prepare;
 mod sample;
@@ -40,6 +42,12 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// Predicted peak memory per rank of a training run, against what is available.
     Plan(plan::PlanArgs),
+    /// Check a job before training (alone or under mpirun/srun): per rank the host,
+    /// binary, CPU, memory, data fingerprint; out_dir; all-reduce speed.
+    Doctor(doctor::DoctorArgs),
+    /// Run `train` on several hosts: writes, prints and runs the mpirun line for the
+    /// MPI installed (Open MPI or MPICH/Intel MPI), after `doctor`.
+    Launch(launch::LaunchArgs),
 }
 
 /// Runs the command; returns the process's exit status (non-zero only for a
@@ -54,6 +62,8 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Export(args) => export::run(args).map(|()| 0),
         Command::Bench(args) => bench::run(args).map(|()| 0),
         Command::Plan(args) => plan::run(args).map(|()| 0),
+        Command::Doctor(args) => doctor::run(args),
+        Command::Launch(args) => launch::run(args),
     }
 }
 

@@ -1,6 +1,7 @@
 //! `nanogpt prepare SOURCE --out DIR`.
 
-use crate::data::{prepare, DataFormat, PrepareOptions, TokenizerKind};
+use crate::data::readers::Source;
+use crate::data::{hub, prepare, prepare_source, DataFormat, PrepareOptions, TokenizerKind};
 use anyhow::Result;
 use clap::Args;
 use std::path::PathBuf;
@@ -8,7 +9,8 @@ use std::path::PathBuf;
 #[derive(Args, Debug)]
 pub struct PrepareArgs {
     /// `shakespeare` (bundled), a .txt file, a folder of .txt files, a .jsonl file
-    /// (one "text" per line) or .parquet file(s).
+    /// (one "text" per line), .parquet file(s), or a Hugging Face Hub dataset
+    /// `hf:OWNER/NAME` (or `hf:openwebtext`), from the cache or downloaded.
     pub source: String,
     /// Where train.bin, val.bin and meta.json go.
     #[arg(long)]
@@ -28,17 +30,28 @@ pub struct PrepareArgs {
     /// (loss on the responses only; see docs/finetune.md).
     #[arg(long)]
     pub format: Option<DataFormat>,
+    /// With `hf:`: the split whose parquet files are read.
+    #[arg(long, default_value = "train")]
+    pub split: String,
 }
 
 pub fn run(args: PrepareArgs) -> Result<()> {
     let opts = PrepareOptions {
         tokenizer: args.tokenizer,
         val_fraction: args.val_fraction,
-        text_column: args.text_column,
+        text_column: args.text_column.clone(),
         format: args.format,
         ..PrepareOptions::new(args.source, args.out)
     };
-    let summary = prepare(&opts)?;
+    let summary = match opts.source.starts_with(hub::PREFIX) {
+        true => {
+            let env = crate::hf::resolve::HubEnv::from_process_env();
+            let files = hub::parquet_files(&opts.source, &args.split, &env)?;
+            let column = opts.text_column.clone();
+            prepare_source(&Source::Parquet { files, column }, &opts)?
+        }
+        false => prepare(&opts)?,
+    };
     crate::outln!("{summary}");
     Ok(())
 }

@@ -1,10 +1,8 @@
 //! `nanogpt train [CONFIG.toml] [key=value ...]`.
 
-use crate::config::TrainConfig;
 use crate::train::{TrainOutcome, Trainer};
 use anyhow::Result;
 use clap::Args;
-use std::path::Path;
 
 #[derive(Args, Debug)]
 pub struct TrainArgs {
@@ -24,12 +22,11 @@ pub fn run(args: TrainArgs) -> Result<i32> {
     let comm = crate::dist::init()?;
     crate::fault::init()?;
     let (config_path, overrides) = split_args(&args.args);
-    let cfg = match config_path {
-        Some(path) => TrainConfig::load(Some(Path::new(path)), overrides)?,
-        None => TrainConfig::quick_start_with(overrides)?,
-    };
+    // Rank 0 reads the config; every other rank trains with rank 0's.
+    let cfg = crate::dist::preflight::shared_config(&*comm, config_path, overrides)?;
     let (root, world) = (comm.rank() == 0, comm.world_size());
     let threads = crate::threads::init_pool(cfg.threads, comm.local_size())?;
+    crate::dist::preflight::report_placement(&*comm, threads);
     let launched = crate::dist::launched_by_mpi();
     if let Some(warning) = launched
         .then(|| crate::threads::binding_warning(comm.local_size()))
@@ -111,16 +108,35 @@ fn report_outcome(trainer: &mut Trainer, outcome: &TrainOutcome, quick_start: bo
         super::sample::print_sample(trainer, QUICK_START_SAMPLE_TOKENS)?;
     }
     crate::outln!(
-        "\nsample more with: nanogpt sample --out-dir {}",
+        "\nsample more with: {} sample --out-dir {}",
+        invoked_as(),
         outcome.out_dir.display()
     );
     Ok(())
 }
 
 /// The config file (a first argument that is not `key=value`) and the overrides.
-fn split_args(args: &[String]) -> (Option<&str>, &[String]) {
+pub(super) fn split_args(args: &[String]) -> (Option<&str>, &[String]) {
     match args.first() {
         Some(first) if !first.contains('=') => (Some(first.as_str()), &args[1..]),
         _ => (None, args),
+    }
+}
+
+/// The binary as the user invoked it (`nanogpt`, `./nanogpt`,
+/// `target/release/nanogpt`), so that a hint can be pasted; quoted if needed.
+pub fn invoked_as() -> String {
+    let arg0 = std::env::args_os()
+        .next()
+        .map(|a| a.to_string_lossy().into_owned())
+        .filter(|a| !a.is_empty())
+        .unwrap_or_else(|| "nanogpt".into());
+    if arg0
+        .chars()
+        .any(|c| c.is_whitespace() || "'\"$`\\".contains(c))
+    {
+        format!("'{}'", arg0.replace('\'', "'\\''"))
+    } else {
+        arg0
     }
 }

@@ -88,12 +88,20 @@ fn find_or_prepare_dataset_in(root: &Path, name: &str) -> Result<PathBuf> {
     if under_data.is_dir() {
         return Ok(under_data);
     }
+    // A name that is already a path (`data/owt`) is prepared where it points, not
+    // under data/ again.
+    let is_path = Path::new(name).components().count() > 1;
+    let (searched, target) = match is_path {
+        true => (direct.display().to_string(), &direct),
+        false => (
+            format!("{} or {}", direct.display(), under_data.display()),
+            &under_data,
+        ),
+    };
     bail!(
-        "dataset `{name}`: no folder {} or {}; prepare one with `nanogpt prepare SOURCE \
+        "dataset `{name}`: no folder {searched}; prepare one with `nanogpt prepare SOURCE \
          --out {}`, or use the built-in `shakespeare_char` or `shakespeare`",
-        direct.display(),
-        under_data.display(),
-        under_data.display()
+        target.display()
     )
 }
 
@@ -142,6 +150,13 @@ mod tests {
             err.contains("openwebtext") && err.contains("nanogpt prepare"),
             "{err}"
         );
+        // A name that is a path is not put under data/ a second time.
+        let err = find_or_prepare_dataset_in(root.path(), "data/owt2")
+            .unwrap_err()
+            .to_string();
+        assert!(!err.contains("data/data"), "{err}");
+        let want = format!("--out {}`", root.path().join("data/owt2").display());
+        assert!(err.contains(&want), "{err}");
     }
 
     #[test]

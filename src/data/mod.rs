@@ -12,6 +12,7 @@
 //!   directory, preparing the bundled Shakespeare on first use.
 
 mod bundled;
+pub mod hub;
 pub mod instruct;
 pub mod loader;
 pub mod mask;
@@ -30,7 +31,7 @@ pub use loader::{
 };
 pub use mask::{apply_mask, count_trained, TokenMask};
 pub use meta::{Meta, TokenizerKind};
-pub use prepare::{prepare, PrepareOptions, PrepareSummary};
+pub use prepare::{prepare, prepare_source, PrepareOptions, PrepareSummary};
 pub use tokenizer::{StreamDecoder, Tokenizer, GPT2_EOT, GPT2_VOCAB_SIZE};
 
 /// The two token files of a prepared dataset.

@@ -99,7 +99,7 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareSummary> {
 }
 
 /// [`prepare`] for an already resolved source (`opts.source` is not read).
-pub(crate) fn prepare_source(source: &Source, opts: &PrepareOptions) -> Result<PrepareSummary> {
+pub fn prepare_source(source: &Source, opts: &PrepareOptions) -> Result<PrepareSummary> {
     let single = source.is_single_document();
     let fraction = opts.val_fraction.unwrap_or(if single {
         DEFAULT_VAL_FRACTION_SINGLE

@@ -14,6 +14,7 @@
 
 mod parallel;
 mod plan;
+pub mod preflight;
 mod update;
 mod watchdog;
 
@@ -63,6 +64,10 @@ pub trait Collective {
     fn local_size(&self) -> usize;
     /// This host's name, for messages.
     fn host(&self) -> String;
+    /// Every rank's host, in rank order.
+    fn hosts(&self) -> Vec<String> {
+        vec![self.host()]
+    }
     /// The backend's name and version, for the log.
     fn describe(&self) -> String;
     /// Abort the job when a collective makes no progress for this long (0: never).
@@ -197,12 +202,22 @@ fn init_backend() -> Result<Box<dyn Collective>> {
 fn init_backend() -> Result<Box<dyn Collective>> {
     if let Some(n) = launcher_world_size().filter(|&n| n > 1) {
         anyhow::bail!(
-            "started as one of {n} processes (mpirun/srun), but this nanogpt was built without \
-             MPI support, so each process would train alone; rebuild with \
-             `cargo build --release --features mpi` (see docs/multinode.md)"
+            "host {}: started as one of {n} processes (mpirun/srun), but this nanogpt was \
+             built without MPI support, so each process would train alone; rebuild it on this \
+             host with `cargo build --release --features mpi` (see docs/multinode.md)",
+            this_host()
         );
     }
     Ok(Box::new(Single))
+}
+
+/// This machine's host name (as `hostname` prints it), or `?`.
+pub fn this_host() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "?".into())
 }
 
 /// Environment variables that MPI launchers set in every process they start.

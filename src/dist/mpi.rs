@@ -13,11 +13,12 @@ use super::{BackwardFn, Bucket, Collective, OverlapTimes, Reduce, Watchdog};
 use anyhow::{bail, Result};
 use mpi::collective::{CommunicatorCollectives, Root, SystemOperation};
 use mpi::environment::Universe;
+use mpi::raw::AsRaw;
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::Threading;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// MPI stays initialised from [`Mpi::init`] until [`finalize`]: errors are
@@ -31,6 +32,8 @@ pub struct Mpi {
     size: usize,
     local: usize,
     host: String,
+    /// Every rank's host, in rank order.
+    hosts: Vec<String>,
     watchdog: Watchdog,
     /// Start each bucket's reduction during backward (default); `NANOGPT_OVERLAP=0`
     /// waits for each at once instead, to measure what overlapping saves.
@@ -40,8 +43,10 @@ pub struct Mpi {
 }
 
 impl Mpi {
-    /// `MPI_Init_thread`, then the rank, world size and ranks on this host.
+    /// `MPI_Init_thread`, then the rank, world size, ranks on this host and every
+    /// rank's host, all under a start-up timer (see [`StartTimer`]).
     pub fn init() -> Result<Mpi> {
+        let timer = StartTimer::start();
         let Some((universe, threading)) = mpi::initialize_with_threading(Threading::Multiple)
         else {
             bail!("MPI was already initialised in this process");
@@ -51,6 +56,11 @@ impl Mpi {
         // Ranks sharing memory with this one: the ranks on this host.
         let local = world.split_shared(world.rank()).size() as usize;
         let host = mpi::environment::processor_name().unwrap_or_else(|_| "?".into());
+        let hosts = all_hosts(&world, &host);
+        // A second communicator, for the watchdog thread's messages only; never
+        // freed (leaked), so its handle stays valid for the whole process.
+        let diag = RawComm(Box::leak(Box::new(world.duplicate())).as_raw());
+        timer.done();
         *UNIVERSE.lock().unwrap_or_else(|e| e.into_inner()) = Some(universe);
         let who = format!("rank {rank} of {size} (host {host})");
         if size > 1 {
@@ -61,8 +71,17 @@ impl Mpi {
                 abort_world(101);
             }));
         }
-        let watchdog = Watchdog::new(who, |msg| {
-            eprintln!("error: {msg}");
+        let multiple = threading == Threading::Multiple;
+        let peers = hosts.clone();
+        let watchdog = Watchdog::new(who, move |msg| {
+            let missing = match multiple {
+                true => Some(unanswered_peers(&diag, rank, size)),
+                false => None,
+            };
+            crate::errln!(
+                "error: {msg}: {}; aborting the job",
+                diagnose(missing, &peers)
+            );
             abort_world(3);
         });
         Ok(Mpi {
@@ -71,12 +90,13 @@ impl Mpi {
             size,
             local,
             host,
+            hosts,
             watchdog,
             overlap: std::env::var("NANOGPT_OVERLAP").as_deref() != Ok("0"),
             // Across hosts the network moves data by itself once MPI has been poked;
             // within a host (shared memory) the copies are the CPU's work anyway and
             // the extra thread only costs (measured).
-            progress_thread: threading == Threading::Multiple
+            progress_thread: multiple
                 && match std::env::var("NANOGPT_PROGRESS_THREAD").as_deref() {
                     Ok("0") => false,
                     Ok("1") => true,
@@ -90,8 +110,200 @@ impl Mpi {
     }
 }
 
+/// Every rank's host name, in rank order (an all-gather of fixed-size names).
+fn all_hosts(world: &SimpleCommunicator, host: &str) -> Vec<String> {
+    const MAX: usize = 256;
+    let mut mine = [0u8; MAX];
+    let n = host.len().min(MAX);
+    mine[..n].copy_from_slice(&host.as_bytes()[..n]);
+    let mut all = vec![0u8; MAX * world.size() as usize];
+    world.all_gather_into(&mine[..], &mut all[..]);
+    all.chunks(MAX)
+        .map(|c| {
+            String::from_utf8_lossy(&c[..c.iter().position(|&b| b == 0).unwrap_or(MAX)])
+                .into_owned()
+        })
+        .collect()
+}
+
+/// A raw communicator handle the watchdog thread may use.
+struct RawComm(mpi::ffi::MPI_Comm);
+// SAFETY: an MPI communicator handle is a plain value that any thread may pass to
+// MPI when MPI runs with MPI_THREAD_MULTIPLE (checked before it is used off the
+// main thread); the handle itself is never freed while the process runs.
+unsafe impl Send for RawComm {}
+unsafe impl Sync for RawComm {}
+
+/// How long a rank whose watchdog fired waits for the other ranks' to answer.
+const PROBE_WAIT: Duration = Duration::from_secs(3);
+
+/// When this rank's watchdog fires: every rank waiting in the same collective fires
+/// too, within a poll. Each sends a note to every other on `diag` and listens for
+/// theirs for [`PROBE_WAIT`]; the ranks not heard from did not arrive (stopped,
+/// hung, unreachable, or still computing). Returns their numbers.
+fn unanswered_peers(diag: &RawComm, rank: usize, size: usize) -> Vec<usize> {
+    const TAG: i32 = 7177;
+    // Leaked on purpose: the requests may still be pending when the job aborts.
+    let send: &'static u64 = Box::leak(Box::new(rank as u64));
+    let recv: &'static mut [u64] = Box::leak(vec![0u64; size].into_boxed_slice());
+    let mut pending = Vec::new();
+    for (peer, slot) in recv.iter_mut().enumerate() {
+        if peer == rank {
+            continue;
+        }
+        let mut sreq = std::mem::MaybeUninit::uninit();
+        let mut rreq = std::mem::MaybeUninit::uninit();
+        // SAFETY: MPI is initialised with MPI_THREAD_MULTIPLE (the caller checked),
+        // `diag` is a valid communicator, and both buffers live for the rest of the
+        // process (leaked), as MPI may use them until the requests complete.
+        unsafe {
+            mpi::ffi::MPI_Isend(
+                send as *const u64 as *const _,
+                1,
+                mpi::ffi::RSMPI_UINT64_T,
+                peer as i32,
+                TAG,
+                diag.0,
+                sreq.as_mut_ptr(),
+            );
+            mpi::ffi::MPI_Irecv(
+                slot as *mut u64 as *mut _,
+                1,
+                mpi::ffi::RSMPI_UINT64_T,
+                peer as i32,
+                TAG,
+                diag.0,
+                rreq.as_mut_ptr(),
+            );
+            pending.push((peer, rreq.assume_init()));
+        }
+    }
+    let start = Instant::now();
+    while !pending.is_empty() && start.elapsed() < PROBE_WAIT {
+        pending.retain_mut(|(_, req)| {
+            let mut flag = 0;
+            // SAFETY: `req` is a request from MPI_Irecv above, not yet completed.
+            unsafe { mpi::ffi::MPI_Test(req, &mut flag, mpi::ffi::RSMPI_STATUS_IGNORE) };
+            flag == 0
+        });
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    pending.into_iter().map(|(peer, _)| peer).collect()
+}
+
+/// The second half of the watchdog's message: which ranks did not arrive, and why
+/// that may be.
+fn diagnose(missing: Option<Vec<usize>>, hosts: &[String]) -> String {
+    let named = |ranks: &[usize]| {
+        ranks
+            .iter()
+            .map(|&r| {
+                format!(
+                    "rank {r} (host {})",
+                    hosts.get(r).map_or("?", |h| h.as_str())
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match missing {
+        Some(m) if !m.is_empty() => format!(
+            "{} did not arrive (stopped, hung, unreachable over the network, or still \
+             computing); the other ranks are waiting",
+            named(&m)
+        ),
+        Some(_) => "every rank answered a side message, so all are waiting: the collective \
+                    itself is stuck (network trouble between hosts?)"
+            .into(),
+        None => "another rank is stopped, hung or unreachable (MPI without \
+                 MPI_THREAD_MULTIPLE cannot tell which)"
+            .into(),
+    }
+}
+
+/// Seconds MPI start-up (`MPI_Init` and the first collectives) may take:
+/// `NANOGPT_START_TIMEOUT_S`, default 120.
+fn start_timeout() -> Duration {
+    let secs = std::env::var("NANOGPT_START_TIMEOUT_S")
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .unwrap_or(120.0);
+    Duration::from_secs_f64(secs)
+}
+
+/// Ends this process when MPI start-up hangs (an interface that does not connect
+/// the hosts, a firewall, an unreachable host), with a message saying so: MPI
+/// itself would wait forever, printing nothing.
+struct StartTimer {
+    done: Arc<AtomicBool>,
+}
+
+impl StartTimer {
+    fn start() -> StartTimer {
+        let done = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&done);
+        let limit = start_timeout();
+        let _ = std::thread::Builder::new()
+            .name("mpi-start-timer".into())
+            .spawn(move || {
+                let start = Instant::now();
+                while start.elapsed() < limit {
+                    std::thread::sleep(Duration::from_millis(100));
+                    if flag.load(Ordering::SeqCst) {
+                        return;
+                    }
+                }
+                crate::errln!("error: {}", start_hang_message(limit));
+                abort_world(4);
+            });
+        StartTimer { done }
+    }
+
+    fn done(self) {
+        self.done.store(true, Ordering::SeqCst);
+    }
+}
+
+/// What a rank says when MPI start-up did not complete in `limit`.
+fn start_hang_message(limit: Duration) -> String {
+    let host = super::this_host();
+    let rank = [
+        "OMPI_COMM_WORLD_RANK",
+        "PMI_RANK",
+        "PMIX_RANK",
+        "SLURM_PROCID",
+    ]
+    .iter()
+    .find_map(|v| std::env::var(v).ok())
+    .map_or(String::new(), |r| format!("rank {r}, "));
+    format!(
+        "{rank}host {host}: MPI start-up (MPI_Init and the first collectives) did not complete \
+         in {:.0} s (NANOGPT_START_TIMEOUT_S): the ranks cannot reach each other. Likely causes: \
+         MPI picked a network interface that does not join the hosts (docker0 or virbr0 have the \
+         same address on every host): name the right one with `--mca btl_tcp_if_include eth0 \
+         --mca oob_tcp_if_include eth0` (Open MPI) or `-iface eth0` (MPICH, Intel MPI); a \
+         firewall between the hosts (MPI needs TCP connections between every pair); a host \
+         name that resolves to an address the others cannot reach. See docs/multinode.md",
+        limit.as_secs_f64()
+    )
+}
+
+/// How long `MPI_Abort` may take before this process ends itself: with a host
+/// unreachable, the launcher may never get the abort through.
+const ABORT_GRACE: Duration = Duration::from_secs(5);
+
 /// `MPI_Abort` on the world (every rank ends), or a plain exit when MPI is not up.
+/// If `MPI_Abort` has not ended the process after [`ABORT_GRACE`], it exits anyway.
 pub fn abort_world(code: i32) -> ! {
+    let _ = std::thread::Builder::new()
+        .name("abort-fallback".into())
+        .spawn(move || {
+            std::thread::sleep(ABORT_GRACE);
+            // SAFETY: _exit ends the process at once, without running exit handlers
+            // (MPI's could block on the same unreachable peer).
+            unsafe { libc::_exit(code) }
+        });
     if mpi::environment::is_initialized() && !mpi::environment::is_finalized() {
         // Give the launcher a moment to forward the message just printed: some
         // (Hydra) tear the output channels down as soon as a rank aborts.
@@ -194,6 +406,10 @@ impl Collective for Mpi {
 
     fn host(&self) -> String {
         self.host.clone()
+    }
+
+    fn hosts(&self) -> Vec<String> {
+        self.hosts.clone()
     }
 
     fn describe(&self) -> String {

@@ -50,6 +50,8 @@ pub struct DataParallel {
     exposed: Duration,
     other: Duration,
     reduce_alone: Duration,
+    /// The last iteration at which every rank was seen to hold the same weights.
+    verified_iter: Option<u64>,
 }
 
 impl DataParallel {
@@ -73,6 +75,7 @@ impl DataParallel {
             exposed: Duration::ZERO,
             other: Duration::ZERO,
             reduce_alone: Duration::ZERO,
+            verified_iter: None,
         }
     }
 
@@ -289,13 +292,11 @@ impl DataParallel {
             .collect();
         if !differ.is_empty() {
             bail!(
-                "the ranks' parameters differ at iteration {iter}: rank 0 has checksum {:016x}, {}; \
-                 a host computed differently (faulty memory or CPU, or a different binary); \
-                 resume from the last checkpoint",
-                sums[0],
-                differ.join(", ")
+                "{}",
+                replicas_differ_message(iter, self.verified_iter, sums[0], &differ)
             );
         }
+        self.verified_iter = Some(iter);
         Ok(())
     }
 
@@ -344,6 +345,35 @@ impl DataParallel {
     }
 }
 
+/// The error when the ranks' weights differ at `iter` (`verified`: the last
+/// iteration they were equal): what can cause it, and which checkpoints to trust.
+fn replicas_differ_message(
+    iter: u64,
+    verified: Option<u64>,
+    root: u64,
+    differ: &[String],
+) -> String {
+    let trust = match verified {
+        Some(v) => format!(
+            "they were equal at iteration {v}: a checkpoint written after iteration {v} may \
+             hold diverged weights, so resume only from one written at or before it"
+        ),
+        None => "no checkpoint of this run is known to be good".to_string(),
+    };
+    [
+        format!(
+            "the ranks' weights differ at iteration {iter} (checksum on rank 0 {root:016x}, {})",
+            differ.join(", ")
+        ),
+        trust,
+        "the ranks computed differently: check that every host has the same binary, data and \
+         settings (`nanogpt doctor` under the same launcher compares them); if they do, a host \
+         may be faulty (memory or CPU)"
+            .to_string(),
+    ]
+    .join("; ")
+}
+
 /// A 64-bit checksum of the parameters' bytes, the same for any thread count.
 pub fn params_checksum(params: &[f32]) -> u64 {
     const CHUNK: usize = 1 << 16;
@@ -363,6 +393,30 @@ pub fn params_checksum(params: &[f32]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_divergence_message_is_one_clean_line_that_trusts_only_verified_checkpoints() {
+        let differ = ["rank 2 has 00000000000000ab".to_string()];
+        let msg = replicas_differ_message(40, Some(20), 0x12, &differ);
+        assert!(!msg.contains("  ") && !msg.contains('\n'), "{msg}");
+        assert!(msg.contains("differ at iteration 40"), "{msg}");
+        assert!(msg.contains("rank 2 has 00000000000000ab"), "{msg}");
+        assert!(
+            msg.contains("after iteration 20 may hold diverged"),
+            "{msg}"
+        );
+        assert!(!msg.contains("last checkpoint"), "{msg}");
+        // The likely causes come before a hardware fault.
+        assert!(
+            msg.find("binary").unwrap() < msg.find("memory").unwrap(),
+            "{msg}"
+        );
+        let msg = replicas_differ_message(0, None, 0x12, &differ);
+        assert!(
+            msg.contains("no checkpoint of this run is known to be good"),
+            "{msg}"
+        );
+    }
 
     #[test]
     fn checksum_sees_one_changed_bit_and_ignores_threads() {

@@ -86,29 +86,81 @@ impl Watchdog {
     }
 }
 
+/// What the watchdog does at one look.
+#[derive(Debug, PartialEq)]
+enum Look {
+    /// Nothing armed, or armed for less than the limit.
+    Wait,
+    /// This process itself did not run for `gap_ms` (longer than a poll should take):
+    /// the wait restarts from now, so that the other ranks are given time.
+    Stalled { gap_ms: u64 },
+    /// Armed for longer than the limit.
+    Fire,
+}
+
+/// A look `now` (ms) at a wait armed at `armed_at` (0: none) with `limit` ms of
+/// patience, the previous look having been at `prev` after sleeping `poll` ms.
+fn look(now: u64, prev: u64, poll: u64, armed_at: u64, limit: u64) -> Look {
+    if armed_at == 0 {
+        return Look::Wait;
+    }
+    let gap = now.saturating_sub(prev);
+    // A sleep of `poll` ms that took seconds longer: the process was stopped
+    // (SIGSTOP, a suspended job or VM), not waiting on the others.
+    if gap > poll + 2000 && now.saturating_sub(armed_at) > limit {
+        return Look::Stalled { gap_ms: gap };
+    }
+    match now.saturating_sub(armed_at) > limit {
+        true => Look::Fire,
+        false => Look::Wait,
+    }
+}
+
 fn watch(state: &State) {
+    let now = || state.origin.elapsed().as_millis() as u64 + 1;
+    let mut prev = now();
     loop {
         let timeout = state.timeout_ms.load(Ordering::SeqCst);
         let poll = (timeout / 10).clamp(20, 1000);
         std::thread::sleep(Duration::from_millis(poll));
+        let t = now();
         let armed_at = state.armed_at.load(Ordering::SeqCst);
-        if timeout == 0 || armed_at == 0 {
-            continue;
-        }
         let limit = timeout.saturating_mul(state.patience.load(Ordering::SeqCst));
-        let now = state.origin.elapsed().as_millis() as u64 + 1;
-        if now.saturating_sub(armed_at) > limit {
-            let what = *state.what.lock().unwrap_or_else(|e| e.into_inner());
-            (state.action)(format!(
-                "{}: {what} made no progress for {:.0} s (collective_timeout_s = {:.0}): \
-                 another rank is stopped, hung or unreachable; aborting the job",
-                state.who,
-                limit as f64 / 1e3,
-                timeout as f64 / 1e3
-            ));
-            // The action normally ends the process; if it returns, report once.
-            state.armed_at.store(0, Ordering::SeqCst);
+        let what = || *state.what.lock().unwrap_or_else(|e| e.into_inner());
+        match look(t, prev, poll, armed_at, limit) {
+            _ if timeout == 0 => {}
+            Look::Wait => {}
+            Look::Stalled { gap_ms } => {
+                // Restart this wait only if it is still the same one.
+                let _ = state.armed_at.compare_exchange(
+                    armed_at,
+                    t,
+                    Ordering::SeqCst,
+                    Ordering::SeqCst,
+                );
+                crate::errln!(
+                    "warning: {}: this process was itself stopped for {:.0} s (SIGSTOP, a \
+                     suspended job or VM, or heavy swapping) while in {}; waiting another \
+                     {:.0} s for the other ranks, which may have given up on it",
+                    state.who,
+                    gap_ms as f64 / 1e3,
+                    what(),
+                    limit as f64 / 1e3
+                );
+            }
+            Look::Fire => {
+                (state.action)(format!(
+                    "{}: {} made no progress for {:.0} s (collective_timeout_s = {:.0})",
+                    state.who,
+                    what(),
+                    limit as f64 / 1e3,
+                    timeout as f64 / 1e3
+                ));
+                // The action normally ends the process; if it returns, report once.
+                state.armed_at.store(0, Ordering::SeqCst);
+            }
         }
+        prev = t;
     }
 }
 
@@ -135,7 +187,7 @@ mod tests {
             let _g = dog.arm("broadcast", 1);
             let msg = rx.recv_timeout(Duration::from_secs(5)).expect("fires");
             assert!(
-                msg.contains("rank 1 of 2") && msg.contains("broadcast"),
+                msg.contains("rank 1 of 2") && msg.contains("broadcast made no progress"),
                 "{msg}"
             );
         }
@@ -144,5 +196,20 @@ mod tests {
             std::thread::sleep(Duration::from_millis(500));
         }
         assert!(rx.try_recv().is_err(), "patience multiplies the timeout");
+    }
+
+    #[test]
+    fn a_process_that_was_itself_stopped_waits_again_instead_of_firing() {
+        // Polls every 100 ms, a limit of 1 s, armed at 1000.
+        assert_eq!(look(1500, 1400, 100, 1000, 1000), Look::Wait);
+        assert_eq!(look(2100, 2000, 100, 1000, 1000), Look::Fire);
+        assert_eq!(look(2100, 2000, 100, 0, 1000), Look::Wait, "not armed");
+        // The process did not run from 1500 to 9000: its own stop, not the others'.
+        assert_eq!(
+            look(9000, 1500, 100, 1000, 1000),
+            Look::Stalled { gap_ms: 7500 }
+        );
+        // A stop within a wait that has not yet run out changes nothing.
+        assert_eq!(look(9000, 1500, 100, 1000, 10_000), Look::Wait);
     }
 }

@@ -15,7 +15,7 @@ use crate::plan::{self, MemoryPlan, PlanInput};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::fmt::Display;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Everything a run starts with besides its config and its ranks.
@@ -36,6 +36,8 @@ pub struct Dataset {
     pub val: TokenFile,
     /// Loss masks of instruction data (`train.mask`, `val.mask`), if prepared with them.
     pub masks: Masks,
+    /// The folder the files are in.
+    pub dir: PathBuf,
 }
 
 /// The loss masks of the two splits: both or neither.
@@ -78,6 +80,8 @@ impl Start {
             out_dir_lock = Some(prepare_out_dir(cfg)?);
             comm.barrier_patient();
         }
+        // Every rank must read the same data with the same binary as rank 0.
+        crate::dist::preflight::check_same_inputs(comm, &data.dir)?;
         let mut start = if comm.world_size() == 1 {
             let state = TrainState::build(cfg, &data.meta)?;
             Start {
@@ -133,6 +137,7 @@ impl Dataset {
             train,
             val,
             masks,
+            dir: data_dir,
         })
     }
 }

@@ -1,0 +1,213 @@
+//! `nanogpt prepare hf:OWNER/NAME`: a dataset's parquet files from the Hugging Face
+//! Hub. First the local cache (the layout `huggingface_hub` writes:
+//! `$HF_HUB_CACHE/datasets--OWNER--NAME/snapshots/REV/...`, the same cache folder as
+//! model weights, see [`crate::hf::resolve::HubEnv`]); then, unless
+//! `HF_HUB_OFFLINE=1`, a download into that cache (cargo feature `download`).
+//! Short names users type (`hf:openwebtext`) map to their repositories.
+
+use crate::hf::resolve::{is_hub_id, HubEnv};
+use anyhow::{bail, Result};
+use std::path::{Path, PathBuf};
+
+/// The prefix that marks a Hub dataset.
+pub const PREFIX: &str = "hf:";
+
+/// Short names and the repositories they stand for.
+const SHORT_NAMES: [(&str, &str); 3] = [
+    ("openwebtext", "Skylion007/openwebtext"),
+    ("tinystories", "roneneldan/TinyStories"),
+    ("wikitext", "Salesforce/wikitext"),
+];
+
+/// The repository id of `spec` (`hf:OWNER/NAME` or `hf:SHORT`).
+pub fn repo_id(spec: &str) -> Result<String> {
+    let name = spec.strip_prefix(PREFIX).unwrap_or(spec);
+    if let Some((_, id)) = SHORT_NAMES
+        .iter()
+        .find(|(s, _)| s.eq_ignore_ascii_case(name))
+    {
+        return Ok(id.to_string());
+    }
+    if !name.contains('/') || !is_hub_id(name) {
+        let shorts: Vec<&str> = SHORT_NAMES.iter().map(|(s, _)| *s).collect();
+        bail!(
+            "`{spec}` names no Hub dataset: write hf:OWNER/NAME (e.g. hf:Skylion007/openwebtext) \
+             or one of hf:{}",
+            shorts.join(", hf:")
+        );
+    }
+    Ok(name.to_string())
+}
+
+/// The cache folder of dataset repository `id`: `datasets--owner--name`.
+pub fn cache_folder(cache: &Path, id: &str) -> PathBuf {
+    cache.join(format!("datasets--{}", id.replace('/', "--")))
+}
+
+/// Whether a parquet file's path inside the repository belongs to `split`: a folder
+/// named so (`plain_text/train/0000.parquet`) or a file name starting with it
+/// (`data/train-00000-of-00080.parquet`).
+pub fn in_split(rel: &str, split: &str) -> bool {
+    if !rel.ends_with(".parquet") {
+        return false;
+    }
+    let mut parts: Vec<&str> = rel.split('/').collect();
+    let file = parts.pop().unwrap_or("");
+    parts.contains(&split)
+        || file
+            .strip_prefix(split)
+            .is_some_and(|rest| rest.starts_with(['-', '_', '.']))
+}
+
+/// The parquet files of `split` in the newest snapshot of a cached dataset (the one
+/// `refs/main` names, else the most recently modified), sorted by path.
+fn cached_files(folder: &Path, split: &str) -> Vec<PathBuf> {
+    let snapshots = folder.join("snapshots");
+    let mut revs: Vec<PathBuf> = std::fs::read_dir(&snapshots)
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.path())
+                .filter(|p| p.is_dir())
+                .collect()
+        })
+        .unwrap_or_default();
+    revs.sort_by_key(|p| std::cmp::Reverse(p.metadata().and_then(|m| m.modified()).ok()));
+    if let Ok(main) = std::fs::read_to_string(folder.join("refs").join("main")) {
+        let main = snapshots.join(main.trim());
+        if let Some(i) = revs.iter().position(|p| *p == main) {
+            let r = revs.remove(i);
+            revs.insert(0, r);
+        }
+    }
+    for rev in revs {
+        let mut files = Vec::new();
+        collect(&rev, &rev, split, &mut files);
+        if !files.is_empty() {
+            files.sort();
+            return files;
+        }
+    }
+    Vec::new()
+}
+
+fn collect(root: &Path, dir: &Path, split: &str, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let path = e.path();
+        if path.is_dir() {
+            collect(root, &path, split, out);
+        } else if let Ok(rel) = path.strip_prefix(root) {
+            if in_split(&rel.to_string_lossy(), split) {
+                out.push(path);
+            }
+        }
+    }
+}
+
+/// The parquet files of `split` of the dataset `spec`, from the cache or downloaded.
+pub fn parquet_files(spec: &str, split: &str, env: &HubEnv) -> Result<Vec<PathBuf>> {
+    let id = repo_id(spec)?;
+    let Some(cache) = &env.cache else {
+        bail!("{spec}: no Hugging Face cache folder (set HF_HUB_CACHE or HF_HOME)");
+    };
+    let folder = cache_folder(cache, &id);
+    let files = cached_files(&folder, split);
+    if !files.is_empty() {
+        crate::errln!(
+            "{spec}: {} parquet file(s) of split `{split}` from the cache {}",
+            files.len(),
+            folder.display()
+        );
+        return Ok(files);
+    }
+    let why = match env.offline {
+        true => "HF_HUB_OFFLINE is set, so nothing is downloaded".to_string(),
+        false => match download(&id, split, cache, env.endpoint.as_deref()) {
+            Ok(files) if !files.is_empty() => return Ok(files),
+            Ok(_) => format!("the repository has no parquet files of split `{split}`"),
+            Err(e) => e,
+        },
+    };
+    bail!(
+        "{spec}: no parquet files of split `{split}` in {} and {why}; download them with \
+         `huggingface-cli download --repo-type dataset {id}` (or choose --split), or give the \
+         parquet folder's path to `nanogpt prepare`",
+        folder.display()
+    )
+}
+
+/// Downloads the parquet files of `split` into the cache; returns their paths.
+#[cfg(feature = "download")]
+fn download(
+    id: &str,
+    split: &str,
+    cache: &Path,
+    endpoint: Option<&str>,
+) -> std::result::Result<Vec<PathBuf>, String> {
+    use hf_hub::api::sync::ApiBuilder;
+    use hf_hub::Cache;
+    let mut builder = ApiBuilder::from_cache(Cache::new(cache.to_path_buf())).with_progress(true);
+    if let Some(endpoint) = endpoint {
+        builder = builder.with_endpoint(endpoint.to_string());
+    }
+    let api = builder.build().map_err(|e| e.to_string())?;
+    let repo = api.dataset(id.to_string());
+    let info = repo
+        .info()
+        .map_err(|e| format!("the Hub did not answer ({e})"))?;
+    let names: Vec<String> = info
+        .siblings
+        .into_iter()
+        .map(|s| s.rfilename)
+        .filter(|n| in_split(n, split))
+        .collect();
+    crate::errln!(
+        "downloading {} parquet file(s) of {id} (split `{split}`) into {}",
+        names.len(),
+        cache.display()
+    );
+    names
+        .iter()
+        .map(|n| {
+            repo.get(n)
+                .map_err(|e| format!("download of {n} failed ({e})"))
+        })
+        .collect()
+}
+
+#[cfg(not(feature = "download"))]
+fn download(
+    _id: &str,
+    _split: &str,
+    _cache: &Path,
+    _endpoint: Option<&str>,
+) -> std::result::Result<Vec<PathBuf>, String> {
+    Err("this nanogpt was built without the `download` feature".to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_splits() {
+        assert_eq!(repo_id("hf:openwebtext").unwrap(), "Skylion007/openwebtext");
+        assert_eq!(repo_id("hf:me/docs").unwrap(), "me/docs");
+        let err = repo_id("hf:nonesuch").unwrap_err().to_string();
+        assert!(
+            err.contains("hf:OWNER/NAME") && err.contains("hf:openwebtext"),
+            "{err}"
+        );
+        assert!(in_split("data/train-00000-of-00080.parquet", "train"));
+        assert!(in_split("plain_text/train/0000.parquet", "train"));
+        assert!(!in_split("plain_text/test/0000.parquet", "train"));
+        assert!(!in_split("data/trainer-0.parquet", "train"));
+        assert!(!in_split("data/train-0.json", "train"));
+        assert_eq!(
+            cache_folder(Path::new("/c"), "me/docs"),
+            Path::new("/c/datasets--me--docs")
+        );
+    }
+}

@@ -1,0 +1,285 @@
+//! `nanogpt doctor`: the pre-flight check of a job, alone or under the same
+//! launcher as the training run. Every rank reports its host, binary, CPU path,
+//! memory and the fingerprint of the data it would read; rank 0 adds whether it
+//! can write `out_dir`; the ranks measure an all-reduce of the gradient's size.
+//! Rank 0 prints one table (or JSON) and every rank exits non-zero when anything
+//! differs from rank 0 or cannot work.
+
+use crate::config::TrainConfig;
+use crate::dist::preflight::{self, Fingerprint};
+use crate::dist::{Collective, GradPlan, Reduce};
+use crate::model::{ModelConfig, ParamLayout};
+use anyhow::Result;
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// One rank's row.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RankRow {
+    pub rank: usize,
+    pub host: String,
+    pub binary: String,
+    /// The matmul path: AMX-BF16, AVX-512 or AVX2 (f32).
+    pub cpu: String,
+    pub threads: usize,
+    pub cores: usize,
+    pub mem_available_gib: f64,
+    /// The dataset folder as this rank resolves it, and its fingerprint.
+    pub data_dir: String,
+    pub data_fingerprint: String,
+    /// Rank 0 only: whether `out_dir` can be written (None elsewhere).
+    pub out_dir_writable: Option<bool>,
+    /// What is wrong on this rank (empty: nothing).
+    pub problems: Vec<String>,
+}
+
+/// The measured all-reduce of the gradient's size.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct AllReduce {
+    pub bytes: usize,
+    pub ms: f64,
+    /// Bytes of the buffer per second of all-reduce, GB/s.
+    pub gb_per_s: f64,
+    /// An all-reduce of one number, µs (the median of 20).
+    pub latency_us: f64,
+}
+
+/// The whole report.
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    pub ok: bool,
+    pub ranks: Vec<RankRow>,
+    pub placement: String,
+    pub warnings: Vec<String>,
+    pub all_reduce: AllReduce,
+}
+
+/// Runs the checks (a collective: every rank calls it); every rank returns the
+/// report (complete on rank 0, which prints it).
+pub fn run(comm: &dyn Collective, cfg: &TrainConfig, threads: usize) -> Result<Report> {
+    let root = comm.rank() == 0;
+    // Rank 0 prepares a built-in dataset first, as `train` does.
+    if !root {
+        comm.barrier_patient();
+    }
+    let data_dir = crate::data::find_or_prepare_dataset(&cfg.dataset);
+    if root {
+        comm.barrier_patient();
+    }
+    let mut problems = Vec::new();
+    let (dir_text, print) = match &data_dir {
+        Ok(dir) => (dir.display().to_string(), Fingerprint::of(dir)?),
+        Err(e) => {
+            problems.push(format!("{e:#}"));
+            (
+                cfg.dataset.clone(),
+                Fingerprint::of(Path::new(&cfg.dataset))?,
+            )
+        }
+    };
+    // Rank 0's fingerprint, compared here.
+    let mut bytes = match root {
+        true => serde_json::to_vec(&print)?,
+        false => Vec::new(),
+    };
+    comm.broadcast_bytes(&mut bytes, 0);
+    let root_print: Fingerprint = serde_json::from_slice(&bytes)?;
+    if let Ok(dir) = &data_dir {
+        problems.extend(print.differences(&root_print, dir));
+    }
+    let out_dir_writable = root.then(|| match out_dir_writable(&cfg.out_dir) {
+        Ok(()) => true,
+        Err(e) => {
+            problems.push(e);
+            false
+        }
+    });
+    let row = RankRow {
+        rank: comm.rank(),
+        host: match comm.world_size() {
+            1 => crate::dist::this_host(),
+            _ => comm.host(),
+        },
+        binary: print.binary.clone(),
+        cpu: cpu_path(),
+        threads,
+        cores: crate::threads::host_cores().unwrap_or(0),
+        mem_available_gib: mem_available_gib(),
+        data_dir: dir_text,
+        data_fingerprint: format!("{:016x}", print.digest()),
+        out_dir_writable,
+        problems,
+    };
+    let rows: Vec<RankRow> = preflight::all_gather_text(comm, &serde_json::to_string(&row)?)
+        .iter()
+        .map(|t| serde_json::from_str(t))
+        .collect::<Result<_, _>>()?;
+    // The gradient's size: the config's architecture on the dataset's vocabulary.
+    let vocab = data_dir
+        .as_ref()
+        .ok()
+        .and_then(|d| crate::data::Meta::load(d).ok())
+        .map_or(50257, |m| m.vocab_size);
+    let all_reduce = measure_all_reduce(comm, cfg, vocab);
+    let hosts: Vec<String> = rows.iter().map(|r| r.host.clone()).collect();
+    let threads: Vec<u64> = rows.iter().map(|r| r.threads as u64).collect();
+    let cores: Vec<u64> = rows.iter().map(|r| r.cores as u64).collect();
+    let (placement, warnings) = preflight::placement(&hosts, &threads, &cores);
+    let ok = rows.iter().all(|r| r.problems.is_empty());
+    Ok(Report {
+        ok,
+        ranks: rows,
+        placement,
+        warnings,
+        all_reduce,
+    })
+}
+
+/// Creates `out_dir` if needed and writes (then removes) a probe file in it.
+fn out_dir_writable(dir: &Path) -> Result<(), String> {
+    let fail = |e: std::io::Error| format!("out_dir {} is not writable: {e}", dir.display());
+    std::fs::create_dir_all(dir).map_err(fail)?;
+    let probe = dir.join(".nanogpt-doctor-probe");
+    std::fs::write(&probe, b"probe").map_err(fail)?;
+    std::fs::remove_file(&probe).map_err(fail)
+}
+
+/// The matmul path this CPU takes.
+fn cpu_path() -> String {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let amx = crate::kernels::bf16::amx::cpu_has_amx();
+        let avx512 = std::is_x86_feature_detected!("avx512f");
+        let avx512bf16 = std::is_x86_feature_detected!("avx512bf16");
+        let mut parts = vec![match avx512 {
+            true => "AVX-512 f32",
+            false => "AVX2 f32",
+        }];
+        if amx {
+            parts.push("AMX-BF16");
+        } else if avx512bf16 {
+            parts.push("AVX512-BF16 (bf16 via f32 GEMM)");
+        } else {
+            parts.push("bf16 via f32 GEMM");
+        }
+        parts.join(", ")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        "portable f32".into()
+    }
+}
+
+/// `MemAvailable` of /proc/meminfo, GiB (0 when unknown).
+fn mem_available_gib() -> f64 {
+    let text = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    text.lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map_or(0.0, |kb| kb / (1024.0 * 1024.0))
+}
+
+/// The config's gradient (every parameter, f32) all-reduced: the best of three,
+/// and the latency of a one-number all-reduce (median of 20).
+fn measure_all_reduce(comm: &dyn Collective, cfg: &TrainConfig, vocab: usize) -> AllReduce {
+    let model = ModelConfig {
+        vocab_size: vocab,
+        block_size: cfg.block_size,
+        n_layer: cfg.n_layer,
+        n_head: cfg.n_head,
+        n_embd: cfg.n_embd,
+        bias: cfg.bias,
+        dropout: 0.0,
+    };
+    let n = ParamLayout::new(&model).len;
+    // One bucket: the whole gradient.
+    let whole = [std::ops::Range { start: 0, end: n }];
+    let plan = GradPlan::new(&whole, n, comm.world_size(), comm.rank(), 0);
+    let grads = vec![1.0f32; n];
+    let (mut send, mut recv) = (vec![0.0; plan.send_len], vec![0.0; plan.recv_len]);
+    let mut best = Duration::MAX;
+    for _ in 0..3 {
+        let start = Instant::now();
+        comm.reduce_during_backward(
+            Reduce::AllReduce,
+            &plan.buckets,
+            &mut send,
+            &mut recv,
+            &mut |hook| hook(0..n, &grads),
+        );
+        best = best.min(start.elapsed());
+    }
+    let mut lat = Vec::with_capacity(20);
+    for _ in 0..20 {
+        let mut v = [1.0f64];
+        let start = Instant::now();
+        comm.all_reduce_sum_f64(&mut v);
+        lat.push(start.elapsed());
+    }
+    lat.sort();
+    let secs = best.as_secs_f64();
+    AllReduce {
+        bytes: n * 4,
+        ms: secs * 1e3,
+        gb_per_s: if secs > 0.0 {
+            n as f64 * 4.0 / secs / 1e9
+        } else {
+            0.0
+        },
+        latency_us: lat[lat.len() / 2].as_secs_f64() * 1e6,
+    }
+}
+
+/// The report as a table, one row per rank.
+pub fn table(report: &Report) -> String {
+    let mut out = String::new();
+    out.push_str(&format!(
+        "{:<5} {:<14} {:<40} {:<44} {:>7} {:>9} {:<17} {:<8}\n",
+        "rank", "host", "binary", "cpu", "threads", "mem GiB", "data", "out_dir"
+    ));
+    for r in &report.ranks {
+        let out_dir = match r.out_dir_writable {
+            Some(true) => "writable",
+            Some(false) => "NO",
+            None => "-",
+        };
+        out.push_str(&format!(
+            "{:<5} {:<14} {:<40} {:<44} {:>7} {:>9.1} {:<17} {:<8}\n",
+            r.rank,
+            r.host,
+            r.binary,
+            r.cpu,
+            format!("{}/{}", r.threads, r.cores),
+            r.mem_available_gib,
+            r.data_fingerprint,
+            out_dir
+        ));
+    }
+    out.push_str(&report.placement);
+    out.push('\n');
+    let a = &report.all_reduce;
+    out.push_str(&format!(
+        "all-reduce of the gradient ({:.1} MB): {:.1} ms, {:.2} GB/s; latency {:.0} µs\n",
+        a.bytes as f64 / 1e6,
+        a.ms,
+        a.gb_per_s,
+        a.latency_us
+    ));
+    for w in &report.warnings {
+        out.push_str(&format!("warning: {w}\n"));
+    }
+    for r in &report.ranks {
+        for p in &r.problems {
+            out.push_str(&format!(
+                "problem: rank {} (host {}): {p}\n",
+                r.rank, r.host
+            ));
+        }
+    }
+    out.push_str(match report.ok {
+        true => "ok: every rank has the same binary and data as rank 0\n",
+        false => "NOT OK: fix the problems above before training\n",
+    });
+    out
+}
