@@ -110,9 +110,10 @@ fn kill_and_resume(tag: &str, fault: &str, resumes_from: &str) -> (String, Strin
 fn interval_checkpoints_keep_the_newest_and_resume_picks_the_latest() {
     let dir = temp_dir("interval");
     let d = dir.path();
-    train(d, &["max_iters=10", "keep_last=2"]);
+    train(d, &["max_iters=8", "keep_last=2"]);
     let run_dir = d.join("run");
-    // Interval checkpoints at 3, 6, 9: the newest two are kept, with their JSON.
+    // Interval checkpoints at 3, 6, 9 (the last one the final state, after iteration
+    // 8): the newest two are kept, with their JSON.
     assert_eq!(
         files(&run_dir),
         [
@@ -442,7 +443,7 @@ fn a_full_disk_stops_the_run_and_keeps_the_previous_checkpoint() {
     assert_eq!(
         before.len(),
         6,
-        "ckpt-000002, ckpt-000004, ckpt: each with JSON"
+        "ckpt-000004, ckpt-000005 (the final state), ckpt: each with JSON"
     );
     let ckpt_len = std::fs::metadata(run_dir.join("ckpt.safetensors"))
         .unwrap()
@@ -467,12 +468,14 @@ fn a_full_disk_stops_the_run_and_keeps_the_previous_checkpoint() {
         .env_remove("NANOGPT_FAULT");
     let out = cmd.output().unwrap();
     let stderr = refused(&out);
-    // Resuming at 4 evaluates first and (always_save_checkpoint) rewrites ckpt.safetensors.
+    // The first run's final state resumes at 5; after iteration 5 the interval
+    // checkpoint of 6 cannot be written.
     assert!(
         stderr.contains(
-            "error: the checkpoint of iteration 4 was not saved (free disk space or fix the \
-             permissions of run, then continue with init_from=resume): run/ckpt.safetensors was \
-             not written (any previous copy is intact): cannot write run/.ckpt.safetensors.tmp-"
+            "error: the checkpoint of iteration 6 was not saved (free disk space or fix the \
+             permissions of run, then continue with init_from=resume): run/ckpt-000006.safetensors \
+             was not written (any previous copy is intact): cannot write \
+             run/.ckpt-000006.safetensors.tmp-"
         ) && stderr.trim_end().ends_with("File too large (os error 27)"),
         "{stderr}"
     );
@@ -545,7 +548,7 @@ fn a_malformed_fault_setting_is_refused() {
 #[test]
 fn eval_and_sample_read_interval_checkpoints() {
     let dir = temp_dir("interval-eval");
-    train(dir.path(), &["max_iters=7", "eval_interval=0"]);
+    train(dir.path(), &["max_iters=5", "eval_interval=0"]);
     let run_dir = dir.path().join("run");
     assert!(!run_dir.join("ckpt.safetensors").exists());
     let eval = |init_from: &str| {
@@ -556,7 +559,8 @@ fn eval_and_sample_read_interval_checkpoints() {
         let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
         report["loss"].as_f64().unwrap()
     };
-    // Interval checkpoints resuming at 3 and 6; the directory means the newest.
+    // Interval checkpoints resuming at 3 and 6 (the final state); the directory means
+    // the newest.
     let newest = eval("run");
     assert_eq!(newest, eval("run/ckpt-000006.safetensors"));
     let older = eval("run/ckpt-000003.safetensors");
@@ -660,8 +664,15 @@ fn an_evaluation_only_resume_keeps_every_logged_row_and_appends_its_evaluation()
     train(d, &["max_iters=8"]);
     let log = d.join("run/metrics.jsonl");
     let before = std::fs::read_to_string(&log).unwrap();
+    let checkpoints = snapshot(&d.join("run"));
     let out = train(d, &["max_iters=8", "init_from=resume", "eval_only=True"]);
     assert!(out.contains("val loss"), "{out}");
+    // It wrote no checkpoint (with always_save_checkpoint, it used to rewrite
+    // ckpt.safetensors and ckpt.json, recording the evaluation-only config).
+    assert!(
+        snapshot(&d.join("run")) == checkpoints,
+        "a checkpoint changed"
+    );
     let after = std::fs::read_to_string(&log).unwrap();
     let added = after
         .strip_prefix(before.as_str())
@@ -672,4 +683,121 @@ fn an_evaluation_only_resume_keeps_every_logged_row_and_appends_its_evaluation()
         .collect();
     assert_eq!(rows.len(), 1, "{added}");
     assert!(rows[0]["val_loss"].is_number(), "{added}");
+}
+
+/// The `done: train loss X, val loss Y` line of a run's stdout, as printed.
+fn done_line(stdout: &str) -> &str {
+    let done = stdout.lines().find(|l| l.starts_with("done: "));
+    done.unwrap_or_else(|| panic!("no closing line:\n{stdout}"))
+}
+
+/// The `train_loss`/`val_loss` row of `out_dir/metrics.jsonl` at `iter`, as printed.
+fn eval_row(out_dir: &Path, iter: u64) -> String {
+    let train = metric(out_dir, "train_loss");
+    let val = metric(out_dir, "val_loss");
+    let at = |rows: &[(u64, f64)]| {
+        let row = rows.iter().find(|r| r.0 == iter);
+        row.unwrap_or_else(|| panic!("no evaluation at {iter}: {rows:?}"))
+            .1
+    };
+    format!(
+        "done: train loss {:.4}, val loss {:.4}",
+        at(&train),
+        at(&val)
+    )
+}
+
+/// A run whose `max_iters` ends before its first evaluation after iteration 0 (it
+/// used to exit 0 with no checkpoint, report iteration 0's losses as "done", and
+/// suggest a `sample` that failed): the final state is evaluated and checkpointed,
+/// `sample` works, and `init_from=resume` continues from it.
+#[test]
+fn a_run_shorter_than_its_evaluation_interval_keeps_its_final_state() {
+    let dir = temp_dir("short-run");
+    let d = dir.path();
+    let stdout = train(d, &["max_iters=3", "eval_interval=250", "ckpt_interval=0"]);
+    let run_dir = d.join("run");
+    // Iterations 0..=3 trained: the final state resumes at 4.
+    assert_eq!(read_json(&run_dir.join("ckpt.json"))["iter_num"], 4);
+    // (The final evaluation improved on iteration 0's, so it wrote ckpt.safetensors,
+    // which holds the final state: nothing more to save.)
+    let mut saved = stdout.lines().filter(|l| l.starts_with("saving"));
+    assert_eq!(
+        saved.next_back(),
+        Some("saving checkpoint to run/ckpt.safetensors"),
+        "{stdout}"
+    );
+    assert_eq!(done_line(&stdout), eval_row(&run_dir, 4), "{stdout}");
+    let args = ["sample", "--out-dir", "run", "--max-new-tokens", "10"];
+    succeeds(&mut command(d, args));
+    let (stdout, _) = resume(d, 5);
+    assert!(
+        stdout.contains("resuming from run/ckpt.safetensors at iteration 4"),
+        "{stdout}"
+    );
+}
+
+/// With `always_save_checkpoint=False`, `ckpt.safetensors` stays the best-val
+/// checkpoint (nanoGPT's meaning) and the final state goes to an interval checkpoint,
+/// which `init_from=resume` takes as the newest. The last evaluation at `max_iters`
+/// (nanoGPT's) is what the closing line reports, not a new one.
+#[test]
+fn without_always_save_the_final_state_is_an_interval_checkpoint() {
+    let dir = temp_dir("final-interval");
+    let d = dir.path();
+    let args = [
+        "max_iters=4",
+        "ckpt_interval=0",
+        "always_save_checkpoint=False",
+    ];
+    let stdout = train(d, &args);
+    let run_dir = d.join("run");
+    assert_eq!(read_json(&run_dir.join("ckpt-000005.json"))["iter_num"], 5);
+    assert!(
+        stdout.contains("saving the final state to run/ckpt-000005.safetensors"),
+        "{stdout}"
+    );
+    // The best-val checkpoint is the evaluation's at 4 (the loss falls from 0 to 4).
+    assert_eq!(read_json(&run_dir.join("ckpt.json"))["iter_num"], 4);
+    assert_eq!(done_line(&stdout), eval_row(&run_dir, 4), "{stdout}");
+    assert!(metric(&run_dir, "val_loss").iter().all(|r| r.0 <= 4));
+    let (stdout, _) = resume(d, 6);
+    assert!(
+        stdout.contains("resuming from run/ckpt-000005.safetensors at iteration 5"),
+        "{stdout}"
+    );
+    assert_eq!(step_losses(&run_dir), reference(6));
+}
+
+/// With `always_save_checkpoint=True`, `ckpt.safetensors` is the newest state: the
+/// evaluation at `max_iters` writes it, and after the last step the final state
+/// replaces it.
+#[test]
+fn with_always_save_the_final_state_is_ckpt_safetensors() {
+    let dir = temp_dir("final-always");
+    let d = dir.path();
+    let args = [
+        "max_iters=4",
+        "ckpt_interval=0",
+        "always_save_checkpoint=True",
+    ];
+    let stdout = train(d, &args);
+    let run_dir = d.join("run");
+    assert_eq!(read_json(&run_dir.join("ckpt.json"))["iter_num"], 5);
+    assert!(
+        stdout.contains("saving the final state to run/ckpt.safetensors"),
+        "{stdout}"
+    );
+    assert!(
+        checkpoint_files(&run_dir).is_empty(),
+        "{:?}",
+        files(&run_dir)
+    );
+}
+
+/// The interval checkpoints of `dir`.
+fn checkpoint_files(dir: &Path) -> Vec<String> {
+    let mut names = files(dir);
+    names.retain(|n| n.starts_with("ckpt-"));
+    names
 }

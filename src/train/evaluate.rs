@@ -48,6 +48,23 @@ impl Trainer {
         Ok(((totals[0] / n) as f32, (totals[1] / n) as f32))
     }
 
+    /// Evaluates the model as it is at iteration `iter` (not yet trained), says so,
+    /// and logs, plots and checkpoints as [`Trainer::after_eval`] does; returns
+    /// `(iter, train loss, val loss)`.
+    pub(super) fn evaluate_and_log(
+        &mut self,
+        iter: u64,
+        progress: &mut Option<Progress>,
+    ) -> Result<(u64, f32, f32)> {
+        let (train_loss, val_loss) = self.evaluate()?;
+        say(
+            progress,
+            &format!("step {iter}: train loss {train_loss:.4}, val loss {val_loss:.4}"),
+        );
+        self.after_eval(iter, train_loss, val_loss, progress)?;
+        Ok((iter, train_loss, val_loss))
+    }
+
     pub(super) fn after_eval(
         &mut self,
         iter: u64,
@@ -70,7 +87,9 @@ impl Trainer {
         if improved {
             self.best_val_loss = val_loss;
         }
-        if iter > 0 && (improved || self.cfg.always_save_checkpoint) {
+        // An evaluation-only run changes no checkpoint (its state is the checkpoint's).
+        let wanted = improved || self.cfg.always_save_checkpoint;
+        if iter > 0 && wanted && !self.cfg.eval_only {
             self.save_checkpoint(iter)?;
             say(
                 progress,

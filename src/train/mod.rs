@@ -7,6 +7,8 @@
 //!     clip to grad_clip, AdamW step at lr(iter) (skipped if the loss or norm is
 //!         not finite), log
 //!     every ckpt_interval, or on SIGINT/SIGTERM: checkpoint (then stop, for a signal)
+//! at the end: evaluate the final state unless iteration max_iters was evaluated,
+//!     and checkpoint it unless this run already did
 //! ```
 //! The global batch of an iteration is a pure function of `(seed, iter)`, and the
 //! dropout masks of `(seed, iter, micro-step)`, so a resumed run repeats exactly what
@@ -52,7 +54,8 @@ pub struct TrainOutcome {
     /// The last iteration trained (or evaluated, with `eval_only`).
     pub iter_num: u64,
     pub best_val_loss: f32,
-    /// The last evaluation's losses, if any ran.
+    /// The losses of the last evaluation, if any ran: of the final state, or of
+    /// iteration `max_iters` (see `Trainer::finish`).
     pub last_eval: Option<(f32, f32)>,
     pub final_train_loss: Option<f32>,
     /// Set when a signal stopped the run: the signal and the checkpoint written.
@@ -101,6 +104,8 @@ pub struct Trainer {
     peak_gflops: f64,
     /// Steps skipped in a row for a non-finite loss or gradient norm.
     nonfinite_in_row: u64,
+    /// The iteration this run's newest checkpoint resumes at (the same on every rank).
+    saved_at: Option<u64>,
 }
 
 impl Trainer {
@@ -149,6 +154,7 @@ impl Trainer {
             offsets: vec![0; cfg.batch_size],
             peak_gflops,
             nonfinite_in_row: 0,
+            saved_at: None,
             cfg,
             model: state.model,
             opt: state.opt,
@@ -199,20 +205,15 @@ impl Trainer {
     pub fn run(&mut self) -> Result<TrainOutcome> {
         let root = self.rank() == 0;
         let mut progress = root.then(|| Progress::new(self.iter_num, self.cfg.max_iters + 1));
-        let mut last_eval = None;
+        // The iteration and losses of the last evaluation.
+        let mut last_eval: Option<(u64, f32, f32)> = None;
         let mut final_train_loss = None;
         let mut stopped = None;
         loop {
             let iter = self.iter_num;
             let due = self.cfg.eval_interval > 0 && iter.is_multiple_of(self.cfg.eval_interval);
             if due || self.cfg.eval_only {
-                let (train_loss, val_loss) = self.evaluate()?;
-                last_eval = Some((train_loss, val_loss));
-                say(
-                    &mut progress,
-                    &format!("step {iter}: train loss {train_loss:.4}, val loss {val_loss:.4}"),
-                );
-                self.after_eval(iter, train_loss, val_loss, &mut progress)?;
+                last_eval = Some(self.evaluate_and_log(iter, &mut progress)?);
             }
             if self.cfg.eval_only {
                 break;
@@ -248,6 +249,7 @@ impl Trainer {
                 );
             }
             if self.iter_num > self.cfg.max_iters {
+                self.finish(&mut last_eval, &mut progress)?;
                 break;
             }
         }
@@ -259,7 +261,7 @@ impl Trainer {
             out_dir: self.cfg.out_dir.clone(),
             iter_num: self.iter_num,
             best_val_loss: self.best_val_loss,
-            last_eval,
+            last_eval: last_eval.map(|(_, train, val)| (train, val)),
             final_train_loss,
             stopped,
         })
