@@ -564,6 +564,104 @@ fn resume_on_a_dataset_with_another_vocabulary() {
     );
 }
 
+/// `rel/ckpt.safetensors`: the trained run's newest checkpoint, its run state and
+/// AdamW second moments edited by `edit` (as a hand edit or a hostile file would).
+fn write_edited_checkpoint(
+    s: &Scene,
+    rel: &str,
+    edit: impl FnOnce(&mut CheckpointState, &mut [f32]),
+) {
+    let ckpt = checkpoint::Checkpoint::open_latest(trained_run())
+        .unwrap()
+        .checkpoint;
+    let layout = ParamLayout::new(&ckpt.state.model);
+    let mut params = vec![0.0; layout.len];
+    ckpt.load_params(&layout, &mut params).unwrap();
+    let (mut m, mut v) = (vec![0.0; layout.len], vec![0.0; layout.len]);
+    assert!(ckpt.load_moments(&layout, &mut m, &mut v).unwrap());
+    let mut state = ckpt.state.clone();
+    edit(&mut state, &mut v);
+    let dir = s.file(rel);
+    std::fs::create_dir_all(&dir).unwrap();
+    checkpoint::save(&dir, &state, &layout, &params, Some((&m, &v))).unwrap();
+}
+
+/// A checkpoint whose run state was edited into one no run writes is refused by
+/// resume and by sample, at once, naming the file and the field. (An iter_num of
+/// 2^64 - 1 used to wrap the counter: the run "resumed" at 0 and overwrote the
+/// checkpoint, exit 0.)
+#[test]
+fn checkpoint_with_an_impossible_run_state() {
+    type Edit = fn(&mut CheckpointState, &mut [f32]);
+    let cases: [(&str, Edit, &[&str]); 6] = [
+        (
+            "iter",
+            |st, _| st.iter_num = u64::MAX,
+            &["iter_num = 18446744073709551615"],
+        ),
+        (
+            "adam",
+            |st, _| st.adam_step = st.iter_num + 5,
+            &["adam_step = 8 is more than iter_num = 3"],
+        ),
+        (
+            "best",
+            |st, _| st.best_val_loss = -1.0,
+            &["best_val_loss = -1"],
+        ),
+        ("world", |st, _| st.world_size = 0, &["world_size = 0"]),
+        (
+            "tokenizer",
+            |st, _| st.tokenizer["chars"] = "abc".into(),
+            &["tokenizer: `chars` has 3 characters but vocab_size is 9"],
+        ),
+        (
+            "moments",
+            |_, v| v[7] = -1.0,
+            &["optimizer.v.", "negative, NaN or infinite values"],
+        ),
+    ];
+    for (tag, edit, phrases) in cases {
+        let s = Scene::new(&format!("ckpt-state-{tag}"));
+        write_edited_checkpoint(&s, "run", edit);
+        let started = std::time::Instant::now();
+        let mut phrases = phrases.to_vec();
+        phrases.push("run/ckpt.safetensors");
+        s.train_refused(&["init_from=resume", "max_iters=100"], &phrases);
+        if tag != "moments" {
+            // (Sampling reads no AdamW moments.)
+            s.refused(
+                &["sample", "--out-dir", "run", "--max-new-tokens", "4"],
+                &phrases,
+            );
+        }
+        assert!(
+            started.elapsed().as_secs() < 20,
+            "{tag}: {:?}",
+            started.elapsed()
+        );
+    }
+}
+
+/// Resuming a run that already reached `max_iters` is refused (it used to train one
+/// more iteration past the end); `eval_only` still evaluates it.
+#[test]
+fn resume_past_max_iters() {
+    let s = Scene::new("resume-finished");
+    s.add_run("run");
+    s.train_refused(
+        &["init_from=resume"],
+        &[
+            "resumes at iteration 3, past max_iters = 2",
+            "raise max_iters",
+        ],
+    );
+    succeeds(&mut command(
+        s.path(),
+        train_args(&["init_from=resume", "eval_only=True"]),
+    ));
+}
+
 // ---- configuration -------------------------------------------------------------
 
 #[test]

@@ -266,6 +266,15 @@ fn resume(cfg: &TrainConfig, meta: &Meta, adam_cfg: AdamWConfig) -> Result<Train
         state.iter_num
     );
     check_resume_compatible(cfg, meta, state)?;
+    if state.iter_num > cfg.max_iters && !cfg.eval_only {
+        bail!(
+            "{} resumes at iteration {}, past max_iters = {}: that run is finished; raise \
+             max_iters to train it further (or set eval_only=True to evaluate it)",
+            ckpt.path().display(),
+            state.iter_num,
+            cfg.max_iters
+        );
+    }
     note_ignored_architecture(cfg, &ckpt.path().display(), &state.model);
     let model_cfg = ModelConfig {
         dropout: cfg.dropout,
