@@ -801,3 +801,69 @@ fn checkpoint_files(dir: &Path) -> Vec<String> {
     names.retain(|n| n.starts_with("ckpt-"));
     names
 }
+
+/// `d/ds`: a char dataset of its own (the test changes its files), prepared from
+/// 20,000 characters of varied text.
+fn private_dataset(d: &Path) {
+    let text: String = (0..20_000u32)
+        .map(|i| char::from(b'a' + (i * 7 % 23 + i / 300 % 3) as u8))
+        .collect();
+    std::fs::write(d.join("t.txt"), text).unwrap();
+    let args = ["prepare", "t.txt", "--out", "ds", "--tokenizer", "char"];
+    succeeds(&mut command(d, args));
+}
+
+/// A token file truncated, or rewritten in place, while a run reads it: the run
+/// stops with one line naming the file and the fix (it used to die of SIGBUS, exit
+/// 135, with no message: the file was memory-mapped); its checkpoints are intact.
+#[test]
+fn a_token_file_changed_during_training_is_an_error_not_a_crash() {
+    type Change = fn(&Path);
+    let changes: [(&str, Change, &str); 2] = [
+        (
+            "truncated",
+            |p| {
+                let f = std::fs::OpenOptions::new().write(true).open(p).unwrap();
+                f.set_len(1000).unwrap();
+            },
+            "1000 bytes now",
+        ),
+        (
+            "rewritten",
+            |p| {
+                let len = std::fs::metadata(p).unwrap().len() as usize;
+                std::fs::write(p, vec![0xff; len]).unwrap();
+            },
+            "token id 65535 is outside the vocabulary",
+        ),
+    ];
+    for (tag, change, phrase) in changes {
+        let dir = temp_dir(&format!("changed-{tag}"));
+        let d = dir.path();
+        private_dataset(d);
+        let mut cmd = train_command(
+            d,
+            &["dataset=ds", "max_iters=12"],
+            Some("pause-during-step:5:1500"),
+        );
+        let (child, mut stderr, seen) = start_paused(cmd.stdout(Stdio::null()));
+        let checkpoints = snapshot(&d.join("run"));
+        assert!(!checkpoints.is_empty());
+        change(&d.join("ds/train.bin"));
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut stderr, &mut rest).unwrap();
+        let mut out = child.wait_with_output().unwrap();
+        out.stderr = (seen + &rest).into_bytes();
+        let msg = refused(&out);
+        assert!(
+            msg.contains("token file ds/train.bin changed while in use")
+                && msg.contains(phrase)
+                && msg.contains("re-run prepare into a new folder"),
+            "{tag}: {msg}"
+        );
+        // (The step in progress finished and ckpt-000006 was written before the next
+        // read failed.)
+        let after = snapshot(&d.join("run"));
+        assert!(checkpoints.iter().all(|c| after.contains(c)), "{tag}");
+    }
+}

@@ -4,7 +4,7 @@
 //!   `.parquet` files) into nanoGPT's format: `train.bin` / `val.bin` (uint16
 //!   little-endian token ids) plus a [`Meta`] file, `meta.json`.
 //! - [`Tokenizer`] encodes prompts and decodes samples for a prepared dataset.
-//! - [`loader`] memory-maps the `.bin` files and cuts them into batches that are a
+//! - [`loader`] reads the `.bin` files window by window and cuts them into batches that are a
 //!   pure function of `(seed, iteration)`.
 //! - [`find_or_prepare_dataset`] maps a config's `dataset` key to its prepared
 //!   directory, preparing the bundled Shakespeare on first use.

@@ -497,7 +497,7 @@ mod tests {
     }
 
     fn read_bin(path: &Path) -> Vec<u16> {
-        TokenFile::open(path).unwrap().tokens().to_vec()
+        TokenFile::open(path).unwrap().read_all().unwrap()
     }
 
     #[test]

@@ -4,7 +4,7 @@
 use super::report::say;
 use super::Trainer;
 use crate::checkpoint;
-use crate::data::{self, fill_batch, Draw};
+use crate::data::{self, Draw};
 use crate::fault;
 use crate::metrics::{plot_loss, Row};
 use crate::progress::Progress;
@@ -28,13 +28,8 @@ impl Trainer {
             for k in (rank..self.cfg.eval_iters).step_by(world) {
                 let offsets = &mut self.offsets;
                 data::loader::batch_offsets_into(self.cfg.seed, draw, k, file.len(), t, offsets)?;
-                fill_batch(
-                    file.tokens(),
-                    offsets,
-                    t,
-                    &mut self.inputs,
-                    &mut self.targets,
-                )?;
+                let (inputs, targets) = (&mut self.inputs, &mut self.targets);
+                file.read_batch(offsets, t, &mut self.window, inputs, targets)?;
                 *total += self.model.forward(&self.inputs, &self.targets, b, t) as f64;
                 fault::during_eval(self.iter_num);
             }

@@ -30,7 +30,7 @@ use report::say;
 use start::Start;
 
 use crate::config::{InitFrom, TrainConfig};
-use crate::data::{batch_offsets, fill_batch, Draw, Meta, TokenFile};
+use crate::data::{batch_offsets, Draw, Meta, TokenFile};
 use crate::dist::{self, Collective, CommReport, DataParallel, Single, StepSettings};
 use crate::fault;
 use crate::kernels::dropout::mix64;
@@ -101,6 +101,8 @@ pub struct Trainer {
     inputs: Vec<u32>,
     targets: Vec<i32>,
     offsets: Vec<usize>,
+    /// The B windows of T+1 tokens read for a micro-batch.
+    window: Vec<u16>,
     peak_gflops: f64,
     /// Steps skipped in a row for a non-finite loss or gradient norm.
     nonfinite_in_row: u64,
@@ -152,6 +154,7 @@ impl Trainer {
             inputs: vec![0; bt],
             targets: vec![0; bt],
             offsets: vec![0; cfg.batch_size],
+            window: vec![0; cfg.batch_size * (cfg.block_size + 1)],
             peak_gflops,
             nonfinite_in_row: 0,
             saved_at: None,
@@ -335,13 +338,8 @@ impl Trainer {
             if !mine.contains(&k) {
                 continue;
             }
-            fill_batch(
-                self.train.tokens(),
-                rows,
-                t,
-                &mut self.inputs,
-                &mut self.targets,
-            )?;
+            let (inputs, targets) = (&mut self.inputs, &mut self.targets);
+            (self.train).read_batch(rows, t, &mut self.window, inputs, targets)?;
             self.model
                 .set_dropout_seed(dropout_seed(self.cfg.seed, iter, k));
             loss += self.model.forward(&self.inputs, &self.targets, b, t) / accum as f32;
