@@ -38,6 +38,21 @@ pub struct CheckpointState {
     pub tokenizer: serde_json::Value,
     /// Ranks that trained it (informative: checkpoints are world-size independent).
     pub world_size: usize,
+    /// The data it was trained on (absent in checkpoints of older versions).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dataset: Option<DatasetRecord>,
+}
+
+/// Which data a checkpoint was trained on, to tell a resume on other data.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DatasetRecord {
+    /// The dataset folder as the config named it (informative).
+    pub folder: String,
+    pub train_tokens: u64,
+    pub val_tokens: u64,
+    /// [`crate::data::TokenFile::fingerprint`] of `train.bin` and of `val.bin`, in hex.
+    pub train_fingerprint: String,
+    pub val_fingerprint: String,
 }
 
 /// An `f32` that JSON wrote as `null` because it was infinite (serde_json writes
@@ -540,6 +555,7 @@ mod tests {
             iter_num: 250,
             best_val_loss: 1.5,
             adam_step: 250,
+            dataset: None,
             tokenizer: serde_json::json!({
                 "tokenizer": "char",
                 "vocab_size": 30,

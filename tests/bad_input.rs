@@ -480,6 +480,7 @@ fn write_mismatched_checkpoint(s: &Scene, rel: &str, claimed: ModelConfig, actua
         adam_step: 2,
         tokenizer: serde_json::from_str(&meta_json(1000, 300)).unwrap(),
         world_size: 1,
+        dataset: None,
     };
     let dir = s.file(rel);
     std::fs::create_dir_all(&dir).unwrap();
@@ -660,6 +661,76 @@ fn resume_past_max_iters() {
         s.path(),
         train_args(&["init_from=resume", "eval_only=True"]),
     ));
+}
+
+/// Resuming on a char dataset whose vocabulary differs (of the same size) is refused:
+/// the ids would mean other characters (it used to train the old weights on the new
+/// mapping without a word).
+#[test]
+fn resume_on_a_dataset_with_another_character_vocabulary() {
+    let s = Scene::new("resume-chars");
+    s.add_run("run");
+    s.write_dataset("ds2", 1000, 300, VOCAB);
+    let other = meta_json(1000, 300).replace("fgh", "fgi");
+    s.write("ds2/meta.json", other);
+    s.train_refused(
+        &["dataset=ds2", "init_from=resume", "max_iters=6"],
+        &[
+            "cannot resume from run/ckpt-000003.safetensors",
+            "character vocabulary differs from dataset ds2's (id 8 is 'h' there, 'i' here)",
+            "resume on the data the run was trained on",
+        ],
+    );
+}
+
+/// Resuming on other data with the same tokenizer is allowed (continuing on new data
+/// is legitimate) with a warning naming both; a checkpoint of an older version, which
+/// records no dataset, resumes with a note.
+#[test]
+fn resume_on_other_data_with_the_same_tokenizer_warns() {
+    let s = Scene::new("resume-other-data");
+    s.add_run("run");
+    s.write_dataset("ds3", 1200, 300, VOCAB);
+    let args = train_args(&["dataset=ds3", "init_from=resume", "max_iters=4"]);
+    let (_, stderr) = succeeds(&mut command(s.path(), args));
+    assert!(
+        stderr.contains(
+            "warning: dataset ds3 (1200 + 300 tokens) is not the data \
+             run/ckpt-000003.safetensors was trained on (ds, 1000 + 300 tokens)"
+        ),
+        "{stderr}"
+    );
+    // The same data: nothing said.
+    let s = Scene::new("resume-same-data");
+    s.add_run("run");
+    let args = train_args(&["init_from=resume", "max_iters=4"]);
+    let (_, stderr) = succeeds(&mut command(s.path(), args));
+    assert!(
+        !stderr.contains("warning") && !stderr.contains("note"),
+        "{stderr}"
+    );
+
+    let s = Scene::new("resume-no-record");
+    write_edited_checkpoint(&s, "run", |st, _| st.dataset = None);
+    let args = train_args(&["init_from=resume", "max_iters=4"]);
+    let (_, stderr) = succeeds(&mut command(s.path(), args));
+    assert!(
+        stderr.contains("note: run/ckpt.safetensors records no dataset"),
+        "{stderr}"
+    );
+}
+
+/// A dataset folder with token files but no meta.json is read as GPT-2 tokens, as
+/// nanoGPT does, and now says so.
+#[test]
+fn a_dataset_without_meta_json_is_said_to_be_read_as_gpt2() {
+    let s = Scene::new("no-meta");
+    std::fs::remove_file(s.file("ds/meta.json")).unwrap();
+    let (_, stderr) = succeeds(&mut command(s.path(), train_args(&["max_iters=0"])));
+    assert!(
+        stderr.contains("note: ds has no meta.json: reading its token files as GPT-2 BPE tokens"),
+        "{stderr}"
+    );
 }
 
 // ---- configuration -------------------------------------------------------------

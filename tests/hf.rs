@@ -294,6 +294,7 @@ fn save_checkpoint(out_dir: &Path, model: &Gpt, meta: &Meta) {
         adam_step: 3,
         tokenizer: serde_json::to_value(meta).unwrap(),
         world_size: 1,
+        dataset: None,
     };
     checkpoint::save(out_dir, &state, &model.layout, &model.params, None).unwrap();
 }

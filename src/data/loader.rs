@@ -239,6 +239,26 @@ impl TokenFile {
         Ok(())
     }
 
+    /// A 64-bit fingerprint of the file: its length and 64 evenly spaced runs of up
+    /// to 256 tokens, hashed (an identity check, not a defence against forgery).
+    pub fn fingerprint(&self) -> Result<u64> {
+        const RUNS: usize = 64;
+        const RUN: usize = 256;
+        let n = self.len();
+        let mut hash = crate::kernels::dropout::mix64(n as u64 ^ 0x6461_7461);
+        let mut run = [0u16; RUN];
+        for k in 0..RUNS {
+            let start = (n as u128 * k as u128 / RUNS as u128) as usize;
+            let take = RUN.min(n - start);
+            self.read_at(start, &mut run[..take])?;
+            for (i, &t) in run[..take].iter().enumerate() {
+                let word = (start + i) as u64 ^ (u64::from(t) << 48);
+                hash = crate::kernels::dropout::mix64(hash ^ word);
+            }
+        }
+        Ok(hash)
+    }
+
     /// Checks that the file holds at least one training window of `block_size`.
     pub fn check_block_size(&self, block_size: usize) -> Result<()> {
         ensure!(

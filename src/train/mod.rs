@@ -83,6 +83,8 @@ pub struct Trainer {
     /// The optimizer; with `zero_stage = 1` on several ranks, this rank's shard.
     pub opt: AdamW,
     pub meta: Meta,
+    /// What checkpoints record of the data.
+    dataset_record: crate::checkpoint::DatasetRecord,
     train: TokenFile,
     val: TokenFile,
     schedule: LrSchedule,
@@ -162,6 +164,7 @@ impl Trainer {
             model: state.model,
             opt: state.opt,
             meta: data.meta,
+            dataset_record: data.record,
             train: data.train,
             val: data.val,
             schedule,

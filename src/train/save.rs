@@ -86,6 +86,7 @@ impl Trainer {
             adam_step: self.opt.step,
             tokenizer: serde_json::to_value(&self.meta)?,
             world_size: self.world_size(),
+            dataset: Some(self.dataset_record.clone()),
         };
         let moments = match &gathered {
             Some((m, v)) => Some((m.as_slice(), v.as_slice())),

@@ -2,7 +2,7 @@
 //! model and optimizer built from scratch, resumed from a checkpoint or loaded from
 //! pretrained weights, and with several ranks, rank 0's start copied to every rank.
 
-use crate::checkpoint::{self, Checkpoint, CheckpointState};
+use crate::checkpoint::{self, Checkpoint, CheckpointState, DatasetRecord};
 use crate::config::{InitFrom, TrainConfig};
 use crate::data::{self, Meta, Split, TokenFile};
 use crate::dist::{Collective, DataParallel};
@@ -31,6 +31,8 @@ pub struct Dataset {
     pub meta: Meta,
     pub train: TokenFile,
     pub val: TokenFile,
+    /// What checkpoints record of it.
+    pub record: DatasetRecord,
 }
 
 /// The model and optimizer a run starts from, and how far the run has come.
@@ -64,7 +66,7 @@ impl Start {
             comm.barrier_patient();
         }
         let mut start = if comm.world_size() == 1 {
-            let state = TrainState::build(cfg, &data.meta)?;
+            let state = TrainState::build(cfg, &data)?;
             Start {
                 data,
                 state,
@@ -93,7 +95,19 @@ impl Dataset {
             file.check_block_size(cfg.block_size)?;
             file.check_vocab(meta.vocab_size)?;
         }
-        Ok(Dataset { meta, train, val })
+        let record = DatasetRecord {
+            folder: cfg.dataset.clone(),
+            train_tokens: train.len() as u64,
+            val_tokens: val.len() as u64,
+            train_fingerprint: format!("{:016x}", train.fingerprint()?),
+            val_fingerprint: format!("{:016x}", val.fingerprint()?),
+        };
+        Ok(Dataset {
+            meta,
+            train,
+            val,
+            record,
+        })
     }
 }
 
@@ -112,7 +126,7 @@ struct StartHeader {
 /// then holds its weights (and AdamW state), checked by checksum.
 fn start_distributed(cfg: &TrainConfig, data: Dataset, comm: &dyn Collective) -> Result<Start> {
     let built = match comm.rank() {
-        0 => Some(TrainState::build(cfg, &data.meta)?),
+        0 => Some(TrainState::build(cfg, &data)?),
         _ => None,
     };
     let mut bytes = Vec::new();
@@ -214,7 +228,8 @@ fn check_fresh_start(dir: &Path) -> Result<()> {
 
 impl TrainState {
     /// The model and optimizer of `cfg.init_from`: new, resumed or pretrained.
-    fn build(cfg: &TrainConfig, meta: &Meta) -> Result<TrainState> {
+    fn build(cfg: &TrainConfig, data: &Dataset) -> Result<TrainState> {
+        let meta = &data.meta;
         let adam_cfg = AdamWConfig {
             beta1: cfg.beta1 as f32,
             beta2: cfg.beta2 as f32,
@@ -223,7 +238,7 @@ impl TrainState {
         };
         let model = match cfg.init() {
             InitFrom::Scratch => new_model(cfg, meta)?,
-            InitFrom::Resume => return resume(cfg, meta, adam_cfg),
+            InitFrom::Resume => return resume(cfg, data, adam_cfg),
             InitFrom::Pretrained(name) => load_pretrained(cfg, meta, &name)?,
         };
         let opt = AdamW::new(&model.layout, adam_cfg);
@@ -253,7 +268,8 @@ fn new_model(cfg: &TrainConfig, meta: &Meta) -> Result<Gpt> {
 }
 
 /// The newest checkpoint in `out_dir`: weights, AdamW moments and progress.
-fn resume(cfg: &TrainConfig, meta: &Meta, adam_cfg: AdamWConfig) -> Result<TrainState> {
+fn resume(cfg: &TrainConfig, data: &Dataset, adam_cfg: AdamWConfig) -> Result<TrainState> {
+    let meta = &data.meta;
     let latest = Checkpoint::open_latest(&cfg.out_dir)?;
     for note in &latest.notes {
         crate::errln!("note: {note}");
@@ -266,6 +282,8 @@ fn resume(cfg: &TrainConfig, meta: &Meta, adam_cfg: AdamWConfig) -> Result<Train
         state.iter_num
     );
     check_resume_compatible(cfg, meta, state)?;
+    check_same_tokenizer(ckpt.path(), cfg, meta, state)?;
+    note_other_data(ckpt.path(), &data.record, state);
     if state.iter_num > cfg.max_iters && !cfg.eval_only {
         bail!(
             "{} resumes at iteration {}, past max_iters = {}: that run is finished; raise \
@@ -315,6 +333,88 @@ fn check_resume_compatible(cfg: &TrainConfig, meta: &Meta, state: &CheckpointSta
         );
     }
     Ok(())
+}
+
+/// The dataset's tokenizer must be the checkpoint's: the same ids must mean the same
+/// text (a char dataset of another text has another vocabulary, often of the same
+/// size, and resuming on it would silently train the old weights on a new mapping).
+fn check_same_tokenizer(
+    path: &Path,
+    cfg: &TrainConfig,
+    meta: &Meta,
+    state: &CheckpointState,
+) -> Result<()> {
+    let theirs: Meta = serde_json::from_value(state.tokenizer.clone())
+        .with_context(|| format!("{} has no valid tokenizer description", path.display()))?;
+    let difference = match (
+        theirs.tokenizer == meta.tokenizer,
+        &theirs.chars,
+        &meta.chars,
+    ) {
+        (false, _, _) => Some(format!(
+            "it was trained on {} tokens, dataset {} holds {} tokens",
+            theirs.tokenizer, cfg.dataset, meta.tokenizer
+        )),
+        (true, Some(a), Some(b)) if a != b => {
+            let first = a
+                .chars()
+                .zip(b.chars())
+                .enumerate()
+                .find(|(_, (x, y))| x != y);
+            let at = match first {
+                Some((i, (x, y))) => format!("id {i} is {x:?} there, {y:?} here"),
+                None => format!("{} characters there, {} here", a.len(), b.len()),
+            };
+            Some(format!(
+                "its character vocabulary differs from dataset {}'s ({at})",
+                cfg.dataset
+            ))
+        }
+        _ => None,
+    };
+    match difference {
+        None => Ok(()),
+        Some(what) => bail!(
+            "cannot resume from {}: {what}, so the same token ids would mean other text; \
+             resume on the data the run was trained on, or start again with init_from=scratch",
+            path.display()
+        ),
+    }
+}
+
+/// Continuing a run on other data (with the same tokenizer) is legitimate, but worth
+/// a line: it may be a mistake. Checkpoints of older versions record no dataset.
+fn note_other_data(path: &Path, now: &DatasetRecord, state: &CheckpointState) {
+    let Some(then) = &state.dataset else {
+        crate::errln!(
+            "note: {} records no dataset (an older version wrote it): cannot check that \
+             the data is the one it was trained on",
+            path.display()
+        );
+        return;
+    };
+    let same = (
+        &then.train_fingerprint,
+        &then.val_fingerprint,
+        then.train_tokens,
+    ) == (
+        &now.train_fingerprint,
+        &now.val_fingerprint,
+        now.train_tokens,
+    ) && then.val_tokens == now.val_tokens;
+    if !same {
+        crate::errln!(
+            "warning: dataset {} ({} + {} tokens) is not the data {} was trained on ({}, {} + \
+             {} tokens); continuing on it, since the tokenizer is the same",
+            now.folder,
+            now.train_tokens,
+            now.val_tokens,
+            path.display(),
+            then.folder,
+            then.train_tokens,
+            then.val_tokens
+        );
+    }
 }
 
 /// The pretrained model `name` (see [`crate::hf`]) for fine-tuning: its architecture
