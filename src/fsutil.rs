@@ -205,6 +205,50 @@ pub fn temp_target(name: &str) -> Option<&str> {
     (is_pid && !target.is_empty()).then_some(target)
 }
 
+/// The process id in a temporary name `.NAME.tmp-PID`.
+fn temp_pid(name: &str) -> Option<u32> {
+    temp_target(name)?;
+    name.rsplit_once(TEMP_MARK)?.1.parse().ok()
+}
+
+/// Whether process `pid` is running on this host (Linux: it has a `/proc` entry).
+/// A reused pid reads as alive, which only keeps a leftover a while longer.
+pub fn process_alive(pid: u32) -> bool {
+    pid == std::process::id() || Path::new("/proc").join(pid.to_string()).exists()
+}
+
+/// Removes the temporary files or folders `.NAME.tmp-PID` in `dir` whose NAME is
+/// one of `targets` and whose process has ended (a killed run's leftovers, ours by
+/// their names); returns what was removed.
+pub fn remove_stale_temps(dir: &Path, targets: &[&str]) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut removed = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let ours = temp_target(&name).is_some_and(|t| targets.contains(&t));
+        if !ours || temp_pid(&name).is_none_or(process_alive) {
+            continue;
+        }
+        let path = entry.path();
+        let gone = match entry.file_type() {
+            Ok(t) if t.is_dir() => std::fs::remove_dir_all(&path),
+            _ => std::fs::remove_file(&path),
+        };
+        if gone.is_ok() {
+            removed.push(path);
+        }
+    }
+    removed.sort();
+    removed
+}
+
+/// `.NAME.tmp-PID` beside `dest` (a file or a folder), for this process.
+pub fn temp_sibling(dest: &Path) -> Result<PathBuf> {
+    temp_path(dest)
+}
+
 /// `.NAME.tmp-PID` in the destination's directory.
 fn temp_path(dest: &Path) -> Result<PathBuf> {
     let name = dest

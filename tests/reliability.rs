@@ -867,3 +867,94 @@ fn a_token_file_changed_during_training_is_an_error_not_a_crash() {
         assert!(checkpoints.iter().all(|c| after.contains(c)), "{tag}");
     }
 }
+
+/// `nanogpt export --from run --to hf` in `d`, paused (fault injection) with its
+/// files written, then stopped by SIGTERM; returns the stopped process's pid.
+fn export_stopped_by_sigterm(d: &Path) -> u32 {
+    let mut cmd = command(d, ["export", "--from", "run", "--to", "hf"]);
+    cmd.env("NANOGPT_FAULT", "pause-during-export:20000");
+    let (mut child, _stderr, _) = start_paused(cmd.stdout(Stdio::null()));
+    let pid = child.id();
+    let sent = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let status = child.wait().unwrap();
+    assert_eq!(status.signal(), Some(15), "{status:?}");
+    pid
+}
+
+/// SIGTERM during `export` leaves the destination as it was (absent, or the previous
+/// export byte for byte) and only a temporary folder `.hf.tmp-PID` beside it, which
+/// the next export removes as the leftover of a process that ended. (The export used
+/// to write into the destination directly: a stopped one left a partial model folder
+/// whose temporary file made the next export refuse the folder.)
+#[test]
+fn an_export_stopped_by_sigterm_leaves_the_destination_untouched() {
+    let dir = temp_dir("export-sigterm");
+    let d = dir.path();
+    train(d, &["max_iters=2"]);
+    let pid = export_stopped_by_sigterm(d);
+    let leftover = format!(".hf.tmp-{pid}");
+    // Nothing else was created (`data` is the bundled dataset, if prepared here).
+    let allowed = [leftover.as_str(), "data", "run"];
+    assert!(
+        files(d).iter().all(|n| allowed.contains(&n.as_str())),
+        "{:?}",
+        files(d)
+    );
+    assert!(!d.join("hf").exists(), "{:?}", files(d));
+    assert!(d.join(&leftover).is_dir(), "{:?}", files(d));
+
+    let (_, stderr) = succeeds(&mut command(d, ["export", "--from", "run", "--to", "hf"]));
+    assert!(
+        stderr.contains(&format!(
+            "note: removed ./{leftover}, left by an interrupted export"
+        )),
+        "{stderr}"
+    );
+    assert!(!d.join(&leftover).exists(), "{:?}", files(d));
+    let exported = contents(&d.join("hf"));
+    assert!(exported.iter().any(|(n, _)| n == "model.safetensors"));
+
+    // Stopped while replacing that export: it stays byte for byte.
+    let pid = export_stopped_by_sigterm(d);
+    assert!(
+        contents(&d.join("hf")) == exported,
+        "the previous export changed"
+    );
+    assert!(d.join(format!(".hf.tmp-{pid}")).is_dir());
+    succeeds(&mut command(d, ["export", "--from", "run", "--to", "hf"]));
+    assert!(temp_files(d).is_empty(), "{:?}", files(d));
+    assert!(
+        contents(&d.join("hf")) == exported,
+        "the same model, the same files"
+    );
+}
+
+/// `prepare` removes the temporary files that a killed `prepare` left in its `--out`
+/// (their process has ended), and keeps those of a live process.
+#[test]
+fn prepare_removes_the_leftovers_of_a_killed_prepare() {
+    let dir = temp_dir("prepare-leftovers");
+    let d = dir.path();
+    private_dataset(d);
+    let dead = ".train.bin.tmp-4194999"; // above Linux's largest pid
+    let live = format!(".val.bin.tmp-{}", std::process::id());
+    std::fs::write(d.join("ds").join(dead), b"partial").unwrap();
+    std::fs::write(d.join("ds").join(&live), b"partial").unwrap();
+    let args = ["prepare", "t.txt", "--out", "ds", "--tokenizer", "char"];
+    let (_, stderr) = succeeds(&mut command(d, args));
+    assert!(
+        stderr.contains(&format!(
+            "note: removed ds/{dead}, left by an interrupted prepare"
+        )),
+        "{stderr}"
+    );
+    assert!(!d.join("ds").join(dead).exists());
+    assert!(
+        d.join("ds").join(&live).exists(),
+        "a live process's file is kept"
+    );
+}

@@ -19,6 +19,7 @@ pub struct ExportArgs {
 }
 
 pub fn run(args: ExportArgs) -> Result<()> {
+    crate::fault::init()?;
     let loaded = load_model(&args.from)?;
     let summary = export(
         &loaded.params,

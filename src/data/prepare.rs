@@ -129,6 +129,17 @@ pub(crate) fn prepare_source(source: &Source, opts: &PrepareOptions) -> Result<P
         )
     })?;
     let _lock = crate::fsutil::DirLock::acquire(out_dir, "--out", "a prepare run")?;
+    let outputs = [
+        Split::Train.file_name(),
+        Split::Val.file_name(),
+        Meta::FILE_NAME,
+    ];
+    for path in crate::fsutil::remove_stale_temps(out_dir, &outputs) {
+        crate::errln!(
+            "note: removed {}, left by an interrupted prepare",
+            path.display()
+        );
+    }
     let mut out = Outputs::create(&opts.out_dir)?;
     let bar = progress_bar(source, "tokenizing", opts.show_progress)?;
     let docs = if single {
