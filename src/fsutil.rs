@@ -12,6 +12,7 @@
 use std::fs::File;
 use std::io::BufWriter;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
@@ -186,6 +187,51 @@ impl DirLock {
             file.sync_data()
         });
         Ok(DirLock { _file: file })
+    }
+}
+
+impl DirLock {
+    /// Waits until no process holds the lock on `dir` (`what` names what the wait is
+    /// for, in the messages), for at most `limit`; says once that it waits. Returns
+    /// at once when `dir` has no lock file or it is free. Takes nothing: the caller
+    /// then checks what the holder left and takes the lock itself if it must write.
+    pub fn wait_until_free(dir: &Path, what: &str, limit: Duration) -> Result<()> {
+        let path = dir.join(LOCK_FILE);
+        let Ok(mut file) = File::open(&path) else {
+            return Ok(());
+        };
+        let started = Instant::now();
+        let mut said = false;
+        loop {
+            match file.try_lock_shared() {
+                Ok(()) => return Ok(()),
+                Err(std::fs::TryLockError::Error(e)) => {
+                    return Err(e).with_context(|| format!("cannot lock {}", path.display()))
+                }
+                Err(std::fs::TryLockError::WouldBlock) => {}
+            }
+            let mut holder = String::new();
+            let _ = std::io::Seek::rewind(&mut file);
+            let _ = std::io::Read::read_to_string(&mut file, &mut holder);
+            let holder = match holder.trim() {
+                "" => "another process",
+                h => h,
+            }
+            .to_string();
+            if started.elapsed() >= limit {
+                bail!(
+                    "{} is still in use by {holder} after {} s; wait for it to finish (or \
+                     stop it), then run again",
+                    dir.display(),
+                    limit.as_secs()
+                );
+            }
+            if !said {
+                crate::errln!("note: waiting for {holder} to finish {what}");
+                said = true;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
     }
 }
 

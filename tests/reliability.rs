@@ -958,3 +958,61 @@ fn prepare_removes_the_leftovers_of_a_killed_prepare() {
         "a live process's file is kept"
     );
 }
+
+/// A run that finds the bundled dataset being prepared by another process waits for
+/// it, says so, and then uses what that process prepared (it used to be refused:
+/// "--out ... is in use by a prepare run").
+#[test]
+fn a_run_waits_for_another_preparing_the_bundled_dataset() {
+    let dir = temp_dir("bundled-wait");
+    let d = dir.path();
+    let data = d.join("data/shakespeare_char");
+    std::fs::create_dir_all(&data).unwrap();
+    // This test plays the other process: it holds the lock while it "prepares".
+    let lock = std::fs::File::create(data.join(".nanogpt.lock")).unwrap();
+    lock.lock().unwrap();
+    std::fs::write(
+        data.join(".nanogpt.lock"),
+        "a prepare run (pid 1 on host h)\n",
+    )
+    .unwrap();
+    let mut cmd = train_command(d, &["max_iters=1"], None);
+    let (mut child, mut stderr) = {
+        let mut child = cmd
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = BufReader::new(child.stderr.take().unwrap());
+        (child, stderr)
+    };
+    let mut first = String::new();
+    stderr.read_line(&mut first).unwrap();
+    assert!(
+        first.contains("note: waiting for a prepare run (pid 1 on host h) to finish preparing data/shakespeare_char"),
+        "{first}"
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(child.try_wait().unwrap().is_none(), "it waits");
+    let args = [
+        "prepare",
+        "shakespeare",
+        "--out",
+        "elsewhere",
+        "--tokenizer",
+        "char",
+    ];
+    succeeds(&mut command(d, args));
+    for name in ["train.bin", "val.bin", "meta.json"] {
+        std::fs::rename(d.join("elsewhere").join(name), data.join(name)).unwrap();
+    }
+    let inode = |name: &str| {
+        std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(data.join(name)).unwrap())
+    };
+    let before = inode("train.bin");
+    drop(lock);
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stderr, &mut rest).unwrap();
+    assert!(child.wait().unwrap().success(), "{rest}");
+    assert_eq!(inode("train.bin"), before, "it used the prepared files");
+}
