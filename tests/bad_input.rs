@@ -357,10 +357,23 @@ fn corrupt_header(s: &Scene, rel: &str) {
     s.write(rel, bytes);
 }
 
+/// Deletes the interval checkpoints of `rel` (the final state of the trained run),
+/// so that `ckpt.safetensors` is the only one to resume from.
+fn only_the_best_checkpoint(s: &Scene, rel: &str) {
+    for entry in std::fs::read_dir(s.file(rel)).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if name.starts_with("ckpt-") {
+            std::fs::remove_file(path).unwrap();
+        }
+    }
+}
+
 #[test]
 fn resume_from_a_truncated_checkpoint() {
     let s = Scene::new("resume-truncated");
     s.add_run("run");
+    only_the_best_checkpoint(&s, "run");
     truncate(&s, "run/ckpt.safetensors");
     s.train_refused(
         &["init_from=resume"],
@@ -376,6 +389,7 @@ fn resume_from_a_truncated_checkpoint() {
 fn resume_from_a_corrupt_checkpoint() {
     let s = Scene::new("resume-corrupt");
     s.add_run("run");
+    only_the_best_checkpoint(&s, "run");
     corrupt_header(&s, "run/ckpt.safetensors");
     s.train_refused(
         &["init_from=resume"],
