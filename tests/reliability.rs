@@ -1016,3 +1016,45 @@ fn a_run_waits_for_another_preparing_the_bundled_dataset() {
     assert!(child.wait().unwrap().success(), "{rest}");
     assert_eq!(inode("train.bin"), before, "it used the prepared files");
 }
+
+/// A finished run's final state (an interval checkpoint when always_save_checkpoint
+/// is off, as in the quick start) does not block running it again: like
+/// ckpt.safetensors, it is replaced, with a warning, at the new run's first checkpoint.
+#[test]
+fn a_fresh_run_replaces_a_finished_run_s_final_state() {
+    let dir = temp_dir("fresh-after-finished");
+    let d = dir.path();
+    let args = [
+        "max_iters=4",
+        "ckpt_interval=0",
+        "always_save_checkpoint=False",
+    ];
+    train(d, &args);
+    let run_dir = d.join("run");
+    assert_eq!(
+        checkpoint_files(&run_dir),
+        ["ckpt-000005.json", "ckpt-000005.safetensors"]
+    );
+    let again = [
+        "max_iters=2",
+        "ckpt_interval=0",
+        "always_save_checkpoint=False",
+    ];
+    let (_, stderr) = succeeds(&mut train_command(d, &again, None));
+    assert!(
+        stderr.contains(
+            "warning: run/ckpt-000005.safetensors is the final state of an earlier run and \
+             will be deleted at this run's first checkpoint"
+        ),
+        "{stderr}"
+    );
+    // Its final state, evaluated, improved on iteration 0: it is ckpt.safetensors.
+    assert!(
+        checkpoint_files(&run_dir).is_empty(),
+        "{:?}",
+        files(&run_dir)
+    );
+    assert_eq!(read_json(&run_dir.join("ckpt.json"))["iter_num"], 3);
+    let (stdout, _) = resume(d, 4);
+    assert!(stdout.contains("at iteration 3"), "{stdout}");
+}

@@ -99,6 +99,8 @@ pub struct Trainer {
     /// Rank 0's lock on `out_dir`: a second run writing it is refused while this one
     /// lasts (released when the trainer is dropped or the process ends).
     _out_dir_lock: Option<crate::fsutil::DirLock>,
+    /// Finished earlier runs' final-state checkpoints, deleted at the first save.
+    replace_at_first_save: Vec<PathBuf>,
     /// One micro-batch: B·T inputs and targets, B offsets.
     inputs: Vec<u32>,
     targets: Vec<i32>,
@@ -126,6 +128,7 @@ impl Trainer {
             state,
             dp,
             out_dir_lock,
+            replace_at_first_save,
         } = Start::new(&cfg, &*comm)?;
         let root = comm.rank() == 0;
         // A resumed run drops the rows logged past its checkpoint (it runs them again);
@@ -174,6 +177,7 @@ impl Trainer {
             comm,
             dp,
             _out_dir_lock: out_dir_lock,
+            replace_at_first_save,
         })
     }
 

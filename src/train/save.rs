@@ -93,6 +93,14 @@ impl Trainer {
             None => Some((self.opt.m.as_slice(), self.opt.v.as_slice())),
         };
         let (layout, params) = (&self.model.layout, &self.model.params);
-        checkpoint::save_to(path, &state, layout, params, moments)
+        checkpoint::save_to(path, &state, layout, params, moments)?;
+        for old in std::mem::take(&mut self.replace_at_first_save) {
+            if old != path {
+                // Best effort: a leftover is refused by the next fresh start, not lost.
+                let _ = std::fs::remove_file(old.with_extension("json"));
+                let _ = std::fs::remove_file(&old);
+            }
+        }
+        Ok(())
     }
 }

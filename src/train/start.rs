@@ -12,7 +12,7 @@ use crate::optim::{AdamW, AdamWConfig};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::fmt::Display;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Everything a run starts with besides its config and its ranks.
@@ -23,6 +23,9 @@ pub struct Start {
     pub dp: Option<DataParallel>,
     /// Rank 0's lock on `out_dir`, held while the run lasts.
     pub out_dir_lock: Option<DirLock>,
+    /// Rank 0, a fresh run: the final-state checkpoints of finished earlier runs in
+    /// `out_dir`, to delete once this run wrote its first checkpoint.
+    pub replace_at_first_save: Vec<PathBuf>,
 }
 
 /// The dataset of a run, checked against the config.
@@ -60,9 +63,10 @@ impl Start {
             comm.barrier_patient();
         }
         let data = Dataset::open(cfg)?;
-        let mut out_dir_lock = None;
+        let (mut out_dir_lock, mut replace) = (None, Vec::new());
         if root {
-            out_dir_lock = Some(prepare_out_dir(cfg)?);
+            let (lock, finished) = prepare_out_dir(cfg)?;
+            (out_dir_lock, replace) = (Some(lock), finished);
             comm.barrier_patient();
         }
         let mut start = if comm.world_size() == 1 {
@@ -72,11 +76,13 @@ impl Start {
                 state,
                 dp: None,
                 out_dir_lock: None,
+                replace_at_first_save: Vec::new(),
             }
         } else {
             start_distributed(cfg, data, comm)?
         };
         start.out_dir_lock = out_dir_lock;
+        start.replace_at_first_save = replace;
         // Master weights and optimizer state stay f32; with bfloat16 the model makes
         // its bf16 weight copy here and after every optimizer step.
         start.state.model.set_dtype(cfg.dtype);
@@ -173,12 +179,14 @@ fn start_distributed(cfg: &TrainConfig, data: Dataset, comm: &dyn Collective) ->
         state,
         dp: Some(dp),
         out_dir_lock: None,
+        replace_at_first_save: Vec::new(),
     })
 }
 
 /// Creates `out_dir` and locks it for this run (held until the run ends; under MPI by
-/// rank 0, for the whole job).
-fn prepare_out_dir(cfg: &TrainConfig) -> Result<DirLock> {
+/// rank 0, for the whole job); returns the lock and, for a fresh run, the final-state
+/// checkpoints of finished earlier runs that it replaces.
+fn prepare_out_dir(cfg: &TrainConfig) -> Result<(DirLock, Vec<PathBuf>)> {
     let dir = &cfg.out_dir;
     if dir.exists() && !dir.is_dir() {
         bail!(
@@ -193,18 +201,24 @@ fn prepare_out_dir(cfg: &TrainConfig) -> Result<DirLock> {
         )
     })?;
     let lock = DirLock::acquire(dir, "out_dir", "a training run")?;
-    if cfg.init() != InitFrom::Resume {
-        check_fresh_start(dir)?;
-    }
-    Ok(lock)
+    let replace = match cfg.init() {
+        InitFrom::Resume => Vec::new(),
+        _ => check_fresh_start(dir)?,
+    };
+    Ok((lock, replace))
 }
 
 /// A run that does not resume, in an `out_dir` with an earlier run's checkpoints.
 /// Its best-val checkpoint is replaced at the first save, as in nanoGPT (a warning
 /// says so); its interval checkpoints would outrank the new run's when resuming, so
-/// they are refused rather than silently deleted.
-fn check_fresh_start(dir: &Path) -> Result<()> {
-    let old = checkpoint::interval_checkpoints(dir)?;
+/// they are refused rather than silently deleted. The exception is the final state of
+/// a finished run (it resumes past that run's `max_iters`; every run ends with one):
+/// like `ckpt.safetensors`, it is replaced, deleted at this run's first checkpoint
+/// (a warning says so), so that the quick start can be run again. Returns those.
+fn check_fresh_start(dir: &Path) -> Result<Vec<PathBuf>> {
+    let (finished, old): (Vec<_>, Vec<_>) = checkpoint::interval_checkpoints(dir)?
+        .into_iter()
+        .partition(|(_, path)| is_final_state(path));
     if let Some((iter, path)) = old.last() {
         bail!(
             "out_dir {} holds {} interval checkpoint(s) of an earlier run (the newest, {}, \
@@ -223,7 +237,27 @@ fn check_fresh_start(dir: &Path) -> Result<()> {
             best.display()
         );
     }
-    Ok(())
+    for (_, path) in &finished {
+        crate::errln!(
+            "warning: {} is the final state of an earlier run and will be deleted at this \
+             run's first checkpoint; stop now and use init_from=resume (with a larger \
+             max_iters) or another out_dir to keep it",
+            path.display()
+        );
+    }
+    Ok(finished.into_iter().map(|(_, p)| p).collect())
+}
+
+/// Whether the checkpoint at `path` is a finished run's final state: it resumes past
+/// the `max_iters` of the run that wrote it.
+fn is_final_state(path: &Path) -> bool {
+    let Ok(ckpt) = Checkpoint::open_file(path) else {
+        return false;
+    };
+    let max_iters = ckpt.state.train_config.get("max_iters");
+    max_iters
+        .and_then(serde_json::Value::as_u64)
+        .is_some_and(|max| ckpt.state.iter_num > max)
 }
 
 impl TrainState {
