@@ -251,36 +251,38 @@ pub fn temp_target(name: &str) -> Option<&str> {
     (is_pid && !target.is_empty()).then_some(target)
 }
 
-/// The process id in a temporary name `.NAME.tmp-PID`.
-fn temp_pid(name: &str) -> Option<u32> {
-    temp_target(name)?;
-    name.rsplit_once(TEMP_MARK)?.1.parse().ok()
+/// Whether a temporary file or folder is a leftover, for [`remove_stale_temps`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stale {
+    /// Every one but this process's: the caller holds the lock that every writer
+    /// of these names takes, so no other process is writing them.
+    AllButOurs,
+    /// Folders that no process holds a lock on (see [`lock_folder`]). (A process id
+    /// alone proves nothing: ids are reused, within seconds where `pid_max` is small.)
+    Unlocked,
 }
 
-/// Whether process `pid` is running on this host (Linux: it has a `/proc` entry).
-/// A reused pid reads as alive, which only keeps a leftover a while longer.
-pub fn process_alive(pid: u32) -> bool {
-    pid == std::process::id() || Path::new("/proc").join(pid.to_string()).exists()
-}
-
-/// Removes the temporary files or folders `.NAME.tmp-PID` in `dir` whose NAME is
-/// one of `targets` and whose process has ended (a killed run's leftovers, ours by
-/// their names); returns what was removed.
-pub fn remove_stale_temps(dir: &Path, targets: &[&str]) -> Vec<PathBuf> {
+/// Removes the temporary files or folders `.NAME.tmp-PID` in `dir` whose NAME is one
+/// of `targets` and that are `stale`: a killed process's leftovers, ours by their
+/// names. Returns what was removed.
+pub fn remove_stale_temps(dir: &Path, targets: &[&str], stale: Stale) -> Vec<PathBuf> {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return Vec::new();
     };
+    let mine = format!("{TEMP_MARK}{}", std::process::id());
     let mut removed = Vec::new();
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        let ours = temp_target(&name).is_some_and(|t| targets.contains(&t));
-        if !ours || temp_pid(&name).is_none_or(process_alive) {
+        if !temp_target(&name).is_some_and(|t| targets.contains(&t)) || name.ends_with(&mine) {
             continue;
         }
         let path = entry.path();
-        let gone = match entry.file_type() {
-            Ok(t) if t.is_dir() => std::fs::remove_dir_all(&path),
-            _ => std::fs::remove_file(&path),
+        let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
+        let gone = match (stale, is_dir) {
+            (Stale::AllButOurs, false) => std::fs::remove_file(&path),
+            (Stale::AllButOurs, true) => std::fs::remove_dir_all(&path),
+            (Stale::Unlocked, true) if lock_folder(&path).is_ok() => std::fs::remove_dir_all(&path),
+            (Stale::Unlocked, _) => continue,
         };
         if gone.is_ok() {
             removed.push(path);
@@ -288,6 +290,15 @@ pub fn remove_stale_temps(dir: &Path, targets: &[&str]) -> Vec<PathBuf> {
     }
     removed.sort();
     removed
+}
+
+/// Takes an OS lock on the folder `dir` itself, held while the returned handle lives
+/// (and follows the folder through renames); fails if another process holds it.
+pub fn lock_folder(dir: &Path) -> Result<File> {
+    let file = File::open(dir).with_context(|| format!("cannot open {}", dir.display()))?;
+    file.try_lock()
+        .map_err(|e| anyhow::anyhow!("{} is locked: {e:?}", dir.display()))?;
+    Ok(file)
 }
 
 /// `.NAME.tmp-PID` beside `dest` (a file or a folder), for this process.

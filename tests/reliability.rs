@@ -933,29 +933,33 @@ fn an_export_stopped_by_sigterm_leaves_the_destination_untouched() {
     );
 }
 
-/// `prepare` removes the temporary files that a killed `prepare` left in its `--out`
-/// (their process has ended), and keeps those of a live process.
+/// `prepare` removes the temporary files that a killed `prepare` left in its `--out`:
+/// it holds the folder's lock, which every writer of those files takes, so they are
+/// leftovers whatever their process ids say (ids are reused). Other names are kept.
 #[test]
 fn prepare_removes_the_leftovers_of_a_killed_prepare() {
     let dir = temp_dir("prepare-leftovers");
     let d = dir.path();
     private_dataset(d);
-    let dead = ".train.bin.tmp-4194999"; // above Linux's largest pid
-    let live = format!(".val.bin.tmp-{}", std::process::id());
-    std::fs::write(d.join("ds").join(dead), b"partial").unwrap();
-    std::fs::write(d.join("ds").join(&live), b"partial").unwrap();
+    let leftovers = [
+        ".train.bin.tmp-4194999".to_string(),
+        format!(".val.bin.tmp-{}", std::process::id()),
+    ];
+    for name in &leftovers {
+        std::fs::write(d.join("ds").join(name), b"partial").unwrap();
+    }
+    let other = ".notes.txt.tmp-1";
+    std::fs::write(d.join("ds").join(other), b"user's").unwrap();
     let args = ["prepare", "t.txt", "--out", "ds", "--tokenizer", "char"];
     let (_, stderr) = succeeds(&mut command(d, args));
+    for name in &leftovers {
+        let note = format!("note: removed ds/{name}, left by an interrupted prepare");
+        assert!(stderr.contains(&note), "{stderr}");
+        assert!(!d.join("ds").join(name).exists());
+    }
     assert!(
-        stderr.contains(&format!(
-            "note: removed ds/{dead}, left by an interrupted prepare"
-        )),
-        "{stderr}"
-    );
-    assert!(!d.join("ds").join(dead).exists());
-    assert!(
-        d.join("ds").join(&live).exists(),
-        "a live process's file is kept"
+        d.join("ds").join(other).exists(),
+        "not a name prepare writes"
     );
 }
 
@@ -1057,4 +1061,23 @@ fn a_fresh_run_replaces_a_finished_run_s_final_state() {
     assert_eq!(read_json(&run_dir.join("ckpt.json"))["iter_num"], 3);
     let (stdout, _) = resume(d, 4);
     assert!(stdout.contains("at iteration 3"), "{stdout}");
+}
+
+/// The temporary folder of an export still running is not a leftover: another
+/// export into the same place leaves it alone (it is locked while its export lasts).
+#[test]
+fn an_export_keeps_the_temporary_folder_of_a_running_export() {
+    let dir = temp_dir("export-running");
+    let d = dir.path();
+    train(d, &["max_iters=2"]);
+    let mut cmd = command(d, ["export", "--from", "run", "--to", "hf"]);
+    cmd.env("NANOGPT_FAULT", "pause-during-export:20000");
+    let (mut first, _stderr, _) = start_paused(cmd.stdout(Stdio::null()));
+    let staging = d.join(format!(".hf.tmp-{}", first.id()));
+    assert!(staging.is_dir());
+    let (_, stderr) = succeeds(&mut command(d, ["export", "--from", "run", "--to", "hf"]));
+    assert!(!stderr.contains("note: removed"), "{stderr}");
+    assert!(staging.is_dir(), "the running export's folder was removed");
+    first.kill().unwrap();
+    first.wait().unwrap();
 }

@@ -134,7 +134,9 @@ pub(crate) fn prepare_source(source: &Source, opts: &PrepareOptions) -> Result<P
         Split::Val.file_name(),
         Meta::FILE_NAME,
     ];
-    for path in crate::fsutil::remove_stale_temps(out_dir, &outputs) {
+    // Every writer of these files holds the lock we hold: any temporary one is a leftover.
+    let stale = crate::fsutil::Stale::AllButOurs;
+    for path in crate::fsutil::remove_stale_temps(out_dir, &outputs, stale) {
         crate::errln!(
             "note: removed {}, left by an interrupted prepare",
             path.display()

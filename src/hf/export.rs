@@ -16,7 +16,8 @@ use super::tokenizer_files;
 use super::weights::transpose;
 use crate::data::{TokenizerKind, GPT2_EOT, GPT2_VOCAB_SIZE};
 use crate::fsutil::{
-    remove_stale_temps, temp_sibling, temp_target, write_atomic, write_bytes_atomic,
+    lock_folder, remove_stale_temps, temp_sibling, temp_target, write_atomic, write_bytes_atomic,
+    Stale,
 };
 use crate::model::{ModelConfig, ParamLayout};
 use anyhow::{bail, Context, Result};
@@ -121,6 +122,9 @@ pub fn export(
             parent.display()
         )
     })?;
+    // Held until the export ends: the next export tells a live one's folder from a
+    // stopped one's by this lock.
+    let _held = lock_folder(&staging)?;
     let written = write_files(params, &layout, cfg, gpt2_tokens, &staging).and_then(|()| {
         crate::fault::during_export();
         install(&staging, dir, &names)
@@ -215,11 +219,17 @@ fn remove_leftovers(dir: &Path) {
         } else {
             parent
         };
-        gone.extend(remove_stale_temps(parent, &[&name.to_string_lossy()]));
+        gone.extend(remove_stale_temps(
+            parent,
+            &[&name.to_string_lossy()],
+            Stale::Unlocked,
+        ));
     }
     let mut ours: Vec<&str> = MODEL_FILES.to_vec();
     ours.extend(tokenizer_files::FILE_NAMES);
-    gone.extend(remove_stale_temps(dir, &ours));
+    // (Files of an older version's export, which took no lock: if one still ran, its
+    // export would be broken by this one anyway.)
+    gone.extend(remove_stale_temps(dir, &ours, Stale::AllButOurs));
     for path in gone {
         crate::errln!(
             "note: removed {}, left by an interrupted export",
