@@ -42,6 +42,21 @@ pub struct CheckpointState {
     /// then the adapters and their moments only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lora: Option<crate::model::lora::LoraState>,
+    /// The data it was trained on (absent in checkpoints of older versions).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dataset: Option<DatasetRecord>,
+}
+
+/// Which data a checkpoint was trained on, to tell a resume on other data.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DatasetRecord {
+    /// The dataset folder as the config named it (informative).
+    pub folder: String,
+    pub train_tokens: u64,
+    pub val_tokens: u64,
+    /// [`crate::data::TokenFile::fingerprint`] of `train.bin` and of `val.bin`, in hex.
+    pub train_fingerprint: String,
+    pub val_fingerprint: String,
 }
 
 /// An `f32` that JSON wrote as `null` because it was infinite (serde_json writes
@@ -377,7 +392,25 @@ impl Checkpoint {
                     t.shape
                 );
             }
-            copy_f32(&mut dst[t.range()], view.data());
+            let values = &mut dst[t.range()];
+            copy_f32(values, view.data());
+            // Second moments are squares: a negative one would be a NaN step.
+            let nonnegative = prefix == V_PREFIX;
+            if values
+                .iter()
+                .any(|x| !x.is_finite() || (nonnegative && *x < 0.0))
+            {
+                let what = match nonnegative {
+                    true => "negative, NaN or infinite values",
+                    false => "NaN or infinite values",
+                };
+                bail!(
+                    "{}: tensor {name} holds {what}, which no run writes; the file was \
+                     edited or damaged: restore it, resume from another checkpoint, or start \
+                     again with init_from=scratch",
+                    self.path.display()
+                );
+            }
         }
         Ok(())
     }
@@ -406,6 +439,14 @@ fn read_state(path: &Path, bytes: &[u8]) -> Result<CheckpointState> {
             format!("its run state describes an impossible model: {e}"),
         )
     })?;
+    check_state(&state).map_err(|e| {
+        anyhow::anyhow!(
+            "{}: its run state is not one a run could have written: {e}; the file was edited \
+             or damaged: restore it, resume from another checkpoint, or start again with \
+             init_from=scratch",
+            path.display()
+        )
+    })?;
     // A LoRA checkpoint holds the adapters only (their base is loaded apart).
     let layout = match &state.lora {
         None => ParamLayout::new(&state.model),
@@ -426,6 +467,54 @@ fn read_state(path: &Path, bytes: &[u8]) -> Result<CheckpointState> {
         ));
     }
     Ok(state)
+}
+
+/// The most iterations a run state may count (AdamW's bias correction takes its
+/// step as an `i32` exponent); far beyond any real run.
+pub const MAX_ITERATIONS: u64 = i32::MAX as u64;
+
+/// Refuses a run state that no run writes (hand-edited or hostile), naming the field:
+/// a counter that would wrap, an AdamW step ahead of the iterations, a best loss that
+/// is not a loss, no ranks, a tokenizer that does not fit the model.
+fn check_state(state: &CheckpointState) -> Result<()> {
+    if state.iter_num > MAX_ITERATIONS {
+        bail!(
+            "iter_num = {} is beyond any run (at most {MAX_ITERATIONS})",
+            state.iter_num
+        );
+    }
+    if state.adam_step > state.iter_num {
+        bail!(
+            "adam_step = {} is more than iter_num = {} (at most one AdamW step per iteration)",
+            state.adam_step,
+            state.iter_num
+        );
+    }
+    let best = state.best_val_loss;
+    if best.is_nan() || best < 0.0 || best == f32::NEG_INFINITY {
+        bail!("best_val_loss = {best} is not a loss (a finite number >= 0, or null)");
+    }
+    if state.world_size == 0 || state.world_size > 1 << 20 {
+        bail!(
+            "world_size = {} is not a number of ranks (1 or more)",
+            state.world_size
+        );
+    }
+    if !state.train_config.is_object() {
+        bail!("train_config is not a JSON object");
+    }
+    let meta: crate::data::Meta = serde_json::from_value(state.tokenizer.clone())
+        .map_err(|e| anyhow::anyhow!("tokenizer is not a dataset description ({e})"))?;
+    meta.check()
+        .map_err(|e| anyhow::anyhow!("tokenizer: {e}"))?;
+    if meta.vocab_size > state.model.vocab_size {
+        bail!(
+            "tokenizer has {} tokens, more than the model's vocab_size {}",
+            meta.vocab_size,
+            state.model.vocab_size
+        );
+    }
+    Ok(())
 }
 
 /// Little-endian f32 bytes into floats (the bytes may be unaligned).
@@ -475,7 +564,14 @@ mod tests {
             iter_num: 250,
             best_val_loss: 1.5,
             adam_step: 250,
-            tokenizer: serde_json::json!({"tokenizer": "char"}),
+            dataset: None,
+            tokenizer: serde_json::json!({
+                "tokenizer": "char",
+                "vocab_size": 30,
+                "train_tokens": 1000,
+                "val_tokens": 100,
+                "chars": "ABCDEFGHIJKLMNOPQRSTUVWXYZabcd",
+            }),
             world_size: 1,
             lora: None,
         };
@@ -597,10 +693,10 @@ mod tests {
         let dir = tmp.path();
         let params = vec![0.25; layout.len];
         for iter in [100, 200, 300] {
-            state.iter_num = iter;
+            (state.iter_num, state.adam_step) = (iter, iter);
             save_to(&interval_path(dir, iter), &state, &layout, &params, None).unwrap();
         }
-        state.iter_num = 250;
+        (state.iter_num, state.adam_step) = (250, 250);
         save(dir, &state, &layout, &params, None).unwrap();
         // The newest is damaged (truncated), and a write was interrupted.
         let newest = interval_path(dir, 300);

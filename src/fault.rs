@@ -11,6 +11,7 @@
 //! | `pause-during-step:ITER:MS`  | sleep MS ms after backward (time to send a signal)   |
 //! | `nan-grad:ITER:COUNT`        | a NaN gradient in iterations ITER..ITER+COUNT        |
 //! | `nan-param:ITER`             | a NaN parameter after the update of iteration ITER   |
+//! | `pause-during-export:MS`     | `export`: sleep MS ms with the weights written, before the folder is moved into place |
 //!
 //! For checkpoints, ITER is the iteration the checkpoint resumes at. With several
 //! ranks every rank applies the fault, except `nan-grad`, which poisons this rank's
@@ -32,6 +33,7 @@ pub enum Fault {
     PauseDuringStep { iter: u64, ms: u64 },
     NanGrad { from: u64, count: u64 },
     NanParam(u64),
+    PauseDuringExport(u64),
 }
 
 static FAULT: OnceLock<Option<Fault>> = OnceLock::new();
@@ -73,9 +75,11 @@ pub fn parse(spec: &str) -> Result<Fault> {
             count: num(2)?,
         },
         ("nan-param", 2) => Fault::NanParam(num(1)?),
+        ("pause-during-export", 2) => Fault::PauseDuringExport(num(1)?),
         _ => bail!(
             "expected kill-during-step:ITER, kill-during-eval:ITER, kill-during-checkpoint:ITER, \
-             pause-during-step:ITER:MS, nan-grad:ITER:COUNT or nan-param:ITER"
+             pause-during-step:ITER:MS, nan-grad:ITER:COUNT, nan-param:ITER or \
+             pause-during-export:MS"
         ),
     };
     Ok(fault)
@@ -119,6 +123,14 @@ pub fn during_checkpoint(iter: u64, tmp: &std::path::Path) {
         let _ = f.set_len(half).and_then(|()| f.sync_all());
     }
     kill_self(&format!("writing the checkpoint of iteration {iter}"));
+}
+
+/// In `export`, with the weights written to the temporary folder.
+pub fn during_export() {
+    if let Some(Fault::PauseDuringExport(ms)) = get() {
+        eprintln!("fault injection: pausing {ms} ms in the export");
+        std::thread::sleep(Duration::from_millis(ms));
+    }
 }
 
 /// Whether iteration `iter` gets a NaN gradient.

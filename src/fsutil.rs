@@ -12,6 +12,7 @@
 use std::fs::File;
 use std::io::BufWriter;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
@@ -189,6 +190,51 @@ impl DirLock {
     }
 }
 
+impl DirLock {
+    /// Waits until no process holds the lock on `dir` (`what` names what the wait is
+    /// for, in the messages), for at most `limit`; says once that it waits. Returns
+    /// at once when `dir` has no lock file or it is free. Takes nothing: the caller
+    /// then checks what the holder left and takes the lock itself if it must write.
+    pub fn wait_until_free(dir: &Path, what: &str, limit: Duration) -> Result<()> {
+        let path = dir.join(LOCK_FILE);
+        let Ok(mut file) = File::open(&path) else {
+            return Ok(());
+        };
+        let started = Instant::now();
+        let mut said = false;
+        loop {
+            match file.try_lock_shared() {
+                Ok(()) => return Ok(()),
+                Err(std::fs::TryLockError::Error(e)) => {
+                    return Err(e).with_context(|| format!("cannot lock {}", path.display()))
+                }
+                Err(std::fs::TryLockError::WouldBlock) => {}
+            }
+            let mut holder = String::new();
+            let _ = std::io::Seek::rewind(&mut file);
+            let _ = std::io::Read::read_to_string(&mut file, &mut holder);
+            let holder = match holder.trim() {
+                "" => "another process",
+                h => h,
+            }
+            .to_string();
+            if started.elapsed() >= limit {
+                bail!(
+                    "{} is still in use by {holder} after {} s; wait for it to finish (or \
+                     stop it), then run again",
+                    dir.display(),
+                    limit.as_secs()
+                );
+            }
+            if !said {
+                crate::errln!("note: waiting for {holder} to finish {what}");
+                said = true;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
 /// This machine's host name, for messages.
 fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -203,6 +249,61 @@ pub fn temp_target(name: &str) -> Option<&str> {
     let (target, pid) = name.strip_prefix('.')?.rsplit_once(TEMP_MARK)?;
     let is_pid = !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit());
     (is_pid && !target.is_empty()).then_some(target)
+}
+
+/// Whether a temporary file or folder is a leftover, for [`remove_stale_temps`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stale {
+    /// Every one but this process's: the caller holds the lock that every writer
+    /// of these names takes, so no other process is writing them.
+    AllButOurs,
+    /// Folders that no process holds a lock on (see [`lock_folder`]). (A process id
+    /// alone proves nothing: ids are reused, within seconds where `pid_max` is small.)
+    Unlocked,
+}
+
+/// Removes the temporary files or folders `.NAME.tmp-PID` in `dir` whose NAME is one
+/// of `targets` and that are `stale`: a killed process's leftovers, ours by their
+/// names. Returns what was removed.
+pub fn remove_stale_temps(dir: &Path, targets: &[&str], stale: Stale) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mine = format!("{TEMP_MARK}{}", std::process::id());
+    let mut removed = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !temp_target(&name).is_some_and(|t| targets.contains(&t)) || name.ends_with(&mine) {
+            continue;
+        }
+        let path = entry.path();
+        let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
+        let gone = match (stale, is_dir) {
+            (Stale::AllButOurs, false) => std::fs::remove_file(&path),
+            (Stale::AllButOurs, true) => std::fs::remove_dir_all(&path),
+            (Stale::Unlocked, true) if lock_folder(&path).is_ok() => std::fs::remove_dir_all(&path),
+            (Stale::Unlocked, _) => continue,
+        };
+        if gone.is_ok() {
+            removed.push(path);
+        }
+    }
+    removed.sort();
+    removed
+}
+
+/// Takes an OS lock on the folder `dir` itself, held while the returned handle lives
+/// (and follows the folder through renames); fails if another process holds it.
+pub fn lock_folder(dir: &Path) -> Result<File> {
+    let file = File::open(dir).with_context(|| format!("cannot open {}", dir.display()))?;
+    file.try_lock()
+        .map_err(|e| anyhow::anyhow!("{} is locked: {e:?}", dir.display()))?;
+    Ok(file)
+}
+
+/// `.NAME.tmp-PID` beside `dest` (a file or a folder), for this process.
+pub fn temp_sibling(dest: &Path) -> Result<PathBuf> {
+    temp_path(dest)
 }
 
 /// `.NAME.tmp-PID` in the destination's directory.

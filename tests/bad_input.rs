@@ -357,10 +357,23 @@ fn corrupt_header(s: &Scene, rel: &str) {
     s.write(rel, bytes);
 }
 
+/// Deletes the interval checkpoints of `rel` (the final state of the trained run),
+/// so that `ckpt.safetensors` is the only one to resume from.
+fn only_the_best_checkpoint(s: &Scene, rel: &str) {
+    for entry in std::fs::read_dir(s.file(rel)).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if name.starts_with("ckpt-") {
+            std::fs::remove_file(path).unwrap();
+        }
+    }
+}
+
 #[test]
 fn resume_from_a_truncated_checkpoint() {
     let s = Scene::new("resume-truncated");
     s.add_run("run");
+    only_the_best_checkpoint(&s, "run");
     truncate(&s, "run/ckpt.safetensors");
     s.train_refused(
         &["init_from=resume"],
@@ -376,6 +389,7 @@ fn resume_from_a_truncated_checkpoint() {
 fn resume_from_a_corrupt_checkpoint() {
     let s = Scene::new("resume-corrupt");
     s.add_run("run");
+    only_the_best_checkpoint(&s, "run");
     corrupt_header(&s, "run/ckpt.safetensors");
     s.train_refused(
         &["init_from=resume"],
@@ -481,6 +495,7 @@ fn write_mismatched_checkpoint(s: &Scene, rel: &str, claimed: ModelConfig, actua
         tokenizer: serde_json::from_str(&meta_json(1000, 300)).unwrap(),
         world_size: 1,
         lora: None,
+        dataset: None,
     };
     let dir = s.file(rel);
     std::fs::create_dir_all(&dir).unwrap();
@@ -562,6 +577,174 @@ fn resume_on_a_dataset_with_another_vocabulary() {
     s.train_refused(
         &["init_from=resume"],
         &["cannot resume from run", "65 tokens", "meta.json says 9"],
+    );
+}
+
+/// `rel/ckpt.safetensors`: the trained run's newest checkpoint, its run state and
+/// AdamW second moments edited by `edit` (as a hand edit or a hostile file would).
+fn write_edited_checkpoint(
+    s: &Scene,
+    rel: &str,
+    edit: impl FnOnce(&mut CheckpointState, &mut [f32]),
+) {
+    let ckpt = checkpoint::Checkpoint::open_latest(trained_run())
+        .unwrap()
+        .checkpoint;
+    let layout = ParamLayout::new(&ckpt.state.model);
+    let mut params = vec![0.0; layout.len];
+    ckpt.load_params(&layout, &mut params).unwrap();
+    let (mut m, mut v) = (vec![0.0; layout.len], vec![0.0; layout.len]);
+    assert!(ckpt.load_moments(&layout, &mut m, &mut v).unwrap());
+    let mut state = ckpt.state.clone();
+    edit(&mut state, &mut v);
+    let dir = s.file(rel);
+    std::fs::create_dir_all(&dir).unwrap();
+    checkpoint::save(&dir, &state, &layout, &params, Some((&m, &v))).unwrap();
+}
+
+/// A checkpoint whose run state was edited into one no run writes is refused by
+/// resume and by sample, at once, naming the file and the field. (An iter_num of
+/// 2^64 - 1 used to wrap the counter: the run "resumed" at 0 and overwrote the
+/// checkpoint, exit 0.)
+#[test]
+fn checkpoint_with_an_impossible_run_state() {
+    type Edit = fn(&mut CheckpointState, &mut [f32]);
+    let cases: [(&str, Edit, &[&str]); 6] = [
+        (
+            "iter",
+            |st, _| st.iter_num = u64::MAX,
+            &["iter_num = 18446744073709551615"],
+        ),
+        (
+            "adam",
+            |st, _| st.adam_step = st.iter_num + 5,
+            &["adam_step = 8 is more than iter_num = 3"],
+        ),
+        (
+            "best",
+            |st, _| st.best_val_loss = -1.0,
+            &["best_val_loss = -1"],
+        ),
+        ("world", |st, _| st.world_size = 0, &["world_size = 0"]),
+        (
+            "tokenizer",
+            |st, _| st.tokenizer["chars"] = "abc".into(),
+            &["tokenizer: `chars` has 3 characters but vocab_size is 9"],
+        ),
+        (
+            "moments",
+            |_, v| v[7] = -1.0,
+            &["optimizer.v.", "negative, NaN or infinite values"],
+        ),
+    ];
+    for (tag, edit, phrases) in cases {
+        let s = Scene::new(&format!("ckpt-state-{tag}"));
+        write_edited_checkpoint(&s, "run", edit);
+        let started = std::time::Instant::now();
+        let mut phrases = phrases.to_vec();
+        phrases.push("run/ckpt.safetensors");
+        s.train_refused(&["init_from=resume", "max_iters=100"], &phrases);
+        if tag != "moments" {
+            // (Sampling reads no AdamW moments.)
+            s.refused(
+                &["sample", "--out-dir", "run", "--max-new-tokens", "4"],
+                &phrases,
+            );
+        }
+        assert!(
+            started.elapsed().as_secs() < 20,
+            "{tag}: {:?}",
+            started.elapsed()
+        );
+    }
+}
+
+/// Resuming a run that already reached `max_iters` is refused (it used to train one
+/// more iteration past the end); `eval_only` still evaluates it.
+#[test]
+fn resume_past_max_iters() {
+    let s = Scene::new("resume-finished");
+    s.add_run("run");
+    s.train_refused(
+        &["init_from=resume"],
+        &[
+            "resumes at iteration 3, past max_iters = 2",
+            "raise max_iters",
+        ],
+    );
+    succeeds(&mut command(
+        s.path(),
+        train_args(&["init_from=resume", "eval_only=True"]),
+    ));
+}
+
+/// Resuming on a char dataset whose vocabulary differs (of the same size) is refused:
+/// the ids would mean other characters (it used to train the old weights on the new
+/// mapping without a word).
+#[test]
+fn resume_on_a_dataset_with_another_character_vocabulary() {
+    let s = Scene::new("resume-chars");
+    s.add_run("run");
+    s.write_dataset("ds2", 1000, 300, VOCAB);
+    let other = meta_json(1000, 300).replace("fgh", "fgi");
+    s.write("ds2/meta.json", other);
+    s.train_refused(
+        &["dataset=ds2", "init_from=resume", "max_iters=6"],
+        &[
+            "cannot resume from run/ckpt-000003.safetensors",
+            "character vocabulary differs from dataset ds2's (id 8 is 'h' there, 'i' here)",
+            "resume on the data the run was trained on",
+        ],
+    );
+}
+
+/// Resuming on other data with the same tokenizer is allowed (continuing on new data
+/// is legitimate) with a warning naming both; a checkpoint of an older version, which
+/// records no dataset, resumes with a note.
+#[test]
+fn resume_on_other_data_with_the_same_tokenizer_warns() {
+    let s = Scene::new("resume-other-data");
+    s.add_run("run");
+    s.write_dataset("ds3", 1200, 300, VOCAB);
+    let args = train_args(&["dataset=ds3", "init_from=resume", "max_iters=4"]);
+    let (_, stderr) = succeeds(&mut command(s.path(), args));
+    assert!(
+        stderr.contains(
+            "warning: dataset ds3 (1200 + 300 tokens) is not the data \
+             run/ckpt-000003.safetensors was trained on (ds, 1000 + 300 tokens)"
+        ),
+        "{stderr}"
+    );
+    // The same data: nothing said.
+    let s = Scene::new("resume-same-data");
+    s.add_run("run");
+    let args = train_args(&["init_from=resume", "max_iters=4"]);
+    let (_, stderr) = succeeds(&mut command(s.path(), args));
+    assert!(
+        !stderr.contains("warning") && !stderr.contains("note"),
+        "{stderr}"
+    );
+
+    let s = Scene::new("resume-no-record");
+    write_edited_checkpoint(&s, "run", |st, _| st.dataset = None);
+    let args = train_args(&["init_from=resume", "max_iters=4"]);
+    let (_, stderr) = succeeds(&mut command(s.path(), args));
+    assert!(
+        stderr.contains("note: run/ckpt.safetensors records no dataset"),
+        "{stderr}"
+    );
+}
+
+/// A dataset folder with token files but no meta.json is read as GPT-2 tokens, as
+/// nanoGPT does, and now says so.
+#[test]
+fn a_dataset_without_meta_json_is_said_to_be_read_as_gpt2() {
+    let s = Scene::new("no-meta");
+    std::fs::remove_file(s.file("ds/meta.json")).unwrap();
+    let (_, stderr) = succeeds(&mut command(s.path(), train_args(&["max_iters=0"])));
+    assert!(
+        stderr.contains("note: ds has no meta.json: reading its token files as GPT-2 BPE tokens"),
+        "{stderr}"
     );
 }
 

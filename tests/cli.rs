@@ -173,9 +173,9 @@ fn resumed_run_repeats_the_uninterrupted_losses_exactly() {
     straight.extend(["max_iters=9", "out_dir=straight"]);
     train(d, &straight);
 
-    // Stop after iteration 4 (checkpoint taken before it), then resume to 9.
+    // Stop after iteration 3 (its final state checkpointed), then resume at 4 to 9.
     let mut first = common.to_vec();
-    first.extend(["max_iters=4", "out_dir=split"]);
+    first.extend(["max_iters=3", "out_dir=split"]);
     train(d, &first);
     let mut second = common.to_vec();
     second.extend(["max_iters=9", "out_dir=split", "init_from=resume"]);

@@ -295,6 +295,7 @@ fn save_checkpoint(out_dir: &Path, model: &Gpt, meta: &Meta) {
         tokenizer: serde_json::to_value(meta).unwrap(),
         world_size: 1,
         lora: None,
+        dataset: None,
     };
     checkpoint::save(out_dir, &state, &model.layout, &model.params, None).unwrap();
 }

@@ -110,9 +110,10 @@ fn kill_and_resume(tag: &str, fault: &str, resumes_from: &str) -> (String, Strin
 fn interval_checkpoints_keep_the_newest_and_resume_picks_the_latest() {
     let dir = temp_dir("interval");
     let d = dir.path();
-    train(d, &["max_iters=10", "keep_last=2"]);
+    train(d, &["max_iters=8", "keep_last=2"]);
     let run_dir = d.join("run");
-    // Interval checkpoints at 3, 6, 9: the newest two are kept, with their JSON.
+    // Interval checkpoints at 3, 6, 9 (the last one the final state, after iteration
+    // 8): the newest two are kept, with their JSON.
     assert_eq!(
         files(&run_dir),
         [
@@ -442,7 +443,7 @@ fn a_full_disk_stops_the_run_and_keeps_the_previous_checkpoint() {
     assert_eq!(
         before.len(),
         6,
-        "ckpt-000002, ckpt-000004, ckpt: each with JSON"
+        "ckpt-000004, ckpt-000005 (the final state), ckpt: each with JSON"
     );
     let ckpt_len = std::fs::metadata(run_dir.join("ckpt.safetensors"))
         .unwrap()
@@ -467,12 +468,14 @@ fn a_full_disk_stops_the_run_and_keeps_the_previous_checkpoint() {
         .env_remove("NANOGPT_FAULT");
     let out = cmd.output().unwrap();
     let stderr = refused(&out);
-    // Resuming at 4 evaluates first and (always_save_checkpoint) rewrites ckpt.safetensors.
+    // The first run's final state resumes at 5; after iteration 5 the interval
+    // checkpoint of 6 cannot be written.
     assert!(
         stderr.contains(
-            "error: the checkpoint of iteration 4 was not saved (free disk space or fix the \
-             permissions of run, then continue with init_from=resume): run/ckpt.safetensors was \
-             not written (any previous copy is intact): cannot write run/.ckpt.safetensors.tmp-"
+            "error: the checkpoint of iteration 6 was not saved (free disk space or fix the \
+             permissions of run, then continue with init_from=resume): run/ckpt-000006.safetensors \
+             was not written (any previous copy is intact): cannot write \
+             run/.ckpt-000006.safetensors.tmp-"
         ) && stderr.trim_end().ends_with("File too large (os error 27)"),
         "{stderr}"
     );
@@ -545,7 +548,7 @@ fn a_malformed_fault_setting_is_refused() {
 #[test]
 fn eval_and_sample_read_interval_checkpoints() {
     let dir = temp_dir("interval-eval");
-    train(dir.path(), &["max_iters=7", "eval_interval=0"]);
+    train(dir.path(), &["max_iters=5", "eval_interval=0"]);
     let run_dir = dir.path().join("run");
     assert!(!run_dir.join("ckpt.safetensors").exists());
     let eval = |init_from: &str| {
@@ -556,7 +559,8 @@ fn eval_and_sample_read_interval_checkpoints() {
         let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
         report["loss"].as_f64().unwrap()
     };
-    // Interval checkpoints resuming at 3 and 6; the directory means the newest.
+    // Interval checkpoints resuming at 3 and 6 (the final state); the directory means
+    // the newest.
     let newest = eval("run");
     assert_eq!(newest, eval("run/ckpt-000006.safetensors"));
     let older = eval("run/ckpt-000003.safetensors");
@@ -660,8 +664,15 @@ fn an_evaluation_only_resume_keeps_every_logged_row_and_appends_its_evaluation()
     train(d, &["max_iters=8"]);
     let log = d.join("run/metrics.jsonl");
     let before = std::fs::read_to_string(&log).unwrap();
+    let checkpoints = snapshot(&d.join("run"));
     let out = train(d, &["max_iters=8", "init_from=resume", "eval_only=True"]);
     assert!(out.contains("val loss"), "{out}");
+    // It wrote no checkpoint (with always_save_checkpoint, it used to rewrite
+    // ckpt.safetensors and ckpt.json, recording the evaluation-only config).
+    assert!(
+        snapshot(&d.join("run")) == checkpoints,
+        "a checkpoint changed"
+    );
     let after = std::fs::read_to_string(&log).unwrap();
     let added = after
         .strip_prefix(before.as_str())
@@ -672,4 +683,400 @@ fn an_evaluation_only_resume_keeps_every_logged_row_and_appends_its_evaluation()
         .collect();
     assert_eq!(rows.len(), 1, "{added}");
     assert!(rows[0]["val_loss"].is_number(), "{added}");
+}
+
+/// The `done: train loss X, val loss Y` line of a run's stdout, as printed.
+fn done_line(stdout: &str) -> &str {
+    let done = stdout.lines().find(|l| l.starts_with("done: "));
+    done.unwrap_or_else(|| panic!("no closing line:\n{stdout}"))
+}
+
+/// The `train_loss`/`val_loss` row of `out_dir/metrics.jsonl` at `iter`, as printed.
+fn eval_row(out_dir: &Path, iter: u64) -> String {
+    let train = metric(out_dir, "train_loss");
+    let val = metric(out_dir, "val_loss");
+    let at = |rows: &[(u64, f64)]| {
+        let row = rows.iter().find(|r| r.0 == iter);
+        row.unwrap_or_else(|| panic!("no evaluation at {iter}: {rows:?}"))
+            .1
+    };
+    format!(
+        "done: train loss {:.4}, val loss {:.4}",
+        at(&train),
+        at(&val)
+    )
+}
+
+/// A run whose `max_iters` ends before its first evaluation after iteration 0 (it
+/// used to exit 0 with no checkpoint, report iteration 0's losses as "done", and
+/// suggest a `sample` that failed): the final state is evaluated and checkpointed,
+/// `sample` works, and `init_from=resume` continues from it.
+#[test]
+fn a_run_shorter_than_its_evaluation_interval_keeps_its_final_state() {
+    let dir = temp_dir("short-run");
+    let d = dir.path();
+    let stdout = train(d, &["max_iters=3", "eval_interval=250", "ckpt_interval=0"]);
+    let run_dir = d.join("run");
+    // Iterations 0..=3 trained: the final state resumes at 4.
+    assert_eq!(read_json(&run_dir.join("ckpt.json"))["iter_num"], 4);
+    // (The final evaluation improved on iteration 0's, so it wrote ckpt.safetensors,
+    // which holds the final state: nothing more to save.)
+    let mut saved = stdout.lines().filter(|l| l.starts_with("saving"));
+    assert_eq!(
+        saved.next_back(),
+        Some("saving checkpoint to run/ckpt.safetensors"),
+        "{stdout}"
+    );
+    assert_eq!(done_line(&stdout), eval_row(&run_dir, 4), "{stdout}");
+    let args = ["sample", "--out-dir", "run", "--max-new-tokens", "10"];
+    succeeds(&mut command(d, args));
+    let (stdout, _) = resume(d, 5);
+    assert!(
+        stdout.contains("resuming from run/ckpt.safetensors at iteration 4"),
+        "{stdout}"
+    );
+}
+
+/// With `always_save_checkpoint=False`, `ckpt.safetensors` stays the best-val
+/// checkpoint (nanoGPT's meaning) and the final state goes to an interval checkpoint,
+/// which `init_from=resume` takes as the newest. The last evaluation at `max_iters`
+/// (nanoGPT's) is what the closing line reports, not a new one.
+#[test]
+fn without_always_save_the_final_state_is_an_interval_checkpoint() {
+    let dir = temp_dir("final-interval");
+    let d = dir.path();
+    let args = [
+        "max_iters=4",
+        "ckpt_interval=0",
+        "always_save_checkpoint=False",
+    ];
+    let stdout = train(d, &args);
+    let run_dir = d.join("run");
+    assert_eq!(read_json(&run_dir.join("ckpt-000005.json"))["iter_num"], 5);
+    assert!(
+        stdout.contains("saving the final state to run/ckpt-000005.safetensors"),
+        "{stdout}"
+    );
+    // The best-val checkpoint is the evaluation's at 4 (the loss falls from 0 to 4).
+    assert_eq!(read_json(&run_dir.join("ckpt.json"))["iter_num"], 4);
+    assert_eq!(done_line(&stdout), eval_row(&run_dir, 4), "{stdout}");
+    assert!(metric(&run_dir, "val_loss").iter().all(|r| r.0 <= 4));
+    let (stdout, _) = resume(d, 6);
+    assert!(
+        stdout.contains("resuming from run/ckpt-000005.safetensors at iteration 5"),
+        "{stdout}"
+    );
+    assert_eq!(step_losses(&run_dir), reference(6));
+}
+
+/// With `always_save_checkpoint=True`, `ckpt.safetensors` is the newest state: the
+/// evaluation at `max_iters` writes it, and after the last step the final state
+/// replaces it.
+#[test]
+fn with_always_save_the_final_state_is_ckpt_safetensors() {
+    let dir = temp_dir("final-always");
+    let d = dir.path();
+    let args = [
+        "max_iters=4",
+        "ckpt_interval=0",
+        "always_save_checkpoint=True",
+    ];
+    let stdout = train(d, &args);
+    let run_dir = d.join("run");
+    assert_eq!(read_json(&run_dir.join("ckpt.json"))["iter_num"], 5);
+    assert!(
+        stdout.contains("saving the final state to run/ckpt.safetensors"),
+        "{stdout}"
+    );
+    assert!(
+        checkpoint_files(&run_dir).is_empty(),
+        "{:?}",
+        files(&run_dir)
+    );
+}
+
+/// The interval checkpoints of `dir`.
+fn checkpoint_files(dir: &Path) -> Vec<String> {
+    let mut names = files(dir);
+    names.retain(|n| n.starts_with("ckpt-"));
+    names
+}
+
+/// `d/ds`: a char dataset of its own (the test changes its files), prepared from
+/// 20,000 characters of varied text.
+fn private_dataset(d: &Path) {
+    let text: String = (0..20_000u32)
+        .map(|i| char::from(b'a' + (i * 7 % 23 + i / 300 % 3) as u8))
+        .collect();
+    std::fs::write(d.join("t.txt"), text).unwrap();
+    let args = ["prepare", "t.txt", "--out", "ds", "--tokenizer", "char"];
+    succeeds(&mut command(d, args));
+}
+
+/// A token file truncated, or rewritten in place, while a run reads it: the run
+/// stops with one line naming the file and the fix (it used to die of SIGBUS, exit
+/// 135, with no message: the file was memory-mapped); its checkpoints are intact.
+#[test]
+fn a_token_file_changed_during_training_is_an_error_not_a_crash() {
+    type Change = fn(&Path);
+    let changes: [(&str, Change, &str); 2] = [
+        (
+            "truncated",
+            |p| {
+                let f = std::fs::OpenOptions::new().write(true).open(p).unwrap();
+                f.set_len(1000).unwrap();
+            },
+            "1000 bytes now",
+        ),
+        (
+            "rewritten",
+            |p| {
+                let len = std::fs::metadata(p).unwrap().len() as usize;
+                std::fs::write(p, vec![0xff; len]).unwrap();
+            },
+            "token id 65535 is outside the vocabulary",
+        ),
+    ];
+    for (tag, change, phrase) in changes {
+        let dir = temp_dir(&format!("changed-{tag}"));
+        let d = dir.path();
+        private_dataset(d);
+        let mut cmd = train_command(
+            d,
+            &["dataset=ds", "max_iters=12"],
+            Some("pause-during-step:5:1500"),
+        );
+        let (child, mut stderr, seen) = start_paused(cmd.stdout(Stdio::null()));
+        let checkpoints = snapshot(&d.join("run"));
+        assert!(!checkpoints.is_empty());
+        change(&d.join("ds/train.bin"));
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut stderr, &mut rest).unwrap();
+        let mut out = child.wait_with_output().unwrap();
+        out.stderr = (seen + &rest).into_bytes();
+        let msg = refused(&out);
+        assert!(
+            msg.contains("token file ds/train.bin changed while in use")
+                && msg.contains(phrase)
+                && msg.contains("re-run prepare into a new folder"),
+            "{tag}: {msg}"
+        );
+        // (The step in progress finished and ckpt-000006 was written before the next
+        // read failed.)
+        let after = snapshot(&d.join("run"));
+        assert!(checkpoints.iter().all(|c| after.contains(c)), "{tag}");
+    }
+}
+
+/// `nanogpt export --from run --to hf` in `d`, paused (fault injection) with its
+/// files written, then stopped by SIGTERM; returns the stopped process's pid.
+fn export_stopped_by_sigterm(d: &Path) -> u32 {
+    let mut cmd = command(d, ["export", "--from", "run", "--to", "hf"]);
+    cmd.env("NANOGPT_FAULT", "pause-during-export:20000");
+    let (mut child, _stderr, _) = start_paused(cmd.stdout(Stdio::null()));
+    let pid = child.id();
+    let sent = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let status = child.wait().unwrap();
+    assert_eq!(status.signal(), Some(15), "{status:?}");
+    pid
+}
+
+/// SIGTERM during `export` leaves the destination as it was (absent, or the previous
+/// export byte for byte) and only a temporary folder `.hf.tmp-PID` beside it, which
+/// the next export removes as the leftover of a process that ended. (The export used
+/// to write into the destination directly: a stopped one left a partial model folder
+/// whose temporary file made the next export refuse the folder.)
+#[test]
+fn an_export_stopped_by_sigterm_leaves_the_destination_untouched() {
+    let dir = temp_dir("export-sigterm");
+    let d = dir.path();
+    train(d, &["max_iters=2"]);
+    let pid = export_stopped_by_sigterm(d);
+    let leftover = format!(".hf.tmp-{pid}");
+    // Nothing else was created (`data` is the bundled dataset, if prepared here).
+    let allowed = [leftover.as_str(), "data", "run"];
+    assert!(
+        files(d).iter().all(|n| allowed.contains(&n.as_str())),
+        "{:?}",
+        files(d)
+    );
+    assert!(!d.join("hf").exists(), "{:?}", files(d));
+    assert!(d.join(&leftover).is_dir(), "{:?}", files(d));
+
+    let (_, stderr) = succeeds(&mut command(d, ["export", "--from", "run", "--to", "hf"]));
+    assert!(
+        stderr.contains(&format!(
+            "note: removed ./{leftover}, left by an interrupted export"
+        )),
+        "{stderr}"
+    );
+    assert!(!d.join(&leftover).exists(), "{:?}", files(d));
+    let exported = contents(&d.join("hf"));
+    assert!(exported.iter().any(|(n, _)| n == "model.safetensors"));
+
+    // Stopped while replacing that export: it stays byte for byte.
+    let pid = export_stopped_by_sigterm(d);
+    assert!(
+        contents(&d.join("hf")) == exported,
+        "the previous export changed"
+    );
+    assert!(d.join(format!(".hf.tmp-{pid}")).is_dir());
+    succeeds(&mut command(d, ["export", "--from", "run", "--to", "hf"]));
+    assert!(temp_files(d).is_empty(), "{:?}", files(d));
+    // The same files (model.safetensors's header may order its metadata otherwise).
+    let names = |files: &[(String, Vec<u8>)]| files.iter().map(|f| f.0.clone()).collect::<Vec<_>>();
+    assert_eq!(names(&contents(&d.join("hf"))), names(&exported));
+}
+
+/// `prepare` removes the temporary files that a killed `prepare` left in its `--out`:
+/// it holds the folder's lock, which every writer of those files takes, so they are
+/// leftovers whatever their process ids say (ids are reused). Other names are kept.
+#[test]
+fn prepare_removes_the_leftovers_of_a_killed_prepare() {
+    let dir = temp_dir("prepare-leftovers");
+    let d = dir.path();
+    private_dataset(d);
+    let leftovers = [
+        ".train.bin.tmp-4194999".to_string(),
+        format!(".val.bin.tmp-{}", std::process::id()),
+    ];
+    for name in &leftovers {
+        std::fs::write(d.join("ds").join(name), b"partial").unwrap();
+    }
+    let other = ".notes.txt.tmp-1";
+    std::fs::write(d.join("ds").join(other), b"user's").unwrap();
+    let args = ["prepare", "t.txt", "--out", "ds", "--tokenizer", "char"];
+    let (_, stderr) = succeeds(&mut command(d, args));
+    for name in &leftovers {
+        let note = format!("note: removed ds/{name}, left by an interrupted prepare");
+        assert!(stderr.contains(&note), "{stderr}");
+        assert!(!d.join("ds").join(name).exists());
+    }
+    assert!(
+        d.join("ds").join(other).exists(),
+        "not a name prepare writes"
+    );
+}
+
+/// A run that finds the bundled dataset being prepared by another process waits for
+/// it, says so, and then uses what that process prepared (it used to be refused:
+/// "--out ... is in use by a prepare run").
+#[test]
+fn a_run_waits_for_another_preparing_the_bundled_dataset() {
+    let dir = temp_dir("bundled-wait");
+    let d = dir.path();
+    let data = d.join("data/shakespeare_char");
+    std::fs::create_dir_all(&data).unwrap();
+    // This test plays the other process: it holds the lock while it "prepares".
+    let lock = std::fs::File::create(data.join(".nanogpt.lock")).unwrap();
+    lock.lock().unwrap();
+    std::fs::write(
+        data.join(".nanogpt.lock"),
+        "a prepare run (pid 1 on host h)\n",
+    )
+    .unwrap();
+    let mut cmd = train_command(d, &["max_iters=1"], None);
+    let (mut child, mut stderr) = {
+        let mut child = cmd
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = BufReader::new(child.stderr.take().unwrap());
+        (child, stderr)
+    };
+    let mut first = String::new();
+    stderr.read_line(&mut first).unwrap();
+    assert!(
+        first.contains("note: waiting for a prepare run (pid 1 on host h) to finish preparing data/shakespeare_char"),
+        "{first}"
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(child.try_wait().unwrap().is_none(), "it waits");
+    let args = [
+        "prepare",
+        "shakespeare",
+        "--out",
+        "elsewhere",
+        "--tokenizer",
+        "char",
+    ];
+    succeeds(&mut command(d, args));
+    for name in ["train.bin", "val.bin", "meta.json"] {
+        std::fs::rename(d.join("elsewhere").join(name), data.join(name)).unwrap();
+    }
+    let inode = |name: &str| {
+        std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(data.join(name)).unwrap())
+    };
+    let before = inode("train.bin");
+    drop(lock);
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stderr, &mut rest).unwrap();
+    assert!(child.wait().unwrap().success(), "{rest}");
+    assert_eq!(inode("train.bin"), before, "it used the prepared files");
+}
+
+/// A finished run's final state (an interval checkpoint when always_save_checkpoint
+/// is off, as in the quick start) does not block running it again: like
+/// ckpt.safetensors, it is replaced, with a warning, at the new run's first checkpoint.
+#[test]
+fn a_fresh_run_replaces_a_finished_run_s_final_state() {
+    let dir = temp_dir("fresh-after-finished");
+    let d = dir.path();
+    let args = [
+        "max_iters=4",
+        "ckpt_interval=0",
+        "always_save_checkpoint=False",
+    ];
+    train(d, &args);
+    let run_dir = d.join("run");
+    assert_eq!(
+        checkpoint_files(&run_dir),
+        ["ckpt-000005.json", "ckpt-000005.safetensors"]
+    );
+    let again = [
+        "max_iters=2",
+        "ckpt_interval=0",
+        "always_save_checkpoint=False",
+    ];
+    let (_, stderr) = succeeds(&mut train_command(d, &again, None));
+    assert!(
+        stderr.contains(
+            "warning: run/ckpt-000005.safetensors is the final state of an earlier run and \
+             will be deleted at this run's first checkpoint"
+        ),
+        "{stderr}"
+    );
+    // Its final state, evaluated, improved on iteration 0: it is ckpt.safetensors.
+    assert!(
+        checkpoint_files(&run_dir).is_empty(),
+        "{:?}",
+        files(&run_dir)
+    );
+    assert_eq!(read_json(&run_dir.join("ckpt.json"))["iter_num"], 3);
+    let (stdout, _) = resume(d, 4);
+    assert!(stdout.contains("at iteration 3"), "{stdout}");
+}
+
+/// The temporary folder of an export still running is not a leftover: another
+/// export into the same place leaves it alone (it is locked while its export lasts).
+#[test]
+fn an_export_keeps_the_temporary_folder_of_a_running_export() {
+    let dir = temp_dir("export-running");
+    let d = dir.path();
+    train(d, &["max_iters=2"]);
+    let mut cmd = command(d, ["export", "--from", "run", "--to", "hf"]);
+    cmd.env("NANOGPT_FAULT", "pause-during-export:20000");
+    let (mut first, _stderr, _) = start_paused(cmd.stdout(Stdio::null()));
+    let staging = d.join(format!(".hf.tmp-{}", first.id()));
+    assert!(staging.is_dir());
+    let (_, stderr) = succeeds(&mut command(d, ["export", "--from", "run", "--to", "hf"]));
+    assert!(!stderr.contains("note: removed"), "{stderr}");
+    assert!(staging.is_dir(), "the running export's folder was removed");
+    first.kill().unwrap();
+    first.wait().unwrap();
 }

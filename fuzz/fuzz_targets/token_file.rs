@@ -5,7 +5,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use nanogpt::data::{
-    batch_offsets, eval_window_count, eval_window_offsets, fill_batch, Draw, TokenFile,
+    batch_offsets, eval_window_count, eval_window_offsets, Draw, TokenFile,
 };
 
 fuzz_target!(|data: &[u8]| {
@@ -25,7 +25,8 @@ fuzz_target!(|data: &[u8]| {
     let offsets = batch_offsets(1337, Draw::Train, 0, rows, file.len(), block)
         .expect("a checked file has room for a window");
     let (mut inputs, mut targets) = (vec![0; rows * block], vec![0; rows * block]);
-    fill_batch(file.tokens(), &offsets, block, &mut inputs, &mut targets)
+    let mut window = Vec::new();
+    file.read_batch(&offsets, block, &mut window, &mut inputs, &mut targets)
         .expect("buffers sized for the batch");
     let windows = eval_window_count(file.len(), block);
     let _ = eval_window_offsets(0..windows, block);

@@ -133,7 +133,7 @@ fn read_tokens(args: &EvalArgs, meta: &crate::data::Meta, vocab: usize) -> Resul
     if path.extension().is_some_and(|e| e == "bin") {
         let file = TokenFile::open(path)?;
         file.check_vocab(vocab)?;
-        return Ok(file.tokens().to_vec());
+        return file.read_all();
     }
     let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
     let text = String::from_utf8(bytes).map_err(|e| {

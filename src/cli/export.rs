@@ -26,6 +26,7 @@ pub struct ExportArgs {
 }
 
 pub fn run(args: ExportArgs) -> Result<()> {
+    crate::fault::init()?;
     if args.adapter_only {
         return export_adapter(&args);
     }

@@ -2,6 +2,7 @@
 //! config's `dataset` name to a prepared directory.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 
@@ -9,6 +10,7 @@ use super::meta::{Meta, TokenizerKind};
 use super::prepare::{prepare_source, PrepareOptions};
 use super::readers::{Source, BUNDLED_SHAKESPEARE};
 use super::Split;
+use crate::fsutil::DirLock;
 
 /// Karpathy's tiny Shakespeare (1,115,394 characters), embedded so that the quick
 /// start works from any directory.
@@ -23,21 +25,46 @@ const BUILT_IN: [(&str, TokenizerKind); 2] = [
 
 /// Prepares the bundled Shakespeare into `dir` unless it already holds a prepared
 /// dataset (`meta.json`, `train.bin` and `val.bin`) with that tokenizer.
+///
+/// Several runs started together (ranks sharing a folder, or a user's two runs) must
+/// not fail because one of them is preparing it: the others wait for its lock (at
+/// most [`PREPARE_WAIT`]) and then use what it prepared.
 fn ensure_bundled_shakespeare(dir: &Path, tokenizer: TokenizerKind) -> Result<()> {
-    if is_prepared(dir, tokenizer)? {
-        return Ok(());
+    let what = format!("preparing {}", dir.display());
+    // A run that takes the lock between our wait and our own prepare makes that
+    // prepare fail: wait for it again.
+    for attempt in 0..3 {
+        DirLock::wait_until_free(dir, &what, PREPARE_WAIT)?;
+        if is_prepared(dir, tokenizer)? {
+            return Ok(());
+        }
+        let options = PrepareOptions {
+            tokenizer,
+            ..PrepareOptions::new(BUNDLED_SHAKESPEARE, dir)
+        };
+        match prepare_source(&Source::Bundled, &options) {
+            Ok(_) => return Ok(()),
+            Err(_) if attempt < 2 && is_locked(dir) => continue,
+            Err(e) => {
+                return Err(e).with_context(|| {
+                    format!(
+                        "cannot prepare the bundled Shakespeare text in {}",
+                        dir.display()
+                    )
+                })
+            }
+        }
     }
-    let options = PrepareOptions {
-        tokenizer,
-        ..PrepareOptions::new(BUNDLED_SHAKESPEARE, dir)
-    };
-    prepare_source(&Source::Bundled, &options).with_context(|| {
-        format!(
-            "cannot prepare the bundled Shakespeare text in {}",
-            dir.display()
-        )
-    })?;
-    Ok(())
+    unreachable!("the last attempt returns")
+}
+
+/// How long a run waits for another one preparing the bundled dataset (it takes
+/// seconds).
+const PREPARE_WAIT: Duration = Duration::from_secs(300);
+
+/// Whether another process holds the lock on `dir` now.
+fn is_locked(dir: &Path) -> bool {
+    DirLock::wait_until_free(dir, "", Duration::ZERO).is_err()
 }
 
 fn is_prepared(dir: &Path, tokenizer: TokenizerKind) -> Result<bool> {

@@ -1,6 +1,9 @@
 //! Token files and batches.
 //!
-//! A [`TokenFile`] memory-maps a `train.bin` / `val.bin`. Training batches are
+//! A [`TokenFile`] reads a `train.bin` / `val.bin` with positional reads, one window
+//! at a time (B·(T+1) tokens a micro-step): no memory map, so a file truncated or
+//! rewritten while a run reads it is an error naming the file, never a `SIGBUS`.
+//! Training batches are
 //! random windows like nanoGPT's `get_batch`, but the offsets of each optimizer
 //! step's global batch are a pure function of `(seed, draw, iteration)`
 //! ([`batch_offsets`]): micro-step `k` of `B` rows takes rows `k·B .. (k+1)·B`,
@@ -9,10 +12,11 @@
 
 use std::fs::File;
 use std::ops::Range;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use anyhow::{bail, ensure, Context, Result};
-use memmap2::Mmap;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
@@ -20,10 +24,15 @@ use rayon::prelude::*;
 use super::meta::Meta;
 use super::Split;
 
-/// A memory-mapped `.bin` file of uint16 little-endian token ids.
+/// An open `.bin` file of uint16 little-endian token ids, read window by window.
 pub struct TokenFile {
     path: PathBuf,
-    map: Mmap,
+    file: File,
+    /// Its size when opened; a read finding another size is an error.
+    bytes: u64,
+    /// The vocabulary [`TokenFile::check_vocab`] checked the whole file against (0:
+    /// none yet); every window read later is checked against it too.
+    vocab: AtomicUsize,
 }
 
 impl std::fmt::Debug for TokenFile {
@@ -37,8 +46,11 @@ impl std::fmt::Debug for TokenFile {
     }
 }
 
+/// Tokens read by [`TokenFile::read_all`] and [`TokenFile::check_vocab`] at a time.
+const READ_CHUNK: usize = 1 << 22;
+
 impl TokenFile {
-    /// Maps `path`, refusing a missing, empty or odd-length file.
+    /// Opens `path`, refusing a missing, empty or odd-length file.
     pub fn open(path: &Path) -> Result<TokenFile> {
         if cfg!(target_endian = "big") {
             bail!("token files are little-endian and this machine is big-endian: unsupported");
@@ -65,19 +77,16 @@ impl TokenFile {
              (truncated copy?); prepare the dataset again",
             path.display()
         );
-        // SAFETY: the map is read-only and lives as long as `self`. Files are only
-        // ever replaced by rename (see `prepare`), which leaves a live map intact;
-        // truncating the file in place while it is mapped is not supported.
-        let map = unsafe { Mmap::map(&file) }
-            .with_context(|| format!("cannot memory-map {}", path.display()))?;
         ensure!(
-            bytemuck::try_cast_slice::<u8, u16>(&map).is_ok(),
-            "cannot view {} as uint16 tokens (unaligned map)",
+            usize::try_from(bytes).is_ok(),
+            "token file {} ({bytes} bytes) is too large for this machine's address space",
             path.display()
         );
         Ok(TokenFile {
             path: path.to_path_buf(),
-            map,
+            file,
+            bytes,
+            vocab: AtomicUsize::new(0),
         })
     }
 
@@ -96,9 +105,9 @@ impl TokenFile {
         Ok(file)
     }
 
-    /// Number of tokens.
+    /// Number of tokens (when opened).
     pub fn len(&self) -> usize {
-        self.map.len() / 2
+        (self.bytes / 2) as usize
     }
 
     /// Always false: empty files are refused on open.
@@ -106,30 +115,148 @@ impl TokenFile {
         self.len() == 0
     }
 
-    pub fn tokens(&self) -> &[u16] {
-        bytemuck::try_cast_slice(&self.map).expect("alignment was checked on open")
+    /// The file these tokens come from.
+    pub fn path(&self) -> &Path {
+        &self.path
     }
 
-    /// Checks, in parallel, that every token id is below `vocab_size`.
-    pub fn check_vocab(&self, vocab_size: usize) -> Result<()> {
-        const CHUNK: usize = 1 << 20;
-        let bad = self
-            .tokens()
-            .par_chunks(CHUNK)
-            .enumerate()
-            .find_map_first(|(c, chunk)| {
-                let i = chunk.iter().position(|&t| usize::from(t) >= vocab_size)?;
-                Some((c * CHUNK + i, chunk[i]))
-            });
-        match bad {
-            None => Ok(()),
-            Some((position, id)) => bail!(
-                "{} has token id {id} at position {position}, outside the vocabulary of \
-                 {vocab_size} from meta.json: the files do not belong together; prepare \
-                 the dataset again",
+    /// Reads tokens `start .. start + out.len()` into `out`. A file that is now
+    /// shorter, or of another size than when opened, is an error naming it.
+    pub fn read_at(&self, start: usize, out: &mut [u16]) -> Result<()> {
+        let end = start.saturating_add(out.len());
+        ensure!(
+            end <= self.len(),
+            "tokens {start}..{end} run past the {} tokens of {}",
+            self.len(),
+            self.path.display()
+        );
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(out);
+        let read = self.file.read_exact_at(bytes, start as u64 * 2);
+        let now = self.file.metadata().map(|m| m.len()).ok();
+        if read.is_err() || now != Some(self.bytes) {
+            let size = match now {
+                Some(n) => format!("{n} bytes now, {} when opened", self.bytes),
+                None => format!("{} bytes when opened", self.bytes),
+            };
+            let why = match read {
+                Err(e) => format!("{e}; "),
+                Ok(()) => String::new(),
+            };
+            bail!(
+                "token file {} changed while in use ({why}{size}); re-run prepare into a \
+                 new folder, not over the dataset a run is reading",
                 self.path.display()
-            ),
+            );
         }
+        Ok(())
+    }
+
+    /// The whole file.
+    pub fn read_all(&self) -> Result<Vec<u16>> {
+        let mut tokens = vec![0; self.len()];
+        for (k, chunk) in tokens.chunks_mut(READ_CHUNK).enumerate() {
+            self.read_at(k * READ_CHUNK, chunk)?;
+        }
+        Ok(tokens)
+    }
+
+    /// Checks, chunk by chunk (in parallel within one), that every token id is below
+    /// `vocab_size`; windows read later are checked against it too.
+    pub fn check_vocab(&self, vocab_size: usize) -> Result<()> {
+        const PIECE: usize = 1 << 16;
+        let mut chunk = vec![0u16; READ_CHUNK.min(self.len())];
+        for start in (0..self.len()).step_by(READ_CHUNK) {
+            let n = READ_CHUNK.min(self.len() - start);
+            self.read_at(start, &mut chunk[..n])?;
+            let bad = chunk[..n]
+                .par_chunks(PIECE)
+                .enumerate()
+                .find_map_first(|(c, piece)| {
+                    let i = piece.iter().position(|&t| usize::from(t) >= vocab_size)?;
+                    Some((start + c * PIECE + i, piece[i]))
+                });
+            if let Some((position, id)) = bad {
+                bail!(
+                    "{} has token id {id} at position {position}, outside the vocabulary of \
+                     {vocab_size} from meta.json: the files do not belong together; prepare \
+                     the dataset again",
+                    self.path.display()
+                );
+            }
+        }
+        self.vocab.store(vocab_size, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Reads the windows starting at `offsets` (each `block_size + 1` tokens, through
+    /// `window`, resized as needed) into `inputs` and `targets` as [`fill_batch`] does.
+    /// After [`TokenFile::check_vocab`], a token outside that vocabulary (the file was
+    /// rewritten in place) is an error.
+    pub fn read_batch(
+        &self,
+        offsets: &[usize],
+        block_size: usize,
+        window: &mut Vec<u16>,
+        inputs: &mut [u32],
+        targets: &mut [i32],
+    ) -> Result<()> {
+        let row = block_size + 1;
+        window.resize(offsets.len() * row, 0);
+        for (&offset, dst) in offsets.iter().zip(window.chunks_exact_mut(row)) {
+            self.read_at(offset, dst)?;
+        }
+        let vocab = self.vocab.load(Ordering::Relaxed);
+        if vocab > 0 {
+            if let Some(t) = window.iter().find(|&&t| usize::from(t) >= vocab) {
+                bail!(
+                    "token file {} changed while in use (token id {t} is outside the \
+                     vocabulary of {vocab} it was checked against); re-run prepare into a new \
+                     folder, not over the dataset a run is reading",
+                    self.path.display()
+                );
+            }
+        }
+        let cells = offsets.len() * block_size;
+        ensure!(
+            inputs.len() == cells && targets.len() == cells,
+            "batch buffers hold {} inputs and {} targets, but {} rows × block_size \
+             {block_size} need {cells}",
+            inputs.len(),
+            targets.len(),
+            offsets.len()
+        );
+        let rows = inputs
+            .chunks_exact_mut(block_size)
+            .zip(targets.chunks_exact_mut(block_size));
+        for (tokens, (input, target)) in window.chunks_exact(row).zip(rows) {
+            for (slot, &t) in input.iter_mut().zip(&tokens[..block_size]) {
+                *slot = u32::from(t);
+            }
+            for (slot, &t) in target.iter_mut().zip(&tokens[1..]) {
+                *slot = i32::from(t);
+            }
+        }
+        Ok(())
+    }
+
+    /// A 64-bit fingerprint of the file: its length and 64 evenly spaced runs of up
+    /// to 256 tokens, hashed (an identity check, not a defence against forgery).
+    pub fn fingerprint(&self) -> Result<u64> {
+        const RUNS: usize = 64;
+        const RUN: usize = 256;
+        let n = self.len();
+        let mut hash = crate::kernels::dropout::mix64(n as u64 ^ 0x6461_7461);
+        let mut run = [0u16; RUN];
+        for k in 0..RUNS {
+            let start = (n as u128 * k as u128 / RUNS as u128) as usize;
+            let take = RUN.min(n - start);
+            self.read_at(start, &mut run[..take])?;
+            for (i, &t) in run[..take].iter().enumerate() {
+                let word = (start + i) as u64 ^ (u64::from(t) << 48);
+                hash = crate::kernels::dropout::mix64(hash ^ word);
+            }
+        }
+        Ok(hash)
     }
 
     /// Checks that the file holds at least one training window of `block_size`.
@@ -293,7 +420,7 @@ mod tests {
         let path = dir.write("t.bin", [1u8, 0, 0, 1, 255, 255]);
         let file = TokenFile::open(&path).unwrap();
         assert_eq!(file.len(), 3);
-        assert_eq!(file.tokens(), &[1, 256, 65535]);
+        assert_eq!(file.read_all().unwrap(), [1, 256, 65535]);
     }
 
     #[test]

@@ -163,6 +163,13 @@ impl Meta {
                 prepare_hint
             );
         }
+        crate::errln!(
+            "note: {} has no {}: reading its token files as GPT-2 BPE tokens (nanoGPT's \
+             layout); if they hold other tokens, {}",
+            dir.display(),
+            Self::FILE_NAME,
+            prepare_hint
+        );
         Ok(Meta {
             tokenizer: TokenizerKind::Gpt2,
             vocab_size: GPT2_VOCAB_SIZE,

@@ -6,7 +6,7 @@
 //!   examples ([`instruct`]: Alpaca or chat `.jsonl`) also get `train.mask` /
 //!   `val.mask` ([`mask`]: one byte per token, 1 = trained).
 //! - [`Tokenizer`] encodes prompts and decodes samples for a prepared dataset.
-//! - [`loader`] memory-maps the `.bin` files and cuts them into batches that are a
+//! - [`loader`] reads the `.bin` files window by window and cuts them into batches that are a
 //!   pure function of `(seed, iteration)`.
 //! - [`find_or_prepare_dataset`] maps a config's `dataset` key to its prepared
 //!   directory, preparing the bundled Shakespeare on first use.

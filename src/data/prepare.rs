@@ -141,6 +141,21 @@ pub fn prepare_source(source: &Source, opts: &PrepareOptions) -> Result<PrepareS
         )
     })?;
     let _lock = crate::fsutil::DirLock::acquire(out_dir, "--out", "a prepare run")?;
+    let outputs = [
+        Split::Train.file_name(),
+        Split::Val.file_name(),
+        Meta::FILE_NAME,
+        "train.mask",
+        "val.mask",
+    ];
+    // Every writer of these files holds the lock we hold: any temporary one is a leftover.
+    let stale = crate::fsutil::Stale::AllButOurs;
+    for path in crate::fsutil::remove_stale_temps(out_dir, &outputs, stale) {
+        crate::errln!(
+            "note: removed {}, left by an interrupted prepare",
+            path.display()
+        );
+    }
     let mut out = Outputs::create(&opts.out_dir, source.is_instruct())?;
     let bar = progress_bar(source, "tokenizing", opts.show_progress)?;
     let docs = if source.is_instruct() {
@@ -610,7 +625,7 @@ mod tests {
     }
 
     fn read_bin(path: &Path) -> Vec<u16> {
-        TokenFile::open(path).unwrap().tokens().to_vec()
+        TokenFile::open(path).unwrap().read_all().unwrap()
     }
 
     #[test]

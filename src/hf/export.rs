@@ -4,13 +4,21 @@
 //! and for GPT-2-tokenized models the tokenizer files. `GPT2LMHeadModel.from_pretrained`
 //! opens the directory and computes the same logits.
 //!
-//! Every file is written atomically. A directory that already holds other files is
-//! refused unless it is a previous export (whose files are replaced, others kept).
+//! The files are written into a temporary folder `.DIR.tmp-PID` beside `DIR` and
+//! moved into place at the end: a new `DIR` appears whole, by one rename, and a
+//! previous export's files are replaced by a rename each (`config.json` last). An
+//! export stopped on the way (SIGTERM, SIGKILL) leaves only its temporary folder,
+//! which the next export recognises as ours (its process has ended) and removes. A
+//! directory that already holds other files is refused unless it is a previous
+//! export (whose files are replaced, others kept).
 
 use super::tokenizer_files;
 use super::weights::transpose;
 use crate::data::{TokenizerKind, GPT2_EOT, GPT2_VOCAB_SIZE};
-use crate::fsutil::{write_atomic, write_bytes_atomic};
+use crate::fsutil::{
+    lock_folder, remove_stale_temps, temp_sibling, temp_target, write_atomic, write_bytes_atomic,
+    Stale,
+};
 use crate::model::{ModelConfig, ParamLayout};
 use anyhow::{bail, Context, Result};
 use safetensors::tensor::{Dtype, View};
@@ -103,14 +111,44 @@ pub fn export(
         names.extend(tokenizer_files::FILE_NAMES);
     }
     check_destination(dir)?;
-    std::fs::create_dir_all(dir).with_context(|| {
+    remove_leftovers(dir);
+    let staging = temp_sibling(dir)?;
+    let parent = staging.parent().unwrap_or(Path::new("."));
+    let _ = std::fs::remove_dir_all(&staging);
+    std::fs::create_dir_all(&staging).with_context(|| {
         format!(
-            "cannot create {}; check the path and permissions",
-            dir.display()
+            "cannot create {}; check the path and permissions of {}",
+            staging.display(),
+            parent.display()
         )
     })?;
+    // Held until the export ends: the next export tells a live one's folder from a
+    // stopped one's by this lock.
+    let _held = lock_folder(&staging)?;
+    let written = write_files(params, &layout, cfg, gpt2_tokens, &staging).and_then(|()| {
+        crate::fault::during_export();
+        install(&staging, dir, &names)
+    });
+    if written.is_err() {
+        let _ = std::fs::remove_dir_all(&staging);
+    }
+    written?;
+    Ok(ExportSummary {
+        dir: dir.to_path_buf(),
+        files: names.iter().map(|s| s.to_string()).collect(),
+        parameters: cfg.num_params(),
+    })
+}
 
-    let tensors = hf_tensors(params, &layout, cfg);
+/// Every file of the export into `dir` (the temporary folder).
+fn write_files(
+    params: &[f32],
+    layout: &ParamLayout,
+    cfg: &ModelConfig,
+    gpt2_tokens: bool,
+    dir: &Path,
+) -> Result<()> {
+    let tensors = hf_tensors(params, layout, cfg);
     let metadata = HashMap::from([
         ("format".to_string(), "pt".to_string()),
         (
@@ -129,12 +167,75 @@ pub fn export(
             write_bytes_atomic(&dir.join(name), &text)?;
         }
     }
-    write_bytes_atomic(&dir.join("config.json"), config_json(cfg, eot))?;
-    Ok(ExportSummary {
-        dir: dir.to_path_buf(),
-        files: names.iter().map(|s| s.to_string()).collect(),
-        parameters: cfg.num_params(),
-    })
+    write_bytes_atomic(&dir.join("config.json"), config_json(cfg, eot))
+}
+
+/// Moves the finished export from `staging` to `dir`: the whole folder when `dir`
+/// does not exist or is empty, else file by file with `config.json` (what marks a
+/// model folder for Hugging Face) last.
+fn install(staging: &Path, dir: &Path, names: &[&str]) -> Result<()> {
+    let empty = std::fs::read_dir(dir).map(|mut d| d.next().is_none());
+    let moved = |from: &Path, to: &Path| {
+        std::fs::rename(from, to).with_context(|| {
+            format!(
+                "cannot move {} to {}; check the permissions",
+                from.display(),
+                to.display()
+            )
+        })
+    };
+    match empty {
+        // Missing (or empty, which rename replaces): one rename.
+        Err(_) | Ok(true) => moved(staging, dir)?,
+        Ok(false) => {
+            let mut order: Vec<&str> = names
+                .iter()
+                .copied()
+                .filter(|n| *n != "config.json")
+                .collect();
+            order.push("config.json");
+            for name in order {
+                moved(&staging.join(name), &dir.join(name))?;
+            }
+            std::fs::remove_dir_all(staging)
+                .with_context(|| format!("cannot remove {}", staging.display()))?;
+        }
+    }
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        // Durable once the directory entries are on disk (where the file system can).
+        let _ = std::fs::File::open(parent).and_then(|f| f.sync_all());
+    }
+    Ok(())
+}
+
+/// Leftovers of exports into `dir` that were stopped (their processes ended): the
+/// temporary folder beside it, and temporary files inside it (older versions wrote
+/// there). Each removal is said.
+fn remove_leftovers(dir: &Path) {
+    let mut gone = Vec::new();
+    if let (Some(name), Some(parent)) = (dir.file_name(), dir.parent()) {
+        let parent = if parent.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            parent
+        };
+        gone.extend(remove_stale_temps(
+            parent,
+            &[&name.to_string_lossy()],
+            Stale::Unlocked,
+        ));
+    }
+    let mut ours: Vec<&str> = MODEL_FILES.to_vec();
+    ours.extend(tokenizer_files::FILE_NAMES);
+    // (Files of an older version's export, which took no lock: if one still ran, its
+    // export would be broken by this one anyway.)
+    gone.extend(remove_stale_temps(dir, &ours, Stale::AllButOurs));
+    for path in gone {
+        crate::errln!(
+            "note: removed {}, left by an interrupted export",
+            path.display()
+        );
+    }
 }
 
 /// The tensors in Hugging Face's names and layout.
@@ -246,8 +347,10 @@ fn check_destination(dir: &Path) -> Result<()> {
     if !dir.is_dir() {
         bail!("{} is a file; export needs a directory path", dir.display());
     }
-    let ours =
+    let file_of_ours =
         |name: &str| MODEL_FILES.contains(&name) || tokenizer_files::FILE_NAMES.contains(&name);
+    // Its files, and the temporary files of an interrupted export of an older version.
+    let ours = |name: &str| file_of_ours(name) || temp_target(name).is_some_and(file_of_ours);
     let mut foreign: Vec<String> = std::fs::read_dir(dir)
         .with_context(|| format!("cannot read {}", dir.display()))?
         .filter_map(|e| e.ok())

@@ -4,7 +4,7 @@
 use super::report::say;
 use super::Trainer;
 use crate::checkpoint;
-use crate::data::{self, fill_batch, Draw};
+use crate::data::{self, Draw};
 use crate::fault;
 use crate::metrics::{plot_loss, Row};
 use crate::progress::Progress;
@@ -31,13 +31,8 @@ impl Trainer {
             for k in (rank..self.cfg.eval_iters).step_by(world) {
                 let offsets = &mut self.offsets;
                 data::loader::batch_offsets_into(self.cfg.seed, draw, k, file.len(), t, offsets)?;
-                fill_batch(
-                    file.tokens(),
-                    offsets,
-                    t,
-                    &mut self.inputs,
-                    &mut self.targets,
-                )?;
+                let (inputs, targets) = (&mut self.inputs, &mut self.targets);
+                file.read_batch(offsets, t, &mut self.window, inputs, targets)?;
                 match mask {
                     // Weighted by the batch's trained targets: a mean over all of them.
                     Some(mask) => {
@@ -64,6 +59,23 @@ impl Trainer {
         Ok(((totals[0] / n) as f32, (totals[1] / n) as f32))
     }
 
+    /// Evaluates the model as it is at iteration `iter` (not yet trained), says so,
+    /// and logs, plots and checkpoints as [`Trainer::after_eval`] does; returns
+    /// `(iter, train loss, val loss)`.
+    pub(super) fn evaluate_and_log(
+        &mut self,
+        iter: u64,
+        progress: &mut Option<Progress>,
+    ) -> Result<(u64, f32, f32)> {
+        let (train_loss, val_loss) = self.evaluate()?;
+        say(
+            progress,
+            &format!("step {iter}: train loss {train_loss:.4}, val loss {val_loss:.4}"),
+        );
+        self.after_eval(iter, train_loss, val_loss, progress)?;
+        Ok((iter, train_loss, val_loss))
+    }
+
     pub(super) fn after_eval(
         &mut self,
         iter: u64,
@@ -86,7 +98,9 @@ impl Trainer {
         if improved {
             self.best_val_loss = val_loss;
         }
-        if iter > 0 && (improved || self.cfg.always_save_checkpoint) {
+        // An evaluation-only run changes no checkpoint (its state is the checkpoint's).
+        let wanted = improved || self.cfg.always_save_checkpoint;
+        if iter > 0 && wanted && !self.cfg.eval_only {
             self.save_checkpoint(iter)?;
             say(
                 progress,

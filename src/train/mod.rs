@@ -7,6 +7,8 @@
 //!     clip to grad_clip, AdamW step at lr(iter) (skipped if the loss or norm is
 //!         not finite), log
 //!     every ckpt_interval, or on SIGINT/SIGTERM: checkpoint (then stop, for a signal)
+//! at the end: evaluate the final state unless iteration max_iters was evaluated,
+//!     and checkpoint it unless this run already did
 //! ```
 //! The global batch of an iteration is a pure function of `(seed, iter)`, and the
 //! dropout masks of `(seed, iter, micro-step)`, so a resumed run repeats exactly what
@@ -28,7 +30,7 @@ use report::say;
 use start::{Masks, Start};
 
 use crate::config::{InitFrom, TrainConfig};
-use crate::data::{apply_mask, batch_offsets, count_trained, fill_batch, Draw, Meta, TokenFile};
+use crate::data::{apply_mask, batch_offsets, count_trained, Draw, Meta, TokenFile};
 use crate::dist::{self, Collective, CommReport, DataParallel, Single, StepSettings};
 use crate::fault;
 use crate::kernels::dropout::mix64;
@@ -52,7 +54,8 @@ pub struct TrainOutcome {
     /// The last iteration trained (or evaluated, with `eval_only`).
     pub iter_num: u64,
     pub best_val_loss: f32,
-    /// The last evaluation's losses, if any ran.
+    /// The losses of the last evaluation, if any ran: of the final state, or of
+    /// iteration `max_iters` (see `Trainer::finish`).
     pub last_eval: Option<(f32, f32)>,
     pub final_train_loss: Option<f32>,
     /// Set when a signal stopped the run: the signal and the checkpoint written.
@@ -80,6 +83,8 @@ pub struct Trainer {
     /// The optimizer; with `zero_stage = 1` on several ranks, this rank's shard.
     pub opt: AdamW,
     pub meta: Meta,
+    /// What checkpoints record of the data.
+    dataset_record: crate::checkpoint::DatasetRecord,
     train: TokenFile,
     val: TokenFile,
     /// Instruction data: only the targets these masks mark are trained and scored.
@@ -96,13 +101,19 @@ pub struct Trainer {
     /// Rank 0's lock on `out_dir`: a second run writing it is refused while this one
     /// lasts (released when the trainer is dropped or the process ends).
     _out_dir_lock: Option<crate::fsutil::DirLock>,
+    /// Finished earlier runs' final-state checkpoints, deleted at the first save.
+    replace_at_first_save: Vec<PathBuf>,
     /// One micro-batch: B·T inputs and targets, B offsets.
     inputs: Vec<u32>,
     targets: Vec<i32>,
     offsets: Vec<usize>,
+    /// The B windows of T+1 tokens read for a micro-batch.
+    window: Vec<u16>,
     peak_gflops: f64,
     /// Steps skipped in a row for a non-finite loss or gradient norm.
     nonfinite_in_row: u64,
+    /// The iteration this run's newest checkpoint resumes at (the same on every rank).
+    saved_at: Option<u64>,
 }
 
 impl Trainer {
@@ -119,6 +130,7 @@ impl Trainer {
             state,
             dp,
             out_dir_lock,
+            replace_at_first_save,
         } = Start::new(&cfg, &*comm)?;
         let root = comm.rank() == 0;
         // A resumed run drops the rows logged past its checkpoint (it runs them again);
@@ -149,12 +161,15 @@ impl Trainer {
             inputs: vec![0; bt],
             targets: vec![0; bt],
             offsets: vec![0; cfg.batch_size],
+            window: vec![0; cfg.batch_size * (cfg.block_size + 1)],
             peak_gflops,
             nonfinite_in_row: 0,
+            saved_at: None,
             cfg,
             model: state.model,
             opt: state.opt,
             meta: data.meta,
+            dataset_record: data.record,
             train: data.train,
             val: data.val,
             masks: data.masks,
@@ -165,6 +180,7 @@ impl Trainer {
             comm,
             dp,
             _out_dir_lock: out_dir_lock,
+            replace_at_first_save,
         })
     }
 
@@ -202,20 +218,15 @@ impl Trainer {
     pub fn run(&mut self) -> Result<TrainOutcome> {
         let root = self.rank() == 0;
         let mut progress = root.then(|| Progress::new(self.iter_num, self.cfg.max_iters + 1));
-        let mut last_eval = None;
+        // The iteration and losses of the last evaluation.
+        let mut last_eval: Option<(u64, f32, f32)> = None;
         let mut final_train_loss = None;
         let mut stopped = None;
         loop {
             let iter = self.iter_num;
             let due = self.cfg.eval_interval > 0 && iter.is_multiple_of(self.cfg.eval_interval);
             if due || self.cfg.eval_only {
-                let (train_loss, val_loss) = self.evaluate()?;
-                last_eval = Some((train_loss, val_loss));
-                say(
-                    &mut progress,
-                    &format!("step {iter}: train loss {train_loss:.4}, val loss {val_loss:.4}"),
-                );
-                self.after_eval(iter, train_loss, val_loss, &mut progress)?;
+                last_eval = Some(self.evaluate_and_log(iter, &mut progress)?);
             }
             if self.cfg.eval_only {
                 break;
@@ -251,6 +262,7 @@ impl Trainer {
                 );
             }
             if self.iter_num > self.cfg.max_iters {
+                self.finish(&mut last_eval, &mut progress)?;
                 break;
             }
         }
@@ -262,7 +274,7 @@ impl Trainer {
             out_dir: self.cfg.out_dir.clone(),
             iter_num: self.iter_num,
             best_val_loss: self.best_val_loss,
-            last_eval,
+            last_eval: last_eval.map(|(_, train, val)| (train, val)),
             final_train_loss,
             stopped,
         })
@@ -343,13 +355,8 @@ impl Trainer {
             if !mine.contains(&k) {
                 continue;
             }
-            fill_batch(
-                self.train.tokens(),
-                rows,
-                t,
-                &mut self.inputs,
-                &mut self.targets,
-            )?;
+            let (inputs, targets) = (&mut self.inputs, &mut self.targets);
+            (self.train).read_batch(rows, t, &mut self.window, inputs, targets)?;
             // This micro-step's weight in the step's mean: 1/accum, or with a mask its
             // share of the trained targets (the classifier divides by its own count).
             let mut share = None;

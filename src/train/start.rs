@@ -2,7 +2,7 @@
 //! model and optimizer built from scratch, resumed from a checkpoint or loaded from
 //! pretrained weights, and with several ranks, rank 0's start copied to every rank.
 
-use crate::checkpoint::{self, Checkpoint, CheckpointState};
+use crate::checkpoint::{self, Checkpoint, CheckpointState, DatasetRecord};
 use crate::config::{InitFrom, TrainConfig};
 use crate::data::{self, Meta, Split, TokenFile};
 use crate::dist::{Collective, DataParallel};
@@ -26,6 +26,9 @@ pub struct Start {
     pub dp: Option<DataParallel>,
     /// Rank 0's lock on `out_dir`, held while the run lasts.
     pub out_dir_lock: Option<DirLock>,
+    /// Rank 0, a fresh run: the final-state checkpoints of finished earlier runs in
+    /// `out_dir`, to delete once this run wrote its first checkpoint.
+    pub replace_at_first_save: Vec<PathBuf>,
 }
 
 /// The dataset of a run, checked against the config.
@@ -38,6 +41,8 @@ pub struct Dataset {
     pub masks: Masks,
     /// The folder the files are in.
     pub dir: PathBuf,
+    /// What checkpoints record of it.
+    pub record: DatasetRecord,
 }
 
 /// The loss masks of the two splits: both or neither.
@@ -75,25 +80,28 @@ impl Start {
         if root {
             check_memory(cfg, comm)?;
         }
-        let mut out_dir_lock = None;
+        let (mut out_dir_lock, mut replace) = (None, Vec::new());
         if root {
-            out_dir_lock = Some(prepare_out_dir(cfg)?);
+            let (lock, finished) = prepare_out_dir(cfg)?;
+            (out_dir_lock, replace) = (Some(lock), finished);
             comm.barrier_patient();
         }
         // Every rank must read the same data with the same binary as rank 0.
         crate::dist::preflight::check_same_inputs(comm, &data.dir)?;
         let mut start = if comm.world_size() == 1 {
-            let state = TrainState::build(cfg, &data.meta)?;
+            let state = TrainState::build(cfg, &data)?;
             Start {
                 data,
                 state,
                 dp: None,
                 out_dir_lock: None,
+                replace_at_first_save: Vec::new(),
             }
         } else {
             start_distributed(cfg, data, comm)?
         };
         start.out_dir_lock = out_dir_lock;
+        start.replace_at_first_save = replace;
         // Master weights and optimizer state stay f32; with bfloat16 the model makes
         // its bf16 weight copy here and after every optimizer step.
         start
@@ -132,12 +140,20 @@ impl Dataset {
             file.check_vocab(meta.vocab_size)?;
         }
         let masks = open_masks(&data_dir, &train, &val)?;
+        let record = DatasetRecord {
+            folder: cfg.dataset.clone(),
+            train_tokens: train.len() as u64,
+            val_tokens: val.len() as u64,
+            train_fingerprint: format!("{:016x}", train.fingerprint()?),
+            val_fingerprint: format!("{:016x}", val.fingerprint()?),
+        };
         Ok(Dataset {
             meta,
             train,
             val,
             masks,
             dir: data_dir,
+            record,
         })
     }
 }
@@ -178,7 +194,7 @@ struct StartHeader {
 /// then holds its weights (and AdamW state), checked by checksum.
 fn start_distributed(cfg: &TrainConfig, data: Dataset, comm: &dyn Collective) -> Result<Start> {
     let built = match comm.rank() {
-        0 => Some(TrainState::build(cfg, &data.meta)?),
+        0 => Some(TrainState::build(cfg, &data)?),
         _ => None,
     };
     let mut bytes = Vec::new();
@@ -229,6 +245,7 @@ fn start_distributed(cfg: &TrainConfig, data: Dataset, comm: &dyn Collective) ->
         state,
         dp: Some(dp),
         out_dir_lock: None,
+        replace_at_first_save: Vec::new(),
     })
 }
 
@@ -258,8 +275,9 @@ fn share_lora_base(
 }
 
 /// Creates `out_dir` and locks it for this run (held until the run ends; under MPI by
-/// rank 0, for the whole job).
-fn prepare_out_dir(cfg: &TrainConfig) -> Result<DirLock> {
+/// rank 0, for the whole job); returns the lock and, for a fresh run, the final-state
+/// checkpoints of finished earlier runs that it replaces.
+fn prepare_out_dir(cfg: &TrainConfig) -> Result<(DirLock, Vec<PathBuf>)> {
     let dir = &cfg.out_dir;
     if dir.exists() && !dir.is_dir() {
         bail!(
@@ -274,18 +292,24 @@ fn prepare_out_dir(cfg: &TrainConfig) -> Result<DirLock> {
         )
     })?;
     let lock = DirLock::acquire(dir, "out_dir", "a training run")?;
-    if cfg.init() != InitFrom::Resume {
-        check_fresh_start(dir)?;
-    }
-    Ok(lock)
+    let replace = match cfg.init() {
+        InitFrom::Resume => Vec::new(),
+        _ => check_fresh_start(dir)?,
+    };
+    Ok((lock, replace))
 }
 
 /// A run that does not resume, in an `out_dir` with an earlier run's checkpoints.
 /// Its best-val checkpoint is replaced at the first save, as in nanoGPT (a warning
 /// says so); its interval checkpoints would outrank the new run's when resuming, so
-/// they are refused rather than silently deleted.
-fn check_fresh_start(dir: &Path) -> Result<()> {
-    let old = checkpoint::interval_checkpoints(dir)?;
+/// they are refused rather than silently deleted. The exception is the final state of
+/// a finished run (it resumes past that run's `max_iters`; every run ends with one):
+/// like `ckpt.safetensors`, it is replaced, deleted at this run's first checkpoint
+/// (a warning says so), so that the quick start can be run again. Returns those.
+fn check_fresh_start(dir: &Path) -> Result<Vec<PathBuf>> {
+    let (finished, old): (Vec<_>, Vec<_>) = checkpoint::interval_checkpoints(dir)?
+        .into_iter()
+        .partition(|(_, path)| is_final_state(path));
     if let Some((iter, path)) = old.last() {
         bail!(
             "out_dir {} holds {} interval checkpoint(s) of an earlier run (the newest, {}, \
@@ -304,12 +328,33 @@ fn check_fresh_start(dir: &Path) -> Result<()> {
             best.display()
         );
     }
-    Ok(())
+    for (_, path) in &finished {
+        crate::errln!(
+            "warning: {} is the final state of an earlier run and will be deleted at this \
+             run's first checkpoint; stop now and use init_from=resume (with a larger \
+             max_iters) or another out_dir to keep it",
+            path.display()
+        );
+    }
+    Ok(finished.into_iter().map(|(_, p)| p).collect())
+}
+
+/// Whether the checkpoint at `path` is a finished run's final state: it resumes past
+/// the `max_iters` of the run that wrote it.
+fn is_final_state(path: &Path) -> bool {
+    let Ok(ckpt) = Checkpoint::open_file(path) else {
+        return false;
+    };
+    let max_iters = ckpt.state.train_config.get("max_iters");
+    max_iters
+        .and_then(serde_json::Value::as_u64)
+        .is_some_and(|max| ckpt.state.iter_num > max)
 }
 
 impl TrainState {
     /// The model and optimizer of `cfg.init_from`: new, resumed or pretrained.
-    fn build(cfg: &TrainConfig, meta: &Meta) -> Result<TrainState> {
+    fn build(cfg: &TrainConfig, data: &Dataset) -> Result<TrainState> {
+        let meta = &data.meta;
         let adam_cfg = AdamWConfig {
             beta1: cfg.beta1 as f32,
             beta2: cfg.beta2 as f32,
@@ -318,7 +363,7 @@ impl TrainState {
         };
         let (model, base) = match cfg.init() {
             InitFrom::Scratch => (new_model(cfg, meta)?, "scratch".to_string()),
-            InitFrom::Resume => return resume(cfg, meta, adam_cfg),
+            InitFrom::Resume => return resume(cfg, data, adam_cfg),
             InitFrom::Pretrained(name) => (load_pretrained(cfg, meta, &name)?, name),
         };
         // LoRA: the loaded model becomes the frozen base of new adapters, or of a
@@ -372,7 +417,8 @@ fn new_model(cfg: &TrainConfig, meta: &Meta) -> Result<Gpt> {
 }
 
 /// The newest checkpoint in `out_dir`: weights, AdamW moments and progress.
-fn resume(cfg: &TrainConfig, meta: &Meta, adam_cfg: AdamWConfig) -> Result<TrainState> {
+fn resume(cfg: &TrainConfig, data: &Dataset, adam_cfg: AdamWConfig) -> Result<TrainState> {
+    let meta = &data.meta;
     let latest = Checkpoint::open_latest(&cfg.out_dir)?;
     for note in &latest.notes {
         crate::errln!("note: {note}");
@@ -385,6 +431,17 @@ fn resume(cfg: &TrainConfig, meta: &Meta, adam_cfg: AdamWConfig) -> Result<Train
         state.iter_num
     );
     check_resume_compatible(cfg, meta, state)?;
+    check_same_tokenizer(ckpt.path(), cfg, meta, state)?;
+    note_other_data(ckpt.path(), &data.record, state);
+    if state.iter_num > cfg.max_iters && !cfg.eval_only {
+        bail!(
+            "{} resumes at iteration {}, past max_iters = {}: that run is finished; raise \
+             max_iters to train it further (or set eval_only=True to evaluate it)",
+            ckpt.path().display(),
+            state.iter_num,
+            cfg.max_iters
+        );
+    }
     note_ignored_architecture(cfg, &ckpt.path().display(), &state.model);
     let model_cfg = ModelConfig {
         dropout: cfg.dropout,
@@ -453,6 +510,88 @@ fn check_resume_compatible(cfg: &TrainConfig, meta: &Meta, state: &CheckpointSta
         );
     }
     Ok(())
+}
+
+/// The dataset's tokenizer must be the checkpoint's: the same ids must mean the same
+/// text (a char dataset of another text has another vocabulary, often of the same
+/// size, and resuming on it would silently train the old weights on a new mapping).
+fn check_same_tokenizer(
+    path: &Path,
+    cfg: &TrainConfig,
+    meta: &Meta,
+    state: &CheckpointState,
+) -> Result<()> {
+    let theirs: Meta = serde_json::from_value(state.tokenizer.clone())
+        .with_context(|| format!("{} has no valid tokenizer description", path.display()))?;
+    let difference = match (
+        theirs.tokenizer == meta.tokenizer,
+        &theirs.chars,
+        &meta.chars,
+    ) {
+        (false, _, _) => Some(format!(
+            "it was trained on {} tokens, dataset {} holds {} tokens",
+            theirs.tokenizer, cfg.dataset, meta.tokenizer
+        )),
+        (true, Some(a), Some(b)) if a != b => {
+            let first = a
+                .chars()
+                .zip(b.chars())
+                .enumerate()
+                .find(|(_, (x, y))| x != y);
+            let at = match first {
+                Some((i, (x, y))) => format!("id {i} is {x:?} there, {y:?} here"),
+                None => format!("{} characters there, {} here", a.len(), b.len()),
+            };
+            Some(format!(
+                "its character vocabulary differs from dataset {}'s ({at})",
+                cfg.dataset
+            ))
+        }
+        _ => None,
+    };
+    match difference {
+        None => Ok(()),
+        Some(what) => bail!(
+            "cannot resume from {}: {what}, so the same token ids would mean other text; \
+             resume on the data the run was trained on, or start again with init_from=scratch",
+            path.display()
+        ),
+    }
+}
+
+/// Continuing a run on other data (with the same tokenizer) is legitimate, but worth
+/// a line: it may be a mistake. Checkpoints of older versions record no dataset.
+fn note_other_data(path: &Path, now: &DatasetRecord, state: &CheckpointState) {
+    let Some(then) = &state.dataset else {
+        crate::errln!(
+            "note: {} records no dataset (an older version wrote it): cannot check that \
+             the data is the one it was trained on",
+            path.display()
+        );
+        return;
+    };
+    let same = (
+        &then.train_fingerprint,
+        &then.val_fingerprint,
+        then.train_tokens,
+    ) == (
+        &now.train_fingerprint,
+        &now.val_fingerprint,
+        now.train_tokens,
+    ) && then.val_tokens == now.val_tokens;
+    if !same {
+        crate::errln!(
+            "warning: dataset {} ({} + {} tokens) is not the data {} was trained on ({}, {} + \
+             {} tokens); continuing on it, since the tokenizer is the same",
+            now.folder,
+            now.train_tokens,
+            now.val_tokens,
+            path.display(),
+            then.folder,
+            then.train_tokens,
+            then.val_tokens
+        );
+    }
 }
 
 /// The pretrained model `name` (see [`crate::hf`]) for fine-tuning: its architecture
