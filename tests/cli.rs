@@ -434,6 +434,9 @@ fn plan_reports_each_part_and_train_refuses_a_run_that_does_not_fit() {
     assert!(out.status.success(), "{}", common::text(&out.stderr));
     let bad = common::run(common::command(d, &args).env("NANOGPT_MEMORY_LIMIT_MB", "lots"));
     assert!(common::refused(&bad).contains("NANOGPT_MEMORY_LIMIT_MB must be a whole number"));
+}
+
+#[test]
 fn the_closing_hint_names_the_binary_as_it_was_invoked() {
     let dir = temp_dir("cli-argv0");
     let stdout = train(dir.path(), &["max_iters=1", "eval_interval=1", "out_dir=o"]);
