@@ -492,10 +492,15 @@ pub fn refusal(plan: &MemoryPlan, p: &PlanInput, grad_accum: usize) -> Option<St
                          smaller batch_size fits: use more ranks (hosts) or a smaller model"
             .to_string(),
         // Every rank holds the whole frozen base: more ranks only help on more hosts.
-        (true, Some(_)) => "no combination of zero_stage, activation_checkpointing, dtype and \
-                            a smaller batch_size fits: every rank holds the whole frozen base \
-                            model, so use fewer ranks per host or a smaller base model"
-            .to_string(),
+        (true, Some(_)) => format!(
+            "no combination of zero_stage, activation_checkpointing, dtype and a smaller \
+             batch_size fits: every rank holds the whole frozen base model, so use a smaller \
+             base model{}",
+            match p.ranks_per_host {
+                1 => " or a host with more memory",
+                _ => ", fewer ranks per host or hosts with more memory",
+            }
+        ),
         (false, _) => format!("cheapest settings that fit: {}", fixes.join("; or ")),
     };
     Some(format!(
