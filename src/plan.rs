@@ -6,6 +6,8 @@
 //! (optimizer shard, communication buffers), the activation arena's own constructor
 //! counting instead of allocating — so the plan cannot drift from what training
 //! allocates; the unit tests compare each part with the buffers a real run holds.
+//! With LoRA the trained arena is the adapters' ([`LoraLayout`]) and the frozen base,
+//! which has no gradients or moments, a part of its own.
 //! What no buffer accounts for (the program, thread stacks, GEMM packing, data
 //! batches) is a measured constant, [`BASELINE_BYTES`].
 
@@ -111,7 +113,8 @@ impl RankPlan {
     }
 }
 
-/// Names of the parts, as printed.
+// Names of the parts, as printed.
+
 /// The trained weights: the whole model, or with LoRA the adapters.
 pub const WEIGHTS: &str = "weights";
 /// LoRA: the base model's weights, without gradients or moments.
