@@ -6,6 +6,8 @@
 //! (optimizer shard, communication buffers), the activation arena's own constructor
 //! counting instead of allocating — so the plan cannot drift from what training
 //! allocates; the unit tests compare each part with the buffers a real run holds.
+//! With LoRA the trained arena is the adapters' ([`LoraLayout`]) and the frozen base,
+//! which has no gradients or moments, a part of its own.
 //! What no buffer accounts for (the program, thread stacks, GEMM packing, data
 //! batches) is a measured constant, [`BASELINE_BYTES`].
 
@@ -14,6 +16,7 @@ use crate::config::{InitFrom, TrainConfig};
 use crate::data::{self, Meta};
 use crate::dist::GradPlan;
 use crate::model::activations::Activations;
+use crate::model::lora::{LoraConfig, LoraLayout};
 use crate::model::{bf16_copy_len, grad_buckets_of, Dtype, ModelConfig, ParamLayout};
 use anyhow::{Context, Result};
 use serde::Serialize;
@@ -36,6 +39,8 @@ pub struct PlanInput {
     pub world_size: usize,
     /// Ranks sharing this host's memory.
     pub ranks_per_host: usize,
+    /// LoRA: the adapters trained on the frozen model. None: full training.
+    pub lora: Option<LoraConfig>,
 }
 
 impl PlanInput {
@@ -47,7 +52,6 @@ impl PlanInput {
         ranks_per_host: usize,
     ) -> PlanInput {
         PlanInput {
-            model,
             batch_size: cfg.batch_size,
             block_size: cfg.block_size,
             dtype: cfg.dtype,
@@ -55,7 +59,29 @@ impl PlanInput {
             zero_stage: cfg.zero_stage,
             world_size,
             ranks_per_host: ranks_per_host.max(1),
+            lora: lora_of(cfg, &model),
+            model,
         }
+    }
+}
+
+/// The adapters a run of `cfg` trains, found as `train` finds them: the newest
+/// checkpoint's when resuming, a PEFT `adapter`'s own settings, else the `lora_*`
+/// keys. Errors are left to `train` (and [`model_of`]) to report; a run whose
+/// adapter cannot be read is planned as full training, which over-estimates.
+fn lora_of(cfg: &TrainConfig, model: &ModelConfig) -> Option<LoraConfig> {
+    match cfg.init() {
+        InitFrom::Resume => {
+            let latest = Checkpoint::open_latest(&cfg.out_dir).ok()?;
+            latest.checkpoint.state.lora.map(|l| l.config)
+        }
+        _ if !cfg.adapter.is_empty() => {
+            let dir = std::path::Path::new(&cfg.adapter);
+            crate::hf::adapter::read_adapter(dir, model)
+                .ok()
+                .map(|a| a.config)
+        }
+        _ => cfg.lora().ok().flatten(),
     }
 }
 
@@ -87,8 +113,13 @@ impl RankPlan {
     }
 }
 
-/// Names of the parts, as printed.
+// Names of the parts, as printed.
+
+/// The trained weights: the whole model, or with LoRA the adapters.
 pub const WEIGHTS: &str = "weights";
+/// LoRA: the base model's weights, without gradients or moments.
+pub const FROZEN: &str = "frozen base weights";
+/// The bf16 copies of the trained weights and (LoRA) of the frozen base.
 pub const BF16_COPY: &str = "bf16 weight copy";
 pub const GRADIENTS: &str = "gradients";
 pub const MOMENTS: &str = "optimizer moments";
@@ -100,13 +131,18 @@ pub const BASELINE: &str = "program, threads, data";
 /// The peak memory of `rank` in the run `p`.
 pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
     let layout = ParamLayout::new(&p.model);
-    let len = layout.len;
+    // The trained arena and its gradient buckets: the model's, or the adapters' with
+    // the model frozen beside them.
+    let (len, frozen, buckets) = match &p.lora {
+        None => (layout.len, 0, grad_buckets_of(&layout)),
+        Some(lora) => {
+            let adapters = LoraLayout::new(&p.model, lora);
+            (adapters.params.len, layout.len, adapters.buckets)
+        }
+    };
     let f32s = |n: usize| n as u64 * 4;
     let (w, stage) = (p.world_size, p.zero_stage);
-    let grad_plan = (w > 1).then(|| {
-        let buckets = grad_buckets_of(&layout);
-        GradPlan::new(&buckets, len, w, rank, stage)
-    });
+    let grad_plan = (w > 1).then(|| GradPlan::new(&buckets, len, w, rank, stage));
     let state_len = grad_plan.as_ref().map_or(len, |g| match stage {
         0 => len,
         _ => g.shard_len,
@@ -117,21 +153,23 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
         (0, Some(_)) if stage > 0 => 2 * len,
         _ => 0,
     };
-    let acts = Activations::num_bytes_for(
-        &p.model,
-        p.batch_size,
-        p.block_size,
-        p.dtype,
-        p.activation_checkpointing,
-    );
+    let (b, t, ckpt) = (p.batch_size, p.block_size, p.activation_checkpointing);
+    let lora_acts = p.lora.as_ref().map_or(0, |l| {
+        Activations::lora_bytes_for(&p.model, b, t, ckpt, l.rank, l.dropout > 0.0)
+    });
+    let acts = Activations::num_bytes_for(&p.model, b, t, p.dtype, ckpt) + lora_acts;
     let parts = vec![
         Part {
             name: WEIGHTS,
             bytes: f32s(len),
         },
         Part {
+            name: FROZEN,
+            bytes: f32s(frozen),
+        },
+        Part {
             name: BF16_COPY,
-            bytes: f32s(bf16_copy_len(p.dtype, len)),
+            bytes: f32s(bf16_copy_len(p.dtype, len) + bf16_copy_len(p.dtype, frozen)),
         },
         Part {
             name: GRADIENTS,
@@ -355,9 +393,12 @@ fn variants(p: &PlanInput, grad_accum: usize) -> Vec<(f64, PlanInput, Vec<String
         true => vec![true],
         false => vec![false, true],
     };
-    let dtypes = match p.dtype {
-        Dtype::Bfloat16 => vec![Dtype::Bfloat16],
-        Dtype::Float32 => vec![Dtype::Float32, Dtype::Bfloat16],
+    // bf16 shrinks the activations but adds a copy of the weights: with LoRA that is
+    // the whole frozen base, so f32 can be what fits.
+    let dtypes = match (p.dtype, &p.lora) {
+        (Dtype::Bfloat16, None) => vec![Dtype::Bfloat16],
+        (Dtype::Bfloat16, Some(_)) => vec![Dtype::Bfloat16, Dtype::Float32],
+        (Dtype::Float32, _) => vec![Dtype::Float32, Dtype::Bfloat16],
     };
     let mut batches = vec![p.batch_size];
     while *batches.last().unwrap() > 1 {
@@ -379,7 +420,10 @@ fn variants(p: &PlanInput, grad_accum: usize) -> Vec<(f64, PlanInput, Vec<String
                         cost *= 1.33;
                     }
                     if dtype != p.dtype {
-                        changes.push("dtype=bfloat16".into());
+                        changes.push(match dtype {
+                            Dtype::Bfloat16 => "dtype=bfloat16".into(),
+                            Dtype::Float32 => "dtype=float32".into(),
+                        });
                         cost *= 1.2;
                     }
                     if b != p.batch_size {
@@ -446,11 +490,21 @@ pub fn refusal(plan: &MemoryPlan, p: &PlanInput, grad_accum: usize) -> Option<St
         return None;
     }
     let fixes = cheapest_fits(p, grad_accum, available.bytes, 3);
-    let advice = match fixes.is_empty() {
-        true => "no combination of zero_stage, activation_checkpointing, dtype and a smaller \
-                 batch_size fits: use more ranks (hosts) or a smaller model"
+    let advice = match (fixes.is_empty(), &p.lora) {
+        (true, None) => "no combination of zero_stage, activation_checkpointing, dtype and a \
+                         smaller batch_size fits: use more ranks (hosts) or a smaller model"
             .to_string(),
-        false => format!("cheapest settings that fit: {}", fixes.join("; or ")),
+        // Every rank holds the whole frozen base: more ranks only help on more hosts.
+        (true, Some(_)) => format!(
+            "no combination of zero_stage, activation_checkpointing, dtype and a smaller \
+             batch_size fits: every rank holds the whole frozen base model, so use a smaller \
+             base model{}",
+            match p.ranks_per_host {
+                1 => " or a host with more memory",
+                _ => ", fewer ranks per host or hosts with more memory",
+            }
+        ),
+        (false, _) => format!("cheapest settings that fit: {}", fixes.join("; or ")),
     };
     Some(format!(
         "the run needs {:.0} MB per host but {:.0} MB are available ({}); {advice} \
@@ -490,6 +544,7 @@ mod tests {
             zero_stage: stage,
             world_size: w,
             ranks_per_host: 1,
+            lora: None,
         }
     }
 
@@ -520,67 +575,164 @@ mod tests {
     }
 
     #[test]
+    fn lora_plan_parts_are_the_allocated_buffers() {
+        for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+            for ckpt in [false, true] {
+                for dropout in [0.0, 0.1] {
+                    let lora = LoraConfig::new(3, 8.0, dropout, "c_attn,mlp.c_proj").unwrap();
+                    let p = PlanInput {
+                        lora: Some(lora.clone()),
+                        ..input(dtype, ckpt, 0, 1)
+                    };
+                    let plan = rank_plan(&p, 0);
+                    let mut gpt = Gpt::new(tiny(), 3, 8).unwrap();
+                    gpt.set_activation_checkpointing(ckpt);
+                    gpt.set_dtype(dtype);
+                    let gpt = gpt.with_lora(lora, ("test", 0), 1);
+                    let opt = AdamW::new(&gpt.layout, Default::default());
+                    let frozen = gpt.frozen().unwrap();
+                    let bytes = |n: usize| n as u64 * 4;
+                    let case = format!("{dtype:?} checkpointing {ckpt} dropout {dropout}");
+                    assert_eq!(plan.part(WEIGHTS), bytes(gpt.params.len()), "{case}");
+                    assert_eq!(plan.part(FROZEN), bytes(frozen.params.len()), "{case}");
+                    assert_eq!(plan.part(GRADIENTS), bytes(gpt.grads.len()), "{case}");
+                    let moments = bytes(opt.m.len() + opt.v.len());
+                    assert_eq!(plan.part(MOMENTS), moments, "{case}");
+                    // The frozen base's bf16 copy and the adapters' (the trained
+                    // arena's, as for the full model).
+                    let adapters_bf16 = match dtype {
+                        Dtype::Bfloat16 => gpt.params.len(),
+                        Dtype::Float32 => 0,
+                    };
+                    let bf16 = bytes(frozen.params_bf16.len() + adapters_bf16);
+                    assert_eq!(plan.part(BF16_COPY), bf16, "{case}");
+                    let acts = gpt.activation_bytes() as u64;
+                    assert_eq!(plan.part(ACTIVATIONS), acts, "{case}");
+                    assert_eq!(plan.part(COMM) + plan.part(GATHER), 0);
+                    assert!(plan.part(WEIGHTS) < plan.part(FROZEN), "{case}");
+                }
+            }
+        }
+    }
+
+    /// A rank of a collective run that only answers who it is: the buffers
+    /// DataParallel allocates need nothing more.
+    struct Ranks(usize, usize);
+    impl crate::dist::Collective for Ranks {
+        fn rank(&self) -> usize {
+            self.0
+        }
+        fn world_size(&self) -> usize {
+            self.1
+        }
+        fn local_size(&self) -> usize {
+            1
+        }
+        fn host(&self) -> String {
+            String::new()
+        }
+        fn describe(&self) -> String {
+            String::new()
+        }
+        fn set_timeout(&self, _: std::time::Duration) {}
+        fn barrier_patient(&self) {}
+        fn all_reduce_sum_f64(&self, _: &mut [f64]) {}
+        fn broadcast(&self, _: &mut [f32], _: usize) {}
+        fn broadcast_bytes(&self, _: &mut Vec<u8>, _: usize) {}
+        fn all_gather(&self, _: &[f32], _: &mut [f32]) {}
+        fn all_gather_u64(&self, _: u64) -> Vec<u64> {
+            unreachable!("not a collective run")
+        }
+        fn gather(&self, _: &[f32], _: &mut [f32], _: usize) {}
+        fn scatter(&self, _: &[f32], _: &mut [f32], _: usize) {}
+        fn reduce_during_backward(
+            &self,
+            _: crate::dist::Reduce,
+            _: &[crate::dist::Bucket],
+            _: &mut [f32],
+            _: &mut [f32],
+            _: &mut crate::dist::BackwardFn,
+        ) -> crate::dist::OverlapTimes {
+            unreachable!("not a collective run")
+        }
+    }
+
+    #[test]
     fn sharded_plans_match_the_data_parallel_buffers() {
-        // The buffers DataParallel allocates on each rank of a 3-rank run.
-        struct Ranks(usize, usize);
-        impl crate::dist::Collective for Ranks {
-            fn rank(&self) -> usize {
-                self.0
+        // Full training, and LoRA whose trained arena is the adapters'.
+        let lora = LoraConfig::new(2, 4.0, 0.0, "c_attn,c_fc").unwrap();
+        for lora in [None, Some(lora)] {
+            let mut gpt = Gpt::new(tiny(), 3, 8).unwrap();
+            if let Some(l) = &lora {
+                gpt = gpt.with_lora(l.clone(), ("test", 0), 1);
             }
-            fn world_size(&self) -> usize {
-                self.1
-            }
-            fn local_size(&self) -> usize {
-                1
-            }
-            fn host(&self) -> String {
-                String::new()
-            }
-            fn describe(&self) -> String {
-                String::new()
-            }
-            fn set_timeout(&self, _: std::time::Duration) {}
-            fn barrier_patient(&self) {}
-            fn all_reduce_sum_f64(&self, _: &mut [f64]) {}
-            fn broadcast(&self, _: &mut [f32], _: usize) {}
-            fn broadcast_bytes(&self, _: &mut Vec<u8>, _: usize) {}
-            fn all_gather(&self, _: &[f32], _: &mut [f32]) {}
-            fn all_gather_u64(&self, _: u64) -> Vec<u64> {
-                unreachable!("not a collective run")
-            }
-            fn gather(&self, _: &[f32], _: &mut [f32], _: usize) {}
-            fn scatter(&self, _: &[f32], _: &mut [f32], _: usize) {}
-            fn reduce_during_backward(
-                &self,
-                _: crate::dist::Reduce,
-                _: &[crate::dist::Bucket],
-                _: &mut [f32],
-                _: &mut [f32],
-                _: &mut crate::dist::BackwardFn,
-            ) -> crate::dist::OverlapTimes {
-                unreachable!("not a collective run")
+            // The buffers DataParallel allocates on each rank of a 3-rank run.
+            for stage in [0u8, 1] {
+                for rank in 0..3 {
+                    let dp = DataParallel::new(&Ranks(rank, 3), &gpt, stage);
+                    let p = PlanInput {
+                        lora: lora.clone(),
+                        ..input(Dtype::Float32, false, stage, 3)
+                    };
+                    let plan = rank_plan(&p, rank);
+                    let case = format!("stage {stage} rank {rank} lora {}", lora.is_some());
+                    let (send, recv) = dp.buffer_lens();
+                    assert_eq!(plan.part(COMM), (send + recv) as u64 * 4, "{case}");
+                    let state = match stage {
+                        0 => gpt.layout.len,
+                        _ => dp.plan.shard_len,
+                    };
+                    assert_eq!(plan.part(MOMENTS), state as u64 * 8, "{case}");
+                    let gather = if stage == 1 && rank == 0 {
+                        2 * gpt.layout.len
+                    } else {
+                        0
+                    };
+                    assert_eq!(plan.part(GATHER), gather as u64 * 4, "{case}");
+                }
             }
         }
-        let gpt = Gpt::new(tiny(), 3, 8).unwrap();
-        for stage in [0u8, 1] {
-            for rank in 0..3 {
-                let dp = DataParallel::new(&Ranks(rank, 3), &gpt, stage);
-                let plan = rank_plan(&input(Dtype::Float32, false, stage, 3), rank);
-                let (send, recv) = dp.buffer_lens();
-                assert_eq!(plan.part(COMM), (send + recv) as u64 * 4, "stage {stage}");
-                let state = match stage {
-                    0 => gpt.layout.len,
-                    _ => dp.plan.shard_len,
-                };
-                assert_eq!(plan.part(MOMENTS), state as u64 * 8);
-                let gather = if stage == 1 && rank == 0 {
-                    2 * gpt.layout.len
-                } else {
-                    0
-                };
-                assert_eq!(plan.part(GATHER), gather as u64 * 4);
-            }
-        }
+    }
+
+    #[test]
+    fn lora_refusals_suggest_float32_and_name_the_frozen_base() {
+        // bf16 LoRA holds a second copy of the whole base: on a short batch, dropping
+        // it is what fits, and the refusal says so.
+        let p = PlanInput {
+            model: ModelConfig::preset("gpt2").unwrap(),
+            batch_size: 1,
+            block_size: 256,
+            dtype: Dtype::Bfloat16,
+            activation_checkpointing: false,
+            zero_stage: 0,
+            world_size: 1,
+            ranks_per_host: 1,
+            lora: Some(LoraConfig::new(8, 16.0, 0.0, "c_attn").unwrap()),
+        };
+        let bf16 = rank_plan(&p, 0).bytes();
+        let f32 = PlanInput {
+            dtype: Dtype::Float32,
+            ..p.clone()
+        };
+        let f32 = rank_plan(&f32, 0).bytes();
+        assert!(f32 + 300_000_000 < bf16, "{f32} vs {bf16}");
+        let limit = (f32 + bf16) / 2;
+        let available = |bytes| {
+            Some(Available {
+                bytes,
+                source: "test".into(),
+            })
+        };
+        let msg = refusal(&MemoryPlan::new(&p, available(limit)), &p, 1).unwrap();
+        assert!(
+            msg.contains("cheapest settings that fit: dtype=float32"),
+            "{msg}"
+        );
+        let msg = refusal(&MemoryPlan::new(&p, available(1)), &p, 1).unwrap();
+        assert!(
+            msg.contains("every rank holds the whole frozen base"),
+            "{msg}"
+        );
     }
 
     #[test]
@@ -595,6 +747,7 @@ mod tests {
             zero_stage: 0,
             world_size: 2,
             ranks_per_host: 1,
+            lora: None,
         };
         let full = rank_plan(&p, 0).bytes();
         let ckpt = rank_plan(

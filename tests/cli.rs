@@ -398,6 +398,19 @@ fn plan_reports_each_part_and_train_refuses_a_run_that_does_not_fit() {
     let parts = full["ranks"][0]["parts"].as_array().unwrap();
     assert!(parts.iter().any(|p| p["name"] == "activations"));
     assert!(peak(&ckpt) + 100.0 < peak(&full), "{ckpt} vs {full}");
+    // LoRA: the model is the frozen base, the trained weights are the adapters.
+    let lora = plan(&["lora_rank=4"]);
+    let part = |p: &serde_json::Value, name: &str| {
+        let parts = p["ranks"][0]["parts"].as_array().unwrap();
+        let part = parts.iter().find(|q| q["name"] == name);
+        part.map_or(0, |q| q["bytes"].as_u64().unwrap())
+    };
+    assert_eq!(part(&lora, "frozen base weights"), part(&full, "weights"));
+    assert_eq!(part(&full, "frozen base weights"), 0);
+    assert!(
+        part(&lora, "weights") * 20 < part(&full, "weights"),
+        "{lora}"
+    );
     // Two ranks: every rank listed by its peak; ZeRO-1 shards the moments.
     let two = plan(&["--world-size", "2", "gradient_accumulation_steps=2"]);
     let sharded = plan(&[

@@ -53,7 +53,12 @@ pub fn run(args: PlanArgs) -> Result<()> {
                 r.rank,
                 if r.rank > 0 { " (and up)" } else { "" }
             );
-            for p in &r.parts {
+            // The frozen base only exists with LoRA.
+            for p in r
+                .parts
+                .iter()
+                .filter(|p| p.name != plan::FROZEN || p.bytes > 0)
+            {
                 println!("  {:<24} {:>10.1} MB", p.name, p.bytes as f64 / 1e6);
             }
             println!("  {:<24} {:>10.1} MB", "peak", r.peak_rss_mb);

@@ -438,18 +438,53 @@ impl Activations {
     /// Adds the buffers of LoRA adapters of rank `rank` (with input dropout when
     /// `dropout`) for the `max_bt` rows the arena was made for.
     pub fn add_lora(&mut self, cfg: &ModelConfig, max_bt: usize, rank: usize, dropout: bool) {
+        self.add_lora_with(cfg, max_bt, rank, dropout, &mut Alloc::real());
+    }
+
+    /// Bytes [`Activations::add_lora`] adds to the arena of a `(b, t)` run (with
+    /// `checkpointing` or not), counted by it without allocating anything.
+    pub fn lora_bytes_for(
+        cfg: &ModelConfig,
+        b: usize,
+        t: usize,
+        checkpointing: bool,
+        rank: usize,
+        dropout: bool,
+    ) -> usize {
+        // An empty arena of the same shape: which blocks keep buffers is all it tells.
+        let mut arena = Activations::alloc(
+            cfg,
+            b,
+            t,
+            Dtype::Float32,
+            checkpointing,
+            &mut Alloc::counting(),
+        );
+        let mut al = Alloc::counting();
+        arena.add_lora_with(cfg, b * t, rank, dropout, &mut al);
+        al.bytes
+    }
+
+    fn add_lora_with(
+        &mut self,
+        cfg: &ModelConfig,
+        max_bt: usize,
+        rank: usize,
+        dropout: bool,
+        al: &mut Alloc,
+    ) {
         // With activation checkpointing only the block being recomputed keeps them.
         let kept = match self.recompute.as_mut() {
             Some(one) => std::slice::from_mut(one),
             None => &mut self.blocks[..],
         };
         for block in kept {
-            block.lora_u = vec![0.0; 4 * max_bt * rank];
+            block.lora_u = al.f32s(4 * max_bt * rank);
         }
         let s = &mut self.scratch;
-        s.lora_du = vec![0.0; max_bt * rank];
-        s.lora_x = vec![0.0; if dropout { max_bt * 4 * cfg.n_embd } else { 0 }];
-        s.norm_sink = vec![0.0; 2 * cfg.n_embd];
+        s.lora_du = al.f32s(max_bt * rank);
+        s.lora_x = al.f32s(if dropout { max_bt * 4 * cfg.n_embd } else { 0 });
+        s.norm_sink = al.f32s(2 * cfg.n_embd);
     }
 
     /// Bytes held, all buffers together (4 per f32 and token id, 2 per bf16).
