@@ -106,7 +106,7 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
     let tokens_per_sec = (b * t) as f64 / (median / 1e3);
-    let flops_per_token = opts.model.flops_per_token(t);
+    let flops_per_token = gpt.flops_per_token(t);
     let achieved = tokens_per_sec * flops_per_token / 1e9;
     let profile = crate::profile::totals()
         .into_iter()

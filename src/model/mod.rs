@@ -199,6 +199,21 @@ impl Gpt {
         &self.config
     }
 
+    /// Training FLOPs per token of sequences of `t` ([`ModelConfig::flops_per_token`]).
+    /// With LoRA the frozen weights get no weight gradient: their matmuls cost 4·N
+    /// (forward and input gradient) instead of 6·N, and the adapters' 6·A is added.
+    pub fn flops_per_token(&self, t: usize) -> f64 {
+        let full = self.config.flops_per_token(t);
+        if self.frozen.is_none() {
+            return full;
+        }
+        let base = (self.config.num_params() - self.config.block_size * self.config.n_embd) as f64;
+        let adapters: usize = (self.layout.tensors.iter())
+            .map(|t| t.shape.iter().product::<usize>())
+            .sum();
+        full - 2.0 * base + 6.0 * adapters as f64
+    }
+
     /// nanoGPT's GPT-2 initialisation from `seed` (see [`init::init_gpt2`]).
     pub fn init_gpt2(&mut self, seed: u64) {
         init::init_gpt2(&mut self.params, &self.layout, &self.config, seed);

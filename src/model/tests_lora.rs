@@ -234,3 +234,19 @@ fn gpt2_r8_c_attn_adapters_are_a_fraction_of_a_percent() {
         100.0 * share
     );
 }
+
+#[test]
+fn lora_flops_count_no_weight_gradients_for_the_frozen_model() {
+    // 2 layers, C 12, T 8; r 4 on c_attn: per layer A 4×12 + B 36×4.
+    let cfg = tiny(true, 0.0);
+    let t = 8;
+    let gpt = Gpt::new(cfg.clone(), 1, t).unwrap();
+    let full = gpt.flops_per_token(t);
+    let lora = LoraConfig::new(4, 8.0, 0.0, "c_attn").unwrap();
+    let adapted = gpt.with_lora(lora, ("scratch", 1), 1);
+    let n = (cfg.num_params() - cfg.block_size * cfg.n_embd) as f64;
+    let a = (cfg.n_layer * (4 * 12 + 36 * 4)) as f64;
+    let attention = 12.0 * (cfg.n_layer * cfg.n_embd * t) as f64;
+    assert_eq!(full, 6.0 * n + attention);
+    assert_eq!(adapted.flops_per_token(t), 4.0 * n + 6.0 * a + attention);
+}

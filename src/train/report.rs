@@ -56,7 +56,7 @@ impl Trainer {
         // Tokens of the whole job (all ranks) per second.
         let tokens = self.cfg.tokens_per_iter() as f64;
         let tokens_per_sec = tokens / secs;
-        let flops = self.model.config().flops_per_token(self.cfg.block_size) * tokens_per_sec;
+        let flops = self.model.flops_per_token(self.cfg.block_size) * tokens_per_sec;
         let mfu = flops / (self.peak_gflops * 1e9 * self.comm.world_size() as f64);
         let ms = secs * 1e3;
         progress.step(iter, loss);
