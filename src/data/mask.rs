@@ -11,8 +11,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, ensure, Context, Result};
-use memmap2::Mmap;
-use rayon::prelude::*;
+use std::os::unix::fs::FileExt;
 
 use crate::fsutil::AtomicFile;
 
@@ -54,16 +53,24 @@ impl MaskWriter {
     }
 }
 
-/// A memory-mapped `.mask` file, checked against its token file.
+/// A `.mask` file, checked against its token file and read window by window with
+/// positional reads (no memory map: a mask truncated or rewritten while a run reads it
+/// is an error naming the file, never a SIGBUS), like [`super::TokenFile`].
 pub struct TokenMask {
-    map: Mmap,
+    file: File,
+    path: PathBuf,
+    /// Bytes (= tokens) when opened.
+    len: u64,
 }
 
 impl std::fmt::Debug for TokenMask {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "TokenMask({} tokens)", self.map.len())
+        write!(f, "TokenMask({} tokens)", self.len)
     }
 }
+
+/// Bytes a mask is checked in when opened.
+const CHECK_CHUNK: usize = 4 << 20;
 
 impl TokenMask {
     /// The mask beside `token_file` (of `tokens` tokens), or `None` when there is
@@ -89,72 +96,113 @@ impl TokenMask {
         if len == 0 {
             bail!("{} is empty; prepare the dataset again", path.display());
         }
-        // SAFETY: read-only map owned by `self`; prepare replaces files by rename only
-        // (as for token files), which leaves a live map intact.
-        let map = unsafe { Mmap::map(&file) }
-            .with_context(|| format!("cannot memory-map {}", path.display()))?;
-        if let Some(at) = map.par_iter().position_first(|&b| b > 1) {
-            bail!(
-                "{} has byte {} at position {at}; a mask holds only 0 and 1: prepare the \
-                 dataset again",
-                path.display(),
-                map[at]
-            );
-        }
-        Ok(Some(TokenMask { map }))
-    }
-
-    /// One byte per token, 1 = trained.
-    pub fn bytes(&self) -> &[u8] {
-        &self.map
-    }
-}
-
-/// Sets to -1 (ignored) the targets that `mask` does not train, for the windows at
-/// `offsets` as [`super::fill_batch`] fills them. Returns how many targets remain.
-pub fn apply_mask(
-    mask: &[u8],
-    offsets: &[usize],
-    block_size: usize,
-    targets: &mut [i32],
-) -> Result<usize> {
-    ensure!(
-        targets.len() == offsets.len() * block_size,
-        "targets hold {} but {} rows × block_size {block_size} need more",
-        targets.len(),
-        offsets.len()
-    );
-    let mut kept = 0;
-    for (&offset, row) in offsets.iter().zip(targets.chunks_exact_mut(block_size)) {
-        let Some(bits) = mask.get(offset + 1..offset + 1 + block_size) else {
-            bail!(
-                "window at offset {offset} runs past the {} bytes of the mask",
-                mask.len()
-            );
-        };
-        for (t, &bit) in row.iter_mut().zip(bits) {
-            if bit == 0 {
-                *t = -1;
-            } else {
-                kept += 1;
+        let mask = TokenMask { file, path, len };
+        let mut chunk = vec![0u8; CHECK_CHUNK];
+        for start in (0..tokens).step_by(CHECK_CHUNK) {
+            let bytes = &mut chunk[..CHECK_CHUNK.min(tokens - start)];
+            mask.read_at(start, bytes)?;
+            if let Some(i) = bytes.iter().position(|&b| b > 1) {
+                bail!(
+                    "{} has byte {} at position {}; a mask holds only 0 and 1: prepare the \
+                     dataset again",
+                    mask.path.display(),
+                    bytes[i],
+                    start + i
+                );
             }
         }
+        Ok(Some(mask))
     }
-    Ok(kept)
+
+    /// Fills `out` with the mask bytes from `start`, checking the file still has the
+    /// size it had when opened.
+    fn read_at(&self, start: usize, out: &mut [u8]) -> Result<()> {
+        let changed = |why: String| {
+            anyhow::anyhow!(
+                "mask file {} changed while in use ({why}; {} bytes when opened); re-run \
+                 prepare into a new folder, not over the dataset a run is reading",
+                self.path.display(),
+                self.len
+            )
+        };
+        let now = self.file.metadata().map(|m| m.len()).unwrap_or(0);
+        if now != self.len {
+            return Err(changed(format!("{now} bytes now")));
+        }
+        self.file
+            .read_exact_at(out, start as u64)
+            .map_err(|e| changed(e.to_string()))
+    }
+
+    /// The mask bits of the targets of the window at `offset` (tokens
+    /// `offset + 1 .. offset + 1 + block_size`), into `bits`.
+    fn window(&self, offset: usize, bits: &mut [u8]) -> Result<()> {
+        let end = (offset + 1 + bits.len()) as u64;
+        ensure!(
+            end <= self.len,
+            "window at offset {offset} runs past the {} bytes of {}",
+            self.len,
+            self.path.display()
+        );
+        self.read_at(offset + 1, bits)?;
+        if let Some(&b) = bits.iter().find(|&&b| b > 1) {
+            bail!(
+                "mask file {} changed while in use (byte {b} near position {}); re-run \
+                 prepare into a new folder",
+                self.path.display(),
+                offset + 1
+            );
+        }
+        Ok(())
+    }
+
+    /// Sets to -1 (ignored) the targets this mask does not train, for the windows at
+    /// `offsets` as [`super::TokenFile::read_batch`] fills them; returns how many remain.
+    pub fn apply(
+        &self,
+        offsets: &[usize],
+        block_size: usize,
+        targets: &mut [i32],
+    ) -> Result<usize> {
+        ensure!(
+            targets.len() == offsets.len() * block_size,
+            "targets hold {} but {} rows × block_size {block_size} need more",
+            targets.len(),
+            offsets.len()
+        );
+        let mut bits = vec![0u8; block_size];
+        let mut kept = 0;
+        for (&offset, row) in offsets.iter().zip(targets.chunks_exact_mut(block_size)) {
+            self.window(offset, &mut bits)?;
+            kept += mask_row(&bits, row);
+        }
+        Ok(kept)
+    }
+
+    /// How many targets the windows at `offsets` train (as [`TokenMask::apply`] would
+    /// keep), without a batch.
+    pub fn count_trained(&self, offsets: &[usize], block_size: usize) -> Result<usize> {
+        let mut bits = vec![0u8; block_size];
+        let mut kept = 0;
+        for &offset in offsets {
+            self.window(offset, &mut bits)?;
+            kept += bits.iter().filter(|&&b| b != 0).count();
+        }
+        Ok(kept)
+    }
 }
 
-/// How many targets `mask` trains in the windows at `offsets` (as [`apply_mask`]
-/// would keep), without filling a batch.
-pub fn count_trained(mask: &[u8], offsets: &[usize], block_size: usize) -> usize {
-    offsets
-        .iter()
-        .map(|&o| {
-            mask[o + 1..o + 1 + block_size]
-                .iter()
-                .filter(|&&b| b != 0)
-                .count()
-        })
-        .sum()
+/// Sets to -1 the targets of one row whose mask bit is 0; returns how many remain.
+fn mask_row(bits: &[u8], row: &mut [i32]) -> usize {
+    let mut kept = 0;
+    for (t, &bit) in row.iter_mut().zip(bits) {
+        if bit == 0 {
+            *t = -1;
+        } else {
+            kept += 1;
+        }
+    }
+    kept
 }
 
 #[cfg(test)]
@@ -164,15 +212,32 @@ mod tests {
 
     #[test]
     fn mask_drops_untrained_targets() {
-        let mask = [0u8, 0, 1, 1, 0, 1, 1, 0];
+        let dir = TempDir::new("mask-apply");
+        let bin = dir.path().join("train.bin");
+        dir.write("train.mask", [0u8, 0, 1, 1, 0, 1, 1, 0]);
+        let mask = TokenMask::open_beside(&bin, 8).unwrap().unwrap();
         let mut targets = [10i32, 11, 12, 20, 21, 22];
-        let kept = apply_mask(&mask, &[0, 4], 3, &mut targets).unwrap();
+        let kept = mask.apply(&[0, 4], 3, &mut targets).unwrap();
         // Row 0 targets tokens 1..4 (mask 0,1,1); row 1 tokens 5..8 (1,1,0).
         assert_eq!(targets, [-1, 11, 12, 20, 21, -1]);
         assert_eq!(kept, 4);
-        assert_eq!(count_trained(&mask, &[0, 4], 3), 4);
-        let err = apply_mask(&mask, &[5], 3, &mut targets[..3]).unwrap_err();
+        assert_eq!(mask.count_trained(&[0, 4], 3).unwrap(), 4);
+        let err = mask.apply(&[5], 3, &mut targets[..3]).unwrap_err();
         assert!(err.to_string().contains("offset 5"), "{err}");
+    }
+
+    #[test]
+    fn a_mask_changed_while_in_use_is_an_error() {
+        let dir = TempDir::new("mask-changed");
+        let bin = dir.path().join("train.bin");
+        dir.write("train.mask", [1u8; 8]);
+        let mask = TokenMask::open_beside(&bin, 8).unwrap().unwrap();
+        std::fs::write(dir.path().join("train.mask"), [1u8; 3]).unwrap();
+        let err = mask.count_trained(&[0], 3).unwrap_err().to_string();
+        assert!(
+            err.contains("changed while in use") && err.contains("3 bytes now"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -185,7 +250,7 @@ mod tests {
         assert_eq!(w.len(), 4);
         w.commit().unwrap();
         let m = TokenMask::open_beside(&bin, 4).unwrap().unwrap();
-        assert_eq!(m.bytes(), [0, 1, 1, 0]);
+        assert_eq!(m.count_trained(&[0], 3).unwrap(), 2);
         let err = TokenMask::open_beside(&bin, 5).unwrap_err().to_string();
         assert!(
             err.contains("train.mask has 4 bytes") && err.contains("5 tokens"),

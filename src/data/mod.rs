@@ -29,7 +29,7 @@ pub use instruct::DataFormat;
 pub use loader::{
     batch_offsets, eval_window_count, eval_window_offsets, fill_batch, Draw, TokenFile,
 };
-pub use mask::{apply_mask, count_trained, TokenMask};
+pub use mask::TokenMask;
 pub use meta::{Meta, TokenizerKind};
 pub use prepare::{prepare, prepare_source, PrepareOptions, PrepareSummary};
 pub use tokenizer::{StreamDecoder, Tokenizer, GPT2_EOT, GPT2_VOCAB_SIZE};

@@ -36,7 +36,7 @@ impl Trainer {
                 match mask {
                     // Weighted by the batch's trained targets: a mean over all of them.
                     Some(mask) => {
-                        let kept = data::apply_mask(mask.bytes(), offsets, t, &mut self.targets)?;
+                        let kept = mask.apply(offsets, t, &mut self.targets)?;
                         let mean = self.model.forward(&self.inputs, &self.targets, b, t) as f64;
                         *total += mean * kept as f64;
                         *count += kept as f64;

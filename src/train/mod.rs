@@ -30,7 +30,7 @@ use report::say;
 use start::{Masks, Start};
 
 use crate::config::{InitFrom, TrainConfig};
-use crate::data::{apply_mask, batch_offsets, count_trained, Draw, Meta, TokenFile};
+use crate::data::{batch_offsets, Draw, Meta, TokenFile};
 use crate::dist::{self, Collective, CommReport, DataParallel, Single, StepSettings};
 use crate::fault;
 use crate::kernels::dropout::mix64;
@@ -345,11 +345,10 @@ impl Trainer {
         self.model.zero_grad();
         // With a mask: the mean over the trained targets of the whole global batch,
         // whatever its split into micro-steps and ranks (every rank counts them all).
-        let trained = self
-            .masks
-            .train
-            .as_ref()
-            .map(|m| count_trained(m.bytes(), &global, t).max(1) as f64);
+        let trained = match &self.masks.train {
+            Some(mask) => Some(mask.count_trained(&global, t)?.max(1) as f64),
+            None => None,
+        };
         let mut loss = 0.0;
         for (k, rows) in global.chunks_exact(b).enumerate() {
             if !mine.contains(&k) {
@@ -361,7 +360,7 @@ impl Trainer {
             // share of the trained targets (the classifier divides by its own count).
             let mut share = None;
             if let (Some(mask), Some(trained)) = (&self.masks.train, trained) {
-                let kept = apply_mask(mask.bytes(), rows, t, &mut self.targets)?;
+                let kept = mask.apply(rows, t, &mut self.targets)?;
                 let weight = (kept as f64 / trained) as f32;
                 self.model.set_grad_scale(weight);
                 share = Some(weight);
