@@ -9,6 +9,7 @@ use crate::config::TrainConfig;
 use crate::dist::preflight::{self, Fingerprint};
 use crate::dist::{Collective, GradPlan, Reduce};
 use crate::model::{ModelConfig, ParamLayout};
+use crate::plan;
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -25,6 +26,9 @@ pub struct RankRow {
     pub threads: usize,
     pub cores: usize,
     pub mem_available_gib: f64,
+    /// This rank's planned peak memory for the run (`nanogpt plan`), MB; None when
+    /// it cannot be planned (the problem says why).
+    pub planned_mb: Option<f64>,
     /// The dataset folder as this rank resolves it, and its fingerprint.
     pub data_dir: String,
     pub data_fingerprint: String,
@@ -88,6 +92,19 @@ pub fn run(comm: &dyn Collective, cfg: &TrainConfig, threads: usize) -> Result<R
     if let Ok(dir) = &data_dir {
         problems.extend(print.differences(&root_print, dir));
     }
+    let planned_mb = match plan_memory(comm, cfg) {
+        Ok((mb, refused)) => {
+            problems.extend(refused);
+            Some(mb)
+        }
+        Err(e) => {
+            // A missing dataset is already the problem; the plan needs its vocabulary.
+            if data_dir.is_ok() {
+                problems.push(format!("cannot plan the run's memory: {e:#}"));
+            }
+            None
+        }
+    };
     let out_dir_writable = root.then(|| match out_dir_writable(&cfg.out_dir) {
         Ok(()) => true,
         Err(e) => {
@@ -106,6 +123,7 @@ pub fn run(comm: &dyn Collective, cfg: &TrainConfig, threads: usize) -> Result<R
         threads,
         cores: crate::threads::host_cores().unwrap_or(0),
         mem_available_gib: mem_available_gib(),
+        planned_mb,
         data_dir: dir_text,
         data_fingerprint: format!("{:016x}", print.digest()),
         out_dir_writable,
@@ -134,6 +152,13 @@ pub fn run(comm: &dyn Collective, cfg: &TrainConfig, threads: usize) -> Result<R
         warnings,
         all_reduce,
     })
+}
+
+/// This rank's planned peak (MB), and `train`'s refusal when this host's ranks
+/// together would need more memory than it has.
+fn plan_memory(comm: &dyn Collective, cfg: &TrainConfig) -> Result<(f64, Option<String>)> {
+    let (input, _, refused) = plan::check_run(cfg, comm.world_size(), comm.local_size())?;
+    Ok((plan::rank_plan(&input, comm.rank()).peak_rss_mb, refused))
 }
 
 /// Creates `out_dir` if needed and writes (then removes) a probe file in it.
@@ -235,8 +260,8 @@ fn measure_all_reduce(comm: &dyn Collective, cfg: &TrainConfig, vocab: usize) ->
 pub fn table(report: &Report) -> String {
     let mut out = String::new();
     out.push_str(&format!(
-        "{:<5} {:<14} {:<40} {:<44} {:>7} {:>9} {:<17} {:<8}\n",
-        "rank", "host", "binary", "cpu", "threads", "mem GiB", "data", "out_dir"
+        "{:<5} {:<14} {:<40} {:<44} {:>7} {:>9} {:>9} {:<17} {:<8}\n",
+        "rank", "host", "binary", "cpu", "threads", "mem GiB", "plan MB", "data", "out_dir"
     ));
     for r in &report.ranks {
         let out_dir = match r.out_dir_writable {
@@ -245,13 +270,15 @@ pub fn table(report: &Report) -> String {
             None => "-",
         };
         out.push_str(&format!(
-            "{:<5} {:<14} {:<40} {:<44} {:>7} {:>9.1} {:<17} {:<8}\n",
+            "{:<5} {:<14} {:<40} {:<44} {:>7} {:>9.1} {:>9} {:<17} {:<8}\n",
             r.rank,
             r.host,
             r.binary,
             r.cpu,
             format!("{}/{}", r.threads, r.cores),
             r.mem_available_gib,
+            r.planned_mb
+                .map_or("-".to_string(), |mb| format!("{mb:.0}")),
             r.data_fingerprint,
             out_dir
         ));

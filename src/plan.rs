@@ -483,6 +483,20 @@ pub fn cheapest_fits(p: &PlanInput, grad_accum: usize, available: u64, n: usize)
         .collect()
 }
 
+/// The plan of a run of `cfg` on `world_size` ranks, `ranks_per_host` per host,
+/// against this host's available memory, and its refusal when it does not fit:
+/// what `train` checks before it allocates, and `doctor` reports.
+pub fn check_run(
+    cfg: &TrainConfig,
+    world_size: usize,
+    ranks_per_host: usize,
+) -> Result<(PlanInput, MemoryPlan, Option<String>)> {
+    let input = PlanInput::of(cfg, model_of(cfg)?, world_size, ranks_per_host);
+    let memory = MemoryPlan::new(&input, available()?);
+    let refused = refusal(&memory, &input, cfg.gradient_accumulation_steps);
+    Ok((input, memory, refused))
+}
+
 /// The refusal of a run that does not fit, naming the cheapest settings that do.
 pub fn refusal(plan: &MemoryPlan, p: &PlanInput, grad_accum: usize) -> Option<String> {
     let available = plan.available.as_ref()?;

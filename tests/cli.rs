@@ -498,6 +498,46 @@ fn doctor_json_reports_one_rank_and_exits_non_zero_when_out_dir_cannot_be_writte
         report["all_reduce"]["bytes"].as_u64().unwrap() > 0,
         "{report}"
     );
+    // The planned peak is `nanogpt plan`'s for the same run.
+    let plan = ok(
+        d,
+        &[
+            "plan",
+            "--json",
+            "dataset=shakespeare_char",
+            "n_layer=2",
+            "n_embd=32",
+        ],
+    );
+    let plan: serde_json::Value = serde_json::from_str(plan.trim()).unwrap();
+    let planned = ranks[0]["planned_mb"].as_f64().unwrap();
+    assert!(planned > 0.0, "{report}");
+    assert_eq!(
+        planned,
+        plan["ranks"][0]["peak_rss_mb"].as_f64().unwrap(),
+        "{plan}"
+    );
+    // Less memory than the plan needs (as `train` would refuse): not ok, exit 1.
+    let tight = |mb: f64| {
+        let mut cmd = common::command(d, [&args[..], &["out_dir=o"]].concat());
+        cmd.env("NANOGPT_MEMORY_LIMIT_MB", format!("{mb:.0}"));
+        let out = common::run(&mut cmd);
+        let text = common::text(&out.stdout);
+        (
+            out.status.code(),
+            serde_json::from_str::<serde_json::Value>(text.trim()).unwrap(),
+        )
+    };
+    let (code, report) = tight(planned * 0.9);
+    assert_eq!(code, Some(1), "{report}");
+    assert_eq!(report["ok"], false, "{report}");
+    let problems = report["ranks"][0]["problems"].to_string();
+    assert!(
+        problems.contains("the run needs") && problems.contains("NANOGPT_MEMORY_LIMIT_MB"),
+        "{problems}"
+    );
+    let (code, report) = tight(planned * 1.1 + 1.0);
+    assert_eq!(code, Some(0), "{report}");
     // An out_dir under a file cannot be created: not ok, exit 1.
     std::fs::write(d.join("f"), "x").unwrap();
     let out = common::run(&mut common::command(

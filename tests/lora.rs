@@ -399,3 +399,33 @@ fn peft_adapters_evaluate_through_the_adapter_flag() {
         .unwrap();
     assert!((plain - want).abs() > 1e-3, "{plain} vs {want}");
 }
+
+/// `nanogpt chat --adapter` loads the adapter as `sample` does: a missing one is
+/// refused naming its file, and PEFT's fixture merges into its base (an empty stdin
+/// then ends the chat cleanly).
+#[test]
+fn chat_takes_a_peft_adapter() {
+    let dir = temp_dir("lora-chat-adapter");
+    let base = fixture("lora/base");
+    let chat = |adapter: &str| {
+        let out = command(
+            dir.path(),
+            [
+                "chat",
+                "--init-from",
+                base.to_str().unwrap(),
+                "--adapter",
+                adapter,
+            ],
+        )
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+        (out.status.code(), common::text(&out.stderr))
+    };
+    let (code, err) = chat("nowhere");
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("nowhere/adapter_config.json"), "{err}");
+    let (code, err) = chat(fixture("lora/adapter").to_str().unwrap());
+    assert_eq!(code, Some(0), "{err}");
+}

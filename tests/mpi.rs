@@ -775,4 +775,17 @@ fn doctor_under_mpirun_reports_every_rank_and_fails_on_other_data() {
         problems.contains("train.bin has other content"),
         "{problems}"
     );
+    // Loss masks (instruction data) on rank 1 only: refused, naming the mask.
+    let masked = temp_dir("mpi-doctor-mask");
+    copy_dataset(masked.path(), false);
+    for name in ["train.mask", "val.mask"] {
+        std::fs::write(masked.path().join("data/tiny").join(name), [1u8; 4]).unwrap();
+    }
+    let (ok, report) = job(masked.path());
+    assert!(!ok, "{report}");
+    let problems = report["ranks"][1]["problems"].to_string();
+    assert!(
+        problems.contains("train.mask is 4 bytes here, missing on rank 0"),
+        "{problems}"
+    );
 }

@@ -6,7 +6,7 @@ use crate::console::exit_if_closed;
 use crate::data::instruct::instruct_eot;
 use crate::data::Tokenizer;
 use crate::model::ParamLayout;
-use crate::model_source::load_model;
+use crate::model_source::load_model_with_adapter;
 use crate::sample::{generate_until, SampleOptions};
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -21,6 +21,9 @@ pub struct ChatArgs {
     /// Another model source instead of --out-dir.
     #[arg(long, conflicts_with = "out_dir")]
     pub init_from: Option<String>,
+    /// A PEFT LoRA adapter directory to merge into the model (its base).
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
     /// The template the model was fine-tuned with.
     #[arg(long, default_value = "chat")]
     pub template: TemplateArg,
@@ -65,7 +68,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
         .init_from
         .clone()
         .unwrap_or_else(|| args.out_dir.to_string_lossy().into_owned());
-    let loaded = load_model(&src)?;
+    let loaded = load_model_with_adapter(&src, args.adapter.as_deref())?;
     let tokenizer = Tokenizer::from_meta(&loaded.meta)?;
     let eot = instruct_eot(&tokenizer)?;
     let layout = ParamLayout::new(&loaded.config);

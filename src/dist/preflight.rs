@@ -137,8 +137,16 @@ pub fn binary_id() -> String {
     )
 }
 
-/// The dataset files a run reads from its folder.
-pub const DATA_FILES: [&str; 3] = ["meta.json", "train.bin", "val.bin"];
+/// The dataset files a run reads from its folder. The loss masks exist for
+/// instruction data only: one missing on every rank is the same on every rank, one
+/// present on some ranks only is a difference.
+pub const DATA_FILES: [&str; 5] = [
+    "meta.json",
+    "train.bin",
+    "val.bin",
+    "train.mask",
+    "val.mask",
+];
 
 impl Fingerprint {
     /// The fingerprint of the dataset in `data_dir` and of this binary.
@@ -481,5 +489,37 @@ mod tests {
         );
         assert!(diff[1].contains("val.bin has other content"), "{diff:?}");
         assert_ne!(mine.digest(), root.digest());
+    }
+
+    #[test]
+    fn loss_masks_count_when_present_on_any_rank() {
+        let dir = tempfile::tempdir().unwrap();
+        for name in ["meta.json", "train.bin", "val.bin"] {
+            std::fs::write(dir.path().join(name), name.as_bytes()).unwrap();
+        }
+        let plain = Fingerprint::of(dir.path()).unwrap();
+        std::fs::write(dir.path().join("train.mask"), [1u8, 0, 1]).unwrap();
+        let masked = Fingerprint::of(dir.path()).unwrap();
+        // Neither side has masks: no difference; one side only: named, both ways.
+        assert!(plain.differences(&plain, dir.path()).is_empty());
+        let diff = masked.differences(&plain, dir.path());
+        assert_eq!(diff.len(), 1, "{diff:?}");
+        assert!(
+            diff[0].contains("train.mask is 3 bytes here, missing on rank 0"),
+            "{diff:?}"
+        );
+        let diff = plain.differences(&masked, dir.path());
+        assert!(
+            diff[0].contains("train.mask is missing here, 3 bytes on rank 0"),
+            "{diff:?}"
+        );
+        // Same size, other mask bytes.
+        std::fs::write(dir.path().join("train.mask"), [1u8, 1, 1]).unwrap();
+        let other = Fingerprint::of(dir.path()).unwrap();
+        let diff = other.differences(&masked, dir.path());
+        assert_eq!(diff.len(), 1, "{diff:?}");
+        assert!(diff[0].contains("train.mask has other content"), "{diff:?}");
+        assert_ne!(other.digest(), masked.digest());
+        assert_ne!(plain.digest(), masked.digest());
     }
 }

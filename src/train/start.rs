@@ -11,7 +11,7 @@ use crate::model::lora::LoraState;
 use crate::model::{Gpt, ModelConfig};
 use crate::model_source::{check_lora_base, load_lora_base};
 use crate::optim::{AdamW, AdamWConfig};
-use crate::plan::{self, MemoryPlan, PlanInput};
+use crate::plan;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::fmt::Display;
@@ -116,13 +116,11 @@ impl Start {
 /// Prints the memory plan of the run and refuses one that would not fit in this
 /// host's available memory, before anything sized by the model is allocated.
 fn check_memory(cfg: &TrainConfig, comm: &dyn Collective) -> Result<()> {
-    let model = plan::model_of(cfg)?;
-    let input = PlanInput::of(cfg, model, comm.world_size(), comm.local_size());
-    let memory = MemoryPlan::new(&input, plan::available()?);
+    let (_, memory, refused) = plan::check_run(cfg, comm.world_size(), comm.local_size())?;
     for line in memory.summary() {
         crate::outln!("{line}");
     }
-    match plan::refusal(&memory, &input, cfg.gradient_accumulation_steps) {
+    match refused {
         Some(msg) => bail!(msg),
         None => Ok(()),
     }
