@@ -216,25 +216,9 @@ impl TokenFile {
                 );
             }
         }
-        let cells = offsets.len() * block_size;
-        ensure!(
-            inputs.len() == cells && targets.len() == cells,
-            "batch buffers hold {} inputs and {} targets, but {} rows × block_size \
-             {block_size} need {cells}",
-            inputs.len(),
-            targets.len(),
-            offsets.len()
-        );
-        let rows = inputs
-            .chunks_exact_mut(block_size)
-            .zip(targets.chunks_exact_mut(block_size));
+        let rows = batch_rows(offsets.len(), block_size, inputs, targets)?;
         for (tokens, (input, target)) in window.chunks_exact(row).zip(rows) {
-            for (slot, &t) in input.iter_mut().zip(&tokens[..block_size]) {
-                *slot = u32::from(t);
-            }
-            for (slot, &t) in target.iter_mut().zip(&tokens[1..]) {
-                *slot = i32::from(t);
-            }
+            copy_window(tokens, input, target);
         }
         Ok(())
     }
@@ -357,18 +341,7 @@ pub fn fill_batch(
     inputs: &mut [u32],
     targets: &mut [i32],
 ) -> Result<()> {
-    let cells = offsets.len() * block_size;
-    ensure!(
-        inputs.len() == cells && targets.len() == cells,
-        "batch buffers hold {} inputs and {} targets, but {} rows × block_size \
-         {block_size} need {cells}",
-        inputs.len(),
-        targets.len(),
-        offsets.len()
-    );
-    let rows = inputs
-        .chunks_exact_mut(block_size)
-        .zip(targets.chunks_exact_mut(block_size));
+    let rows = batch_rows(offsets.len(), block_size, inputs, targets)?;
     for (&offset, (input, target)) in offsets.iter().zip(rows) {
         let end = offset.saturating_add(block_size + 1);
         let Some(window) = tokens.get(offset..end) else {
@@ -378,14 +351,40 @@ pub fn fill_batch(
                 tokens.len()
             );
         };
-        for (slot, &t) in input.iter_mut().zip(&window[..block_size]) {
-            *slot = u32::from(t);
-        }
-        for (slot, &t) in target.iter_mut().zip(&window[1..]) {
-            *slot = i32::from(t);
-        }
+        copy_window(window, input, target);
     }
     Ok(())
+}
+
+/// The `rows` (input, target) rows of `block_size` of a batch's buffers, which must
+/// hold exactly `rows × block_size` elements each.
+fn batch_rows<'a>(
+    rows: usize,
+    block_size: usize,
+    inputs: &'a mut [u32],
+    targets: &'a mut [i32],
+) -> Result<impl Iterator<Item = (&'a mut [u32], &'a mut [i32])>> {
+    let cells = rows * block_size;
+    ensure!(
+        inputs.len() == cells && targets.len() == cells,
+        "batch buffers hold {} inputs and {} targets, but {rows} rows × block_size \
+         {block_size} need {cells}",
+        inputs.len(),
+        targets.len(),
+    );
+    Ok(inputs
+        .chunks_exact_mut(block_size)
+        .zip(targets.chunks_exact_mut(block_size)))
+}
+
+/// One window of `T + 1` tokens into a row: inputs its first `T`, targets its last `T`.
+fn copy_window(window: &[u16], input: &mut [u32], target: &mut [i32]) {
+    for (slot, &t) in input.iter_mut().zip(window) {
+        *slot = u32::from(t);
+    }
+    for (slot, &t) in target.iter_mut().zip(&window[1..]) {
+        *slot = i32::from(t);
+    }
 }
 
 /// How many whole, non-overlapping evaluation windows the data holds: window `k`
