@@ -1,7 +1,7 @@
 //! `nanogpt chat`: talk with an instruction-tuned model over stdin and stdout.
 
 use crate::chat::{ChatTemplate, Conversation};
-use crate::cli::sample::{StopText, Stops};
+use crate::cli::sample::{Sampling, StopText, Stops};
 use crate::console::exit_if_closed;
 use crate::data::instruct::instruct_eot;
 use crate::data::Tokenizer;
@@ -33,26 +33,8 @@ pub struct ChatArgs {
     /// Most tokens per reply.
     #[arg(long, default_value_t = 256)]
     pub max_new_tokens: usize,
-    /// 0 is greedy.
-    #[arg(long, default_value_t = 0.8)]
-    pub temperature: f32,
-    /// Keep only the k most likely tokens (0 keeps all).
-    #[arg(long, default_value_t = 200)]
-    pub top_k: usize,
-    /// Nucleus sampling (0 < P ≤ 1).
-    #[arg(long)]
-    pub top_p: Option<f32>,
-    /// Hugging Face's repetition_penalty (1 is off).
-    #[arg(long, default_value_t = 1.0)]
-    pub repetition_penalty: f32,
-    /// Also end a reply at this string (repeatable).
-    #[arg(long)]
-    pub stop: Vec<String>,
-    #[arg(long, default_value_t = 1337)]
-    pub seed: u64,
-    /// Threads (0: one per core).
-    #[arg(long, default_value_t = 0)]
-    pub threads: usize,
+    #[command(flatten)]
+    pub sampling: Sampling,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -62,8 +44,11 @@ pub enum TemplateArg {
 }
 
 pub fn run(args: ChatArgs) -> Result<()> {
-    crate::threads::init_pool(args.threads, 1)?;
-    check(&args)?;
+    crate::threads::init_pool(args.sampling.threads, 1)?;
+    args.sampling.check()?;
+    if args.max_new_tokens == 0 {
+        bail!("--max-new-tokens must be at least 1");
+    }
     let src = args
         .init_from
         .clone()
@@ -80,7 +65,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
     let mut conversation = Conversation::new(template, args.system.clone());
     let stops = Stops {
         eot: Some(eot),
-        strings: args.stop.clone(),
+        strings: args.sampling.stop.clone(),
     };
     // Half the block at most is kept for the reply; the rest holds the history.
     let budget = block - args.max_new_tokens.min(block / 2);
@@ -118,15 +103,8 @@ pub fn run(args: ChatArgs) -> Result<()> {
         {
             bail!("the message encodes to token {id}, beyond the model's vocabulary");
         }
-        let opts = SampleOptions {
-            num_samples: 1,
-            max_new_tokens: args.max_new_tokens,
-            temperature: args.temperature,
-            top_k: (args.top_k > 0).then_some(args.top_k),
-            seed: args.seed.wrapping_add(conversation.turns() as u64),
-            top_p: args.top_p,
-            repetition_penalty: args.repetition_penalty,
-        };
+        let seed = args.sampling.seed.wrapping_add(conversation.turns() as u64);
+        let opts = args.sampling.options(1, args.max_new_tokens, seed);
         let reply = reply(
             &loaded.params,
             &layout,
@@ -137,28 +115,6 @@ pub fn run(args: ChatArgs) -> Result<()> {
             &stops,
         )?;
         conversation.push(message.to_string(), reply);
-    }
-    Ok(())
-}
-
-fn check(args: &ChatArgs) -> Result<()> {
-    if args.temperature < 0.0 || !args.temperature.is_finite() {
-        bail!(
-            "--temperature must be 0 or more (0 is greedy), got {}",
-            args.temperature
-        );
-    }
-    if args.top_p.is_some_and(|p| !(p > 0.0 && p <= 1.0)) {
-        bail!("--top-p must be above 0 and at most 1 (e.g. 0.9)");
-    }
-    if !(args.repetition_penalty > 0.0 && args.repetition_penalty.is_finite()) {
-        bail!("--repetition-penalty must be above 0 (1 is off)");
-    }
-    if args.max_new_tokens == 0 {
-        bail!("--max-new-tokens must be at least 1");
-    }
-    if args.stop.iter().any(String::is_empty) {
-        bail!("--stop needs a non-empty string");
     }
     Ok(())
 }

@@ -31,6 +31,17 @@ pub struct SampleArgs {
     pub num_samples: usize,
     #[arg(long, default_value_t = 500)]
     pub max_new_tokens: usize,
+    #[command(flatten)]
+    pub sampling: Sampling,
+    /// Wrap --start in an instruction template and stop at end-of-text: alpaca
+    /// (Stanford Alpaca's prompt, no input) or chat (`<|user|>` … `<|assistant|>`).
+    #[arg(long, default_value = "none")]
+    pub template: Template,
+}
+
+/// How tokens are drawn: the options `sample` and `chat` share.
+#[derive(Args, Debug)]
+pub struct Sampling {
     /// Below 1 sharpens the distribution, above 1 flattens it; 0 is greedy.
     #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
     pub temperature: f32,
@@ -54,10 +65,47 @@ pub struct SampleArgs {
     /// (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,
-    /// Wrap --start in an instruction template and stop at end-of-text: alpaca
-    /// (Stanford Alpaca's prompt, no input) or chat (`<|user|>` … `<|assistant|>`).
-    #[arg(long, default_value = "none")]
-    pub template: Template,
+}
+
+impl Sampling {
+    /// Refuses values no sampler takes, naming the flag.
+    pub fn check(&self) -> Result<()> {
+        if self.temperature < 0.0 || !self.temperature.is_finite() {
+            bail!(
+                "--temperature must be 0 or more (0 is greedy), got {}",
+                self.temperature
+            );
+        }
+        if self.top_p.is_some_and(|p| !(p > 0.0 && p <= 1.0)) {
+            bail!(
+                "--top-p must be above 0 and at most 1 (e.g. 0.9), got {}",
+                self.top_p.unwrap_or_default()
+            );
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            bail!(
+                "--repetition-penalty must be above 0 (1 is off, e.g. 1.2 discourages repeats), got {}",
+                self.repetition_penalty
+            );
+        }
+        if self.stop.iter().any(String::is_empty) {
+            bail!("--stop needs a non-empty string");
+        }
+        Ok(())
+    }
+
+    /// The generation options for `num_samples` of `max_new_tokens`, drawn from `seed`.
+    pub fn options(&self, num_samples: usize, max_new_tokens: usize, seed: u64) -> SampleOptions {
+        SampleOptions {
+            num_samples,
+            max_new_tokens,
+            temperature: self.temperature,
+            top_k: (self.top_k > 0).then_some(self.top_k),
+            seed,
+            top_p: self.top_p,
+            repetition_penalty: self.repetition_penalty,
+        }
+    }
 }
 
 /// The prompt templates of instruction-tuned models (docs/finetune.md).
@@ -90,50 +138,23 @@ pub struct Stops {
 }
 
 pub fn run(args: SampleArgs) -> Result<()> {
-    crate::threads::init_pool(args.threads, 1)?;
-    if args.temperature < 0.0 || !args.temperature.is_finite() {
-        bail!(
-            "--temperature must be 0 or more (0 is greedy), got {}",
-            args.temperature
-        );
-    }
+    let sampling = &args.sampling;
+    crate::threads::init_pool(sampling.threads, 1)?;
+    sampling.check()?;
     let src = args
         .init_from
         .clone()
         .unwrap_or_else(|| args.out_dir.to_string_lossy().into_owned());
-    if args.top_p.is_some_and(|p| !(p > 0.0 && p <= 1.0)) {
-        bail!(
-            "--top-p must be above 0 and at most 1 (e.g. 0.9), got {}",
-            args.top_p.unwrap_or_default()
-        );
-    }
-    if !(args.repetition_penalty > 0.0 && args.repetition_penalty.is_finite()) {
-        bail!(
-            "--repetition-penalty must be above 0 (1 is off, e.g. 1.2 discourages repeats), got {}",
-            args.repetition_penalty
-        );
-    }
-    if args.stop.iter().any(String::is_empty) {
-        bail!("--stop needs a non-empty string");
-    }
     let loaded = load_model_with_adapter(&src, args.adapter.as_deref())?;
     let prompt = args.template.wrap(&read_prompt(&args.start)?);
-    let opts = SampleOptions {
-        num_samples: args.num_samples,
-        max_new_tokens: args.max_new_tokens,
-        temperature: args.temperature,
-        top_k: (args.top_k > 0).then_some(args.top_k),
-        seed: args.seed,
-        top_p: args.top_p,
-        repetition_penalty: args.repetition_penalty,
-    };
+    let opts = sampling.options(args.num_samples, args.max_new_tokens, sampling.seed);
     let eot = match args.template {
         Template::None => None,
         _ => Some(instruct_eot(&Tokenizer::from_meta(&loaded.meta)?)?),
     };
     let stops = Stops {
         eot,
-        strings: args.stop.clone(),
+        strings: sampling.stop.clone(),
     };
     let layout = ParamLayout::new(&loaded.config);
     stream(
