@@ -39,7 +39,7 @@ pub enum InitFrom {
 }
 
 /// The highest `zero_stage` this build implements.
-pub const MAX_ZERO_STAGE: u8 = 1;
+pub const MAX_ZERO_STAGE: u8 = 2;
 
 /// Every setting of a training run. Keys and defaults follow nanoGPT's train.py
 /// unless a field says otherwise; the vocabulary size comes from the dataset's
@@ -390,7 +390,8 @@ impl TrainConfig {
     fn check_distributed(&self, problems: &mut Vec<String>) {
         if self.zero_stage > MAX_ZERO_STAGE {
             problems.push(format!(
-                "`zero_stage` must be 0 (replicated optimizer state) or 1 (sharded), got {}",
+                "`zero_stage` must be 0 (replicated), 1 (sharded AdamW moments) or 2 (and \
+                 gradients), got {}",
                 self.zero_stage
             ));
         }
@@ -837,7 +838,7 @@ mod tests {
     fn distributed_keys_are_checked() {
         let c = TrainConfig::parse("zero_stage = 1\ncollective_timeout_s = 20", "t", &[]).unwrap();
         assert_eq!((c.zero_stage, c.collective_timeout_s), (1, 20.0));
-        assert!(err_of("", &["zero_stage=2"]).contains("`zero_stage` must be 0"));
+        assert!(err_of("", &["zero_stage=3"]).contains("`zero_stage` must be 0"));
         let err = err_of("", &["collective_timeout_s=-1"]);
         assert!(err.contains("`collective_timeout_s` must be"), "{err}");
         let c =

@@ -659,6 +659,9 @@ mod tests {
         }
         fn gather(&self, _: &[f32], _: &mut [f32], _: usize) {}
         fn scatter(&self, _: &[f32], _: &mut [f32], _: usize) {}
+        fn all_gather_pieces(&self, _: &[f32], _: &mut [f32], _: &[usize]) {}
+        fn gather_pieces(&self, _: &[f32], _: &mut [f32], _: &[usize], _: usize) {}
+        fn scatter_pieces(&self, _: &[f32], _: &mut [f32], _: &[usize], _: usize) {}
         fn reduce_during_backward(
             &self,
             _: crate::dist::Reduce,

@@ -56,7 +56,8 @@ pub struct DataParallel {
 
 impl DataParallel {
     /// Plans the buckets of `model` for `comm`'s ranks and allocates the buffers
-    /// (stage 0: two arena-sized buffers; stage 1: about 1 + 1/W of one).
+    /// (stage 0: two arena-sized buffers; stage 1: about 1 + 1/W of one; stage 2:
+    /// 1/W of one, the shard's reduced gradients).
     pub fn new(comm: &dyn Collective, model: &Gpt, zero_stage: u8) -> DataParallel {
         let plan = GradPlan::new(
             &model.grad_buckets(),
@@ -87,7 +88,8 @@ impl DataParallel {
     fn kind(&self) -> Reduce {
         match self.plan.zero_stage {
             0 => Reduce::AllReduce,
-            _ => Reduce::ReduceScatter,
+            1 => Reduce::ReduceScatter,
+            _ => Reduce::ReducePieces,
         }
     }
 
@@ -116,7 +118,11 @@ impl DataParallel {
         } else {
             let plan = &self.plan;
             let mut opt = AdamW::for_shard(&model.layout, config, &plan.shard(), plan.shard_len);
-            if moments {
+            if moments && plan.zero_stage >= 2 {
+                let root = root_opt.as_ref();
+                scatter_shard(comm, plan, root.map(|o| &o.m[..]), &mut opt.m);
+                scatter_shard(comm, plan, root.map(|o| &o.v[..]), &mut opt.v);
+            } else if moments {
                 let s = plan.shard_len;
                 for which in 0..2 {
                     if let Some(full) = &root_opt {
@@ -230,9 +236,19 @@ impl DataParallel {
         self.other += start.elapsed();
     }
 
-    /// Stage 1: every rank's updated pieces into every rank's parameters.
+    /// Stages 1 and 2: every rank's updated pieces into every rank's parameters.
     fn all_gather_params(&mut self, comm: &dyn Collective, params: &mut [f32]) {
         let (plan, s) = (&self.plan, self.plan.shard_len);
+        if plan.zero_stage >= 2 {
+            // `recv` (the shard's gradients, used) carries this rank's pieces; each
+            // bucket is gathered straight into the parameters.
+            plan.pack_shard(plan.rank, params, &mut self.recv);
+            for (b, bucket) in plan.buckets.iter().enumerate() {
+                let mine = &self.recv[plan.slot(b)..][..bucket.counts[plan.rank]];
+                comm.all_gather_pieces(mine, &mut params[bucket.arena.clone()], &bucket.counts);
+            }
+            return;
+        }
         // Both buffers are free until the next step's reduction, which overwrites
         // (and zero-pads) every bucket of them: `recv` (the shard's gradients, used)
         // carries this rank's pieces, `send` receives everyone's.
@@ -256,6 +272,14 @@ impl DataParallel {
         }
         let (plan, s) = (&self.plan, self.plan.shard_len);
         let root = plan.rank == 0;
+        if plan.zero_stage >= 2 {
+            // Each bucket gathered straight into rank 0's full arrays.
+            let full = || root.then(|| vec![0.0; plan.arena_len]);
+            let (mut m, mut v) = (full(), full());
+            gather_shard(comm, plan, &opt.m, m.as_deref_mut());
+            gather_shard(comm, plan, &opt.v, v.as_deref_mut());
+            return m.zip(v);
+        }
         let mut out = Vec::new();
         for state in [&opt.m, &opt.v] {
             let recv: &mut [f32] = if root { &mut self.send } else { &mut [] };
@@ -342,6 +366,34 @@ impl DataParallel {
             grad_bytes: self.plan.arena_len * 4,
             tokens_per_sec_per_rank: per_rank,
         }
+    }
+}
+
+/// Stages 2 and 3: `shard` (this rank's pieces) = its pieces of `root`'s `full`
+/// arena (`Some` on rank 0 only), one bucket at a time.
+fn scatter_shard(comm: &dyn Collective, plan: &GradPlan, full: Option<&[f32]>, shard: &mut [f32]) {
+    for (b, bucket) in plan.buckets.iter().enumerate() {
+        let mine = &mut shard[plan.slot(b)..][..bucket.counts[plan.rank]];
+        let all = full.map_or(&[][..], |f| &f[bucket.arena.clone()]);
+        comm.scatter_pieces(all, mine, &bucket.counts, 0);
+    }
+}
+
+/// Stages 2 and 3: every rank's `shard` into rank 0's `full` arena (`Some` on rank 0
+/// only), one bucket at a time.
+fn gather_shard(
+    comm: &dyn Collective,
+    plan: &GradPlan,
+    shard: &[f32],
+    mut full: Option<&mut [f32]>,
+) {
+    for (b, bucket) in plan.buckets.iter().enumerate() {
+        let mine = &shard[plan.slot(b)..][..bucket.counts[plan.rank]];
+        let all = match full.as_deref_mut() {
+            Some(f) => &mut f[bucket.arena.clone()],
+            None => &mut [][..],
+        };
+        comm.gather_pieces(mine, all, &bucket.counts, 0);
     }
 }
 
