@@ -15,6 +15,7 @@
 mod parallel;
 mod plan;
 pub mod preflight;
+pub mod resident;
 mod update;
 mod watchdog;
 
@@ -93,6 +94,10 @@ pub trait Collective {
     /// Block `rank` of `root`'s `send` (len n · world_size) into `recv` (len n);
     /// `send` is only read on `root`.
     fn scatter(&self, send: &[f32], recv: &mut [f32], root: usize);
+    /// `mine` (len `counts[rank]`) = this rank's piece of the sum over the ranks of
+    /// `send` (len Σ counts, pieces in rank order): a reduce-scatter with per-rank
+    /// counts.
+    fn reduce_scatter_pieces(&self, send: &[f32], mine: &mut [f32], counts: &[usize]);
     /// `buf` (len Σ counts) = every rank's `mine` (len `counts[rank]`), one after
     /// the other in rank order: an all-gather with per-rank counts.
     fn all_gather_pieces(&self, mine: &[f32], buf: &mut [f32], counts: &[usize]);
@@ -155,6 +160,9 @@ impl Collective for Single {
     }
     fn scatter(&self, send: &[f32], recv: &mut [f32], _: usize) {
         recv.copy_from_slice(send);
+    }
+    fn reduce_scatter_pieces(&self, send: &[f32], mine: &mut [f32], _: &[usize]) {
+        mine.copy_from_slice(send);
     }
     fn all_gather_pieces(&self, mine: &[f32], buf: &mut [f32], _: &[usize]) {
         buf.copy_from_slice(mine);

@@ -538,6 +538,25 @@ impl Collective for Mpi {
         }
     }
 
+    fn reduce_scatter_pieces(&self, send: &[f32], mine: &mut [f32], counts: &[usize]) {
+        assert_eq!(counts.iter().sum::<usize>(), send.len());
+        assert_eq!(counts[self.rank], mine.len());
+        let (counts, _) = counts_and_displs(counts);
+        let _g = self.watchdog.arm("reduce-scatter", 1);
+        // SAFETY: `send` holds Σ counts floats, `mine` this rank's count; both are
+        // borrowed for the whole (blocking) call, and `counts` has one entry per rank.
+        unsafe {
+            mpi::ffi::MPI_Reduce_scatter(
+                send.as_ptr() as *const _,
+                mine.as_mut_ptr() as *mut _,
+                counts.as_ptr(),
+                mpi::ffi::RSMPI_FLOAT,
+                mpi::ffi::RSMPI_SUM,
+                self.world.as_raw(),
+            );
+        }
+    }
+
     fn all_gather_pieces(&self, mine: &[f32], buf: &mut [f32], counts: &[usize]) {
         assert_eq!(counts.iter().sum::<usize>(), buf.len());
         assert_eq!(counts[self.rank], mine.len());
