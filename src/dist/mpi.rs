@@ -600,7 +600,11 @@ impl Collective for Mpi {
         recv: &mut [f32],
         backward: &mut BackwardFn,
     ) -> OverlapTimes {
-        let send_ranges: Vec<_> = buckets.iter().map(|b| b.send.clone()).collect();
+        // Reductions by pieces read the gradients themselves: no send buffer.
+        let send_ranges: Vec<_> = match kind {
+            Reduce::ReducePieces => vec![0..0; buckets.len()],
+            _ => buckets.iter().map(|b| b.send.clone()).collect(),
+        };
         let recv_ranges: Vec<_> = buckets.iter().map(|b| b.recv.clone()).collect();
         let mut sends = split_disjoint(send, &send_ranges);
         let mut recvs = split_disjoint(recv, &recv_ranges);

@@ -59,8 +59,8 @@ pub struct DataParallel {
 impl DataParallel {
     /// Plans the buckets of `model` for `comm`'s ranks and allocates the buffers
     /// (stage 0: two arena-sized buffers; stage 1: about 1 + 1/W of one; stage 2:
-    /// 1/W of one, the shard's reduced gradients; stage 3: 2/W of one, those and a
-    /// shard of scratch).
+    /// 1/W of one, the shard's reduced gradients; stage 3: those and one piece of
+    /// scratch).
     pub fn new(comm: &dyn Collective, model: &Gpt, zero_stage: u8) -> DataParallel {
         let plan = GradPlan::new(
             &model.grad_buckets(),
@@ -327,7 +327,7 @@ impl DataParallel {
         let (plan, root) = (&self.plan, self.plan.rank == 0);
         for (b, bucket) in plan.buckets.iter().enumerate() {
             let own = plan.piece(b, plan.rank);
-            let mine = &mut self.send[plan.slot(b)..][..own.len()];
+            let mine = &mut self.send[..own.len()];
             let all = if root {
                 &params[bucket.arena.clone()]
             } else {
@@ -349,7 +349,7 @@ impl DataParallel {
         let (plan, root) = (&self.plan, self.plan.rank == 0);
         for (b, bucket) in plan.buckets.iter().enumerate() {
             let own = plan.piece(b, plan.rank);
-            let mine = &mut self.send[plan.slot(b)..][..own.len()];
+            let mine = &mut self.send[..own.len()];
             mine.copy_from_slice(&params[own]);
             let all = match root {
                 true => &mut params[bucket.arena.clone()],
@@ -493,7 +493,7 @@ impl DataParallel {
 struct Sharded<'a> {
     comm: &'a dyn Collective,
     plan: &'a GradPlan,
-    /// One shard of scratch: this rank's piece of a bucket, sent or received.
+    /// Scratch for one piece: this rank's piece of a bucket, sent or received.
     scratch: &'a mut [f32],
     /// This rank's pieces of the gradients, summed over the step's micro-steps.
     sums: &'a mut [f32],
@@ -516,7 +516,7 @@ impl PassHooks for Sharded<'_> {
         let start = Instant::now();
         let (plan, b) = (self.plan, self.bucket(&range));
         let own = plan.piece(b, plan.rank);
-        let mine = &mut self.scratch[plan.slot(b)..][..own.len()];
+        let mine = &mut self.scratch[..own.len()];
         mine.copy_from_slice(&params[own]);
         (self.comm).all_gather_pieces(mine, &mut params[range], &plan.buckets[b].counts);
         *self.gathers += start.elapsed();
@@ -532,7 +532,7 @@ impl PassHooks for Sharded<'_> {
         let (plan, b) = (self.plan, self.bucket(&range));
         let counts = &plan.buckets[b].counts;
         let at = plan.slot(b)..plan.slot(b) + counts[plan.rank];
-        let piece = &mut self.scratch[at.clone()];
+        let piece = &mut self.scratch[..at.len()];
         (self.comm).reduce_scatter_pieces(&grads[range.clone()], piece, counts);
         for (sum, g) in self.sums[at].iter_mut().zip(piece.iter()) {
             *sum += g;

@@ -15,8 +15,10 @@
 //! of a bucket are consecutive ranges of the arena in rank order, so a reduce-scatter
 //! with per-rank counts ([`Bucket::counts`]) reads the bucket straight from the
 //! gradient arena, and an all-gather with the same counts writes it straight into
-//! the parameters. Stage 3 keeps one shard-sized scratch (`send`) where each
-//! micro-step's reduced pieces land before they are added to the shard's sum.
+//! the parameters. Stage 3 keeps a scratch of one piece (`send`, the largest
+//! piece's length): its collectives block, one bucket at a time, so a reduced piece
+//! lands there before it is added to the shard's sum, and a piece to send is copied
+//! there (MPI's send and receive buffers must not overlap).
 
 use std::ops::Range;
 
@@ -89,7 +91,7 @@ impl GradPlan {
                 let send = match zero_stage {
                     1 => w * slot..w * (slot + p),
                     2 => 0..0,
-                    _ => slot..slot + p,
+                    _ => 0..p,
                 };
                 buckets.push(Bucket {
                     arena: r.clone(),
@@ -101,11 +103,12 @@ impl GradPlan {
                 slot += p;
             }
         }
+        let largest = pieces.iter().map(|&(p, _)| p).max().unwrap_or(0);
         let (send_len, recv_len, shard_len) = match zero_stage {
             0 => (arena_len, arena_len, arena_len),
             1 => (w * slot, slot, slot),
             2 => (0, slot, slot),
-            _ => (slot, slot, slot),
+            _ => (largest, slot, slot),
         };
         GradPlan {
             world_size,
@@ -255,8 +258,9 @@ mod tests {
                     .collect();
                 let one = GradPlan::new(&TILES, 100, w, 0, 1);
                 let s = one.shard_len;
-                // Stage 2: no send buffer; stage 3: one shard of scratch.
-                let send = if stage == 2 { 0 } else { s };
+                // Stage 2: no send buffer; stage 3: the largest piece, as scratch.
+                let largest = (0..TILES.len()).map(|b| one.piece(b, 0).len()).max();
+                let send = if stage == 2 { 0 } else { largest.unwrap() };
                 assert_eq!((plans[0].send_len, plans[0].recv_len), (send, s));
                 check_pieces(&plans);
                 for (q, plan) in plans.iter().enumerate() {
