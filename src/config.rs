@@ -39,7 +39,7 @@ pub enum InitFrom {
 }
 
 /// The highest `zero_stage` this build implements.
-pub const MAX_ZERO_STAGE: u8 = 1;
+pub const MAX_ZERO_STAGE: u8 = 3;
 
 /// Every setting of a training run. Keys and defaults follow nanoGPT's train.py
 /// unless a field says otherwise; the vocabulary size comes from the dataset's
@@ -390,9 +390,26 @@ impl TrainConfig {
     fn check_distributed(&self, problems: &mut Vec<String>) {
         if self.zero_stage > MAX_ZERO_STAGE {
             problems.push(format!(
-                "`zero_stage` must be 0 (replicated optimizer state) or 1 (sharded), got {}",
+                "`zero_stage` must be 0 (replicated), 1 (sharded AdamW moments), 2 (and \
+                 gradients) or 3 (and parameters), got {}",
                 self.zero_stage
             ));
+        }
+        if self.zero_stage >= 3 {
+            if self.dtype == crate::model::Dtype::Bfloat16 {
+                problems.push(
+                    "`zero_stage = 3` does not support dtype=bfloat16 yet: use zero_stage=2 \
+                     or dtype=float32"
+                        .into(),
+                );
+            }
+            if self.lora_rank > 0 || !self.adapter.is_empty() {
+                problems.push(
+                    "`zero_stage = 3` shards the whole model, not LoRA adapters: use \
+                     zero_stage=2 (or lower) with LoRA"
+                        .into(),
+                );
+            }
         }
         let t = self.collective_timeout_s;
         if !(t.is_finite() && t >= 0.0) {
@@ -837,7 +854,18 @@ mod tests {
     fn distributed_keys_are_checked() {
         let c = TrainConfig::parse("zero_stage = 1\ncollective_timeout_s = 20", "t", &[]).unwrap();
         assert_eq!((c.zero_stage, c.collective_timeout_s), (1, 20.0));
-        assert!(err_of("", &["zero_stage=2"]).contains("`zero_stage` must be 0"));
+        assert!(err_of("", &["zero_stage=4"]).contains("`zero_stage` must be 0"));
+        for stage in ["zero_stage=2", "zero_stage=3"] {
+            assert!(
+                TrainConfig::parse("", "t", &overrides(&[stage])).is_ok(),
+                "{stage}"
+            );
+        }
+        let bf16 = err_of("", &["zero_stage=3", "dtype=bfloat16"]);
+        assert!(bf16.contains("zero_stage=2 or dtype=float32"), "{bf16}");
+        let lora = err_of("", &["zero_stage=3", "lora_rank=4"]);
+        assert!(lora.contains("not LoRA adapters"), "{lora}");
+        assert!(TrainConfig::parse("", "t", &overrides(&["zero_stage=2", "lora_rank=4"])).is_ok());
         let err = err_of("", &["collective_timeout_s=-1"]);
         assert!(err.contains("`collective_timeout_s` must be"), "{err}");
         let c =

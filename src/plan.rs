@@ -125,6 +125,9 @@ pub const GRADIENTS: &str = "gradients";
 pub const MOMENTS: &str = "optimizer moments";
 pub const ACTIVATIONS: &str = "activations";
 pub const COMM: &str = "communication buffers";
+/// ZeRO-3: the buckets a pass holds whole at once, weights and gradients each (the
+/// embeddings and `ln_f` for the whole pass, one block at a time).
+pub const GATHERED: &str = "gathered layers";
 pub const GATHER: &str = "checkpoint gather";
 pub const BASELINE: &str = "program, threads, data";
 
@@ -148,9 +151,29 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
         _ => g.shard_len,
     });
     let comm = grad_plan.as_ref().map_or(0, |g| g.send_len + g.recv_len);
-    // ZeRO-1 rank 0 gathers the full moments into two arena-sized buffers to save them.
+    // ZeRO-3: each rank keeps its shard of the weights; a pass holds the embeddings
+    // and ln_f (first and last buckets) and one block at a time, weights and
+    // gradients alike.
+    let sharded = grad_plan.as_ref().filter(|_| stage >= 3);
+    let (weights, grads, gathered) = match sharded {
+        None => (len, len, 0),
+        Some(g) => {
+            let whole = |r: &std::ops::Range<usize>| r.len();
+            let blocks = buckets[1..buckets.len().saturating_sub(1)].iter();
+            let ends = buckets.first().map_or(0, whole) + buckets.last().map_or(0, whole);
+            let in_use = ends + blocks.map(whole).max().unwrap_or(0);
+            (g.shard_len, in_use, in_use)
+        }
+    };
+    // ZeRO 1-3: rank 0 gathers the full moments into two arena-sized buffers to save
+    // them; ZeRO-3 also the rest of the weights, while no layer is gathered and no
+    // gradient held (so the save adds that much less to the step's peak).
+    let released = match sharded {
+        Some(_) => (grads + gathered).min(len),
+        None => 0,
+    };
     let gather = match (rank, &grad_plan) {
-        (0, Some(_)) if stage > 0 => 2 * len,
+        (0, Some(_)) if stage > 0 => 2 * len + (len - weights) - released,
         _ => 0,
     };
     let (b, t, ckpt) = (p.batch_size, p.block_size, p.activation_checkpointing);
@@ -161,7 +184,7 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
     let parts = vec![
         Part {
             name: WEIGHTS,
-            bytes: f32s(len),
+            bytes: f32s(weights),
         },
         Part {
             name: FROZEN,
@@ -173,7 +196,7 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
         },
         Part {
             name: GRADIENTS,
-            bytes: f32s(len),
+            bytes: f32s(grads),
         },
         Part {
             name: MOMENTS,
@@ -186,6 +209,10 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
         Part {
             name: COMM,
             bytes: f32s(comm),
+        },
+        Part {
+            name: GATHERED,
+            bytes: f32s(gathered),
         },
         Part {
             name: GATHER,
@@ -408,6 +435,10 @@ fn variants(p: &PlanInput, grad_accum: usize) -> Vec<(f64, PlanInput, Vec<String
     for &stage in &stages {
         for &ckpt in &ckpts {
             for &dtype in &dtypes {
+                // ZeRO-3 shards the whole model in f32 only (config validation).
+                if stage >= 3 && (dtype == Dtype::Bfloat16 || p.lora.is_some()) {
+                    continue;
+                }
                 for (halvings, &b) in batches.iter().enumerate() {
                     let mut changes = Vec::new();
                     let mut cost = 1.0;
@@ -659,6 +690,10 @@ mod tests {
         }
         fn gather(&self, _: &[f32], _: &mut [f32], _: usize) {}
         fn scatter(&self, _: &[f32], _: &mut [f32], _: usize) {}
+        fn reduce_scatter_pieces(&self, _: &[f32], _: &mut [f32], _: &[usize]) {}
+        fn all_gather_pieces(&self, _: &[f32], _: &mut [f32], _: &[usize]) {}
+        fn gather_pieces(&self, _: &[f32], _: &mut [f32], _: &[usize], _: usize) {}
+        fn scatter_pieces(&self, _: &[f32], _: &mut [f32], _: &[usize], _: usize) {}
         fn reduce_during_backward(
             &self,
             _: crate::dist::Reduce,
@@ -671,6 +706,17 @@ mod tests {
         }
     }
 
+    /// What a ZeRO-3 pass holds whole at once: the embeddings and ln_f for the pass,
+    /// the largest block (the Lender test in model/mod.rs checks the order of the
+    /// gathers and releases).
+    fn in_use(gpt: &Gpt) -> usize {
+        let l = &gpt.layout;
+        let emb = l.layers[0].span.start;
+        let ln_f = l.len - l.layers.last().unwrap().span.end;
+        let block = l.layers[1].span.start - l.layers[0].span.start;
+        emb + ln_f + block
+    }
+
     #[test]
     fn sharded_plans_match_the_data_parallel_buffers() {
         // Full training, and LoRA whose trained arena is the adapters'.
@@ -681,7 +727,10 @@ mod tests {
                 gpt = gpt.with_lora(l.clone(), ("test", 0), 1);
             }
             // The buffers DataParallel allocates on each rank of a 3-rank run.
-            for stage in [0u8, 1] {
+            for stage in [0u8, 1, 2, 3] {
+                if stage == 3 && lora.is_some() {
+                    continue; // refused by the config
+                }
                 for rank in 0..3 {
                     let dp = DataParallel::new(&Ranks(rank, 3), &gpt, stage);
                     let p = PlanInput {
@@ -697,12 +746,21 @@ mod tests {
                         _ => dp.plan.shard_len,
                     };
                     assert_eq!(plan.part(MOMENTS), state as u64 * 8, "{case}");
-                    let gather = if stage == 1 && rank == 0 {
-                        2 * gpt.layout.len
-                    } else {
-                        0
+                    let len = gpt.layout.len;
+                    let gather = match (stage, rank) {
+                        (1 | 2, 0) => 2 * len,
+                        (3, 0) => 3 * len - dp.plan.shard_len - 2 * in_use(&gpt),
+                        _ => 0,
                     };
                     assert_eq!(plan.part(GATHER), gather as u64 * 4, "{case}");
+                    let (weights, in_use) = match stage {
+                        3 => (dp.plan.shard_len, in_use(&gpt)),
+                        _ => (gpt.params.len(), 0),
+                    };
+                    assert_eq!(plan.part(WEIGHTS), weights as u64 * 4, "{case}");
+                    assert_eq!(plan.part(GATHERED), in_use as u64 * 4, "{case}");
+                    let grads = if stage == 3 { in_use } else { gpt.grads.len() };
+                    assert_eq!(plan.part(GRADIENTS), grads as u64 * 4, "{case}");
                 }
             }
         }

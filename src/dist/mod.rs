@@ -15,6 +15,7 @@
 mod parallel;
 mod plan;
 pub mod preflight;
+pub mod resident;
 mod update;
 mod watchdog;
 
@@ -39,6 +40,9 @@ pub enum Reduce {
     /// Rank `r` receives the sum of the `r`-th of `world_size` equal blocks of the
     /// bucket (ZeRO stage 1).
     ReduceScatter,
+    /// Rank `r` receives the sum of its piece of the bucket ([`Bucket::counts`]),
+    /// read straight from the gradients: no send buffer (ZeRO stages 2 and 3).
+    ReducePieces,
 }
 
 /// The backward pass as [`Collective::reduce_during_backward`] drives it: called
@@ -90,10 +94,26 @@ pub trait Collective {
     /// Block `rank` of `root`'s `send` (len n · world_size) into `recv` (len n);
     /// `send` is only read on `root`.
     fn scatter(&self, send: &[f32], recv: &mut [f32], root: usize);
+    /// `mine` (len `counts[rank]`) = this rank's piece of the sum over the ranks of
+    /// `send` (len Σ counts, pieces in rank order): a reduce-scatter with per-rank
+    /// counts.
+    fn reduce_scatter_pieces(&self, send: &[f32], mine: &mut [f32], counts: &[usize]);
+    /// `buf` (len Σ counts) = every rank's `mine` (len `counts[rank]`), one after
+    /// the other in rank order: an all-gather with per-rank counts.
+    fn all_gather_pieces(&self, mine: &[f32], buf: &mut [f32], counts: &[usize]);
+    /// On `root`, `buf` (len Σ counts) = every rank's `mine` in rank order;
+    /// elsewhere `buf` is not used (pass an empty slice).
+    fn gather_pieces(&self, mine: &[f32], buf: &mut [f32], counts: &[usize], root: usize);
+    /// `mine` (len `counts[rank]`) = this rank's piece of `root`'s `buf` (len Σ
+    /// counts, pieces in rank order); `buf` is only read on `root`.
+    fn scatter_pieces(&self, buf: &[f32], mine: &mut [f32], counts: &[usize], root: usize);
     /// Runs `backward`, reducing each bucket as soon as it is reported: its
     /// gradients are copied to the start of `send[bucket.send]` (the rest of that
     /// range is zeroed) and a non-blocking reduction into `recv[bucket.recv]` starts
-    /// at once. Returns when every reduction has completed.
+    /// at once ([`Reduce::ReducePieces`]: straight from the reported gradients into
+    /// the first `counts[rank]` floats of `recv[bucket.recv]`, `send` unused; the
+    /// reported range must not change until this returns). Returns when every
+    /// reduction has completed.
     fn reduce_during_backward(
         &self,
         kind: Reduce,
@@ -140,6 +160,18 @@ impl Collective for Single {
     }
     fn scatter(&self, send: &[f32], recv: &mut [f32], _: usize) {
         recv.copy_from_slice(send);
+    }
+    fn reduce_scatter_pieces(&self, send: &[f32], mine: &mut [f32], _: &[usize]) {
+        mine.copy_from_slice(send);
+    }
+    fn all_gather_pieces(&self, mine: &[f32], buf: &mut [f32], _: &[usize]) {
+        buf.copy_from_slice(mine);
+    }
+    fn gather_pieces(&self, mine: &[f32], buf: &mut [f32], _: &[usize], _: usize) {
+        buf.copy_from_slice(mine);
+    }
+    fn scatter_pieces(&self, buf: &[f32], mine: &mut [f32], _: &[usize], _: usize) {
+        mine.copy_from_slice(buf);
     }
     fn reduce_during_backward(
         &self,

@@ -12,6 +12,7 @@
 use super::{BackwardFn, Bucket, Collective, OverlapTimes, Reduce, Watchdog};
 use anyhow::{bail, Result};
 use mpi::collective::{CommunicatorCollectives, Root, SystemOperation};
+use mpi::datatype::{Partition, PartitionMut};
 use mpi::environment::Universe;
 use mpi::raw::AsRaw;
 use mpi::topology::{Communicator, SimpleCommunicator};
@@ -372,6 +373,55 @@ fn count(n: usize) -> usize {
     n
 }
 
+/// Per-rank counts (C ints) and their offsets, pieces laid one after the other.
+fn counts_and_displs(counts: &[usize]) -> (Vec<mpi::Count>, Vec<mpi::Count>) {
+    let mut displs = Vec::with_capacity(counts.len());
+    let mut at = 0;
+    for &n in counts {
+        displs.push(count(at) as mpi::Count);
+        at += n;
+    }
+    count(at);
+    (counts.iter().map(|&n| n as mpi::Count).collect(), displs)
+}
+
+/// Starts the sum over the ranks of `send` (len Σ `counts`), rank `q` receiving
+/// piece `q` (`counts[q]` floats, pieces in rank order) into `recv`: a non-blocking
+/// `MPI_Ireduce_scatter`, straight from the caller's buffer.
+///
+/// # Safety
+/// `send` must neither change nor be freed until the request completes, although
+/// its borrow here ends when this function returns (it is the gradient range
+/// backward has just reported final).
+unsafe fn reduce_pieces<'a, S: mpi::request::Scope<'a>>(
+    world: &SimpleCommunicator,
+    scope: S,
+    send: &[f32],
+    recv: &'a mut [f32],
+    counts: &'a [mpi::Count],
+) -> mpi::request::Request<'a, [f32], S> {
+    assert_eq!(
+        counts.iter().map(|&n| n as usize).sum::<usize>(),
+        send.len()
+    );
+    let mut request = std::mem::MaybeUninit::uninit();
+    // SAFETY: `send` holds Σ counts floats and stays unchanged until completion (the
+    // caller's promise); `recv` holds this rank's count and `counts` the world's,
+    // both borrowed for 'a, which the scope's requests cannot outlive.
+    unsafe {
+        mpi::ffi::MPI_Ireduce_scatter(
+            send.as_ptr() as *const _,
+            recv.as_mut_ptr() as *mut _,
+            counts.as_ptr(),
+            mpi::ffi::RSMPI_FLOAT,
+            mpi::ffi::RSMPI_SUM,
+            world.as_raw(),
+            request.as_mut_ptr(),
+        );
+        mpi::request::Request::from_raw(request.assume_init(), &*recv, scope)
+    }
+}
+
 /// Disjoint `ranges` of `buf` as separate mutable slices, in the order given.
 fn split_disjoint<'b>(buf: &'b mut [f32], ranges: &[Range<usize>]) -> Vec<Option<&'b mut [f32]>> {
     let mut order: Vec<usize> = (0..ranges.len()).collect();
@@ -488,6 +538,60 @@ impl Collective for Mpi {
         }
     }
 
+    fn reduce_scatter_pieces(&self, send: &[f32], mine: &mut [f32], counts: &[usize]) {
+        assert_eq!(counts.iter().sum::<usize>(), send.len());
+        assert_eq!(counts[self.rank], mine.len());
+        let (counts, _) = counts_and_displs(counts);
+        let _g = self.watchdog.arm("reduce-scatter", 1);
+        // SAFETY: `send` holds Σ counts floats, `mine` this rank's count; both are
+        // borrowed for the whole (blocking) call, and `counts` has one entry per rank.
+        unsafe {
+            mpi::ffi::MPI_Reduce_scatter(
+                send.as_ptr() as *const _,
+                mine.as_mut_ptr() as *mut _,
+                counts.as_ptr(),
+                mpi::ffi::RSMPI_FLOAT,
+                mpi::ffi::RSMPI_SUM,
+                self.world.as_raw(),
+            );
+        }
+    }
+
+    fn all_gather_pieces(&self, mine: &[f32], buf: &mut [f32], counts: &[usize]) {
+        assert_eq!(counts.iter().sum::<usize>(), buf.len());
+        assert_eq!(counts[self.rank], mine.len());
+        let (counts, displs) = counts_and_displs(counts);
+        let _g = self.watchdog.arm("all-gather", 1);
+        let mut parts = PartitionMut::new(buf, counts, displs);
+        self.world.all_gather_varcount_into(mine, &mut parts);
+    }
+
+    fn gather_pieces(&self, mine: &[f32], buf: &mut [f32], counts: &[usize], root: usize) {
+        assert_eq!(counts[self.rank], mine.len());
+        let _g = self.watchdog.arm("gather", 1);
+        if self.rank == root {
+            assert_eq!(counts.iter().sum::<usize>(), buf.len());
+            let (counts, displs) = counts_and_displs(counts);
+            let mut parts = PartitionMut::new(buf, counts, displs);
+            self.root(root).gather_varcount_into_root(mine, &mut parts);
+        } else {
+            self.root(root).gather_varcount_into(mine);
+        }
+    }
+
+    fn scatter_pieces(&self, buf: &[f32], mine: &mut [f32], counts: &[usize], root: usize) {
+        assert_eq!(counts[self.rank], mine.len());
+        let _g = self.watchdog.arm("scatter", 1);
+        if self.rank == root {
+            assert_eq!(counts.iter().sum::<usize>(), buf.len());
+            let (counts, displs) = counts_and_displs(counts);
+            let parts = Partition::new(buf, counts, displs);
+            self.root(root).scatter_varcount_into_root(&parts, mine);
+        } else {
+            self.root(root).scatter_varcount_into(mine);
+        }
+    }
+
     fn reduce_during_backward(
         &self,
         kind: Reduce,
@@ -496,10 +600,19 @@ impl Collective for Mpi {
         recv: &mut [f32],
         backward: &mut BackwardFn,
     ) -> OverlapTimes {
-        let send_ranges: Vec<_> = buckets.iter().map(|b| b.send.clone()).collect();
+        // Reductions by pieces read the gradients themselves: no send buffer.
+        let send_ranges: Vec<_> = match kind {
+            Reduce::ReducePieces => vec![0..0; buckets.len()],
+            _ => buckets.iter().map(|b| b.send.clone()).collect(),
+        };
         let recv_ranges: Vec<_> = buckets.iter().map(|b| b.recv.clone()).collect();
         let mut sends = split_disjoint(send, &send_ranges);
         let mut recvs = split_disjoint(recv, &recv_ranges);
+        // Reductions by pieces: each bucket's per-rank counts, alive until all complete.
+        let counts: Vec<Vec<i32>> = buckets
+            .iter()
+            .map(|b| counts_and_displs(&b.counts).0)
+            .collect();
         let (world, watchdog, overlap) = (&self.world, &self.watchdog, self.overlap);
         let mut exposed = Duration::ZERO;
         let stop = AtomicBool::new(false);
@@ -513,18 +626,29 @@ impl Collective for Mpi {
                 backward(&mut |range, grads| {
                     let b = &buckets[i];
                     assert_eq!(range, b.arena, "buckets reported out of plan");
-                    let s = sends[i].take().expect("each bucket once");
-                    let n = range.len();
-                    s[..n].copy_from_slice(&grads[range]);
-                    s[n..].fill(0.0);
-                    let s: &[f32] = s;
                     let r = recvs[i].take().expect("each bucket once");
-                    count(s.len());
-                    let sum = SystemOperation::sum();
                     let request = match kind {
-                        Reduce::AllReduce => world.immediate_all_reduce_into(scope, s, r, sum),
-                        Reduce::ReduceScatter => {
-                            world.immediate_reduce_scatter_block_into(scope, s, r, sum)
+                        Reduce::ReducePieces => {
+                            let r = &mut r[..b.counts[self.rank]];
+                            // SAFETY: backward no longer writes a reported range, and
+                            // the caller holds the gradients borrowed until this
+                            // function returns, after every request has completed.
+                            unsafe { reduce_pieces(world, scope, &grads[range], r, &counts[i]) }
+                        }
+                        _ => {
+                            let s = sends[i].take().expect("each bucket once");
+                            let n = range.len();
+                            s[..n].copy_from_slice(&grads[range]);
+                            s[n..].fill(0.0);
+                            let s: &[f32] = s;
+                            count(s.len());
+                            let sum = SystemOperation::sum();
+                            match kind {
+                                Reduce::AllReduce => {
+                                    world.immediate_all_reduce_into(scope, s, r, sum)
+                                }
+                                _ => world.immediate_reduce_scatter_block_into(scope, s, r, sum),
+                            }
                         }
                     };
                     requests.add(request);

@@ -3,13 +3,15 @@
 //! a sharded optimizer (ZeRO stage 1) needs (see [`super::clip_and_step`]); the
 //! start-up broadcast and the checks that every rank holds the same weights.
 
+use super::resident::release;
 use super::{Collective, GradPlan, Reduce};
-use crate::model::Gpt;
+use crate::model::{Gpt, PassHooks};
 use crate::optim::{AdamW, AdamWConfig};
 use crate::shutdown::{self, StopSignal};
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 use serde::Serialize;
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
 /// Communication figures of a run, written to `out_dir/comm.json` by rank 0.
@@ -56,7 +58,9 @@ pub struct DataParallel {
 
 impl DataParallel {
     /// Plans the buckets of `model` for `comm`'s ranks and allocates the buffers
-    /// (stage 0: two arena-sized buffers; stage 1: about 1 + 1/W of one).
+    /// (stage 0: two arena-sized buffers; stage 1: about 1 + 1/W of one; stage 2:
+    /// 1/W of one, the shard's reduced gradients; stage 3: those and one piece of
+    /// scratch).
     pub fn new(comm: &dyn Collective, model: &Gpt, zero_stage: u8) -> DataParallel {
         let plan = GradPlan::new(
             &model.grad_buckets(),
@@ -87,7 +91,8 @@ impl DataParallel {
     fn kind(&self) -> Reduce {
         match self.plan.zero_stage {
             0 => Reduce::AllReduce,
-            _ => Reduce::ReduceScatter,
+            1 => Reduce::ReduceScatter,
+            _ => Reduce::ReducePieces,
         }
     }
 
@@ -105,7 +110,10 @@ impl DataParallel {
         moments: bool,
         iter: u64,
     ) -> Result<AdamW> {
-        comm.broadcast(&mut model.params, 0);
+        match self.shards_weights() {
+            true => self.scatter_params(comm, &mut model.params),
+            false => comm.broadcast(&mut model.params, 0),
+        }
         let mut opt = if self.plan.zero_stage == 0 {
             let mut opt = root_opt.unwrap_or_else(|| AdamW::new(&model.layout, config));
             if moments {
@@ -116,7 +124,11 @@ impl DataParallel {
         } else {
             let plan = &self.plan;
             let mut opt = AdamW::for_shard(&model.layout, config, &plan.shard(), plan.shard_len);
-            if moments {
+            if moments && plan.zero_stage >= 2 {
+                let root = root_opt.as_ref();
+                scatter_shard(comm, plan, root.map(|o| &o.m[..]), &mut opt.m);
+                scatter_shard(comm, plan, root.map(|o| &o.v[..]), &mut opt.v);
+            } else if moments {
                 let s = plan.shard_len;
                 for which in 0..2 {
                     if let Some(full) = &root_opt {
@@ -137,10 +149,63 @@ impl DataParallel {
         Ok(opt)
     }
 
-    /// The last local micro-step's backward, each bucket's reduction started as soon
-    /// as backward has finished it. Stage 0: `model.grads` then holds the sum over
-    /// ranks; stage 1: this rank's shard of it is held here.
+    /// ZeRO-3: each rank holds only its pieces of the parameters between passes;
+    /// a pass gathers each bucket's as it needs them. Every micro-step's backward
+    /// then reduces its gradients ([`DataParallel::backward_reduce`]).
+    pub fn shards_weights(&self) -> bool {
+        self.plan.zero_stage >= 3
+    }
+
+    /// Clears the gradients before a step's first micro-step: the model's, or at
+    /// stage 3 this rank's sums of its pieces (the model's are released, zero).
+    pub fn zero_grad(&mut self, model: &mut Gpt) {
+        match self.shards_weights() {
+            true => self.recv.fill(0.0),
+            false => model.zero_grad(),
+        }
+    }
+
+    /// `model.forward`, at stage 3 with each bucket's weights gathered before it
+    /// is read and released after (the embeddings and `ln_f` in training mode at
+    /// the end of backward). Collective at stage 3.
+    pub fn forward(
+        &mut self,
+        comm: &dyn Collective,
+        model: &mut Gpt,
+        batch: (&[u32], &[i32]),
+        b: usize,
+        t: usize,
+    ) -> f32 {
+        let (inputs, targets) = batch;
+        match self.shards_weights() {
+            true => model.forward_hooked(inputs, targets, b, t, &mut self.sharded(comm)),
+            false => model.forward(inputs, targets, b, t),
+        }
+    }
+
+    /// ZeRO-3's hooks on a pass of the model.
+    fn sharded<'a>(&'a mut self, comm: &'a dyn Collective) -> Sharded<'a> {
+        Sharded {
+            comm,
+            plan: &self.plan,
+            scratch: &mut self.send,
+            sums: &mut self.recv,
+            gathers: &mut self.other,
+            reductions: &mut self.exposed,
+        }
+    }
+
+    /// A micro-step's backward with the gradient reduction. Stages 0-2 (the last
+    /// local micro-step only): each bucket's reduction started as soon as backward
+    /// has finished it; stage 0: `model.grads` then holds the sum over ranks, stages
+    /// 1 and 2: this rank's shard of it is held here. Stage 3 (every micro-step):
+    /// each bucket's weights gathered again, its gradients reduced to their owners as
+    /// soon as final and added to this rank's sums, then released.
     pub fn backward_reduce(&mut self, comm: &dyn Collective, model: &mut Gpt) {
+        if self.shards_weights() {
+            model.backward_hooked(&mut self.sharded(comm));
+            return;
+        }
         let kind = self.kind();
         let times = comm.reduce_during_backward(
             kind,
@@ -225,14 +290,27 @@ impl DataParallel {
         grad_factor: f32,
     ) {
         opt.step_shard(params, &self.recv, lr, grad_factor);
+        if self.shards_weights() {
+            return; // each rank keeps its own pieces until a pass gathers them
+        }
         let start = Instant::now();
         self.all_gather_params(comm, params);
         self.other += start.elapsed();
     }
 
-    /// Stage 1: every rank's updated pieces into every rank's parameters.
+    /// Stages 1 and 2: every rank's updated pieces into every rank's parameters.
     fn all_gather_params(&mut self, comm: &dyn Collective, params: &mut [f32]) {
         let (plan, s) = (&self.plan, self.plan.shard_len);
+        if plan.zero_stage >= 2 {
+            // `recv` (the shard's gradients, used) carries this rank's pieces; each
+            // bucket is gathered straight into the parameters.
+            plan.pack_shard(plan.rank, params, &mut self.recv);
+            for (b, bucket) in plan.buckets.iter().enumerate() {
+                let mine = &self.recv[plan.slot(b)..][..bucket.counts[plan.rank]];
+                comm.all_gather_pieces(mine, &mut params[bucket.arena.clone()], &bucket.counts);
+            }
+            return;
+        }
         // Both buffers are free until the next step's reduction, which overwrites
         // (and zero-pads) every bucket of them: `recv` (the shard's gradients, used)
         // carries this rank's pieces, `send` receives everyone's.
@@ -240,6 +318,56 @@ impl DataParallel {
         comm.all_gather(&self.recv, &mut self.send);
         for q in 0..plan.world_size {
             plan.unpack_shard(q, &self.send[q * s..(q + 1) * s], params);
+        }
+    }
+
+    /// Stage 3 at start-up: this rank's pieces of rank 0's parameters; the rest of
+    /// `params` is released.
+    fn scatter_params(&mut self, comm: &dyn Collective, params: &mut [f32]) {
+        let (plan, root) = (&self.plan, self.plan.rank == 0);
+        for (b, bucket) in plan.buckets.iter().enumerate() {
+            let own = plan.piece(b, plan.rank);
+            let mine = &mut self.send[..own.len()];
+            let all = if root {
+                &params[bucket.arena.clone()]
+            } else {
+                &[][..]
+            };
+            comm.scatter_pieces(all, mine, &bucket.counts, 0);
+            params[own].copy_from_slice(mine);
+        }
+        self.release_params(params);
+    }
+
+    /// Stage 3, for a checkpoint or the end of the run: the whole parameters on rank
+    /// 0 (until [`DataParallel::release_params`]). Collective; a no-op below stage 3.
+    pub fn gather_params(&mut self, comm: &dyn Collective, params: &mut [f32]) {
+        if !self.shards_weights() {
+            return;
+        }
+        let start = Instant::now();
+        let (plan, root) = (&self.plan, self.plan.rank == 0);
+        for (b, bucket) in plan.buckets.iter().enumerate() {
+            let own = plan.piece(b, plan.rank);
+            let mine = &mut self.send[..own.len()];
+            mine.copy_from_slice(&params[own]);
+            let all = match root {
+                true => &mut params[bucket.arena.clone()],
+                false => &mut [][..],
+            };
+            comm.gather_pieces(mine, all, &bucket.counts, 0);
+        }
+        self.other += start.elapsed();
+    }
+
+    /// Stage 3: releases every part of `params` but this rank's pieces. A no-op below
+    /// stage 3.
+    pub fn release_params(&self, params: &mut [f32]) {
+        if !self.shards_weights() {
+            return;
+        }
+        for (b, bucket) in self.plan.buckets.iter().enumerate() {
+            release_others(params, &bucket.arena, self.plan.piece(b, self.plan.rank));
         }
     }
 
@@ -256,6 +384,14 @@ impl DataParallel {
         }
         let (plan, s) = (&self.plan, self.plan.shard_len);
         let root = plan.rank == 0;
+        if plan.zero_stage >= 2 {
+            // Each bucket gathered straight into rank 0's full arrays.
+            let full = || root.then(|| vec![0.0; plan.arena_len]);
+            let (mut m, mut v) = (full(), full());
+            gather_shard(comm, plan, &opt.m, m.as_deref_mut());
+            gather_shard(comm, plan, &opt.v, v.as_deref_mut());
+            return m.zip(v);
+        }
         let mut out = Vec::new();
         for state in [&opt.m, &opt.v] {
             let recv: &mut [f32] = if root { &mut self.send } else { &mut [] };
@@ -274,13 +410,17 @@ impl DataParallel {
     }
 
     /// Checks that every rank holds bit-identical parameters (a checksum per rank,
-    /// compared); the error names the ranks that differ.
+    /// compared); the error names the ranks that differ. Stage 3 holds no replicas
+    /// (each rank its own pieces): nothing to compare.
     pub fn check_replicas(
         &mut self,
         comm: &dyn Collective,
         params: &[f32],
         iter: u64,
     ) -> Result<()> {
+        if self.shards_weights() {
+            return Ok(());
+        }
         let start = Instant::now();
         let sums = comm.all_gather_u64(params_checksum(params));
         self.other += start.elapsed();
@@ -342,6 +482,97 @@ impl DataParallel {
             grad_bytes: self.plan.arena_len * 4,
             tokens_per_sec_per_rank: per_rank,
         }
+    }
+}
+
+/// ZeRO-3's side of a pass ([`PassHooks`]): a bucket's weights all-gathered from
+/// the ranks' pieces before it is read and the other ranks' pieces released after;
+/// its gradients, once final, reduced to their owners (this rank's piece added to
+/// its sums) and released. Blocking collectives, in the same order on every rank
+/// (every rank runs the same passes).
+struct Sharded<'a> {
+    comm: &'a dyn Collective,
+    plan: &'a GradPlan,
+    /// Scratch for one piece: this rank's piece of a bucket, sent or received.
+    scratch: &'a mut [f32],
+    /// This rank's pieces of the gradients, summed over the step's micro-steps.
+    sums: &'a mut [f32],
+    /// Time spent gathering weights and reducing gradients.
+    gathers: &'a mut Duration,
+    reductions: &'a mut Duration,
+}
+
+impl Sharded<'_> {
+    /// The bucket of the plan that `range` is.
+    fn bucket(&self, range: &Range<usize>) -> usize {
+        let buckets = &self.plan.buckets;
+        let found = buckets.iter().position(|b| b.arena == *range);
+        found.expect("the model reports the plan's buckets")
+    }
+}
+
+impl PassHooks for Sharded<'_> {
+    fn need(&mut self, range: Range<usize>, params: &mut [f32]) {
+        let start = Instant::now();
+        let (plan, b) = (self.plan, self.bucket(&range));
+        let own = plan.piece(b, plan.rank);
+        let mine = &mut self.scratch[..own.len()];
+        mine.copy_from_slice(&params[own]);
+        (self.comm).all_gather_pieces(mine, &mut params[range], &plan.buckets[b].counts);
+        *self.gathers += start.elapsed();
+    }
+
+    fn done(&mut self, range: Range<usize>, params: &mut [f32]) {
+        let own = self.plan.piece(self.bucket(&range), self.plan.rank);
+        release_others(params, &range, own);
+    }
+
+    fn grads_done(&mut self, range: Range<usize>, grads: &mut [f32]) {
+        let start = Instant::now();
+        let (plan, b) = (self.plan, self.bucket(&range));
+        let counts = &plan.buckets[b].counts;
+        let at = plan.slot(b)..plan.slot(b) + counts[plan.rank];
+        let piece = &mut self.scratch[..at.len()];
+        (self.comm).reduce_scatter_pieces(&grads[range.clone()], piece, counts);
+        for (sum, g) in self.sums[at].iter_mut().zip(piece.iter()) {
+            *sum += g;
+        }
+        release(grads, range);
+        *self.reductions += start.elapsed();
+    }
+}
+
+/// Releases `buf[bucket]` but this rank's piece `own` (inside the bucket).
+fn release_others(buf: &mut [f32], bucket: &Range<usize>, own: Range<usize>) {
+    release(buf, bucket.start..own.start);
+    release(buf, own.end..bucket.end);
+}
+
+/// Stages 2 and 3: `shard` (this rank's pieces) = its pieces of `root`'s `full`
+/// arena (`Some` on rank 0 only), one bucket at a time.
+fn scatter_shard(comm: &dyn Collective, plan: &GradPlan, full: Option<&[f32]>, shard: &mut [f32]) {
+    for (b, bucket) in plan.buckets.iter().enumerate() {
+        let mine = &mut shard[plan.slot(b)..][..bucket.counts[plan.rank]];
+        let all = full.map_or(&[][..], |f| &f[bucket.arena.clone()]);
+        comm.scatter_pieces(all, mine, &bucket.counts, 0);
+    }
+}
+
+/// Stages 2 and 3: every rank's `shard` into rank 0's `full` arena (`Some` on rank 0
+/// only), one bucket at a time.
+fn gather_shard(
+    comm: &dyn Collective,
+    plan: &GradPlan,
+    shard: &[f32],
+    mut full: Option<&mut [f32]>,
+) {
+    for (b, bucket) in plan.buckets.iter().enumerate() {
+        let mine = &shard[plan.slot(b)..][..bucket.counts[plan.rank]];
+        let all = match full.as_deref_mut() {
+            Some(f) => &mut f[bucket.arena.clone()],
+            None => &mut [][..],
+        };
+        comm.gather_pieces(mine, all, &bucket.counts, 0);
     }
 }
 

@@ -1,5 +1,5 @@
-//! Where each gradient bucket travels, and (ZeRO-1) which rank owns which part of the
-//! arena.
+//! Where each gradient bucket travels, and (ZeRO 1-3) which rank owns which part of
+//! the arena.
 //!
 //! Buckets are the ranges `Gpt::grad_buckets` reports, in backward order. With ZeRO
 //! stage 0 a bucket is all-reduced in place of itself: send and receive buffers have
@@ -10,6 +10,15 @@
 //! `S_b = Σ_{b'<b} p_b'`, `S = Σ p_b` floats in all, the same for every rank. The
 //! send buffer holds bucket `b` at `P_b = W · S_b`, zero-padded to `W · p_b`, so one
 //! reduce-scatter per bucket delivers each rank its piece.
+//!
+//! Stages 2 and 3 cut the buckets the same way but need no send buffer: the pieces
+//! of a bucket are consecutive ranges of the arena in rank order, so a reduce-scatter
+//! with per-rank counts ([`Bucket::counts`]) reads the bucket straight from the
+//! gradient arena, and an all-gather with the same counts writes it straight into
+//! the parameters. Stage 3 keeps a scratch of one piece (`send`, the largest
+//! piece's length): its collectives block, one bucket at a time, so a reduced piece
+//! lands there before it is added to the shard's sum, and a piece to send is copied
+//! there (MPI's send and receive buffers must not overlap).
 
 use std::ops::Range;
 
@@ -22,6 +31,8 @@ pub struct Bucket {
     pub send: Range<usize>,
     /// Where this rank's result lands in the receive buffer.
     pub recv: Range<usize>,
+    /// Stages 1-3: floats of each rank's piece, in rank order (they tile `arena`).
+    pub counts: Vec<usize>,
 }
 
 /// The buckets and the shard layout of a data-parallel run.
@@ -29,15 +40,16 @@ pub struct Bucket {
 pub struct GradPlan {
     pub world_size: usize,
     pub rank: usize,
-    /// 0 (replicated optimizer state) or 1 (sharded).
+    /// 0 (replicated optimizer state), 1 (sharded moments), 2 (and gradients), 3
+    /// (and parameters).
     pub zero_stage: u8,
     pub arena_len: usize,
     pub buckets: Vec<Bucket>,
     pub send_len: usize,
     pub recv_len: usize,
-    /// Floats of every rank's shard (stage 1; the arena length at stage 0).
+    /// Floats of every rank's shard (stages 1-3; the arena length at stage 0).
     pub shard_len: usize,
-    /// Per bucket: piece length `p_b` and shard slot `S_b` (stage 1).
+    /// Per bucket: piece length `p_b` and shard slot `S_b` (stages 1-3).
     pieces: Vec<(usize, usize)>,
 }
 
@@ -51,7 +63,7 @@ impl GradPlan {
         rank: usize,
         zero_stage: u8,
     ) -> GradPlan {
-        assert!(rank < world_size && zero_stage <= 1);
+        assert!(rank < world_size && zero_stage <= 3);
         assert_eq!(
             ranges.iter().map(|r| r.len()).sum::<usize>(),
             arena_len,
@@ -67,22 +79,36 @@ impl GradPlan {
                     arena: r.clone(),
                     send: r.clone(),
                     recv: r.clone(),
+                    counts: Vec::new(),
                 });
                 pieces.push((r.len(), r.start));
             } else {
                 let p = r.len().div_ceil(w);
+                let counts = (0..w)
+                    .map(|q| (q * p).min(r.len())..((q + 1) * p).min(r.len()))
+                    .map(|piece| piece.len())
+                    .collect();
+                let send = match zero_stage {
+                    1 => w * slot..w * (slot + p),
+                    2 => 0..0,
+                    _ => 0..p,
+                };
                 buckets.push(Bucket {
                     arena: r.clone(),
-                    send: w * slot..w * (slot + p),
+                    send,
                     recv: slot..slot + p,
+                    counts,
                 });
                 pieces.push((p, slot));
                 slot += p;
             }
         }
+        let largest = pieces.iter().map(|&(p, _)| p).max().unwrap_or(0);
         let (send_len, recv_len, shard_len) = match zero_stage {
             0 => (arena_len, arena_len, arena_len),
-            _ => (w * slot, slot, slot),
+            1 => (w * slot, slot, slot),
+            2 => (0, slot, slot),
+            _ => (largest, slot, slot),
         };
         GradPlan {
             world_size,
@@ -97,7 +123,7 @@ impl GradPlan {
         }
     }
 
-    /// The arena range of rank `q`'s piece of bucket `b` (stage 1; may be empty).
+    /// The arena range of rank `q`'s piece of bucket `b` (stages 1-3; may be empty).
     pub fn piece(&self, b: usize, q: usize) -> Range<usize> {
         let arena = &self.buckets[b].arena;
         let p = self.pieces[b].0;
@@ -114,6 +140,11 @@ impl GradPlan {
             .map(|b| (self.piece(b, self.rank), self.pieces[b].1))
             .filter(|(r, _)| !r.is_empty())
             .collect()
+    }
+
+    /// The shard slot `S_b` of bucket `b` (stages 1-3).
+    pub fn slot(&self, b: usize) -> usize {
+        self.pieces[b].1
     }
 
     /// Copies rank `q`'s pieces of `arena` into `shard` (`shard_len` floats; the
@@ -163,6 +194,7 @@ mod tests {
                 .collect();
             let s = plans[0].shard_len;
             assert_eq!(plans[0].send_len, w * s);
+            check_pieces(&plans);
             // Every arena float is owned by exactly one rank.
             let mut owner = vec![usize::MAX; 100];
             for (q, plan) in plans.iter().enumerate() {
@@ -199,6 +231,45 @@ mod tests {
                 plan.unpack_shard(q, &shard, &mut back);
             }
             assert_eq!(back, arena);
+        }
+    }
+
+    /// Each bucket's counts are its pieces, one after the other in rank order: what a
+    /// reduce-scatter or all-gather with per-rank counts over the bucket delivers.
+    fn check_pieces(plans: &[GradPlan]) {
+        for (b, bucket) in plans[0].buckets.iter().enumerate() {
+            assert_eq!(bucket.counts.len(), plans.len());
+            assert_eq!(bucket.counts.iter().sum::<usize>(), bucket.arena.len());
+            let mut at = bucket.arena.start;
+            for (q, &n) in bucket.counts.iter().enumerate() {
+                assert_eq!(plans[0].piece(b, q), at..at + n, "bucket {b} rank {q}");
+                assert_eq!(plans[q].slot(b), plans[0].slot(b), "same slots");
+                at += n;
+            }
+        }
+    }
+
+    #[test]
+    fn stages_2_and_3_cut_the_same_pieces_without_a_padded_send_buffer() {
+        for w in 1..=4 {
+            for stage in [2u8, 3] {
+                let plans: Vec<_> = (0..w)
+                    .map(|r| GradPlan::new(&TILES, 100, w, r, stage))
+                    .collect();
+                let one = GradPlan::new(&TILES, 100, w, 0, 1);
+                let s = one.shard_len;
+                // Stage 2: no send buffer; stage 3: the largest piece, as scratch.
+                let largest = (0..TILES.len()).map(|b| one.piece(b, 0).len()).max();
+                let send = if stage == 2 { 0 } else { largest.unwrap() };
+                assert_eq!((plans[0].send_len, plans[0].recv_len), (send, s));
+                check_pieces(&plans);
+                for (q, plan) in plans.iter().enumerate() {
+                    assert_eq!(plan.shard(), GradPlan::new(&TILES, 100, w, q, 1).shard());
+                    for b in &plan.buckets {
+                        assert!(b.send.end <= plan.send_len && b.recv.end <= s);
+                    }
+                }
+            }
         }
     }
 }

@@ -75,6 +75,33 @@ pub struct Gpt {
     pending: Option<(Dims, u64)>,
 }
 
+/// What a pass tells the code around it, one bucket of the trained arena at a time
+/// (the ranges of [`Gpt::grad_buckets`]): weights about to be read, weights no longer
+/// read, gradients final. ZeRO-3 gathers a bucket's weights from the ranks in `need`,
+/// releases them in `done` and reduces its gradients in `grads_done`; every method
+/// does nothing by default. Without LoRA only: with LoRA `need` and `done` are not
+/// called (the frozen base is whole on every rank).
+pub trait PassHooks {
+    /// `params[range]` is about to be read.
+    fn need(&mut self, _range: Range<usize>, _params: &mut [f32]) {}
+    /// `params[range]` is not read again before the next `need` of it.
+    fn done(&mut self, _range: Range<usize>, _params: &mut [f32]) {}
+    /// Backward: `grads[range]` is final for this pass.
+    fn grads_done(&mut self, _range: Range<usize>, _grads: &mut [f32]) {}
+}
+
+/// A pass that tells nobody.
+pub struct NoHooks;
+impl PassHooks for NoHooks {}
+
+/// [`PassHooks`] that only report final gradients, to a closure.
+struct GradsDone<F>(F);
+impl<F: FnMut(Range<usize>, &[f32])> PassHooks for GradsDone<F> {
+    fn grads_done(&mut self, range: Range<usize>, grads: &mut [f32]) {
+        (self.0)(range, grads)
+    }
+}
+
 impl Gpt {
     /// A model with all-zero parameters whose activations fit batches up to
     /// `max_b × max_t` (`max_t ≤ block_size`). Call [`Gpt::init_gpt2`] or fill `params`.
@@ -329,14 +356,32 @@ impl Gpt {
     /// in the same pass (the `(B, T, V)` logits are never kept) and `backward` must
     /// follow to complete it; gradients then accumulate into `grads`.
     pub fn forward(&mut self, inputs: &[u32], targets: &[i32], b: usize, t: usize) -> f32 {
+        self.forward_hooked(inputs, targets, b, t, &mut NoHooks)
+    }
+
+    /// [`Gpt::forward`], telling `hooks` which weights it reads when. The embeddings
+    /// and `ln_f` are needed first and, in training mode, stay needed until backward
+    /// ends (the classifier reads `wte`, backward `ln_f`); each block is needed and
+    /// done in turn.
+    pub fn forward_hooked(
+        &mut self,
+        inputs: &[u32],
+        targets: &[i32],
+        b: usize,
+        t: usize,
+        hooks: &mut dyn PassHooks,
+    ) -> f32 {
         let dims = self.check_batch(inputs, b, t);
         assert_eq!(targets.len(), b * t, "targets must be B·T long");
         let seed = self.dropout_seed;
         let pass = self.training.then_some(seed);
         let loss = match self.dtype {
-            Dtype::Float32 => self.forward_loss::<false>(inputs, targets, dims, pass),
-            Dtype::Bfloat16 => self.forward_loss::<true>(inputs, targets, dims, pass),
+            Dtype::Float32 => self.forward_loss::<false>(inputs, targets, dims, pass, hooks),
+            Dtype::Bfloat16 => self.forward_loss::<true>(inputs, targets, dims, pass, hooks),
         };
+        if !self.training {
+            self.pass_done(hooks);
+        }
         if self.training {
             self.pending = Some((dims, seed));
             self.dropout_seed = dropout::mix64(seed.wrapping_add(1));
@@ -352,8 +397,9 @@ impl Gpt {
         targets: &[i32],
         d: Dims,
         pass: Option<u64>,
+        hooks: &mut dyn PassHooks,
     ) -> f32 {
-        self.trunk_forward::<BF16>(inputs, d, pass);
+        self.trunk_forward::<BF16>(inputs, d, pass, hooks);
         let n = d.bt();
         let base = weights(
             BF16,
@@ -401,25 +447,36 @@ impl Gpt {
     /// that order, with the whole gradient buffer to read from. Data-parallel
     /// training starts each bucket's all-reduce there, while backward continues.
     pub fn backward_with(&mut self, done: impl FnMut(Range<usize>, &[f32])) {
+        self.backward_hooked(&mut GradsDone(done));
+    }
+
+    /// [`Gpt::backward_with`], telling `hooks` the weights it reads (each block's,
+    /// needed and done in turn) and the gradients it completes; the embeddings and
+    /// `ln_f`, needed since the forward, are done at the end.
+    pub fn backward_hooked(&mut self, hooks: &mut dyn PassHooks) {
         let (dims, seed) = self
             .pending
             .take()
             .expect("backward() needs a forward() in training mode first");
         match self.dtype {
-            Dtype::Float32 => self.backward_pass::<false>(dims, seed, done),
-            Dtype::Bfloat16 => self.backward_pass::<true>(dims, seed, done),
+            Dtype::Float32 => self.backward_pass::<false>(dims, seed, hooks),
+            Dtype::Bfloat16 => self.backward_pass::<true>(dims, seed, hooks),
+        }
+        self.pass_done(hooks);
+    }
+
+    /// The end of a pass: the embeddings and `ln_f`, needed for the whole pass, done.
+    fn pass_done(&mut self, hooks: &mut dyn PassHooks) {
+        if self.frozen.is_none() {
+            hooks.done(embeddings_bucket(&self.layout), &mut self.params);
+            hooks.done(ln_f_bucket(&self.layout), &mut self.params);
         }
     }
 
     /// [`Gpt::backward_with`] in one precision: ln_f, the blocks from the last, the
     /// embeddings (with LoRA: no embedding or `ln_f` gradients, the blocks' adapters').
     /// `pass`: the dropout seed of the forward pass.
-    fn backward_pass<const BF16: bool>(
-        &mut self,
-        d: Dims,
-        pass: u64,
-        mut done: impl FnMut(Range<usize>, &[f32]),
-    ) {
+    fn backward_pass<const BF16: bool>(&mut self, d: Dims, pass: u64, hooks: &mut dyn PassHooks) {
         let (n, c) = (d.bt(), d.c);
         let Gpt {
             params,
@@ -431,6 +488,7 @@ impl Gpt {
             frozen,
             ..
         } = self;
+        let full = frozen.is_none();
         let base = weights(BF16, layout, params, params_bf16, frozen);
         let (dropout, lora_dropout) = pass_dropout(Some(pass), config, frozen);
         let s = &mut acts.scratch;
@@ -449,10 +507,15 @@ impl Gpt {
             None => Buckets::Full(buckets(layout)),
             Some(f) => Buckets::Adapters(f.adapters.buckets.iter()),
         };
-        if base.lora.is_none() {
-            done(buckets.next().expect("the ln_f bucket"), grads);
+        if full {
+            hooks.grads_done(buckets.next().expect("the ln_f bucket"), grads);
         }
-        for l in (0..base.layout.layers.len()).rev() {
+        for l in (0..config.n_layer).rev() {
+            let range = buckets.next().expect("a block's bucket");
+            if full {
+                hooks.need(range.clone(), params);
+            }
+            let base = weights(BF16, layout, params, params_bf16, frozen);
             let x = match l {
                 0 => &acts.encoded[..n * c],
                 _ => &acts.blocks[l - 1].res3[..n * c],
@@ -467,9 +530,12 @@ impl Gpt {
                 None => &acts.blocks[l],
             };
             block_backward::<BF16>(&w, grads, x, a, s, drop, d);
-            done(buckets.next().expect("a block's bucket"), grads);
+            if full {
+                hooks.done(range.clone(), params);
+            }
+            hooks.grads_done(range, grads);
         }
-        if base.lora.is_some() {
+        if !full {
             return; // the embeddings are frozen
         }
         let dres = &mut s.dres[..n * c];
@@ -478,7 +544,7 @@ impl Gpt {
         }
         let (dwte, dwpe) = split_two(grads, layout.wte, layout.wpe);
         encoder_backward(dwte, dwpe, dres, &acts.inputs[..n], d.t, c);
-        done(buckets.next().expect("the embeddings' bucket"), grads);
+        hooks.grads_done(buckets.next().expect("the embeddings' bucket"), grads);
     }
 
     /// All logits, (B, T, V). Allocates the full matrix: for tests and tools, never
@@ -486,8 +552,8 @@ impl Gpt {
     pub fn logits(&mut self, inputs: &[u32], b: usize, t: usize) -> Vec<f32> {
         let d = self.check_batch(inputs, b, t);
         match self.dtype {
-            Dtype::Float32 => self.trunk_forward::<false>(inputs, d, None),
-            Dtype::Bfloat16 => self.trunk_forward::<true>(inputs, d, None),
+            Dtype::Float32 => self.trunk_forward::<false>(inputs, d, None, &mut NoHooks),
+            Dtype::Bfloat16 => self.trunk_forward::<true>(inputs, d, None, &mut NoHooks),
         }
         let (n, v) = (d.bt(), self.config.vocab_size);
         let mut out = vec![0.0; n * v];
@@ -533,7 +599,13 @@ impl Gpt {
 
     /// Embedding, all blocks and the final layer norm; fills `acts` for `d`. `pass`:
     /// the training pass's dropout seed (None: no dropout).
-    fn trunk_forward<const BF16: bool>(&mut self, inputs: &[u32], d: Dims, pass: Option<u64>) {
+    fn trunk_forward<const BF16: bool>(
+        &mut self,
+        inputs: &[u32],
+        d: Dims,
+        pass: Option<u64>,
+        hooks: &mut dyn PassHooks,
+    ) {
         let (n, c) = (d.bt(), d.c);
         let Gpt {
             params,
@@ -544,6 +616,11 @@ impl Gpt {
             frozen,
             ..
         } = self;
+        let full = frozen.is_none();
+        if full {
+            hooks.need(embeddings_bucket(layout), params);
+            hooks.need(ln_f_bucket(layout), params);
+        }
         let base = weights(BF16, layout, params, params_bf16, frozen);
         let (dropout, lora_dropout) = pass_dropout(pass, config, frozen);
         acts.inputs[..n].copy_from_slice(inputs);
@@ -553,7 +630,11 @@ impl Gpt {
         if let Some(seed) = dropout {
             dropout::apply(encoded, embedding_dropout(seed, config.dropout), 0);
         }
-        for l in 0..base.layout.layers.len() {
+        for l in 0..config.n_layer {
+            if full {
+                hooks.need(block_bucket(layout, l), params);
+            }
+            let base = weights(BF16, layout, params, params_bf16, frozen);
             let (before, this) = acts.blocks.split_at_mut(l);
             let x = before.last().map_or(&acts.encoded, |p| &p.res3);
             let w = base.block(l, lora_dropout);
@@ -568,7 +649,11 @@ impl Gpt {
                     block_forward::<BF16>(&w, &x[..n * c], &mut this[0], s, Attend::Causal, drop, d)
                 }
             }
+            if full {
+                hooks.done(block_bucket(layout, l), params);
+            }
         }
+        let base = weights(BF16, layout, params, params_bf16, frozen);
         let last = acts.blocks.last().map_or(&acts.encoded, |l| &l.res3);
         let (mean, rstd) = acts.lnf_stats.rows_mut(n);
         let ln_f = norm_of(base.params, base.layout.ln_f);
@@ -697,6 +782,27 @@ fn buckets(layout: &ParamLayout) -> impl Iterator<Item = Range<usize>> + '_ {
         *hi = lo;
         Some(bucket)
     })
+}
+
+/// The bucket of block `l` in [`Gpt::grad_buckets`]: from its first tensor to the
+/// next block's (or to `ln_f`'s bucket).
+fn block_bucket(layout: &ParamLayout, l: usize) -> Range<usize> {
+    let this = &layout.layers[l].span;
+    let end = layout
+        .layers
+        .get(l + 1)
+        .map_or(this.end, |next| next.span.start);
+    this.start..end
+}
+
+/// The embeddings' bucket (`wte`, `wpe`): everything before the first block.
+fn embeddings_bucket(layout: &ParamLayout) -> Range<usize> {
+    0..layout.layers.first().map_or(layout.len, |l| l.span.start)
+}
+
+/// `ln_f`'s bucket: everything after the last block.
+fn ln_f_bucket(layout: &ParamLayout) -> Range<usize> {
+    layout.layers.last().map_or(layout.len, |l| l.span.end)..layout.len
 }
 
 /// The embedding's dropout mask in the pass seeded `pass_seed` (site 0 of the pass).
@@ -998,6 +1104,85 @@ mod tests {
             for (range, at_report) in seen {
                 assert_eq!(gpt.grads[range].to_vec(), at_report, "final when reported");
             }
+        }
+    }
+
+    /// Hooks that keep the weights elsewhere, as ZeRO-3 does: `need` copies a range
+    /// in, `done` zeroes it, so a pass that read weights it did not ask for would
+    /// compute with zeros.
+    struct Lender {
+        weights: Vec<f32>,
+        log: Vec<(char, Range<usize>)>,
+    }
+    impl PassHooks for Lender {
+        fn need(&mut self, range: Range<usize>, params: &mut [f32]) {
+            params[range.clone()].copy_from_slice(&self.weights[range.clone()]);
+            self.log.push(('n', range));
+        }
+        fn done(&mut self, range: Range<usize>, params: &mut [f32]) {
+            params[range.clone()].fill(0.0);
+            self.log.push(('d', range));
+        }
+        fn grads_done(&mut self, range: Range<usize>, _: &mut [f32]) {
+            self.log.push(('g', range));
+        }
+    }
+
+    #[test]
+    fn hooked_passes_read_only_the_weights_they_need() {
+        let (b, t) = (2, 6);
+        for ckpt in [false, true] {
+            let mut plain = model(tiny(true, 0.1), b, t);
+            plain.set_activation_checkpointing(ckpt);
+            let (x, y) = batch(b, t, plain.config().vocab_size);
+            let mut lent = model(tiny(true, 0.1), b, t);
+            lent.set_activation_checkpointing(ckpt);
+            let mut hooks = Lender {
+                weights: std::mem::replace(&mut lent.params, vec![0.0; plain.params.len()]),
+                log: Vec::new(),
+            };
+            for gpt in [&mut plain, &mut lent] {
+                gpt.zero_grad();
+                gpt.set_dropout_seed(3);
+            }
+            let loss = plain.forward(&x, &y, b, t);
+            plain.backward();
+            assert_eq!(lent.forward_hooked(&x, &y, b, t, &mut hooks), loss);
+            lent.backward_hooked(&mut hooks);
+            assert_eq!(lent.grads, plain.grads, "checkpointing {ckpt}");
+            assert!(lent.params.iter().all(|&p| p == 0.0), "all done");
+            // Embeddings and ln_f for the pass, each block in the forward and again in
+            // backward, its gradients reported after it is done.
+            let bk = plain.grad_buckets();
+            let (ln_f, emb) = (bk[0].clone(), bk[bk.len() - 1].clone());
+            let (b0, b1) = (bk[2].clone(), bk[1].clone());
+            let want = [
+                ('n', emb.clone()),
+                ('n', ln_f.clone()),
+                ('n', b0.clone()),
+                ('d', b0.clone()),
+                ('n', b1.clone()),
+                ('d', b1.clone()),
+                ('g', ln_f.clone()),
+                ('n', b1.clone()),
+                ('d', b1.clone()),
+                ('g', b1),
+                ('n', b0.clone()),
+                ('d', b0.clone()),
+                ('g', b0),
+                ('g', emb.clone()),
+                ('d', emb.clone()),
+                ('d', ln_f.clone()),
+            ];
+            assert_eq!(hooks.log, want);
+            // Evaluation: everything done at the end of the forward.
+            hooks.log.clear();
+            lent.set_training(false);
+            plain.set_training(false);
+            let eval = lent.forward_hooked(&x, &y, b, t, &mut hooks);
+            assert_eq!(eval, plain.forward(&x, &y, b, t));
+            assert_eq!(hooks.log.last(), Some(&('d', ln_f)));
+            assert!(lent.params.iter().all(|&p| p == 0.0));
         }
     }
 

@@ -28,20 +28,36 @@ impl Trainer {
                 Draw::EvalVal => (&self.val, &self.masks.val),
                 _ => (&self.train, &self.masks.train),
             };
-            for k in (rank..self.cfg.eval_iters).step_by(world) {
+            // ZeRO-3: a forward is collective (it gathers the weights), so every rank
+            // runs as many; the batches past `eval_iters` are not counted.
+            let n = match &self.dp {
+                Some(dp) if dp.shards_weights() => self.cfg.eval_iters.div_ceil(world as u64),
+                _ => 0,
+            };
+            let rounds = self.cfg.eval_iters.max(n * world as u64);
+            for k in (rank..rounds).step_by(world) {
+                let counted = k < self.cfg.eval_iters;
                 let offsets = &mut self.offsets;
                 data::loader::batch_offsets_into(self.cfg.seed, draw, k, file.len(), t, offsets)?;
                 let (inputs, targets) = (&mut self.inputs, &mut self.targets);
                 file.read_batch(offsets, t, &mut self.window, inputs, targets)?;
-                match mask {
+                let kept = match mask {
+                    Some(mask) => Some(mask.apply(offsets, t, &mut self.targets)?),
+                    None => None,
+                };
+                let batch = (&self.inputs[..], &self.targets[..]);
+                let mean = match &mut self.dp {
+                    Some(dp) => dp.forward(&*self.comm, &mut self.model, batch, b, t),
+                    None => self.model.forward(batch.0, batch.1, b, t),
+                } as f64;
+                match kept {
+                    _ if !counted => {}
                     // Weighted by the batch's trained targets: a mean over all of them.
-                    Some(mask) => {
-                        let kept = mask.apply(offsets, t, &mut self.targets)?;
-                        let mean = self.model.forward(&self.inputs, &self.targets, b, t) as f64;
+                    Some(kept) => {
                         *total += mean * kept as f64;
                         *count += kept as f64;
                     }
-                    None => *total += self.model.forward(&self.inputs, &self.targets, b, t) as f64,
+                    None => *total += mean,
                 }
                 fault::during_eval(self.iter_num);
             }

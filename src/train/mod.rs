@@ -80,7 +80,7 @@ pub struct StepOutcome {
 pub struct Trainer {
     pub cfg: TrainConfig,
     pub model: Gpt,
-    /// The optimizer; with `zero_stage = 1` on several ranks, this rank's shard.
+    /// The optimizer; with `zero_stage` ≥ 1 on several ranks, this rank's shard.
     pub opt: AdamW,
     pub meta: Meta,
     /// What checkpoints record of the data.
@@ -269,6 +269,10 @@ impl Trainer {
         if let Some(p) = &mut progress {
             p.finish();
         }
+        // ZeRO-3: rank 0 ends with the whole model, as every rank does otherwise.
+        if let Some(dp) = &mut self.dp {
+            dp.gather_params(&*self.comm, &mut self.model.params);
+        }
         self.write_comm_report()?;
         Ok(TrainOutcome {
             out_dir: self.cfg.out_dir.clone(),
@@ -342,7 +346,10 @@ impl Trainer {
         let mine = self.rank() * per_rank..(self.rank() + 1) * per_rank;
         self.model.set_training(true);
         self.model.set_grad_scale(1.0 / accum as f32);
-        self.model.zero_grad();
+        match &mut self.dp {
+            Some(dp) => dp.zero_grad(&mut self.model),
+            None => self.model.zero_grad(),
+        }
         // With a mask: the mean over the trained targets of the whole global batch,
         // whatever its split into micro-steps and ranks (every rank counts them all).
         let trained = match &self.masks.train {
@@ -367,14 +374,21 @@ impl Trainer {
             }
             self.model
                 .set_dropout_seed(dropout_seed(self.cfg.seed, iter, k));
-            let micro = self.model.forward(&self.inputs, &self.targets, b, t);
+            let batch = (&self.inputs[..], &self.targets[..]);
+            let micro = match &mut self.dp {
+                Some(dp) => dp.forward(&*self.comm, &mut self.model, batch, b, t),
+                None => self.model.forward(batch.0, batch.1, b, t),
+            };
             loss += match share {
                 Some(weight) => micro * weight,
                 None => micro / accum as f32,
             };
             match &mut self.dp {
-                // The last micro-step: reduce each layer as backward finishes it.
-                Some(dp) if k + 1 == mine.end => dp.backward_reduce(&*self.comm, &mut self.model),
+                // The last micro-step (ZeRO-3: every one): reduce each layer as
+                // backward finishes it.
+                Some(dp) if k + 1 == mine.end || dp.shards_weights() => {
+                    dp.backward_reduce(&*self.comm, &mut self.model)
+                }
                 _ => self.model.backward(),
             }
         }

@@ -72,7 +72,10 @@ impl Trainer {
     pub fn save_checkpoint_to(&mut self, path: &Path, iter: u64) -> Result<()> {
         self.saved_at = Some(iter);
         let gathered = match &mut self.dp {
-            Some(dp) => dp.gather_moments(&*self.comm, &self.opt),
+            Some(dp) => {
+                dp.gather_params(&*self.comm, &mut self.model.params);
+                dp.gather_moments(&*self.comm, &self.opt)
+            }
             None => None,
         };
         if self.rank() != 0 {
@@ -94,7 +97,11 @@ impl Trainer {
             None => Some((self.opt.m.as_slice(), self.opt.v.as_slice())),
         };
         let (layout, params) = (&self.model.layout, &self.model.params);
-        checkpoint::save_to(path, &state, layout, params, moments)?;
+        let saved = checkpoint::save_to(path, &state, layout, params, moments);
+        if let Some(dp) = &self.dp {
+            dp.release_params(&mut self.model.params);
+        }
+        saved?;
         for old in std::mem::take(&mut self.replace_at_first_save) {
             if old != path {
                 // Best effort: a leftover is refused by the next fresh start, not lost.

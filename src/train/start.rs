@@ -56,7 +56,7 @@ pub struct Masks {
 pub struct TrainState {
     /// The model, in the config's dtype (master weights in f32).
     pub model: Gpt,
-    /// The optimizer; with `zero_stage = 1` on several ranks, this rank's shard.
+    /// The optimizer; with `zero_stage` ≥ 1 on several ranks, this rank's shard.
     pub opt: AdamW,
     /// The first iteration to train: 0, or the checkpoint's when resuming.
     pub iter_num: u64,
