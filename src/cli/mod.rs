@@ -69,9 +69,19 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
 
 /// How this run's bf16 matmuls are computed, for the `bf16 matmuls:` line that
 /// `train` and `bench` print at the start of a bfloat16 run.
-pub fn bf16_matmuls() -> &'static str {
+pub fn bf16_matmuls() -> std::borrow::Cow<'static, str> {
     use crate::kernels::bf16::{amx, gemm};
-    match gemm::kernel() {
+    let line = match gemm::kernel() {
+        #[cfg(feature = "onednn")]
+        gemm::Kernel::OneDnn => {
+            let name = crate::kernels::bf16::onednn::implementation().unwrap_or("?");
+            return format!(
+                "oneDNN ({name}) for the large products, f32 GEMM over bf16 values elsewhere"
+            )
+            .into();
+        }
+        #[cfg(not(feature = "onednn"))]
+        gemm::Kernel::OneDnn => unreachable!("oneDNN is not built in"),
         gemm::Kernel::Amx => {
             "AMX-BF16 (tdpbf16ps) for the large linear layers, f32 GEMM over bf16 values elsewhere"
         }
@@ -84,5 +94,6 @@ pub fn bf16_matmuls() -> &'static str {
         gemm::Kernel::F32 => {
             "emulated via f32 GEMM (bf16 operands, f32 accumulation); no AMX on this CPU"
         }
-    }
+    };
+    line.into()
 }
