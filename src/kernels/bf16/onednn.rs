@@ -638,7 +638,8 @@ mod tests {
             let [am, bm] = views(&a, &b, [m, k, n], [ta, tb]);
             let mut out = vec![0.0; m * n];
             matmul(&mut out, am, bm, false);
-            let mut t = [Vec::new(), Vec::new()];
+            let (mut a16, mut b16) = (Vec::new(), Vec::new());
+            let mut t = [Vec::new(), Vec::new(), Vec::new()];
             for _ in 0..5 {
                 let s = std::time::Instant::now();
                 f32_gemm(&mut out, am, bm, false);
@@ -646,15 +647,25 @@ mod tests {
                 let s = std::time::Instant::now();
                 matmul(&mut out, am, bm, false);
                 t[1].push(s.elapsed().as_secs_f64());
+                // The operand copies alone (their share of the oneDNN call).
+                let s = std::time::Instant::now();
+                to_bf16(&mut a16, am);
+                to_bf16(&mut b16, bm);
+                t[2].push(s.elapsed().as_secs_f64());
             }
-            let gf = |t: &mut Vec<f64>| {
+            let median = |t: &mut Vec<f64>| {
                 t.sort_by(f64::total_cmp);
-                2.0 * (m * n * k) as f64 / t[t.len() / 2] / 1e9
+                t[t.len() / 2]
             };
-            let (f32, dnnl) = (gf(&mut t[0]), gf(&mut t[1]));
+            let flop = 2.0 * (m * n * k) as f64 / 1e9;
+            let (f32, dnnl) = (median(&mut t[0]), median(&mut t[1]));
+            let copies = median(&mut t[2]);
             println!(
-                "{name:<16} {m:>6}×{k:>6}×{n:>6}: f32 GEMM {f32:>6.1}, oneDNN {dnnl:>6.1} \
-                 GFLOP/s (medians of 5, alternating)"
+                "{name:<16} {m:>6}×{k:>6}×{n:>6}: f32 GEMM {:>6.1}, oneDNN {:>6.1} GFLOP/s \
+                 ({:.0} % of it in operand copies; medians of 5, alternating)",
+                flop / f32,
+                flop / dnnl,
+                100.0 * copies / dnnl
             );
         }
     }
