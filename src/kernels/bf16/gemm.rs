@@ -51,6 +51,23 @@ pub fn f32_requested() -> bool {
     requested() == Some(Kernel::F32)
 }
 
+/// Why `NANOGPT_BF16_GEMM` names a kernel that is not the one running, if it does.
+pub fn request_refused() -> Option<String> {
+    let want = requested().filter(|&k| k != kernel())?;
+    Some(match want {
+        Kernel::OneDnn if cfg!(not(feature = "onednn")) => {
+            "NANOGPT_BF16_GEMM=onednn: this build has no oneDNN (build with --features onednn)"
+                .into()
+        }
+        #[cfg(feature = "onednn")]
+        Kernel::OneDnn => format!(
+            "NANOGPT_BF16_GEMM=onednn: oneDNN is not usable here ({})",
+            super::onednn::unavailable_reason().unwrap_or_default()
+        ),
+        _ => "NANOGPT_BF16_GEMM=amx: this CPU or OS does not allow AMX".into(),
+    })
+}
+
 /// Whether `k` can run on this machine in this build.
 pub fn usable(k: Kernel) -> bool {
     match k {
@@ -142,8 +159,7 @@ mod tests {
     #[test]
     fn large_products_take_onednn_when_it_is_the_kernel() {
         use crate::kernels::bf16::onednn;
-        if !onednn::available() {
-            eprintln!("oneDNN dispatch not tested: no fast bf16 matmul on this CPU");
+        if !onednn::testable() {
             return;
         }
         let (m, k, n) = (128, 128, 64); // exactly MIN_MACS

@@ -22,7 +22,10 @@
 //! Results are deterministic for a given thread count: a primitive splits the work
 //! the same way every call.
 //!
-//! The FFI below declares the few C functions used, from `oneapi/dnnl/dnnl.h` 2.6.
+//! The FFI below declares the few C functions used, from `oneapi/dnnl/dnnl.h` 2.6;
+//! the library is opened at run time ([`load`] says why), so building with the
+//! feature needs no oneDNN, and a binary built with it runs where oneDNN is missing
+//! (on the other kernels; `bench` and `train` print which ran).
 
 use super::Bf16;
 use crate::kernels::matmul::Mat;
@@ -76,86 +79,103 @@ mod ffi {
         pub memory: dnnl_memory_t,
     }
 
-    #[link(name = "dnnl")]
-    extern "C" {
-        pub fn dnnl_engine_create(
-            e: *mut dnnl_engine_t,
-            kind: c_int,
-            index: usize,
-        ) -> dnnl_status_t;
-        pub fn dnnl_stream_create(
-            s: *mut dnnl_stream_t,
-            e: dnnl_engine_t,
-            flags: u32,
-        ) -> dnnl_status_t;
-        pub fn dnnl_stream_wait(s: dnnl_stream_t) -> dnnl_status_t;
-        pub fn dnnl_memory_desc_init_by_strides(
+    /// Declares the functions used, as fields of [`Api`], and [`Api::load`], which
+    /// looks each up in the loaded library.
+    macro_rules! api {
+        ($($name:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)?;)*) => {
+            /// oneDNN's (and its OpenMP runtime's) entry points.
+            pub struct Api {
+                $(pub $name: unsafe extern "C" fn($($ty),*) $(-> $ret)?,)*
+            }
+
+            impl Api {
+                /// Looks up every function in `lib`, naming the first one missing.
+                ///
+                /// # Safety
+                /// `lib` must be a handle from `dlopen` of oneDNN 2.x, kept open for
+                /// the process: the declarations above match its `dnnl.h`.
+                pub unsafe fn load(lib: *mut c_void) -> Result<Api, String> {
+                    Ok(Api {
+                        $($name: {
+                            let sym = concat!(stringify!($name), "\0");
+                            let f = libc::dlsym(lib, sym.as_ptr().cast());
+                            if f.is_null() {
+                                return Err(format!("{} not found", stringify!($name)));
+                            }
+                            std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($ty),*) $(-> $ret)?>(f)
+                        },)*
+                    })
+                }
+            }
+        };
+    }
+
+    api! {
+        dnnl_engine_create(e: *mut dnnl_engine_t, kind: c_int, index: usize) -> dnnl_status_t;
+        dnnl_stream_create(s: *mut dnnl_stream_t, e: dnnl_engine_t, flags: u32) -> dnnl_status_t;
+        dnnl_stream_wait(s: dnnl_stream_t) -> dnnl_status_t;
+        dnnl_memory_desc_init_by_strides(
             md: *mut MemoryDesc,
             ndims: c_int,
             dims: *const i64,
             data_type: c_int,
-            strides: *const i64,
+            strides: *const i64
         ) -> dnnl_status_t;
-        pub fn dnnl_memory_desc_init_by_tag(
+        dnnl_memory_desc_init_by_tag(
             md: *mut MemoryDesc,
             ndims: c_int,
             dims: *const i64,
             data_type: c_int,
-            tag: c_int,
+            tag: c_int
         ) -> dnnl_status_t;
-        pub fn dnnl_matmul_desc_init(
+        dnnl_matmul_desc_init(
             d: *mut MatmulDesc,
             src: *const MemoryDesc,
             weights: *const MemoryDesc,
             bias: *const MemoryDesc,
-            dst: *const MemoryDesc,
+            dst: *const MemoryDesc
         ) -> dnnl_status_t;
-        pub fn dnnl_primitive_attr_create(a: *mut dnnl_primitive_attr_t) -> dnnl_status_t;
-        pub fn dnnl_primitive_attr_destroy(a: dnnl_primitive_attr_t) -> dnnl_status_t;
-        pub fn dnnl_primitive_attr_set_post_ops(
+        dnnl_primitive_attr_create(a: *mut dnnl_primitive_attr_t) -> dnnl_status_t;
+        dnnl_primitive_attr_destroy(a: dnnl_primitive_attr_t) -> dnnl_status_t;
+        dnnl_primitive_attr_set_post_ops(
             a: dnnl_primitive_attr_t,
-            p: dnnl_post_ops_t,
+            p: dnnl_post_ops_t
         ) -> dnnl_status_t;
-        pub fn dnnl_post_ops_create(p: *mut dnnl_post_ops_t) -> dnnl_status_t;
-        pub fn dnnl_post_ops_destroy(p: dnnl_post_ops_t) -> dnnl_status_t;
-        pub fn dnnl_post_ops_append_sum(p: dnnl_post_ops_t, scale: c_float) -> dnnl_status_t;
-        pub fn dnnl_primitive_desc_create(
+        dnnl_post_ops_create(p: *mut dnnl_post_ops_t) -> dnnl_status_t;
+        dnnl_post_ops_destroy(p: dnnl_post_ops_t) -> dnnl_status_t;
+        dnnl_post_ops_append_sum(p: dnnl_post_ops_t, scale: c_float) -> dnnl_status_t;
+        dnnl_primitive_desc_create(
             pd: *mut dnnl_primitive_desc_t,
             op_desc: *const c_void,
             attr: dnnl_primitive_attr_t,
             e: dnnl_engine_t,
-            hint: dnnl_primitive_desc_t,
+            hint: dnnl_primitive_desc_t
         ) -> dnnl_status_t;
-        pub fn dnnl_primitive_desc_query(
+        dnnl_primitive_desc_query(
             pd: dnnl_primitive_desc_t,
             what: c_int,
             index: c_int,
-            result: *mut c_void,
+            result: *mut c_void
         ) -> dnnl_status_t;
-        pub fn dnnl_primitive_desc_destroy(pd: dnnl_primitive_desc_t) -> dnnl_status_t;
-        pub fn dnnl_primitive_create(
-            p: *mut dnnl_primitive_t,
-            pd: dnnl_primitive_desc_t,
-        ) -> dnnl_status_t;
-        pub fn dnnl_primitive_execute(
+        dnnl_primitive_desc_destroy(pd: dnnl_primitive_desc_t) -> dnnl_status_t;
+        dnnl_primitive_create(p: *mut dnnl_primitive_t, pd: dnnl_primitive_desc_t)
+            -> dnnl_status_t;
+        dnnl_primitive_execute(
             p: dnnl_primitive_t,
             s: dnnl_stream_t,
             nargs: c_int,
-            args: *const ExecArg,
+            args: *const ExecArg
         ) -> dnnl_status_t;
-        pub fn dnnl_memory_create(
+        dnnl_memory_create(
             m: *mut dnnl_memory_t,
             md: *const MemoryDesc,
             e: dnnl_engine_t,
-            handle: *mut c_void,
+            handle: *mut c_void
         ) -> dnnl_status_t;
-        pub fn dnnl_memory_set_data_handle(m: dnnl_memory_t, handle: *mut c_void) -> dnnl_status_t;
-    }
-
-    #[link(name = "gomp")]
-    extern "C" {
-        /// The OpenMP team size for parallel regions this thread starts.
-        pub fn omp_set_num_threads(n: c_int);
+        dnnl_memory_set_data_handle(m: dnnl_memory_t, handle: *mut c_void) -> dnnl_status_t;
+        // From libgomp, which libdnnl loads: the OpenMP team size for parallel
+        // regions the calling thread starts.
+        omp_set_num_threads(n: c_int);
     }
 
     /// Panics naming the call when oneDNN reports an error: every call here is
@@ -198,26 +218,67 @@ fn state() -> Option<&'static (Mutex<State>, String)> {
     S.get_or_init(init).as_ref()
 }
 
+/// The library's soname (Debian's `libdnnl2`, 2.x).
+const LIBRARY: &str = "libdnnl.so.2";
+
+/// oneDNN's entry points, loaded once, or why they could not be.
+fn loaded() -> &'static Result<ffi::Api, String> {
+    static API: OnceLock<Result<ffi::Api, String>> = OnceLock::new();
+    API.get_or_init(load)
+}
+
+/// The entry points; only called once [`state`] has loaded them.
+fn api() -> &'static ffi::Api {
+    loaded().as_ref().expect("oneDNN is used only once loaded")
+}
+
+/// Opens the library, first making its OpenMP threads sleep between products
+/// (`OMP_WAIT_POLICY=passive`, unless the user set a policy): libgomp reads that
+/// once, when it is loaded, and its default — spinning for a while after each
+/// parallel region — kept a core busy while our rayon threads ran the passes
+/// between matmuls (GPT-2 124M B 4 T 256 bf16: ~1.4× tokens/s with passive;
+/// docs/PERFORMANCE.md, "oneDNN"). That is why the library is opened here, on
+/// first use, rather than linked.
+fn load() -> Result<ffi::Api, String> {
+    if std::env::var_os("OMP_WAIT_POLICY").is_none() {
+        std::env::set_var("OMP_WAIT_POLICY", "passive");
+    }
+    let name = std::ffi::CString::new(LIBRARY).expect("no NUL in the name");
+    // SAFETY: dlopen with a NUL-terminated name; the handle is never closed, so the
+    // functions looked up in it stay valid for the process; Api::load's
+    // declarations are those of oneDNN 2.x's dnnl.h.
+    unsafe {
+        let lib = libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL);
+        if lib.is_null() {
+            return Err(format!("{LIBRARY} not found (apt-get install libdnnl2)"));
+        }
+        ffi::Api::load(lib)
+    }
+}
+
 fn init() -> Option<(Mutex<State>, String)> {
+    loaded().as_ref().ok()?;
     let (mut engine, mut stream) = (std::ptr::null_mut(), std::ptr::null_mut());
     // SAFETY: out-pointers to locals; the engine outlives the stream (both are kept
     // for the process).
     unsafe {
-        if ffi::dnnl_engine_create(&mut engine, ffi::ENGINE_CPU, 0) != ffi::SUCCESS {
+        if (api().dnnl_engine_create)(&mut engine, ffi::ENGINE_CPU, 0) != ffi::SUCCESS {
             return None;
         }
         ffi::check(
-            ffi::dnnl_stream_create(&mut stream, engine, ffi::STREAM_DEFAULT),
+            (api().dnnl_stream_create)(&mut stream, engine, ffi::STREAM_DEFAULT),
             "stream_create",
         );
     }
-    // The implementation oneDNN picks for a bf16 matmul: a reference (`ref:`) one is
-    // orders of magnitude slower than the f32 GEMM, so it is not used.
+    // The implementation oneDNN picks for a bf16 matmul. Only those on bf16 hardware
+    // (AMX, AVX512-BF16) are used: they are the ones measured faster than the f32
+    // GEMM; a reference (`ref:`) one is orders of magnitude slower, and emulated bf16
+    // on plain AVX-512 or AVX2 was not measured.
     let pd = primitive_desc(engine, (64, 64, 64, [64, 1], [64, 1], false))?;
     let name = impl_name(pd);
     // SAFETY: `pd` was created above and is not used after this.
-    unsafe { ffi::dnnl_primitive_desc_destroy(pd) };
-    if name.starts_with("ref") {
+    unsafe { (api().dnnl_primitive_desc_destroy)(pd) };
+    if !(name.contains("amx") || name.contains("avx512_core_bf16")) {
         return None;
     }
     let state = State {
@@ -233,6 +294,17 @@ fn init() -> Option<(Mutex<State>, String)> {
 /// Whether oneDNN has a fast bf16 matmul on this CPU (decided once).
 pub fn available() -> bool {
     state().is_some()
+}
+
+/// Why oneDNN is not [`available`], if it is not.
+pub fn unavailable_reason() -> Option<String> {
+    match (loaded(), available()) {
+        (_, true) => None,
+        (Err(e), _) => Some(e.clone()),
+        (Ok(_), false) => {
+            Some("its bf16 matmul on this CPU is not an AMX or AVX512-BF16 one".into())
+        }
+    }
 }
 
 /// oneDNN's name for the bf16 matmul implementation it runs here (e.g.
@@ -260,7 +332,7 @@ fn primitive_desc(engine: ffi::dnnl_engine_t, key: Key) -> Option<ffi::dnnl_prim
     // and post-ops are destroyed after the descriptor has copied them.
     unsafe {
         let md = |md: *mut ffi::MemoryDesc, dims: [i64; 2], strides: [i64; 2]| {
-            let s = ffi::dnnl_memory_desc_init_by_strides(
+            let s = (api().dnnl_memory_desc_init_by_strides)(
                 md,
                 2,
                 dims.as_ptr(),
@@ -271,19 +343,30 @@ fn primitive_desc(engine: ffi::dnnl_engine_t, key: Key) -> Option<ffi::dnnl_prim
         };
         md(&mut a_md, [m, k], sa);
         md(&mut b_md, [k, n], sb);
-        let s =
-            ffi::dnnl_memory_desc_init_by_tag(&mut c_md, 2, [m, n].as_ptr(), ffi::F32, ffi::TAG_AB);
+        let s = (api().dnnl_memory_desc_init_by_tag)(
+            &mut c_md,
+            2,
+            [m, n].as_ptr(),
+            ffi::F32,
+            ffi::TAG_AB,
+        );
         ffi::check(s, "memory_desc_init_by_tag");
-        let s = ffi::dnnl_matmul_desc_init(&mut desc, &a_md, &b_md, std::ptr::null(), &c_md);
+        let s = (api().dnnl_matmul_desc_init)(&mut desc, &a_md, &b_md, std::ptr::null(), &c_md);
         ffi::check(s, "matmul_desc_init");
-        ffi::check(ffi::dnnl_primitive_attr_create(&mut attr), "attr_create");
+        ffi::check((api().dnnl_primitive_attr_create)(&mut attr), "attr_create");
         if accumulate {
-            ffi::check(ffi::dnnl_post_ops_create(&mut post_ops), "post_ops_create");
-            ffi::check(ffi::dnnl_post_ops_append_sum(post_ops, 1.0), "append_sum");
-            let s = ffi::dnnl_primitive_attr_set_post_ops(attr, post_ops);
+            ffi::check(
+                (api().dnnl_post_ops_create)(&mut post_ops),
+                "post_ops_create",
+            );
+            ffi::check(
+                (api().dnnl_post_ops_append_sum)(post_ops, 1.0),
+                "append_sum",
+            );
+            let s = (api().dnnl_primitive_attr_set_post_ops)(attr, post_ops);
             ffi::check(s, "attr_set_post_ops");
         }
-        let status = ffi::dnnl_primitive_desc_create(
+        let status = (api().dnnl_primitive_desc_create)(
             &mut pd,
             (&desc as *const ffi::MatmulDesc).cast(),
             attr,
@@ -291,9 +374,9 @@ fn primitive_desc(engine: ffi::dnnl_engine_t, key: Key) -> Option<ffi::dnnl_prim
             std::ptr::null_mut(),
         );
         if !post_ops.is_null() {
-            ffi::dnnl_post_ops_destroy(post_ops);
+            (api().dnnl_post_ops_destroy)(post_ops);
         }
-        ffi::dnnl_primitive_attr_destroy(attr);
+        (api().dnnl_primitive_attr_destroy)(attr);
         (status == ffi::SUCCESS).then_some(pd)
     }
 }
@@ -304,7 +387,7 @@ fn impl_name(pd: ffi::dnnl_primitive_desc_t) -> String {
     // SAFETY: the query writes a pointer to a NUL-terminated string owned by `pd`,
     // copied before `pd` goes away.
     unsafe {
-        let s = ffi::dnnl_primitive_desc_query(
+        let s = (api().dnnl_primitive_desc_query)(
             pd,
             ffi::QUERY_IMPL_INFO_STR,
             0,
@@ -330,7 +413,7 @@ impl Primitive {
         // before every run).
         unsafe {
             ffi::check(
-                ffi::dnnl_primitive_create(&mut p.prim, pd),
+                (api().dnnl_primitive_create)(&mut p.prim, pd),
                 "primitive_create",
             );
             for (mem, which) in [
@@ -339,10 +422,10 @@ impl Primitive {
                 (&mut p.dst, ffi::ARG_DST),
             ] {
                 let md = exec_arg_md(pd, which);
-                let s = ffi::dnnl_memory_create(mem, md, engine, std::ptr::null_mut());
+                let s = (api().dnnl_memory_create)(mem, md, engine, std::ptr::null_mut());
                 ffi::check(s, "memory_create");
             }
-            ffi::dnnl_primitive_desc_destroy(pd);
+            (api().dnnl_primitive_desc_destroy)(pd);
         }
         p
     }
@@ -355,7 +438,7 @@ impl Primitive {
 unsafe fn exec_arg_md(pd: ffi::dnnl_primitive_desc_t, arg: c_int) -> *const ffi::MemoryDesc {
     const QUERY_EXEC_ARG_MD: c_int = 255;
     let mut md: *const ffi::MemoryDesc = std::ptr::null();
-    let s = ffi::dnnl_primitive_desc_query(
+    let s = (api().dnnl_primitive_desc_query)(
         pd,
         QUERY_EXEC_ARG_MD,
         arg,
@@ -433,7 +516,7 @@ pub fn matmul(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
             (p.dst, dst.as_mut_ptr() as *mut c_void),
         ] {
             ffi::check(
-                ffi::dnnl_memory_set_data_handle(mem, ptr),
+                (api().dnnl_memory_set_data_handle)(mem, ptr),
                 "set_data_handle",
             );
         }
@@ -451,11 +534,26 @@ pub fn matmul(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
                 memory: p.dst,
             },
         ];
-        ffi::omp_set_num_threads(rayon::current_num_threads() as c_int);
-        let s = ffi::dnnl_primitive_execute(p.prim, st.stream, 3, args.as_ptr());
+        (api().omp_set_num_threads)(rayon::current_num_threads() as c_int);
+        let s = (api().dnnl_primitive_execute)(p.prim, st.stream, 3, args.as_ptr());
         ffi::check(s, "primitive_execute");
-        ffi::check(ffi::dnnl_stream_wait(st.stream), "stream_wait");
+        ffi::check((api().dnnl_stream_wait)(st.stream), "stream_wait");
     }
+}
+
+#[cfg(test)]
+/// Whether oneDNN can be tested here; CI sets `NANOGPT_EXPECT_ONEDNN` on CPUs
+/// with bf16 hardware, where skipping would hide a broken build.
+pub(crate) fn testable() -> bool {
+    if !available() {
+        let why = loaded().as_ref().err().map_or("no fast bf16 matmul", |e| e);
+        assert!(
+            std::env::var_os("NANOGPT_EXPECT_ONEDNN").is_none(),
+            "NANOGPT_EXPECT_ONEDNN is set but oneDNN is not usable: {why}"
+        );
+        eprintln!("oneDNN not tested: {why}");
+    }
+    available()
 }
 
 #[cfg(test)]
@@ -467,13 +565,6 @@ mod tests {
 
     fn rounded(n: usize, seed: u64) -> Vec<f32> {
         rand_vec(n, seed).into_iter().map(round).collect()
-    }
-
-    fn usable() -> bool {
-        if !available() {
-            eprintln!("oneDNN not tested: no fast bf16 matmul on this CPU");
-        }
-        available()
     }
 
     /// `a` (m × k) and `b` (k × n) as the linear layers pass them: stored transposed
@@ -521,7 +612,7 @@ mod tests {
 
     #[test]
     fn onednn_matches_an_f64_reference_on_odd_shapes() {
-        if !usable() {
+        if !testable() {
             return;
         }
         check([1, 1, 1], [false, false], false);
@@ -538,7 +629,7 @@ mod tests {
 
     #[test]
     fn views_with_offsets_and_strides_are_read_right() {
-        if !usable() {
+        if !testable() {
             return;
         }
         // A column range of a wider matrix (row stride > cols) times a view with
@@ -561,7 +652,7 @@ mod tests {
 
     #[test]
     fn non_bf16_inputs_are_rounded_to_nearest_even() {
-        if !usable() {
+        if !testable() {
             return;
         }
         let (m, k, n) = (9, 40, 33);
@@ -585,7 +676,7 @@ mod tests {
 
     #[test]
     fn repeats_are_bit_identical_and_reuse_the_primitive() {
-        if !usable() {
+        if !testable() {
             return;
         }
         let (m, k, n) = (130, 300, 170);
@@ -612,7 +703,7 @@ mod tests {
     #[test]
     #[ignore]
     fn onednn_speed() {
-        if !usable() {
+        if !testable() {
             return;
         }
         println!("oneDNN implementation: {}", implementation().unwrap_or("?"));
