@@ -9,9 +9,10 @@
 //! strides), rounding to nearest even (exact for bf16 values), and runs a primitive
 //! made once per (m, n, k, operand strides, accumulate) and kept for the process:
 //! a GPT-2 step has about a dozen distinct products. Accumulation (`dst +=`) is a
-//! `sum` post-op. The weights are passed in the plain layout: on this project's
-//! shapes a reorder to oneDNN's blocked layout did not pay on the AVX512-BF16 CPU we
-//! measured (docs/PERFORMANCE.md, "oneDNN").
+//! `sum` post-op. The weights are passed in the plain layout: a reorder to oneDNN's
+//! blocked layout cost about as much as a product on the AVX512-BF16 CPU we
+//! measured, and the packed product was not consistently faster (docs/PERFORMANCE.md,
+//! "oneDNN").
 //!
 //! Threads: Debian's libdnnl uses OpenMP (libgomp). One call runs at a time (a lock
 //! over the cached primitives and buffers), and before each the calling thread's
@@ -236,9 +237,9 @@ fn api() -> &'static ffi::Api {
 /// (`OMP_WAIT_POLICY=passive`, unless the user set a policy): libgomp reads that
 /// once, when it is loaded, and its default — spinning for a while after each
 /// parallel region — kept a core busy while our rayon threads ran the passes
-/// between matmuls (GPT-2 124M B 4 T 256 bf16: ~1.4× tokens/s with passive;
-/// docs/PERFORMANCE.md, "oneDNN"). That is why the library is opened here, on
-/// first use, rather than linked.
+/// between matmuls on a 2-core machine (GPT-2 124M B 4 T 256 bf16, alternating
+/// rounds on a loaded machine: docs/PERFORMANCE.md, "oneDNN"). That is why the
+/// library is opened here, on first use, rather than linked.
 fn load() -> Result<ffi::Api, String> {
     if std::env::var_os("OMP_WAIT_POLICY").is_none() {
         std::env::set_var("OMP_WAIT_POLICY", "passive");
