@@ -1,5 +1,5 @@
 //! The bf16 matmuls on oneDNN (Intel's deep-learning primitive library, Debian's
-//! `libdnnl-dev` 2.6), behind the `onednn` cargo feature: bf16 × bf16 → f32 `matmul`
+//! `libdnnl2` 2.6), behind the `onednn` cargo feature: bf16 × bf16 → f32 `matmul`
 //! primitives, which run on AMX tiles where the CPU has them and on AVX512-BF16
 //! (`vdpbf16ps`) where it has only that.
 //!
@@ -213,7 +213,8 @@ struct State {
 unsafe impl Send for State {}
 
 /// The library's state and the name of its bf16 matmul implementation on this CPU,
-/// or `None` when it has no fast one (only a reference implementation) or no engine.
+/// or `None` when the library is missing or its implementation here is not one on
+/// bf16 hardware (see [`init`]).
 fn state() -> Option<&'static (Mutex<State>, String)> {
     static S: OnceLock<Option<(Mutex<State>, String)>> = OnceLock::new();
     S.get_or_init(init).as_ref()
@@ -241,6 +242,9 @@ fn api() -> &'static ffi::Api {
 /// rounds on a loaded machine: docs/PERFORMANCE.md, "oneDNN"). That is why the
 /// library is opened here, on first use, rather than linked.
 fn load() -> Result<ffi::Api, String> {
+    // (Setting the environment races only with C code reading it on another thread;
+    // ours reads it through std, which locks, and this runs once, at the first
+    // large bf16 product or the `bf16 matmuls:` line.)
     if std::env::var_os("OMP_WAIT_POLICY").is_none() {
         std::env::set_var("OMP_WAIT_POLICY", "passive");
     }
@@ -257,6 +261,7 @@ fn load() -> Result<ffi::Api, String> {
     }
 }
 
+/// Makes the engine and stream and checks which implementation oneDNN picks here.
 fn init() -> Option<(Mutex<State>, String)> {
     loaded().as_ref().ok()?;
     let (mut engine, mut stream) = (std::ptr::null_mut(), std::ptr::null_mut());
