@@ -12,8 +12,8 @@
 //!
 //! That is also the default order, by measurement: oneDNN ran GPT-2 124M's products
 //! at 4.1–6.0 TFLOP/s on AMX (Sapphire Rapids, 2 threads), 6–9× our AMX kernel, and
-//! 1.2–3.4× the f32 GEMM on 12 of 13 products (operand copies included) on an
-//! AVX512-BF16 CPU without AMX, where our own AVX512-BF16 kernel never won and was
+//! 1.2–3.4× the f32 GEMM (operand copies included) on GPT-2's products on an
+//! AVX512-BF16 CPU without AMX (one product at 0.8× in one of three runs), where our own AVX512-BF16 kernel never won and was
 //! removed (docs/PERFORMANCE.md, "oneDNN").
 //! `NANOGPT_BF16_GEMM=onednn|amx|f32` asks for one; a kernel that is not usable here
 //! (not built, no AMX) falls back to the default order, and `bench`/`train` print
