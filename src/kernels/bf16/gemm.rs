@@ -1,26 +1,29 @@
 //! The bf16 matmuls of `dtype = "bfloat16"` and the choice of their kernel.
 //!
-//! A product runs on the AMX-BF16 kernel ([`super::amx`]) when all of these hold, and
-//! on the f32 GEMM over bf16-valued operands ([`matmul`], the same products up to
-//! summation order) otherwise:
-//! - `NANOGPT_BF16_GEMM` is not `f32` (`f32` forces the f32 GEMM for A/B runs; unset,
-//!   `amx` or any other value leaves the choice to the next two);
-//! - the CPU has AMX-BF16 and Linux grants the process the tile permission;
-//! - the product has at least 2^20 multiply-adds (below that, packing the operands
-//!   into tiles costs more than it saves).
+//! Large products (at least 2^20 multiply-adds; below that, copying or packing the
+//! operands costs more than it saves) run on one of three kernels, chosen once per
+//! process ([`kernel`]); the rest run on the f32 GEMM over bf16-valued operands
+//! ([`matmul`], the same products up to summation order):
+//! - oneDNN's bf16 matmul ([`super::onednn`]), in builds with the `onednn` feature
+//!   when the library has a fast implementation for this CPU (AMX or AVX512-BF16);
+//! - our AMX-BF16 kernel ([`super::amx`]) when the CPU has AMX-BF16 and Linux grants
+//!   the process the tile permission;
+//! - the f32 GEMM otherwise.
 //!
-//! The first two are decided once per process ([`kernel`]), the last per product.
-//!
-//! An AVX512-BF16 (`vdpbf16ps`) kernel was an opt-in here until it was measured
-//! against the f32 GEMM it would replace on CPUs without AMX: it never won (slower on
-//! the quick-start shapes, no faster on GPT-2 124M; docs/PERFORMANCE.md), so it was
-//! removed.
+//! That is also the default order, by measurement: oneDNN ran GPT-2 124M's products
+//! at 4.1–6.0 TFLOP/s on AMX (Sapphire Rapids, 2 threads), 6–9× our AMX kernel, and
+//! 1.2–3.4× the f32 GEMM (operand copies included) on GPT-2's products on an
+//! AVX512-BF16 CPU without AMX (one product at 0.8× in one of three runs), where our own AVX512-BF16 kernel never won and was
+//! removed (docs/PERFORMANCE.md, "oneDNN").
+//! `NANOGPT_BF16_GEMM=onednn|amx|f32` asks for one; a kernel that is not usable here
+//! (not built, no AMX) falls back to the default order, and `bench`/`train` print
+//! which kernel ran.
 
 use super::amx::{self, PackedB};
 use crate::kernels::matmul::{matmul, Mat};
 use std::sync::OnceLock;
 
-/// Below this many multiply-adds (m·n·k) packing costs more than it saves.
+/// Below this many multiply-adds (m·n·k) copying or packing costs more than it saves.
 const MIN_MACS: usize = 1 << 20;
 
 /// Which kernel runs the large bf16 matmuls.
@@ -30,11 +33,52 @@ pub enum Kernel {
     Amx,
     /// The f32 GEMM over bf16-valued operands.
     F32,
+    /// oneDNN's bf16 matmul ([`super::onednn`]; only with the `onednn` feature).
+    OneDnn,
+}
+
+/// The kernel `NANOGPT_BF16_GEMM` asks for, if it names one.
+fn requested() -> Option<Kernel> {
+    match std::env::var("NANOGPT_BF16_GEMM").ok()?.as_str() {
+        "f32" => Some(Kernel::F32),
+        "amx" => Some(Kernel::Amx),
+        "onednn" => Some(Kernel::OneDnn),
+        _ => None,
+    }
 }
 
 /// Whether `NANOGPT_BF16_GEMM=f32` asks for the f32 GEMM.
 pub fn f32_requested() -> bool {
-    std::env::var("NANOGPT_BF16_GEMM").is_ok_and(|v| v == "f32")
+    requested() == Some(Kernel::F32)
+}
+
+/// Why `NANOGPT_BF16_GEMM` names a kernel that is not the one running, if it does.
+pub fn request_refused() -> Option<String> {
+    let want = requested().filter(|&k| k != kernel())?;
+    Some(match want {
+        Kernel::OneDnn if cfg!(not(feature = "onednn")) => {
+            "NANOGPT_BF16_GEMM=onednn: this build has no oneDNN (build with --features onednn)"
+                .into()
+        }
+        #[cfg(feature = "onednn")]
+        Kernel::OneDnn => format!(
+            "NANOGPT_BF16_GEMM=onednn: oneDNN is not usable here ({})",
+            super::onednn::unavailable_reason().unwrap_or_default()
+        ),
+        _ => "NANOGPT_BF16_GEMM=amx: this CPU or OS does not allow AMX".into(),
+    })
+}
+
+/// Whether `k` can run on this machine in this build.
+pub fn usable(k: Kernel) -> bool {
+    match k {
+        Kernel::F32 => true,
+        Kernel::Amx => amx::permitted(),
+        #[cfg(feature = "onednn")]
+        Kernel::OneDnn => super::onednn::available(),
+        #[cfg(not(feature = "onednn"))]
+        Kernel::OneDnn => false,
+    }
 }
 
 /// The kernel for large bf16 matmuls, chosen once (see the module comment).
@@ -44,9 +88,15 @@ pub fn kernel() -> Kernel {
         return k;
     }
     static K: OnceLock<Kernel> = OnceLock::new();
-    *K.get_or_init(|| match f32_requested() || !amx::permitted() {
-        true => Kernel::F32,
-        false => Kernel::Amx,
+    *K.get_or_init(|| {
+        let order = [Kernel::OneDnn, Kernel::Amx, Kernel::F32];
+        let first = requested().filter(|&k| usable(k));
+        first.unwrap_or_else(|| {
+            order
+                .into_iter()
+                .find(|&k| usable(k))
+                .unwrap_or(Kernel::F32)
+        })
     })
 }
 
@@ -75,6 +125,8 @@ pub fn matmul_bf16(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
     let macs = a.rows * a.cols * b.cols;
     match kernel() {
         Kernel::Amx if macs >= MIN_MACS => amx::matmul(dst, a, b, accumulate),
+        #[cfg(feature = "onednn")]
+        Kernel::OneDnn if macs >= MIN_MACS => super::onednn::matmul(dst, a, b, accumulate),
         _ => matmul(dst, a, b, accumulate),
     }
 }
@@ -102,5 +154,34 @@ mod tests {
         matmul(&mut x, Mat::new(&a, m, k), Mat::new(&b, k, n), false);
         matmul_bf16(&mut y, Mat::new(&a, m, k), Mat::new(&b, k, n), false);
         assert_eq!(x, y);
+    }
+
+    #[cfg(feature = "onednn")]
+    #[test]
+    fn large_products_take_onednn_when_it_is_the_kernel() {
+        use crate::kernels::bf16::onednn;
+        if !onednn::testable() {
+            return;
+        }
+        let (m, k, n) = (128, 128, 64); // exactly MIN_MACS
+        let a: Vec<f32> = rand_vec(m * k, 8).into_iter().map(round).collect();
+        let b: Vec<f32> = rand_vec(k * n, 9).into_iter().map(round).collect();
+        let (am, bm) = (Mat::new(&a, m, k), Mat::new(&b, k, n));
+        let (mut f32_out, mut dnnl, mut got) =
+            (vec![0.0; m * n], vec![0.0; m * n], vec![0.0; m * n]);
+        matmul(&mut f32_out, am, bm, false);
+        onednn::matmul(&mut dnnl, am, bm, false);
+        with_kernel(Kernel::OneDnn, || matmul_bf16(&mut got, am, bm, false));
+        assert_eq!(got, dnnl);
+        assert_ne!(
+            got, f32_out,
+            "the two kernels sum in the same order here: pick another shape"
+        );
+        // One multiply-add fewer than MIN_MACS: the f32 GEMM.
+        let am = Mat::new(&a[..(m - 1) * k], m - 1, k);
+        let mut small = vec![0.0; (m - 1) * n];
+        with_kernel(Kernel::OneDnn, || matmul_bf16(&mut small, am, bm, false));
+        matmul(&mut f32_out[..(m - 1) * n], am, bm, false);
+        assert_eq!(small, f32_out[..(m - 1) * n]);
     }
 }
