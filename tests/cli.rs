@@ -494,6 +494,8 @@ fn doctor_json_reports_one_rank_and_exits_non_zero_when_out_dir_cannot_be_writte
     assert!(ranks[0]["binary"].as_str().unwrap().starts_with("nanogpt "));
     assert_eq!(ranks[0]["out_dir_writable"], true);
     assert_eq!(ranks[0]["data_fingerprint"].as_str().unwrap().len(), 16);
+    // Alone, there is no other host to route to.
+    assert_eq!(ranks[0]["interface"], "local");
     assert!(
         report["all_reduce"]["bytes"].as_u64().unwrap() > 0,
         "{report}"

@@ -826,6 +826,9 @@ fn doctor_under_mpirun_reports_every_rank_and_fails_on_other_data() {
     let ranks = report["ranks"].as_array().unwrap();
     assert_eq!(ranks.len(), 2);
     assert_eq!(ranks[0]["data_fingerprint"], ranks[1]["data_fingerprint"]);
+    // Both ranks on this host: no network between them.
+    assert_eq!(ranks[0]["interface"], "local", "{report}");
+    assert_eq!(ranks[1]["interface"], "local", "{report}");
     assert!(
         report["all_reduce"]["ms"].as_f64().unwrap() > 0.0,
         "{report}"

@@ -97,6 +97,11 @@ say "doctor across the 3 hosts"
 "$CLUSTER" run -- "$BIN" doctor "${CONFIG[@]}" out_dir="$WORK/doctor" >doctor.log 2>&1 ||
     { cat doctor.log; die "doctor found a problem"; }
 grep -av "setpgid" doctor.log | sed 's/^/multinode:   /'
+for i in 1 2 3; do
+    # Each rank's route to the others leaves through its own link.
+    grep -aqE "^$((i - 1)) +h$i .* eth0 10\.78\.0\.$i\$" doctor.log ||
+        die "doctor: h$i's network interface is not eth0 10.78.0.$i"
+done
 
 # `nanogpt launch` writes the line itself, runs the doctor with it, then the
 # training. The ssh stand-in is given through the environment. Open MPI is told the

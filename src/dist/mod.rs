@@ -15,6 +15,7 @@
 mod parallel;
 mod plan;
 pub mod preflight;
+pub mod route;
 mod update;
 mod watchdog;
 
