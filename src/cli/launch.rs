@@ -122,22 +122,19 @@ fn supervise(argv: &[String]) -> Result<i32> {
                 .unwrap_or_else(|| 128 + status.signal().unwrap_or(0)));
         }
         if signalled.swap(false, Ordering::SeqCst) {
-            let (sig, what) = match passed_on {
+            let (sig, name, what) = match passed_on {
                 0 => (
                     SIGUSR1,
-                    "every rank stops after the step in progress and rank 0 \
-                                writes a checkpoint (Ctrl-C again to abort at once)",
+                    "SIGUSR1",
+                    "every rank stops after the step in progress and rank 0 writes a \
+                     checkpoint (Ctrl-C again to abort at once)",
                 ),
-                _ => (SIGTERM, "aborting the job"),
+                _ => (SIGTERM, "SIGTERM", "aborting the job"),
             };
             passed_on += 1;
             crate::errln!(
-                "launch: passing the signal on to {} as {}: {what}",
-                argv[0],
-                match sig {
-                    SIGUSR1 => "SIGUSR1",
-                    _ => "SIGTERM",
-                }
+                "launch: passing the signal on to {} as {name}: {what}",
+                argv[0]
             );
             // SAFETY: kill has no memory-safety preconditions; the pid is our own
             // child's, which has not been reaped yet (try_wait above saw it running).
