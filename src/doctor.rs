@@ -34,6 +34,14 @@ pub struct RankRow {
     pub data_fingerprint: String,
     /// Rank 0 only: whether `out_dir` can be written (None elsewhere).
     pub out_dir_writable: Option<bool>,
+    /// The interface (and its address) whose route reaches the other ranks' hosts,
+    /// e.g. `eth0 10.0.0.1`; `local` when every rank is on this host.
+    #[serde(default)]
+    pub interface: String,
+    /// The interface settings MPI was given (`btl_tcp_if_include=eth0`, ...), empty
+    /// when it chooses by itself.
+    #[serde(default)]
+    pub mpi_interface: Vec<String>,
     /// What is wrong on this rank (empty: nothing).
     pub problems: Vec<String>,
 }
@@ -127,6 +135,8 @@ pub fn run(comm: &dyn Collective, cfg: &TrainConfig, threads: usize) -> Result<R
         data_dir: dir_text,
         data_fingerprint: format!("{:016x}", print.digest()),
         out_dir_writable,
+        interface: crate::dist::route::interface_to(&comm.hosts(), &comm.host()),
+        mpi_interface: crate::dist::route::mpi_interface_settings(),
         problems,
     };
     let rows: Vec<RankRow> = preflight::all_gather_text(comm, &serde_json::to_string(&row)?)
@@ -159,6 +169,28 @@ pub fn run(comm: &dyn Collective, cfg: &TrainConfig, threads: usize) -> Result<R
 fn plan_memory(comm: &dyn Collective, cfg: &TrainConfig) -> Result<(f64, Option<String>)> {
     let (input, _, refused) = plan::check_run(cfg, comm.world_size(), comm.local_size())?;
     Ok((plan::rank_plan(&input, comm.rank()).peak_rss_mb, refused))
+}
+
+/// What the launcher told MPI about the network: one line for all ranks when they
+/// were told the same, else one per rank; nothing when no rank was told anything.
+fn interface_settings_line(ranks: &[RankRow]) -> String {
+    let told = |r: &RankRow| match r.mpi_interface.is_empty() {
+        true => "nothing (MPI chooses)".to_string(),
+        false => r.mpi_interface.join(", "),
+    };
+    if ranks.iter().all(|r| r.mpi_interface.is_empty()) {
+        return String::new();
+    }
+    if ranks
+        .iter()
+        .all(|r| r.mpi_interface == ranks[0].mpi_interface)
+    {
+        return format!("network: every rank was told {}\n", told(&ranks[0]));
+    }
+    ranks
+        .iter()
+        .map(|r| format!("network: rank {} was told {}\n", r.rank, told(r)))
+        .collect()
 }
 
 /// Creates `out_dir` if needed and writes (then removes) a probe file in it.
@@ -260,8 +292,17 @@ fn measure_all_reduce(comm: &dyn Collective, cfg: &TrainConfig, vocab: usize) ->
 pub fn table(report: &Report) -> String {
     let mut out = String::new();
     out.push_str(&format!(
-        "{:<5} {:<14} {:<40} {:<44} {:>7} {:>9} {:>9} {:<17} {:<8}\n",
-        "rank", "host", "binary", "cpu", "threads", "mem GiB", "plan MB", "data", "out_dir"
+        "{:<5} {:<14} {:<40} {:<44} {:>7} {:>9} {:>9} {:<17} {:<8} {}\n",
+        "rank",
+        "host",
+        "binary",
+        "cpu",
+        "threads",
+        "mem GiB",
+        "plan MB",
+        "data",
+        "out_dir",
+        "network"
     ));
     for r in &report.ranks {
         let out_dir = match r.out_dir_writable {
@@ -270,7 +311,7 @@ pub fn table(report: &Report) -> String {
             None => "-",
         };
         out.push_str(&format!(
-            "{:<5} {:<14} {:<40} {:<44} {:>7} {:>9.1} {:>9} {:<17} {:<8}\n",
+            "{:<5} {:<14} {:<40} {:<44} {:>7} {:>9.1} {:>9} {:<17} {:<8} {}\n",
             r.rank,
             r.host,
             r.binary,
@@ -280,9 +321,11 @@ pub fn table(report: &Report) -> String {
             r.planned_mb
                 .map_or("-".to_string(), |mb| format!("{mb:.0}")),
             r.data_fingerprint,
-            out_dir
+            out_dir,
+            r.interface
         ));
     }
+    out.push_str(&interface_settings_line(&report.ranks));
     out.push_str(&report.placement);
     out.push('\n');
     let a = &report.all_reduce;

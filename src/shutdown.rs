@@ -1,11 +1,17 @@
-//! SIGINT and SIGTERM during training: the first asks the training loop to stop
-//! after the optimizer step in progress (it then writes a checkpoint and exits with
-//! 130 or 143, the shell's codes for the two signals); a second one exits at once,
-//! with the same code. Stopping abruptly is safe: checkpoints are replaced by an
-//! atomic rename, so the last complete one is always there to resume from.
+//! SIGINT, SIGTERM and SIGUSR1 during training: the first asks the training loop to
+//! stop after the optimizer step in progress (it then writes a checkpoint and exits
+//! with 130, 143 or 138, the shell's codes for the three signals); a second one
+//! exits at once, with the same code. Stopping abruptly is safe: checkpoints are
+//! replaced by an atomic rename, so the last complete one is always there to resume
+//! from.
+//!
+//! SIGUSR1 is for MPI jobs: Open MPI's `mpirun` answers SIGTERM/SIGINT by killing
+//! the ranks a second later, but forwards SIGUSR1 to every rank untouched (Hydra
+//! forwards all three), so `kill -USR1 <mpirun>` stops a whole job with its
+//! checkpoint; `nanogpt launch` turns Ctrl-C into exactly that.
 
 use anyhow::{Context, Result};
-use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Once;
 
@@ -14,6 +20,8 @@ use std::sync::Once;
 pub enum StopSignal {
     Interrupt,
     Terminate,
+    /// SIGUSR1: what MPI launchers forward to every rank (see the module docs).
+    User1,
 }
 
 impl StopSignal {
@@ -26,6 +34,7 @@ impl StopSignal {
         match self {
             StopSignal::Interrupt => "SIGINT",
             StopSignal::Terminate => "SIGTERM",
+            StopSignal::User1 => "SIGUSR1",
         }
     }
 
@@ -33,13 +42,18 @@ impl StopSignal {
         match self {
             StopSignal::Interrupt => SIGINT,
             StopSignal::Terminate => SIGTERM,
+            StopSignal::User1 => SIGUSR1,
         }
     }
 
     fn from_number(n: usize) -> Option<StopSignal> {
-        [StopSignal::Interrupt, StopSignal::Terminate]
-            .into_iter()
-            .find(|s| s.number() as usize == n)
+        [
+            StopSignal::Interrupt,
+            StopSignal::Terminate,
+            StopSignal::User1,
+        ]
+        .into_iter()
+        .find(|s| s.number() as usize == n)
     }
 }
 
@@ -53,12 +67,12 @@ static INSTALL: Once = Once::new();
 pub fn install() -> Result<()> {
     let mut result = Ok(());
     INSTALL.call_once(|| result = register());
-    result.context("cannot install the SIGINT/SIGTERM handlers")
+    result.context("cannot install the SIGINT/SIGTERM/SIGUSR1 handlers")
 }
 
 fn register() -> std::io::Result<()> {
     use signal_hook::flag;
-    for sig in [SIGINT, SIGTERM] {
+    for sig in [SIGINT, SIGTERM, SIGUSR1] {
         // Order matters: the exit runs first and only fires once STOP is already set.
         flag::register_conditional_shutdown(sig, 128 + sig, &STOP)?;
         flag::register_usize(sig, &WHICH, sig as usize)?;
@@ -75,12 +89,14 @@ pub fn requested() -> Option<StopSignal> {
     StopSignal::from_number(WHICH.load(Ordering::SeqCst))
 }
 
-/// Packs this process's request for a sum across ranks: (interrupts, terminations).
+/// Packs this process's request for a sum across ranks: (interrupts, terminations);
+/// SIGUSR1 counts as a termination (a rank that did not receive it stops as if by
+/// SIGTERM; the launchers forward it to every rank anyway).
 pub fn as_counts(signal: Option<StopSignal>) -> [f64; 2] {
     match signal {
         None => [0.0, 0.0],
         Some(StopSignal::Interrupt) => [1.0, 0.0],
-        Some(StopSignal::Terminate) => [0.0, 1.0],
+        Some(StopSignal::Terminate | StopSignal::User1) => [0.0, 1.0],
     }
 }
 
@@ -102,6 +118,8 @@ mod tests {
     fn exit_codes_are_the_shells() {
         assert_eq!(StopSignal::Interrupt.exit_code(), 130);
         assert_eq!(StopSignal::Terminate.exit_code(), 143);
+        assert_eq!(StopSignal::User1.exit_code(), 138);
+        assert_eq!(StopSignal::from_number(10), Some(StopSignal::User1));
     }
 
     #[test]
@@ -122,6 +140,15 @@ mod tests {
         assert_eq!(
             from_counts(Some(StopSignal::Interrupt), sum(int, term)),
             Some(StopSignal::Interrupt)
+        );
+        let usr1 = as_counts(Some(StopSignal::User1));
+        assert_eq!(
+            from_counts(None, sum(none, usr1)),
+            Some(StopSignal::Terminate)
+        );
+        assert_eq!(
+            from_counts(Some(StopSignal::User1), sum(usr1, usr1)),
+            Some(StopSignal::User1)
         );
     }
 }

@@ -56,7 +56,9 @@ fn is_open_mpi() -> bool {
     *OPEN.get_or_init(|| {
         let out = Command::new(mpirun()).arg("--version").output();
         let out = out.unwrap_or_else(|e| panic!("cannot run `{}`: {e}; install an MPI", mpirun()));
-        text(&out.stdout).contains("Open MPI")
+        let version = text(&out.stdout);
+        // `mpirun.openmpi --version` says OpenRTE, `mpirun --version` Open MPI.
+        version.contains("Open MPI") || version.contains("OpenRTE")
     })
 }
 
@@ -715,6 +717,67 @@ fn sigterm_to_one_rank_stops_every_rank_at_the_same_step() {
 }
 
 #[test]
+fn sigusr1_to_mpirun_stops_the_job_with_a_checkpoint_that_resumes() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // The launcher itself is signalled: Open MPI's and Hydra's forward SIGUSR1 to
+    // every rank (SIGTERM to Open MPI's kills the ranks a second later).
+    let mut cmd = command(
+        2,
+        &[
+            "out_dir=sigusr1",
+            "gradient_accumulation_steps=2",
+            "max_iters=100000",
+            "lr_decay_iters=100000",
+            "eval_interval=20",
+        ],
+    );
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let child = cmd.spawn().unwrap();
+    let ckpt = workdir().join("sigusr1/ckpt.safetensors");
+    let start = Instant::now();
+    while !ckpt.exists() {
+        assert!(start.elapsed() < Duration::from_secs(120), "no checkpoint");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Command::new("kill")
+        .args(["-USR1", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let signalled = Instant::now();
+    let out = wait_for(child, Duration::from_secs(60));
+    let took = signalled.elapsed();
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(took < Duration::from_secs(30), "ended after {took:?}");
+    if is_open_mpi() {
+        assert_eq!(out.status.code(), Some(138), "{stdout}\n{stderr}");
+    }
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("stopped by SIGUSR1 after iteration "))
+        .unwrap_or_else(|| panic!("no stop line:\n{stdout}\n{stderr}"));
+    let last: u64 = line["stopped by SIGUSR1 after iteration ".len()..]
+        .split(':')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let ckpt = format!("sigusr1/ckpt-{:06}.safetensors", last + 1);
+    assert!(line.contains(&ckpt), "{line}");
+    let saved = Checkpoint::open_file(&workdir().join(&ckpt)).unwrap();
+    assert_eq!(saved.state.iter_num, last + 1);
+    let until = format!("max_iters={}", last + 3);
+    let stdout = train(
+        2,
+        "sigusr1",
+        &["gradient_accumulation_steps=2", &until, "init_from=resume"],
+    );
+    assert!(
+        stdout.contains(&format!("resuming from {ckpt} at iteration {}", last + 1)),
+        "{stdout}"
+    );
+}
+
+#[test]
 fn a_start_up_that_hangs_ends_with_the_likely_causes() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     // Rank 1 starts 20 s late: rank 0 waits in MPI_Init for it, past its start-up
@@ -801,6 +864,9 @@ fn doctor_under_mpirun_reports_every_rank_and_fails_on_other_data() {
     let ranks = report["ranks"].as_array().unwrap();
     assert_eq!(ranks.len(), 2);
     assert_eq!(ranks[0]["data_fingerprint"], ranks[1]["data_fingerprint"]);
+    // Both ranks on this host: no network between them.
+    assert_eq!(ranks[0]["interface"], "local", "{report}");
+    assert_eq!(ranks[1]["interface"], "local", "{report}");
     assert!(
         report["all_reduce"]["ms"].as_f64().unwrap() > 0.0,
         "{report}"

@@ -30,7 +30,8 @@
 # out-of-band channel); without it mpirun hangs after an abort when a link is cut.
 # Env: CLUSTER_PREFIX (ngpt), CLUSTER_SUBNET (10.78.0), CLUSTER_STATE
 # (/run/$CLUSTER_PREFIX-cluster), MPIRUN (mpirun), CLUSTER_TIMEOUT (job limit for
-# `run`, seconds, default 600).
+# `run`, seconds, default 600), CLUSTER_LINGER (seconds `run` waits for what a job
+# left on the hosts to end by itself before listing it, default 0).
 set -euo pipefail
 
 PREFIX=${CLUSTER_PREFIX:-ngpt}
@@ -125,7 +126,10 @@ run() {
     shift
     local n; n=$(hosts)
     local limit=${CLUSTER_TIMEOUT:-600} rc=0
-    if "$MPIRUN" --version 2>/dev/null | grep -q "Open MPI"; then
+    # (Read whole: `grep -q` would close the pipe early, and with pipefail the
+    # launcher's SIGPIPE would count as no match.)
+    local version; version=$("$MPIRUN" --version 2>&1 || true)
+    if grep -qE "Open MPI|OpenRTE" <<<"$version"; then
         # Open MPI: its rsh launcher with our ssh stand-in; TCP on the veth subnet
         # only, for the data (btl) and for the runtime (oob).
         timeout -k 10 "$limit" ip netns exec "$SWITCH" "$MPIRUN" --allow-run-as-root \
@@ -145,6 +149,9 @@ run() {
             -launcher ssh -launcher-exec "$STATE/ssh" -localhost "$HEAD" \
             "${opts[@]}" "$@" || rc=$?
     fi
+    # CLUSTER_LINGER=S: give what is left up to S seconds to end by itself first.
+    local linger=${CLUSTER_LINGER:-0}
+    while [ "$linger" -gt 0 ] && [ -n "$(leftovers)" ]; do sleep 1; linger=$((linger - 1)); done
     leftovers > "$STATE/leftover"
     reap
     return $rc
@@ -155,7 +162,7 @@ leftovers() {
     local ns p
     for ns in $(our_namespaces); do
         for p in $(ip netns pids "$ns" 2>/dev/null); do
-            echo "${ns#"$PREFIX-"} $(tr '\0' ' ' < "/proc/$p/cmdline" 2>/dev/null | cut -c1-120)"
+            echo "${ns#"$PREFIX-"} $(tr '\0' ' ' < "/proc/$p/cmdline" 2>/dev/null | command cut -c1-120)"
         done
     done
     return 0

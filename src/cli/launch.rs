@@ -32,7 +32,8 @@ pub struct LaunchArgs {
     pub command: Vec<String>,
 }
 
-/// Prints the line; unless `--dry-run`, runs `doctor` with it, then the job.
+/// Prints the line; unless `--dry-run`, runs `doctor` with it, then the job (see
+/// [`supervise`] for what Ctrl-C does).
 pub fn run(args: LaunchArgs) -> Result<i32> {
     let mpirun = args
         .mpirun
@@ -86,9 +87,59 @@ pub fn run(args: LaunchArgs) -> Result<i32> {
     if !status.success() {
         bail!("`nanogpt doctor` found problems (above); fix them, then launch again");
     }
-    use std::os::unix::process::CommandExt;
-    let err = std::process::Command::new(&train[0])
-        .args(&train[1..])
-        .exec();
-    Err(err).with_context(|| format!("cannot run {mpirun}"))
+    supervise(&train)
+}
+
+/// Runs the job's launcher and waits for it, turning the first SIGINT/SIGTERM (Ctrl-C)
+/// into SIGUSR1 to the launcher, which both Open MPI and Hydra forward to every rank:
+/// the job stops after the step in progress with a checkpoint. (Open MPI's `mpirun`
+/// answers SIGINT/SIGTERM itself by killing the ranks a second later.) A second
+/// signal is passed on as SIGTERM, the launcher's own abort. The launcher runs in
+/// its own process group, so the terminal's Ctrl-C reaches only this process, and
+/// without stdin (a background group reading the terminal would be stopped).
+/// Returns the launcher's exit status.
+fn supervise(argv: &[String]) -> Result<i32> {
+    use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
+    use std::os::unix::process::{CommandExt, ExitStatusExt};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let signalled = Arc::new(AtomicBool::new(false));
+    for sig in [SIGINT, SIGTERM] {
+        signal_hook::flag::register(sig, Arc::clone(&signalled))
+            .context("cannot install the SIGINT/SIGTERM handlers")?;
+    }
+    let mut child = std::process::Command::new(&argv[0])
+        .args(&argv[1..])
+        .stdin(std::process::Stdio::null())
+        .process_group(0)
+        .spawn()
+        .with_context(|| format!("cannot run {}", argv[0]))?;
+    let mut passed_on = 0;
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok(status
+                .code()
+                .unwrap_or_else(|| 128 + status.signal().unwrap_or(0)));
+        }
+        if signalled.swap(false, Ordering::SeqCst) {
+            let (sig, name, what) = match passed_on {
+                0 => (
+                    SIGUSR1,
+                    "SIGUSR1",
+                    "every rank stops after the step in progress and rank 0 writes a \
+                     checkpoint (Ctrl-C again to abort at once)",
+                ),
+                _ => (SIGTERM, "SIGTERM", "aborting the job"),
+            };
+            passed_on += 1;
+            crate::errln!(
+                "launch: passing the signal on to {} as {name}: {what}",
+                argv[0]
+            );
+            // SAFETY: kill has no memory-safety preconditions; the pid is our own
+            // child's, which has not been reaped yet (try_wait above saw it running).
+            unsafe { libc::kill(child.id() as libc::pid_t, sig) };
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
 }

@@ -15,7 +15,7 @@ pub struct TrainArgs {
 /// Characters of the sample printed after the quick start.
 const QUICK_START_SAMPLE_TOKENS: usize = 300;
 
-/// Trains; returns the process's exit status (0, or 130/143 when SIGINT/SIGTERM
+/// Trains; returns the process's exit status (0, or 130/143/138 when SIGINT/SIGTERM/SIGUSR1
 /// stopped the run after writing a checkpoint).
 pub fn run(args: TrainArgs) -> Result<i32> {
     // First, so that every later error can name this rank and abort the job.
@@ -75,7 +75,7 @@ pub fn run(args: TrainArgs) -> Result<i32> {
         }
     }
     if !trainer.cfg.eval_only {
-        // From here on, SIGINT/SIGTERM end the run at a step boundary with a checkpoint.
+        // From here on, SIGINT/SIGTERM/SIGUSR1 end the run at a step boundary with a checkpoint.
         crate::shutdown::install()?;
     }
     let outcome = trainer.run()?;
@@ -89,6 +89,9 @@ pub fn run(args: TrainArgs) -> Result<i32> {
                 path.display()
             );
         }
+        // No rank may end before rank 0's checkpoint is on disk: a launcher (Open
+        // MPI's) kills the whole job as soon as one rank exits with a failure code.
+        trainer.wait_for_root();
         return Ok(signal.exit_code());
     }
     if root {

@@ -16,6 +16,7 @@ mod parallel;
 mod plan;
 pub mod preflight;
 pub mod resident;
+pub mod route;
 mod update;
 mod watchdog;
 

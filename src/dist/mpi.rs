@@ -26,6 +26,9 @@ use std::time::{Duration, Instant};
 /// reported (and the job aborted) while it is still up.
 static UNIVERSE: Mutex<Option<Universe>> = Mutex::new(None);
 
+/// Whether some ranks run on other hosts than this one (see [`finalize`]).
+static SPANS_HOSTS: AtomicBool = AtomicBool::new(false);
+
 /// The MPI world as a [`Collective`].
 pub struct Mpi {
     world: SimpleCommunicator,
@@ -56,6 +59,7 @@ impl Mpi {
         let (rank, size) = (world.rank() as usize, world.size() as usize);
         // Ranks sharing memory with this one: the ranks on this host.
         let local = world.split_shared(world.rank()).size() as usize;
+        SPANS_HOSTS.store(local < size, Ordering::SeqCst);
         let host = mpi::environment::processor_name().unwrap_or_else(|_| "?".into());
         let hosts = all_hosts(&world, &host);
         // A second communicator, for the watchdog thread's messages only; never
@@ -321,25 +325,50 @@ pub fn abort_world(code: i32) -> ! {
 /// How long `MPI_Finalize` may take before the process leaves without it.
 const FINALIZE_GRACE: Duration = Duration::from_secs(15);
 
-/// `MPI_Finalize`, if [`Mpi::init`] ran. Some MPI versions (Debian's MPICH 4.0.2
-/// over UCX, across hosts) sometimes never return from it; the run's work is done
-/// and written by then, so after [`FINALIZE_GRACE`] the process exits anyway.
+/// `MPI_Finalize`, if [`Mpi::init`] ran, under a timer: after [`FINALIZE_GRACE`]
+/// the process exits without it (the run's work is done and written by then).
+///
+/// MPICH across hosts skips `MPI_Finalize` after a barrier. Debian's MPICH 4.0.2
+/// (ch4 over UCX) hangs in it in about half of the multi-host runs, even right after
+/// a barrier: one rank spins in UCX closing its connections while the others wait
+/// in the PMI barrier and no longer make progress (docs/multinode.md, "Which MPI",
+/// has the stacks). Leaving after the barrier is clean under Hydra (exit status
+/// passed on, no messages), whereas a rank that gives up on a hung `MPI_Finalize`
+/// breaks its proxy's PMI barrier and Hydra reports the job as failed.
+/// `NANOGPT_MPI_FINALIZE=1` calls it anyway (to reproduce the hang).
 pub fn finalize() {
     let universe = UNIVERSE.lock().unwrap_or_else(|e| e.into_inner()).take();
-    if universe.is_some() {
-        let _ = std::thread::Builder::new()
-            .name("finalize-watchdog".into())
-            .spawn(|| {
-                std::thread::sleep(FINALIZE_GRACE);
-                eprintln!(
-                    "warning: MPI_Finalize has not returned after {} s (a known hang of some \
-                     MPI versions); the run is complete, exiting without it",
-                    FINALIZE_GRACE.as_secs()
-                );
-                std::process::exit(0);
-            });
+    let Some(universe) = universe else {
+        return;
+    };
+    let _ = std::thread::Builder::new()
+        .name("finalize-watchdog".into())
+        .spawn(|| {
+            std::thread::sleep(FINALIZE_GRACE);
+            eprintln!(
+                "warning: MPI_Finalize has not returned after {} s (a known hang of some \
+                 MPI versions); the run is complete, exiting without it",
+                FINALIZE_GRACE.as_secs()
+            );
+            std::process::exit(0);
+        });
+    if skips_finalize() {
+        universe.world().barrier();
+        // Dropping the universe would call MPI_Finalize.
+        std::mem::forget(universe);
+        return;
     }
     drop(universe);
+}
+
+/// Whether [`finalize`] leaves without `MPI_Finalize`: MPICH with ranks on several
+/// hosts, unless `NANOGPT_MPI_FINALIZE=1`.
+fn skips_finalize() -> bool {
+    let mpich = mpi::environment::library_version()
+        .map(|v| v.starts_with("MPICH"))
+        .unwrap_or(false);
+    let forced = std::env::var("NANOGPT_MPI_FINALIZE").as_deref() == Ok("1");
+    mpich && SPANS_HOSTS.load(Ordering::SeqCst) && !forced
 }
 
 /// Makes MPI progress (an `MPI_Iprobe`, which matches nothing: collectives do not
