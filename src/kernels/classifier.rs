@@ -144,8 +144,9 @@ const DWTE_BLOCK: usize = 4096;
 /// vocabulary: one product over all of V where the bf16 kernel is AMX (it packs into
 /// buffers it keeps, and in blocks it would repack the chunk's x for every block),
 /// [`DWTE_BLOCK`] wherever the `gemm` crate runs the product — f32, and bf16 without
-/// AMX, where one product over V had the crate map and fault in a fresh R × V buffer
-/// per chunk (the 124M bf16 classifier was that much slower than f32's).
+/// AMX, which thus runs f32's products exactly (one product over V packs an R × V
+/// buffer per chunk, 51 MB at GPT-2's R = 256; with glibc's adaptive mmap threshold
+/// that no longer faults in every step, measured, but it leaves the caches).
 fn dwte_block<const BF16: bool>(v: usize) -> usize {
     match BF16 && kernel() == Kernel::Amx {
         true => v,
