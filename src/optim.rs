@@ -1,6 +1,9 @@
 //! AdamW over the flat parameter buffer, global-norm gradient clipping, and
 //! nanoGPT's learning-rate schedule.
 
+use crate::kernels::bf16;
+use crate::kernels::fastmath::{simd_fn, Simd};
+use crate::kernels::SharedMut;
 use crate::model::ParamLayout;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -50,11 +53,15 @@ pub struct AdamW {
     /// Updates taken so far (for bias correction).
     pub step: u64,
     pieces: Vec<Piece>,
+    /// Built by [`AdamW::new`]: every slot is its arena offset.
+    whole: bool,
 }
 
 impl AdamW {
     pub fn new(layout: &ParamLayout, config: AdamWConfig) -> AdamW {
-        AdamW::for_shard(layout, config, &[(0..layout.len, 0)], layout.len)
+        let mut opt = AdamW::for_shard(layout, config, &[(0..layout.len, 0)], layout.len);
+        opt.whole = true;
+        opt
     }
 
     /// AdamW over part of the arena, for ZeRO-1: `shard` lists arena ranges and the
@@ -88,6 +95,7 @@ impl AdamW {
             v: vec![0.0; state_len],
             step: 0,
             pieces,
+            whole: false,
         }
     }
 
@@ -115,20 +123,91 @@ impl AdamW {
         self.update(params, grads, lr, grad_factor);
     }
 
-    fn update(&mut self, params: &mut [f32], grads: &[f32], lr: f32, grad_factor: f32) {
+    /// [`AdamW::step_scaled`] fused with what follows it: in the same pass over the
+    /// arena, `grads` is zeroed once read (for the next step's accumulation) and, when
+    /// `bf16_copy` is given (bf16 autocast's weight copy, laid out like `params`), it
+    /// receives the updated parameters rounded to bf16. Bit for bit `step_scaled`,
+    /// zeroing the gradients and `bf16::round_into(copy, params)`, for an optimizer
+    /// over the whole arena ([`AdamW::new`]); elements outside every tensor (alignment
+    /// gaps) are left alone in all four buffers.
+    pub fn step_fused(
+        &mut self,
+        params: &mut [f32],
+        grads: &mut [f32],
+        bf16_copy: Option<&mut [f32]>,
+        lr: f32,
+        grad_factor: f32,
+    ) {
+        let _t = crate::profile::scope(crate::profile::Section::AdamW);
+        assert!(params.len() == self.m.len() && grads.len() == self.m.len());
+        assert!(
+            self.whole,
+            "step_fused needs an optimizer over the whole arena"
+        );
+        let copy = bf16_copy.map(|c| {
+            assert_eq!(
+                c.len(),
+                params.len(),
+                "the bf16 copy is laid out like params"
+            );
+            SharedMut::new(c)
+        });
+        let grads = SharedMut::new(grads);
+        let h = self.hyper(lr, grad_factor);
+        let (params, m, v) = (
+            SharedMut::new(params),
+            SharedMut::new(&mut self.m),
+            SharedMut::new(&mut self.v),
+        );
+        let simd = Simd::detect();
+        self.pieces.par_iter().for_each(|piece| {
+            let r = piece.range.clone();
+            // SAFETY: as in `update`; slots equal arena offsets (`whole`), so the
+            // piece's gradients and copy are its own too.
+            let (p, m, v, g) = unsafe {
+                (
+                    params.slice(r.start, r.len()),
+                    m.slice(r.start, r.len()),
+                    v.slice(r.start, r.len()),
+                    grads.slice(r.start, r.len()),
+                )
+            };
+            let h = h.for_piece(piece.decay);
+            match copy {
+                // SAFETY: as above.
+                Some(copy) => {
+                    let c = unsafe { copy.slice(r.start, r.len()) };
+                    update_copy_lanes(simd, p, m, v, g, c, h);
+                }
+                None => update_zero_lanes(simd, p, m, v, g, h),
+            }
+        });
+    }
+
+    /// The constants of the next update (advancing the step count).
+    fn hyper(&mut self, lr: f32, grad_factor: f32) -> Hyper {
         self.step += 1;
         let c = self.config;
         let t = self.step as i32;
         // PyTorch's formulation: p ← p·(1 − lr·wd) − (lr / bc1) · m / (√v / √bc2 + eps).
         let bc1 = 1.0 - (c.beta1 as f64).powi(t);
         let bc2_sqrt = (1.0 - (c.beta2 as f64).powi(t)).sqrt();
-        let step_size = (lr as f64 / bc1) as f32;
-        let inv_bc2_sqrt = (1.0 / bc2_sqrt) as f32;
-        let params = crate::kernels::SharedMut::new(params);
-        let (m, v) = (
-            crate::kernels::SharedMut::new(&mut self.m),
-            crate::kernels::SharedMut::new(&mut self.v),
-        );
+        Hyper {
+            beta1: c.beta1,
+            beta2: c.beta2,
+            eps: c.eps,
+            decay: 1.0 - lr * c.weight_decay,
+            step_size: (lr as f64 / bc1) as f32,
+            inv_bc2_sqrt: (1.0 / bc2_sqrt) as f32,
+            grad_factor,
+        }
+    }
+
+    fn update(&mut self, params: &mut [f32], grads: &[f32], lr: f32, grad_factor: f32) {
+        let h = self.hyper(lr, grad_factor);
+        let params = SharedMut::new(params);
+        let (m, v) = (SharedMut::new(&mut self.m), SharedMut::new(&mut self.v));
+        let simd = Simd::detect();
         self.pieces.par_iter().for_each(|piece| {
             let r = piece.range.clone();
             let s = piece.slot..piece.slot + r.len();
@@ -142,19 +221,76 @@ impl AdamW {
                     v.slice(s.start, s.len()),
                 )
             };
-            let decay = if piece.decay {
-                1.0 - lr * c.weight_decay
-            } else {
-                1.0
-            };
-            for (((p, m), v), &g) in p.iter_mut().zip(m).zip(v).zip(&grads[s]) {
-                let g = g * grad_factor;
-                *m = c.beta1 * *m + (1.0 - c.beta1) * g;
-                *v = c.beta2 * *v + (1.0 - c.beta2) * g * g;
-                let denom = v.sqrt() * inv_bc2_sqrt + c.eps;
-                *p = *p * decay - step_size * *m / denom;
-            }
+            update_lanes(simd, p, m, v, &grads[s], h.for_piece(piece.decay));
         });
+    }
+}
+
+/// The constants of one AdamW update of one piece.
+#[derive(Clone, Copy)]
+struct Hyper {
+    beta1: f32,
+    beta2: f32,
+    eps: f32,
+    /// `1 − lr·wd` for the decayed tensors; 1 in [`Hyper::for_piece`] for the rest.
+    decay: f32,
+    step_size: f32,
+    inv_bc2_sqrt: f32,
+    grad_factor: f32,
+}
+
+impl Hyper {
+    fn for_piece(self, decay: bool) -> Hyper {
+        Hyper {
+            decay: if decay { self.decay } else { 1.0 },
+            ..self
+        }
+    }
+
+    /// One element's update: `p`, `m`, `v` from gradient `g` (before the factor).
+    #[inline(always)]
+    fn apply(self, p: &mut f32, m: &mut f32, v: &mut f32, g: f32) {
+        let g = g * self.grad_factor;
+        *m = self.beta1 * *m + (1.0 - self.beta1) * g;
+        *v = self.beta2 * *v + (1.0 - self.beta2) * g * g;
+        let denom = v.sqrt() * self.inv_bc2_sqrt + self.eps;
+        *p = *p * self.decay - self.step_size * *m / denom;
+    }
+}
+
+simd_fn! {
+    fn update_lanes(p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], h: Hyper) {
+        for (((p, m), v), &g) in p.iter_mut().zip(m).zip(v).zip(g) {
+            h.apply(p, m, v, g);
+        }
+    }
+}
+
+simd_fn! {
+    /// [`update_lanes`], zeroing each gradient once read.
+    fn update_zero_lanes(p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &mut [f32], h: Hyper) {
+        for (((p, m), v), g) in p.iter_mut().zip(m).zip(v).zip(g) {
+            h.apply(p, m, v, *g);
+            *g = 0.0;
+        }
+    }
+}
+
+simd_fn! {
+    /// [`update_zero_lanes`], writing the updated parameter rounded to bf16 to `copy`.
+    fn update_copy_lanes(
+        p: &mut [f32],
+        m: &mut [f32],
+        v: &mut [f32],
+        g: &mut [f32],
+        copy: &mut [f32],
+        h: Hyper,
+    ) {
+        for ((((p, m), v), g), c) in p.iter_mut().zip(m).zip(v).zip(g).zip(copy) {
+            h.apply(p, m, v, *g);
+            *g = 0.0;
+            *c = bf16::round(*p);
+        }
     }
 }
 
@@ -172,22 +308,29 @@ pub fn grad_sq_sum(grads: &[f32]) -> f64 {
     partial.iter().sum()
 }
 
-/// Σ x² in f64 over independent lanes, so that the loop vectorises.
-fn sq_sum(g: &[f32]) -> f64 {
-    const LANES: usize = 8;
-    let mut lanes = [0.0f64; LANES];
-    let mut chunks = g.chunks_exact(LANES);
-    for chunk in &mut chunks {
-        for (s, &x) in lanes.iter_mut().zip(chunk) {
-            *s += x as f64 * x as f64;
+simd_fn! {
+    /// Σ x² in f64 over independent lanes, so that the loop vectorises.
+    fn sq_sum_lanes(g: &[f32]) -> f64 {
+        const LANES: usize = 8;
+        let mut lanes = [0.0f64; LANES];
+        let mut chunks = g.chunks_exact(LANES);
+        for chunk in &mut chunks {
+            for (s, &x) in lanes.iter_mut().zip(chunk) {
+                *s += x as f64 * x as f64;
+            }
         }
+        let rest: f64 = chunks
+            .remainder()
+            .iter()
+            .map(|&x| x as f64 * x as f64)
+            .sum();
+        lanes.iter().sum::<f64>() + rest
     }
-    let rest: f64 = chunks
-        .remainder()
-        .iter()
-        .map(|&x| x as f64 * x as f64)
-        .sum();
-    lanes.iter().sum::<f64>() + rest
+}
+
+/// [`sq_sum_lanes`] on the widest instruction set this CPU has (the same bits).
+fn sq_sum(g: &[f32]) -> f64 {
+    sq_sum_lanes(Simd::detect(), g)
 }
 
 /// Multiplies every gradient by `factor`.
@@ -354,6 +497,47 @@ mod tests {
             1.0,
             "grad_clip = 0 turns clipping off"
         );
+    }
+
+    #[test]
+    fn fused_step_is_the_step_then_the_copy_then_zeroing() {
+        let layout = ParamLayout::new(&tiny_config(2));
+        let n = layout.len;
+        let init: Vec<f32> = (0..n).map(|i| (i % 13) as f32 * 0.1013 - 0.6).collect();
+        for with_copy in [false, true] {
+            let (mut plain, mut fused) = (init.clone(), init.clone());
+            let mut first = AdamW::new(&layout, AdamWConfig::default());
+            let mut second = AdamW::new(&layout, AdamWConfig::default());
+            let mut copy = vec![f32::NAN; n];
+            for s in 0..3 {
+                let g: Vec<f32> = (0..n)
+                    .map(|i| ((i * 7 + s) % 11) as f32 * 0.3 - 1.5)
+                    .collect();
+                first.step_scaled(&mut plain, &g, 1e-2, 0.7);
+                let mut g_fused = g.clone();
+                let c = with_copy.then_some(&mut copy[..]);
+                second.step_fused(&mut fused, &mut g_fused, c, 1e-2, 0.7);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&plain), bits(&fused), "step {s}");
+                assert_eq!((&first.m, &first.v), (&second.m, &second.v));
+                // Zeroed where the step read them; the gaps between tensors untouched.
+                let read: Vec<bool> = (0..n)
+                    .map(|i| layout.tensors.iter().any(|t| t.range().contains(&i)))
+                    .collect();
+                for i in 0..n {
+                    let want = if read[i] { 0.0 } else { g[i] };
+                    assert_eq!(g_fused[i], want, "gradient {i}");
+                }
+                if with_copy {
+                    let mut want = vec![0.0; n];
+                    crate::kernels::bf16::round_into(&mut want, &fused);
+                    for i in (0..n).filter(|&i| read[i]) {
+                        assert_eq!(copy[i].to_bits(), want[i].to_bits(), "copy {i}");
+                        assert_ne!(copy[i], fused[i], "copy {i} is rounded");
+                    }
+                }
+            }
+        }
     }
 
     #[test]

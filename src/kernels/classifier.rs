@@ -123,10 +123,9 @@ pub fn classifier_forward<const BF16: bool>(
                 Some(p) => matmul_bf16_packed(dx, dlogits, &p.dx, false),
                 None => gemm(dx, dlogits, wte_v, false),
             }
-            // The bf16 kernels pack into buffers they keep: one product over all of V.
             // An empty `dwte` is a frozen embedding (LoRA): its gradient is not formed.
             if !g.dwte.is_empty() {
-                let block = if BF16 { v } else { DWTE_BLOCK };
+                let block = dwte_block::<BF16>(v);
                 weight_gradient(&mut g.dwte[..v * c], dlogits, x_m, gemm, block);
             }
         }
@@ -140,6 +139,20 @@ pub fn classifier_forward<const BF16: bool>(
 
 /// Vocabulary rows of `dwte` per f32 product in [`weight_gradient`].
 const DWTE_BLOCK: usize = 4096;
+
+/// Vocabulary rows of `dwte` per product in [`weight_gradient`], for a `v`-row
+/// vocabulary: one product over all of V where the bf16 kernel is AMX (it packs into
+/// buffers it keeps, and in blocks it would repack the chunk's x for every block),
+/// [`DWTE_BLOCK`] wherever the `gemm` crate runs the product — f32, and bf16 without
+/// AMX, which thus runs f32's products exactly (one product over V packs an R × V
+/// buffer per chunk, 51 MB at GPT-2's R = 256; with glibc's adaptive mmap threshold
+/// that no longer faults in every step, measured, but it leaves the caches).
+fn dwte_block<const BF16: bool>(v: usize) -> usize {
+    match BF16 && kernel() == Kernel::Amx {
+        true => v,
+        false => DWTE_BLOCK,
+    }
+}
 
 /// `dwte += dlogitsᵀ · x` for one chunk of rows, in blocks of `block` vocabulary rows.
 ///
@@ -416,6 +429,21 @@ mod tests {
         let (dlogits_m, x_m) = (Mat::new(&dlogits, r, v), Mat::new(&x, r, c));
         weight_gradient(&mut dwte, dlogits_m, x_m, matmul, block);
         assert_close("dwte", &dwte, &want, 1e-5, 1e-6);
+    }
+
+    #[test]
+    fn dwte_is_blocked_wherever_the_gemm_crate_runs_it() {
+        use crate::kernels::bf16::gemm::with_kernel;
+        let v = 50_257;
+        assert_eq!(dwte_block::<false>(v), DWTE_BLOCK);
+        // bf16 without AMX runs the f32 GEMM: blocked like f32 (one product over V
+        // would map a fresh R × V packing buffer per chunk).
+        assert_eq!(
+            with_kernel(Kernel::F32, || dwte_block::<true>(v)),
+            DWTE_BLOCK
+        );
+        // The AMX kernel keeps its packs: one product (no kernel runs here).
+        assert_eq!(with_kernel(Kernel::Amx, || dwte_block::<true>(v)), v);
     }
 
     #[test]

@@ -55,6 +55,86 @@ pub(crate) fn has_avx2_fma() -> bool {
     }
 }
 
+/// The instruction sets the element-wise passes are compiled for, as proof that the
+/// CPU has one: made only by [`Simd::detect`] (and, in tests, [`Simd::available`]),
+/// so a kernel given a `Simd` may run the code compiled for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Simd(Level);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Level {
+    /// Baseline x86-64 (SSE2), or any other architecture.
+    Portable,
+    /// AVX2 with FMA.
+    Avx2,
+    /// AVX-512 (F, BW, VL) with AVX2 and FMA.
+    Avx512,
+}
+
+impl Simd {
+    /// The widest level this CPU runs (the std macro caches the CPU's answer).
+    #[inline]
+    pub(crate) fn detect() -> Simd {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx512 = is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl");
+            if has_avx2_fma() {
+                return Simd(if avx512 { Level::Avx512 } else { Level::Avx2 });
+            }
+        }
+        Simd(Level::Portable)
+    }
+
+    /// Every level this CPU runs, narrowest first: for tests that check each
+    /// compilation of a pass against the portable one.
+    #[cfg(test)]
+    pub(crate) fn available() -> Vec<Simd> {
+        let all = [Level::Portable, Level::Avx2, Level::Avx512];
+        let top = Simd::detect().0;
+        let n = all.iter().position(|&l| l == top).unwrap_or(0) + 1;
+        all[..n].iter().map(|&l| Simd(l)).collect()
+    }
+
+    pub(crate) fn level(self) -> Level {
+        self.0
+    }
+}
+
+/// Defines `fn name(simd: Simd, args...)` that runs `body` compiled for `simd`'s
+/// instruction set: the same source, so the same IEEE operations in the same order
+/// (Rust never contracts `a * b + c` into an FMA by itself), hence bit-identical
+/// results on every level; only the vector width differs. Non-generic functions only.
+macro_rules! simd_fn {
+    ($(#[$m:meta])* $vis:vis fn $name:ident($($a:ident: $t:ty),* $(,)?) $(-> $r:ty)? $body:block) => {
+        $(#[$m])*
+        $vis fn $name(simd: $crate::kernels::fastmath::Simd, $($a: $t),*) $(-> $r)? {
+            #[inline(always)]
+            fn body($($a: $t),*) $(-> $r)? $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+                fn avx512($($a: $t),*) $(-> $r)? { body($($a),*) }
+                #[target_feature(enable = "avx2,fma")]
+                fn avx2($($a: $t),*) $(-> $r)? { body($($a),*) }
+                use $crate::kernels::fastmath::Level;
+                match simd.level() {
+                    // SAFETY: a `Simd` of this level is only made where the CPU has
+                    // these features (`Simd::detect`).
+                    Level::Avx512 => return unsafe { avx512($($a),*) },
+                    // SAFETY: as above.
+                    Level::Avx2 => return unsafe { avx2($($a),*) },
+                    Level::Portable => {}
+                }
+            }
+            let _ = simd;
+            body($($a),*)
+        }
+    };
+}
+pub(crate) use simd_fn;
+
 #[cfg(test)]
 mod tests {
     use super::*;

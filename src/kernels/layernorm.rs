@@ -1,5 +1,7 @@
 //! Layer normalisation over the channel dimension.
 
+use super::bf16;
+use super::fastmath::{simd_fn, Simd};
 use super::SharedMut;
 use crate::model::config::LAYER_NORM_EPS;
 use rayon::prelude::*;
@@ -33,17 +35,30 @@ pub fn layernorm_forward<const BF16: bool>(
     let c = w.weight.len();
     let n = inp.len() / c;
     assert!(out.len() == n * c && mean.len() == n && rstd.len() == n);
+    let simd = Simd::detect();
     out.par_chunks_mut(c)
         .zip(inp.par_chunks(c))
         .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
-        .for_each(|((o, x), (m, r))| {
-            let mu = lane_sum(x, |v| v) / c as f32;
-            let var = lane_sum(x, |v| (v - mu) * (v - mu)) / c as f32;
-            let rs = 1.0 / (var + LAYER_NORM_EPS).sqrt();
-            apply_row::<BF16>(o, x, mu, rs, w);
-            *m = mu;
-            *r = rs;
-        });
+        .for_each(|((o, x), (m, r))| (*m, *r) = forward_row(simd, o, x, w, BF16));
+}
+
+simd_fn! {
+    /// One row of [`layernorm_forward`]: its `(mean, rstd)`, and `o` written.
+    fn forward_row(o: &mut [f32], x: &[f32], w: Norm, round: bool) -> (f32, f32) {
+        let c = x.len();
+        let mu = lane_sum(x, |v| v) / c as f32;
+        let var = lane_sum(x, |v| (v - mu) * (v - mu)) / c as f32;
+        let rs = 1.0 / (var + LAYER_NORM_EPS).sqrt();
+        apply_row(o, x, mu, rs, w, round);
+        (mu, rs)
+    }
+}
+
+simd_fn! {
+    /// One row of [`layernorm_recompute`].
+    fn recompute_row(o: &mut [f32], x: &[f32], mu: f32, rs: f32, w: Norm, round: bool) {
+        apply_row(o, x, mu, rs, w, round);
+    }
 }
 
 /// The output of [`layernorm_forward`] again, from its saved `mean` and `rstd`
@@ -60,27 +75,27 @@ pub fn layernorm_recompute<const BF16: bool>(
     let c = w.weight.len();
     let n = inp.len() / c;
     assert!(out.len() == n * c && mean.len() == n && rstd.len() == n);
+    let simd = Simd::detect();
     out.par_chunks_mut(c)
         .zip(inp.par_chunks(c))
         .zip(mean.par_iter().zip(rstd))
-        .for_each(|((o, x), (&mu, &rs))| apply_row::<BF16>(o, x, mu, rs, w));
+        .for_each(|((o, x), (&mu, &rs))| recompute_row(simd, o, x, mu, rs, w, BF16));
 }
 
 /// `o = (x − mu) · rs · weight + bias` for one row (no bias when `bias` is empty),
-/// rounded to bf16 when `ROUND`.
+/// rounded to bf16 when `round` (in the same pass, so the compiled variant rounds
+/// with its own vectors).
 #[inline(always)]
-fn apply_row<const ROUND: bool>(o: &mut [f32], x: &[f32], mu: f32, rs: f32, w: Norm) {
+fn apply_row(o: &mut [f32], x: &[f32], mu: f32, rs: f32, w: Norm, round: bool) {
+    let finish = |v: f32| if round { bf16::round(v) } else { v };
     if w.bias.is_empty() {
         for ((o, &x), &w) in o.iter_mut().zip(x).zip(w.weight) {
-            *o = (x - mu) * rs * w;
+            *o = finish((x - mu) * rs * w);
         }
     } else {
         for (((o, &x), &w), &b) in o.iter_mut().zip(x).zip(w.weight).zip(w.bias) {
-            *o = (x - mu) * rs * w + b;
+            *o = finish((x - mu) * rs * w + b);
         }
-    }
-    if ROUND {
-        super::bf16::round_slice(o);
     }
 }
 
@@ -146,37 +161,21 @@ pub fn layernorm_backward(
     let n = inp.len() / c;
     assert!(dinp.len() == n * c && dout.len() == n * c && mean.len() == n);
     // Input gradient, row-parallel.
+    let simd = Simd::detect();
     dinp.par_chunks_mut(c)
         .zip(dout.par_chunks(c).zip(inp.par_chunks(c)))
         .zip(mean.par_iter().zip(rstd))
-        .for_each(|((di, (dy, x)), (&mu, &rs))| {
-            let (sum_dnorm, sum_dnorm_xhat) = dnorm_sums(dy, x, weight, mu, rs);
-            let mean_dnorm = sum_dnorm / c as f32;
-            let mean_dnorm_xhat = sum_dnorm_xhat / c as f32;
-            for (((di, &dy), &x), &w) in di.iter_mut().zip(dy).zip(x).zip(weight) {
-                let xhat = (x - mu) * rs;
-                *di += rs * (dy * w - mean_dnorm - xhat * mean_dnorm_xhat);
-            }
-        });
+        .for_each(|((di, (dy, x)), (&mu, &rs))| backward_row(simd, di, dy, x, weight, mu, rs));
     // Parameter gradients, parallel over channel blocks so no two tasks share an element.
-    const BLOCK: usize = 32;
     let has_bias = !dbias.is_empty();
     assert!(dweight.len() == c && (!has_bias || dbias.len() == c));
     let dw = SharedMut::new(dweight);
     let db = SharedMut::new(dbias);
     (0..c.div_ceil(BLOCK)).into_par_iter().for_each(|blk| {
         let (lo, hi) = (blk * BLOCK, ((blk + 1) * BLOCK).min(c));
-        let mut acc_w = [0.0f32; BLOCK];
-        let mut acc_b = [0.0f32; BLOCK];
-        for row in 0..n {
-            let (mu, rs) = (mean[row], rstd[row]);
-            let dy = &dout[row * c + lo..row * c + hi];
-            let x = &inp[row * c + lo..row * c + hi];
-            for (i, (&dy, &x)) in dy.iter().zip(x).enumerate() {
-                acc_w[i] += dy * (x - mu) * rs;
-                acc_b[i] += dy;
-            }
-        }
+        let (mut acc_w, mut acc_b) = ([0.0f32; BLOCK], [0.0f32; BLOCK]);
+        let cols = (lo, hi, c);
+        param_grads_block(simd, &mut acc_w, &mut acc_b, dout, inp, mean, rstd, cols);
         // SAFETY: this task alone owns channels [lo, hi) of dweight and dbias.
         let dw = unsafe { dw.slice(lo, hi - lo) };
         for (d, &a) in dw.iter_mut().zip(&acc_w) {
@@ -190,6 +189,50 @@ pub fn layernorm_backward(
             }
         }
     });
+}
+
+simd_fn! {
+    /// One row of the input gradient: `di += rs · (dy·w − mean(dnorm) − xhat ·
+    /// mean(dnorm·xhat))`.
+    fn backward_row(di: &mut [f32], dy: &[f32], x: &[f32], weight: &[f32], mu: f32, rs: f32) {
+        let c = weight.len();
+        let (sum_dnorm, sum_dnorm_xhat) = dnorm_sums(dy, x, weight, mu, rs);
+        let mean_dnorm = sum_dnorm / c as f32;
+        let mean_dnorm_xhat = sum_dnorm_xhat / c as f32;
+        for (((di, &dy), &x), &w) in di.iter_mut().zip(dy).zip(x).zip(weight) {
+            let xhat = (x - mu) * rs;
+            *di += rs * (dy * w - mean_dnorm - xhat * mean_dnorm_xhat);
+        }
+    }
+}
+
+/// Channels per task of the parameter gradients.
+const BLOCK: usize = 32;
+
+simd_fn! {
+    /// The parameter gradients of channels `lo..hi` (of `c`) summed over all rows, in
+    /// row order: `acc_w[i] = Σ dy · xhat`, `acc_b[i] = Σ dy`.
+    #[allow(clippy::too_many_arguments)]
+    fn param_grads_block(
+        acc_w: &mut [f32; BLOCK],
+        acc_b: &mut [f32; BLOCK],
+        dout: &[f32],
+        inp: &[f32],
+        mean: &[f32],
+        rstd: &[f32],
+        cols: (usize, usize, usize),
+    ) {
+        let (lo, hi, c) = cols;
+        for row in 0..mean.len() {
+            let (mu, rs) = (mean[row], rstd[row]);
+            let dy = &dout[row * c + lo..row * c + hi];
+            let x = &inp[row * c + lo..row * c + hi];
+            for (i, (&dy, &x)) in dy.iter().zip(x).enumerate() {
+                acc_w[i] += dy * (x - mu) * rs;
+                acc_b[i] += dy;
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -260,6 +303,48 @@ mod tests {
         if with_bias {
             let want_db = numeric_grad(|v| loss(&x64, &w64, v), &b64, 1e-5);
             assert_close("dbias", &db, &want_db, 1e-4, 1e-5);
+        }
+    }
+
+    #[test]
+    fn every_simd_level_gives_the_same_bits() {
+        let (n, c) = (3, 77); // a tail after the 16-lane sums and the vectors
+        let x: Vec<f32> = rand_vec(n * c, 5).iter().map(|v| 3.0 * v + 0.5).collect();
+        let (w, b, dy) = (rand_vec(c, 6), rand_vec(c, 7), rand_vec(n * c, 8));
+        let norm = Norm {
+            weight: &w,
+            bias: &b,
+        };
+        let run = |simd: Simd| {
+            let mut bits = Vec::new();
+            for round in [false, true] {
+                for (x, dy) in x.chunks(c).zip(dy.chunks(c)) {
+                    let mut o = vec![0.0; c];
+                    let (mu, rs) = forward_row(simd, &mut o, x, norm, round);
+                    let mut di = vec![0.5; c];
+                    backward_row(simd, &mut di, dy, x, &w, mu, rs);
+                    bits.extend([mu, rs].iter().chain(&o).chain(&di).map(|v| v.to_bits()));
+                }
+            }
+            let (mean, rstd) = (vec![0.1, -0.2, 0.3], vec![1.5, 0.7, 2.0]);
+            let (mut acc_w, mut acc_b) = ([0.0; BLOCK], [0.0; BLOCK]);
+            param_grads_block(
+                simd,
+                &mut acc_w,
+                &mut acc_b,
+                &dy,
+                &x,
+                &mean,
+                &rstd,
+                (64, 77, c),
+            );
+            bits.extend(acc_w.iter().chain(&acc_b).map(|v| v.to_bits()));
+            bits
+        };
+        let levels = Simd::available();
+        let want = run(levels[0]);
+        for simd in &levels[1..] {
+            assert_eq!(run(*simd), want, "{simd:?}");
         }
     }
 

@@ -15,7 +15,7 @@
 use super::activations::{BlockActs, Saved, Scratch};
 use super::layout::{BlockLayout, LinearSpans, NormSpans, Span};
 use super::lora::{u_segment, u_segment_mut, BlockLora, LoraBufs, Target};
-use crate::kernels::attention::{attention_backward, attention_forward};
+use crate::kernels::attention::{attention_backward, attention_backward_bf16, attention_forward};
 use crate::kernels::bf16;
 use crate::kernels::dropout::{self, Dropout};
 use crate::kernels::gelu::{gelu_backward, gelu_forward};
@@ -226,9 +226,10 @@ pub fn block_backward<const BF16: bool>(
     let qkv = a.qkv.load(&mut s.staging_wide, n * 3 * c, not_recomputed);
     let dqkv = &mut s.dqkv[..n * 3 * c];
     let lse = &a.att_lse[..d.b * d.nh * d.t];
-    attention_backward(dqkv, datty, qkv, atty, lse, d, drop.map(|m| m.attn_probs));
-    if BF16 {
-        bf16::round_in_place(dqkv);
+    let probs = drop.map(|m| m.attn_probs);
+    match BF16 {
+        true => attention_backward_bf16(dqkv, datty, qkv, atty, lse, d, probs),
+        false => attention_backward(dqkv, datty, qkv, atty, lse, d, probs),
     }
     let (m1, r1) = a.ln1_stats.rows(n);
     let ln1 = a.ln1.load(&mut s.staging, n * c, |o| {
@@ -310,12 +311,16 @@ fn branch_grad<'a, const BF16: bool>(
         return dres;
     }
     let out = &mut dbranch[..dres.len()];
-    out.copy_from_slice(dres);
-    if let Some(m) = mask {
-        dropout::apply(out, m, 0);
-    }
-    if BF16 {
-        bf16::round_in_place(out);
+    match mask {
+        // bf16 without dropout: the copy and the rounding in one pass.
+        None => bf16::round_into(out, dres),
+        Some(m) => {
+            out.copy_from_slice(dres);
+            dropout::apply(out, m, 0);
+            if BF16 {
+                bf16::round_in_place(out);
+            }
+        }
     }
     out
 }

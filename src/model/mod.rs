@@ -32,6 +32,7 @@ use crate::kernels::dropout::{self, Dropout};
 use crate::kernels::encoder::{encoder_backward, encoder_forward};
 use crate::kernels::layernorm::{layernorm_backward, layernorm_forward};
 use crate::kernels::Dims;
+use crate::optim::AdamW;
 use anyhow::{bail, Context, Result};
 use block::{block_backward, block_forward, norm_grads, norm_of, split_two};
 use block::{Attend, BlockDropout, BlockWeights};
@@ -331,12 +332,28 @@ impl Gpt {
         if self.dtype == Dtype::Bfloat16 {
             let _t = crate::profile::scope(crate::profile::Section::Bf16Weights);
             bf16::round_into(&mut self.params_bf16, &self.params);
-            // With LoRA the packed `wte` is the frozen base's, packed once.
-            let packs = self.wte_packs.as_mut().filter(|_| self.frozen.is_none());
-            if let Some(packs) = packs {
-                let wte = &self.params_bf16[self.layout.wte];
-                packs.pack(wte, self.config.n_embd, self.config.vocab_size);
-            }
+            self.repack_wte();
+        }
+    }
+
+    /// The AdamW step of `opt` (built by `AdamW::new` for this arena) at `lr` on the
+    /// gradients times `grad_factor`, in one pass that also zeroes the gradients and,
+    /// in bf16 mode, refreshes the bf16 weight copy: the same bits as
+    /// `opt.step_scaled(params, grads, lr, grad_factor)`, then
+    /// [`Gpt::sync_bf16_weights`] and [`Gpt::zero_grad`], whose passes it replaces.
+    pub fn step_adamw(&mut self, opt: &mut AdamW, lr: f32, grad_factor: f32) {
+        let copy = (self.dtype == Dtype::Bfloat16).then_some(&mut self.params_bf16[..]);
+        opt.step_fused(&mut self.params, &mut self.grads, copy, lr, grad_factor);
+        self.repack_wte();
+    }
+
+    /// bf16 on AMX: packs `wte` from the bf16 copy (with LoRA the packed `wte` is the
+    /// frozen base's, packed once).
+    fn repack_wte(&mut self) {
+        let packs = self.wte_packs.as_mut().filter(|_| self.frozen.is_none());
+        if let Some(packs) = packs {
+            let wte = &self.params_bf16[self.layout.wte];
+            packs.pack(wte, self.config.n_embd, self.config.vocab_size);
         }
     }
 
@@ -1028,6 +1045,41 @@ mod tests {
             })
             .collect();
         (losses, gpt.params)
+    }
+
+    #[test]
+    fn fused_adamw_step_equals_step_copy_and_zeroing() {
+        for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+            let (b, t) = (2, 8);
+            let (x, y) = batch(b, t, 37);
+            let run = |fused: bool| {
+                let mut gpt = model(tiny(true, 0.1), b, t);
+                gpt.set_dtype(dtype);
+                gpt.set_dropout_seed(5);
+                let mut opt = crate::optim::AdamW::new(&gpt.layout, Default::default());
+                gpt.zero_grad();
+                let mut losses = Vec::new();
+                for _ in 0..4 {
+                    losses.push(gpt.forward(&x, &y, b, t));
+                    gpt.backward();
+                    let norm = crate::optim::grad_norm(&gpt.grads);
+                    let factor = crate::optim::clip_factor(norm, 1.0);
+                    if fused {
+                        gpt.step_adamw(&mut opt, 1e-2, factor);
+                        assert!(gpt.grads.iter().all(|&g| g == 0.0), "zeroed");
+                    } else {
+                        opt.step_scaled(&mut gpt.params, &gpt.grads, 1e-2, factor);
+                        gpt.sync_bf16_weights();
+                        gpt.zero_grad();
+                    }
+                }
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                (losses, bits(&gpt.params), bits(&gpt.params_bf16))
+            };
+            let want = run(false);
+            assert_eq!(run(true), want, "{dtype:?}");
+            assert!(want.0[3] < want.0[0], "{dtype:?} trains: {:?}", want.0);
+        }
     }
 
     #[test]

@@ -7,6 +7,7 @@ use super::isa::{Isa, Variant};
 use super::tiles::{row_dot, transpose_into, Dst, Gemm, Src};
 use super::{check_heads, effective, mask_factor, out_base, qkv_base, score_scale};
 use super::{SharedMut, BK, BQ, DT, NO_MASK};
+use crate::kernels::bf16;
 use crate::kernels::dropout::Dropout;
 use crate::kernels::fastmath::{exp_fast, fmadd};
 use crate::kernels::Dims;
@@ -23,6 +24,7 @@ pub(super) fn backward_impl(
     lse: &[f32],
     d: Dims,
     dropout: Option<Dropout>,
+    round: bool,
 ) {
     check_heads(d);
     let (n3, n) = (d.bt() * 3 * d.c, d.bt() * d.c);
@@ -48,6 +50,7 @@ pub(super) fn backward_impl(
             lse: lse_bh,
             bh,
             mask: mask.unwrap_or(NO_MASK),
+            round,
         };
         match mask {
             Some(_) => isa.backward::<true>(task),
@@ -66,6 +69,8 @@ pub(super) struct BwdTask<'a> {
     lse: &'a [f32],
     bh: usize,
     mask: Dropout,
+    /// Round the head's dq, dk and dv to bf16 as each block of rows is final.
+    round: bool,
 }
 
 #[inline(always)]
@@ -79,6 +84,7 @@ pub(super) fn backward_head<K: Variant, const DROP: bool>(task: BwdTask) {
         lse,
         bh,
         mask,
+        round,
     } = task;
     let (t, c, hs, scale, fma) = (d.t, d.c, d.hs(), score_scale(d), K::FMA);
     let row3 = 3 * c;
@@ -246,6 +252,18 @@ pub(super) fn backward_head<K: Variant, const DROP: bool>(task: BwdTask) {
                 unsafe { dqkv.slice(row + c, hs) }.copy_from_slice(&dkr[..hs]);
                 // SAFETY: as above.
                 unsafe { dqkv.slice(row + 2 * c, hs) }.copy_from_slice(&dvr[..hs]);
+            }
+        }
+        if round {
+            // Rows j0..j0 + nc are final: later key blocks touch only later query rows
+            // (dq), and their dk and dv were completed above. Round them in cache.
+            for cc in 0..nc {
+                let row = qbase + (j0 + cc) * row3;
+                for part in 0..3 {
+                    // SAFETY: this task's own rows and head channels of `dqkv`.
+                    let seg = unsafe { dqkv.slice(row + part * c, hs) };
+                    seg.iter_mut().for_each(|v| *v = bf16::round(*v));
+                }
             }
         }
     }

@@ -204,7 +204,23 @@ pub fn attention_backward(
     dropout: Option<Dropout>,
 ) {
     let _t = crate::profile::scope(crate::profile::Section::AttentionBackward);
-    backward_impl(Isa::detect(), dqkv, dout, qkv, out, lse, d, dropout);
+    backward_impl(Isa::detect(), dqkv, dout, qkv, out, lse, d, dropout, false);
+}
+
+/// [`attention_backward`] with `dqkv` rounded to bf16 (the operand of the bf16
+/// matmuls that follow under autocast), by each task as its rows are final and still
+/// in cache instead of in a pass of its own: the same bits.
+pub fn attention_backward_bf16(
+    dqkv: &mut [f32],
+    dout: &[f32],
+    qkv: &[f32],
+    out: &[f32],
+    lse: &[f32],
+    d: Dims,
+    dropout: Option<Dropout>,
+) {
+    let _t = crate::profile::scope(crate::profile::Section::AttentionBackward);
+    backward_impl(Isa::detect(), dqkv, dout, qkv, out, lse, d, dropout, true);
 }
 
 /// Panics unless `C` splits into `NH` heads.

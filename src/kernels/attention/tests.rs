@@ -60,7 +60,16 @@ fn check(
         assert_close(&format!("{what}: out"), &out, &want_out, 1e-5, 1e-6);
         assert_close(&format!("{what}: lse"), &lse, &want_lse, 1e-5, 1e-6);
         let mut dqkv = vec![f32::NAN; qkv.len()];
-        backward_impl(isa, &mut dqkv, &w, &qkv, &out, &lse, d, mask);
+        backward_impl(isa, &mut dqkv, &w, &qkv, &out, &lse, d, mask, false);
+        // bf16 autocast's variant rounds each block of rows as it is final: the
+        // same bits as rounding the finished gradient in a pass of its own.
+        let mut rounded = vec![f32::NAN; qkv.len()];
+        backward_impl(isa, &mut rounded, &w, &qkv, &out, &lse, d, mask, true);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let mut want_rounded = dqkv.clone();
+        crate::kernels::bf16::round_in_place(&mut want_rounded);
+        assert_eq!(bits(&rounded), bits(&want_rounded), "{what}: rounded dqkv");
+        assert_ne!(bits(&rounded), bits(&dqkv), "{what}: rounding changes bits");
         let got: Vec<f32> = indices.iter().map(|&i| dqkv[i]).collect();
         assert_close(&format!("{what}: dqkv"), &got, &want_grad, 1e-4, 1e-5);
         assert_close(

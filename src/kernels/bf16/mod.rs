@@ -20,6 +20,7 @@ pub mod gemm;
 #[cfg(feature = "onednn")]
 pub mod onednn;
 
+use super::fastmath::{simd_fn, Simd};
 use rayon::prelude::*;
 
 /// A bfloat16 number, stored as its bit pattern.
@@ -28,30 +29,30 @@ use rayon::prelude::*;
 pub struct Bf16(pub u16);
 
 impl Bf16 {
-    /// The nearest bf16 to `x` (ties to even).
-    #[inline]
+    /// The nearest bf16 to `x` (ties to even). Branch-free (the NaN case is a
+    /// select), so loops over it vectorise.
+    #[inline(always)]
     pub fn from_f32(x: f32) -> Bf16 {
         let bits = x.to_bits();
-        if x.is_nan() {
-            // Keep the sign and the top payload bits; force a quiet NaN so the
-            // truncated payload can never read as infinity.
-            return Bf16(((bits >> 16) as u16) | 0x0040);
-        }
+        // NaN: keep the sign and the top payload bits; force a quiet NaN so the
+        // truncated payload can never read as infinity.
+        let nan = ((bits >> 16) as u16) | 0x0040;
         // Add 0x7FFF plus the lowest kept bit: halfway cases carry only when the kept
         // part is odd (ties to even); a carry out of the mantissa bumps the exponent,
         // which is the correct rounding, up to infinity.
         let lsb = (bits >> 16) & 1;
-        Bf16((bits.wrapping_add(0x7FFF + lsb) >> 16) as u16)
+        let rounded = (bits.wrapping_add(0x7FFF + lsb) >> 16) as u16;
+        Bf16(if x.is_nan() { nan } else { rounded })
     }
 
-    #[inline]
+    #[inline(always)]
     pub fn to_f32(self) -> f32 {
         f32::from_bits((self.0 as u32) << 16)
     }
 }
 
 /// `x` rounded to the nearest bf16, as an f32.
-#[inline]
+#[inline(always)]
 pub fn round(x: f32) -> f32 {
     Bf16::from_f32(x).to_f32()
 }
@@ -59,62 +60,95 @@ pub fn round(x: f32) -> f32 {
 /// Elements per parallel task: large enough that rayon's overhead is invisible.
 const TASK: usize = 1 << 14;
 
+// The passes below are compiled for AVX-512, AVX2 and the baseline (`simd_fn`), and
+// run on the widest the CPU has: the same integer rounding in every lane, so the
+// results are the scalar [`Bf16::from_f32`]'s bit for bit.
+
+simd_fn! {
+    fn round_lanes(x: &mut [f32]) {
+        x.iter_mut().for_each(|v| *v = round(*v));
+    }
+}
+
+simd_fn! {
+    fn round_into_lanes(dst: &mut [f32], src: &[f32]) {
+        dst.iter_mut().zip(src).for_each(|(d, &s)| *d = round(s));
+    }
+}
+
+simd_fn! {
+    fn store_lanes(dst: &mut [Bf16], src: &[f32]) {
+        dst.iter_mut().zip(src).for_each(|(d, &s)| *d = Bf16::from_f32(s));
+    }
+}
+
+simd_fn! {
+    fn round_and_store_lanes(x: &mut [f32], dst: &mut [Bf16]) {
+        for (x, d) in x.iter_mut().zip(dst) {
+            *d = Bf16::from_f32(*x);
+            *x = d.to_f32();
+        }
+    }
+}
+
+simd_fn! {
+    fn load_lanes(dst: &mut [f32], src: &[Bf16]) {
+        dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32());
+    }
+}
+
 /// Rounds every element of `x` to bf16 in place (the values stay f32).
 pub fn round_in_place(x: &mut [f32]) {
     let _t = crate::profile::scope(crate::profile::Section::Bf16Round);
-    x.par_chunks_mut(TASK).for_each(round_slice);
+    let simd = Simd::detect();
+    x.par_chunks_mut(TASK).for_each(|x| round_lanes(simd, x));
 }
 
 /// [`round_in_place`] on the calling thread, untimed: for kernels that round their
 /// output a row at a time while it is in cache.
 #[inline]
 pub fn round_slice(x: &mut [f32]) {
-    x.iter_mut().for_each(|v| *v = round(*v));
+    round_lanes(Simd::detect(), x);
 }
 
 /// `dst = round(src)`, both f32.
 pub fn round_into(dst: &mut [f32], src: &[f32]) {
     let _t = crate::profile::scope(crate::profile::Section::Bf16Round);
     assert_eq!(dst.len(), src.len(), "round_into: lengths differ");
+    let simd = Simd::detect();
     dst.par_chunks_mut(TASK)
         .zip(src.par_chunks(TASK))
-        .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, &s)| *d = round(s)));
+        .for_each(|(d, s)| round_into_lanes(simd, d, s));
 }
 
 /// `dst = bf16(src)`.
 pub fn store(dst: &mut [Bf16], src: &[f32]) {
     let _t = crate::profile::scope(crate::profile::Section::Bf16Round);
     assert_eq!(dst.len(), src.len(), "store: lengths differ");
+    let simd = Simd::detect();
     dst.par_chunks_mut(TASK)
         .zip(src.par_chunks(TASK))
-        .for_each(|(d, s)| {
-            d.iter_mut()
-                .zip(s)
-                .for_each(|(d, &s)| *d = Bf16::from_f32(s))
-        });
+        .for_each(|(d, s)| store_lanes(simd, d, s));
 }
 
 /// Rounds `x` to bf16 in place and stores the same values in `dst`.
 pub fn round_and_store(x: &mut [f32], dst: &mut [Bf16]) {
     let _t = crate::profile::scope(crate::profile::Section::Bf16Round);
     assert_eq!(dst.len(), x.len(), "round_and_store: lengths differ");
+    let simd = Simd::detect();
     x.par_chunks_mut(TASK)
         .zip(dst.par_chunks_mut(TASK))
-        .for_each(|(x, d)| {
-            for (x, d) in x.iter_mut().zip(d) {
-                *d = Bf16::from_f32(*x);
-                *x = d.to_f32();
-            }
-        });
+        .for_each(|(x, d)| round_and_store_lanes(simd, x, d));
 }
 
 /// `dst = f32(src)` (exact).
 pub fn load(dst: &mut [f32], src: &[Bf16]) {
     let _t = crate::profile::scope(crate::profile::Section::Bf16Round);
     assert_eq!(dst.len(), src.len(), "load: lengths differ");
+    let simd = Simd::detect();
     dst.par_chunks_mut(TASK)
         .zip(src.par_chunks(TASK))
-        .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, s)| *d = s.to_f32()));
+        .for_each(|(d, s)| load_lanes(simd, d, s));
 }
 
 #[cfg(test)]
@@ -198,6 +232,83 @@ mod tests {
         assert_eq!(bits(f32::from_bits(0x8000_0001)), 0x8000, "to -0");
         // The largest subnormal rounds up to the smallest normal.
         assert_eq!(bits(f32::from_bits(0x007F_FFFF)), 0x0080);
+    }
+
+    /// Rounding with branches, as it was first written: the reference for the
+    /// branch-free, vectorised conversions.
+    fn branchy_bits(x: f32) -> u16 {
+        let bits = x.to_bits();
+        if x.is_nan() {
+            return ((bits >> 16) as u16) | 0x0040;
+        }
+        let lsb = (bits >> 16) & 1;
+        (bits.wrapping_add(0x7FFF + lsb) >> 16) as u16
+    }
+
+    /// Values that exercise every path: ties both ways, carries into the exponent and
+    /// to infinity, NaNs with payloads only in the low bits, subnormals, zeros, then
+    /// random bit patterns; an odd count, so the vector loops have a tail.
+    fn awkward_values() -> Vec<f32> {
+        let mut v: Vec<u32> = vec![
+            0x3F80_8000,
+            0x3F81_8000,
+            0x3F80_7FFF,
+            0x3FFF_FFFF,
+            0x7F7F_FFFF,
+            0xFF7F_FFFF,
+            0x7F80_0000,
+            0xFF80_0000,
+            0x7F80_0001,
+            0xFF80_0001,
+            0x7FC0_0000,
+            0x7FFF_FFFF,
+            0x0000_8000,
+            0x0000_8001,
+            0x007F_FFFF,
+            0x8000_0001,
+            0x0000_0000,
+            0x8000_0000,
+        ];
+        let mut s = 0x9E37_79B9u32;
+        for _ in 0..10_001 {
+            s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            v.push(s);
+        }
+        v.into_iter().map(f32::from_bits).collect()
+    }
+
+    #[test]
+    fn every_simd_level_rounds_like_the_branchy_scalar_code() {
+        let src = awkward_values();
+        let want: Vec<u16> = src.iter().map(|&x| branchy_bits(x)).collect();
+        let want_f32: Vec<u32> = want.iter().map(|&b| (b as u32) << 16).collect();
+        let f32_bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for simd in Simd::available() {
+            let mut x = src.clone();
+            round_lanes(simd, &mut x);
+            assert_eq!(f32_bits(&x), want_f32, "{simd:?} round");
+            let mut d = vec![f32::NAN; src.len()];
+            round_into_lanes(simd, &mut d, &src);
+            assert_eq!(f32_bits(&d), want_f32, "{simd:?} round_into");
+            let mut h = vec![Bf16::default(); src.len()];
+            store_lanes(simd, &mut h, &src);
+            assert_eq!(
+                h.iter().map(|b| b.0).collect::<Vec<_>>(),
+                want,
+                "{simd:?} store"
+            );
+            let mut both = src.clone();
+            let mut h2 = vec![Bf16::default(); src.len()];
+            round_and_store_lanes(simd, &mut both, &mut h2);
+            assert_eq!(
+                (f32_bits(&both), &h2),
+                (want_f32.clone(), &h),
+                "{simd:?} both"
+            );
+            let mut back = vec![f32::NAN; src.len()];
+            load_lanes(simd, &mut back, &h);
+            assert_eq!(f32_bits(&back), want_f32, "{simd:?} load");
+        }
     }
 
     #[test]
