@@ -24,6 +24,9 @@ pub struct Update {
     /// False when the loss or the norm was not finite and the step was skipped:
     /// parameters and AdamW state are untouched on every rank.
     pub applied: bool,
+    /// The step also zeroed `model.grads` and refreshed the bf16 weight copy
+    /// ([`Gpt::step_adamw`]: one process and ZeRO 0, when applied).
+    pub fused: bool,
 }
 
 /// The settings of one step's update.
@@ -65,14 +68,22 @@ pub fn clip_and_step(
     };
     let grad_norm = sq_sum.sqrt() as f32;
     let applied = loss_finite && grad_norm.is_finite();
+    let mut fused = false;
     if applied {
         let (lr, factor) = (settings.lr, clip_factor(grad_norm, settings.grad_clip));
         match shard {
-            None => opt.step_scaled(&mut model.params, &model.grads, lr, factor),
+            None => {
+                model.step_adamw(opt, lr, factor);
+                fused = true;
+            }
             Some(dp) => dp.step_shard(comm, opt, &mut model.params, lr, factor),
         }
     }
-    Update { grad_norm, applied }
+    Update {
+        grad_norm,
+        applied,
+        fused,
+    }
 }
 
 #[cfg(test)]

@@ -114,6 +114,9 @@ pub struct Trainer {
     nonfinite_in_row: u64,
     /// The iteration this run's newest checkpoint resumes at (the same on every rank).
     saved_at: Option<u64>,
+    /// The last optimizer step left `model.grads` zeroed (the fused AdamW pass), so the
+    /// next step's micro-steps need not zero them again.
+    grads_zeroed: bool,
 }
 
 impl Trainer {
@@ -165,6 +168,7 @@ impl Trainer {
             peak_gflops,
             nonfinite_in_row: 0,
             saved_at: None,
+            grads_zeroed: false,
             cfg,
             model: state.model,
             opt: state.opt,
@@ -314,10 +318,15 @@ impl Trainer {
                 dp.check_replicas(&*self.comm, &self.model.params, iter + 1)?;
             }
         }
-        if fault::nan_param(iter) {
+        let nan_param = fault::nan_param(iter);
+        if nan_param {
             self.model.params[self.model.layout.tensors[0].range().start] = f32::NAN;
         }
-        self.model.sync_bf16_weights();
+        // A skipped or sharded step left the bf16 copy and the gradients as they were.
+        if nan_param || !update.fused {
+            self.model.sync_bf16_weights();
+        }
+        self.grads_zeroed = update.fused;
         Ok(StepOutcome {
             loss,
             lr: settings.lr,
@@ -347,6 +356,7 @@ impl Trainer {
         self.model.set_training(true);
         self.model.set_grad_scale(1.0 / accum as f32);
         match &mut self.dp {
+            _ if std::mem::take(&mut self.grads_zeroed) => {}
             Some(dp) => dp.zero_grad(&mut self.model),
             None => self.model.zero_grad(),
         }
