@@ -8,7 +8,7 @@
 //! feed(tokens (B, p)):  x = wte[tokens] + wpe[len..len+p]               (B·p, C)
 //!   for each block:  the training block (block.rs), attending through the cache:
 //!                    append this layer's new keys and values, attend to K, V[0..=pos]
-//!   logits = ln_f(x[last new row]) · wteᵀ                               (B, V)
+//!   logits = ln_f(x[last new row]) · wteᵀ   (kernels::gemv)              (B, V)
 //! ```
 //!
 //! It runs the same block and kernels as the training forward, in f32, without dropout.
@@ -18,8 +18,8 @@ use super::block::{block_forward, norm_of, Attend, BlockWeights};
 use super::config::{Dtype, ModelConfig};
 use super::layout::ParamLayout;
 use crate::kernels::attention::{cached_attention, KvCache};
-use crate::kernels::classifier::{classifier_logits, Classifier};
 use crate::kernels::encoder::encoder_forward;
+use crate::kernels::gemv::{gemv, Weights};
 use crate::kernels::layernorm::layernorm_forward;
 use crate::kernels::Dims;
 
@@ -184,6 +184,7 @@ impl Decoder {
 
     /// ln_f and the classifier on the last new row of each sequence: returns (B, V).
     fn final_logits(&mut self, params: &[f32], layout: &ParamLayout, new: usize) -> &[f32] {
+        let _t = crate::profile::scope(crate::profile::Section::Classifier);
         let (b, c, v) = (self.shape.b, self.shape.c, self.shape.v);
         for (seq, row) in self.last.chunks_exact_mut(c).enumerate() {
             let at = (seq * new + new - 1) * c;
@@ -192,13 +193,10 @@ impl Decoder {
         let (mean, rstd) = self.lnf_stats.rows_mut(b);
         let ln_f = norm_of(params, layout.ln_f);
         layernorm_forward::<false>(&mut self.lnf, mean, rstd, &self.last, ln_f);
-        let cls = Classifier {
-            wte: &params[layout.wte],
-            packs: None,
-            c,
-            v,
-        };
-        classifier_logits(&mut self.logits, &self.lnf, cls);
+        // One row per sequence against 50257 × 768 weights: a matrix-vector product,
+        // bound by streaming wte (see kernels::gemv).
+        let wte = Weights::F32(&params[layout.wte][..v * c]);
+        gemv(&mut self.logits, &self.lnf, wte, c, false);
         &self.logits
     }
 
