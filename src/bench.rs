@@ -219,11 +219,14 @@ pub struct SampleBenchOptions {
     pub runs: usize,
     /// Time the last run's decoding steps by kernel family (see [`crate::profile`]).
     pub profile: bool,
+    /// Weights the matmuls read: f32, or bf16 (`sample --dtype bfloat16`).
+    pub dtype: Dtype,
 }
 
 /// What was measured, split like `generate` spends it.
 #[derive(Clone, Debug, Serialize)]
 pub struct SampleBenchReport {
+    pub dtype: Dtype,
     pub threads: usize,
     pub num_samples: usize,
     pub prompt_tokens: usize,
@@ -265,6 +268,7 @@ pub fn run_sample(opts: &SampleBenchOptions) -> anyhow::Result<SampleBenchReport
             num_samples: b,
             max_new_tokens: new_tokens,
             temperature: 0.0,
+            bf16_weights: opts.dtype == Dtype::Bfloat16,
             ..Default::default()
         };
         let mut stamps = Vec::with_capacity(new_tokens);
@@ -297,7 +301,12 @@ pub fn run_sample(opts: &SampleBenchOptions) -> anyhow::Result<SampleBenchReport
         .into_iter()
         .map(|(name, secs)| (name, secs * 1e3 / steps));
     let weights = cfg.n_layer * 12 * cfg.n_embd * cfg.n_embd + cfg.vocab_size * cfg.n_embd;
+    let weight_bytes = match opts.dtype {
+        Dtype::Float32 => 4,
+        Dtype::Bfloat16 => 2,
+    };
     Ok(SampleBenchReport {
+        dtype: opts.dtype,
         threads: rayon::current_num_threads(),
         num_samples: b,
         prompt_tokens: p,
@@ -307,7 +316,7 @@ pub fn run_sample(opts: &SampleBenchOptions) -> anyhow::Result<SampleBenchReport
         decode_ms_per_token: decode * 1e3 / steps,
         decode_tokens_per_sec: b as f64 * steps / decode,
         total_ms: total * 1e3,
-        weight_mb_per_step: (weights * std::mem::size_of::<f32>()) as f64 / 1e6,
+        weight_mb_per_step: (weights * weight_bytes) as f64 / 1e6,
         peak_rss_mb: peak_rss_bytes().map_or(f64::NAN, |r| r as f64 / 1e6),
         profile: profile.collect(),
     })

@@ -162,6 +162,11 @@ fn train_writes_checkpoint_metrics_and_plot_then_eval_and_sample_use_it() {
         assert_eq!(text.chars().count(), "ROMEO:".len() + 40, "{s:?}");
     }
     assert_eq!(first, ok(d, &args), "same seed, same samples");
+    // With bf16 weights: as many characters, deterministically too.
+    let half_args = [&args[..], &["--dtype", "bfloat16"]].concat();
+    let half = ok(d, &half_args);
+    assert!(half.starts_with("ROMEO:") && half.split("---------------\n").count() >= 2);
+    assert_eq!(half, ok(d, &half_args), "same seed, same samples");
 }
 
 #[test]

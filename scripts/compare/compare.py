@@ -88,8 +88,9 @@ def torch_python(explicit):
     return str(py)
 
 
-def run_json(cmd):
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT).stdout
+def run_json(cmd, env=None):
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT,
+                         env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -108,6 +109,13 @@ def torch_cmd(a, py, arch, b, t, extra):
             "--json", *extra]
 
 
+def torch_env(a):
+    """PyTorch's environment: OMP_WAIT_POLICY=PASSIVE with --omp-passive."""
+    if not a.omp_passive:
+        return None
+    return {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def spread(xs):
     return f"{min(xs):.0f}..{max(xs):.0f}"
 
@@ -117,7 +125,7 @@ def compare(a, py, name):
     ours, theirs = [], []
     for r in range(a.rounds):
         ours.append(run_json(nanogpt_cmd(a, arch, b, t, ours_extra)))
-        theirs.append(run_json(torch_cmd(a, py, arch, b, t, torch_extra)))
+        theirs.append(run_json(torch_cmd(a, py, arch, b, t, torch_extra), torch_env(a)))
         print(f"  {name} round {r + 1}: nanogpt {ours[-1]['ms_per_step']:.1f} ms, "
               f"torch {theirs[-1]['ms_per_step']:.1f} ms", file=sys.stderr, flush=True)
     o_ms = statistics.median(x["ms_per_step"] for x in ours)
@@ -159,7 +167,7 @@ def compare_sample(a, py, name):
     ours, theirs = [], []
     for r in range(a.rounds):
         ours.append(run_json(ours_cmd))
-        theirs.append(run_json(torch_cmd_))
+        theirs.append(run_json(torch_cmd_, torch_env(a)))
         print(f"  {name} round {r + 1}: decode nanogpt {ours[-1]['decode_tokens_per_sec']:.1f}, "
               f"transformers {theirs[-1]['decode_tokens_per_sec']:.1f} tokens/s; prefill "
               f"{ours[-1]['prefill_ms']:.0f} vs {theirs[-1]['prefill_ms']:.0f} ms",
@@ -215,6 +223,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per run")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--omp-passive", action="store_true",
+                    help="run PyTorch with OMP_WAIT_POLICY=PASSIVE: on a machine with more "
+                         "runnable threads than cores its spinning OpenMP threads otherwise "
+                         "lose most of their time slices (decoding 1 vs 7 tokens/s measured)")
     ap.add_argument("--new-tokens", type=int, default=256, help="sampling: new tokens")
     ap.add_argument("--peak-gflops", type=float,
                     help="GEMM peak for MFU (default: nanogpt measures it each run)")

@@ -42,7 +42,8 @@ pub struct BenchArgs {
     #[arg(long)]
     pub profile: bool,
     /// Time `sample`'s greedy generation of this many new tokens instead of training
-    /// steps: --batch-size samples, a prompt of --block-size tokens, --steps runs.
+    /// steps: --batch-size samples, a prompt of --block-size tokens, --steps runs,
+    /// --dtype the weights' precision (as `sample --dtype`).
     #[arg(long, value_name = "NEW_TOKENS")]
     pub sample: Option<usize>,
     /// Print one JSON object instead of a table.
@@ -137,10 +138,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         peak_gflops: args.peak_gflops,
         profile: args.profile,
         activation_checkpointing: checkpointing(&args)?,
-        dtype: match args.dtype.as_str() {
-            "bfloat16" => Dtype::Bfloat16,
-            _ => Dtype::Float32,
-        },
+        dtype: dtype(&args),
         lora: lora_config(&args)?,
     };
     if opts.dtype == Dtype::Bfloat16 {
@@ -163,6 +161,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn dtype(args: &BenchArgs) -> Dtype {
+    match args.dtype.as_str() {
+        "bfloat16" => Dtype::Bfloat16,
+        _ => Dtype::Float32,
+    }
+}
+
 /// Where the MFU's 100 % came from, for the report line.
 fn peak_source(r: &crate::bench::BenchReport) -> String {
     match (r.peak_gflops_f32, r.peak_gflops_bf16) {
@@ -176,9 +181,6 @@ fn peak_source(r: &crate::bench::BenchReport) -> String {
 
 /// `bench --sample`: greedy generation's prefill and decoding speed.
 fn run_sample_bench(args: &BenchArgs, new_tokens: usize) -> anyhow::Result<()> {
-    if args.dtype != "float32" {
-        bail!("bench --sample runs float32 weights only: drop --dtype");
-    }
     let mut model = model_config(args)?;
     model.block_size = model.block_size.max(args.block_size + new_tokens);
     let r = run_sample_bench_with(&SampleBenchOptions {
@@ -188,15 +190,16 @@ fn run_sample_bench(args: &BenchArgs, new_tokens: usize) -> anyhow::Result<()> {
         new_tokens,
         runs: args.steps,
         profile: args.profile,
+        dtype: dtype(args),
     })?;
     if args.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
         println!(
-            "greedy sampling, {} sample(s), prompt {} + {} new tokens, {} threads: prefill {:.1} ms \
+            "greedy sampling, {} weights, {} sample(s), prompt {} + {} new tokens, {} threads: prefill {:.1} ms \
              ({:.0} tokens/s), decoding {:.2} ms/token ({:.1} tokens/s, {:.0} MB of weights read \
              per step = {:.1} GB/s), peak RSS {:.0} MB",
-            r.num_samples, r.prompt_tokens, r.new_tokens, r.threads, r.prefill_ms,
+            r.dtype.as_str(), r.num_samples, r.prompt_tokens, r.new_tokens, r.threads, r.prefill_ms,
             r.prefill_tokens_per_sec, r.decode_ms_per_token, r.decode_tokens_per_sec,
             r.weight_mb_per_step, r.weight_mb_per_step / r.decode_ms_per_token, r.peak_rss_mb
         );
