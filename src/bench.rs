@@ -2,6 +2,7 @@
 //! synthetic tokens, and report ms/step, tokens/s, MFU and peak RSS.
 
 use crate::dist::{clip_and_step, Single, StepSettings};
+use crate::kernels::bf16::gemm::matmul_bf16;
 use crate::kernels::matmul::{matmul, Mat};
 use crate::model::lora::LoraConfig;
 use crate::model::Dtype;
@@ -19,7 +20,8 @@ pub struct BenchOptions {
     /// Timed steps (after `warmup` untimed ones).
     pub steps: usize,
     pub warmup: usize,
-    /// The FLOP/s that count as 100 % MFU; `None` measures this machine's f32 GEMM peak.
+    /// The FLOP/s that count as 100 % MFU; `None` measures this machine's GEMM peak
+    /// in the precision that runs (`dtype`).
     pub peak_gflops: Option<f64>,
     /// Time the step by kernel family (see [`crate::profile`]).
     pub profile: bool,
@@ -51,7 +53,15 @@ pub struct BenchReport {
     /// Training FLOPs per token (6·N + 12·L·C·T).
     pub flops_per_token: f64,
     pub achieved_gflops: f64,
+    /// What counts as 100 % MFU: `--peak-gflops`, or the measured peak of `dtype`'s
+    /// GEMM (one of the two below).
     pub peak_gflops: f64,
+    /// This machine's measured GEMM peaks, f32 and bf16 (the latter through
+    /// `matmul_bf16`, the kernel bf16 runs use), in this run's threads; `None` (not
+    /// measured) when `--peak-gflops` was given.
+    pub peak_gflops_f32: Option<f64>,
+    pub peak_gflops_bf16: Option<f64>,
+    /// `achieved_gflops / peak_gflops`.
     pub mfu: f64,
     pub peak_rss_mb: f64,
     pub activation_mb: f64,
@@ -112,7 +122,14 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
         .into_iter()
         .map(|(name, secs)| (name, secs * 1e3 / opts.steps as f64))
         .collect();
-    let peak = opts.peak_gflops.unwrap_or_else(gemm_peak_gflops);
+    let measure = opts.peak_gflops.is_none();
+    let peak_f32 = measure.then(|| gemm_peak_gflops(Dtype::Float32));
+    let peak_bf16 = measure.then(|| gemm_peak_gflops(Dtype::Bfloat16));
+    let own = match opts.dtype {
+        Dtype::Float32 => peak_f32,
+        Dtype::Bfloat16 => peak_bf16,
+    };
+    let peak = opts.peak_gflops.or(own).expect("a peak given or measured");
     Ok(BenchReport {
         dtype: opts.dtype,
         activation_checkpointing: opts.activation_checkpointing,
@@ -128,6 +145,8 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
         flops_per_token,
         achieved_gflops: achieved,
         peak_gflops: peak,
+        peak_gflops_f32: peak_f32,
+        peak_gflops_bf16: peak_bf16,
         mfu: achieved / peak,
         peak_rss_mb: peak_rss_bytes().map_or(f64::NAN, |r| r as f64 / 1e6),
         activation_mb: gpt.activation_bytes() as f64 / 1e6,
@@ -135,23 +154,30 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     })
 }
 
-/// Best of three 2048³ f32 GEMMs through the same library the model uses: the
-/// machine's practical matmul peak, in GFLOP/s.
-pub fn gemm_peak_gflops() -> f64 {
-    gemm_peak(2048)
+/// The machine's practical matmul peak for `dtype`, in GFLOP/s: the best of repeated
+/// 2048³ products through the GEMM that precision's matmuls run on — [`matmul`] for
+/// f32, [`matmul_bf16`] (whichever kernel it picks on this CPU) for bf16 — so MFU is
+/// against what the run's own products could reach.
+pub fn gemm_peak_gflops(dtype: Dtype) -> f64 {
+    gemm_peak(2048, dtype)
 }
 
-/// A quicker estimate from 1024³ GEMMs (a few tenths of a second), for MFU in logs.
-pub fn gemm_peak_gflops_quick() -> f64 {
-    gemm_peak(1024)
+/// A quicker estimate from 1024³ products (a few tenths of a second), for MFU in logs.
+pub fn gemm_peak_gflops_quick(dtype: Dtype) -> f64 {
+    gemm_peak(1024, dtype)
 }
 
 /// Best GFLOP/s of repeated `n³` products: at least 3 and at most 12 of them, for
 /// about half a second, so one that a busy neighbour slowed does not set the peak.
-fn gemm_peak(n: usize) -> f64 {
+/// The operands (1 and 0.5) are exact in bf16, as bf16 matmuls require.
+fn gemm_peak(n: usize, dtype: Dtype) -> f64 {
     let a = vec![1.0f32; n * n];
     let b = vec![0.5f32; n * n];
     let mut c = vec![0.0f32; n * n];
+    let product = match dtype {
+        Dtype::Float32 => matmul,
+        Dtype::Bfloat16 => matmul_bf16,
+    };
     let started = Instant::now();
     let mut best = 0.0f64;
     for rep in 0..12 {
@@ -159,9 +185,14 @@ fn gemm_peak(n: usize) -> f64 {
             break;
         }
         let start = Instant::now();
-        matmul(&mut c, Mat::new(&a, n, n), Mat::new(&b, n, n), false);
+        product(&mut c, Mat::new(&a, n, n), Mat::new(&b, n, n), false);
         best = best.max(2.0 * (n * n * n) as f64 / start.elapsed().as_secs_f64() / 1e9);
     }
+    assert_eq!(
+        c[0],
+        0.5 * n as f32,
+        "the peak's product computed a wrong value"
+    );
     best
 }
 
@@ -171,4 +202,122 @@ pub fn peak_rss_bytes() -> Option<u64> {
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
+}
+
+/// What `nanogpt bench --sample` times: `nanogpt sample`'s greedy generation
+/// ([`crate::sample::generate`] at temperature 0) from random GPT-2-style weights.
+#[derive(Clone, Debug)]
+pub struct SampleBenchOptions {
+    pub model: ModelConfig,
+    /// Sequences generated together (B).
+    pub num_samples: usize,
+    /// Prompt tokens per sequence.
+    pub prompt: usize,
+    /// New tokens per sequence (at least 2: one prefill pick, then decoding steps).
+    pub new_tokens: usize,
+    /// Timed generations (after one short untimed one); medians are reported.
+    pub runs: usize,
+    /// Time the last run's decoding steps by kernel family (see [`crate::profile`]).
+    pub profile: bool,
+    /// Weights the matmuls read: f32, or bf16 (`sample --dtype bfloat16`).
+    pub dtype: Dtype,
+}
+
+/// What was measured, split like `generate` spends it.
+#[derive(Clone, Debug, Serialize)]
+pub struct SampleBenchReport {
+    pub dtype: Dtype,
+    pub threads: usize,
+    pub num_samples: usize,
+    pub prompt_tokens: usize,
+    pub new_tokens: usize,
+    /// Start of `generate` to its first new token: the prompt's forward and one pick.
+    pub prefill_ms: f64,
+    pub prefill_tokens_per_sec: f64,
+    /// First to last new token, per decoding step (each adds one token per sequence).
+    pub decode_ms_per_token: f64,
+    /// New tokens per second of the decoding steps, all sequences together.
+    pub decode_tokens_per_sec: f64,
+    pub total_ms: f64,
+    /// Bytes of weights one decoding step reads (every matmul weight once).
+    pub weight_mb_per_step: f64,
+    pub peak_rss_mb: f64,
+    /// With `profile`: (kernel family, ms per decoding step), largest first.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub profile: Vec<(&'static str, f64)>,
+}
+
+/// Times greedy generation (see [`SampleBenchOptions`]) in the current rayon pool.
+pub fn run_sample(opts: &SampleBenchOptions) -> anyhow::Result<SampleBenchReport> {
+    let (b, p, new) = (opts.num_samples, opts.prompt, opts.new_tokens);
+    anyhow::ensure!(
+        b > 0 && p > 0 && new >= 2 && opts.runs > 0,
+        "bench --sample needs at least 1 sample, 1 prompt token, 2 new tokens and 1 run"
+    );
+    anyhow::ensure!(
+        p + new <= opts.model.block_size,
+        "the prompt ({p}) and new tokens ({new}) exceed the block size ({})",
+        opts.model.block_size
+    );
+    let mut gpt = Gpt::new(opts.model.clone(), 1, 1)?;
+    gpt.init_gpt2(1337);
+    let cfg = gpt.config().clone();
+    let prompt: Vec<u32> = (0..p).map(|i| (i * 7919 % cfg.vocab_size) as u32).collect();
+    let time_one = |new_tokens: usize| {
+        let o = crate::sample::SampleOptions {
+            num_samples: b,
+            max_new_tokens: new_tokens,
+            temperature: 0.0,
+            bf16_weights: opts.dtype == Dtype::Bfloat16,
+            ..Default::default()
+        };
+        let mut stamps = Vec::with_capacity(new_tokens);
+        let start = Instant::now();
+        crate::sample::generate(&gpt.params, &gpt.layout, &cfg, &prompt, &o, |i, _| {
+            if i == 0 {
+                stamps.push(start.elapsed().as_secs_f64());
+                if opts.profile && stamps.len() == 1 {
+                    crate::profile::enable();
+                }
+            }
+        });
+        let total = start.elapsed().as_secs_f64();
+        (stamps[0], stamps[stamps.len() - 1] - stamps[0], total)
+    };
+    time_one(new.min(8));
+    let runs: Vec<(f64, f64, f64)> = (0..opts.runs).map(|_| time_one(new)).collect();
+    let median = |f: fn(&(f64, f64, f64)) -> f64| {
+        let mut xs: Vec<f64> = runs.iter().map(f).collect();
+        xs.sort_by(f64::total_cmp);
+        xs[xs.len() / 2]
+    };
+    let (prefill, decode, total) = (median(|r| r.0), median(|r| r.1), median(|r| r.2));
+    let steps = (new - 1) as f64;
+    let profile = match opts.profile {
+        true => crate::profile::totals(),
+        false => Vec::new(),
+    };
+    let profile = profile
+        .into_iter()
+        .map(|(name, secs)| (name, secs * 1e3 / steps));
+    let weights = cfg.n_layer * 12 * cfg.n_embd * cfg.n_embd + cfg.vocab_size * cfg.n_embd;
+    let weight_bytes = match opts.dtype {
+        Dtype::Float32 => 4,
+        Dtype::Bfloat16 => 2,
+    };
+    Ok(SampleBenchReport {
+        dtype: opts.dtype,
+        threads: rayon::current_num_threads(),
+        num_samples: b,
+        prompt_tokens: p,
+        new_tokens: new,
+        prefill_ms: prefill * 1e3,
+        prefill_tokens_per_sec: (b * p) as f64 / prefill,
+        decode_ms_per_token: decode * 1e3 / steps,
+        decode_tokens_per_sec: b as f64 * steps / decode,
+        total_ms: total * 1e3,
+        weight_mb_per_step: (weights * weight_bytes) as f64 / 1e6,
+        peak_rss_mb: peak_rss_bytes().map_or(f64::NAN, |r| r as f64 / 1e6),
+        profile: profile.collect(),
+    })
 }

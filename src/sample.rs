@@ -34,6 +34,9 @@ pub struct SampleOptions {
     /// sequence (prompt included) is divided by it when positive, multiplied when
     /// negative. `1.0` is off.
     pub repetition_penalty: f32,
+    /// Read the matmul weights in bf16 (rounded once per call to [`generate`]): half
+    /// the bytes per token; see [`Decoder::with_bf16_weights`].
+    pub bf16_weights: bool,
 }
 
 impl Default for SampleOptions {
@@ -46,6 +49,7 @@ impl Default for SampleOptions {
             seed: 1337,
             top_p: None,
             repetition_penalty: 1.0,
+            bf16_weights: false,
         }
     }
 }
@@ -96,6 +100,9 @@ pub fn generate_until(
     // The longest context ever fed: the prompt and all but the last new token, cropped.
     let longest = (prompt.len() + opts.max_new_tokens - 1).min(block);
     let mut dec = Decoder::new(config, b, longest);
+    if opts.bf16_weights {
+        dec = dec.with_bf16_weights(params);
+    }
     let mut sampler = Sampler::new(config.vocab_size, opts.temperature, opts.top_k)
         .with_top_p(opts.top_p)
         .with_repetition_penalty(opts.repetition_penalty);

@@ -162,6 +162,11 @@ fn train_writes_checkpoint_metrics_and_plot_then_eval_and_sample_use_it() {
         assert_eq!(text.chars().count(), "ROMEO:".len() + 40, "{s:?}");
     }
     assert_eq!(first, ok(d, &args), "same seed, same samples");
+    // With bf16 weights: as many characters, deterministically too.
+    let half_args = [&args[..], &["--dtype", "bfloat16"]].concat();
+    let half = ok(d, &half_args);
+    assert!(half.starts_with("ROMEO:") && half.split("---------------\n").count() >= 2);
+    assert_eq!(half, ok(d, &half_args), "same seed, same samples");
 }
 
 #[test]
@@ -773,4 +778,59 @@ fn prepare_reads_a_hub_dataset_from_the_cache() {
             && err.contains("HF_HUB_OFFLINE"),
         "{err}"
     );
+}
+
+#[test]
+fn bench_mfu_is_against_the_peak_of_the_precision_that_runs() {
+    let dir = temp_dir("bench-peaks");
+    let d = dir.path();
+    for dtype in ["float32", "bfloat16"] {
+        let mut args = vec!["bench", "--batch-size", "2", "--block-size", "16"];
+        args.extend(["--steps", "1", "--json", "--dtype", dtype]);
+        args.extend(TINY_MODEL);
+        let r: serde_json::Value = serde_json::from_str(ok(d, &args).trim()).unwrap();
+        let num = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k} in {r}"));
+        let (f32, bf16) = (num("peak_gflops_f32"), num("peak_gflops_bf16"));
+        assert!(f32 > 0.0 && bf16 > 0.0, "{r}");
+        let own = if dtype == "float32" { f32 } else { bf16 };
+        assert_eq!(num("peak_gflops"), own, "{dtype}: {r}");
+        let mfu = num("achieved_gflops") / own;
+        assert!((num("mfu") - mfu).abs() <= 1e-12 * mfu, "{r}");
+    }
+    // A given peak replaces the measurements.
+    let r = bench_json(d, &["--steps", "1", "--dtype", "bfloat16"]);
+    assert_eq!(r["peak_gflops"], 100.0);
+    assert!(r["peak_gflops_f32"].is_null() && r["peak_gflops_bf16"].is_null());
+}
+
+#[test]
+fn bench_sample_times_prefill_and_decoding() {
+    let dir = temp_dir("bench-sample");
+    let d = dir.path();
+    let mut args = vec![
+        "bench",
+        "--sample",
+        "5",
+        "--batch-size",
+        "2",
+        "--block-size",
+        "4",
+    ];
+    args.extend(["--steps", "1", "--json"]);
+    args.extend(TINY_MODEL);
+    let r: serde_json::Value = serde_json::from_str(ok(d, &args).trim()).unwrap();
+    assert_eq!(
+        (&r["prompt_tokens"], &r["new_tokens"]),
+        (&4.into(), &5.into())
+    );
+    let num = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k} in {r}"));
+    // Two samples of 4 decoding steps (the first new token ends the prefill).
+    let decode = num("decode_tokens_per_sec");
+    assert!((decode - 2.0 * 4.0 / (4.0 * num("decode_ms_per_token") / 1e3)).abs() < 1e-6 * decode);
+    assert!(
+        num("prefill_ms") > 0.0 && num("total_ms") >= num("prefill_ms"),
+        "{r}"
+    );
+    let err = fails(d, &["bench", "--sample", "1"]);
+    assert!(err.contains("2 new tokens"), "{err}");
 }

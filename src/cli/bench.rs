@@ -1,6 +1,8 @@
 //! `nanogpt bench`.
 
-use crate::bench::{run as run_bench, BenchOptions};
+use crate::bench::{
+    run as run_bench, run_sample as run_sample_bench_with, BenchOptions, SampleBenchOptions,
+};
 use crate::model::Dtype;
 use crate::model::ModelConfig;
 use anyhow::{bail, Context};
@@ -32,12 +34,18 @@ pub struct BenchArgs {
     /// Threads (0: one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
-    /// GFLOP/s counted as 100 % MFU (default: measure this machine's f32 GEMM peak).
+    /// GFLOP/s counted as 100 % MFU (default: measure this machine's GEMM peak in the
+    /// precision that runs, --dtype, with the kernel its matmuls use).
     #[arg(long)]
     pub peak_gflops: Option<f64>,
     /// Also report the time per step of each kernel family.
     #[arg(long)]
     pub profile: bool,
+    /// Time `sample`'s greedy generation of this many new tokens instead of training
+    /// steps: --batch-size samples, a prompt of --block-size tokens, --steps runs,
+    /// --dtype the weights' precision (as `sample --dtype`).
+    #[arg(long, value_name = "NEW_TOKENS")]
+    pub sample: Option<usize>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -118,6 +126,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         bail!("--steps, --batch-size and --block-size must be at least 1");
     }
     crate::threads::init_pool(args.threads, 1)?;
+    if let Some(new_tokens) = args.sample {
+        return run_sample_bench(&args, new_tokens);
+    }
     let opts = BenchOptions {
         model: model_config(&args)?,
         batch_size: args.batch_size,
@@ -127,10 +138,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         peak_gflops: args.peak_gflops,
         profile: args.profile,
         activation_checkpointing: checkpointing(&args)?,
-        dtype: match args.dtype.as_str() {
-            "bfloat16" => Dtype::Bfloat16,
-            _ => Dtype::Float32,
-        },
+        dtype: dtype(&args),
         lora: lora_config(&args)?,
     };
     if opts.dtype == Dtype::Bfloat16 {
@@ -142,12 +150,60 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     } else {
         println!(
             "{} params, {}, B={} T={}, {} threads: {:.1} ms/step (median of {}, min {:.1}), {:.0} tokens/s, \
-             {:.1} GFLOP/s = {:.1}% MFU of {:.1} GFLOP/s, peak RSS {:.0} MB, activations {:.0} MB{}",
+             {:.1} GFLOP/s = {:.1}% MFU of {:.1} GFLOP/s ({}), peak RSS {:.0} MB, activations {:.0} MB{}",
             r.params, r.dtype.as_str(), r.batch_size, r.block_size, r.threads, r.ms_per_step, args.steps, r.ms_per_step_min,
-            r.tokens_per_sec, r.achieved_gflops, 100.0 * r.mfu, r.peak_gflops, r.peak_rss_mb, r.activation_mb,
+            r.tokens_per_sec, r.achieved_gflops, 100.0 * r.mfu, r.peak_gflops, peak_source(&r),
+            r.peak_rss_mb, r.activation_mb,
             if r.activation_checkpointing { " (checkpointed)" } else { "" }
         );
         print_profile(&r.profile, r.ms_per_step_mean);
+    }
+    Ok(())
+}
+
+fn dtype(args: &BenchArgs) -> Dtype {
+    match args.dtype.as_str() {
+        "bfloat16" => Dtype::Bfloat16,
+        _ => Dtype::Float32,
+    }
+}
+
+/// Where the MFU's 100 % came from, for the report line.
+fn peak_source(r: &crate::bench::BenchReport) -> String {
+    match (r.peak_gflops_f32, r.peak_gflops_bf16) {
+        (Some(f32), Some(bf16)) => format!(
+            "the measured {} GEMM peak; f32 {f32:.0}, bf16 {bf16:.0} GFLOP/s",
+            r.dtype.as_str()
+        ),
+        _ => "--peak-gflops".into(),
+    }
+}
+
+/// `bench --sample`: greedy generation's prefill and decoding speed.
+fn run_sample_bench(args: &BenchArgs, new_tokens: usize) -> anyhow::Result<()> {
+    let mut model = model_config(args)?;
+    model.block_size = model.block_size.max(args.block_size + new_tokens);
+    let r = run_sample_bench_with(&SampleBenchOptions {
+        model,
+        num_samples: args.batch_size,
+        prompt: args.block_size,
+        new_tokens,
+        runs: args.steps,
+        profile: args.profile,
+        dtype: dtype(args),
+    })?;
+    if args.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!(
+            "greedy sampling, {} weights, {} sample(s), prompt {} + {} new tokens, {} threads: prefill {:.1} ms \
+             ({:.0} tokens/s), decoding {:.2} ms/token ({:.1} tokens/s, {:.0} MB of weights read \
+             per step = {:.1} GB/s), peak RSS {:.0} MB",
+            r.dtype.as_str(), r.num_samples, r.prompt_tokens, r.new_tokens, r.threads, r.prefill_ms,
+            r.prefill_tokens_per_sec, r.decode_ms_per_token, r.decode_tokens_per_sec,
+            r.weight_mb_per_step, r.weight_mb_per_step / r.decode_ms_per_token, r.peak_rss_mb
+        );
+        print_profile(&r.profile, r.decode_ms_per_token);
     }
     Ok(())
 }

@@ -65,6 +65,10 @@ pub struct Sampling {
     /// (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,
+    /// Precision of the weights the matmuls read: float32, or bfloat16 (rounded once
+    /// at start; half the bytes per token, activations stay f32).
+    #[arg(long, default_value = "float32", value_parser = clap::builder::PossibleValuesParser::new(crate::model::Dtype::NAMES))]
+    pub dtype: String,
 }
 
 impl Sampling {
@@ -104,6 +108,7 @@ impl Sampling {
             seed,
             top_p: self.top_p,
             repetition_penalty: self.repetition_penalty,
+            bf16_weights: self.dtype == "bfloat16",
         }
     }
 }

@@ -67,7 +67,8 @@ pub fn run(args: TrainArgs) -> Result<i32> {
             trainer.meta.tokenizer
         );
         crate::outln!(
-            "mfu: against this machine's f32 GEMM peak, {:.0} GFLOP/s per rank, measured now",
+            "mfu: against this machine's {} GEMM peak, {:.0} GFLOP/s per rank, measured now",
+            trainer.cfg.dtype.as_str(),
             trainer.peak_gflops()
         );
         if trainer.cfg.dtype == crate::model::Dtype::Bfloat16 {

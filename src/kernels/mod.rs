@@ -21,6 +21,7 @@ pub mod dropout;
 pub mod encoder;
 pub(crate) mod fastmath;
 pub mod gelu;
+pub mod gemv;
 pub mod layernorm;
 pub mod matmul;
 pub mod residual;

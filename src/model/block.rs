@@ -16,9 +16,10 @@ use super::activations::{BlockActs, Saved, Scratch};
 use super::layout::{BlockLayout, LinearSpans, NormSpans, Span};
 use super::lora::{u_segment, u_segment_mut, BlockLora, LoraBufs, Target};
 use crate::kernels::attention::{attention_backward, attention_backward_bf16, attention_forward};
-use crate::kernels::bf16;
+use crate::kernels::bf16::{self, Bf16};
 use crate::kernels::dropout::{self, Dropout};
 use crate::kernels::gelu::{gelu_backward, gelu_forward};
+use crate::kernels::gemv::{gemv, Weights as GemvWeights};
 use crate::kernels::layernorm::{
     layernorm_backward, layernorm_forward, layernorm_recompute, Norm, NormGrads,
 };
@@ -40,6 +41,10 @@ pub struct BlockWeights<'a> {
     /// LoRA: the block's adapters. The base is then frozen: backward forms no base
     /// parameter gradients, and the gradient arena it is given is the adapters'.
     pub lora: Option<BlockLora<'a>>,
+    /// Decoding with bf16 weights: a bf16 copy of `params` (same layout) whose matmul
+    /// weights the forward's linear layers read instead of `matmul`, through
+    /// [`gemv`] (half the bytes; activations stay f32). Forward only.
+    pub matmul_bf16: Option<&'a [Bf16]>,
 }
 
 impl<'a> BlockWeights<'a> {
@@ -55,6 +60,45 @@ impl<'a> BlockWeights<'a> {
     fn norm(&self, n: NormSpans) -> Norm<'a> {
         norm_of(self.params, n)
     }
+
+    /// `out = inp · Wᵀ + bias` for linear layer `l`: [`linear_forward`], or with
+    /// `matmul_bf16` the GEMV over its bf16 weights for a few rows (decoding steps),
+    /// and for more (a prompt) the weights widened to f32 for `linear_forward`: the
+    /// same product, but a GEMV does not reuse weights across rows the way the GEMM
+    /// does. out: (N, OC); inp: (N, C).
+    fn forward<const BF16: bool>(&self, out: &mut [f32], inp: &[f32], l: LinearSpans) {
+        let Some(w16) = self.matmul_bf16 else {
+            return linear_forward::<BF16>(out, inp, self.linear(l));
+        };
+        let w16 = &w16[l.weight.start..l.weight.end];
+        if inp.len() / l.c > GEMV_MAX_ROWS {
+            return WIDENED.with_borrow_mut(|wide| {
+                wide.resize(w16.len(), 0.0);
+                bf16::load(wide, w16);
+                let linear = Linear {
+                    weight: wide,
+                    ..self.linear(l)
+                };
+                linear_forward::<BF16>(out, inp, linear)
+            });
+        }
+        let _t = crate::profile::scope(crate::profile::Section::MatmulForward);
+        let bias = &self.params[l.bias];
+        if !bias.is_empty() {
+            out.chunks_exact_mut(l.oc)
+                .for_each(|row| row.copy_from_slice(bias));
+        }
+        gemv(out, inp, GemvWeights::Bf16(w16), l.c, !bias.is_empty());
+    }
+}
+
+/// Rows up to which [`BlockWeights::forward`] runs bf16 weights on the GEMV.
+const GEMV_MAX_ROWS: usize = 8;
+
+thread_local! {
+    /// One linear layer's bf16 weights widened to f32, for a prompt's rows (at most
+    /// 4·C² floats, kept for the thread's next layer).
+    static WIDENED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// A layer norm's parameters in the arena `params`.
@@ -122,7 +166,7 @@ pub fn block_forward<const BF16: bool>(
         layernorm_forward::<BF16>(o, m1, r1, x, w.norm(at.ln_1))
     });
     let qkv = a.qkv.save(&mut s.staging_wide, n * 3 * c, |o| {
-        linear_forward::<BF16>(o, ln1, w.linear(at.c_attn));
+        w.forward::<BF16>(o, ln1, at.c_attn);
         if let Some(l) = &w.lora {
             let u = u_segment_mut(&mut a.lora_u, Target::CAttn);
             l.forward::<BF16>(Target::CAttn, o, ln1, u, &mut s.lora_x);
@@ -134,7 +178,7 @@ pub fn block_forward<const BF16: bool>(
         Attend::Cache(attend) => attend(o, qkv),
     });
     let res2 = &mut a.res2[..n * c];
-    linear_forward::<BF16>(res2, atty, w.linear(at.attn_proj));
+    w.forward::<BF16>(res2, atty, at.attn_proj);
     if let Some(l) = &w.lora {
         let u = u_segment_mut(&mut a.lora_u, Target::AttnProj);
         l.forward::<BF16>(Target::AttnProj, res2, atty, u, &mut s.lora_x);
@@ -149,7 +193,7 @@ pub fn block_forward<const BF16: bool>(
         layernorm_forward::<BF16>(o, m2, r2, res2, w.norm(at.ln_2))
     });
     let fch = a.fch.save(&mut s.staging_wide, n * 4 * c, |o| {
-        linear_forward::<BF16>(o, ln2, w.linear(at.c_fc));
+        w.forward::<BF16>(o, ln2, at.c_fc);
         if let Some(l) = &w.lora {
             let u = u_segment_mut(&mut a.lora_u, Target::CFc);
             l.forward::<BF16>(Target::CFc, o, ln2, u, &mut s.lora_x);
@@ -158,7 +202,7 @@ pub fn block_forward<const BF16: bool>(
     let hidden = &mut s.hidden[..n * 4 * c];
     gelu_forward::<BF16, f32>(hidden, fch);
     let res3 = &mut a.res3[..n * c];
-    linear_forward::<BF16>(res3, hidden, w.linear(at.mlp_proj));
+    w.forward::<BF16>(res3, hidden, at.mlp_proj);
     if let Some(l) = &w.lora {
         let u = u_segment_mut(&mut a.lora_u, Target::MlpProj);
         l.forward::<BF16>(Target::MlpProj, res3, hidden, u, &mut s.lora_x);

@@ -8,18 +8,20 @@
 //! feed(tokens (B, p)):  x = wte[tokens] + wpe[len..len+p]               (B·p, C)
 //!   for each block:  the training block (block.rs), attending through the cache:
 //!                    append this layer's new keys and values, attend to K, V[0..=pos]
-//!   logits = ln_f(x[last new row]) · wteᵀ                               (B, V)
+//!   logits = ln_f(x[last new row]) · wteᵀ   (kernels::gemv)              (B, V)
 //! ```
 //!
-//! It runs the same block and kernels as the training forward, in f32, without dropout.
+//! It runs the same block and kernels as the training forward, in f32, without dropout;
+//! [`Decoder::with_bf16_weights`] reads the matmul weights in bf16 instead.
 
 use super::activations::{BlockActs, NormStats, Scratch};
 use super::block::{block_forward, norm_of, Attend, BlockWeights};
 use super::config::{Dtype, ModelConfig};
 use super::layout::ParamLayout;
 use crate::kernels::attention::{cached_attention, KvCache};
-use crate::kernels::classifier::{classifier_logits, Classifier};
+use crate::kernels::bf16::{self, Bf16};
 use crate::kernels::encoder::encoder_forward;
+use crate::kernels::gemv::{gemv, Weights};
 use crate::kernels::layernorm::layernorm_forward;
 use crate::kernels::Dims;
 
@@ -74,6 +76,9 @@ pub struct Decoder {
     lnf_stats: NormStats,
     /// (B, V) logits of the last new position.
     logits: Vec<f32>,
+    /// With bf16 weights: the parameters rounded to bf16 (laid out like them), whose
+    /// matmul weights and `wte` every matmul reads ([`Decoder::with_bf16_weights`]).
+    weights_bf16: Option<Vec<Bf16>>,
 }
 
 impl Decoder {
@@ -113,7 +118,20 @@ impl Decoder {
             lnf: vec![0.0; batch * c],
             lnf_stats: NormStats::new(batch),
             logits: vec![0.0; batch * shape.v],
+            weights_bf16: None,
         }
+    }
+
+    /// Decodes with the matmul weights (and the classifier's `wte`) rounded to bf16:
+    /// a copy of `params` in bf16 is made here, once, and [`Decoder::feed`] streams
+    /// half the bytes per token. Activations, layer norms, biases, softmax and
+    /// accumulation stay f32 (weight-only bf16), and the embedding lookups read the
+    /// f32 tables. `feed` must then be given the same `params`.
+    pub fn with_bf16_weights(mut self, params: &[f32]) -> Decoder {
+        let mut w = vec![Bf16::default(); params.len()];
+        bf16::store(&mut w, params);
+        self.weights_bf16 = Some(w);
+        self
     }
 
     /// Feeds `p` new tokens per sequence and returns the logits of the last new
@@ -165,6 +183,7 @@ impl Decoder {
                 matmul: params,
                 at,
                 lora: None,
+                matmul_bf16: self.weights_bf16.as_deref(),
             };
             let (x, a) = (&self.x[..n * c], &mut self.acts);
             block_forward::<false>(
@@ -184,6 +203,7 @@ impl Decoder {
 
     /// ln_f and the classifier on the last new row of each sequence: returns (B, V).
     fn final_logits(&mut self, params: &[f32], layout: &ParamLayout, new: usize) -> &[f32] {
+        let _t = crate::profile::scope(crate::profile::Section::Classifier);
         let (b, c, v) = (self.shape.b, self.shape.c, self.shape.v);
         for (seq, row) in self.last.chunks_exact_mut(c).enumerate() {
             let at = (seq * new + new - 1) * c;
@@ -192,13 +212,14 @@ impl Decoder {
         let (mean, rstd) = self.lnf_stats.rows_mut(b);
         let ln_f = norm_of(params, layout.ln_f);
         layernorm_forward::<false>(&mut self.lnf, mean, rstd, &self.last, ln_f);
-        let cls = Classifier {
-            wte: &params[layout.wte],
-            packs: None,
-            c,
-            v,
+        // One row per sequence against 50257 × 768 weights: a matrix-vector product,
+        // bound by streaming wte (see kernels::gemv).
+        let rows = layout.wte.start..layout.wte.start + v * c;
+        let wte = match &self.weights_bf16 {
+            Some(w16) => Weights::Bf16(&w16[rows]),
+            None => Weights::F32(&params[rows]),
         };
-        classifier_logits(&mut self.logits, &self.lnf, cls);
+        gemv(&mut self.logits, &self.lnf, wte, c, false);
         &self.logits
     }
 
@@ -230,6 +251,9 @@ impl Decoder {
     fn check(&self, params: &[f32], layout: &ParamLayout, tokens: &[u32], p: usize) {
         let s = self.shape;
         assert_eq!(params.len(), layout.len, "params do not match the layout");
+        if let Some(w16) = &self.weights_bf16 {
+            assert_eq!(w16.len(), params.len(), "params are not the bf16 copy's");
+        }
         assert!(
             layout.layers.len() == s.n_layer && layout.wte.len() == s.vp * s.c,
             "the layout is not this decoder's model"
@@ -412,6 +436,43 @@ pub(crate) mod tests {
         let again = dec.feed(&gpt.params, &gpt.layout, &seq, 6);
         assert_eq!(again, &first[..], "same input, same buffers: identical");
         assert_eq!((dec.len(), dec.max_len(), dec.batch()), (6, 8, 1));
+    }
+
+    /// With bf16 weights, the logits are the f32 decoder's on the same parameters
+    /// with every matmul weight rounded to bf16, prefill and steps. (wte is made
+    /// bf16-exact first: the embedding lookup reads the f32 table, the classifier the
+    /// bf16 copy, and a rounded f32 model cannot tell the two apart.)
+    #[test]
+    fn bf16_weights_decode_the_rounded_model() {
+        let mut gpt = random_gpt(small(true), 2, 7);
+        bf16::round_in_place(&mut gpt.params[gpt.layout.wte]);
+        let (layout, params) = (&gpt.layout, &gpt.params);
+        let mut rounded = params.clone();
+        let matmuls = layout.layers.iter().flat_map(|l| {
+            let ls = [l.c_attn, l.attn_proj, l.c_fc, l.mlp_proj];
+            ls.map(|s| s.weight)
+        });
+        for span in matmuls {
+            bf16::round_in_place(&mut rounded[span]);
+        }
+        let seq = tokens(2 * 9, gpt.config().vocab_size, 3);
+        let mut half = Decoder::new(gpt.config(), 2, 9).with_bf16_weights(params);
+        let mut exact = Decoder::new(gpt.config(), 2, 9);
+        let mut full = Decoder::new(gpt.config(), 2, 9);
+        let (prompt, rest) = seq.split_at(2 * 5);
+        let got = half.feed(params, layout, prompt, 5).to_vec();
+        assert_close("prefill", &got, exact.feed(&rounded, layout, prompt, 5));
+        let unrounded = full.feed(params, layout, prompt, 5);
+        let moved = got.iter().zip(unrounded).map(|(a, b)| (a - b).abs());
+        let moved = moved.fold(0.0f32, f32::max);
+        assert!(
+            moved > 1e-4,
+            "rounding the weights moves the logits ({moved}) past the tolerance"
+        );
+        for step in rest.chunks_exact(2) {
+            let got = half.feed(params, layout, step, 1).to_vec();
+            assert_close("step", &got, exact.feed(&rounded, layout, step, 1));
+        }
     }
 
     #[test]

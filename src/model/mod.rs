@@ -704,6 +704,7 @@ impl<'a> Weights<'a> {
                 dropout: lora_dropout.map(|seed| (f.state.config.dropout, seed)),
                 layer: l,
             }),
+            matmul_bf16: None,
         }
     }
 }

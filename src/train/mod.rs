@@ -157,7 +157,7 @@ impl Trainer {
         };
         let bt = cfg.batch_size * cfg.block_size;
         let peak_gflops = match root {
-            true => crate::bench::gemm_peak_gflops_quick(),
+            true => crate::bench::gemm_peak_gflops_quick(cfg.dtype),
             false => 0.0,
         };
         Ok(Trainer {
@@ -200,8 +200,8 @@ impl Trainer {
         self.comm.barrier_patient();
     }
 
-    /// The GEMM peak (GFLOP/s, this rank's threads) that MFU is reported against;
-    /// measured on rank 0 when the trainer starts.
+    /// The GEMM peak (GFLOP/s, this rank's threads) of the run's precision that MFU is
+    /// reported against; measured on rank 0 when the trainer starts.
     pub fn peak_gflops(&self) -> f64 {
         self.peak_gflops
     }

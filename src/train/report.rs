@@ -70,10 +70,11 @@ impl Trainer {
                 mfu: Some(mfu),
                 grad_norm: Some(grad_norm),
             })?;
-            // Above 100 % only when the peak measured at start was depressed by
-            // other work on the machine: say so rather than print it bare.
+            // The peak is that of the precision that runs, measured with the kernel
+            // its matmuls use, so the step cannot beat it on an idle machine: above
+            // 100 % means that measurement (or this step) met other load. Say so.
             let busy = if mfu > 1.0 {
-                " (the peak measured at start was low: machine busy)"
+                " (above the GEMM peak measured at start: other work on the machine skewed one of the two)"
             } else {
                 ""
             };
