@@ -55,14 +55,6 @@ fn madvise_dontneed(addr: usize, len: usize) -> bool {
     }
 }
 
-/// Resident bytes of this process (`VmRSS`), where the system says.
-pub fn resident_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = text.lines().find(|l| l.starts_with("VmRSS:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
