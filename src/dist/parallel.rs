@@ -1,6 +1,7 @@
 //! The data-parallel side of a training step: gradients reduced once per optimizer
 //! step, overlapped with backward; the global loss; the pieces of the update that
-//! a sharded optimizer (ZeRO stage 1) needs (see [`super::clip_and_step`]); the
+//! a sharded optimizer (ZeRO stages 1-3) needs (see [`super::clip_and_step`]);
+//! ZeRO-3's gathers and releases of the weights around each layer ([`Sharded`]); the
 //! start-up broadcast and the checks that every rank holds the same weights.
 
 use super::resident::release;

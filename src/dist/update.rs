@@ -9,6 +9,8 @@
 //! one process      all (model.grads)      its own                -
 //! ZeRO 0, W ranks  all, summed over ranks its own (= everyone's) - (all step alike)
 //! ZeRO 1, W ranks  its shard of the sum   all-reduced            all-gather
+//! ZeRO 2, W ranks  its shard of the sum   all-reduced            all-gather by bucket
+//! ZeRO 3, W ranks  its shard of the sum   all-reduced            - (weights sharded)
 //! ```
 
 use super::{Collective, DataParallel};
