@@ -57,20 +57,28 @@ impl<'a> Mat<'a> {
     }
 }
 
-/// `dst = a · b` (or `dst += a · b` when `accumulate`), dst dense row-major `m × n`.
-pub fn matmul(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
+/// Checks that `dst = a · b` fits together (panics otherwise) and does the products
+/// with nothing to multiply: an empty `dst`, or an empty inner dimension (`dst`
+/// zeroed, or left as it is when `accumulate`). True when that was the whole product.
+pub fn shapes_checked_and_trivial(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) -> bool {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     assert_eq!(b.rows, k, "inner dimensions differ");
     assert_eq!(dst.len(), m * n, "destination does not match m × n");
     if m == 0 || n == 0 {
+        return true;
+    }
+    if k == 0 && !accumulate {
+        dst.fill(0.0);
+    }
+    k == 0
+}
+
+/// `dst = a · b` (or `dst += a · b` when `accumulate`), dst dense row-major `m × n`.
+pub fn matmul(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
+    if shapes_checked_and_trivial(dst, a, b, accumulate) {
         return;
     }
-    if k == 0 {
-        if !accumulate {
-            dst.fill(0.0);
-        }
-        return;
-    }
+    let (m, k, n) = (a.rows, a.cols, b.cols);
     // SAFETY: `Mat::new` checked that each operand's data holds rows × cols elements,
     // `t()` only swaps the strides and `columns()` starts the slice at its first column
     // and narrows `cols` to match, so every index gemm forms from (m, n, k) and the

@@ -29,7 +29,7 @@
 //! (on the other kernels; `bench` and `train` print which ran).
 
 use super::Bf16;
-use crate::kernels::matmul::Mat;
+use crate::kernels::matmul::{shapes_checked_and_trivial, Mat};
 use rayon::prelude::*;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
@@ -490,18 +490,10 @@ fn to_bf16(buf: &mut Vec<Bf16>, m: Mat) -> [i64; 2] {
 /// on oneDNN's bf16 matmul (operands rounded to bf16, f32 accumulation). Panics
 /// when oneDNN is not [`available`].
 pub fn matmul(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
+    if shapes_checked_and_trivial(dst, a, b, accumulate) {
+        return;
+    }
     let (m, k, n) = (a.rows, a.cols, b.cols);
-    assert_eq!(b.rows, k, "inner dimensions differ");
-    assert_eq!(dst.len(), m * n, "destination does not match m × n");
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        if !accumulate {
-            dst.fill(0.0);
-        }
-        return;
-    }
     let (lock, _) = state().expect("oneDNN has no fast bf16 matmul on this CPU");
     let mut guard = lock.lock().unwrap_or_else(|e| e.into_inner());
     let st = &mut *guard;
