@@ -689,31 +689,8 @@ fn sigterm_to_one_rank_stops_every_rank_at_the_same_step() {
     assert!(took < Duration::from_secs(30), "ended after {took:?}");
     assert_eq!(out.status.code(), Some(143), "{stdout}\n{stderr}");
     assert!(!stderr.contains("made no progress"), "{stderr}");
-    let line = stdout
-        .lines()
-        .find(|l| l.starts_with("stopped by SIGTERM after iteration "))
-        .unwrap_or_else(|| panic!("no stop line:\n{stdout}\n{stderr}"));
-    let last: u64 = line["stopped by SIGTERM after iteration ".len()..]
-        .split(':')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
-    let ckpt = format!("sigterm/ckpt-{:06}.safetensors", last + 1);
-    assert!(line.contains(&ckpt), "{line}");
-    let saved = Checkpoint::open_file(&workdir().join(&ckpt)).unwrap();
-    assert_eq!(saved.state.iter_num, last + 1);
     // It resumes from there.
-    let until = format!("max_iters={}", last + 3);
-    let stdout = train(
-        2,
-        "sigterm",
-        &["gradient_accumulation_steps=2", &until, "init_from=resume"],
-    );
-    assert!(
-        stdout.contains(&format!("resuming from {ckpt} at iteration {}", last + 1)),
-        "{stdout}"
-    );
+    assert_stopped_with_a_checkpoint_that_resumes("SIGTERM", "sigterm", &stdout, &stderr);
 }
 
 #[test]
@@ -751,24 +728,37 @@ fn sigusr1_to_mpirun_stops_the_job_with_a_checkpoint_that_resumes() {
     if is_open_mpi() {
         assert_eq!(out.status.code(), Some(138), "{stdout}\n{stderr}");
     }
+    assert_stopped_with_a_checkpoint_that_resumes("SIGUSR1", "sigusr1", &stdout, &stderr);
+}
+
+/// A 2-rank run in `out_dir` stopped by `signal`: its stop line names the checkpoint
+/// of the step after the last finished one, which holds that iteration, and a run
+/// with `init_from=resume` continues from it.
+fn assert_stopped_with_a_checkpoint_that_resumes(
+    signal: &str,
+    out_dir: &str,
+    stdout: &str,
+    stderr: &str,
+) {
+    let prefix = format!("stopped by {signal} after iteration ");
     let line = stdout
         .lines()
-        .find(|l| l.starts_with("stopped by SIGUSR1 after iteration "))
+        .find(|l| l.starts_with(&prefix))
         .unwrap_or_else(|| panic!("no stop line:\n{stdout}\n{stderr}"));
-    let last: u64 = line["stopped by SIGUSR1 after iteration ".len()..]
+    let last: u64 = line[prefix.len()..]
         .split(':')
         .next()
         .unwrap()
         .parse()
         .unwrap();
-    let ckpt = format!("sigusr1/ckpt-{:06}.safetensors", last + 1);
+    let ckpt = format!("{out_dir}/ckpt-{:06}.safetensors", last + 1);
     assert!(line.contains(&ckpt), "{line}");
     let saved = Checkpoint::open_file(&workdir().join(&ckpt)).unwrap();
     assert_eq!(saved.state.iter_num, last + 1);
     let until = format!("max_iters={}", last + 3);
     let stdout = train(
         2,
-        "sigusr1",
+        out_dir,
         &["gradient_accumulation_steps=2", &until, "init_from=resume"],
     );
     assert!(
