@@ -15,7 +15,7 @@
 use super::activations::{BlockActs, Saved, Scratch};
 use super::layout::{BlockLayout, LinearSpans, NormSpans, Span};
 use super::lora::{u_segment, u_segment_mut, BlockLora, LoraBufs, Target};
-use crate::kernels::attention::{attention_backward, attention_backward_bf16, attention_forward};
+use crate::kernels::attention::{attention_backward, attention_forward};
 use crate::kernels::bf16::{self, Bf16};
 use crate::kernels::dropout::{self, Dropout};
 use crate::kernels::gelu::{gelu_backward, gelu_forward};
@@ -271,10 +271,7 @@ pub fn block_backward<const BF16: bool>(
     let dqkv = &mut s.dqkv[..n * 3 * c];
     let lse = &a.att_lse[..d.b * d.nh * d.t];
     let probs = drop.map(|m| m.attn_probs);
-    match BF16 {
-        true => attention_backward_bf16(dqkv, datty, qkv, atty, lse, d, probs),
-        false => attention_backward(dqkv, datty, qkv, atty, lse, d, probs),
-    }
+    attention_backward::<BF16>(dqkv, datty, qkv, atty, lse, d, probs);
     let (m1, r1) = a.ln1_stats.rows(n);
     let ln1 = a.ln1.load(&mut s.staging, n * c, |o| {
         layernorm_recompute::<BF16>(o, x, m1, r1, w.norm(at.ln_1))

@@ -191,10 +191,13 @@ pub fn attention_forward(
 /// Causal self-attention backward, recomputing the probabilities from `lse`.
 ///
 /// `dout`: `(B, T, C)`; `qkv`, `out`, `lse` and `dropout` exactly as given to and
-/// produced by [`attention_forward`]; `dqkv`: `(B, T, 3C)`, **overwritten**.
+/// produced by [`attention_forward`]; `dqkv`: `(B, T, 3C)`, **overwritten**. With
+/// `BF16`, `dqkv` is rounded to bf16 (the operand of the bf16 matmuls that follow
+/// under autocast) by each task as its rows are final and still in cache, instead
+/// of in a pass of its own: the same bits.
 ///
 /// Parallel over `(b, h)`; results do not depend on the thread count.
-pub fn attention_backward(
+pub fn attention_backward<const BF16: bool>(
     dqkv: &mut [f32],
     dout: &[f32],
     qkv: &[f32],
@@ -204,23 +207,7 @@ pub fn attention_backward(
     dropout: Option<Dropout>,
 ) {
     let _t = crate::profile::scope(crate::profile::Section::AttentionBackward);
-    backward_impl(Isa::detect(), dqkv, dout, qkv, out, lse, d, dropout, false);
-}
-
-/// [`attention_backward`] with `dqkv` rounded to bf16 (the operand of the bf16
-/// matmuls that follow under autocast), by each task as its rows are final and still
-/// in cache instead of in a pass of its own: the same bits.
-pub fn attention_backward_bf16(
-    dqkv: &mut [f32],
-    dout: &[f32],
-    qkv: &[f32],
-    out: &[f32],
-    lse: &[f32],
-    d: Dims,
-    dropout: Option<Dropout>,
-) {
-    let _t = crate::profile::scope(crate::profile::Section::AttentionBackward);
-    backward_impl(Isa::detect(), dqkv, dout, qkv, out, lse, d, dropout, true);
+    backward_impl(Isa::detect(), dqkv, dout, qkv, out, lse, d, dropout, BF16);
 }
 
 /// Panics unless `C` splits into `NH` heads.

@@ -192,7 +192,7 @@ fn deterministic_across_thread_counts() {
             let mut lse = vec![0.0; b * nh * t];
             attention_forward(&mut out, &mut lse, &qkv, d, DROP);
             let mut dqkv = vec![0.0; qkv.len()];
-            attention_backward(&mut dqkv, &dout, &qkv, &out, &lse, d, DROP);
+            attention_backward::<false>(&mut dqkv, &dout, &qkv, &out, &lse, d, DROP);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             (bits(&out), bits(&lse), bits(&dqkv))
         })
