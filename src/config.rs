@@ -296,6 +296,19 @@ impl TrainConfig {
         }
     }
 
+    /// The model this config trains from scratch, on a vocabulary of `vocab_size`.
+    pub fn model_config(&self, vocab_size: usize) -> crate::model::ModelConfig {
+        crate::model::ModelConfig {
+            vocab_size,
+            block_size: self.block_size,
+            n_layer: self.n_layer,
+            n_head: self.n_head,
+            n_embd: self.n_embd,
+            bias: self.bias,
+            dropout: self.dropout,
+        }
+    }
+
     /// Refuses sizes whose model or activations could not be held (and whose size
     /// arithmetic would overflow): a typo such as `n_embd = 76800000`.
     fn check_magnitudes(&self, problems: &mut Vec<String>) {

@@ -8,7 +8,7 @@
 use crate::config::TrainConfig;
 use crate::dist::preflight::{self, Fingerprint};
 use crate::dist::{Collective, GradPlan, Reduce};
-use crate::model::{ModelConfig, ParamLayout};
+use crate::model::ParamLayout;
 use crate::plan;
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
@@ -240,15 +240,7 @@ fn mem_available_gib() -> f64 {
 /// The config's gradient (every parameter, f32) all-reduced: the best of three,
 /// and the latency of a one-number all-reduce (median of 20).
 fn measure_all_reduce(comm: &dyn Collective, cfg: &TrainConfig, vocab: usize) -> AllReduce {
-    let model = ModelConfig {
-        vocab_size: vocab,
-        block_size: cfg.block_size,
-        n_layer: cfg.n_layer,
-        n_head: cfg.n_head,
-        n_embd: cfg.n_embd,
-        bias: cfg.bias,
-        dropout: 0.0,
-    };
+    let model = cfg.model_config(vocab);
     let n = ParamLayout::new(&model).len;
     // One bucket: the whole gradient.
     let whole = [std::ops::Range { start: 0, end: n }];

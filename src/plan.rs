@@ -240,15 +240,7 @@ pub fn model_of(cfg: &TrainConfig) -> Result<ModelConfig> {
         InitFrom::Scratch => {
             let dir = data::find_or_prepare_dataset(&cfg.dataset)?;
             let meta = Meta::load(&dir)?;
-            Ok(ModelConfig {
-                vocab_size: meta.vocab_size,
-                block_size: cfg.block_size,
-                n_layer: cfg.n_layer,
-                n_head: cfg.n_head,
-                n_embd: cfg.n_embd,
-                bias: cfg.bias,
-                dropout: cfg.dropout,
-            })
+            Ok(cfg.model_config(meta.vocab_size))
         }
         InitFrom::Resume => {
             let latest = Checkpoint::open_latest(&cfg.out_dir)?;

@@ -400,15 +400,7 @@ fn with_peft_adapter(cfg: &TrainConfig, model: Gpt, base: &str) -> Result<Gpt> {
 
 /// A model of the config's architecture with GPT-2's initialisation.
 fn new_model(cfg: &TrainConfig, meta: &Meta) -> Result<Gpt> {
-    let model_cfg = ModelConfig {
-        vocab_size: meta.vocab_size,
-        block_size: cfg.block_size,
-        n_layer: cfg.n_layer,
-        n_head: cfg.n_head,
-        n_embd: cfg.n_embd,
-        bias: cfg.bias,
-        dropout: cfg.dropout,
-    };
+    let model_cfg = cfg.model_config(meta.vocab_size);
     let mut model = Gpt::new(model_cfg, cfg.batch_size, cfg.block_size)?;
     model.init_gpt2(cfg.seed);
     Ok(model)
