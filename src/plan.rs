@@ -126,7 +126,8 @@ pub const MOMENTS: &str = "optimizer moments";
 pub const ACTIVATIONS: &str = "activations";
 pub const COMM: &str = "communication buffers";
 /// ZeRO-3: the buckets a pass holds whole at once, weights and gradients each (the
-/// embeddings and `ln_f` for the whole pass, one block at a time).
+/// embeddings and `ln_f` for the whole pass, two blocks at a time: see
+/// `GradPlan::gathered_len`).
 pub const GATHERED: &str = "gathered layers";
 pub const GATHER: &str = "checkpoint gather";
 pub const BASELINE: &str = "program, threads, data";
@@ -152,18 +153,12 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
     });
     let comm = grad_plan.as_ref().map_or(0, |g| g.send_len + g.recv_len);
     // ZeRO-3: each rank keeps its shard of the weights; a pass holds the embeddings
-    // and ln_f (first and last buckets) and one block at a time, weights and
-    // gradients alike.
+    // and ln_f (first and last buckets) and two blocks at a time (one computed, the
+    // next arriving or the previous reducing), weights and gradients alike.
     let sharded = grad_plan.as_ref().filter(|_| stage >= 3);
     let (weights, grads, gathered) = match sharded {
         None => (len, len, 0),
-        Some(g) => {
-            let whole = |r: &std::ops::Range<usize>| r.len();
-            let blocks = buckets[1..buckets.len().saturating_sub(1)].iter();
-            let ends = buckets.first().map_or(0, whole) + buckets.last().map_or(0, whole);
-            let in_use = ends + blocks.map(whole).max().unwrap_or(0);
-            (g.shard_len, in_use, in_use)
-        }
+        Some(g) => (g.shard_len, g.gathered_len(), g.gathered_len()),
     };
     // ZeRO 1-3: rank 0 gathers the full moments into two arena-sized buffers to save
     // them; ZeRO-3 also the rest of the weights, while no layer is gathered and no
@@ -699,14 +694,15 @@ mod tests {
     }
 
     /// What a ZeRO-3 pass holds whole at once: the embeddings and ln_f for the pass,
-    /// the largest block (the Lender test in model/mod.rs checks the order of the
-    /// gathers and releases).
+    /// two blocks (one computed with, the next arriving or the previous reducing:
+    /// the Lender test in model/mod.rs checks the order of the hooks, the deferred
+    /// collective's test in dist/parallel.rs how many blocks are whole at once).
     fn in_use(gpt: &Gpt) -> usize {
         let l = &gpt.layout;
         let emb = l.layers[0].span.start;
         let ln_f = l.len - l.layers.last().unwrap().span.end;
         let block = l.layers[1].span.start - l.layers[0].span.start;
-        emb + ln_f + block
+        emb + ln_f + 2 * block
     }
 
     #[test]
@@ -741,7 +737,7 @@ mod tests {
                     let len = gpt.layout.len;
                     let gather = match (stage, rank) {
                         (1 | 2, 0) => 2 * len,
-                        (3, 0) => 3 * len - dp.plan.shard_len - 2 * in_use(&gpt),
+                        (3, 0) => 3 * len - dp.plan.shard_len - (2 * in_use(&gpt)).min(len),
                         _ => 0,
                     };
                     assert_eq!(plan.part(GATHER), gather as u64 * 4, "{case}");
