@@ -155,10 +155,17 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
     // ZeRO-3: each rank keeps its shard of the weights; a pass holds the embeddings
     // and ln_f (first and last buckets) and two blocks at a time (one computed, the
     // next arriving or the previous reducing), weights and gradients alike.
+    // The bf16 copy (bf16 mode) is made per bucket as it arrives, released with it:
+    // the embeddings, ln_f and the one block computed with.
     let sharded = grad_plan.as_ref().filter(|_| stage >= 3);
-    let (weights, grads, gathered) = match sharded {
-        None => (len, len, 0),
-        Some(g) => (g.shard_len, g.gathered_len(), g.gathered_len()),
+    let (weights, grads, gathered, copy_len) = match sharded {
+        None => (len, len, 0, len),
+        Some(g) => (
+            g.shard_len,
+            g.gathered_len(),
+            g.gathered_len(),
+            g.copied_len(),
+        ),
     };
     // ZeRO 1-3: rank 0 gathers the full moments into two arena-sized buffers to save
     // them; ZeRO-3 also the rest of the weights, while no layer is gathered and no
@@ -187,7 +194,7 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
         },
         Part {
             name: BF16_COPY,
-            bytes: f32s(bf16_copy_len(p.dtype, len) + bf16_copy_len(p.dtype, frozen)),
+            bytes: f32s(bf16_copy_len(p.dtype, copy_len) + bf16_copy_len(p.dtype, frozen)),
         },
         Part {
             name: GRADIENTS,
@@ -422,8 +429,8 @@ fn variants(p: &PlanInput, grad_accum: usize) -> Vec<(f64, PlanInput, Vec<String
     for &stage in &stages {
         for &ckpt in &ckpts {
             for &dtype in &dtypes {
-                // ZeRO-3 shards the whole model in f32 only (config validation).
-                if stage >= 3 && (dtype == Dtype::Bfloat16 || p.lora.is_some()) {
+                // ZeRO-3 shards the whole model, not LoRA adapters (config validation).
+                if stage >= 3 && p.lora.is_some() {
                     continue;
                 }
                 for (halvings, &b) in batches.iter().enumerate() {
@@ -701,8 +708,13 @@ mod tests {
         let l = &gpt.layout;
         let emb = l.layers[0].span.start;
         let ln_f = l.len - l.layers.last().unwrap().span.end;
-        let block = l.layers[1].span.start - l.layers[0].span.start;
-        emb + ln_f + 2 * block
+        emb + ln_f + 2 * block(gpt)
+    }
+
+    /// Floats of one block's bucket.
+    fn block(gpt: &Gpt) -> usize {
+        let l = &gpt.layout;
+        l.layers[1].span.start - l.layers[0].span.start
     }
 
     #[test]
@@ -749,6 +761,18 @@ mod tests {
                     assert_eq!(plan.part(GATHERED), in_use as u64 * 4, "{case}");
                     let grads = if stage == 3 { in_use } else { gpt.grads.len() };
                     assert_eq!(plan.part(GRADIENTS), grads as u64 * 4, "{case}");
+                    // bf16: the copy of what a pass holds, but the block arriving.
+                    let p = PlanInput {
+                        lora: lora.clone(),
+                        ..input(Dtype::Bfloat16, false, stage, 3)
+                    };
+                    let copy = match stage {
+                        3 => in_use - block(&gpt),
+                        _ => gpt.params.len(),
+                    };
+                    let frozen = lora.as_ref().map_or(0, |_| ParamLayout::new(&tiny()).len);
+                    let copy = (copy + frozen) as u64 * 4;
+                    assert_eq!(rank_plan(&p, rank).part(BF16_COPY), copy, "{case}");
                 }
             }
         }

@@ -116,6 +116,8 @@ impl DataParallel {
             true => self.scatter_params(comm, &mut model.params),
             false => comm.broadcast(&mut model.params, 0),
         }
+        // ZeRO-3: the passes lend the model each bucket's weights (and bf16 copy).
+        model.set_weights_lent(self.shards_weights());
         let mut opt = if self.plan.zero_stage == 0 {
             let mut opt = root_opt.unwrap_or_else(|| AdamW::new(&model.layout, config));
             if moments {

@@ -141,6 +141,14 @@ impl GradPlan {
         self.ends_and_blocks(STAGE3_GATHERED_BLOCKS)
     }
 
+    /// ZeRO-3 in bf16 mode: floats of the bf16 weight copy a pass holds at once.
+    /// The copy of a bucket is rounded when its gather has completed and released
+    /// with it: the first and last buckets and one block (the next block's copy is
+    /// made after this one's is released).
+    pub fn copied_len(&self) -> usize {
+        self.ends_and_blocks(1)
+    }
+
     /// The first and last buckets and `blocks` of the largest bucket between them.
     fn ends_and_blocks(&self, blocks: usize) -> usize {
         let whole = |b: &Bucket| b.arena.len();
