@@ -7,7 +7,8 @@
 //! the per-layer reductions move (MPI moves data only inside MPI calls). The
 //! progress thread needs `MPI_THREAD_MULTIPLE` and runs when some ranks are on other
 //! hosts (`NANOGPT_PROGRESS_THREAD=0|1` overrides); otherwise progress is made
-//! between layers only.
+//! between layers only. ZeRO-3's gathers and reductions in flight have such a thread
+//! each, on one host too (`NANOGPT_PROGRESS_THREAD=0` turns it off).
 
 use super::{BackwardFn, Bucket, Collective, OverlapTimes, Pending, Reduce, Watchdog};
 use anyhow::{bail, Result};
@@ -44,6 +45,9 @@ pub struct Mpi {
     overlap: bool,
     /// Drive MPI's progress from a second thread during backward.
     progress_thread: bool,
+    /// Drive MPI's progress from a second thread while a collective started by
+    /// `start_*` (ZeRO-3's) is in flight.
+    progress_in_flight: bool,
 }
 
 impl Mpi {
@@ -107,6 +111,12 @@ impl Mpi {
                     Ok("1") => true,
                     _ => local < size,
                 },
+            // ZeRO-3 waits for a gather at every block: without a thread, a rank
+            // computing a block answers none of its peers' messages until its next
+            // MPI call, so the ranks step in lock-step, block by block. On one host
+            // too, the thread made stage 3 faster (measured, docs/PERFORMANCE.md).
+            progress_in_flight: multiple
+                && std::env::var("NANOGPT_PROGRESS_THREAD").as_deref() != Ok("0"),
         })
     }
 
@@ -475,7 +485,7 @@ impl<'a> InFlight<'a> {
         send: Vec<f32>,
         what: &'static str,
     ) -> Box<InFlight<'a>> {
-        let progress = mpi.progress_thread.then(|| {
+        let progress = mpi.progress_in_flight.then(|| {
             let stop = Arc::new(AtomicBool::new(false));
             let flag = Arc::clone(&stop);
             (stop, std::thread::spawn(move || progress_until(&flag)))
