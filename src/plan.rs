@@ -126,7 +126,8 @@ pub const MOMENTS: &str = "optimizer moments";
 pub const ACTIVATIONS: &str = "activations";
 pub const COMM: &str = "communication buffers";
 /// ZeRO-3: the buckets a pass holds whole at once, weights and gradients each (the
-/// embeddings and `ln_f` for the whole pass, one block at a time).
+/// embeddings and `ln_f` for the whole pass, two blocks at a time: see
+/// `GradPlan::gathered_len`).
 pub const GATHERED: &str = "gathered layers";
 pub const GATHER: &str = "checkpoint gather";
 pub const BASELINE: &str = "program, threads, data";
@@ -152,18 +153,19 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
     });
     let comm = grad_plan.as_ref().map_or(0, |g| g.send_len + g.recv_len);
     // ZeRO-3: each rank keeps its shard of the weights; a pass holds the embeddings
-    // and ln_f (first and last buckets) and one block at a time, weights and
-    // gradients alike.
+    // and ln_f (first and last buckets) and two blocks at a time (one computed, the
+    // next arriving or the previous reducing), weights and gradients alike.
+    // The bf16 copy (bf16 mode) is made per bucket as it arrives, released with it:
+    // the embeddings, ln_f and the one block computed with.
     let sharded = grad_plan.as_ref().filter(|_| stage >= 3);
-    let (weights, grads, gathered) = match sharded {
-        None => (len, len, 0),
-        Some(g) => {
-            let whole = |r: &std::ops::Range<usize>| r.len();
-            let blocks = buckets[1..buckets.len().saturating_sub(1)].iter();
-            let ends = buckets.first().map_or(0, whole) + buckets.last().map_or(0, whole);
-            let in_use = ends + blocks.map(whole).max().unwrap_or(0);
-            (g.shard_len, in_use, in_use)
-        }
+    let (weights, grads, gathered, copy_len) = match sharded {
+        None => (len, len, 0, len),
+        Some(g) => (
+            g.shard_len,
+            g.gathered_len(),
+            g.gathered_len(),
+            g.copied_len(),
+        ),
     };
     // ZeRO 1-3: rank 0 gathers the full moments into two arena-sized buffers to save
     // them; ZeRO-3 also the rest of the weights, while no layer is gathered and no
@@ -192,7 +194,7 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
         },
         Part {
             name: BF16_COPY,
-            bytes: f32s(bf16_copy_len(p.dtype, len) + bf16_copy_len(p.dtype, frozen)),
+            bytes: f32s(bf16_copy_len(p.dtype, copy_len) + bf16_copy_len(p.dtype, frozen)),
         },
         Part {
             name: GRADIENTS,
@@ -427,8 +429,8 @@ fn variants(p: &PlanInput, grad_accum: usize) -> Vec<(f64, PlanInput, Vec<String
     for &stage in &stages {
         for &ckpt in &ckpts {
             for &dtype in &dtypes {
-                // ZeRO-3 shards the whole model in f32 only (config validation).
-                if stage >= 3 && (dtype == Dtype::Bfloat16 || p.lora.is_some()) {
+                // ZeRO-3 shards the whole model, not LoRA adapters (config validation).
+                if stage >= 3 && p.lora.is_some() {
                     continue;
                 }
                 for (halvings, &b) in batches.iter().enumerate() {
@@ -699,14 +701,20 @@ mod tests {
     }
 
     /// What a ZeRO-3 pass holds whole at once: the embeddings and ln_f for the pass,
-    /// the largest block (the Lender test in model/mod.rs checks the order of the
-    /// gathers and releases).
+    /// two blocks (one computed with, the next arriving or the previous reducing:
+    /// the Lender test in model/mod.rs checks the order of the hooks, the deferred
+    /// collective's test in dist/parallel.rs how many blocks are whole at once).
     fn in_use(gpt: &Gpt) -> usize {
         let l = &gpt.layout;
         let emb = l.layers[0].span.start;
         let ln_f = l.len - l.layers.last().unwrap().span.end;
-        let block = l.layers[1].span.start - l.layers[0].span.start;
-        emb + ln_f + block
+        emb + ln_f + 2 * block(gpt)
+    }
+
+    /// Floats of one block's bucket.
+    fn block(gpt: &Gpt) -> usize {
+        let l = &gpt.layout;
+        l.layers[1].span.start - l.layers[0].span.start
     }
 
     #[test]
@@ -741,7 +749,7 @@ mod tests {
                     let len = gpt.layout.len;
                     let gather = match (stage, rank) {
                         (1 | 2, 0) => 2 * len,
-                        (3, 0) => 3 * len - dp.plan.shard_len - 2 * in_use(&gpt),
+                        (3, 0) => 3 * len - dp.plan.shard_len - (2 * in_use(&gpt)).min(len),
                         _ => 0,
                     };
                     assert_eq!(plan.part(GATHER), gather as u64 * 4, "{case}");
@@ -753,6 +761,18 @@ mod tests {
                     assert_eq!(plan.part(GATHERED), in_use as u64 * 4, "{case}");
                     let grads = if stage == 3 { in_use } else { gpt.grads.len() };
                     assert_eq!(plan.part(GRADIENTS), grads as u64 * 4, "{case}");
+                    // bf16: the copy of what a pass holds, but the block arriving.
+                    let p = PlanInput {
+                        lora: lora.clone(),
+                        ..input(Dtype::Bfloat16, false, stage, 3)
+                    };
+                    let copy = match stage {
+                        3 => in_use - block(&gpt),
+                        _ => gpt.params.len(),
+                    };
+                    let frozen = lora.as_ref().map_or(0, |_| ParamLayout::new(&tiny()).len);
+                    let copy = (copy + frozen) as u64 * 4;
+                    assert_eq!(rank_plan(&p, rank).part(BF16_COPY), copy, "{case}");
                 }
             }
         }

@@ -59,6 +59,19 @@ pub struct OverlapTimes {
     pub exposed: Duration,
 }
 
+/// A non-blocking collective in flight (see [`Collective::start_all_gather_in_place`]);
+/// its buffers are the caller's until [`Pending::wait`] returns.
+pub trait Pending {
+    /// Blocks until the collective has completed on this rank.
+    fn wait(self: Box<Self>);
+}
+
+/// A collective that completed when it started ([`Single`]'s).
+struct Completed;
+impl Pending for Completed {
+    fn wait(self: Box<Self>) {}
+}
+
 /// The collective operations of data-parallel training, over all ranks of the job.
 /// Every rank must make the same calls in the same order. Buffers are `f32` unless
 /// named otherwise; sums are element-wise.
@@ -108,6 +121,43 @@ pub trait Collective {
     /// `mine` (len `counts[rank]`) = this rank's piece of `root`'s `buf` (len Σ
     /// counts, pieces in rank order); `buf` is only read on `root`.
     fn scatter_pieces(&self, buf: &[f32], mine: &mut [f32], counts: &[usize], root: usize);
+    /// Starts [`Collective::all_gather_pieces`] in place and returns at once: `buf`
+    /// (len Σ counts) holds this rank's piece at its place (after the lower ranks'
+    /// pieces) and, once the returned collective has been waited for, every rank's.
+    ///
+    /// # Safety
+    /// Until [`Pending::wait`] returns, nothing may read or write `buf` (MPI writes
+    /// it meanwhile, although its borrow ends here), and its memory must stay
+    /// allocated.
+    /// (By default: blocking, done when it returns.)
+    unsafe fn start_all_gather_in_place<'a>(
+        &'a self,
+        buf: &mut [f32],
+        counts: &[usize],
+    ) -> Box<dyn Pending + 'a> {
+        let at: usize = counts[..self.rank()].iter().sum();
+        let mine = buf[at..at + counts[self.rank()]].to_vec();
+        self.all_gather_pieces(&mine, buf, counts);
+        Box::new(Completed)
+    }
+    /// Starts [`Collective::reduce_scatter_pieces`] and returns at once; `mine`
+    /// holds this rank's piece of the sum once the returned collective has been
+    /// waited for.
+    ///
+    /// # Safety
+    /// Until [`Pending::wait`] returns, `send` must not be written and `mine`
+    /// neither read nor written (their borrows end here), and both must stay
+    /// allocated.
+    /// (By default: blocking, done when it returns.)
+    unsafe fn start_reduce_scatter_pieces<'a>(
+        &'a self,
+        send: &[f32],
+        mine: &mut [f32],
+        counts: &[usize],
+    ) -> Box<dyn Pending + 'a> {
+        self.reduce_scatter_pieces(send, mine, counts);
+        Box::new(Completed)
+    }
     /// Runs `backward`, reducing each bucket as soon as it is reported: its
     /// gradients are copied to the start of `send[bucket.send]` (the rest of that
     /// range is zeroed) and a non-blocking reduction into `recv[bucket.recv]` starts

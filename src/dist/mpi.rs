@@ -7,9 +7,10 @@
 //! the per-layer reductions move (MPI moves data only inside MPI calls). The
 //! progress thread needs `MPI_THREAD_MULTIPLE` and runs when some ranks are on other
 //! hosts (`NANOGPT_PROGRESS_THREAD=0|1` overrides); otherwise progress is made
-//! between layers only.
+//! between layers only. ZeRO-3's gathers and reductions in flight have such a thread
+//! each, on one host too (`NANOGPT_PROGRESS_THREAD=0` turns it off).
 
-use super::{BackwardFn, Bucket, Collective, OverlapTimes, Reduce, Watchdog};
+use super::{BackwardFn, Bucket, Collective, OverlapTimes, Pending, Reduce, Watchdog};
 use anyhow::{bail, Result};
 use mpi::collective::{CommunicatorCollectives, Root, SystemOperation};
 use mpi::datatype::{Partition, PartitionMut};
@@ -44,6 +45,9 @@ pub struct Mpi {
     overlap: bool,
     /// Drive MPI's progress from a second thread during backward.
     progress_thread: bool,
+    /// Drive MPI's progress from a second thread while a collective started by
+    /// `start_*` (ZeRO-3's) is in flight.
+    progress_in_flight: bool,
 }
 
 impl Mpi {
@@ -107,6 +111,12 @@ impl Mpi {
                     Ok("1") => true,
                     _ => local < size,
                 },
+            // ZeRO-3 waits for a gather at every block: without a thread, a rank
+            // computing a block answers none of its peers' messages until its next
+            // MPI call, so the ranks step in lock-step, block by block. On one host
+            // too, the thread made stage 3 faster (measured, docs/PERFORMANCE.md).
+            progress_in_flight: multiple
+                && std::env::var("NANOGPT_PROGRESS_THREAD").as_deref() != Ok("0"),
         })
     }
 
@@ -451,6 +461,65 @@ unsafe fn reduce_pieces<'a, S: mpi::request::Scope<'a>>(
     }
 }
 
+/// A non-blocking collective started by [`Mpi`]: its request, the count arrays and
+/// the send copy MPI reads until it completes (freed after the wait in `drop`), and (where MPI is driven from a second thread) the
+/// thread that makes it progress meanwhile. Dropping it waits for completion, so
+/// the caller's buffers are never left to MPI.
+struct InFlight<'a> {
+    request: mpi::ffi::MPI_Request,
+    _counts: Vec<mpi::Count>,
+    _displs: Vec<mpi::Count>,
+    _send: Vec<f32>,
+    watchdog: &'a Watchdog,
+    what: &'static str,
+    progress: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
+}
+
+impl<'a> InFlight<'a> {
+    /// Holds `request` (just started) with its count arrays; a progress thread
+    /// pokes MPI until it is waited for when `progress`.
+    fn new(
+        mpi: &'a Mpi,
+        request: mpi::ffi::MPI_Request,
+        arrays: (Vec<mpi::Count>, Vec<mpi::Count>),
+        send: Vec<f32>,
+        what: &'static str,
+    ) -> Box<InFlight<'a>> {
+        let progress = mpi.progress_in_flight.then(|| {
+            let stop = Arc::new(AtomicBool::new(false));
+            let flag = Arc::clone(&stop);
+            (stop, std::thread::spawn(move || progress_until(&flag)))
+        });
+        Box::new(InFlight {
+            request,
+            _counts: arrays.0,
+            _displs: arrays.1,
+            _send: send,
+            watchdog: &mpi.watchdog,
+            what,
+            progress,
+        })
+    }
+}
+
+impl Pending for InFlight<'_> {
+    fn wait(self: Box<Self>) {} // dropping it waits
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if let Some((stop, thread)) = self.progress.take() {
+            stop.store(true, Ordering::Relaxed);
+            let _ = thread.join();
+        }
+        let _g = self.watchdog.arm(self.what, 1);
+        // SAFETY: `request` came from a non-blocking collective started by this
+        // process and not yet completed (only this drop completes it); the count
+        // arrays it reads are still held.
+        unsafe { mpi::ffi::MPI_Wait(&mut self.request, mpi::ffi::RSMPI_STATUS_IGNORE) };
+    }
+}
+
 /// Disjoint `ranges` of `buf` as separate mutable slices, in the order given.
 fn split_disjoint<'b>(buf: &'b mut [f32], ranges: &[Range<usize>]) -> Vec<Option<&'b mut [f32]>> {
     let mut order: Vec<usize> = (0..ranges.len()).collect();
@@ -619,6 +688,68 @@ impl Collective for Mpi {
         } else {
             self.root(root).scatter_varcount_into(mine);
         }
+    }
+
+    unsafe fn start_all_gather_in_place<'a>(
+        &'a self,
+        buf: &mut [f32],
+        counts: &[usize],
+    ) -> Box<dyn Pending + 'a> {
+        assert_eq!(counts.iter().sum::<usize>(), buf.len());
+        let at: usize = counts[..self.rank].iter().sum();
+        // MPI's send and receive buffers must not overlap (and the mpi crate has no
+        // MPI_IN_PLACE): this rank's piece travels from a copy, which the request
+        // keeps until it completes.
+        let mine = buf[at..at + counts[self.rank]].to_vec();
+        let arrays = counts_and_displs(counts);
+        let mut request = std::mem::MaybeUninit::uninit();
+        // SAFETY: `mine` holds this rank's count and is moved into the returned
+        // request's keeping below (a Vec's heap buffer does not move); `buf` holds
+        // Σ counts floats and is MPI's until the request completes (the caller's
+        // promise); the count arrays are kept by the request too.
+        let request = unsafe {
+            mpi::ffi::MPI_Iallgatherv(
+                mine.as_ptr() as *const _,
+                count(mine.len()) as i32,
+                mpi::ffi::RSMPI_FLOAT,
+                buf.as_mut_ptr() as *mut _,
+                arrays.0.as_ptr(),
+                arrays.1.as_ptr(),
+                mpi::ffi::RSMPI_FLOAT,
+                self.world.as_raw(),
+                request.as_mut_ptr(),
+            );
+            request.assume_init()
+        };
+        InFlight::new(self, request, arrays, mine, "all-gather")
+    }
+
+    unsafe fn start_reduce_scatter_pieces<'a>(
+        &'a self,
+        send: &[f32],
+        mine: &mut [f32],
+        counts: &[usize],
+    ) -> Box<dyn Pending + 'a> {
+        assert_eq!(counts.iter().sum::<usize>(), send.len());
+        assert_eq!(counts[self.rank], mine.len());
+        let arrays = counts_and_displs(counts);
+        let mut request = std::mem::MaybeUninit::uninit();
+        // SAFETY: `send` holds Σ counts floats, `mine` this rank's count, and both
+        // are MPI's until the request completes (the caller's promise); the count
+        // array is kept by the request.
+        let request = unsafe {
+            mpi::ffi::MPI_Ireduce_scatter(
+                send.as_ptr() as *const _,
+                mine.as_mut_ptr() as *mut _,
+                arrays.0.as_ptr(),
+                mpi::ffi::RSMPI_FLOAT,
+                mpi::ffi::RSMPI_SUM,
+                self.world.as_raw(),
+                request.as_mut_ptr(),
+            );
+            request.assume_init()
+        };
+        InFlight::new(self, request, arrays, Vec::new(), "reduce-scatter")
     }
 
     fn reduce_during_backward(

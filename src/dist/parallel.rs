@@ -5,7 +5,7 @@
 //! start-up broadcast and the checks that every rank holds the same weights.
 
 use super::resident::release;
-use super::{Collective, GradPlan, Reduce};
+use super::{Collective, GradPlan, Pending, Reduce};
 use crate::model::{Gpt, PassHooks};
 use crate::optim::{AdamW, AdamWConfig};
 use crate::shutdown::{self, StopSignal};
@@ -13,6 +13,7 @@ use anyhow::{bail, Result};
 use rayon::prelude::*;
 use serde::Serialize;
 use std::ops::Range;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 /// Communication figures of a run, written to `out_dir/comm.json` by rank 0.
@@ -115,6 +116,8 @@ impl DataParallel {
             true => self.scatter_params(comm, &mut model.params),
             false => comm.broadcast(&mut model.params, 0),
         }
+        // ZeRO-3: the passes lend the model each bucket's weights (and bf16 copy).
+        model.set_weights_lent(self.shards_weights());
         let mut opt = if self.plan.zero_stage == 0 {
             let mut opt = root_opt.unwrap_or_else(|| AdamW::new(&model.layout, config));
             if moments {
@@ -179,20 +182,27 @@ impl DataParallel {
     ) -> f32 {
         let (inputs, targets) = batch;
         match self.shards_weights() {
-            true => model.forward_hooked(inputs, targets, b, t, &mut self.sharded(comm)),
+            true => {
+                let mut hooks = self.sharded(comm, Pass::Forward);
+                model.forward_hooked(inputs, targets, b, t, &mut hooks)
+            }
             false => model.forward(inputs, targets, b, t),
         }
     }
 
     /// ZeRO-3's hooks on a pass of the model.
-    fn sharded<'a>(&'a mut self, comm: &'a dyn Collective) -> Sharded<'a> {
+    fn sharded<'a>(&'a mut self, comm: &'a dyn Collective, pass: Pass) -> Sharded<'a> {
         Sharded {
             comm,
             plan: &self.plan,
+            pass,
+            prefetch: prefetch_enabled(),
             scratch: &mut self.send,
             sums: &mut self.recv,
             gathers: &mut self.other,
             reductions: &mut self.exposed,
+            arriving: None,
+            reducing: None,
         }
     }
 
@@ -204,7 +214,9 @@ impl DataParallel {
     /// soon as final and added to this rank's sums, then released.
     pub fn backward_reduce(&mut self, comm: &dyn Collective, model: &mut Gpt) {
         if self.shards_weights() {
-            model.backward_hooked(&mut self.sharded(comm));
+            let mut hooks = self.sharded(comm, Pass::Backward);
+            model.backward_hooked(&mut hooks);
+            hooks.finish(&mut model.grads);
             return;
         }
         let kind = self.kind();
@@ -486,40 +498,140 @@ impl DataParallel {
     }
 }
 
+/// Which way a pass walks the blocks: the order ZeRO-3 prefetches them in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pass {
+    /// The embeddings, `ln_f`, then the blocks from the first.
+    Forward,
+    /// The blocks from the last.
+    Backward,
+}
+
+/// Whether ZeRO-3 gathers the next bucket while the model computes with this one
+/// and reduces a bucket's gradients while backward continues (default), or waits
+/// for each collective at once (`NANOGPT_ZERO3_PREFETCH=0`, to measure what the
+/// overlap saves).
+fn prefetch_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("NANOGPT_ZERO3_PREFETCH").as_deref() != Ok("0"))
+}
+
 /// ZeRO-3's side of a pass ([`PassHooks`]): a bucket's weights all-gathered from
 /// the ranks' pieces before it is read and the other ranks' pieces released after;
 /// its gradients, once final, reduced to their owners (this rank's piece added to
-/// its sums) and released. Blocking collectives, in the same order on every rank
-/// (every rank runs the same passes).
+/// its sums) and released. Every rank runs the same passes, so the collectives
+/// start in the same order everywhere.
+///
+/// With prefetch, `need` of a bucket waits for its gather (started at the previous
+/// `need`) and starts the gather of the bucket the pass needs next, so at most two
+/// blocks are whole at once ([`GradPlan::gathered_len`]): one computed, one
+/// arriving. A bucket's reduction starts in `grads_done` and is waited for at the
+/// next bucket's `grads_done` (then its gradients are released), so at most two
+/// blocks' gradients are resident: one computed, one travelling. Call
+/// [`Sharded::finish`] after backward for the last reduction.
 struct Sharded<'a> {
     comm: &'a dyn Collective,
     plan: &'a GradPlan,
-    /// Scratch for one piece: this rank's piece of a bucket, sent or received.
+    pass: Pass,
+    prefetch: bool,
+    /// Two pieces: where the reductions in flight land, before being added to `sums`.
     scratch: &'a mut [f32],
     /// This rank's pieces of the gradients, summed over the step's micro-steps.
     sums: &'a mut [f32],
-    /// Time spent gathering weights and reducing gradients.
+    /// Time spent waiting for weights and for gradient reductions.
     gathers: &'a mut Duration,
     reductions: &'a mut Duration,
+    /// The bucket whose weights are arriving, and its all-gather.
+    arriving: Option<(usize, Box<dyn Pending + 'a>)>,
+    /// The bucket whose gradients are travelling, its scratch slot, its reduction.
+    reducing: Option<(usize, usize, Box<dyn Pending + 'a>)>,
 }
 
-impl Sharded<'_> {
+impl<'a> Sharded<'a> {
     /// The bucket of the plan that `range` is.
     fn bucket(&self, range: &Range<usize>) -> usize {
         let buckets = &self.plan.buckets;
         let found = buckets.iter().position(|b| b.arena == *range);
         found.expect("the model reports the plan's buckets")
     }
+
+    /// The bucket this pass needs after bucket `b` (buckets: `ln_f`, the blocks
+    /// from the last, the embeddings), if any still to gather.
+    fn next_after(&self, b: usize) -> Option<usize> {
+        let n = self.plan.buckets.len();
+        match self.pass {
+            _ if !self.prefetch => None,
+            Pass::Forward if b == n - 1 => Some(0),
+            Pass::Forward if b == 0 => (n >= 3).then_some(n - 2),
+            Pass::Forward => (b >= 2).then(|| b - 1),
+            Pass::Backward => (b + 1 < n - 1).then_some(b + 1),
+        }
+    }
+
+    /// Starts gathering bucket `b` into `params`.
+    fn start_gather(&self, b: usize, params: &mut [f32]) -> Box<dyn Pending + 'a> {
+        let bucket = &self.plan.buckets[b];
+        // SAFETY: until this gather is waited for (in `need` of bucket `b`, or when
+        // `arriving` is dropped with `self`), nothing reads or writes
+        // `params[bucket]`: the model reads only the buckets it has been told about
+        // in `need` and not yet in `done`, `b` is not one of them (it is needed next),
+        // and `done` and `release_params` touch only the bucket they name. The arena
+        // outlives the pass, and so this hook.
+        unsafe {
+            let comm: &'a dyn Collective = self.comm;
+            comm.start_all_gather_in_place(&mut params[bucket.arena.clone()], &bucket.counts)
+        }
+    }
+
+    /// Waits for the reduction in flight, adds this rank's piece of it to the sums
+    /// and releases its gradients.
+    fn finish_reduction(&mut self, grads: &mut [f32]) {
+        let Some((b, slot, request)) = self.reducing.take() else {
+            return;
+        };
+        request.wait();
+        let (plan, half) = (self.plan, self.scratch.len() / 2);
+        let n = plan.buckets[b].counts[plan.rank];
+        let piece = &self.scratch[slot * half..][..n];
+        for (sum, g) in self.sums[plan.slot(b)..][..n].iter_mut().zip(piece) {
+            *sum += g;
+        }
+        release(grads, plan.buckets[b].arena.clone());
+    }
+
+    /// After backward: the last reduction completed and added to the sums.
+    fn finish(&mut self, grads: &mut [f32]) {
+        let start = Instant::now();
+        self.finish_reduction(grads);
+        *self.reductions += start.elapsed();
+    }
 }
 
-impl PassHooks for Sharded<'_> {
+impl Drop for Sharded<'_> {
+    fn drop(&mut self) {
+        // A gather still in flight is waited for by dropping it; a reduction must
+        // have been finished (its sum is part of the step).
+        debug_assert!(self.reducing.is_none(), "Sharded::finish after backward");
+    }
+}
+
+impl<'a> PassHooks for Sharded<'a> {
     fn need(&mut self, range: Range<usize>, params: &mut [f32]) {
         let start = Instant::now();
-        let (plan, b) = (self.plan, self.bucket(&range));
-        let own = plan.piece(b, plan.rank);
-        let mine = &mut self.scratch[..own.len()];
-        mine.copy_from_slice(&params[own]);
-        (self.comm).all_gather_pieces(mine, &mut params[range], &plan.buckets[b].counts);
+        let b = self.bucket(&range);
+        let arrived = match self.arriving.take() {
+            Some((a, gather)) => {
+                gather.wait();
+                a == b
+            }
+            None => false,
+        };
+        if !arrived {
+            self.start_gather(b, params).wait();
+        }
+        if let Some(next) = self.next_after(b) {
+            self.arriving = Some((next, self.start_gather(next, params)));
+        }
         *self.gathers += start.elapsed();
     }
 
@@ -531,14 +643,27 @@ impl PassHooks for Sharded<'_> {
     fn grads_done(&mut self, range: Range<usize>, grads: &mut [f32]) {
         let start = Instant::now();
         let (plan, b) = (self.plan, self.bucket(&range));
+        // The previous bucket's reduction frees its slot of the scratch.
+        let slot = self.reducing.as_ref().map_or(0, |&(_, s, _)| 1 - s);
+        let half = self.scratch.len() / 2;
         let counts = &plan.buckets[b].counts;
-        let at = plan.slot(b)..plan.slot(b) + counts[plan.rank];
-        let piece = &mut self.scratch[..at.len()];
-        (self.comm).reduce_scatter_pieces(&grads[range.clone()], piece, counts);
-        for (sum, g) in self.sums[at].iter_mut().zip(piece.iter()) {
-            *sum += g;
+        let piece = &mut self.scratch[slot * half..][..counts[plan.rank]];
+        // SAFETY: backward no longer writes `grads[range]` in this pass, and only
+        // `finish_reduction` (after the wait) releases it; `piece` is a slot of the
+        // scratch that nothing touches until that wait; both outlive the pass.
+        let request = unsafe {
+            let comm: &'a dyn Collective = self.comm;
+            comm.start_reduce_scatter_pieces(&grads[range], piece, counts)
+        };
+        let previous = self.reducing.replace((b, slot, request));
+        if let Some(previous) = previous {
+            let newest = self.reducing.replace(previous);
+            self.finish_reduction(grads);
+            self.reducing = newest;
         }
-        release(grads, range);
+        if !self.prefetch {
+            self.finish_reduction(grads);
+        }
         *self.reductions += start.elapsed();
     }
 }
@@ -624,6 +749,7 @@ pub fn params_checksum(params: &[f32]) -> u64 {
 
 #[cfg(test)]
 mod tests {
+    use super::super::{BackwardFn, Bucket, OverlapTimes};
     use super::*;
 
     #[test]
@@ -648,6 +774,255 @@ mod tests {
             msg.contains("no checkpoint of this run is known to be good"),
             "{msg}"
         );
+    }
+
+    use crate::model::{Dtype, ModelConfig, NoHooks};
+    use std::cell::{Cell, RefCell};
+    use std::rc::Rc;
+
+    /// What the deferred collective and the hooks saw, in order (bucket numbers).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    enum Event {
+        Need(usize),
+        Done(usize),
+        GatherStart(usize),
+        GatherWait(usize),
+        ReduceStart,
+        ReduceWait,
+    }
+    type Log = Rc<RefCell<Vec<Event>>>;
+
+    /// Rank 0 of two whose twin, rank 1, holds the same gradients and the other
+    /// pieces of `full`. Its collectives complete only when waited for: a gather
+    /// writes the bucket then, a reduction reads the gradients then, so a pass that
+    /// read weights before waiting, or released gradients before their reduction
+    /// completed, computes something else.
+    struct Twin {
+        full: Vec<f32>,
+        plan: GradPlan,
+        /// Address of the model's parameter arena (to tell which bucket a buffer is).
+        base: Cell<usize>,
+        log: Log,
+    }
+
+    /// A deferred completion.
+    struct Later<'a>(Box<dyn FnOnce() + 'a>);
+    impl Pending for Later<'_> {
+        fn wait(self: Box<Self>) {
+            (self.0)()
+        }
+    }
+
+    impl Collective for Twin {
+        fn rank(&self) -> usize {
+            0
+        }
+        fn world_size(&self) -> usize {
+            2
+        }
+        fn local_size(&self) -> usize {
+            2
+        }
+        fn host(&self) -> String {
+            String::new()
+        }
+        fn describe(&self) -> String {
+            String::new()
+        }
+        fn set_timeout(&self, _: Duration) {}
+        fn barrier_patient(&self) {}
+        fn all_reduce_sum_f64(&self, _: &mut [f64]) {}
+        fn broadcast(&self, _: &mut [f32], _: usize) {}
+        fn broadcast_bytes(&self, _: &mut Vec<u8>, _: usize) {}
+        fn all_gather(&self, _: &[f32], _: &mut [f32]) {}
+        fn all_gather_u64(&self, _: u64) -> Vec<u64> {
+            unreachable!()
+        }
+        fn gather(&self, _: &[f32], _: &mut [f32], _: usize) {}
+        fn scatter(&self, _: &[f32], _: &mut [f32], _: usize) {}
+        fn reduce_scatter_pieces(&self, _: &[f32], _: &mut [f32], _: &[usize]) {
+            unreachable!("stage 3 reduces without blocking")
+        }
+        fn all_gather_pieces(&self, _: &[f32], _: &mut [f32], _: &[usize]) {
+            unreachable!("stage 3 gathers without blocking")
+        }
+        fn gather_pieces(&self, _: &[f32], _: &mut [f32], _: &[usize], _: usize) {}
+        fn scatter_pieces(&self, _: &[f32], _: &mut [f32], _: &[usize], _: usize) {}
+        unsafe fn start_all_gather_in_place<'a>(
+            &'a self,
+            buf: &mut [f32],
+            _: &[usize],
+        ) -> Box<dyn Pending + 'a> {
+            let at = (buf.as_ptr() as usize - self.base.get()) / 4;
+            let b = self.plan.buckets.iter().position(|k| k.arena.start == at);
+            let b = b.expect("a bucket of the parameters");
+            self.log.borrow_mut().push(Event::GatherStart(b));
+            let (ptr, len) = (buf.as_mut_ptr() as usize, buf.len());
+            Box::new(Later(Box::new(move || {
+                // SAFETY: the caller keeps the bucket allocated and untouched until
+                // this wait (the contract under test).
+                let buf = unsafe { std::slice::from_raw_parts_mut(ptr as *mut f32, len) };
+                buf.copy_from_slice(&self.full[at..at + len]);
+                self.log.borrow_mut().push(Event::GatherWait(b));
+            })))
+        }
+        unsafe fn start_reduce_scatter_pieces<'a>(
+            &'a self,
+            send: &[f32],
+            mine: &mut [f32],
+            _: &[usize],
+        ) -> Box<dyn Pending + 'a> {
+            self.log.borrow_mut().push(Event::ReduceStart);
+            let (from, to, n) = (
+                send.as_ptr() as usize,
+                mine.as_mut_ptr() as usize,
+                mine.len(),
+            );
+            Box::new(Later(Box::new(move || {
+                // SAFETY: the caller keeps both buffers allocated, `send` unchanged
+                // and `mine` untouched until this wait (the contract under test).
+                let (send, mine) = unsafe {
+                    let send = std::slice::from_raw_parts(from as *const f32, n);
+                    (send, std::slice::from_raw_parts_mut(to as *mut f32, n))
+                };
+                for (m, s) in mine.iter_mut().zip(send) {
+                    *m = 2.0 * s; // rank 0's piece comes first; the twin's equals it
+                }
+                self.log.borrow_mut().push(Event::ReduceWait);
+            })))
+        }
+        fn reduce_during_backward(
+            &self,
+            _: Reduce,
+            _: &[Bucket],
+            _: &mut [f32],
+            _: &mut [f32],
+            _: &mut BackwardFn,
+        ) -> OverlapTimes {
+            unreachable!()
+        }
+    }
+
+    /// [`Sharded`], with its `need` and `done` calls logged.
+    struct Logged<'a>(Sharded<'a>, Log);
+    impl PassHooks for Logged<'_> {
+        fn need(&mut self, range: Range<usize>, params: &mut [f32]) {
+            let b = self.0.bucket(&range);
+            self.1.borrow_mut().push(Event::Need(b));
+            self.0.need(range, params);
+        }
+        fn done(&mut self, range: Range<usize>, params: &mut [f32]) {
+            let b = self.0.bucket(&range);
+            self.1.borrow_mut().push(Event::Done(b));
+            self.0.done(range, params);
+        }
+        fn grads_done(&mut self, range: Range<usize>, grads: &mut [f32]) {
+            self.0.grads_done(range, grads);
+        }
+    }
+
+    /// Blocks (buckets between `ln_f` and the embeddings) whole at once at most,
+    /// and reductions in flight at most, over `log`.
+    fn most_at_once(log: &[Event], n: usize) -> (usize, usize) {
+        let (mut whole, mut most) = (std::collections::BTreeSet::new(), 0);
+        let (mut flying, mut most_flying) = (0usize, 0);
+        for e in log {
+            match *e {
+                Event::GatherStart(b) if b > 0 && b < n - 1 => {
+                    whole.insert(b);
+                }
+                Event::Done(b) => {
+                    whole.remove(&b);
+                }
+                Event::ReduceStart => flying += 1,
+                Event::ReduceWait => flying -= 1,
+                _ => {}
+            }
+            most = most.max(whole.len());
+            most_flying = most_flying.max(flying);
+        }
+        (most, most_flying)
+    }
+
+    /// A ZeRO-3 training pass on rank 0 of two, its collectives completing only
+    /// when waited for: the same loss as the whole model, this rank's pieces of the
+    /// summed gradients, every weight waited for before it was read; with prefetch
+    /// each gather started one bucket ahead and at most two blocks whole, and two
+    /// reductions in flight, at once.
+    #[test]
+    fn zero_3_waits_for_each_prefetched_collective_before_its_buffers_are_used() {
+        let cfg = ModelConfig {
+            vocab_size: 50,
+            block_size: 8,
+            n_layer: 4,
+            n_head: 2,
+            n_embd: 16,
+            bias: true,
+            dropout: 0.1,
+        };
+        let (b, t) = (2, 8);
+        let x: Vec<u32> = (0..b * t).map(|i| (i * 7 % 50) as u32).collect();
+        let y: Vec<i32> = (0..b * t).map(|i| (i * 3 % 50) as i32).collect();
+        for (prefetch, ckpt) in [(true, false), (true, true), (false, false)] {
+            let mut plain = Gpt::new(cfg.clone(), b, t).unwrap();
+            plain.init_gpt2(5);
+            plain.set_dtype(Dtype::Float32);
+            let mut gpt = Gpt::from_params(cfg.clone(), plain.params.clone(), b, t).unwrap();
+            for m in [&mut plain, &mut gpt] {
+                m.set_activation_checkpointing(ckpt);
+                m.set_dropout_seed(9);
+                m.zero_grad();
+            }
+            let loss = plain.forward(&x, &y, b, t);
+            plain.backward_hooked(&mut NoHooks);
+            let log = Log::default();
+            let twin = Twin {
+                full: gpt.params.clone(),
+                plan: GradPlan::new(&gpt.grad_buckets(), gpt.layout.len, 2, 0, 3),
+                base: Cell::new(gpt.params.as_ptr() as usize),
+                log: log.clone(),
+            };
+            let mut dp = DataParallel::new(&twin, &gpt, 3);
+            dp.release_params(&mut gpt.params);
+            dp.zero_grad(&mut gpt);
+            let mut hooks = Logged(dp.sharded(&twin, Pass::Forward), log.clone());
+            hooks.0.prefetch = prefetch;
+            let got = gpt.forward_hooked(&x, &y, b, t, &mut hooks);
+            drop(hooks);
+            assert_eq!(got, loss, "prefetch {prefetch} checkpointing {ckpt}");
+            let mut hooks = Logged(dp.sharded(&twin, Pass::Backward), log.clone());
+            hooks.0.prefetch = prefetch;
+            gpt.backward_hooked(&mut hooks);
+            hooks.0.finish(&mut gpt.grads);
+            drop(hooks);
+            // This rank's pieces of the sum over the two (equal) ranks.
+            let mut want = vec![0.0; dp.plan.shard_len];
+            dp.plan.pack_shard(0, &plain.grads, &mut want);
+            want.iter_mut().for_each(|g| *g *= 2.0);
+            let same = dp.shard_grads() == &want[..];
+            assert!(same, "this rank's summed pieces, prefetch {prefetch}");
+            assert!(gpt.grads.iter().all(|&g| g == 0.0), "gradients released");
+            let log = log.borrow();
+            let n = dp.plan.buckets.len();
+            let at_once = if prefetch { (2, 2) } else { (1, 1) };
+            assert_eq!(most_at_once(&log, n), at_once, "{log:?}");
+            // Every need waits for its bucket before the model reads it: arrived
+            // (prefetched) or gathered then. With prefetch only each pass's first
+            // need (the embeddings; the last block) gathers then.
+            let mut fetched_then = 0;
+            for (i, e) in log.iter().enumerate() {
+                if let Event::Need(k) = *e {
+                    let arrived = log[i + 1] == Event::GatherWait(k);
+                    let fetched =
+                        log[i + 1..i + 3] == [Event::GatherStart(k), Event::GatherWait(k)];
+                    assert!(arrived || fetched, "{log:?}");
+                    fetched_then += usize::from(fetched);
+                }
+            }
+            let needs = log.iter().filter(|e| matches!(e, Event::Need(_))).count();
+            assert_eq!(needs, 2 + 2 * cfg.n_layer);
+            assert_eq!(fetched_then, if prefetch { 2 } else { needs }, "{log:?}");
+        }
     }
 
     #[test]

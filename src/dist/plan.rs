@@ -15,12 +15,21 @@
 //! of a bucket are consecutive ranges of the arena in rank order, so a reduce-scatter
 //! with per-rank counts ([`Bucket::counts`]) reads the bucket straight from the
 //! gradient arena, and an all-gather with the same counts writes it straight into
-//! the parameters. Stage 3 keeps a scratch of one piece (`send`, the largest
-//! piece's length): its collectives block, one bucket at a time, so a reduced piece
-//! lands there before it is added to the shard's sum, and a piece to send is copied
-//! there (MPI's send and receive buffers must not overlap).
+//! the parameters. Stage 3 keeps a scratch of two pieces (`send`, twice the largest
+//! piece's length): a reduced piece lands there before it is added to the shard's
+//! sum, and two reductions may be in flight at once (one bucket's starting while the
+//! previous one's completes); its blocking collectives (start-up, checkpoints) copy
+//! a piece to send into the first one (MPI's send and receive buffers must not
+//! overlap).
 
 use std::ops::Range;
+
+/// ZeRO-3: blocks whose weights a pass holds whole at once (one computed with, the
+/// next one arriving).
+pub const STAGE3_GATHERED_BLOCKS: usize = 2;
+/// ZeRO-3: gradient reductions in flight at once (one bucket's starting while the
+/// previous one's completes), each landing in its own piece of scratch.
+pub const STAGE3_REDUCTIONS_IN_FLIGHT: usize = 2;
 
 /// One gradient bucket of a [`GradPlan`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -108,7 +117,7 @@ impl GradPlan {
             0 => (arena_len, arena_len, arena_len),
             1 => (w * slot, slot, slot),
             2 => (0, slot, slot),
-            _ => (largest, slot, slot),
+            _ => (STAGE3_REDUCTIONS_IN_FLIGHT * largest, slot, slot),
         };
         GradPlan {
             world_size,
@@ -121,6 +130,32 @@ impl GradPlan {
             shard_len,
             pieces,
         }
+    }
+
+    /// ZeRO-3: floats of the arena a pass holds whole at once, weights and
+    /// gradients each: the first and last buckets (`ln_f`, the embeddings) for the
+    /// whole pass and [`STAGE3_GATHERED_BLOCKS`] of the largest block between them
+    /// (weights: one computed with, the next arriving; gradients: one computed,
+    /// the previous one being reduced).
+    pub fn gathered_len(&self) -> usize {
+        self.ends_and_blocks(STAGE3_GATHERED_BLOCKS)
+    }
+
+    /// ZeRO-3 in bf16 mode: floats of the bf16 weight copy a pass holds at once.
+    /// The copy of a bucket is rounded when its gather has completed and released
+    /// with it: the first and last buckets and one block (the next block's copy is
+    /// made after this one's is released).
+    pub fn copied_len(&self) -> usize {
+        self.ends_and_blocks(1)
+    }
+
+    /// The first and last buckets and `blocks` of the largest bucket between them.
+    fn ends_and_blocks(&self, blocks: usize) -> usize {
+        let whole = |b: &Bucket| b.arena.len();
+        let n = self.buckets.len();
+        let ends = self.buckets.first().map_or(0, whole) + self.buckets.last().map_or(0, whole);
+        let middle = self.buckets.get(1..n.saturating_sub(1)).unwrap_or(&[]);
+        ends + blocks * middle.iter().map(whole).max().unwrap_or(0)
     }
 
     /// The arena range of rank `q`'s piece of bucket `b` (stages 1-3; may be empty).
@@ -258,9 +293,10 @@ mod tests {
                     .collect();
                 let one = GradPlan::new(&TILES, 100, w, 0, 1);
                 let s = one.shard_len;
-                // Stage 2: no send buffer; stage 3: the largest piece, as scratch.
+                // Stage 2: no send buffer; stage 3: two of the largest piece, as
+                // scratch (two reductions in flight).
                 let largest = (0..TILES.len()).map(|b| one.piece(b, 0).len()).max();
-                let send = if stage == 2 { 0 } else { largest.unwrap() };
+                let send = if stage == 2 { 0 } else { 2 * largest.unwrap() };
                 assert_eq!((plans[0].send_len, plans[0].recv_len), (send, s));
                 check_pieces(&plans);
                 for (q, plan) in plans.iter().enumerate() {

@@ -24,6 +24,7 @@ pub use activations::Activations;
 pub use config::{Dtype, ModelConfig};
 pub use layout::{ParamLayout, Span, TensorInfo};
 
+use crate::dist::resident::release;
 use crate::kernels::bf16;
 use crate::kernels::classifier::{
     classifier_forward, classifier_logits, Classifier, ClassifierGrads, WtePacks,
@@ -63,6 +64,9 @@ pub struct Gpt {
     /// bf16 mode on AMX: the bf16 `wte` packed for the classifier's two products with
     /// it, refreshed with `params_bf16`. None otherwise.
     wte_packs: Option<WtePacks>,
+    /// The weights are lent range by range through [`PassHooks`] (ZeRO-3, see
+    /// [`Gpt::set_weights_lent`]): the bf16 copy is made per range.
+    lent: bool,
     acts: Activations,
     /// Activation checkpointing (see [`Gpt::set_activation_checkpointing`]).
     checkpointing: bool,
@@ -124,6 +128,7 @@ impl Gpt {
             dtype: Dtype::Float32,
             params_bf16: Vec::new(),
             wte_packs: None,
+            lent: false,
             layout,
             acts,
             checkpointing: false,
@@ -325,11 +330,25 @@ impl Gpt {
         }
     }
 
+    /// Weights lent range by range (ZeRO-3): `params` holds a range only between
+    /// the `need` and the `done` of it that hooked passes report ([`PassHooks`]).
+    /// In bf16 mode the weight copy is then made per range — rounded from `params`
+    /// right after its `need`, released (zero, its memory given back) at its `done`
+    /// — and never as a whole ([`Gpt::sync_bf16_weights`] only releases it). Set it
+    /// before [`Gpt::set_dtype`]. Without LoRA only (the hooks' ranges are the
+    /// trained arena's).
+    pub fn set_weights_lent(&mut self, on: bool) {
+        assert!(!on || self.frozen.is_none(), "LoRA passes lend no weights");
+        self.lent = on;
+        release_lent_copy(on, 0..self.params_bf16.len(), &mut self.params_bf16);
+    }
+
     /// bf16 mode: re-rounds the weight copy the matmuls read from `params`. Call it
     /// whenever `params` changed (after each optimizer step, after loading); the
-    /// micro-steps of one optimizer step share the copy. A no-op in f32 mode.
+    /// micro-steps of one optimizer step share the copy. A no-op in f32 mode, and
+    /// with lent weights (the passes round each range they receive).
     pub fn sync_bf16_weights(&mut self) {
-        if self.dtype == Dtype::Bfloat16 {
+        if self.dtype == Dtype::Bfloat16 && !self.lent {
             let _t = crate::profile::scope(crate::profile::Section::Bf16Weights);
             bf16::round_into(&mut self.params_bf16, &self.params);
             self.repack_wte();
@@ -485,8 +504,10 @@ impl Gpt {
     /// The end of a pass: the embeddings and `ln_f`, needed for the whole pass, done.
     fn pass_done(&mut self, hooks: &mut dyn PassHooks) {
         if self.frozen.is_none() {
-            hooks.done(embeddings_bucket(&self.layout), &mut self.params);
-            hooks.done(ln_f_bucket(&self.layout), &mut self.params);
+            for range in [embeddings_bucket(&self.layout), ln_f_bucket(&self.layout)] {
+                hooks.done(range.clone(), &mut self.params);
+                release_lent_copy(self.lent, range, &mut self.params_bf16);
+            }
         }
     }
 
@@ -498,6 +519,8 @@ impl Gpt {
         let Gpt {
             params,
             params_bf16,
+            wte_packs,
+            lent,
             grads,
             acts,
             layout,
@@ -531,6 +554,16 @@ impl Gpt {
             let range = buckets.next().expect("a block's bucket");
             if full {
                 hooks.need(range.clone(), params);
+                let packs = wte_packs.as_mut();
+                round_lent_copy(
+                    *lent,
+                    range.clone(),
+                    params,
+                    params_bf16,
+                    packs,
+                    layout,
+                    config,
+                );
             }
             let base = weights(BF16, layout, params, params_bf16, frozen);
             let x = match l {
@@ -549,6 +582,7 @@ impl Gpt {
             block_backward::<BF16>(&w, grads, x, a, s, drop, d);
             if full {
                 hooks.done(range.clone(), params);
+                release_lent_copy(*lent, range.clone(), params_bf16);
             }
             hooks.grads_done(range, grads);
         }
@@ -627,6 +661,8 @@ impl Gpt {
         let Gpt {
             params,
             params_bf16,
+            wte_packs,
+            lent,
             acts,
             layout,
             config,
@@ -634,9 +670,13 @@ impl Gpt {
             ..
         } = self;
         let full = frozen.is_none();
+        let lent = *lent;
         if full {
-            hooks.need(embeddings_bucket(layout), params);
-            hooks.need(ln_f_bucket(layout), params);
+            for range in [embeddings_bucket(layout), ln_f_bucket(layout)] {
+                hooks.need(range.clone(), params);
+                let packs = wte_packs.as_mut();
+                round_lent_copy(lent, range, params, params_bf16, packs, layout, config);
+            }
         }
         let base = weights(BF16, layout, params, params_bf16, frozen);
         let (dropout, lora_dropout) = pass_dropout(pass, config, frozen);
@@ -650,6 +690,8 @@ impl Gpt {
         for l in 0..config.n_layer {
             if full {
                 hooks.need(block_bucket(layout, l), params);
+                let (range, packs) = (block_bucket(layout, l), wte_packs.as_mut());
+                round_lent_copy(lent, range, params, params_bf16, packs, layout, config);
             }
             let base = weights(BF16, layout, params, params_bf16, frozen);
             let (before, this) = acts.blocks.split_at_mut(l);
@@ -668,6 +710,7 @@ impl Gpt {
             }
             if full {
                 hooks.done(block_bucket(layout, l), params);
+                release_lent_copy(lent, block_bucket(layout, l), params_bf16);
             }
         }
         let base = weights(BF16, layout, params, params_bf16, frozen);
@@ -675,6 +718,35 @@ impl Gpt {
         let (mean, rstd) = acts.lnf_stats.rows_mut(n);
         let ln_f = norm_of(base.params, base.layout.ln_f);
         layernorm_forward::<BF16>(&mut acts.lnf[..n * c], mean, rstd, &last[..n * c], ln_f);
+    }
+}
+
+/// Lent weights ([`Gpt::set_weights_lent`]) in bf16 mode (`copy` not empty): the
+/// copy of `range` rounded from the weights its `need` has just filled, and `wte`
+/// packed from it when in `range`. Nothing otherwise.
+fn round_lent_copy(
+    lent: bool,
+    range: Range<usize>,
+    params: &[f32],
+    copy: &mut [f32],
+    packs: Option<&mut WtePacks>,
+    layout: &ParamLayout,
+    config: &ModelConfig,
+) {
+    if !lent || copy.is_empty() {
+        return;
+    }
+    bf16::round_into(&mut copy[range.clone()], &params[range.clone()]);
+    if let Some(packs) = packs.filter(|_| range.contains(&layout.wte.start)) {
+        packs.pack(&copy[layout.wte], config.n_embd, config.vocab_size);
+    }
+}
+
+/// Lent weights in bf16 mode: the copy of `range`, no longer read, released (zero,
+/// its whole pages given back).
+fn release_lent_copy(lent: bool, range: Range<usize>, copy: &mut [f32]) {
+    if lent && !copy.is_empty() {
+        release(copy, range);
     }
 }
 
@@ -1236,6 +1308,41 @@ mod tests {
             assert_eq!(eval, plain.forward(&x, &y, b, t));
             assert_eq!(hooks.log.last(), Some(&('d', ln_f)));
             assert!(lent.params.iter().all(|&p| p == 0.0));
+        }
+    }
+
+    /// Lent weights in bf16 mode (ZeRO-3): each range's bf16 copy is rounded when
+    /// `need` fills it and released at its `done`, giving the bits of the whole
+    /// copy a plain bf16 model rounds at once.
+    #[test]
+    fn lent_weights_in_bf16_round_each_range_as_it_arrives() {
+        let (b, t) = (2, 6);
+        for ckpt in [false, true] {
+            let mut plain = model(tiny(true, 0.1), b, t);
+            let mut lent = model(tiny(true, 0.1), b, t);
+            lent.set_weights_lent(true);
+            let (x, y) = batch(b, t, plain.config().vocab_size);
+            let mut hooks = Lender {
+                weights: std::mem::replace(&mut lent.params, vec![0.0; plain.params.len()]),
+                log: Vec::new(),
+            };
+            for gpt in [&mut plain, &mut lent] {
+                gpt.set_activation_checkpointing(ckpt);
+                gpt.set_dtype(Dtype::Bfloat16);
+                gpt.zero_grad();
+                gpt.set_dropout_seed(3);
+            }
+            assert!(lent.params_bf16.iter().all(|&p| p == 0.0), "no whole copy");
+            let loss = plain.forward(&x, &y, b, t);
+            plain.backward();
+            assert_eq!(lent.forward_hooked(&x, &y, b, t, &mut hooks), loss);
+            lent.backward_hooked(&mut hooks);
+            assert_eq!(lent.grads, plain.grads, "checkpointing {ckpt}");
+            let copy = &lent.params_bf16;
+            assert!(copy.iter().all(|&p| p == 0.0), "each range's copy released");
+            // A step leaves the copy to the passes.
+            lent.sync_bf16_weights();
+            assert!(lent.params_bf16.iter().all(|&p| p == 0.0));
         }
     }
 
