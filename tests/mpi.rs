@@ -883,3 +883,28 @@ fn doctor_under_mpirun_reports_every_rank_and_fails_on_other_data() {
         "{problems}"
     );
 }
+
+/// The embeddings' bucket reduced first (its reduction started before the blocks'
+/// backward) and every rank's encoder gradient added after: stages 0, 1 and 2 on 2
+/// and 3 ranks follow the one-process run (the size rule would not pick it on 3
+/// ranks of this tiny vocabulary: forced by NANOGPT_EMBEDDINGS_FIRST=1), and forced
+/// off the same run stays the same.
+#[test]
+fn embeddings_reduced_first_follow_the_one_process_run() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (acc, iters) = ("gradient_accumulation_steps=6", "max_iters=10");
+    let one = reference(&[acc, iters]);
+    for (stage, ranks, first) in [(0, 3, "1"), (1, 2, "1"), (2, 3, "1"), (1, 3, "0")] {
+        let out = format!("first-{stage}-{ranks}-{first}");
+        let zero = format!("zero_stage={stage}");
+        let args = [format!("out_dir={out}"), acc.into(), iters.into(), zero];
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let mut cmd = command(ranks, &args);
+        cmd.env("NANOGPT_EMBEDDINGS_FIRST", first);
+        let done = run_for(cmd, Duration::from_secs(300));
+        assert!(done.status.success(), "{out}: {}", text(&done.stderr));
+        assert_same_run(&one, &out);
+        let report = read_json(&workdir().join(&out).join("comm.json"));
+        assert_eq!(report["embeddings_first"], first == "1", "{out}: {report}");
+    }
+}

@@ -108,7 +108,8 @@ pub trait Collective {
     /// `mine` (len `counts[rank]`) = this rank's piece of `root`'s `buf` (len Σ
     /// counts, pieces in rank order); `buf` is only read on `root`.
     fn scatter_pieces(&self, buf: &[f32], mine: &mut [f32], counts: &[usize], root: usize);
-    /// Runs `backward`, reducing each bucket as soon as it is reported: its
+    /// Runs `backward`, reducing each bucket as soon as it is reported (in any
+    /// order, each once): its
     /// gradients are copied to the start of `send[bucket.send]` (the rest of that
     /// range is zeroed) and a non-blocking reduction into `recv[bucket.recv]` starts
     /// at once ([`Reduce::ReducePieces`]: straight from the reported gradients into
@@ -123,6 +124,18 @@ pub trait Collective {
         recv: &mut [f32],
         backward: &mut BackwardFn,
     ) -> OverlapTimes;
+}
+
+/// The index of the bucket whose arena range backward has just reported, marked
+/// seen. Backward may report the buckets in another order than the plan's (the
+/// embeddings first: `Gpt::backward_embeddings_first`); every rank reports them in
+/// the same order, so the collectives still start in the same order everywhere.
+fn reported(buckets: &[Bucket], range: &Range<usize>, seen: &mut [bool]) -> usize {
+    let i = buckets.iter().position(|b| b.arena == *range);
+    let i = i.expect("backward reports the plan's buckets");
+    assert!(!seen[i], "bucket {range:?} reported twice");
+    seen[i] = true;
+    i
 }
 
 /// One process: every collective is a copy or nothing.
@@ -182,14 +195,12 @@ impl Collective for Single {
         recv: &mut [f32],
         backward: &mut BackwardFn,
     ) -> OverlapTimes {
-        let mut i = 0;
+        let mut seen = vec![false; buckets.len()];
         backward(&mut |range, grads| {
-            let b = &buckets[i];
-            assert_eq!(range, b.arena, "buckets reported out of plan");
+            let b = &buckets[reported(buckets, &range, &mut seen)];
             recv[b.recv.start..b.recv.start + range.len()].copy_from_slice(&grads[range]);
-            i += 1;
         });
-        assert_eq!(i, buckets.len(), "every bucket reported");
+        assert!(seen.iter().all(|&s| s), "every bucket reported");
         OverlapTimes::default()
     }
 }

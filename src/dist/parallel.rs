@@ -6,7 +6,7 @@
 
 use super::resident::release;
 use super::{Collective, GradPlan, Reduce};
-use crate::model::{Gpt, PassHooks};
+use crate::model::{add_encoder_rows, EncoderGrad, Gpt, ParamLayout, PassHooks};
 use crate::optim::{AdamW, AdamWConfig};
 use crate::shutdown::{self, StopSignal};
 use anyhow::{bail, Result};
@@ -39,6 +39,9 @@ pub struct CommReport {
     pub grad_bytes: usize,
     /// Tokens per second per rank (global tokens / step time / world size).
     pub tokens_per_sec_per_rank: f64,
+    /// Backward reported the embeddings' bucket first (its reduction started before
+    /// the blocks' backward) and the encoder's gradient was all-gathered after.
+    pub embeddings_first: bool,
 }
 
 /// Buffers and timings of data-parallel training on one rank.
@@ -55,6 +58,9 @@ pub struct DataParallel {
     reduce_alone: Duration,
     /// The last iteration at which every rank was seen to hold the same weights.
     verified_iter: Option<u64>,
+    /// Stages 0-2: backward reports the embeddings' bucket first and the encoder's
+    /// gradient is added after ([`DataParallel::backward_reduce`]).
+    embeddings_first: bool,
 }
 
 impl DataParallel {
@@ -81,6 +87,7 @@ impl DataParallel {
             other: Duration::ZERO,
             reduce_alone: Duration::ZERO,
             verified_iter: None,
+            embeddings_first: embeddings_first(model, comm.world_size()),
         }
     }
 
@@ -208,18 +215,67 @@ impl DataParallel {
             return;
         }
         let kind = self.kind();
+        let (early, mut held) = (self.embeddings_first, EncoderGrad::default());
         let times = comm.reduce_during_backward(
             kind,
             &self.plan.buckets,
             &mut self.send,
             &mut self.recv,
-            &mut |hook| model.backward_with(|range, grads| hook(range, grads)),
+            &mut |hook| match early {
+                true => held = model.backward_embeddings_first(|range, grads| hook(range, grads)),
+                false => model.backward_with(|range, grads| hook(range, grads)),
+            },
         );
         self.exposed += times.exposed;
+        if early {
+            self.add_encoder_grads(comm, &model.layout, &held);
+        }
         if kind == Reduce::AllReduce {
             // Every bucket of `recv` was overwritten: it is the summed gradient.
             std::mem::swap(&mut model.grads, &mut self.recv);
         }
+    }
+
+    /// After an embeddings-first backward: every rank's held-back encoder gradient
+    /// (all-gathered: B·T·C floats and B·T tokens per rank, small beside the
+    /// embeddings' (V + block_size)·C) added, in rank order, to the part of the
+    /// reduced embeddings this rank holds: all of it at stage 0, its piece at stages
+    /// 1 and 2. Every rank adds the same rows in the same order: the replicas stay
+    /// bit-identical. Counted as exposed reduction time.
+    fn add_encoder_grads(
+        &mut self,
+        comm: &dyn Collective,
+        layout: &ParamLayout,
+        held: &EncoderGrad,
+    ) {
+        let start = Instant::now();
+        let n = held.tokens.len();
+        let mut mine = held.dout.clone();
+        // Token ids below 2^24 are exact as f32.
+        mine.extend(held.tokens.iter().map(|&tok| tok as f32));
+        let per = mine.len();
+        let mut all = vec![0.0; per * comm.world_size()];
+        comm.all_gather(&mine, &mut all);
+        let plan = &self.plan;
+        let b = plan.buckets.iter().position(|b| b.arena.start == 0);
+        let b = b.expect("the embeddings' bucket starts the arena");
+        let (window, dst) = match plan.zero_stage {
+            0 => {
+                let arena = plan.buckets[b].arena.clone();
+                (arena.clone(), &mut self.recv[arena])
+            }
+            _ => {
+                let own = plan.piece(b, plan.rank);
+                let at = plan.slot(b);
+                (own.clone(), &mut self.recv[at..at + own.len()])
+            }
+        };
+        for part in all.chunks_exact(per) {
+            let (dout, tokens) = part.split_at(per - n);
+            let tokens: Vec<u32> = tokens.iter().map(|&tok| tok as u32).collect();
+            add_encoder_rows(layout, (dout, &tokens, held.t), window.clone(), dst);
+        }
+        self.exposed += start.elapsed();
     }
 
     /// Measures the gradient reduction with nothing to hide it behind (the
@@ -482,6 +538,26 @@ impl DataParallel {
             hidden_fraction: hidden,
             grad_bytes: self.plan.arena_len * 4,
             tokens_per_sec_per_rank: per_rank,
+            embeddings_first: self.embeddings_first,
+        }
+    }
+}
+
+/// Whether backward reports the embeddings first and their encoder gradient is
+/// all-gathered after (see [`DataParallel::backward_reduce`]): without LoRA (which
+/// freezes the embeddings) and when the gather carries no more than the bucket,
+/// `world_size` · B · T ≤ rows of `wte` and `wpe`. `NANOGPT_EMBEDDINGS_FIRST=0|1`
+/// overrides (to measure, and for the tests).
+fn embeddings_first(model: &Gpt, world_size: usize) -> bool {
+    if model.frozen().is_some() {
+        return false;
+    }
+    match std::env::var("NANOGPT_EMBEDDINGS_FIRST").as_deref() {
+        Ok("0") => false,
+        Ok("1") => true,
+        _ => {
+            let rows = (model.layout.wte.len() + model.layout.wpe.len()) / model.config().n_embd;
+            world_size * model.max_tokens() <= rows
         }
     }
 }
