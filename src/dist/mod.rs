@@ -44,6 +44,32 @@ pub enum Reduce {
     /// Rank `r` receives the sum of its piece of the bucket ([`Bucket::counts`]),
     /// read straight from the gradients: no send buffer (ZeRO stages 2 and 3).
     ReducePieces,
+    /// [`Reduce::AllReduce`] with bf16 on the wire (`grad_reduce_dtype =
+    /// "bfloat16"`): each rank's gradients rounded to bf16 (to nearest, ties to
+    /// even) into the send buffer, every partial sum of the reduction computed in f32
+    /// from two bf16 values and rounded to bf16, the result widened back to f32.
+    AllReduceBf16,
+    /// [`Reduce::ReduceScatter`] with bf16 on the wire, as [`Reduce::AllReduceBf16`].
+    ReduceScatterBf16,
+}
+
+impl Reduce {
+    /// The same reduction with bf16 on the wire (stages 0 and 1 only).
+    pub fn in_bf16(self) -> Reduce {
+        match self {
+            Reduce::AllReduce | Reduce::AllReduceBf16 => Reduce::AllReduceBf16,
+            Reduce::ReduceScatter | Reduce::ReduceScatterBf16 => Reduce::ReduceScatterBf16,
+            Reduce::ReducePieces => panic!("bf16 reduction needs a send buffer (ZeRO 0 or 1)"),
+        }
+    }
+
+    /// Bytes per gradient value on the wire.
+    pub fn wire_bytes(self) -> usize {
+        match self {
+            Reduce::AllReduceBf16 | Reduce::ReduceScatterBf16 => 2,
+            _ => 4,
+        }
+    }
 }
 
 /// The backward pass as [`Collective::reduce_during_backward`] drives it: called
@@ -189,7 +215,7 @@ impl Collective for Single {
     }
     fn reduce_during_backward(
         &self,
-        _: Reduce,
+        kind: Reduce,
         buckets: &[Bucket],
         _: &mut [f32],
         recv: &mut [f32],
@@ -198,7 +224,11 @@ impl Collective for Single {
         let mut seen = vec![false; buckets.len()];
         backward(&mut |range, grads| {
             let b = &buckets[reported(buckets, &range, &mut seen)];
-            recv[b.recv.start..b.recv.start + range.len()].copy_from_slice(&grads[range]);
+            let dst = &mut recv[b.recv.start..b.recv.start + range.len()];
+            match kind.wire_bytes() {
+                2 => crate::kernels::bf16::round_into(dst, &grads[range]),
+                _ => dst.copy_from_slice(&grads[range]),
+            }
         });
         assert!(seen.iter().all(|&s| s), "every bucket reported");
         OverlapTimes::default()

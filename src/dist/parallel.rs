@@ -6,7 +6,7 @@
 
 use super::resident::release;
 use super::{Collective, GradPlan, Reduce};
-use crate::model::{add_encoder_rows, EncoderGrad, Gpt, ParamLayout, PassHooks};
+use crate::model::{add_encoder_rows, Dtype, EncoderGrad, Gpt, ParamLayout, PassHooks};
 use crate::optim::{AdamW, AdamWConfig};
 use crate::shutdown::{self, StopSignal};
 use anyhow::{bail, Result};
@@ -35,7 +35,8 @@ pub struct CommReport {
     pub reduce_alone_ms: f64,
     /// Share of the gradient reduction hidden behind backward: 1 − exposed / alone.
     pub hidden_fraction: f64,
-    /// Gradient bytes each rank contributes per step.
+    /// Gradient bytes each rank contributes per step (4 per value, 2 with
+    /// `grad_reduce_dtype = "bfloat16"`).
     pub grad_bytes: usize,
     /// Tokens per second per rank (global tokens / step time / world size).
     pub tokens_per_sec_per_rank: f64,
@@ -58,6 +59,8 @@ pub struct DataParallel {
     reduce_alone: Duration,
     /// The last iteration at which every rank was seen to hold the same weights.
     verified_iter: Option<u64>,
+    /// The reduction of the gradients (stages 0-2): f32 or bf16 on the wire.
+    kind: Reduce,
     /// Stages 0-2: backward reports the embeddings' bucket first and the encoder's
     /// gradient is added after ([`DataParallel::backward_reduce`]).
     embeddings_first: bool,
@@ -88,6 +91,19 @@ impl DataParallel {
             reduce_alone: Duration::ZERO,
             verified_iter: None,
             embeddings_first: embeddings_first(model, comm.world_size()),
+            kind: match zero_stage {
+                0 => Reduce::AllReduce,
+                1 => Reduce::ReduceScatter,
+                _ => Reduce::ReducePieces,
+            },
+        }
+    }
+
+    /// `grad_reduce_dtype`: bf16 on the wire (stages 0 and 1; the config refuses it
+    /// above) or f32.
+    pub fn reduce_in(&mut self, dtype: Dtype) {
+        if dtype == Dtype::Bfloat16 {
+            self.kind = self.kind.in_bf16();
         }
     }
 
@@ -97,11 +113,7 @@ impl DataParallel {
     }
 
     fn kind(&self) -> Reduce {
-        match self.plan.zero_stage {
-            0 => Reduce::AllReduce,
-            1 => Reduce::ReduceScatter,
-            _ => Reduce::ReducePieces,
-        }
+        self.kind
     }
 
     /// Rank 0's weights (and, when `moments`, its AdamW state at `adam_step`) on
@@ -230,7 +242,7 @@ impl DataParallel {
         if early {
             self.add_encoder_grads(comm, &model.layout, &held);
         }
-        if kind == Reduce::AllReduce {
+        if matches!(kind, Reduce::AllReduce | Reduce::AllReduceBf16) {
             // Every bucket of `recv` was overwritten: it is the summed gradient.
             std::mem::swap(&mut model.grads, &mut self.recv);
         }
@@ -536,7 +548,7 @@ impl DataParallel {
             other_comm_ms: other,
             reduce_alone_ms: alone,
             hidden_fraction: hidden,
-            grad_bytes: self.plan.arena_len * 4,
+            grad_bytes: self.plan.arena_len * self.kind.wire_bytes(),
             tokens_per_sec_per_rank: per_rank,
             embeddings_first: self.embeddings_first,
         }
