@@ -819,3 +819,40 @@ impl Collective for Mpi {
         OverlapTimes { exposed }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::bf16::round;
+
+    /// The wire format: values stored as bf16 into the front of an f32 buffer widen
+    /// back in place to exactly their bf16 roundings, and the reduction's operation
+    /// rounds each partial sum (1 + 2⁻⁸ is a tie between 1 and 1 + 2⁻⁷: to even, 1).
+    #[test]
+    fn bf16_wire_values_widen_in_place_and_partial_sums_are_rounded() {
+        let vals: Vec<f32> = (0..37).map(|i| (i as f32 - 17.3) * 0.0137).collect();
+        let mut buf = vec![f32::NAN; vals.len()];
+        crate::kernels::bf16::store(bf16_view(&mut buf), &vals);
+        widen_bf16_in_place(&mut buf);
+        let want: Vec<f32> = vals.iter().map(|&x| round(x)).collect();
+        assert_eq!(buf, want);
+        assert_ne!(buf, vals, "the values were rounded");
+
+        let a = [1.0f32, 0.75, -3.0].map(Bf16::from_f32);
+        let mut b = [2f32.powi(-8), 2f32.powi(-8), 0.5].map(Bf16::from_f32);
+        let mut n = 3;
+        // SAFETY: both buffers hold `n` values, as MPI would pass them.
+        unsafe {
+            bf16_sum(
+                a.as_ptr() as *mut _,
+                b.as_mut_ptr() as *mut _,
+                &mut n,
+                std::ptr::null_mut(),
+            )
+        };
+        assert_eq!(
+            b.map(Bf16::to_f32),
+            [1.0, round(0.75 + 2f32.powi(-8)), -2.5]
+        );
+    }
+}
