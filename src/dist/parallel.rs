@@ -90,7 +90,8 @@ impl DataParallel {
             other: Duration::ZERO,
             reduce_alone: Duration::ZERO,
             verified_iter: None,
-            embeddings_first: embeddings_first(model, comm.world_size()),
+            // ZeRO-3 reduces each bucket by itself on every micro-step (`Sharded`).
+            embeddings_first: zero_stage < 3 && embeddings_first(model, comm.world_size()),
             kind: match zero_stage {
                 0 => Reduce::AllReduce,
                 1 => Reduce::ReduceScatter,
