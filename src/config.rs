@@ -114,6 +114,10 @@ pub struct TrainConfig {
     /// 0: every rank keeps the whole AdamW state; 1: ZeRO-1, the AdamW state is
     /// sharded across ranks (reduce-scatter, local update, all-gather).
     pub zero_stage: u8,
+    /// The gradient reduction's numbers on the wire (zero_stage 0 and 1):
+    /// `bfloat16` rounds each rank's gradients to bf16 and each partial sum too,
+    /// halving the bytes; the result is widened to f32 (docs/multinode.md).
+    pub grad_reduce_dtype: Dtype,
     /// Abort the job when a collective waits this many seconds for another rank
     /// (stopped, hung or unreachable); 0 waits forever.
     pub collective_timeout_s: f64,
@@ -169,6 +173,7 @@ impl Default for TrainConfig {
             activation_checkpointing: false,
             threads: 0,
             zero_stage: 0,
+            grad_reduce_dtype: Dtype::Float32,
             collective_timeout_s: 300.0,
             lora_rank: 0,
             lora_alpha: 8.0,
@@ -415,6 +420,14 @@ impl TrainConfig {
                     .into(),
             );
         }
+        if self.zero_stage >= 2 && self.grad_reduce_dtype == Dtype::Bfloat16 {
+            problems.push(
+                "`grad_reduce_dtype = \"bfloat16\"` works with zero_stage 0 and 1 (stages 2 and \
+                 3 reduce straight from the gradients, with no send buffer to round into): use \
+                 zero_stage=1 or grad_reduce_dtype=float32"
+                    .into(),
+            );
+        }
         let t = self.collective_timeout_s;
         if !(t.is_finite() && t >= 0.0) {
             problems.push(format!(
@@ -535,11 +548,11 @@ fn check_entry(defaults: &Table, key: &str, value: Value) -> Result<Value> {
             v.type_str()
         ),
     };
-    if key == "dtype" {
+    if key == "dtype" || key == "grad_reduce_dtype" {
         let name = value.as_str().unwrap_or_default();
         if !Dtype::NAMES.contains(&name) {
             bail!(
-                "key `dtype` must be one of {}, got \"{name}\"",
+                "key `{key}` must be one of {}, got \"{name}\"",
                 Dtype::NAMES.join(", ")
             );
         }
@@ -870,6 +883,18 @@ mod tests {
             TrainConfig::parse("", "t", &bf16).is_ok(),
             "bf16 at stage 3"
         );
+        let wire = TrainConfig::parse("grad_reduce_dtype = \"bfloat16\"", "t", &[]).unwrap();
+        assert_eq!(wire.grad_reduce_dtype, Dtype::Bfloat16);
+        let wire = err_of("", &["zero_stage=2", "grad_reduce_dtype=bfloat16"]);
+        assert!(
+            wire.contains("use zero_stage=1 or grad_reduce_dtype=float32"),
+            "{wire}"
+        );
+        let wire = err_of("", &["grad_reduce_dtype=float16"]);
+        assert!(
+            wire.contains("`grad_reduce_dtype` must be one of float32"),
+            "{wire}"
+        );
         let lora = err_of("", &["zero_stage=3", "lora_rank=4"]);
         assert!(lora.contains("not LoRA adapters"), "{lora}");
         assert!(TrainConfig::parse("", "t", &overrides(&["zero_stage=2", "lora_rank=4"])).is_ok());
@@ -916,7 +941,7 @@ mod tests {
     #[test]
     fn keys_list_every_field() {
         let keys = TrainConfig::keys();
-        assert_eq!(keys.len(), 40);
+        assert_eq!(keys.len(), 41);
         for key in [
             "gradient_accumulation_steps",
             "ckpt_interval",

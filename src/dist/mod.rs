@@ -44,6 +44,32 @@ pub enum Reduce {
     /// Rank `r` receives the sum of its piece of the bucket ([`Bucket::counts`]),
     /// read straight from the gradients: no send buffer (ZeRO stages 2 and 3).
     ReducePieces,
+    /// [`Reduce::AllReduce`] with bf16 on the wire (`grad_reduce_dtype =
+    /// "bfloat16"`): each rank's gradients rounded to bf16 (to nearest, ties to
+    /// even) into the send buffer, every partial sum of the reduction computed in f32
+    /// from two bf16 values and rounded to bf16, the result widened back to f32.
+    AllReduceBf16,
+    /// [`Reduce::ReduceScatter`] with bf16 on the wire, as [`Reduce::AllReduceBf16`].
+    ReduceScatterBf16,
+}
+
+impl Reduce {
+    /// The same reduction with bf16 on the wire (stages 0 and 1 only).
+    pub fn in_bf16(self) -> Reduce {
+        match self {
+            Reduce::AllReduce | Reduce::AllReduceBf16 => Reduce::AllReduceBf16,
+            Reduce::ReduceScatter | Reduce::ReduceScatterBf16 => Reduce::ReduceScatterBf16,
+            Reduce::ReducePieces => panic!("bf16 reduction needs a send buffer (ZeRO 0 or 1)"),
+        }
+    }
+
+    /// Bytes per gradient value on the wire.
+    pub fn wire_bytes(self) -> usize {
+        match self {
+            Reduce::AllReduceBf16 | Reduce::ReduceScatterBf16 => 2,
+            _ => 4,
+        }
+    }
 }
 
 /// The backward pass as [`Collective::reduce_during_backward`] drives it: called
@@ -158,7 +184,8 @@ pub trait Collective {
         self.reduce_scatter_pieces(send, mine, counts);
         Box::new(Completed)
     }
-    /// Runs `backward`, reducing each bucket as soon as it is reported: its
+    /// Runs `backward`, reducing each bucket as soon as it is reported (in any
+    /// order, each once): its
     /// gradients are copied to the start of `send[bucket.send]` (the rest of that
     /// range is zeroed) and a non-blocking reduction into `recv[bucket.recv]` starts
     /// at once ([`Reduce::ReducePieces`]: straight from the reported gradients into
@@ -173,6 +200,18 @@ pub trait Collective {
         recv: &mut [f32],
         backward: &mut BackwardFn,
     ) -> OverlapTimes;
+}
+
+/// The index of the bucket whose arena range backward has just reported, marked
+/// seen. Backward may report the buckets in another order than the plan's (the
+/// embeddings first: `Gpt::backward_embeddings_first`); every rank reports them in
+/// the same order, so the collectives still start in the same order everywhere.
+fn reported(buckets: &[Bucket], range: &Range<usize>, seen: &mut [bool]) -> usize {
+    let i = buckets.iter().position(|b| b.arena == *range);
+    let i = i.expect("backward reports the plan's buckets");
+    assert!(!seen[i], "bucket {range:?} reported twice");
+    seen[i] = true;
+    i
 }
 
 /// One process: every collective is a copy or nothing.
@@ -226,20 +265,22 @@ impl Collective for Single {
     }
     fn reduce_during_backward(
         &self,
-        _: Reduce,
+        kind: Reduce,
         buckets: &[Bucket],
         _: &mut [f32],
         recv: &mut [f32],
         backward: &mut BackwardFn,
     ) -> OverlapTimes {
-        let mut i = 0;
+        let mut seen = vec![false; buckets.len()];
         backward(&mut |range, grads| {
-            let b = &buckets[i];
-            assert_eq!(range, b.arena, "buckets reported out of plan");
-            recv[b.recv.start..b.recv.start + range.len()].copy_from_slice(&grads[range]);
-            i += 1;
+            let b = &buckets[reported(buckets, &range, &mut seen)];
+            let dst = &mut recv[b.recv.start..b.recv.start + range.len()];
+            match kind.wire_bytes() {
+                2 => crate::kernels::bf16::round_into(dst, &grads[range]),
+                _ => dst.copy_from_slice(&grads[range]),
+            }
         });
-        assert_eq!(i, buckets.len(), "every bucket reported");
+        assert!(seen.iter().all(|&s| s), "every bucket reported");
         OverlapTimes::default()
     }
 }

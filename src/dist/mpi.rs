@@ -11,6 +11,7 @@
 //! each, on one host too (`NANOGPT_PROGRESS_THREAD=0` turns it off).
 
 use super::{BackwardFn, Bucket, Collective, OverlapTimes, Pending, Reduce, Watchdog};
+use crate::kernels::bf16::Bf16;
 use anyhow::{bail, Result};
 use mpi::collective::{CommunicatorCollectives, Root, SystemOperation};
 use mpi::datatype::{Partition, PartitionMut};
@@ -48,6 +49,8 @@ pub struct Mpi {
     /// Drive MPI's progress from a second thread while a collective started by
     /// `start_*` (ZeRO-3's) is in flight.
     progress_in_flight: bool,
+    /// The sum of bf16 values (`MPI_UINT16_T`) as a user operation ([`bf16_sum`]).
+    bf16_sum: mpi::ffi::MPI_Op,
 }
 
 impl Mpi {
@@ -93,7 +96,15 @@ impl Mpi {
             );
             abort_world(3);
         });
+        let mut op = std::mem::MaybeUninit::uninit();
+        // SAFETY: MPI is initialised; `bf16_sum` has MPI_User_function's signature and
+        // is commutative; the operation is never freed (it lives as long as MPI).
+        let bf16_sum = unsafe {
+            mpi::ffi::MPI_Op_create(Some(bf16_sum), 1, op.as_mut_ptr());
+            op.assume_init()
+        };
         Ok(Mpi {
+            bf16_sum,
             world,
             rank,
             size,
@@ -520,6 +531,100 @@ impl Drop for InFlight<'_> {
     }
 }
 
+/// MPI's user function for the sum of bf16 values (sent as `MPI_UINT16_T`):
+/// `inout[i] = bf16(f32(in[i]) + f32(inout[i]))`, rounded to nearest, ties to even.
+///
+/// # Safety
+/// MPI calls it with `len` valid values in both buffers.
+unsafe extern "C" fn bf16_sum(
+    input: *mut std::os::raw::c_void,
+    inout: *mut std::os::raw::c_void,
+    len: *mut std::os::raw::c_int,
+    _: *mut mpi::ffi::MPI_Datatype,
+) {
+    // SAFETY: MPI passes two buffers of `*len` elements of the (2-byte) datatype
+    // this operation is used with, and they do not overlap.
+    let (a, b) = unsafe {
+        let n = *len as usize;
+        (
+            std::slice::from_raw_parts(input as *const Bf16, n),
+            std::slice::from_raw_parts_mut(inout as *mut Bf16, n),
+        )
+    };
+    for (x, y) in a.iter().zip(b) {
+        *y = Bf16::from_f32(x.to_f32() + y.to_f32());
+    }
+}
+
+/// The first `buf.len()` bf16 values held in the bytes of `buf` (f32), to write.
+fn bf16_view(buf: &mut [f32]) -> &mut [Bf16] {
+    // SAFETY: `Bf16` is a `repr(transparent)` u16: any bits are valid, its alignment
+    // (2) divides f32's, and `buf.len()` of them fill the first half of `buf`'s
+    // bytes; the view borrows `buf` mutably, so nothing else reads it meanwhile.
+    unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr() as *mut Bf16, buf.len()) }
+}
+
+/// Widens in place the bf16 values that the first half of `buf`'s bytes hold
+/// ([`bf16_view`]) to f32, exactly.
+fn widen_bf16_in_place(buf: &mut [f32]) {
+    let ptr = buf.as_mut_ptr();
+    for i in (0..buf.len()).rev() {
+        // SAFETY: bf16 value `i` sits at bytes 2i..2i+2 and f32 `i` at 4i..4i+4, both
+        // inside `buf`; going down, the f32 written at 4i only covers bf16 values i
+        // and above (2i ≥ i), which have already been read.
+        unsafe {
+            let h = (ptr as *const Bf16).add(i).read();
+            ptr.add(i).write(h.to_f32());
+        }
+    }
+}
+
+/// Starts the bf16 reduction of one bucket ([`Reduce::AllReduceBf16`] or
+/// [`Reduce::ReduceScatterBf16`]): `grads` rounded to bf16 into the front of `send`
+/// (the rest of its `send.len()` values zero), reduced with `op` into the front of
+/// `recv` as bf16 ([`widen_bf16_in_place`] it once complete).
+fn reduce_bf16<'a, S: mpi::request::Scope<'a>>(
+    world: &SimpleCommunicator,
+    scope: S,
+    (kind, op): (Reduce, mpi::ffi::MPI_Op),
+    grads: &[f32],
+    send: &'a mut [f32],
+    recv: &'a mut [f32],
+) -> mpi::request::Request<'a, [f32], S> {
+    let n = count(send.len());
+    let wire = bf16_view(send);
+    crate::kernels::bf16::store(&mut wire[..grads.len()], grads);
+    wire[grads.len()..].fill(Bf16(0));
+    let send: &'a [f32] = send;
+    let mut request = std::mem::MaybeUninit::uninit();
+    // SAFETY: `send` holds `n` bf16 values and `recv` the result's (n for the
+    // all-reduce, n / world size for the reduce-scatter), both borrowed for 'a,
+    // which the scope's requests cannot outlive; `op` is a valid operation.
+    unsafe {
+        match kind {
+            Reduce::AllReduceBf16 => mpi::ffi::MPI_Iallreduce(
+                send.as_ptr() as *const _,
+                recv.as_mut_ptr() as *mut _,
+                n as i32,
+                mpi::ffi::RSMPI_UINT16_T,
+                op,
+                world.as_raw(),
+                request.as_mut_ptr(),
+            ),
+            _ => mpi::ffi::MPI_Ireduce_scatter_block(
+                send.as_ptr() as *const _,
+                recv.as_mut_ptr() as *mut _,
+                recv.len() as i32,
+                mpi::ffi::RSMPI_UINT16_T,
+                op,
+                world.as_raw(),
+                request.as_mut_ptr(),
+            ),
+        };
+        mpi::request::Request::from_raw(request.assume_init(), &*recv, scope)
+    }
+}
+
 /// Disjoint `ranges` of `buf` as separate mutable slices, in the order given.
 fn split_disjoint<'b>(buf: &'b mut [f32], ranges: &[Range<usize>]) -> Vec<Option<&'b mut [f32]>> {
     let mut order: Vec<usize> = (0..ranges.len()).collect();
@@ -782,12 +887,17 @@ impl Collective for Mpi {
             }
             mpi::request::multiple_scope(buckets.len(), |scope, requests| {
                 let mut done = Vec::with_capacity(buckets.len());
-                let mut i = 0;
+                let mut seen = vec![false; buckets.len()];
                 backward(&mut |range, grads| {
+                    let i = super::reported(buckets, &range, &mut seen);
                     let b = &buckets[i];
-                    assert_eq!(range, b.arena, "buckets reported out of plan");
                     let r = recvs[i].take().expect("each bucket once");
                     let request = match kind {
+                        Reduce::AllReduceBf16 | Reduce::ReduceScatterBf16 => {
+                            let s = sends[i].take().expect("each bucket once");
+                            let wire = (kind, self.bf16_sum);
+                            reduce_bf16(world, scope, wire, &grads[range], s, r)
+                        }
                         Reduce::ReducePieces => {
                             let r = &mut r[..b.counts[self.rank]];
                             // SAFETY: backward no longer writes a reported range, and
@@ -821,9 +931,8 @@ impl Collective for Mpi {
                         requests.wait_all(&mut done);
                         exposed += start.elapsed();
                     }
-                    i += 1;
                 });
-                assert_eq!(i, buckets.len(), "every bucket reported");
+                assert!(seen.iter().all(|&s| s), "every bucket reported");
                 let start = Instant::now();
                 let _g = watchdog.arm("gradient reduction", 1);
                 requests.wait_all(&mut done);
@@ -831,6 +940,50 @@ impl Collective for Mpi {
             });
             stop.store(true, Ordering::Relaxed);
         });
+        if kind.wire_bytes() == 2 {
+            let start = Instant::now();
+            for b in buckets {
+                widen_bf16_in_place(&mut recv[b.recv.clone()]);
+            }
+            exposed += start.elapsed();
+        }
         OverlapTimes { exposed }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::bf16::round;
+
+    /// The wire format: values stored as bf16 into the front of an f32 buffer widen
+    /// back in place to exactly their bf16 roundings, and the reduction's operation
+    /// rounds each partial sum (1 + 2⁻⁸ is a tie between 1 and 1 + 2⁻⁷: to even, 1).
+    #[test]
+    fn bf16_wire_values_widen_in_place_and_partial_sums_are_rounded() {
+        let vals: Vec<f32> = (0..37).map(|i| (i as f32 - 17.3) * 0.0137).collect();
+        let mut buf = vec![f32::NAN; vals.len()];
+        crate::kernels::bf16::store(bf16_view(&mut buf), &vals);
+        widen_bf16_in_place(&mut buf);
+        let want: Vec<f32> = vals.iter().map(|&x| round(x)).collect();
+        assert_eq!(buf, want);
+        assert_ne!(buf, vals, "the values were rounded");
+
+        let a = [1.0f32, 0.75, -3.0].map(Bf16::from_f32);
+        let mut b = [2f32.powi(-8), 2f32.powi(-8), 0.5].map(Bf16::from_f32);
+        let mut n = 3;
+        // SAFETY: both buffers hold `n` values, as MPI would pass them.
+        unsafe {
+            bf16_sum(
+                a.as_ptr() as *mut _,
+                b.as_mut_ptr() as *mut _,
+                &mut n,
+                std::ptr::null_mut(),
+            )
+        };
+        assert_eq!(
+            b.map(Bf16::to_f32),
+            [1.0, round(0.75 + 2f32.powi(-8)), -2.5]
+        );
     }
 }

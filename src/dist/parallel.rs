@@ -6,7 +6,7 @@
 
 use super::resident::release;
 use super::{Collective, GradPlan, Pending, Reduce};
-use crate::model::{Gpt, PassHooks};
+use crate::model::{add_encoder_rows, Dtype, EncoderGrad, Gpt, ParamLayout, PassHooks};
 use crate::optim::{AdamW, AdamWConfig};
 use crate::shutdown::{self, StopSignal};
 use anyhow::{bail, Result};
@@ -36,10 +36,14 @@ pub struct CommReport {
     pub reduce_alone_ms: f64,
     /// Share of the gradient reduction hidden behind backward: 1 − exposed / alone.
     pub hidden_fraction: f64,
-    /// Gradient bytes each rank contributes per step.
+    /// Gradient bytes each rank contributes per step (4 per value, 2 with
+    /// `grad_reduce_dtype = "bfloat16"`).
     pub grad_bytes: usize,
     /// Tokens per second per rank (global tokens / step time / world size).
     pub tokens_per_sec_per_rank: f64,
+    /// Backward reported the embeddings' bucket first (its reduction started before
+    /// the blocks' backward) and the encoder's gradient was all-gathered after.
+    pub embeddings_first: bool,
 }
 
 /// Buffers and timings of data-parallel training on one rank.
@@ -56,6 +60,11 @@ pub struct DataParallel {
     reduce_alone: Duration,
     /// The last iteration at which every rank was seen to hold the same weights.
     verified_iter: Option<u64>,
+    /// The reduction of the gradients (stages 0-2): f32 or bf16 on the wire.
+    kind: Reduce,
+    /// Stages 0-2: backward reports the embeddings' bucket first and the encoder's
+    /// gradient is added after ([`DataParallel::backward_reduce`]).
+    embeddings_first: bool,
 }
 
 impl DataParallel {
@@ -82,6 +91,21 @@ impl DataParallel {
             other: Duration::ZERO,
             reduce_alone: Duration::ZERO,
             verified_iter: None,
+            // ZeRO-3 reduces each bucket by itself on every micro-step (`Sharded`).
+            embeddings_first: zero_stage < 3 && embeddings_first(model, comm.world_size()),
+            kind: match zero_stage {
+                0 => Reduce::AllReduce,
+                1 => Reduce::ReduceScatter,
+                _ => Reduce::ReducePieces,
+            },
+        }
+    }
+
+    /// `grad_reduce_dtype`: bf16 on the wire (stages 0 and 1; the config refuses it
+    /// above) or f32.
+    pub fn reduce_in(&mut self, dtype: Dtype) {
+        if dtype == Dtype::Bfloat16 {
+            self.kind = self.kind.in_bf16();
         }
     }
 
@@ -91,11 +115,7 @@ impl DataParallel {
     }
 
     fn kind(&self) -> Reduce {
-        match self.plan.zero_stage {
-            0 => Reduce::AllReduce,
-            1 => Reduce::ReduceScatter,
-            _ => Reduce::ReducePieces,
-        }
+        self.kind
     }
 
     /// Rank 0's weights (and, when `moments`, its AdamW state at `adam_step`) on
@@ -220,18 +240,67 @@ impl DataParallel {
             return;
         }
         let kind = self.kind();
+        let (early, mut held) = (self.embeddings_first, EncoderGrad::default());
         let times = comm.reduce_during_backward(
             kind,
             &self.plan.buckets,
             &mut self.send,
             &mut self.recv,
-            &mut |hook| model.backward_with(|range, grads| hook(range, grads)),
+            &mut |hook| match early {
+                true => held = model.backward_embeddings_first(|range, grads| hook(range, grads)),
+                false => model.backward_with(|range, grads| hook(range, grads)),
+            },
         );
         self.exposed += times.exposed;
-        if kind == Reduce::AllReduce {
+        if early {
+            self.add_encoder_grads(comm, &model.layout, &held);
+        }
+        if matches!(kind, Reduce::AllReduce | Reduce::AllReduceBf16) {
             // Every bucket of `recv` was overwritten: it is the summed gradient.
             std::mem::swap(&mut model.grads, &mut self.recv);
         }
+    }
+
+    /// After an embeddings-first backward: every rank's held-back encoder gradient
+    /// (all-gathered: B·T·C floats and B·T tokens per rank, small beside the
+    /// embeddings' (V + block_size)·C) added, in rank order, to the part of the
+    /// reduced embeddings this rank holds: all of it at stage 0, its piece at stages
+    /// 1 and 2. Every rank adds the same rows in the same order: the replicas stay
+    /// bit-identical. Counted as exposed reduction time.
+    fn add_encoder_grads(
+        &mut self,
+        comm: &dyn Collective,
+        layout: &ParamLayout,
+        held: &EncoderGrad,
+    ) {
+        let start = Instant::now();
+        let n = held.tokens.len();
+        let mut mine = held.dout.clone();
+        // Token ids below 2^24 are exact as f32.
+        mine.extend(held.tokens.iter().map(|&tok| tok as f32));
+        let per = mine.len();
+        let mut all = vec![0.0; per * comm.world_size()];
+        comm.all_gather(&mine, &mut all);
+        let plan = &self.plan;
+        let b = plan.buckets.iter().position(|b| b.arena.start == 0);
+        let b = b.expect("the embeddings' bucket starts the arena");
+        let (window, dst) = match plan.zero_stage {
+            0 => {
+                let arena = plan.buckets[b].arena.clone();
+                (arena.clone(), &mut self.recv[arena])
+            }
+            _ => {
+                let own = plan.piece(b, plan.rank);
+                let at = plan.slot(b);
+                (own.clone(), &mut self.recv[at..at + own.len()])
+            }
+        };
+        for part in all.chunks_exact(per) {
+            let (dout, tokens) = part.split_at(per - n);
+            let tokens: Vec<u32> = tokens.iter().map(|&tok| tok as u32).collect();
+            add_encoder_rows(layout, (dout, &tokens, held.t), window.clone(), dst);
+        }
+        self.exposed += start.elapsed();
     }
 
     /// Measures the gradient reduction with nothing to hide it behind (the
@@ -492,8 +561,28 @@ impl DataParallel {
             other_comm_ms: other,
             reduce_alone_ms: alone,
             hidden_fraction: hidden,
-            grad_bytes: self.plan.arena_len * 4,
+            grad_bytes: self.plan.arena_len * self.kind.wire_bytes(),
             tokens_per_sec_per_rank: per_rank,
+            embeddings_first: self.embeddings_first,
+        }
+    }
+}
+
+/// Whether backward reports the embeddings first and their encoder gradient is
+/// all-gathered after (see [`DataParallel::backward_reduce`]): without LoRA (which
+/// freezes the embeddings) and when the gather carries no more than the bucket,
+/// `world_size` · B · T ≤ rows of `wte` and `wpe`. `NANOGPT_EMBEDDINGS_FIRST=0|1`
+/// overrides (to measure, and for the tests).
+fn embeddings_first(model: &Gpt, world_size: usize) -> bool {
+    if model.frozen().is_some() {
+        return false;
+    }
+    match std::env::var("NANOGPT_EMBEDDINGS_FIRST").as_deref() {
+        Ok("0") => false,
+        Ok("1") => true,
+        _ => {
+            let rows = (model.layout.wte.len() + model.layout.wpe.len()) / model.config().n_embd;
+            world_size * model.max_tokens() <= rows
         }
     }
 }

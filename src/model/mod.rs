@@ -93,6 +93,88 @@ pub trait PassHooks {
     fn done(&mut self, _range: Range<usize>, _params: &mut [f32]) {}
     /// Backward: `grads[range]` is final for this pass.
     fn grads_done(&mut self, _range: Range<usize>, _grads: &mut [f32]) {}
+    /// Backward (without LoRA): report the embeddings' bucket first, before `ln_f`'s,
+    /// and hand this pass's encoder gradient to [`PassHooks::encoder_grads`] instead
+    /// of adding it to `grads`. Everything else in the bucket is final when backward
+    /// starts: the classifier adds its share of `dwte` during the forward.
+    fn embeddings_first(&self) -> bool {
+        false
+    }
+    /// With [`PassHooks::embeddings_first`], at the end of backward: the gradient of
+    /// the encoder's output `dout` (B, T, C; dropout applied) and the `tokens` (B, T)
+    /// of rows of `t` positions, for the hook to add ([`EncoderGrad::add_to`]).
+    fn encoder_grads(&mut self, _dout: &[f32], _tokens: &[u32], _t: usize) {}
+}
+
+/// One pass's encoder gradient held back from `dwte` and `dwpe`
+/// ([`Gpt::backward_embeddings_first`]): row `i` of `dout` (B·T rows of C) belongs to
+/// token `tokens[i]` and position `i % t`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EncoderGrad {
+    pub dout: Vec<f32>,
+    pub tokens: Vec<u32>,
+    pub t: usize,
+}
+
+impl EncoderGrad {
+    /// Adds the rows into the gradient arena's `window` (laid out by `layout`), held
+    /// in `dst` (`window.len()` floats): row `i` into `dwte[tokens[i]]` and
+    /// `dwpe[i % t]`, the parts of them inside the window only. Rows are added in
+    /// order, so every rank adding the same rows gets the same bits.
+    pub fn add_to(&self, layout: &ParamLayout, window: Range<usize>, dst: &mut [f32]) {
+        add_encoder_rows(layout, (&self.dout, &self.tokens, self.t), window, dst);
+    }
+}
+
+/// [`EncoderGrad::add_to`] of the rows `dout` of `tokens` (rows of `t` positions).
+pub fn add_encoder_rows(
+    layout: &ParamLayout,
+    (dout, tokens, t): (&[f32], &[u32], usize),
+    window: Range<usize>,
+    dst: &mut [f32],
+) {
+    assert_eq!(dst.len(), window.len());
+    if tokens.is_empty() {
+        return;
+    }
+    let c = dout.len() / tokens.len();
+    for (i, (&tok, row)) in tokens.iter().zip(dout.chunks_exact(c)).enumerate() {
+        let wte = layout.wte.start + tok as usize * c;
+        let wpe = layout.wpe.start + (i % t) * c;
+        assert!(wte + c <= layout.wte.end && wpe + c <= layout.wpe.end);
+        for at in [wte, wpe] {
+            let (lo, hi) = (at.max(window.start), (at + c).min(window.end));
+            if lo >= hi {
+                continue;
+            }
+            let src = &row[lo - at..hi - at];
+            let out = &mut dst[lo - window.start..hi - window.start];
+            for (o, g) in out.iter_mut().zip(src) {
+                *o += g;
+            }
+        }
+    }
+}
+
+/// [`PassHooks`] of [`Gpt::backward_embeddings_first`].
+struct EarlyEmbeddings<F> {
+    done: F,
+    held: EncoderGrad,
+}
+impl<F: FnMut(Range<usize>, &[f32])> PassHooks for EarlyEmbeddings<F> {
+    fn grads_done(&mut self, range: Range<usize>, grads: &mut [f32]) {
+        (self.done)(range, grads)
+    }
+    fn embeddings_first(&self) -> bool {
+        true
+    }
+    fn encoder_grads(&mut self, dout: &[f32], tokens: &[u32], t: usize) {
+        self.held = EncoderGrad {
+            dout: dout.to_vec(),
+            tokens: tokens.to_vec(),
+            t,
+        };
+    }
 }
 
 /// A pass that tells nobody.
@@ -466,6 +548,11 @@ impl Gpt {
         self.backward_with(|_, _| {});
     }
 
+    /// The most tokens (B · T) one pass can hold.
+    pub fn max_tokens(&self) -> usize {
+        self.max_b * self.max_t
+    }
+
     /// The ranges of the arena whose gradients [`Gpt::backward_with`] reports final,
     /// in the order it reports them: `ln_f`, the last block down to the first, then
     /// the embeddings (`wte` and `wpe`). Descending, and together they tile `0..len`
@@ -484,6 +571,24 @@ impl Gpt {
     /// training starts each bucket's all-reduce there, while backward continues.
     pub fn backward_with(&mut self, done: impl FnMut(Range<usize>, &[f32])) {
         self.backward_hooked(&mut GradsDone(done));
+    }
+
+    /// [`Gpt::backward_with`], but the embeddings' bucket is reported first (then
+    /// `ln_f`'s and the blocks' in [`Gpt::grad_buckets`] order) and this pass's encoder
+    /// gradient is returned instead of added to `grads`: data-parallel training starts
+    /// reducing the largest bucket before the blocks' backward and adds every rank's
+    /// encoder gradient to the sum afterwards. Without LoRA (the embeddings are
+    /// frozen with it: the same as [`Gpt::backward_with`], an empty gradient returned).
+    pub fn backward_embeddings_first(
+        &mut self,
+        done: impl FnMut(Range<usize>, &[f32]),
+    ) -> EncoderGrad {
+        let mut hooks = EarlyEmbeddings {
+            done,
+            held: EncoderGrad::default(),
+        };
+        self.backward_hooked(&mut hooks);
+        hooks.held
     }
 
     /// [`Gpt::backward_with`], telling `hooks` the weights it reads (each block's,
@@ -547,6 +652,10 @@ impl Gpt {
             None => Buckets::Full(buckets(layout)),
             Some(f) => Buckets::Adapters(f.adapters.buckets.iter()),
         };
+        let early = full && hooks.embeddings_first();
+        if early {
+            hooks.grads_done(embeddings_bucket(layout), grads);
+        }
         if full {
             hooks.grads_done(buckets.next().expect("the ln_f bucket"), grads);
         }
@@ -593,9 +702,14 @@ impl Gpt {
         if let Some(seed) = dropout {
             dropout::apply(dres, embedding_dropout(seed, config.dropout), 0);
         }
+        let embeddings = buckets.next().expect("the embeddings' bucket");
+        if early {
+            hooks.encoder_grads(dres, &acts.inputs[..n], d.t);
+            return;
+        }
         let (dwte, dwpe) = split_two(grads, layout.wte, layout.wpe);
         encoder_backward(dwte, dwpe, dres, &acts.inputs[..n], d.t, c);
-        hooks.grads_done(buckets.next().expect("the embeddings' bucket"), grads);
+        hooks.grads_done(embeddings, grads);
     }
 
     /// All logits, (B, T, V). Allocates the full matrix: for tests and tools, never
@@ -953,6 +1067,53 @@ mod tests {
         let loss = gpt.forward(x, y, b, t) as f64;
         gpt.pending = None;
         loss
+    }
+
+    /// Reporting the embeddings first changes the order only: the embeddings' bucket
+    /// comes before the others and, once the held-back encoder gradient is added (in
+    /// two windows, as two ranks' pieces would be), the gradients are those of the
+    /// plain backward, bit for bit (dropout on, so the encoder's mask matters).
+    #[test]
+    fn embeddings_first_reports_the_embeddings_early_and_holds_back_only_the_encoder() {
+        let (b, t) = (2, 5);
+        let mut gpt = model(tiny(true, 0.1), b, t);
+        let (x, y) = batch(b, t, gpt.config().vocab_size);
+        let run = |gpt: &mut Gpt, early: bool| {
+            gpt.zero_grad();
+            gpt.set_dropout_seed(5);
+            gpt.forward(&x, &y, b, t);
+            let mut order = Vec::new();
+            let held = match early {
+                true => gpt.backward_embeddings_first(|r, _| order.push(r)),
+                false => {
+                    gpt.backward_with(|r, _| order.push(r));
+                    EncoderGrad::default()
+                }
+            };
+            (order, held, gpt.grads.clone())
+        };
+        let (plain_order, _, want) = run(&mut gpt, false);
+        let (order, held, mut got) = run(&mut gpt, true);
+        let emb = embeddings_bucket(&gpt.layout);
+        assert_eq!(order[0], emb);
+        assert_eq!(order[1..], plain_order[..plain_order.len() - 1]);
+        assert_eq!(
+            (held.tokens.len(), held.dout.len(), held.t),
+            (b * t, b * t * 16, t)
+        );
+        assert_ne!(
+            got[emb.clone()],
+            want[emb.clone()],
+            "the encoder's share held back"
+        );
+        let cut = gpt.layout.wte.start + 5 * 16 + 7; // inside the row of token 5 (x[0])
+        for w in [0..cut, cut..emb.end] {
+            held.add_to(&gpt.layout, w.clone(), &mut got[w]);
+        }
+        assert!(got
+            .iter()
+            .zip(&want)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 
     /// Whole-model backward against central differences of the f32 forward, on a

@@ -221,6 +221,7 @@ fn start_distributed(cfg: &TrainConfig, data: Dataset, comm: &dyn Collective) ->
         model = share_lora_base(model, lora, comm, cfg.seed)?;
     }
     let mut dp = DataParallel::new(comm, &model, cfg.zero_stage);
+    dp.reduce_in(cfg.grad_reduce_dtype);
     let moments = header.adam_step > 0;
     let opt = dp.start(
         comm,

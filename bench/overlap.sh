@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# overlap.sh - how much of the gradient reduction backward hides (2 ranks on this host, or
+# 3 emulated hosts), for docs/PERFORMANCE.md (communication section) and docs/multinode.md.
+#
+#   bench/overlap.sh [NANOGPT_BINARY] [MODEL_ARGS...]
+#
+# Runs the same job (Open MPI, 1 thread per rank; default GPT-2
+# 124M shape, B 2 x T 256 per rank) once per setting below and prints, per run, the
+# communication report's step time, exposed and stand-alone reduction times, the
+# hidden share (1 - exposed / alone, a ratio within one run) and the other
+# collectives' time (ZeRO-1's all-gather). Settings:
+#   before   - embeddings' bucket last (NANOGPT_EMBEDDINGS_FIRST=0), default progress
+#              thread (off on one host, on across hosts): the code before issue 16's work
+#   first    - embeddings' bucket first (NANOGPT_EMBEDDINGS_FIRST=1), default thread
+#   +thread  - first, progress thread forced on (NANOGPT_PROGRESS_THREAD=1)
+#   -thread  - first, progress thread forced off (NANOGPT_PROGRESS_THREAD=0)
+# each for ZeRO 0 and ZeRO 1 (ZERO_STAGES, default "0 1"), plus EXTRA key=value pairs
+# (e.g. EXTRA=grad_reduce_dtype=bfloat16).
+# The binary must be built with `--features mpi`. Needs ~3 GB per rank at 124M.
+#
+# HOSTS=3: three hosts made from network namespaces instead (needs root and MPINET,
+# default ../shared/tools/mpinet/netns-cluster.sh), links shaped to 1 Gbit/s + 1 ms,
+# gradient_accumulation_steps=3, as scripts/multinode/scaling.sh does.
+# SETTINGS overrides the list of settings (e.g. "first +thread").
+set -euo pipefail
+
+BIN=$(realpath "${1:-target/release/nanogpt}")
+shift || true
+MODEL=("$@")
+[ ${#MODEL[@]} -gt 0 ] || MODEL=(n_layer=12 n_head=12 n_embd=768 batch_size=2 block_size=256)
+STEPS=${STEPS:-3}
+WORK=$(mktemp -d /tmp/nanogpt-overlap.XXXXXX)
+trap 'rm -rf "$WORK"' EXIT
+cd "$WORK"
+"$BIN" prepare shakespeare --out data/shakespeare --tokenizer gpt2 >/dev/null
+
+HOSTS=${HOSTS:-1}
+COMMON=(dataset=shakespeare "${MODEL[@]}" threads=1 max_iters=$STEPS eval_interval=0
+    log_interval=1 warmup_iters=0 learning_rate=1e-4 decay_lr=false dropout=0
+    always_save_checkpoint=false collective_timeout_s=600)
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+if [ "$HOSTS" = 3 ]; then
+    ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+    MPINET=${MPINET:-$ROOT/../shared/tools/mpinet/netns-cluster.sh}
+    export MPINET_PREFIX=${MPINET_PREFIX:-ngovl} MPINET_SUBNET=${MPINET_SUBNET:-10.79.0}
+    export MPIEXEC=mpirun.openmpi MPIEXEC_TIMEOUT=3000
+    "$MPINET" down >/dev/null 2>&1 || true
+    hostfile=$("$MPINET" up 3 | tail -1)
+    trap '"$MPINET" down >/dev/null 2>&1 || true; rm -rf "$WORK"' EXIT
+    "$MPINET" netem delay 1ms rate 1gbit
+    # Open MPI forwards environment variables only when named.
+    launch() { "$MPINET" run "$hostfile" "${XS[@]}" -- "$@"; }
+    COMMON+=(gradient_accumulation_steps=3)
+else
+    launch() { mpirun -n 2 --bind-to none "$@"; }
+    COMMON+=(gradient_accumulation_steps=2)
+fi
+
+field() { sed -n "s/.*\"$1\": *\([^,}]*\).*/\1/p" "$2" | head -1; }
+echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+for stage in ${ZERO_STAGES:-0 1}; do
+    for setting in ${SETTINGS:-before first +thread}; do
+        case $setting in
+        before) ef=0 pt= ;;
+        first) ef=1 pt= ;;
+        +thread) ef=1 pt=1 ;;
+        -thread) ef=1 pt=0 ;;
+        esac
+        out="$WORK/z$stage-$setting"
+        export NANOGPT_EMBEDDINGS_FIRST=$ef
+        XS=(-x NANOGPT_EMBEDDINGS_FIRST)
+        unset NANOGPT_PROGRESS_THREAD
+        [ -z "$pt" ] || { export NANOGPT_PROGRESS_THREAD=$pt; XS+=(-x NANOGPT_PROGRESS_THREAD); }
+        # shellcheck disable=SC2086
+        launch "$BIN" train "${COMMON[@]}" \
+            zero_stage=$stage ${EXTRA:-} out_dir="$out" >"$out.log" 2>&1 ||
+            { cat "$out.log"; exit 1; }
+        tr -d '\n ' <"$out/comm.json" >"$out.json"
+        printf 'hosts %s ZeRO %s %-8s %s step %8.1f ms  exposed %7.1f ms  alone %7.1f ms  hidden %5.1f%%  other %7.1f ms  grad_bytes %s\n' \
+            "$HOSTS" "$stage" "$setting" "${EXTRA:-}" "$(field step_ms "$out.json")" "$(field exposed_reduce_ms "$out.json")" \
+            "$(field reduce_alone_ms "$out.json")" \
+            "$(awk -v h="$(field hidden_fraction "$out.json")" 'BEGIN {print 100 * h}')" \
+            "$(field other_comm_ms "$out.json")" "$(field grad_bytes "$out.json")"
+    done
+done
+echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
