@@ -951,3 +951,65 @@ fn checkpoints_hold_the_same_bytes_at_every_zero_stage() {
         assert_close_checkpoints(&one, &format!("bytes-{ranks}-1"));
     }
 }
+
+/// ZeRO-3: a rank killed as it enters a gather of a layer's weights (the other rank
+/// waits in that all-gather) ends the job well within `collective_timeout_s` (the
+/// launcher sees the death); a rank stopped there (alive and silent: only the
+/// watchdog can tell) is named by the waiting rank's watchdog, which ends the job.
+#[test]
+fn a_rank_killed_or_stopped_in_a_zero_3_gather_ends_the_job() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for (fault, timeout_s) in [
+        ("kill-during-gather:40:1", 20),
+        ("stop-during-gather:40:1", 3),
+    ] {
+        let out = format!("gather-{}", &fault[..4]);
+        let timeout = format!("collective_timeout_s={timeout_s}");
+        let mut cmd = command(
+            2,
+            &[
+                &format!("out_dir={out}"),
+                "zero_stage=3",
+                "gradient_accumulation_steps=2",
+                "max_iters=100000",
+                "lr_decay_iters=100000",
+                &timeout,
+            ],
+        );
+        cmd.env("NANOGPT_FAULT", fault);
+        let start = Instant::now();
+        let run = run_for(cmd, Duration::from_secs(90));
+        let took = start.elapsed();
+        // A stopped rank would outlive the job if the launcher left it behind.
+        if let Some(pid) = rank_pid(&out, 1) {
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+        }
+        let stderr = text(&run.stderr);
+        assert!(
+            !run.status.success(),
+            "{fault}: the job must fail:\n{stderr}"
+        );
+        let signal = if timeout_s == 3 { "SIGSTOP" } else { "SIGKILL" };
+        let injected = format!("fault injection: {signal} rank 1 in ZeRO-3 weight gather 40");
+        assert!(stderr.contains(&injected), "{stderr}");
+        if signal == "SIGKILL" {
+            assert!(
+                took < Duration::from_secs(timeout_s),
+                "ended after {took:?}"
+            );
+            let seen = ["signal 9", "KILLED BY SIGNAL: 9"];
+            assert!(seen.iter().any(|s| stderr.contains(s)), "{stderr}");
+        } else {
+            let waited = "rank 0 of 2 (host ";
+            assert!(stderr.contains(waited), "{stderr}");
+            assert!(
+                stderr.contains("all-gather made no progress for 3 s"),
+                "{stderr}"
+            );
+            assert!(stderr.contains("rank 1 (host ") && stderr.contains(") did not arrive"));
+            assert!(took < Duration::from_secs(30), "ended after {took:?}");
+        }
+    }
+}

@@ -519,6 +519,7 @@ impl Sharded<'_> {
 
 impl PassHooks for Sharded<'_> {
     fn need(&mut self, range: Range<usize>, params: &mut [f32]) {
+        crate::fault::during_gather(self.plan.rank);
         let start = Instant::now();
         let (plan, b) = (self.plan, self.bucket(&range));
         let own = plan.piece(b, plan.rank);
