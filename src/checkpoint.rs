@@ -8,11 +8,12 @@
 use crate::fsutil::{temp_target, write_atomic, write_bytes_atomic};
 use crate::model::{ModelConfig, ParamLayout, TensorInfo};
 use anyhow::{bail, Context, Result};
-use safetensors::tensor::{Dtype, TensorView};
-use safetensors::{SafeTensorError, SafeTensors};
+use safetensors::tensor::Dtype;
+use safetensors::SafeTensors;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::fs::File;
+use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 /// Tag in the safetensors metadata that marks our checkpoints.
@@ -151,8 +152,8 @@ pub fn save(
 }
 
 /// Writes the checkpoint `dest` (and its state as `dest` with extension `.json`),
-/// each atomically. Refuses non-finite parameters or moments: a checkpoint must
-/// always be worth resuming from.
+/// each atomically, from whole arrays held by this process. Refuses non-finite
+/// parameters or moments: a checkpoint must always be worth resuming from.
 pub fn save_to(
     dest: &Path,
     state: &CheckpointState,
@@ -160,36 +161,119 @@ pub fn save_to(
     params: &[f32],
     moments: Option<(&[f32], &[f32])>,
 ) -> Result<()> {
-    let mut buffers = vec![("parameters", params)];
-    if let Some((m, v)) = moments {
-        buffers.extend([("AdamW first moments", m), ("AdamW second moments", v)]);
-    }
-    for (what, buf) in buffers {
-        if let Some(t) = layout.tensors.iter().find(|t| !all_finite(&buf[t.range()])) {
-            bail!(
-                "refusing to write {} for iteration {}: the {what} of {} hold NaN or infinite \
-                 values (the previous checkpoint is kept); lower learning_rate or set grad_clip, \
-                 then resume from the previous checkpoint",
-                dest.display(),
-                state.iter_num,
-                t.name
-            );
+    let mut source = Held {
+        layout,
+        params,
+        moments,
+    };
+    save_streamed(dest, state, layout, moments.is_some(), &mut source)
+}
+
+/// Which array of the training state a checkpoint tensor holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Array {
+    Params,
+    /// AdamW's first moments.
+    M,
+    /// AdamW's second moments.
+    V,
+}
+
+impl Array {
+    fn prefix(self) -> &'static str {
+        match self {
+            Array::Params => "",
+            Array::M => M_PREFIX,
+            Array::V => V_PREFIX,
         }
     }
-    let mut views: Vec<(String, TensorView)> = Vec::new();
-    for t in &layout.tensors {
-        let view = |buf| f32_view(buf, t);
-        views.push((t.name.clone(), view(params)?));
-        if let Some((m, v)) = moments {
-            views.push((format!("{M_PREFIX}{}", t.name), view(m)?));
-            views.push((format!("{V_PREFIX}{}", t.name), view(v)?));
+
+    fn what(self) -> &'static str {
+        match self {
+            Array::Params => "parameters",
+            Array::M => "AdamW first moments",
+            Array::V => "AdamW second moments",
         }
     }
+}
+
+/// One tensor of a checkpoint file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Entry {
+    pub array: Array,
+    /// Its index in the layout's `tensors`.
+    pub tensor: usize,
+}
+
+/// The tensors of a checkpoint of `layout` (with the AdamW moments when `moments`)
+/// in the order the file stores their bytes: safetensors' order, by name (every
+/// tensor is F32). Every rank of a run computes the same order.
+pub fn file_order(layout: &ParamLayout, moments: bool) -> Vec<Entry> {
+    let arrays: &[Array] = match moments {
+        true => &[Array::Params, Array::M, Array::V],
+        false => &[Array::Params],
+    };
+    let mut named: Vec<(String, Entry)> = arrays
+        .iter()
+        .flat_map(|&array| {
+            layout.tensors.iter().enumerate().map(move |(tensor, t)| {
+                let name = format!("{}{}", array.prefix(), t.name);
+                (name, Entry { array, tensor })
+            })
+        })
+        .collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    named.into_iter().map(|(_, e)| e).collect()
+}
+
+/// Where the values of a checkpoint's tensors come from while it is written: called
+/// once per [`Entry`], in [`file_order`], on every rank of a run (it may be a
+/// collective); `Some` with the tensor's values on the rank that writes the file.
+pub trait TensorSource {
+    fn fetch(&mut self, entry: Entry) -> Option<&[f32]>;
+}
+
+/// A [`TensorSource`] of whole arrays in memory.
+struct Held<'a> {
+    layout: &'a ParamLayout,
+    params: &'a [f32],
+    moments: Option<(&'a [f32], &'a [f32])>,
+}
+
+impl TensorSource for Held<'_> {
+    fn fetch(&mut self, entry: Entry) -> Option<&[f32]> {
+        let range = self.layout.tensors[entry.tensor].range();
+        let array = match (entry.array, self.moments) {
+            (Array::Params, _) => self.params,
+            (Array::M, Some((m, _))) => m,
+            (Array::V, Some((_, v))) => v,
+            (_, None) => return None,
+        };
+        Some(&array[range])
+    }
+}
+
+/// Writes the checkpoint `dest` (and its state as `dest` with extension `.json`),
+/// each atomically, one tensor at a time as `source` delivers them: the writer never
+/// holds more than one tensor beyond what `source` holds. `source` is asked for
+/// every tensor of [`file_order`] even when the write fails early, so that ranks
+/// gathering the tensors for it stay in step. Refuses non-finite parameters or
+/// moments (the previous file is kept): a checkpoint must always be worth resuming
+/// from. The bytes are those `safetensors::serialize_to_file` writes.
+pub fn save_streamed(
+    dest: &Path,
+    state: &CheckpointState,
+    layout: &ParamLayout,
+    moments: bool,
+    source: &mut dyn TensorSource,
+) -> Result<()> {
+    let order = file_order(layout, moments);
     let state_json = serde_json::to_string(state)?;
     let metadata = HashMap::from([
         ("format".to_string(), FORMAT.to_string()),
         ("state".to_string(), state_json),
     ]);
+    let header = header_bytes(layout, &order, &metadata)?;
     let not_saved = || {
         let dir = dest.parent().unwrap_or(Path::new("."));
         format!(
@@ -199,29 +283,117 @@ pub fn save_to(
             dir.display()
         )
     };
-    write_atomic(dest, |tmp| {
-        safetensors::serialize_to_file(views, &Some(metadata), tmp)
-            .map_err(|e| match e {
-                // The OS's own words ("No space left on device (os error 28)").
-                SafeTensorError::IoError(io) => anyhow::Error::new(io),
-                other => anyhow::anyhow!("{other}"),
-            })
-            .with_context(|| format!("cannot write {}", tmp.display()))?;
+    let (mut fetched, mut non_finite) = (0, None::<Entry>);
+    let written = write_atomic(dest, |tmp| {
+        let cannot = || format!("cannot write {}", tmp.display());
+        let file = File::create(tmp).with_context(cannot)?;
+        let mut out = BufWriter::with_capacity(1 << 20, file);
+        out.write_all(&header).with_context(cannot)?;
+        for &entry in &order {
+            fetched += 1;
+            let values = source
+                .fetch(entry)
+                .expect("the writing rank receives every tensor");
+            // The first non-finite tensor in (array, layout) order is the one named.
+            if !all_finite(values) && non_finite.is_none_or(|e| key(entry) < key(e)) {
+                non_finite = Some(entry);
+            }
+            if non_finite.is_none() {
+                out.write_all(bytemuck::cast_slice(values))
+                    .with_context(cannot)?;
+            }
+        }
+        if non_finite.is_some() {
+            bail!("non-finite values"); // the temporary file is removed; reported below
+        }
+        out.into_inner()
+            .map_err(|e| e.into_error())
+            .with_context(cannot)?;
         crate::fault::during_checkpoint(state.iter_num, tmp);
         Ok(())
-    })
-    .with_context(not_saved)?;
+    });
+    for &entry in &order[fetched..] {
+        source.fetch(entry);
+    }
+    if let Some(e) = non_finite {
+        bail!(
+            "refusing to write {} for iteration {}: the {} of {} hold NaN or infinite \
+             values (the previous checkpoint is kept); lower learning_rate or set grad_clip, \
+             then resume from the previous checkpoint",
+            dest.display(),
+            state.iter_num,
+            e.array.what(),
+            layout.tensors[e.tensor].name
+        );
+    }
+    written.with_context(not_saved)?;
     let pretty = serde_json::to_string_pretty(state)?;
     write_bytes_atomic(&dest.with_extension("json"), pretty).with_context(not_saved)
 }
 
-fn all_finite(values: &[f32]) -> bool {
-    values.iter().all(|x| x.is_finite())
+/// Orders the tensors as the old whole-array check named them: parameters, then
+/// first and second moments, each in layout order.
+fn key(e: Entry) -> (Array, usize) {
+    (e.array, e.tensor)
 }
 
-fn f32_view<'a>(buf: &'a [f32], t: &TensorInfo) -> Result<TensorView<'a>> {
-    let bytes: &[u8] = bytemuck::cast_slice(&buf[t.range()]);
-    Ok(TensorView::new(Dtype::F32, t.shape.clone(), bytes)?)
+/// The first bytes of a checkpoint file with the tensors `order` and `metadata`:
+/// the header's length and the header, as the safetensors crate writes them (it
+/// lays out the data; nothing of the tensors' values is needed).
+fn header_bytes(
+    layout: &ParamLayout,
+    order: &[Entry],
+    metadata: &HashMap<String, String>,
+) -> Result<Vec<u8>> {
+    let shapes = order.iter().map(|e| {
+        let t = &layout.tensors[e.tensor];
+        (format!("{}{}", e.array.prefix(), t.name), ShapeOnly(t))
+    });
+    let bytes = safetensors::serialize(shapes, &Some(metadata.clone()))
+        .map_err(|e| anyhow::anyhow!("cannot lay out the checkpoint: {e}"))?;
+    // The crate appended each tensor's (empty) data after the header: the header is
+    // all there is, and its offsets follow `order`, as `file_order` promises.
+    debug_assert!(header_order_is(&bytes, order, layout));
+    Ok(bytes)
+}
+
+/// A tensor's dtype and shape for [`header_bytes`], without its values.
+struct ShapeOnly<'a>(&'a TensorInfo);
+
+impl safetensors::View for ShapeOnly<'_> {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+    fn shape(&self) -> &[usize] {
+        &self.0.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(&[])
+    }
+    fn data_len(&self) -> usize {
+        self.0.numel() * 4
+    }
+}
+
+/// Whether the header in `bytes` places the tensors one after the other in `order`.
+fn header_order_is(bytes: &[u8], order: &[Entry], layout: &ParamLayout) -> bool {
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let Ok(header) = serde_json::from_slice::<serde_json::Value>(&bytes[8..8 + n]) else {
+        return false;
+    };
+    let mut at = 0u64;
+    order.iter().all(|e| {
+        let t = &layout.tensors[e.tensor];
+        let name = format!("{}{}", e.array.prefix(), t.name);
+        let end = at + t.numel() as u64 * 4;
+        let ok = header[name.as_str()]["data_offsets"] == serde_json::json!([at, end]);
+        at = end;
+        ok
+    })
+}
+
+fn all_finite(values: &[f32]) -> bool {
+    values.iter().all(|x| x.is_finite())
 }
 
 /// An opened checkpoint, memory-mapped: read the state, then copy tensors out.
@@ -608,6 +780,46 @@ mod tests {
             .filter(|e| e.file_name().to_string_lossy().contains(".tmp"))
             .collect();
         assert!(leftovers.is_empty(), "temporary files left behind");
+    }
+
+    /// The streamed writer lays the file out as the safetensors crate does: the same
+    /// header (up to the order of the metadata's two keys, which the crate leaves to
+    /// a hash map) and the same tensor bytes.
+    #[test]
+    fn the_streamed_file_is_what_safetensors_writes() {
+        let (_, layout, state) = setup();
+        let tmp = tempfile::tempdir().unwrap();
+        let params: Vec<f32> = (0..layout.len).map(|i| (i as f32).sin()).collect();
+        let m: Vec<f32> = params.iter().map(|p| p * 0.5).collect();
+        let v: Vec<f32> = params.iter().map(|p| p * p).collect();
+        for moments in [None, Some((&m[..], &v[..]))] {
+            save(tmp.path(), &state, &layout, &params, moments).unwrap();
+            let ours = std::fs::read(checkpoint_path(tmp.path())).unwrap();
+            let mut views = Vec::new();
+            for t in &layout.tensors {
+                let view = |buf: &[f32]| {
+                    let bytes: Vec<u8> = bytemuck::cast_slice(&buf[t.range()]).to_vec();
+                    safetensors::tensor::TensorView::new(Dtype::F32, t.shape.clone(), bytes.leak())
+                        .unwrap()
+                };
+                views.push((t.name.clone(), view(&params)));
+                if let Some((m, v)) = moments {
+                    views.push((format!("{M_PREFIX}{}", t.name), view(m)));
+                    views.push((format!("{V_PREFIX}{}", t.name), view(v)));
+                }
+            }
+            let metadata = HashMap::from([
+                ("format".to_string(), FORMAT.to_string()),
+                ("state".to_string(), serde_json::to_string(&state).unwrap()),
+            ]);
+            let theirs = safetensors::serialize(views, &Some(metadata)).unwrap();
+            assert_eq!(ours.len(), theirs.len());
+            assert_eq!(ours[..8], theirs[..8], "header length");
+            let n = 8 + u64::from_le_bytes(ours[..8].try_into().unwrap()) as usize;
+            let header = |b: &[u8]| serde_json::from_slice::<serde_json::Value>(&b[8..n]).unwrap();
+            assert_eq!(header(&ours), header(&theirs));
+            assert!(ours[n..] == theirs[n..], "tensor bytes");
+        }
     }
 
     #[test]

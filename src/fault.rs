@@ -12,12 +12,16 @@
 //! | `nan-grad:ITER:COUNT`        | a NaN gradient in iterations ITER..ITER+COUNT        |
 //! | `nan-param:ITER`             | a NaN parameter after the update of iteration ITER   |
 //! | `pause-during-export:MS`     | `export`: sleep MS ms with the weights written, before the folder is moved into place |
+//! | `kill-during-gather:N:RANK`  | ZeRO-3: SIGKILL rank RANK as it starts its N-th gather of a layer's weights (the other ranks wait in that gather) |
+//! | `stop-during-gather:N:RANK`  | the same with SIGSTOP (a hung rank: only the watchdog can tell) |
 //!
 //! For checkpoints, ITER is the iteration the checkpoint resumes at. With several
 //! ranks every rank applies the fault, except `nan-grad`, which poisons this rank's
-//! loss instead (the gradients are reduced inside backward).
+//! loss instead (the gradients are reduced inside backward), and the `-during-gather`
+//! faults, which only rank RANK applies.
 
 use anyhow::{bail, Context, Result};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -30,10 +34,22 @@ pub enum Fault {
     KillDuringStep(u64),
     KillDuringEval(u64),
     KillDuringCheckpoint(u64),
-    PauseDuringStep { iter: u64, ms: u64 },
-    NanGrad { from: u64, count: u64 },
+    PauseDuringStep {
+        iter: u64,
+        ms: u64,
+    },
+    NanGrad {
+        from: u64,
+        count: u64,
+    },
     NanParam(u64),
     PauseDuringExport(u64),
+    /// SIGKILL (or with `stop`, SIGSTOP) in a ZeRO-3 gather.
+    SignalDuringGather {
+        nth: u64,
+        rank: u64,
+        stop: bool,
+    },
 }
 
 static FAULT: OnceLock<Option<Fault>> = OnceLock::new();
@@ -76,10 +92,15 @@ pub fn parse(spec: &str) -> Result<Fault> {
         },
         ("nan-param", 2) => Fault::NanParam(num(1)?),
         ("pause-during-export", 2) => Fault::PauseDuringExport(num(1)?),
+        (kind @ ("kill-during-gather" | "stop-during-gather"), 3) => Fault::SignalDuringGather {
+            nth: num(1)?,
+            rank: num(2)?,
+            stop: kind.starts_with("stop"),
+        },
         _ => bail!(
             "expected kill-during-step:ITER, kill-during-eval:ITER, kill-during-checkpoint:ITER, \
-             pause-during-step:ITER:MS, nan-grad:ITER:COUNT, nan-param:ITER or \
-             pause-during-export:MS"
+             pause-during-step:ITER:MS, nan-grad:ITER:COUNT, nan-param:ITER, \
+             pause-during-export:MS, kill-during-gather:N:RANK or stop-during-gather:N:RANK"
         ),
     };
     Ok(fault)
@@ -133,6 +154,23 @@ pub fn during_export() {
     }
 }
 
+/// ZeRO-3, as rank `rank` starts gathering a layer's weights from the other ranks.
+pub fn during_gather(rank: usize) {
+    static GATHERS: AtomicU64 = AtomicU64::new(0);
+    let Some(Fault::SignalDuringGather { nth, rank: r, stop }) = get() else {
+        return;
+    };
+    if r != rank as u64 || GATHERS.fetch_add(1, Ordering::Relaxed) + 1 != nth {
+        return;
+    }
+    let what = format!("rank {rank} in ZeRO-3 weight gather {nth}");
+    if !stop {
+        kill_self(&what);
+    }
+    eprintln!("fault injection: SIGSTOP {what}");
+    let _ = signal_hook::low_level::raise(signal_hook::consts::SIGSTOP);
+}
+
 /// Whether iteration `iter` gets a NaN gradient.
 pub fn nan_grad(iter: u64) -> bool {
     matches!(get(), Some(Fault::NanGrad { from, count }) if (from..from + count).contains(&iter))
@@ -161,7 +199,28 @@ mod tests {
             parse("nan-grad:2:4").unwrap(),
             Fault::NanGrad { from: 2, count: 4 }
         );
-        for bad in ["kill-during-stp:7", "kill-during-step", "nan-grad:x:1", ""] {
+        assert_eq!(
+            parse("kill-during-gather:40:1").unwrap(),
+            Fault::SignalDuringGather {
+                nth: 40,
+                rank: 1,
+                stop: false
+            }
+        );
+        assert_eq!(
+            parse("stop-during-gather:3:2").unwrap(),
+            Fault::SignalDuringGather {
+                nth: 3,
+                rank: 2,
+                stop: true
+            }
+        );
+        let typos = [
+            "kill-during-gather:40",
+            "kill-during-stp:7",
+            "kill-during-step",
+        ];
+        for bad in typos.into_iter().chain(["nan-grad:x:1", ""]) {
             assert!(parse(bad).is_err(), "{bad}");
         }
     }

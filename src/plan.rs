@@ -14,7 +14,7 @@
 use crate::checkpoint::Checkpoint;
 use crate::config::{InitFrom, TrainConfig};
 use crate::data::{self, Meta};
-use crate::dist::GradPlan;
+use crate::dist::{save_buffer_len, GradPlan};
 use crate::model::activations::Activations;
 use crate::model::lora::{LoraConfig, LoraLayout};
 use crate::model::{bf16_copy_len, grad_buckets_of, Dtype, ModelConfig, ParamLayout};
@@ -137,13 +137,14 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
     let layout = ParamLayout::new(&p.model);
     // The trained arena and its gradient buckets: the model's, or the adapters' with
     // the model frozen beside them.
-    let (len, frozen, buckets) = match &p.lora {
-        None => (layout.len, 0, grad_buckets_of(&layout)),
+    let (trained, frozen, buckets) = match &p.lora {
+        None => (layout.clone(), 0, grad_buckets_of(&layout)),
         Some(lora) => {
             let adapters = LoraLayout::new(&p.model, lora);
-            (adapters.params.len, layout.len, adapters.buckets)
+            (adapters.params, layout.len, adapters.buckets)
         }
     };
+    let len = trained.len;
     let f32s = |n: usize| n as u64 * 4;
     let (w, stage) = (p.world_size, p.zero_stage);
     let grad_plan = (w > 1).then(|| GradPlan::new(&buckets, len, w, rank, stage));
@@ -167,17 +168,18 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
             g.copied_len(),
         ),
     };
-    // ZeRO 1-3: rank 0 gathers the full moments into two arena-sized buffers to save
-    // them; ZeRO-3 also the rest of the weights, while no layer is gathered and no
-    // gradient held (so the save adds that much less to the step's peak).
+    // ZeRO 1-3: rank 0 receives a checkpoint's sharded tensors one at a time into a
+    // buffer of the largest tensor's size while it writes the file; at stage 3 no
+    // layer is gathered and no gradient held then, so the save adds to the step's
+    // peak only what that buffer exceeds them by (nothing: the embeddings' bucket
+    // holds the largest tensor). (The quick start's closing sample, without a config
+    // file, gathers the whole weights on rank 0 after the run: `len - weights` floats
+    // more at stage 3, not counted here.)
     let released = match sharded {
         Some(_) => (grads + gathered).min(len),
         None => 0,
     };
-    let gather = match (rank, &grad_plan) {
-        (0, Some(_)) if stage > 0 => 2 * len + (len - weights) - released,
-        _ => 0,
-    };
+    let gather = save_buffer_len(&trained, stage, w, rank).saturating_sub(released);
     let (b, t, ckpt) = (p.batch_size, p.block_size, p.activation_checkpointing);
     let lora_acts = p.lora.as_ref().map_or(0, |l| {
         Activations::lora_bytes_for(&p.model, b, t, ckpt, l.rank, l.dropout > 0.0)
@@ -746,13 +748,25 @@ mod tests {
                         _ => dp.plan.shard_len,
                     };
                     assert_eq!(plan.part(MOMENTS), state as u64 * 8, "{case}");
-                    let len = gpt.layout.len;
+                    // A checkpoint's save: rank 0 receives one tensor at a time into
+                    // a buffer of the largest's size (its weights at stage 3 are
+                    // released then, and hold more than that).
+                    let largest = gpt.layout.tensors.iter().map(|t| t.numel()).max();
                     let gather = match (stage, rank) {
-                        (1 | 2, 0) => 2 * len,
-                        (3, 0) => 3 * len - dp.plan.shard_len - (2 * in_use(&gpt)).min(len),
+                        (1 | 2, 0) => largest.unwrap(),
                         _ => 0,
                     };
                     assert_eq!(plan.part(GATHER), gather as u64 * 4, "{case}");
+                    let buffer = save_buffer_len(&gpt.layout, stage, 3, rank);
+                    assert_eq!(
+                        buffer,
+                        if rank == 0 && stage > 0 {
+                            largest.unwrap()
+                        } else {
+                            0
+                        }
+                    );
+                    assert!(buffer <= 2 * in_use(&gpt), "{case}");
                     let (weights, in_use) = match stage {
                         3 => (dp.plan.shard_len, in_use(&gpt)),
                         _ => (gpt.params.len(), 0),
@@ -775,6 +789,35 @@ mod tests {
                     assert_eq!(rank_plan(&p, rank).part(BF16_COPY), copy, "{case}");
                 }
             }
+        }
+    }
+
+    /// gpt2-large on 2 ranks: saving a checkpoint costs rank 0 one tensor (the token
+    /// embedding, 257 MB), not the whole moments and weights (7.1 GB before).
+    #[test]
+    fn the_checkpoint_gather_is_one_tensor_not_the_model() {
+        let model = ModelConfig::preset("gpt2-large").unwrap();
+        let wte = ParamLayout::new(&model).tensors[0].numel();
+        assert_eq!(wte, model.padded_vocab_size() * 1280);
+        for stage in 1..=3 {
+            let p = PlanInput {
+                model: model.clone(),
+                batch_size: 1,
+                block_size: 1024,
+                dtype: Dtype::Float32,
+                activation_checkpointing: true,
+                zero_stage: stage,
+                world_size: 2,
+                ranks_per_host: 2,
+                lora: None,
+            };
+            let gather = rank_plan(&p, 0).part(GATHER);
+            assert_eq!(
+                gather,
+                if stage < 3 { wte as u64 * 4 } else { 0 },
+                "{stage}"
+            );
+            assert_eq!(rank_plan(&p, 1).part(GATHER), 0);
         }
     }
 

@@ -990,3 +990,133 @@ fn bf16_gradient_reduction_stays_close_and_halves_the_bytes() {
         assert_eq!(report["grad_bytes"], layout.len * 2, "{report}");
     }
 }
+
+/// The tensors of `out`'s checkpoint: the header's entries (names, shapes, offsets;
+/// not the metadata, which names the world size and stage) and the bytes after it.
+fn tensor_bytes(out: &str) -> (serde_json::Value, Vec<u8>) {
+    let bytes = std::fs::read(workdir().join(out).join("ckpt.safetensors")).unwrap();
+    let n = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..n]).unwrap();
+    header.as_object_mut().unwrap().remove("__metadata__");
+    (header, bytes[n..].to_vec())
+}
+
+/// Every tensor of `a`'s and `b`'s checkpoints, moments included, within float noise
+/// of each other (relative to the tensor's largest value).
+fn assert_close_checkpoints(a: &str, b: &str) {
+    let open = |out: &str| {
+        let ckpt = Checkpoint::open(&workdir().join(out)).unwrap();
+        let layout = ParamLayout::new(&ckpt.state.model);
+        let mut state = vec![vec![0.0f32; layout.len]; 3];
+        ckpt.load_params(&layout, &mut state[0]).unwrap();
+        let [_, m, v] = &mut state[..] else {
+            unreachable!()
+        };
+        assert!(ckpt.load_moments(&layout, m, v).unwrap(), "{out}: moments");
+        (layout, state)
+    };
+    let ((layout, sa), (_, sb)) = (open(a), open(b));
+    for (xa, xb) in sa.iter().zip(&sb) {
+        for t in &layout.tensors {
+            let (ta, tb) = (&xa[t.range()], &xb[t.range()]);
+            let scale = ta.iter().fold(0.0f32, |s, x| s.max(x.abs()));
+            let worst = ta
+                .iter()
+                .zip(tb)
+                .fold(0.0f32, |w, (x, y)| w.max((x - y).abs()));
+            assert!(worst <= 1e-4 * scale, "{a} vs {b}: {} {worst}", t.name);
+        }
+    }
+}
+
+/// Rank 0 writes a checkpoint tensor by tensor, gathering what ZeRO shards (the
+/// moments at stages 1-3, the weights at 3) one tensor at a time: the files hold the
+/// same tensors, byte for byte, whatever the stage. (With one micro-step per rank and
+/// no clipping, 2 ranks sum the same gradients at every stage; 3 ranks with two
+/// micro-steps each at stages 0-2 — stage 3 adds each micro-step's reduced gradients,
+/// another order.) They match one process's file within float noise.
+#[test]
+fn checkpoints_hold_the_same_bytes_at_every_zero_stage() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for (ranks, acc, stages) in [
+        (2, "gradient_accumulation_steps=2", 0..=3),
+        (3, "gradient_accumulation_steps=6", 0..=2),
+    ] {
+        let args = [acc, "grad_clip=0", "max_iters=3"];
+        let one = reference(&args);
+        let mut stage_0 = None;
+        for stage in stages {
+            let out = format!("bytes-{ranks}-{stage}");
+            let zero = format!("zero_stage={stage}");
+            train(ranks, &out, &[&args[..], &[zero.as_str()]].concat());
+            let tensors = tensor_bytes(&out);
+            match &stage_0 {
+                None => stage_0 = Some(tensors),
+                Some(first) => assert!(first == &tensors, "{out}: not stage 0's tensors"),
+            }
+        }
+        assert_close_checkpoints(&one, &format!("bytes-{ranks}-1"));
+    }
+}
+
+/// ZeRO-3: a rank killed as it enters a gather of a layer's weights (the other rank
+/// waits in that all-gather) ends the job well within `collective_timeout_s` (the
+/// launcher sees the death); a rank stopped there (alive and silent: only the
+/// watchdog can tell) is named by the waiting rank's watchdog, which ends the job.
+#[test]
+fn a_rank_killed_or_stopped_in_a_zero_3_gather_ends_the_job() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for (fault, timeout_s) in [
+        ("kill-during-gather:40:1", 20),
+        ("stop-during-gather:40:1", 3),
+    ] {
+        let out = format!("gather-{}", &fault[..4]);
+        let timeout = format!("collective_timeout_s={timeout_s}");
+        let mut cmd = command(
+            2,
+            &[
+                &format!("out_dir={out}"),
+                "zero_stage=3",
+                "gradient_accumulation_steps=2",
+                "max_iters=100000",
+                "lr_decay_iters=100000",
+                &timeout,
+            ],
+        );
+        cmd.env("NANOGPT_FAULT", fault);
+        let start = Instant::now();
+        let run = run_for(cmd, Duration::from_secs(90));
+        let took = start.elapsed();
+        // A stopped rank would outlive the job if the launcher left it behind.
+        if let Some(pid) = rank_pid(&out, 1) {
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+        }
+        let stderr = text(&run.stderr);
+        assert!(
+            !run.status.success(),
+            "{fault}: the job must fail:\n{stderr}"
+        );
+        let signal = if timeout_s == 3 { "SIGSTOP" } else { "SIGKILL" };
+        let injected = format!("fault injection: {signal} rank 1 in ZeRO-3 weight gather 40");
+        assert!(stderr.contains(&injected), "{stderr}");
+        if signal == "SIGKILL" {
+            assert!(
+                took < Duration::from_secs(timeout_s),
+                "ended after {took:?}"
+            );
+            let seen = ["signal 9", "KILLED BY SIGNAL: 9"];
+            assert!(seen.iter().any(|s| stderr.contains(s)), "{stderr}");
+        } else {
+            let waited = "rank 0 of 2 (host ";
+            assert!(stderr.contains(waited), "{stderr}");
+            assert!(
+                stderr.contains("all-gather made no progress for 3 s"),
+                "{stderr}"
+            );
+            assert!(stderr.contains("rank 1 (host ") && stderr.contains(") did not arrive"));
+            assert!(took < Duration::from_secs(30), "ended after {took:?}");
+        }
+    }
+}

@@ -95,8 +95,10 @@ pub fn run(args: TrainArgs) -> Result<i32> {
         trainer.wait_for_root();
         return Ok(signal.exit_code());
     }
+    let quick_start = config_path.is_none();
+    trainer.gather_final_weights(quick_start && !trainer.cfg.eval_only);
     if root {
-        report_outcome(&mut trainer, &outcome, config_path.is_none())?;
+        report_outcome(&mut trainer, &outcome, quick_start)?;
     }
     trainer.wait_for_root();
     Ok(0)

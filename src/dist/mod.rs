@@ -23,7 +23,7 @@ mod watchdog;
 #[cfg(feature = "mpi")]
 mod mpi;
 
-pub use parallel::{CommReport, DataParallel};
+pub use parallel::{save_buffer_len, CommReport, DataParallel};
 pub use plan::{Bucket, GradPlan};
 pub use update::{clip_and_step, StepSettings, Update};
 pub use watchdog::Watchdog;

@@ -421,8 +421,9 @@ impl DataParallel {
         self.release_params(params);
     }
 
-    /// Stage 3, for a checkpoint or the end of the run: the whole parameters on rank
-    /// 0 (until [`DataParallel::release_params`]). Collective; a no-op below stage 3.
+    /// Stage 3, for the quick start's closing sample: the whole parameters on rank 0.
+    /// Collective; a no-op below stage 3. (Checkpoints gather one tensor at a time:
+    /// [`DataParallel::gather_range`].)
     pub fn gather_params(&mut self, comm: &dyn Collective, params: &mut [f32]) {
         if !self.shards_weights() {
             return;
@@ -453,42 +454,46 @@ impl DataParallel {
         }
     }
 
-    /// The full AdamW moments for a checkpoint: `Some` on rank 0, `None` elsewhere.
-    /// At stage 0 (replicated) nothing is sent and `None` means "use your own".
-    /// Collective at stage 1: every rank calls it.
-    pub fn gather_moments(
-        &mut self,
+    /// For a checkpoint, one tensor at a time: rank 0's `out` (`range.len()` floats;
+    /// empty elsewhere) = arena range `range` of an array of which every rank holds
+    /// its pieces: the parameters at stage 3 (`local` = the arena, `in_arena`), an
+    /// AdamW moment at stages 1-3 (`local` = this rank's shard). Collective: every
+    /// rank calls it with the same `range`.
+    pub fn gather_range(
+        &self,
         comm: &dyn Collective,
-        opt: &AdamW,
-    ) -> Option<(Vec<f32>, Vec<f32>)> {
-        if self.plan.zero_stage == 0 {
-            return None;
-        }
-        let (plan, s) = (&self.plan, self.plan.shard_len);
-        let root = plan.rank == 0;
-        if plan.zero_stage >= 2 {
-            // Each bucket gathered straight into rank 0's full arrays.
-            let full = || root.then(|| vec![0.0; plan.arena_len]);
-            let (mut m, mut v) = (full(), full());
-            gather_shard(comm, plan, &opt.m, m.as_deref_mut());
-            gather_shard(comm, plan, &opt.v, v.as_deref_mut());
-            return m.zip(v);
-        }
-        let mut out = Vec::new();
-        for state in [&opt.m, &opt.v] {
-            let recv: &mut [f32] = if root { &mut self.send } else { &mut [] };
-            comm.gather(state, recv, 0);
-            if root {
-                let mut full = vec![0.0; plan.arena_len];
-                for q in 0..plan.world_size {
-                    plan.unpack_shard(q, &self.send[q * s..(q + 1) * s], &mut full);
-                }
-                out.push(full);
+        local: &[f32],
+        in_arena: bool,
+        range: Range<usize>,
+        out: &mut [f32],
+    ) {
+        let (plan, root) = (&self.plan, self.plan.rank == 0);
+        for (b, bucket) in plan.buckets.iter().enumerate() {
+            let part = range.start.max(bucket.arena.start)..range.end.min(bucket.arena.end);
+            if part.is_empty() {
+                continue;
             }
+            let within = |q: usize| {
+                let piece = plan.piece(b, q);
+                let r = part.start.max(piece.start)..part.end.min(piece.end);
+                (piece.start, r.start..r.end.max(r.start))
+            };
+            let counts: Vec<usize> = (0..plan.world_size).map(|q| within(q).1.len()).collect();
+            let (piece_start, own) = within(plan.rank);
+            let mine = match in_arena {
+                true => &local[own],
+                false if own.is_empty() => &[][..],
+                false => {
+                    let at = plan.slot(b) + own.start - piece_start;
+                    &local[at..at + own.len()]
+                }
+            };
+            let all = match root {
+                true => &mut out[part.start - range.start..part.end - range.start],
+                false => &mut [][..],
+            };
+            comm.gather_pieces(mine, all, &counts, 0);
         }
-        let v = out.pop()?;
-        let m = out.pop()?;
-        Some((m, v))
     }
 
     /// Checks that every rank holds bit-identical parameters (a checksum per rank,
@@ -706,6 +711,7 @@ impl Drop for Sharded<'_> {
 
 impl<'a> PassHooks for Sharded<'a> {
     fn need(&mut self, range: Range<usize>, params: &mut [f32]) {
+        crate::fault::during_gather(self.plan.rank);
         let start = Instant::now();
         let b = self.bucket(&range);
         let arrived = match self.arriving.take() {
@@ -773,24 +779,6 @@ fn scatter_shard(comm: &dyn Collective, plan: &GradPlan, full: Option<&[f32]>, s
     }
 }
 
-/// Stages 2 and 3: every rank's `shard` into rank 0's `full` arena (`Some` on rank 0
-/// only), one bucket at a time.
-fn gather_shard(
-    comm: &dyn Collective,
-    plan: &GradPlan,
-    shard: &[f32],
-    mut full: Option<&mut [f32]>,
-) {
-    for (b, bucket) in plan.buckets.iter().enumerate() {
-        let mine = &shard[plan.slot(b)..][..bucket.counts[plan.rank]];
-        let all = match full.as_deref_mut() {
-            Some(f) => &mut f[bucket.arena.clone()],
-            None => &mut [][..],
-        };
-        comm.gather_pieces(mine, all, &bucket.counts, 0);
-    }
-}
-
 /// The error when the ranks' weights differ at `iter` (`verified`: the last
 /// iteration they were equal): what can cause it, and which checkpoints to trust.
 fn replicas_differ_message(
@@ -834,6 +822,22 @@ pub fn params_checksum(params: &[f32]) -> u64 {
     parts.iter().fold(params.len() as u64, |h, &p| {
         crate::kernels::dropout::mix64(h ^ p).wrapping_add(0x9e37_79b9_7f4a_7c15)
     })
+}
+
+/// Floats of the buffer into which `rank` receives a checkpoint's tensors, one at a
+/// time ([`DataParallel::gather_range`]): the largest tensor of `layout` on rank 0
+/// when ZeRO shards what a checkpoint holds (stages 1-3: the moments, 3: the weights
+/// too) over several ranks; none otherwise. The memory plan counts it.
+pub fn save_buffer_len(
+    layout: &crate::model::ParamLayout,
+    zero_stage: u8,
+    world_size: usize,
+    rank: usize,
+) -> usize {
+    match rank == 0 && world_size > 1 && zero_stage >= 1 {
+        true => layout.tensors.iter().map(|t| t.numel()).max().unwrap_or(0),
+        false => 0,
+    }
 }
 
 #[cfg(test)]

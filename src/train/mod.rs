@@ -273,10 +273,6 @@ impl Trainer {
         if let Some(p) = &mut progress {
             p.finish();
         }
-        // ZeRO-3: rank 0 ends with the whole model, as every rank does otherwise.
-        if let Some(dp) = &mut self.dp {
-            dp.gather_params(&*self.comm, &mut self.model.params);
-        }
         self.write_comm_report()?;
         Ok(TrainOutcome {
             out_dir: self.cfg.out_dir.clone(),

@@ -1,9 +1,13 @@
 //! Checkpoints of a run in progress: the best-val one, the interval ones (pruned
-//! to `keep_last`), written by rank 0 with the AdamW moments gathered from every rank.
+//! to `keep_last`), written by rank 0 tensor by tensor, with what ZeRO shards
+//! gathered from every rank one tensor at a time.
 
 use super::report::say;
 use super::Trainer;
-use crate::checkpoint::{self, CheckpointState};
+use crate::checkpoint::{self, Array, CheckpointState, Entry, TensorSource};
+use crate::dist::{save_buffer_len, Collective, DataParallel};
+use crate::model::ParamLayout;
+use crate::optim::AdamW;
 use crate::progress::Progress;
 use anyhow::Result;
 use std::path::{Path, PathBuf};
@@ -66,19 +70,30 @@ impl Trainer {
     }
 
     /// Writes the state from which iteration `iter` (not yet trained) resumes to
-    /// `path`. With several ranks every rank calls it (sharded AdamW moments are
-    /// gathered to rank 0) and rank 0 writes: the checkpoint does not depend on the
-    /// world size. A failed write leaves the previous file intact and is an error.
+    /// `path`. With several ranks every rank calls it and rank 0 writes, one tensor
+    /// at a time: what ZeRO shards (the AdamW moments at stages 1-3, the weights at
+    /// stage 3) is gathered tensor by tensor into one buffer of the largest tensor's
+    /// size ([`save_buffer_len`]) while rank 0 streams the file, so the checkpoint does
+    /// not depend on the world size and saving costs no whole-model gather. A failed
+    /// write leaves the previous file intact and is an error.
     pub fn save_checkpoint_to(&mut self, path: &Path, iter: u64) -> Result<()> {
         self.saved_at = Some(iter);
-        let gathered = match &mut self.dp {
-            Some(dp) => {
-                dp.gather_params(&*self.comm, &mut self.model.params);
-                dp.gather_moments(&*self.comm, &self.opt)
-            }
-            None => None,
+        let (rank, world) = (self.rank(), self.world_size());
+        let layout = &self.model.layout;
+        let stage = self.dp.as_ref().map_or(0, |dp| dp.plan.zero_stage);
+        let mut source = Gathered {
+            comm: &*self.comm,
+            dp: self.dp.as_ref(),
+            layout,
+            params: &self.model.params,
+            opt: &self.opt,
+            buf: vec![0.0; save_buffer_len(layout, stage, world, rank)],
+            root: rank == 0,
         };
-        if self.rank() != 0 {
+        if rank != 0 {
+            for entry in checkpoint::file_order(layout, true) {
+                source.fetch(entry);
+            }
             return Ok(());
         }
         let state = CheckpointState {
@@ -88,20 +103,11 @@ impl Trainer {
             best_val_loss: self.best_val_loss,
             adam_step: self.opt.step,
             tokenizer: serde_json::to_value(&self.meta)?,
-            world_size: self.world_size(),
+            world_size: world,
             lora: self.model.frozen().map(|f| f.state.clone()),
             dataset: Some(self.dataset_record.clone()),
         };
-        let moments = match &gathered {
-            Some((m, v)) => Some((m.as_slice(), v.as_slice())),
-            None => Some((self.opt.m.as_slice(), self.opt.v.as_slice())),
-        };
-        let (layout, params) = (&self.model.layout, &self.model.params);
-        let saved = checkpoint::save_to(path, &state, layout, params, moments);
-        if let Some(dp) = &self.dp {
-            dp.release_params(&mut self.model.params);
-        }
-        saved?;
+        checkpoint::save_streamed(path, &state, layout, true, &mut source)?;
         for old in std::mem::take(&mut self.replace_at_first_save) {
             if old != path {
                 // Best effort: a leftover is refused by the next fresh start, not lost.
@@ -110,5 +116,57 @@ impl Trainer {
             }
         }
         Ok(())
+    }
+
+    /// After [`Trainer::run`], when rank 0 `wants` them (the quick start's closing
+    /// sample; the other ranks follow rank 0's choice): the whole final weights in
+    /// rank 0's `model.params`. Collective at ZeRO-3, where each rank holds only its
+    /// pieces: rank 0 then holds the whole weights again, `len − shard` floats more
+    /// than the run's plan counted (only the quick start samples). A no-op otherwise.
+    pub fn gather_final_weights(&mut self, wants: bool) {
+        let Some(dp) = self.dp.as_mut().filter(|dp| dp.shards_weights()) else {
+            return;
+        };
+        let mut choice = vec![wants as u8];
+        self.comm.broadcast_bytes(&mut choice, 0);
+        if choice == [1] {
+            dp.gather_params(&*self.comm, &mut self.model.params);
+        }
+    }
+}
+
+/// A checkpoint's tensors as this rank sees them: rank 0's own where it holds them
+/// whole, else gathered from every rank's pieces into `buf` (rank 0) or sent from
+/// this rank's (the others).
+struct Gathered<'a> {
+    comm: &'a dyn Collective,
+    dp: Option<&'a DataParallel>,
+    layout: &'a ParamLayout,
+    params: &'a [f32],
+    opt: &'a AdamW,
+    /// Rank 0: one tensor, the largest's size when anything is gathered.
+    buf: Vec<f32>,
+    root: bool,
+}
+
+impl TensorSource for Gathered<'_> {
+    fn fetch(&mut self, entry: Entry) -> Option<&[f32]> {
+        let range = self.layout.tensors[entry.tensor].range();
+        let local = match entry.array {
+            Array::Params => self.params,
+            Array::M => &self.opt.m[..],
+            Array::V => &self.opt.v[..],
+        };
+        let sharded = self.dp.filter(|dp| match entry.array {
+            Array::Params => dp.shards_weights(),
+            Array::M | Array::V => dp.plan.zero_stage >= 1,
+        });
+        let Some(dp) = sharded else {
+            return self.root.then(|| &local[range]);
+        };
+        let n = if self.root { range.len() } else { 0 };
+        let in_arena = entry.array == Array::Params;
+        dp.gather_range(self.comm, local, in_arena, range, &mut self.buf[..n]);
+        self.root.then(|| &self.buf[..n])
     }
 }
