@@ -96,8 +96,8 @@ fn pack_a(pa: &mut Vec<u32>, a: Mat) {
 }
 
 /// One row panel of A (rows `i0..i0 + MR`, zero beyond the last row or column). Reads
-/// runs of the operand: along `k` when its column stride is 1, along the rows when its
-/// row stride is 1 (a transposed operand).
+/// runs of the operand: along the rows when its row stride is 1 (a transposed
+/// operand), along `k` when its column stride is 1, element by element otherwise.
 fn pack_a_panel(d: &mut [u32], a: &Mat, i0: usize) {
     let (k, kp) = (a.cols, a.cols.div_ceil(2));
     let rows = MR.min(a.rows - i0);
@@ -122,6 +122,17 @@ fn pack_a_panel(d: &mut [u32], a: &Mat, i0: usize) {
                 for r in 0..rows {
                     out[r] = pair(lo[r], 0.0);
                 }
+            }
+        }
+    } else if a.cs == 1 {
+        for r in 0..rows {
+            let row = &a.data[(i0 + r) * a.rs..][..k];
+            let mut pairs = row.chunks_exact(2);
+            for (p, x) in pairs.by_ref().enumerate() {
+                d[p * MR + r] = pair(x[0], x[1]);
+            }
+            if let [last] = pairs.remainder() {
+                d[(kp - 1) * MR + r] = pair(*last, 0.0);
             }
         }
     } else {
@@ -341,6 +352,21 @@ mod tests {
             return;
         }
         strided_views(matmul);
+        // An A with neither stride 1 (packed element by element), k odd.
+        let (m, k, n) = (30, 41, 35);
+        let store = rounded(2 * m * k, 6);
+        let a = Mat {
+            data: &store,
+            rows: m,
+            cols: k,
+            rs: 2,
+            cs: 2 * m,
+        };
+        let b = rounded(k * n, 7);
+        let b = Mat::new(&b, k, n);
+        let mut got = vec![0.0; m * n];
+        matmul(&mut got, a, b, false);
+        assert_close("A strided", &got, &reference(&got, a, b, false), 0.0, 1e-4);
         non_bf16_inputs_round(matmul);
         empty_inner_dimension(matmul);
     }
@@ -410,7 +436,10 @@ mod tests {
             ("cls dwte dlᵀ·x", 4096, 256, 768, true, false),
         ];
         let reps = std::env::var("DPBF16_REPS").map_or(5, |r| r.parse().unwrap());
-        for (name, m, k, n, ta, tb) in shapes {
+        // DPBF16_SHAPES=qkv,cls runs only the products whose names contain one of them.
+        let only = std::env::var("DPBF16_SHAPES").unwrap_or_default();
+        let picked = |name: &str| only.is_empty() || only.split(',').any(|s| name.contains(s));
+        for (name, m, k, n, ta, tb) in shapes.into_iter().filter(|s| picked(s.0)) {
             let (a, b) = (rounded(m * k, 1), rounded(k * n, 2));
             let [am, bm] = views(&a, &b, [m, k, n], [ta, tb]);
             let mut out = vec![0.0; m * n];
