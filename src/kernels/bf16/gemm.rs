@@ -1,23 +1,29 @@
 //! The bf16 matmuls of `dtype = "bfloat16"` and the choice of their kernel.
 //!
 //! Large products (at least 2^20 multiply-adds; below that, copying or packing the
-//! operands costs more than it saves) run on one of three kernels, chosen once per
+//! operands costs more than it saves) run on one of four kernels, chosen once per
 //! process ([`kernel`]); the rest run on the f32 GEMM over bf16-valued operands
 //! ([`matmul`], the same products up to summation order):
 //! - oneDNN's bf16 matmul ([`super::onednn`]), in builds with the `onednn` feature
 //!   when the library has a fast implementation for this CPU (AMX or AVX512-BF16);
 //! - our AMX-BF16 kernel ([`super::amx`]) when the CPU has AMX-BF16 and Linux grants
 //!   the process the tile permission;
+//! - our AVX512-BF16 kernel ([`super::dpbf16`], `vdpbf16ps`) when the CPU has
+//!   AVX512-BF16;
 //! - the f32 GEMM otherwise.
 //!
 //! That is also the default order, by measurement: oneDNN ran GPT-2 124M's products
 //! at 4.1–6.0 TFLOP/s on AMX (Sapphire Rapids, 2 threads), 6–9× our AMX kernel, and
-//! 1.2–3.4× the f32 GEMM (operand copies included) on GPT-2's products on an
-//! AVX512-BF16 CPU without AMX (one product at 0.8× in one of three runs), where our own AVX512-BF16 kernel never won and was
-//! removed (docs/PERFORMANCE.md, "oneDNN").
-//! `NANOGPT_BF16_GEMM=onednn|amx|f32` asks for one; a kernel that is not usable here
-//! (not built, no AMX) falls back to the default order, and `bench`/`train` print
-//! which kernel ran.
+//! 1.2–3.4× the f32 GEMM (operand copies included) on an AVX512-BF16 CPU without AMX;
+//! there our AVX512-BF16 kernel ran the same products at 1.1–3× the f32 GEMM (packing
+//! included; all but the classifier's input gradient, 0.85–1.1×, which repacks `wte`
+//! per chunk of rows) and a 124M bf16 step at 1.15–1.7× an f32 one
+//! (docs/PERFORMANCE.md, "bf16 without AMX: the AVX512-BF16 kernel"). An earlier
+//! AVX512-BF16 kernel (one 8 × 32 block per task, no cache blocking) never beat the
+//! f32 GEMM and was removed.
+//! `NANOGPT_BF16_GEMM=onednn|amx|avx512bf16|f32` asks for one; a kernel that is not
+//! usable here (not built, no AMX, no AVX512-BF16) falls back to the default order,
+//! and `bench`/`train` print which kernel ran.
 
 use super::amx::{self, PackedB};
 use super::dpbf16;
@@ -26,6 +32,12 @@ use std::sync::OnceLock;
 
 /// Below this many multiply-adds (m·n·k) copying or packing costs more than it saves.
 const MIN_MACS: usize = 1 << 20;
+
+/// From this inner dimension on, the AVX512-BF16 kernel loses to the f32 GEMM: the
+/// classifier's input gradient (256 × 50,304 × 768 per chunk of rows) ran at
+/// 0.65–0.85× of it, packing both long operands on every call, while every product
+/// with `k` ≤ 3,072 won (docs/PERFORMANCE.md, "bf16 without AMX").
+const DPBF16_MAX_K: usize = 16 * 1024;
 
 /// Which kernel runs the large bf16 matmuls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -135,7 +147,9 @@ pub fn matmul_bf16(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
     let macs = a.rows * a.cols * b.cols;
     match kernel() {
         Kernel::Amx if macs >= MIN_MACS => amx::matmul(dst, a, b, accumulate),
-        Kernel::Avx512Bf16 if macs >= MIN_MACS => dpbf16::matmul(dst, a, b, accumulate),
+        Kernel::Avx512Bf16 if macs >= MIN_MACS && a.cols < DPBF16_MAX_K => {
+            dpbf16::matmul(dst, a, b, accumulate)
+        }
         #[cfg(feature = "onednn")]
         Kernel::OneDnn if macs >= MIN_MACS => super::onednn::matmul(dst, a, b, accumulate),
         _ => matmul(dst, a, b, accumulate),
@@ -213,6 +227,17 @@ mod tests {
         // Forced to the f32 GEMM, the same product is the f32 GEMM's.
         with_kernel(Kernel::F32, || matmul_bf16(&mut got, am, bm, false));
         assert_eq!(got, f32_out);
+        // So is a product as deep as DPBF16_MAX_K (and as large as MIN_MACS).
+        let (m, k, n) = (8, DPBF16_MAX_K, 8);
+        let a: Vec<f32> = rand_vec(m * k, 10).into_iter().map(round).collect();
+        let b: Vec<f32> = rand_vec(k * n, 11).into_iter().map(round).collect();
+        let (am, bm) = (Mat::new(&a, m, k), Mat::new(&b, k, n));
+        let (mut f32_out, mut got) = (vec![0.0; m * n], vec![0.0; m * n]);
+        matmul(&mut f32_out, am, bm, false);
+        with_kernel(Kernel::Avx512Bf16, || matmul_bf16(&mut got, am, bm, false));
+        assert_eq!(got, f32_out);
+        dpbf16::matmul(&mut got, am, bm, false);
+        assert_ne!(got, f32_out, "the kernels agree here: pick another shape");
     }
 
     #[cfg(feature = "onednn")]
