@@ -15,9 +15,10 @@
 //! That is also the default order, by measurement: oneDNN ran GPT-2 124M's products
 //! at 4.1–6.0 TFLOP/s on AMX (Sapphire Rapids, 2 threads), 6–9× our AMX kernel, and
 //! 1.2–3.4× the f32 GEMM (operand copies included) on an AVX512-BF16 CPU without AMX;
-//! there our AVX512-BF16 kernel ran the same products at 1.1–3× the f32 GEMM (packing
-//! included; all but the classifier's input gradient, 0.85–1.1×, which repacks `wte`
-//! per chunk of rows) and a 124M bf16 step at 1.15–1.7× an f32 one
+//! there our AVX512-BF16 kernel ran the same products at 1.1–2.8× the f32 GEMM
+//! (packing included; one run at 0.96×), below oneDNN, except the classifier's input
+//! gradient (k = V), which it lost and which stays on the f32 GEMM
+//! ([`DPBF16_MAX_K`]), and a 124M bf16 step at 1.15–1.7× an f32 one
 //! (docs/PERFORMANCE.md, "bf16 without AMX: the AVX512-BF16 kernel"). An earlier
 //! AVX512-BF16 kernel (one 8 × 32 block per task, no cache blocking) never beat the
 //! f32 GEMM and was removed.
