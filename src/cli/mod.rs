@@ -84,6 +84,10 @@ pub fn bf16_matmuls() -> std::borrow::Cow<'static, str> {
             "AMX-BF16 (tdpbf16ps) for the large linear layers, f32 GEMM over bf16 values elsewhere"
             .into()
         }
+        gemm::Kernel::Avx512Bf16 => {
+            "AVX512-BF16 (vdpbf16ps) for the large products, f32 GEMM over bf16 values elsewhere"
+                .into()
+        }
         gemm::Kernel::F32 if gemm::f32_requested() => {
             "emulated via f32 GEMM (bf16 operands, f32 accumulation), as NANOGPT_BF16_GEMM=f32 asks"
             .into()

@@ -26,11 +26,11 @@ use std::cell::RefCell;
 use std::sync::OnceLock;
 
 /// Rows and columns of one tile (16 f32 accumulators or 16 bf16 pairs per row).
-const T: usize = 16;
+pub(super) const T: usize = 16;
 /// bf16 values of `k` per tile (16 pairs).
-const KT: usize = 32;
+pub(super) const KT: usize = 32;
 /// u32 pairs per packed tile.
-const TILE: usize = T * T;
+pub(super) const TILE: usize = T * T;
 /// Output blocks (32 × 32) of one parallel task, down and across.
 const TASK_M: usize = 4;
 const TASK_N: usize = 4;
@@ -81,7 +81,7 @@ fn request_permission() -> bool {
 /// Two bf16 values in one 32-bit lane: `lo` is element `2p`, `hi` element `2p + 1`
 /// (the pair layout of the packed tiles).
 #[inline]
-fn pair(lo: f32, hi: f32) -> u32 {
+pub(super) fn pair(lo: f32, hi: f32) -> u32 {
     Bf16::from_f32(lo).0 as u32 | (Bf16::from_f32(hi).0 as u32) << 16
 }
 
@@ -158,9 +158,9 @@ pub(crate) fn matmul(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
 /// products (the classifier's `wte`, shared by every chunk of rows of a step).
 #[derive(Default)]
 pub struct PackedB {
-    tiles: Vec<u32>,
-    k: usize,
-    n: usize,
+    pub(super) tiles: Vec<u32>,
+    pub(super) k: usize,
+    pub(super) n: usize,
 }
 
 impl PackedB {
@@ -194,7 +194,9 @@ fn trivial(dst: &mut [f32], m: usize, n: usize, k: usize, accumulate: bool) -> b
 }
 
 /// Packs B (`k × n`) as `[n / 16][k / 32][16 pairs][16 columns]` tiles into `pb`.
-fn pack_b(pb: &mut Vec<u32>, b: Mat) {
+/// Along `k` a column panel of 16 is `[k / 2 pairs][16 columns]`, row after row: the
+/// AVX512-BF16 kernel ([`super::dpbf16`]) reads the same pack.
+pub(super) fn pack_b(pb: &mut Vec<u32>, b: Mat) {
     let (nb, kc) = (b.cols.div_ceil(2 * T), b.rows.div_ceil(KT));
     pb.resize(pack_len(2 * nb, kc), 0);
     let bt = b.t();

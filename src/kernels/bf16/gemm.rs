@@ -1,36 +1,52 @@
 //! The bf16 matmuls of `dtype = "bfloat16"` and the choice of their kernel.
 //!
 //! Large products (at least 2^20 multiply-adds; below that, copying or packing the
-//! operands costs more than it saves) run on one of three kernels, chosen once per
+//! operands costs more than it saves) run on one of four kernels, chosen once per
 //! process ([`kernel`]); the rest run on the f32 GEMM over bf16-valued operands
 //! ([`matmul`], the same products up to summation order):
 //! - oneDNN's bf16 matmul ([`super::onednn`]), in builds with the `onednn` feature
 //!   when the library has a fast implementation for this CPU (AMX or AVX512-BF16);
 //! - our AMX-BF16 kernel ([`super::amx`]) when the CPU has AMX-BF16 and Linux grants
 //!   the process the tile permission;
+//! - our AVX512-BF16 kernel ([`super::dpbf16`], `vdpbf16ps`) when the CPU has
+//!   AVX512-BF16;
 //! - the f32 GEMM otherwise.
 //!
 //! That is also the default order, by measurement: oneDNN ran GPT-2 124M's products
 //! at 4.1–6.0 TFLOP/s on AMX (Sapphire Rapids, 2 threads), 6–9× our AMX kernel, and
-//! 1.2–3.4× the f32 GEMM (operand copies included) on GPT-2's products on an
-//! AVX512-BF16 CPU without AMX (one product at 0.8× in one of three runs), where our own AVX512-BF16 kernel never won and was
-//! removed (docs/PERFORMANCE.md, "oneDNN").
-//! `NANOGPT_BF16_GEMM=onednn|amx|f32` asks for one; a kernel that is not usable here
-//! (not built, no AMX) falls back to the default order, and `bench`/`train` print
-//! which kernel ran.
+//! 1.2–3.4× the f32 GEMM (operand copies included) on an AVX512-BF16 CPU without AMX;
+//! there our AVX512-BF16 kernel ran the same products at 1.1–2.8× the f32 GEMM
+//! (packing included; one run at 0.96×), below oneDNN, except the classifier's input
+//! gradient (k = V), which it lost and which stays on the f32 GEMM
+//! ([`DPBF16_MAX_K`]), and a 124M bf16 step at 1.15–1.7× an f32 one
+//! (docs/PERFORMANCE.md, "bf16 without AMX: the AVX512-BF16 kernel"). An earlier
+//! AVX512-BF16 kernel (one 8 × 32 block per task, no cache blocking) never beat the
+//! f32 GEMM and was removed.
+//! `NANOGPT_BF16_GEMM=onednn|amx|avx512bf16|f32` asks for one; a kernel that is not
+//! usable here (not built, no AMX, no AVX512-BF16) falls back to the default order,
+//! and `bench`/`train` print which kernel ran.
 
 use super::amx::{self, PackedB};
+use super::dpbf16;
 use crate::kernels::matmul::{matmul, Mat};
 use std::sync::OnceLock;
 
 /// Below this many multiply-adds (m·n·k) copying or packing costs more than it saves.
 const MIN_MACS: usize = 1 << 20;
 
+/// From this inner dimension on, the AVX512-BF16 kernel loses to the f32 GEMM: the
+/// classifier's input gradient (256 × 50,304 × 768 per chunk of rows) ran at
+/// 0.65–0.85× of it, packing both long operands on every call, while every product
+/// with `k` ≤ 3,072 won (docs/PERFORMANCE.md, "bf16 without AMX").
+const DPBF16_MAX_K: usize = 16 * 1024;
+
 /// Which kernel runs the large bf16 matmuls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernel {
     /// AMX-BF16 tiles ([`super::amx`]).
     Amx,
+    /// AVX512-BF16 (`vdpbf16ps`, [`super::dpbf16`]).
+    Avx512Bf16,
     /// The f32 GEMM over bf16-valued operands.
     F32,
     /// oneDNN's bf16 matmul ([`super::onednn`]; only with the `onednn` feature).
@@ -42,6 +58,7 @@ fn requested() -> Option<Kernel> {
     match std::env::var("NANOGPT_BF16_GEMM").ok()?.as_str() {
         "f32" => Some(Kernel::F32),
         "amx" => Some(Kernel::Amx),
+        "avx512bf16" => Some(Kernel::Avx512Bf16),
         "onednn" => Some(Kernel::OneDnn),
         _ => None,
     }
@@ -65,6 +82,7 @@ pub fn request_refused() -> Option<String> {
             "NANOGPT_BF16_GEMM=onednn: oneDNN is not usable here ({})",
             super::onednn::unavailable_reason().unwrap_or_default()
         ),
+        Kernel::Avx512Bf16 => "NANOGPT_BF16_GEMM=avx512bf16: this CPU has no AVX512-BF16".into(),
         _ => "NANOGPT_BF16_GEMM=amx: this CPU or OS does not allow AMX".into(),
     })
 }
@@ -74,6 +92,7 @@ pub fn usable(k: Kernel) -> bool {
     match k {
         Kernel::F32 => true,
         Kernel::Amx => amx::permitted(),
+        Kernel::Avx512Bf16 => dpbf16::available(),
         #[cfg(feature = "onednn")]
         Kernel::OneDnn => super::onednn::available(),
         #[cfg(not(feature = "onednn"))]
@@ -88,15 +107,19 @@ pub fn kernel() -> Kernel {
         return k;
     }
     static K: OnceLock<Kernel> = OnceLock::new();
-    *K.get_or_init(|| {
-        let order = [Kernel::OneDnn, Kernel::Amx, Kernel::F32];
-        let first = requested().filter(|&k| usable(k));
-        first.unwrap_or_else(|| {
-            order
-                .into_iter()
-                .find(|&k| usable(k))
-                .unwrap_or(Kernel::F32)
-        })
+    *K.get_or_init(|| choose(requested(), usable))
+}
+
+/// The kernel asked for if it is usable, else the first usable one in the default
+/// order.
+fn choose(requested: Option<Kernel>, usable: impl Fn(Kernel) -> bool) -> Kernel {
+    let order = [Kernel::OneDnn, Kernel::Amx, Kernel::Avx512Bf16, Kernel::F32];
+    let first = requested.filter(|&k| usable(k));
+    first.unwrap_or_else(|| {
+        order
+            .into_iter()
+            .find(|&k| usable(k))
+            .unwrap_or(Kernel::F32)
     })
 }
 
@@ -125,16 +148,23 @@ pub fn matmul_bf16(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
     let macs = a.rows * a.cols * b.cols;
     match kernel() {
         Kernel::Amx if macs >= MIN_MACS => amx::matmul(dst, a, b, accumulate),
+        Kernel::Avx512Bf16 if macs >= MIN_MACS && a.cols < DPBF16_MAX_K => {
+            dpbf16::matmul(dst, a, b, accumulate)
+        }
         #[cfg(feature = "onednn")]
         Kernel::OneDnn if macs >= MIN_MACS => super::onednn::matmul(dst, a, b, accumulate),
         _ => matmul(dst, a, b, accumulate),
     }
 }
 
-/// [`matmul_bf16`] with a right-hand operand packed beforehand for AMX (the caller
-/// made the pack because [`kernel`] is [`Kernel::Amx`]).
+/// [`matmul_bf16`] with a right-hand operand packed beforehand (the caller made the
+/// pack because [`kernel`] is [`Kernel::Amx`] or [`Kernel::Avx512Bf16`], which read
+/// the same layout).
 pub fn matmul_bf16_packed(dst: &mut [f32], a: Mat, b: &PackedB, accumulate: bool) {
-    amx::matmul_packed(dst, a, b, accumulate);
+    match kernel() {
+        Kernel::Avx512Bf16 => dpbf16::matmul_packed(dst, a, b, accumulate),
+        _ => amx::matmul_packed(dst, a, b, accumulate),
+    }
 }
 
 #[cfg(test)]
@@ -154,6 +184,61 @@ mod tests {
         matmul(&mut x, Mat::new(&a, m, k), Mat::new(&b, k, n), false);
         matmul_bf16(&mut y, Mat::new(&a, m, k), Mat::new(&b, k, n), false);
         assert_eq!(x, y);
+    }
+
+    #[test]
+    fn the_request_wins_when_usable_and_the_default_order_otherwise() {
+        use Kernel::*;
+        // An AVX512-BF16 CPU without AMX or oneDNN.
+        let no_amx = |k: Kernel| matches!(k, Avx512Bf16 | F32);
+        assert_eq!(choose(None, no_amx), Avx512Bf16);
+        assert_eq!(choose(Some(F32), no_amx), F32, "NANOGPT_BF16_GEMM=f32");
+        assert_eq!(choose(Some(Amx), no_amx), Avx512Bf16, "unusable request");
+        // A CPU without AVX512-BF16 never gets the kernel, even when asked for it.
+        let plain = |k: Kernel| k == F32;
+        assert_eq!(choose(None, plain), F32);
+        assert_eq!(choose(Some(Avx512Bf16), plain), F32);
+        // AMX and oneDNN come first where they run.
+        let all = |_: Kernel| true;
+        assert_eq!(choose(None, all), OneDnn);
+        assert_eq!(choose(None, |k: Kernel| k != OneDnn), Amx);
+        assert_eq!(choose(Some(Avx512Bf16), all), Avx512Bf16);
+    }
+
+    #[test]
+    fn large_products_take_avx512bf16_when_it_is_the_kernel() {
+        if !usable(Kernel::Avx512Bf16) {
+            eprintln!("AVX512-BF16 kernel not tested: no AVX512-BF16 on this CPU");
+            return;
+        }
+        let (m, k, n) = (128, 128, 64); // exactly MIN_MACS
+        let a: Vec<f32> = rand_vec(m * k, 8).into_iter().map(round).collect();
+        let b: Vec<f32> = rand_vec(k * n, 9).into_iter().map(round).collect();
+        let (am, bm) = (Mat::new(&a, m, k), Mat::new(&b, k, n));
+        let (mut f32_out, mut want, mut got) =
+            (vec![0.0; m * n], vec![0.0; m * n], vec![0.0; m * n]);
+        matmul(&mut f32_out, am, bm, false);
+        dpbf16::matmul(&mut want, am, bm, false);
+        with_kernel(Kernel::Avx512Bf16, || matmul_bf16(&mut got, am, bm, false));
+        assert_eq!(got, want);
+        assert_ne!(
+            got, f32_out,
+            "the two kernels sum in the same order here: pick another shape"
+        );
+        // Forced to the f32 GEMM, the same product is the f32 GEMM's.
+        with_kernel(Kernel::F32, || matmul_bf16(&mut got, am, bm, false));
+        assert_eq!(got, f32_out);
+        // So is a product as deep as DPBF16_MAX_K (and as large as MIN_MACS).
+        let (m, k, n) = (8, DPBF16_MAX_K, 8);
+        let a: Vec<f32> = rand_vec(m * k, 10).into_iter().map(round).collect();
+        let b: Vec<f32> = rand_vec(k * n, 11).into_iter().map(round).collect();
+        let (am, bm) = (Mat::new(&a, m, k), Mat::new(&b, k, n));
+        let (mut f32_out, mut got) = (vec![0.0; m * n], vec![0.0; m * n]);
+        matmul(&mut f32_out, am, bm, false);
+        with_kernel(Kernel::Avx512Bf16, || matmul_bf16(&mut got, am, bm, false));
+        assert_eq!(got, f32_out);
+        dpbf16::matmul(&mut got, am, bm, false);
+        assert_ne!(got, f32_out, "the kernels agree here: pick another shape");
     }
 
     #[cfg(feature = "onednn")]

@@ -16,9 +16,12 @@
 //! values that round past the largest finite bf16 become infinity.
 
 pub mod amx;
+pub mod dpbf16;
 pub mod gemm;
 #[cfg(feature = "onednn")]
 pub mod onednn;
+#[cfg(test)]
+mod testcases;
 
 use super::fastmath::{simd_fn, Simd};
 use rayon::prelude::*;

@@ -1,0 +1,474 @@
+//! A bf16 GEMM on AVX512-BF16 (`vdpbf16ps`), for CPUs that have it but no AMX.
+//!
+//! One `vdpbf16ps` multiplies 16 lanes of bf16 pairs by 16 lanes of bf16 pairs and adds
+//! each lane's two products (exact in f32) into an f32 accumulator: 32 multiply-adds,
+//! twice an f32 FMA's 16 on the same register width.
+//!
+//! Operands are packed into bf16 pairs along `k`, zero-padded at the edges:
+//! - B in AMX's layout ([`super::amx::pack_b`], or a [`PackedB`] made once for many
+//!   products): 16-column panels of `[k / 2 pairs][16 columns]`, so one packed
+//!   weight serves either kernel;
+//! - A in row panels of [`MR`] rows, `[k / 2 pairs][MR rows]`, so a pair of one row is
+//!   one 32-bit broadcast.
+//!
+//! The microkernel keeps an [`MR`] × 32 block of C in 24 registers and, per pair of
+//! `k`, loads 32 columns of B (two 16-column panels) and broadcasts [`MR`] pairs of A.
+//! `k` runs in blocks of [`KB`] pairs (32 columns × 128 pairs of B, 16 KiB, stay in
+//! L1 while the task's row panels stream past). Tasks own disjoint blocks of C (up to
+//! [`TASK_PANELS`] row panels × a few 32-column panels) and add the `k` blocks in a
+//! fixed order, so results do not depend on the thread count. The instruction treats
+//! subnormal inputs and results as zero (bf16 subnormals are below 1.2e-38, far under
+//! anything a model holds) and rounds each step to nearest even.
+
+use super::amx::{self, pack_b, pair, PackedB, TILE};
+use crate::kernels::matmul::{shapes_checked_and_trivial, Mat};
+use crate::kernels::SharedMut;
+use rayon::prelude::*;
+use std::cell::RefCell;
+use std::sync::OnceLock;
+
+/// Rows of C per microkernel (one A panel).
+const MR: usize = 12;
+/// Columns of C per microkernel: two 16-column panels of the B pack.
+const NR: usize = 32;
+/// Pairs of `k` per cache block.
+const KB: usize = 128;
+/// Row panels per task (96 rows: the task's A block, 48 KiB per `k` block, in L2).
+const TASK_PANELS: usize = 8;
+/// Most 32-column panels per task.
+const TASK_COLS: usize = 8;
+
+/// Whether this CPU has AVX512-BF16 (and AVX-512 F), checked once.
+pub fn available() -> bool {
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    })
+}
+
+thread_local! {
+    /// Packing buffers (A, B) of the calling thread, grown to its largest product and
+    /// reused, so a training step allocates nothing once warm. The bf16 matmuls are
+    /// called from the thread that runs the step, never from inside a parallel task.
+    static PACKS: RefCell<(Vec<u32>, Vec<u32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// `dst = a · b` (or `+=` when `accumulate`) for operands holding bf16 values (others
+/// are rounded to nearest even while packing). Panics if [`available`] is false.
+pub(crate) fn matmul(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
+    if shapes_checked_and_trivial(dst, a, b, accumulate) {
+        return;
+    }
+    PACKS.with_borrow_mut(|(pa, pb)| {
+        pack_b(pb, b);
+        multiply(dst, a, pb, b.cols, accumulate, pa);
+    });
+}
+
+/// [`matmul`] with a right-hand operand packed beforehand (the AMX pack).
+pub(crate) fn matmul_packed(dst: &mut [f32], a: Mat, b: &PackedB, accumulate: bool) {
+    assert_eq!(b.k, a.cols, "inner dimensions differ");
+    let b_shape = Mat {
+        data: &[],
+        rows: b.k,
+        cols: b.n,
+        rs: 0,
+        cs: 0,
+    };
+    if shapes_checked_and_trivial(dst, a, b_shape, accumulate) {
+        return;
+    }
+    PACKS.with_borrow_mut(|(pa, _)| multiply(dst, a, &b.tiles, b.n, accumulate, pa));
+}
+
+/// Packs A (`m × k`) as `[m / MR][k / 2 pairs][MR rows]` into `pa`.
+fn pack_a(pa: &mut Vec<u32>, a: Mat) {
+    let kp = a.cols.div_ceil(2);
+    pa.resize(a.rows.div_ceil(MR) * kp * MR, 0);
+    pa.par_chunks_mut(kp * MR)
+        .enumerate()
+        .for_each(|(panel, d)| pack_a_panel(d, &a, panel * MR));
+}
+
+/// One row panel of A (rows `i0..i0 + MR`, zero beyond the last row or column). Reads
+/// runs of the operand: along the rows when its row stride is 1 (a transposed
+/// operand), along `k` when its column stride is 1, element by element otherwise.
+fn pack_a_panel(d: &mut [u32], a: &Mat, i0: usize) {
+    let (k, kp) = (a.cols, a.cols.div_ceil(2));
+    let rows = MR.min(a.rows - i0);
+    let get = |i: usize, p: usize| {
+        if p < k {
+            a.data[i * a.rs + p * a.cs]
+        } else {
+            0.0
+        }
+    };
+    d.fill(0);
+    if a.rs == 1 && a.cs != 1 {
+        for p in 0..kp {
+            let lo = &a.data[2 * p * a.cs + i0..][..rows];
+            let out = &mut d[p * MR..][..rows];
+            if 2 * p + 1 < k {
+                let hi = &a.data[(2 * p + 1) * a.cs + i0..][..rows];
+                for r in 0..rows {
+                    out[r] = pair(lo[r], hi[r]);
+                }
+            } else {
+                for r in 0..rows {
+                    out[r] = pair(lo[r], 0.0);
+                }
+            }
+        }
+    } else if a.cs == 1 {
+        for r in 0..rows {
+            let row = &a.data[(i0 + r) * a.rs..][..k];
+            let mut pairs = row.chunks_exact(2);
+            for (p, x) in pairs.by_ref().enumerate() {
+                d[p * MR + r] = pair(x[0], x[1]);
+            }
+            if let [last] = pairs.remainder() {
+                d[(kp - 1) * MR + r] = pair(*last, 0.0);
+            }
+        }
+    } else {
+        for r in 0..rows {
+            let i = i0 + r;
+            for p in 0..kp {
+                d[p * MR + r] = pair(get(i, 2 * p), get(i, 2 * p + 1));
+            }
+        }
+    }
+}
+
+/// Packs A into `pa`, then `dst (=|+=) a · b` over the packed B `pb` of `n` columns.
+fn multiply(dst: &mut [f32], a: Mat, pb: &[u32], n: usize, accumulate: bool, pa: &mut Vec<u32>) {
+    assert!(available(), "the AVX512-BF16 kernel needs AVX512-BF16");
+    let (m, k) = (a.rows, a.cols);
+    let kp = k.div_ceil(2);
+    // Pairs per 16-column panel of the B pack (k rounded up to whole AMX tiles).
+    let b_panel = k.div_ceil(amx::KT) * TILE;
+    let (mp, np) = (m.div_ceil(MR), n.div_ceil(NR));
+    assert!(pb.len() >= 2 * np * b_panel, "B pack too short");
+    pack_a(pa, a);
+    let pa = &pa[..];
+    // Tasks: TASK_PANELS row panels by enough column panels that every thread gets
+    // about four tasks (a product with few rows, like the classifier's, still splits).
+    let tp = TASK_PANELS.min(mp);
+    let tm = mp.div_ceil(tp);
+    let want = 4 * rayon::current_num_threads();
+    let tc = (np * tm / want).clamp(1, TASK_COLS);
+    let tn = np.div_ceil(tc);
+    let out = SharedMut::new(dst);
+    (0..tm * tn).into_par_iter().for_each(|task| {
+        let (ti, tj) = (task / tn, task % tn);
+        let (panels, cols) = (
+            ti * tp..((ti + 1) * tp).min(mp),
+            tj * tc..((tj + 1) * tc).min(np),
+        );
+        for kb in (0..kp).step_by(KB) {
+            let kl = KB.min(kp - kb);
+            let load = accumulate || kb > 0;
+            for j in cols.clone() {
+                let b0 = &pb[2 * j * b_panel + kb * amx::T..][..kl * amx::T];
+                let b1 = &pb[(2 * j + 1) * b_panel + kb * amx::T..][..kl * amx::T];
+                for i in panels.clone() {
+                    let ap = &pa[i * kp * MR + kb * MR..][..kl * MR];
+                    let rows = MR.min(m - i * MR);
+                    let width = NR.min(n - j * NR);
+                    // SAFETY: rows i·MR.. and columns j·NR.. of dst belong to this task
+                    // alone (tasks partition the panel grid); the tile's last element
+                    // (i·MR + rows − 1)·n + j·NR + width − 1 is < m·n.
+                    let c = unsafe { out.slice((i * MR) * n + j * NR, (rows - 1) * n + width) };
+                    tile(ap, b0, b1, c, n, rows, width, load);
+                }
+            }
+        }
+    });
+}
+
+/// `c (=|+=) a · [b0 b1]` for one `rows × width` tile of C (row stride `ldc`): `a` an A
+/// panel's `kl` pairs, `b0`/`b1` the same pairs of two 16-column B panels. Full tiles
+/// work on C in place, edge tiles on a copy.
+#[allow(clippy::too_many_arguments)]
+fn tile(
+    a: &[u32],
+    b0: &[u32],
+    b1: &[u32],
+    c: &mut [f32],
+    ldc: usize,
+    rows: usize,
+    width: usize,
+    load: bool,
+) {
+    let kl = a.len() / MR;
+    assert!(b0.len() == kl * amx::T && b1.len() == kl * amx::T);
+    if rows == MR && width == NR {
+        assert!(c.len() > (MR - 1) * ldc + NR - 1);
+        // SAFETY: available() was checked by multiply; a holds kl·MR pairs, b0 and b1
+        // kl·16 each (asserted), and c holds MR rows of NR at stride ldc (asserted).
+        unsafe {
+            x86::micro(
+                kl,
+                a.as_ptr(),
+                b0.as_ptr(),
+                b1.as_ptr(),
+                c.as_mut_ptr(),
+                ldc,
+                load,
+            )
+        };
+        return;
+    }
+    let mut tmp = [0.0f32; MR * NR];
+    if load {
+        for r in 0..rows {
+            tmp[r * NR..][..width].copy_from_slice(&c[r * ldc..][..width]);
+        }
+    }
+    // SAFETY: as above, with tmp: MR rows of NR at stride NR.
+    unsafe {
+        x86::micro(
+            kl,
+            a.as_ptr(),
+            b0.as_ptr(),
+            b1.as_ptr(),
+            tmp.as_mut_ptr(),
+            NR,
+            load,
+        )
+    };
+    for r in 0..rows {
+        c[r * ldc..][..width].copy_from_slice(&tmp[r * NR..][..width]);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::MR;
+    use std::arch::x86_64::*;
+
+    /// The register block: `c[r][0..32] (=|+=) Σ_p a[p][r] · (b0[p] | b1[p])` over `kl`
+    /// pairs, 24 accumulators (MR rows × two 16-lane halves).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F and AVX512-BF16; `a` holds `kl · MR` pairs, `b0` and `b1`
+    /// `kl · 16` each; `c` holds MR rows of 32 floats at stride `ldc`.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn micro(
+        kl: usize,
+        a: *const u32,
+        b0: *const u32,
+        b1: *const u32,
+        c: *mut f32,
+        ldc: usize,
+        load: bool,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+        if load {
+            for (r, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: row r of c is in bounds (caller).
+                unsafe {
+                    acc[0] = _mm512_loadu_ps(c.add(r * ldc));
+                    acc[1] = _mm512_loadu_ps(c.add(r * ldc + 16));
+                }
+            }
+        }
+        for p in 0..kl {
+            // SAFETY: pair row p < kl of b0, b1 and of the A panel (caller).
+            unsafe {
+                let x0: __m512bh = std::mem::transmute(_mm512_loadu_si512(b0.add(p * 16).cast()));
+                let x1: __m512bh = std::mem::transmute(_mm512_loadu_si512(b1.add(p * 16).cast()));
+                let ar = a.add(p * MR);
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let y: __m512bh = std::mem::transmute(_mm512_set1_epi32(*ar.add(r) as i32));
+                    acc[0] = _mm512_dpbf16_ps(acc[0], y, x0);
+                    acc[1] = _mm512_dpbf16_ps(acc[1], y, x1);
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            // SAFETY: row r of c is in bounds (caller).
+            unsafe {
+                _mm512_storeu_ps(c.add(r * ldc), acc[0]);
+                _mm512_storeu_ps(c.add(r * ldc + 16), acc[1]);
+            }
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+mod x86 {
+    /// Never called: [`super::available`] is false off x86-64.
+    ///
+    /// # Safety
+    /// None needed; it panics.
+    pub(super) unsafe fn micro(
+        _: usize,
+        _: *const u32,
+        _: *const u32,
+        _: *const u32,
+        _: *mut f32,
+        _: usize,
+        _: bool,
+    ) {
+        unreachable!("AVX512-BF16 is x86-64 only")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::bf16::testcases::*;
+    use crate::kernels::matmul::matmul as f32_gemm;
+    use crate::kernels::testutil::*;
+
+    fn usable() -> bool {
+        if !available() {
+            eprintln!("AVX512-BF16 kernel not tested: no AVX512-BF16 on this CPU");
+        }
+        available()
+    }
+
+    #[test]
+    fn dpbf16_matches_an_f64_reference_on_odd_shapes() {
+        if !usable() {
+            return;
+        }
+        odd_shapes(matmul);
+        // Several k blocks (KB pairs) and row and column tasks, ragged everywhere; the
+        // later k blocks add to what the first wrote, accumulating or not.
+        check(matmul, [205, 1029, 99], [true, false], true);
+        check(matmul, [99, 1029, 205], [false, true], false);
+    }
+
+    #[test]
+    fn dpbf16_reads_strided_views_and_rounds_its_inputs() {
+        if !usable() {
+            return;
+        }
+        strided_views(matmul);
+        // An A with neither stride 1 (packed element by element), k odd.
+        let (m, k, n) = (30, 41, 35);
+        let store = rounded(2 * m * k, 6);
+        let a = Mat {
+            data: &store,
+            rows: m,
+            cols: k,
+            rs: 2,
+            cs: 2 * m,
+        };
+        let b = rounded(k * n, 7);
+        let b = Mat::new(&b, k, n);
+        let mut got = vec![0.0; m * n];
+        matmul(&mut got, a, b, false);
+        assert_close("A strided", &got, &reference(&got, a, b, false), 0.0, 1e-4);
+        non_bf16_inputs_round(matmul);
+        empty_inner_dimension(matmul);
+    }
+
+    #[test]
+    fn a_b_packed_beforehand_gives_the_same_bits() {
+        if !usable() {
+            return;
+        }
+        let dims = [70, 300, 90];
+        let (a, b) = (rounded(70 * 300, 1), rounded(300 * 90, 2));
+        let [am, bm] = views(&a, &b, dims, [false, true]);
+        let mut packed = PackedB::default();
+        packed.pack(bm);
+        let prior = rand_vec(70 * 90, 3);
+        let (mut x, mut y) = (prior.clone(), prior);
+        matmul(&mut x, am, bm, true);
+        matmul_packed(&mut y, am, &packed, true);
+        assert_eq!(x, y);
+    }
+
+    #[test]
+    fn results_do_not_depend_on_the_thread_count() {
+        // Tasks own disjoint blocks of C and add the k blocks in a fixed order.
+        if !usable() {
+            return;
+        }
+        let (m, k, n) = (260, 600, 300);
+        let (a, b) = (rounded(m * k, 6), rounded(k * n, 7));
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let mut out = vec![0.0; m * n];
+            pool.install(|| matmul(&mut out, Mat::new(&a, m, k), Mat::new(&b, k, n), false));
+            out
+        };
+        let one = run(1);
+        assert_eq!(one, run(2));
+        assert_eq!(one, run(5));
+        assert_eq!(one, run(1), "a repeat");
+    }
+
+    /// Timing, not correctness: `cargo test --release --lib dpbf16_speed -- --ignored
+    /// --nocapture`. Alternates the f32 GEMM and this kernel (packing included) on
+    /// GPT-2 124M's products (B·T = 1024; the classifier's 256-row chunks).
+    #[test]
+    #[ignore]
+    fn dpbf16_speed() {
+        if !usable() {
+            return;
+        }
+        let shapes = [
+            ("qkv fwd  x·Wᵀ", 1024, 768, 2304, false, true),
+            ("proj fwd x·Wᵀ", 1024, 768, 768, false, true),
+            ("fc fwd   x·Wᵀ", 1024, 768, 3072, false, true),
+            ("mlp fwd  x·Wᵀ", 1024, 3072, 768, false, true),
+            ("qkv dx   dy·W", 1024, 2304, 768, false, false),
+            ("fc dx    dy·W", 1024, 3072, 768, false, false),
+            ("mlp dx   dy·W", 1024, 768, 3072, false, false),
+            ("qkv dW   dyᵀ·x", 2304, 1024, 768, true, false),
+            ("fc dW    dyᵀ·x", 3072, 1024, 768, true, false),
+            ("mlp dW   dyᵀ·x", 768, 1024, 3072, true, false),
+            ("cls fwd  x·wteᵀ", 256, 768, 50304, false, true),
+            ("cls dx   dl·wte", 256, 50304, 768, false, false),
+            ("cls dwte dlᵀ·x", 4096, 256, 768, true, false),
+        ];
+        let reps = std::env::var("DPBF16_REPS").map_or(5, |r| r.parse().unwrap());
+        // DPBF16_SHAPES=qkv,cls runs only the products whose names contain one of them.
+        let only = std::env::var("DPBF16_SHAPES").unwrap_or_default();
+        let picked = |name: &str| only.is_empty() || only.split(',').any(|s| name.contains(s));
+        for (name, m, k, n, ta, tb) in shapes.into_iter().filter(|s| picked(s.0)) {
+            let (a, b) = (rounded(m * k, 1), rounded(k * n, 2));
+            let [am, bm] = views(&a, &b, [m, k, n], [ta, tb]);
+            let mut out = vec![0.0; m * n];
+            matmul(&mut out, am, bm, false);
+            let mut packed = PackedB::default();
+            packed.pack(bm);
+            let mut t = [Vec::new(), Vec::new(), Vec::new()];
+            for _ in 0..reps {
+                let s = std::time::Instant::now();
+                f32_gemm(&mut out, am, bm, false);
+                t[0].push(s.elapsed().as_secs_f64());
+                let s = std::time::Instant::now();
+                matmul(&mut out, am, bm, false);
+                t[1].push(s.elapsed().as_secs_f64());
+                let s = std::time::Instant::now();
+                matmul_packed(&mut out, am, &packed, false);
+                t[2].push(s.elapsed().as_secs_f64());
+            }
+            let median = |t: &mut Vec<f64>| {
+                t.sort_by(f64::total_cmp);
+                t[t.len() / 2]
+            };
+            let flop = 2.0 * (m * n * k) as f64 / 1e9;
+            let [f, d, p] = t.map(|mut t| flop / median(&mut t));
+            println!(
+                "{name:<16} {m:>5}×{k:>5}×{n:>5}: f32 GEMM {f:>6.1}, AVX512-BF16 {d:>6.1} \
+                 ({p:>6.1} with B packed before) GFLOP/s, {:.2}× (medians of {reps}, alternating)",
+                d / f
+            );
+        }
+    }
+}
