@@ -9,9 +9,9 @@ use crate::fsutil::{temp_target, write_atomic, write_bytes_atomic};
 use crate::model::{ModelConfig, ParamLayout, TensorInfo};
 use anyhow::{bail, Context, Result};
 use safetensors::tensor::{Dtype, TensorView};
-use safetensors::{SafeTensorError, SafeTensors};
+use safetensors::SafeTensors;
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
@@ -186,7 +186,7 @@ pub fn save_to(
         }
     }
     let state_json = serde_json::to_string(state)?;
-    let metadata = HashMap::from([
+    let metadata = BTreeMap::from([
         ("format".to_string(), FORMAT.to_string()),
         ("state".to_string(), state_json),
     ]);
@@ -200,12 +200,9 @@ pub fn save_to(
         )
     };
     write_atomic(dest, |tmp| {
-        safetensors::serialize_to_file(views, &Some(metadata), tmp)
-            .map_err(|e| match e {
-                // The OS's own words ("No space left on device (os error 28)").
-                SafeTensorError::IoError(io) => anyhow::Error::new(io),
-                other => anyhow::anyhow!("{other}"),
-            })
+        // The OS's own words ("No space left on device (os error 28)").
+        crate::tensor_file::write(views, &metadata, tmp)
+            .map_err(anyhow::Error::new)
             .with_context(|| format!("cannot write {}", tmp.display()))?;
         crate::fault::during_checkpoint(state.iter_num, tmp);
         Ok(())
