@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 mod common;
-use common::{command, ok, read_json, refused, run, succeeds, temp_dir};
+use common::{command, ok, prepare_gpt2_text, read_json, refused, run, succeeds, temp_dir};
 
 const FIXTURES: [&str; 3] = ["tiny_a", "tiny_b_legacy", "tiny_c_sharded"];
 
@@ -937,21 +937,7 @@ fn fine_tune_from_a_hugging_face_directory_then_export() {
         &root.join("pretrained"),
     )
     .unwrap();
-    let text = "To be, or not to be, that is the question:\n".repeat(60);
-    std::fs::write(root.join("text.txt"), &text).unwrap();
-    ok(
-        root,
-        &[
-            "prepare",
-            "text.txt",
-            "--out",
-            "data",
-            "--tokenizer",
-            "gpt2",
-            "--val-fraction",
-            "0.2",
-        ],
-    );
+    prepare_gpt2_text(root, 60);
     let args = [
         "train",
         "init_from=pretrained",
