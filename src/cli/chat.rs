@@ -1,30 +1,22 @@
 //! `nanogpt chat`: talk with an instruction-tuned model over stdin and stdout.
 
 use crate::chat::{ChatTemplate, Conversation};
-use crate::cli::sample::{Sampling, StopText, Stops};
+use crate::cli::sample::{ModelArgs, Sampling, StopText, Stops};
 use crate::console::exit_if_closed;
 use crate::data::instruct::instruct_eot;
 use crate::data::Tokenizer;
 use crate::model::decode::Decoder;
 use crate::model::ParamLayout;
-use crate::model_source::{load_model_with_adapter, LoadedModel};
+use crate::model_source::LoadedModel;
 use crate::sample::{generate_in, SampleOptions};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::io::{BufRead, IsTerminal, Write};
-use std::path::PathBuf;
 
 #[derive(Args, Debug)]
 pub struct ChatArgs {
-    /// The training run to talk to.
-    #[arg(long, default_value = "out")]
-    pub out_dir: PathBuf,
-    /// Another model source instead of --out-dir.
-    #[arg(long, conflicts_with = "out_dir")]
-    pub init_from: Option<String>,
-    /// A PEFT LoRA adapter directory to merge into the model (its base).
-    #[arg(long)]
-    pub adapter: Option<PathBuf>,
+    #[command(flatten)]
+    pub model: ModelArgs,
     /// The template the model was fine-tuned with.
     #[arg(long, default_value = "chat")]
     pub template: TemplateArg,
@@ -50,11 +42,8 @@ pub fn run(args: ChatArgs) -> Result<()> {
     if args.max_new_tokens == 0 {
         bail!("--max-new-tokens must be at least 1");
     }
-    let src = args
-        .init_from
-        .clone()
-        .unwrap_or_else(|| args.out_dir.to_string_lossy().into_owned());
-    let loaded = load_model_with_adapter(&src, args.adapter.as_deref())?;
+    let src = args.model.source();
+    let loaded = args.model.load()?;
     let interactive = std::io::stdin().is_terminal();
     if interactive {
         crate::errln!("chatting with {src}; /exit or Ctrl-D ends");
@@ -220,9 +209,11 @@ mod tests {
 
     fn args(dtype: &str) -> ChatArgs {
         ChatArgs {
-            out_dir: "unused".into(),
-            init_from: None,
-            adapter: None,
+            model: ModelArgs {
+                out_dir: "unused".into(),
+                init_from: None,
+                adapter: None,
+            },
             template: TemplateArg::Chat,
             system: None,
             max_new_tokens: 6,
