@@ -11,7 +11,7 @@ use anyhow::{bail, Context, Result};
 use safetensors::tensor::Dtype;
 use safetensors::SafeTensors;
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -259,7 +259,7 @@ impl TensorSource for Held<'_> {
 /// every tensor of [`file_order`] even when the write fails early, so that ranks
 /// gathering the tensors for it stay in step. Refuses non-finite parameters or
 /// moments (the previous file is kept): a checkpoint must always be worth resuming
-/// from. The bytes are those `safetensors::serialize_to_file` writes.
+/// from. The bytes are those [`crate::tensor_file::write`] writes.
 pub fn save_streamed(
     dest: &Path,
     state: &CheckpointState,
@@ -269,7 +269,7 @@ pub fn save_streamed(
 ) -> Result<()> {
     let order = file_order(layout, moments);
     let state_json = serde_json::to_string(state)?;
-    let metadata = HashMap::from([
+    let metadata = BTreeMap::from([
         ("format".to_string(), FORMAT.to_string()),
         ("state".to_string(), state_json),
     ]);
@@ -343,16 +343,18 @@ fn key(e: Entry) -> (Array, usize) {
 fn header_bytes(
     layout: &ParamLayout,
     order: &[Entry],
-    metadata: &HashMap<String, String>,
+    metadata: &BTreeMap<String, String>,
 ) -> Result<Vec<u8>> {
-    let shapes = order.iter().map(|e| {
-        let t = &layout.tensors[e.tensor];
-        (format!("{}{}", e.array.prefix(), t.name), ShapeOnly(t))
-    });
-    let bytes = safetensors::serialize(shapes, &Some(metadata.clone()))
+    let shapes: Vec<_> = order
+        .iter()
+        .map(|e| {
+            let t = &layout.tensors[e.tensor];
+            (format!("{}{}", e.array.prefix(), t.name), ShapeOnly(t))
+        })
+        .collect();
+    let bytes = crate::tensor_file::prefix(&shapes, metadata)
         .map_err(|e| anyhow::anyhow!("cannot lay out the checkpoint: {e}"))?;
-    // The crate appended each tensor's (empty) data after the header: the header is
-    // all there is, and its offsets follow `order`, as `file_order` promises.
+    // The header's offsets follow `order`, as `file_order` promises.
     debug_assert!(header_order_is(&bytes, order, layout));
     Ok(bytes)
 }
@@ -808,7 +810,7 @@ mod tests {
                     views.push((format!("{V_PREFIX}{}", t.name), view(v)));
                 }
             }
-            let metadata = HashMap::from([
+            let metadata = std::collections::HashMap::from([
                 ("format".to_string(), FORMAT.to_string()),
                 ("state".to_string(), serde_json::to_string(&state).unwrap()),
             ]);

@@ -28,5 +28,6 @@ pub mod profile;
 pub mod progress;
 pub mod sample;
 pub mod shutdown;
+pub mod tensor_file;
 pub mod threads;
 pub mod train;

@@ -8,6 +8,6 @@ fn main() {
         // fix); in a multi-rank job it names the rank and aborts every rank.
         Err(err) => nanogpt::dist::fail(&err),
     };
-    nanogpt::dist::finish();
+    nanogpt::dist::finish(code);
     std::process::exit(code)
 }

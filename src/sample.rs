@@ -34,8 +34,9 @@ pub struct SampleOptions {
     /// sequence (prompt included) is divided by it when positive, multiplied when
     /// negative. `1.0` is off.
     pub repetition_penalty: f32,
-    /// Read the matmul weights in bf16 (rounded once per call to [`generate`]): half
-    /// the bytes per token; see [`Decoder::with_bf16_weights`].
+    /// Read the matmul weights in bf16 (rounded once per call to [`generate`], or once
+    /// per kept decoder with [`generate_in`]): half the bytes per token; see
+    /// [`Decoder::with_bf16_weights`].
     pub bf16_weights: bool,
 }
 
@@ -89,6 +90,37 @@ pub fn generate_until(
     config: &ModelConfig,
     prompt: &[u32],
     opts: &SampleOptions,
+    on_token: impl FnMut(usize, u32) -> bool,
+) -> Vec<Vec<u32>> {
+    assert!(!prompt.is_empty(), "generation needs a non-empty prompt");
+    let b = opts.num_samples;
+    if b == 0 || opts.max_new_tokens == 0 {
+        return vec![Vec::new(); b];
+    }
+    // The longest context ever fed: the prompt and all but the last new token, cropped.
+    let longest = (prompt.len() + opts.max_new_tokens - 1).min(config.block_size);
+    let mut dec = Decoder::new(config, b, longest);
+    if opts.bf16_weights {
+        dec = dec.with_bf16_weights(params);
+    }
+    generate_in(&mut dec, params, layout, config, prompt, opts, on_token)
+}
+
+/// [`generate_until`] on a decoder the caller keeps from one call to the next (a chat
+/// session), so that its caches and its bf16 weight copy are made once, not per call.
+/// Whatever it had cached is forgotten first.
+///
+/// # Panics
+/// As [`generate_until`]; also if `dec` does not decode `num_samples` sequences, is
+/// shorter than the prompt and the new tokens (cropped to the block) need, or reads
+/// bf16 weights when `opts` does not ask for them (or the reverse).
+pub fn generate_in(
+    dec: &mut Decoder,
+    params: &[f32],
+    layout: &ParamLayout,
+    config: &ModelConfig,
+    prompt: &[u32],
+    opts: &SampleOptions,
     mut on_token: impl FnMut(usize, u32) -> bool,
 ) -> Vec<Vec<u32>> {
     assert!(!prompt.is_empty(), "generation needs a non-empty prompt");
@@ -97,12 +129,20 @@ pub fn generate_until(
         return vec![Vec::new(); b];
     }
     let block = config.block_size;
-    // The longest context ever fed: the prompt and all but the last new token, cropped.
     let longest = (prompt.len() + opts.max_new_tokens - 1).min(block);
-    let mut dec = Decoder::new(config, b, longest);
-    if opts.bf16_weights {
-        dec = dec.with_bf16_weights(params);
-    }
+    assert!(
+        dec.batch() == b && dec.max_len() >= longest,
+        "the decoder holds {}×{} positions, generation needs {b}×{longest}",
+        dec.batch(),
+        dec.max_len()
+    );
+    assert_eq!(
+        dec.reads_bf16_weights(),
+        opts.bf16_weights,
+        "the decoder's weight precision is not the options'"
+    );
+    // A cache left by an earlier call must not be mistaken for this prompt's.
+    dec.reset();
     let mut sampler = Sampler::new(config.vocab_size, opts.temperature, opts.top_k)
         .with_top_p(opts.top_p)
         .with_repetition_penalty(opts.repetition_penalty);
@@ -119,7 +159,7 @@ pub fn generate_until(
     // Where each sequence stopped (its length then), if it did.
     let mut stopped: Vec<Option<usize>> = vec![None; b];
     for _ in 0..opts.max_new_tokens {
-        let logits = next_logits(&mut dec, params, layout, &seqs, block, &mut window);
+        let logits = next_logits(dec, params, layout, &seqs, block, &mut window);
         for (i, (row, seq)) in logits
             .chunks_exact(config.vocab_size)
             .zip(&mut seqs)
@@ -387,6 +427,29 @@ mod tests {
 
     fn run(gpt: &Gpt, prompt: &[u32], o: &SampleOptions) -> Vec<Vec<u32>> {
         generate(&gpt.params, &gpt.layout, gpt.config(), prompt, o, |_, _| {})
+    }
+
+    #[test]
+    fn a_kept_decoder_samples_as_a_fresh_one() {
+        let mut gpt = random_gpt(small(true), 1, 13);
+        // Sharper than random weights' flat distributions, so that draws depend on
+        // the whole context.
+        gpt.params.iter_mut().for_each(|p| *p *= 4.0);
+        let (params, layout, cfg) = (&gpt.params, &gpt.layout, gpt.config());
+        let o = opts(1.0, None, 5);
+        let mut dec = Decoder::new(cfg, 3, cfg.block_size);
+        let first = generate_in(&mut dec, params, layout, cfg, &[1, 2], &o, |_, _| false);
+        assert_eq!(first, run(&gpt, &[1, 2], &o));
+        // The decoder now caches 13 positions: a prompt of 14 must not be read as one
+        // new token after them.
+        assert_eq!(dec.len(), 13);
+        let prompt: Vec<u32> = (20..34).collect();
+        let o = SampleOptions {
+            max_new_tokens: 2,
+            ..o
+        };
+        let second = generate_in(&mut dec, params, layout, cfg, &prompt, &o, |_, _| false);
+        assert_eq!(second, run(&gpt, &prompt, &o));
     }
 
     #[test]

@@ -5,7 +5,10 @@
 use std::path::Path;
 
 mod common;
-use common::{command, fails, fixture, metric, ok, read_json, refused, run, succeeds, temp_dir};
+use common::{
+    command, fails, fixture, metric, ok, prepare_gpt2_text, read_json, refused, run, succeeds,
+    temp_dir,
+};
 use common::{TINY_BATCH, TINY_MODEL, TINY_SHAKESPEARE};
 
 /// Adapters on every kind of layer, with both dropouts on, every step logged.
@@ -151,17 +154,7 @@ fn a_changed_base_is_refused() {
         nanogpt::hf::export(&model.params, model.config(), kind, &d.join("base")).unwrap();
     };
     write_base(1);
-    let text = "To be, or not to be, that is the question:\n".repeat(40);
-    std::fs::write(d.join("text.txt"), text).unwrap();
-    let prepare = [
-        "prepare",
-        "text.txt",
-        "--out",
-        "data",
-        "--tokenizer",
-        "gpt2",
-    ];
-    ok(d, &[&prepare[..], &["--val-fraction", "0.2"]].concat());
+    prepare_gpt2_text(d, 40);
     let args = [
         "train",
         "init_from=base",

@@ -1,29 +1,22 @@
 //! `nanogpt chat`: talk with an instruction-tuned model over stdin and stdout.
 
 use crate::chat::{ChatTemplate, Conversation};
-use crate::cli::sample::{Sampling, StopText, Stops};
+use crate::cli::sample::{ModelArgs, Sampling, StopText, Stops};
 use crate::console::exit_if_closed;
 use crate::data::instruct::instruct_eot;
 use crate::data::Tokenizer;
+use crate::model::decode::Decoder;
 use crate::model::ParamLayout;
-use crate::model_source::load_model_with_adapter;
-use crate::sample::{generate_until, SampleOptions};
+use crate::model_source::LoadedModel;
+use crate::sample::{generate_in, SampleOptions};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::io::{BufRead, IsTerminal, Write};
-use std::path::PathBuf;
 
 #[derive(Args, Debug)]
 pub struct ChatArgs {
-    /// The training run to talk to.
-    #[arg(long, default_value = "out")]
-    pub out_dir: PathBuf,
-    /// Another model source instead of --out-dir.
-    #[arg(long, conflicts_with = "out_dir")]
-    pub init_from: Option<String>,
-    /// A PEFT LoRA adapter directory to merge into the model (its base).
-    #[arg(long)]
-    pub adapter: Option<PathBuf>,
+    #[command(flatten)]
+    pub model: ModelArgs,
     /// The template the model was fine-tuned with.
     #[arg(long, default_value = "chat")]
     pub template: TemplateArg,
@@ -49,11 +42,32 @@ pub fn run(args: ChatArgs) -> Result<()> {
     if args.max_new_tokens == 0 {
         bail!("--max-new-tokens must be at least 1");
     }
-    let src = args
-        .init_from
-        .clone()
-        .unwrap_or_else(|| args.out_dir.to_string_lossy().into_owned());
-    let loaded = load_model_with_adapter(&src, args.adapter.as_deref())?;
+    let src = args.model.source();
+    let loaded = args.model.load()?;
+    let interactive = std::io::stdin().is_terminal();
+    if interactive {
+        crate::errln!("chatting with {src}; /exit or Ctrl-D ends");
+    }
+    let input = std::io::stdin().lock();
+    converse(
+        &args,
+        &loaded,
+        input,
+        &mut std::io::stdout().lock(),
+        interactive,
+    )
+}
+
+/// The conversation: one message per line of `input`, each reply streamed to `out`
+/// (with a `> ` prompt on stderr when `interactive`). One decoder serves every reply,
+/// so its caches and its bf16 weight copy are made once per session.
+fn converse(
+    args: &ChatArgs,
+    loaded: &LoadedModel,
+    input: impl BufRead,
+    out: &mut impl Write,
+    interactive: bool,
+) -> Result<()> {
     let tokenizer = Tokenizer::from_meta(&loaded.meta)?;
     let eot = instruct_eot(&tokenizer)?;
     let layout = ParamLayout::new(&loaded.config);
@@ -69,11 +83,11 @@ pub fn run(args: ChatArgs) -> Result<()> {
     };
     // Half the block at most is kept for the reply; the rest holds the history.
     let budget = block - args.max_new_tokens.min(block / 2);
-    let interactive = std::io::stdin().is_terminal();
-    if interactive {
-        crate::errln!("chatting with {src}; /exit or Ctrl-D ends");
+    let mut decoder = Decoder::new(&loaded.config, 1, block);
+    if args.sampling.options(1, 1, 0).bf16_weights {
+        decoder = decoder.with_bf16_weights(&loaded.params);
     }
-    let mut lines = std::io::stdin().lock().lines();
+    let mut lines = input.lines();
     loop {
         if interactive {
             eprint!("> ");
@@ -105,35 +119,49 @@ pub fn run(args: ChatArgs) -> Result<()> {
         }
         let seed = args.sampling.seed.wrapping_add(conversation.turns() as u64);
         let opts = args.sampling.options(1, args.max_new_tokens, seed);
+        let model = Model {
+            params: &loaded.params,
+            layout: &layout,
+            config: &loaded.config,
+        };
         let reply = reply(
-            &loaded.params,
-            &layout,
-            &loaded.config,
+            model,
+            &mut decoder,
             &context.ids,
             &opts,
             &tokenizer,
             &stops,
+            out,
         )?;
         conversation.push(message.to_string(), reply);
     }
     Ok(())
 }
 
-/// Generates and streams one reply; returns its text (without the stop).
+/// The model a reply is generated with.
+#[derive(Clone, Copy)]
+struct Model<'a> {
+    params: &'a [f32],
+    layout: &'a ParamLayout,
+    config: &'a crate::model::ModelConfig,
+}
+
+/// Generates and streams one reply on the session's decoder; returns its text
+/// (without the stop).
 fn reply(
-    params: &[f32],
-    layout: &ParamLayout,
-    config: &crate::model::ModelConfig,
+    model: Model,
+    decoder: &mut Decoder,
     ids: &[u32],
     opts: &SampleOptions,
     tokenizer: &Tokenizer,
     stops: &Stops,
+    out: &mut impl Write,
 ) -> Result<String> {
-    let mut out = std::io::stdout().lock();
     let mut print = |text: &str| exit_if_closed(write!(out, "{text}").and_then(|()| out.flush()));
     let mut text = StopText::new(tokenizer);
     let mut streamed = Ok(());
-    generate_until(params, layout, config, ids, opts, |_, token| {
+    let (params, layout, config) = (model.params, model.layout, model.config);
+    generate_in(decoder, params, layout, config, ids, opts, |_, token| {
         let stop = text.push(token, stops);
         if streamed.is_ok() {
             streamed = print(text.take_printable(stops));
@@ -144,4 +172,81 @@ fn reply(
     let whole = text.whole();
     print(&format!("{}\n", text.finish()))?;
     Ok(whole)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::sample::Sampling;
+    use crate::data::{Meta, TokenizerKind};
+    use crate::model::decode::bf16_copies_on_this_thread;
+    use crate::model::decode::tests::{random_gpt, small};
+
+    /// A random tiny model whose characters cover the chat template.
+    fn chat_model() -> LoadedModel {
+        let mut chars: Vec<char> = "<|>systemuserassistant\nhi ?\u{3}".chars().collect();
+        chars.sort_unstable();
+        chars.dedup();
+        let chars: String = chars.into_iter().collect();
+        let mut config = small(false);
+        config.block_size = 64;
+        config.vocab_size = chars.chars().count();
+        let gpt = random_gpt(config, 1, 5);
+        let meta = Meta {
+            tokenizer: TokenizerKind::Char,
+            vocab_size: chars.chars().count(),
+            train_tokens: 0,
+            val_tokens: 0,
+            chars: Some(chars),
+            source: String::new(),
+        };
+        LoadedModel {
+            config: gpt.config().clone(),
+            params: gpt.params.clone(),
+            meta,
+        }
+    }
+
+    fn args(dtype: &str) -> ChatArgs {
+        ChatArgs {
+            model: ModelArgs {
+                out_dir: "unused".into(),
+                init_from: None,
+                adapter: None,
+            },
+            template: TemplateArg::Chat,
+            system: None,
+            max_new_tokens: 6,
+            sampling: Sampling {
+                temperature: 1.0,
+                top_k: 0,
+                seed: 3,
+                threads: 0,
+                top_p: None,
+                repetition_penalty: 1.0,
+                // One line per reply, however it ends.
+                stop: vec!["\n".into()],
+                dtype: dtype.into(),
+            },
+        }
+    }
+
+    #[test]
+    fn a_bf16_session_rounds_the_weights_once_for_every_reply() {
+        let model = chat_model();
+        let before = bf16_copies_on_this_thread();
+        let mut out = Vec::new();
+        let input = "hi\nhi?\nhis\n".as_bytes();
+        converse(&args("bfloat16"), &model, input, &mut out, false).unwrap();
+        let replies = String::from_utf8(out).unwrap();
+        assert_eq!(replies.matches('\n').count(), 3, "{replies:?}");
+        assert_eq!(
+            bf16_copies_on_this_thread() - before,
+            1,
+            "one copy per session"
+        );
+        // f32 makes none.
+        converse(&args("float32"), &model, input, &mut Vec::new(), false).unwrap();
+        assert_eq!(bf16_copies_on_this_thread() - before, 1);
+    }
 }

@@ -4,7 +4,7 @@ use crate::console::exit_if_closed;
 use crate::data::instruct::{alpaca_prompt, instruct_eot, Role};
 use crate::data::{Meta, Tokenizer};
 use crate::model::{ModelConfig, ParamLayout};
-use crate::model_source::load_model_with_adapter;
+use crate::model_source::{load_model_with_adapter, LoadedModel};
 use crate::sample::{generate_until, SampleOptions};
 use crate::train::Trainer;
 use anyhow::{bail, Context, Result};
@@ -15,15 +15,8 @@ use std::path::PathBuf;
 /// nanoGPT sample.py's defaults.
 #[derive(Args, Debug)]
 pub struct SampleArgs {
-    /// The training run to sample from.
-    #[arg(long, default_value = "out")]
-    pub out_dir: PathBuf,
-    /// Another model source instead of --out-dir.
-    #[arg(long, conflicts_with = "out_dir")]
-    pub init_from: Option<String>,
-    /// A PEFT LoRA adapter directory to merge into the model (its base).
-    #[arg(long)]
-    pub adapter: Option<PathBuf>,
+    #[command(flatten)]
+    pub model: ModelArgs,
     /// The prompt, or FILE:path to read it from a file.
     #[arg(long, default_value = "\n")]
     pub start: String,
@@ -37,6 +30,34 @@ pub struct SampleArgs {
     /// (Stanford Alpaca's prompt, no input) or chat (`<|user|>` … `<|assistant|>`).
     #[arg(long, default_value = "none")]
     pub template: Template,
+}
+
+/// The model to generate with: the options `sample` and `chat` share.
+#[derive(Args, Debug)]
+pub struct ModelArgs {
+    /// The training run whose model to use.
+    #[arg(long, default_value = "out")]
+    pub out_dir: PathBuf,
+    /// Another model source instead of --out-dir.
+    #[arg(long, conflicts_with = "out_dir")]
+    pub init_from: Option<String>,
+    /// A PEFT LoRA adapter directory to merge into the model (its base).
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
+}
+
+impl ModelArgs {
+    /// Where the model comes from: --init-from, else --out-dir.
+    pub fn source(&self) -> String {
+        self.init_from
+            .clone()
+            .unwrap_or_else(|| self.out_dir.to_string_lossy().into_owned())
+    }
+
+    /// The model, with the adapter merged in.
+    pub fn load(&self) -> Result<LoadedModel> {
+        load_model_with_adapter(&self.source(), self.adapter.as_deref())
+    }
 }
 
 /// How tokens are drawn: the options `sample` and `chat` share.
@@ -146,11 +167,7 @@ pub fn run(args: SampleArgs) -> Result<()> {
     let sampling = &args.sampling;
     crate::threads::init_pool(sampling.threads, 1)?;
     sampling.check()?;
-    let src = args
-        .init_from
-        .clone()
-        .unwrap_or_else(|| args.out_dir.to_string_lossy().into_owned());
-    let loaded = load_model_with_adapter(&src, args.adapter.as_deref())?;
+    let loaded = args.model.load()?;
     let prompt = args.template.wrap(&read_prompt(&args.start)?);
     let opts = sampling.options(args.num_samples, args.max_new_tokens, sampling.seed);
     let eot = match args.template {

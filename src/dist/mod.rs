@@ -26,7 +26,7 @@ mod mpi;
 pub use parallel::{save_buffer_len, CommReport, DataParallel};
 pub use plan::{Bucket, GradPlan};
 pub use update::{clip_and_step, StepSettings, Update};
-pub use watchdog::Watchdog;
+pub use watchdog::{leave_if_stuck, Watchdog};
 
 use anyhow::Result;
 use std::ops::Range;
@@ -402,11 +402,14 @@ pub fn abort_job(code: i32) -> ! {
     std::process::exit(code)
 }
 
-/// Shuts MPI down after a successful run (a no-op without MPI). Call once, after
-/// every [`Collective`] has been dropped.
-pub fn finish() {
+/// Shuts MPI down after a run that ends with `code` (a no-op without MPI); should
+/// that hang, the process still leaves with `code`. Call once, after every
+/// [`Collective`] has been dropped.
+pub fn finish(code: i32) {
     #[cfg(feature = "mpi")]
-    mpi::finalize();
+    mpi::finalize(code);
+    #[cfg(not(feature = "mpi"))]
+    let _ = code;
 }
 
 #[cfg(test)]

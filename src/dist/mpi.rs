@@ -347,7 +347,8 @@ pub fn abort_world(code: i32) -> ! {
 const FINALIZE_GRACE: Duration = Duration::from_secs(15);
 
 /// `MPI_Finalize`, if [`Mpi::init`] ran, under a timer: after [`FINALIZE_GRACE`]
-/// the process exits without it (the run's work is done and written by then).
+/// the process exits without it, with `code`, the status the run meant (the run's
+/// work is done and written by then).
 ///
 /// MPICH across hosts skips `MPI_Finalize` after a barrier. Debian's MPICH 4.0.2
 /// (ch4 over UCX) hangs in it in about half of the multi-host runs, even right after
@@ -357,22 +358,14 @@ const FINALIZE_GRACE: Duration = Duration::from_secs(15);
 /// passed on, no messages), whereas a rank that gives up on a hung `MPI_Finalize`
 /// breaks its proxy's PMI barrier and Hydra reports the job as failed.
 /// `NANOGPT_MPI_FINALIZE=1` calls it anyway (to reproduce the hang).
-pub fn finalize() {
+pub fn finalize(code: i32) {
     let universe = UNIVERSE.lock().unwrap_or_else(|e| e.into_inner()).take();
     let Some(universe) = universe else {
         return;
     };
-    let _ = std::thread::Builder::new()
-        .name("finalize-watchdog".into())
-        .spawn(|| {
-            std::thread::sleep(FINALIZE_GRACE);
-            eprintln!(
-                "warning: MPI_Finalize has not returned after {} s (a known hang of some \
-                 MPI versions); the run is complete, exiting without it",
-                FINALIZE_GRACE.as_secs()
-            );
-            std::process::exit(0);
-        });
+    super::watchdog::leave_if_stuck(FINALIZE_GRACE, "MPI_Finalize", code, |code| {
+        std::process::exit(code)
+    });
     if skips_finalize() {
         universe.world().barrier();
         // Dropping the universe would call MPI_Finalize.

@@ -164,10 +164,47 @@ fn watch(state: &State) {
     }
 }
 
+/// Guards a shutdown step that may hang (`MPI_Finalize`): after `grace`, unless the
+/// process has ended, prints a warning and calls `leave` with `code`, the status the
+/// run meant: 0, or a signal stop's 130, 143 or 138, which must reach the launcher
+/// even when the step hangs.
+pub fn leave_if_stuck(
+    grace: Duration,
+    what: &'static str,
+    code: i32,
+    leave: impl FnOnce(i32) + Send + 'static,
+) {
+    let _ = std::thread::Builder::new()
+        .name("finalize-watchdog".into())
+        .spawn(move || {
+            std::thread::sleep(grace);
+            crate::errln!(
+                "warning: {what} has not returned after {} s (a known hang of some MPI \
+                 versions); the run is complete, exiting without it (status {code})",
+                grace.as_secs()
+            );
+            leave(code)
+        });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::sync::mpsc;
+
+    #[test]
+    fn a_stuck_shutdown_leaves_with_the_runs_status() {
+        let (tx, rx) = mpsc::channel();
+        leave_if_stuck(
+            Duration::from_millis(10),
+            "MPI_Finalize",
+            138,
+            move |code| {
+                let _ = tx.send(code);
+            },
+        );
+        assert_eq!(rx.recv_timeout(Duration::from_secs(5)), Ok(138));
+    }
 
     #[test]
     fn fires_only_for_a_wait_longer_than_the_timeout() {

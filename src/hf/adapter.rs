@@ -16,7 +16,7 @@ use anyhow::{bail, Context, Result};
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 use serde_json::{json, Value};
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::path::Path;
 
 /// PEFT's prefix of a GPT2LMHeadModel's adapter keys.
@@ -194,10 +194,10 @@ pub fn write_adapter(
         let view = TensorView::new(Dtype::F32, t.shape.clone(), data)?;
         views.push((format!("{PREFIX}{}", t.name), view));
     }
-    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
     let path = dir.join(WEIGHTS_FILE);
     write_atomic(&path, |tmp| {
-        safetensors::serialize_to_file(views, &Some(metadata), tmp)
+        crate::tensor_file::write(views, &metadata, tmp)
             .with_context(|| format!("cannot write {}", tmp.display()))
     })?;
     write_bytes_atomic(&dir.join(CONFIG_FILE), text.as_bytes())?;

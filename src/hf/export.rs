@@ -24,7 +24,7 @@ use anyhow::{bail, Context, Result};
 use safetensors::tensor::{Dtype, View};
 use safetensors::SafeTensors;
 use std::borrow::Cow;
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// The files an export writes (besides the tokenizer's).
@@ -149,7 +149,7 @@ fn write_files(
     dir: &Path,
 ) -> Result<()> {
     let tensors = hf_tensors(params, layout, cfg);
-    let metadata = HashMap::from([
+    let metadata = BTreeMap::from([
         ("format".to_string(), "pt".to_string()),
         (
             "producer".to_string(),
@@ -157,7 +157,7 @@ fn write_files(
         ),
     ]);
     write_atomic(&dir.join("model.safetensors"), |tmp| {
-        safetensors::serialize_to_file(tensors, &Some(metadata), tmp)
+        crate::tensor_file::write(tensors, &metadata, tmp)
             .with_context(|| format!("cannot write {}", tmp.display()))
     })?;
     let eot = gpt2_tokens.then_some(GPT2_EOT);

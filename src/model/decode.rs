@@ -81,6 +81,17 @@ pub struct Decoder {
     weights_bf16: Option<Vec<Bf16>>,
 }
 
+thread_local! {
+    /// bf16 weight copies made by [`Decoder::with_bf16_weights`] on this thread.
+    static BF16_COPIES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// How many bf16 weight copies this thread has made so far: a session that keeps its
+/// decoder (`nanogpt chat`) makes one, however many replies it generates (tested).
+pub fn bf16_copies_on_this_thread() -> usize {
+    BF16_COPIES.with(|n| n.get())
+}
+
 impl Decoder {
     /// A cache for `batch` sequences of up to `max_len` (≤ block_size) positions.
     ///
@@ -131,7 +142,13 @@ impl Decoder {
         let mut w = vec![Bf16::default(); params.len()];
         bf16::store(&mut w, params);
         self.weights_bf16 = Some(w);
+        BF16_COPIES.with(|n| n.set(n.get() + 1));
         self
+    }
+
+    /// Whether the matmuls read a bf16 copy of the weights.
+    pub fn reads_bf16_weights(&self) -> bool {
+        self.weights_bf16.is_some()
     }
 
     /// Feeds `p` new tokens per sequence and returns the logits of the last new

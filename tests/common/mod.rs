@@ -150,3 +150,20 @@ pub fn read_json(path: &Path) -> serde_json::Value {
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
+
+/// Writes `lines` copies of a line of Hamlet to `dir/text.txt` and prepares them with
+/// GPT-2's tokenizer into `dir/data` (a fifth for validation): the data of the tests
+/// that fine-tune GPT-2-vocabulary models.
+pub fn prepare_gpt2_text(dir: &Path, lines: usize) {
+    let text = "To be, or not to be, that is the question:\n".repeat(lines);
+    std::fs::write(dir.join("text.txt"), text).unwrap();
+    let args = [
+        "prepare",
+        "text.txt",
+        "--out",
+        "data",
+        "--tokenizer",
+        "gpt2",
+    ];
+    ok(dir, &[&args[..], &["--val-fraction", "0.2"]].concat());
+}
