@@ -366,12 +366,9 @@ mod x86 {
 mod tests {
     use super::*;
     use crate::kernels::bf16::round;
+    use crate::kernels::bf16::testcases::{rounded, same_bits_on_any_thread_count, views};
     use crate::kernels::matmul::matmul as f32_gemm;
     use crate::kernels::testutil::*;
-
-    fn rounded(n: usize, seed: u64) -> Vec<f32> {
-        rand_vec(n, seed).into_iter().map(round).collect()
-    }
 
     fn usable() -> bool {
         if !permitted() {
@@ -386,35 +383,11 @@ mod tests {
         permitted()
     }
 
-    /// `a` (m × k) and `b` (k × n) as the views linear_forward/backward pass: stored
-    /// transposed when asked.
-    fn views<'a>(
-        a: &'a [f32],
-        b: &'a [f32],
-        m: usize,
-        k: usize,
-        n: usize,
-        ta: bool,
-        tb: bool,
-    ) -> (Mat<'a>, Mat<'a>) {
-        let am = if ta {
-            Mat::new(a, k, m).t()
-        } else {
-            Mat::new(a, m, k)
-        };
-        let bm = if tb {
-            Mat::new(b, n, k).t()
-        } else {
-            Mat::new(b, k, n)
-        };
-        (am, bm)
-    }
-
     /// The AMX kernel against the f32 GEMM on the same bf16 values: equal up to
     /// summation order.
     fn check(m: usize, k: usize, n: usize, ta: bool, tb: bool, acc: bool) {
         let (a, b) = (rounded(m * k, 1), rounded(k * n, 2));
-        let (am, bm) = views(&a, &b, m, k, n, ta, tb);
+        let [am, bm] = views(&a, &b, [m, k, n], [ta, tb]);
         let prior = rand_vec(m * n, 3);
         let (mut want, mut got) = (prior.clone(), prior.clone());
         f32_gemm(&mut want, am, bm, acc);
@@ -485,20 +458,7 @@ mod tests {
         if !usable() {
             return;
         }
-        let (m, k, n) = (260, 200, 300);
-        let (a, b) = (rounded(m * k, 6), rounded(k * n, 7));
-        let run = |threads: usize| {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
-            let mut out = vec![0.0; m * n];
-            pool.install(|| matmul(&mut out, Mat::new(&a, m, k), Mat::new(&b, k, n), false));
-            out
-        };
-        let one = run(1);
-        assert_eq!(one, run(3));
-        assert_eq!(one, run(8));
+        same_bits_on_any_thread_count(matmul, [260, 200, 300], &[3, 8]);
     }
 
     /// Timing, not correctness: `cargo test --release --lib amx_kernel_speed -- --ignored
@@ -548,7 +508,7 @@ mod tests {
         ];
         for (m, k, n, ta, tb) in shapes {
             let (a, b) = (rounded(m * k, 1), rounded(k * n, 2));
-            let (am, bm) = views(&a, &b, m, k, n, ta, tb);
+            let [am, bm] = views(&a, &b, [m, k, n], [ta, tb]);
             let mut out = vec![0.0; m * n];
             let mut t = [Vec::new(), Vec::new()];
             for _ in 0..7 {

@@ -623,23 +623,9 @@ mod tests {
             return;
         }
         println!("oneDNN implementation: {}", implementation().unwrap_or("?"));
-        // (name, m, k, n, A stored transposed, B stored transposed).
-        let shapes = [
-            ("qkv fwd  x·Wᵀ", 1024, 768, 2304, false, true),
-            ("proj fwd x·Wᵀ", 1024, 768, 768, false, true),
-            ("fc fwd   x·Wᵀ", 1024, 768, 3072, false, true),
-            ("mlp fwd  x·Wᵀ", 1024, 3072, 768, false, true),
-            ("qkv dx   dy·W", 1024, 2304, 768, false, false),
-            ("fc dx    dy·W", 1024, 3072, 768, false, false),
-            ("mlp dx   dy·W", 1024, 768, 3072, false, false),
-            ("qkv dW   dyᵀ·x", 2304, 1024, 768, true, false),
-            ("fc dW    dyᵀ·x", 3072, 1024, 768, true, false),
-            ("mlp dW   dyᵀ·x", 768, 1024, 3072, true, false),
-            // The classifier runs 256-row chunks (src/kernels/classifier.rs).
-            ("cls fwd  x·wteᵀ", 256, 768, 50304, false, true),
-            ("cls dx   dl·wte", 256, 50304, 768, false, false),
-            ("cls dwte dlᵀ·x", 50304, 256, 768, true, false),
-        ];
+        // The classifier's dwte as one product over the whole vocabulary.
+        let dwte = ("cls dwte dlᵀ·x", 50304, 256, 768, true, false);
+        let shapes = [&GPT2_PRODUCTS[..], &[dwte]].concat();
         for (name, m, k, n, ta, tb) in shapes {
             let (a, b) = (rounded(m * k, 1), rounded(k * n, 2));
             let [am, bm] = views(&a, &b, [m, k, n], [ta, tb]);

@@ -5,6 +5,25 @@ use super::round;
 use crate::kernels::matmul::Mat;
 use crate::kernels::testutil::*;
 
+/// GPT-2 124M's products at B·T = 1,024 (the classifier's in its 256-row chunks,
+/// src/kernels/classifier.rs; its dwte, blocked differently by each kernel, is left
+/// to the caller), for the kernels' timing tests: (name, m, k, n, A stored
+/// transposed, B stored transposed).
+pub const GPT2_PRODUCTS: [(&str, usize, usize, usize, bool, bool); 12] = [
+    ("qkv fwd  x·Wᵀ", 1024, 768, 2304, false, true),
+    ("proj fwd x·Wᵀ", 1024, 768, 768, false, true),
+    ("fc fwd   x·Wᵀ", 1024, 768, 3072, false, true),
+    ("mlp fwd  x·Wᵀ", 1024, 3072, 768, false, true),
+    ("qkv dx   dy·W", 1024, 2304, 768, false, false),
+    ("fc dx    dy·W", 1024, 3072, 768, false, false),
+    ("mlp dx   dy·W", 1024, 768, 3072, false, false),
+    ("qkv dW   dyᵀ·x", 2304, 1024, 768, true, false),
+    ("fc dW    dyᵀ·x", 3072, 1024, 768, true, false),
+    ("mlp dW   dyᵀ·x", 768, 1024, 3072, true, false),
+    ("cls fwd  x·wteᵀ", 256, 768, 50304, false, true),
+    ("cls dx   dl·wte", 256, 50304, 768, false, false),
+];
+
 /// A bf16 matmul kernel: `dst (=|+=) a · b`.
 pub type Kernel = fn(&mut [f32], Mat, Mat, bool);
 
@@ -110,4 +129,24 @@ pub fn empty_inner_dimension(kernel: Kernel) {
     assert_eq!(dst, vec![5.0; 6]);
     kernel(&mut dst, Mat::new(&[], 2, 0), Mat::new(&[], 0, 3), false);
     assert_eq!(dst, vec![0.0; 6]);
+}
+
+/// `kernel` gives the same bits on `dims` (m, k, n) on one thread as on each of
+/// `threads` (tasks own disjoint blocks of C and add k in a fixed order).
+pub fn same_bits_on_any_thread_count(kernel: Kernel, dims: [usize; 3], threads: &[usize]) {
+    let [m, k, n] = dims;
+    let (a, b) = (rounded(m * k, 6), rounded(k * n, 7));
+    let run = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let mut out = vec![0.0; m * n];
+        pool.install(|| kernel(&mut out, Mat::new(&a, m, k), Mat::new(&b, k, n), false));
+        out
+    };
+    let one = run(1);
+    for &t in threads {
+        assert_eq!(one, run(t), "{t} threads");
+    }
 }
