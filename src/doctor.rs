@@ -21,7 +21,8 @@ pub struct RankRow {
     pub rank: usize,
     pub host: String,
     pub binary: String,
-    /// The matmul path: AMX-BF16, AVX-512 or AVX2 (f32).
+    /// The matmul paths: f32 (AVX-512 or AVX2) and bf16 (oneDNN, AMX-BF16,
+    /// AVX512-BF16, or the f32 GEMM).
     pub cpu: String,
     pub threads: usize,
     pub cores: usize,
@@ -202,30 +203,23 @@ fn out_dir_writable(dir: &Path) -> Result<(), String> {
     std::fs::remove_file(&probe).map_err(fail)
 }
 
-/// The matmul path this CPU takes.
+/// The matmul paths this CPU takes: f32, and bf16 (the kernel a bfloat16 run uses).
 fn cpu_path() -> String {
+    use crate::kernels::bf16::gemm::{self, Kernel};
     #[cfg(target_arch = "x86_64")]
-    {
-        let amx = crate::kernels::bf16::amx::cpu_has_amx();
-        let avx512 = std::is_x86_feature_detected!("avx512f");
-        let avx512bf16 = std::is_x86_feature_detected!("avx512bf16");
-        let mut parts = vec![match avx512 {
-            true => "AVX-512 f32",
-            false => "AVX2 f32",
-        }];
-        if amx {
-            parts.push("AMX-BF16");
-        } else if avx512bf16 {
-            parts.push("AVX512-BF16 (bf16 via f32 GEMM)");
-        } else {
-            parts.push("bf16 via f32 GEMM");
-        }
-        parts.join(", ")
-    }
+    let f32_path = match std::is_x86_feature_detected!("avx512f") {
+        true => "AVX-512 f32",
+        false => "AVX2 f32",
+    };
     #[cfg(not(target_arch = "x86_64"))]
-    {
-        "portable f32".into()
-    }
+    let f32_path = "portable f32";
+    let bf16_path = match gemm::kernel() {
+        Kernel::OneDnn => "bf16 on oneDNN",
+        Kernel::Amx => "bf16 on AMX-BF16",
+        Kernel::Avx512Bf16 => "bf16 on AVX512-BF16",
+        Kernel::F32 => "bf16 via f32 GEMM",
+    };
+    format!("{f32_path}, {bf16_path}")
 }
 
 /// `MemAvailable` of /proc/meminfo, GiB (0 when unknown).
@@ -284,7 +278,7 @@ fn measure_all_reduce(comm: &dyn Collective, cfg: &TrainConfig, vocab: usize) ->
 pub fn table(report: &Report) -> String {
     let mut out = String::new();
     out.push_str(&format!(
-        "{:<5} {:<14} {:<40} {:<44} {:>7} {:>9} {:>9} {:<17} {:<8} {}\n",
+        "{:<5} {:<14} {:<40} {:<32} {:>7} {:>9} {:>9} {:<17} {:<8} {}\n",
         "rank",
         "host",
         "binary",
@@ -303,7 +297,7 @@ pub fn table(report: &Report) -> String {
             None => "-",
         };
         out.push_str(&format!(
-            "{:<5} {:<14} {:<40} {:<44} {:>7} {:>9.1} {:>9} {:<17} {:<8} {}\n",
+            "{:<5} {:<14} {:<40} {:<32} {:>7} {:>9.1} {:>9} {:<17} {:<8} {}\n",
             r.rank,
             r.host,
             r.binary,

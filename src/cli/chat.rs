@@ -90,7 +90,7 @@ fn converse(
     let mut lines = input.lines();
     loop {
         if interactive {
-            eprint!("> ");
+            let _ = write!(std::io::stderr(), "> ");
         }
         let Some(line) = lines.next() else { break };
         let line = line.context("cannot read stdin (must be UTF-8 text)")?;

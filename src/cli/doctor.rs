@@ -24,7 +24,7 @@ pub fn run(args: DoctorArgs) -> Result<i32> {
     if comm.rank() == 0 {
         match args.json {
             true => crate::outln!("{}", serde_json::to_string(&report)?),
-            false => print!("{}", crate::doctor::table(&report)),
+            false => crate::outln!("{}", crate::doctor::table(&report).trim_end()),
         }
     }
     Ok(if report.ok { 0 } else { 1 })
