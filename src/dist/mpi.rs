@@ -370,9 +370,54 @@ pub fn finalize(code: i32) {
         universe.world().barrier();
         // Dropping the universe would call MPI_Finalize.
         std::mem::forget(universe);
+        pmi_finalize();
         return;
     }
     drop(universe);
+}
+
+/// How long [`pmi_finalize`] waits for the launcher's answer.
+const PMI_FINALIZE_GRACE: Duration = Duration::from_secs(5);
+
+/// Tells Hydra's proxy that this process is done with it, as `MPI_Finalize` would:
+/// `cmd=finalize` on the PMI socket Hydra passed in `PMI_FD` (the PMI-1 wire
+/// protocol), then waits for `cmd=finalize_ack`, at most [`PMI_FINALIZE_GRACE`].
+/// Without it, a proxy that notices the closed socket before the process's exit
+/// counts the rank as failed (status 1, no message): about one multi-host job in a
+/// hundred failed so after a complete run (docs/multinode.md, "Which MPI").
+/// Does nothing where `PMI_FD` is not set.
+fn pmi_finalize() {
+    use std::io::{Read, Write};
+    use std::os::unix::io::FromRawFd;
+    let Some(fd) = std::env::var("PMI_FD")
+        .ok()
+        .and_then(|v| v.parse::<i32>().ok())
+    else {
+        return;
+    };
+    // SAFETY: PMI_FD is the socket the launcher opened for this process, open for
+    // its whole life; MPI no longer uses it (it is done, short of MPI_Finalize), and
+    // ManuallyDrop keeps it from being closed here.
+    let sock =
+        std::mem::ManuallyDrop::new(unsafe { std::os::unix::net::UnixStream::from_raw_fd(fd) });
+    let mut sock: &std::os::unix::net::UnixStream = &sock;
+    let mut reply = Vec::new();
+    let answered = sock.set_read_timeout(Some(PMI_FINALIZE_GRACE)).is_ok()
+        && sock.write_all(b"cmd=finalize\n").is_ok()
+        && {
+            let mut byte = [0u8; 1];
+            while !reply.ends_with(b"\n") && matches!(sock.read(&mut byte), Ok(1)) {
+                reply.push(byte[0]);
+            }
+            String::from_utf8_lossy(&reply).contains("finalize_ack")
+        };
+    if !answered {
+        crate::errln!(
+            "warning: the MPI launcher did not acknowledge this rank's end (PMI finalize on \
+             PMI_FD {fd}: {:?}); it may report the job as failed although the run is complete",
+            String::from_utf8_lossy(&reply).trim()
+        );
+    }
 }
 
 /// Whether [`finalize`] leaves without `MPI_Finalize`: MPICH with ranks on several
