@@ -8,7 +8,8 @@
 //! progress thread needs `MPI_THREAD_MULTIPLE` and runs when some ranks are on other
 //! hosts (`NANOGPT_PROGRESS_THREAD=0|1` overrides); otherwise progress is made
 //! between layers only. ZeRO-3's gathers and reductions in flight have such a thread
-//! each, on one host too (`NANOGPT_PROGRESS_THREAD=0` turns it off).
+//! each, on one host too (`NANOGPT_PROGRESS_THREAD=0` turns it off), and ZeRO-1/2's
+//! all-gathers of the updated weights one for the whole group.
 
 use super::{BackwardFn, Bucket, Collective, GatherPart, OverlapTimes, Pending, Reduce, Watchdog};
 use crate::kernels::bf16::Bf16;
