@@ -12,6 +12,10 @@
 # what had not arrived when the next forward needed it). STAGE (default 1) picks the
 # ZeRO stage, EXTRA adds key=value pairs. The binary must be built with
 # `--features mpi`. Needs ~2.5 GB per rank at 124M.
+#
+# HOSTS=3: three hosts made from network namespaces instead (needs root and MPINET,
+# default ../shared/tools/mpinet/netns-cluster.sh), links shaped to 1 Gbit/s + 1 ms,
+# gradient_accumulation_steps=3, as bench/overlap.sh does.
 set -euo pipefail
 
 BIN=$(realpath "${1:-target/release/nanogpt}")
@@ -25,21 +29,36 @@ cd "$WORK"
 "$BIN" prepare shakespeare --out data/shakespeare --tokenizer gpt2 >/dev/null
 COMMON=(dataset=shakespeare "${MODEL[@]}" threads=1 max_iters=$STEPS eval_interval=0
     log_interval=1 warmup_iters=0 learning_rate=1e-4 decay_lr=false dropout=0
-    always_save_checkpoint=false collective_timeout_s=600 gradient_accumulation_steps=2
-    zero_stage=${STAGE:-1})
+    always_save_checkpoint=false collective_timeout_s=600 zero_stage=${STAGE:-1})
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+HOSTS=${HOSTS:-1}
+if [ "$HOSTS" = 3 ]; then
+    ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+    MPINET=${MPINET:-$ROOT/../shared/tools/mpinet/netns-cluster.sh}
+    export MPINET_PREFIX=${MPINET_PREFIX:-ngag} MPINET_SUBNET=${MPINET_SUBNET:-10.78.0}
+    export MPIEXEC=mpirun.openmpi MPIEXEC_TIMEOUT=3000
+    "$MPINET" down >/dev/null 2>&1 || true
+    hostfile=$("$MPINET" up 3 | tail -1)
+    trap '"$MPINET" down >/dev/null 2>&1 || true; rm -rf "$WORK"' EXIT
+    "$MPINET" netem delay 1ms rate 1gbit
+    # Open MPI forwards environment variables only when named.
+    launch() { "$MPINET" run "$hostfile" -x NANOGPT_AG_OVERLAP -- "$@"; }
+    COMMON+=(gradient_accumulation_steps=3)
+else
+    launch() { mpirun -n 2 --bind-to none -x NANOGPT_AG_OVERLAP "$@"; }
+    COMMON+=(gradient_accumulation_steps=2)
+fi
 field() { sed -n "s/.*\"$1\": *\([^,}]*\).*/\1/p" "$2" | head -1; }
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
 for pair in $(seq "${PAIRS:-2}"); do
     for ag in 1 0; do
         out="$WORK/run-$pair-$ag"
         # shellcheck disable=SC2086
-        NANOGPT_AG_OVERLAP=$ag mpirun -n 2 --bind-to none -x NANOGPT_AG_OVERLAP \
-            "$BIN" train "${COMMON[@]}" ${EXTRA:-} out_dir="$out" >"$out.log" 2>&1 ||
+        NANOGPT_AG_OVERLAP=$ag launch "$BIN" train "${COMMON[@]}" ${EXTRA:-} out_dir="$out" >"$out.log" 2>&1 ||
             { cat "$out.log"; exit 1; }
         tr -d '\n ' <"$out/comm.json" >"$out.json"
-        printf 'ZeRO %s NANOGPT_AG_OVERLAP=%s in_flight %-5s step %8.1f ms  gather exposed %7.1f ms  reduce exposed %7.1f ms  other %6.1f ms\n' \
-            "${STAGE:-1}" "$ag" "$(field gathers_in_flight "$out.json")" "$(field step_ms "$out.json")" \
+        printf 'hosts %s ZeRO %s NANOGPT_AG_OVERLAP=%s in_flight %-5s step %8.1f ms  gather exposed %7.1f ms  reduce exposed %7.1f ms  other %6.1f ms\n' \
+            "$HOSTS" "${STAGE:-1}" "$ag" "$(field gathers_in_flight "$out.json")" "$(field step_ms "$out.json")" \
             "$(field exposed_gather_ms "$out.json")" "$(field exposed_reduce_ms "$out.json")" \
             "$(field other_comm_ms "$out.json")"
     done

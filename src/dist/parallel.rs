@@ -1192,6 +1192,29 @@ mod tests {
                 self.log.borrow_mut().push(Event::ReduceWait);
             })))
         }
+        unsafe fn start_all_gathers<'a>(
+            &'a self,
+            _: &[f32],
+            recv: &mut [f32],
+            parts: &[GatherPart],
+        ) -> Vec<Box<dyn Pending + 'a>> {
+            let mut started: Vec<Box<dyn Pending + 'a>> = Vec::new();
+            for part in parts {
+                let at = part.into.clone();
+                let b = self.plan.buckets.iter().position(|k| k.arena == at);
+                let b = b.expect("a bucket of the parameters");
+                self.log.borrow_mut().push(Event::GatherStart(b));
+                let ptr = recv[at.clone()].as_mut_ptr() as usize;
+                started.push(Box::new(Later(Box::new(move || {
+                    // SAFETY: the caller keeps the bucket allocated and untouched
+                    // until this wait (the contract under test).
+                    let buf = unsafe { std::slice::from_raw_parts_mut(ptr as *mut f32, at.len()) };
+                    buf.copy_from_slice(&self.full[at.clone()]);
+                    self.log.borrow_mut().push(Event::GatherWait(b));
+                }))));
+            }
+            started
+        }
         fn reduce_during_backward(
             &self,
             _: Reduce,
@@ -1323,6 +1346,87 @@ mod tests {
             let needs = log.iter().filter(|e| matches!(e, Event::Need(_))).count();
             assert_eq!(needs, 2 + 2 * cfg.n_layer);
             assert_eq!(fetched_then, if prefetch { 2 } else { needs }, "{log:?}");
+        }
+    }
+
+    /// [`Arrivals`], with its `need` calls logged.
+    struct LoggedArrivals<'a>(Arrivals<'a>, Log);
+    impl PassHooks for LoggedArrivals<'_> {
+        fn need(&mut self, range: Range<usize>, params: &mut [f32]) {
+            let b = self.0.plan.buckets.iter().position(|b| b.arena == range);
+            self.1.borrow_mut().push(Event::Need(b.unwrap()));
+            self.0.need(range, params);
+        }
+    }
+
+    /// ZeRO-1 on rank 0 of two, the update's all-gathers completing only when waited
+    /// for: they start in the forward's order (the embeddings, `ln_f`, block 0, 1,
+    /// ...), the forward waits for each bucket right at its need and for none before,
+    /// and computes the loss of the whole updated model, in f32 and in bf16 (the copy
+    /// rounded bucket by bucket as they arrive).
+    #[test]
+    fn zero_1_forward_waits_for_each_bucket_of_the_update_just_before_reading_it() {
+        let cfg = ModelConfig {
+            vocab_size: 50,
+            block_size: 8,
+            n_layer: 3,
+            n_head: 2,
+            n_embd: 16,
+            bias: true,
+            dropout: 0.0,
+        };
+        let (b, t) = (2, 8);
+        let x: Vec<u32> = (0..b * t).map(|i| (i * 7 % 50) as u32).collect();
+        let y: Vec<i32> = (0..b * t).map(|i| (i * 3 % 50) as i32).collect();
+        for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+            let mut plain = Gpt::new(cfg.clone(), b, t).unwrap();
+            plain.init_gpt2(5);
+            plain.set_dtype(dtype);
+            let loss = plain.forward(&x, &y, b, t);
+            // Before the gathers this rank holds its own updated pieces only.
+            let mut gpt = Gpt::new(cfg.clone(), b, t).unwrap();
+            gpt.set_dtype(dtype);
+            let log = Log::default();
+            let twin = Twin {
+                full: plain.params.clone(),
+                plan: GradPlan::new(&gpt.grad_buckets(), gpt.layout.len, 2, 0, 1),
+                base: Cell::new(gpt.params.as_ptr() as usize),
+                log: log.clone(),
+            };
+            let mut dp = DataParallel::new(&twin, &gpt, 1);
+            for (k, _) in dp.plan.buckets.iter().enumerate() {
+                let own = dp.plan.piece(k, 0);
+                gpt.params[own.clone()].copy_from_slice(&plain.params[own]);
+            }
+            dp.start_param_gathers(&twin, &mut gpt.params);
+            gpt.refresh_bf16_at_next_forward();
+            let mut hooks = LoggedArrivals(
+                Arrivals {
+                    plan: &dp.plan,
+                    arriving: &mut dp.arriving,
+                    waited: &mut dp.gather,
+                },
+                log.clone(),
+            );
+            let got = gpt.forward_hooked(&x, &y, b, t, &mut hooks);
+            assert_eq!(got, loss, "{dtype:?}");
+            assert!(dp.arriving.is_empty() && gpt.params == plain.params);
+            let log = log.borrow();
+            let n = dp.plan.buckets.len();
+            let starts: Vec<Event> = forward_order(n)
+                .into_iter()
+                .map(Event::GatherStart)
+                .collect();
+            assert_eq!(log[..n], starts[..], "{log:?}");
+            assert_eq!(forward_order(n), [n - 1, 0, 3, 2, 1]);
+            for (i, e) in log.iter().enumerate().skip(n) {
+                match *e {
+                    Event::Need(k) => assert_eq!(log[i + 1], Event::GatherWait(k), "{log:?}"),
+                    Event::GatherWait(k) => assert_eq!(log[i - 1], Event::Need(k), "{log:?}"),
+                    _ => panic!("{log:?}"),
+                }
+            }
+            assert_eq!(log.len(), 3 * n, "{log:?}");
         }
     }
 
