@@ -18,6 +18,7 @@
 # gradient_accumulation_steps=3, as bench/overlap.sh does.
 set -euo pipefail
 
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BIN=$(realpath "${1:-target/release/nanogpt}")
 shift || true
 MODEL=("$@")
@@ -33,7 +34,6 @@ COMMON=(dataset=shakespeare "${MODEL[@]}" threads=1 max_iters=$STEPS eval_interv
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 HOSTS=${HOSTS:-1}
 if [ "$HOSTS" = 3 ]; then
-    ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
     MPINET=${MPINET:-$ROOT/../shared/tools/mpinet/netns-cluster.sh}
     export MPINET_PREFIX=${MPINET_PREFIX:-ngag} MPINET_SUBNET=${MPINET_SUBNET:-10.78.0}
     export MPIEXEC=mpirun.openmpi MPIEXEC_TIMEOUT=3000
