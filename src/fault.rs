@@ -14,6 +14,7 @@
 //! | `pause-during-export:MS`     | `export`: sleep MS ms with the weights written, before the folder is moved into place |
 //! | `kill-during-gather:N:RANK`  | ZeRO-3: SIGKILL rank RANK as it starts its N-th gather of a layer's weights (the other ranks wait in that gather) |
 //! | `stop-during-gather:N:RANK`  | the same with SIGSTOP (a hung rank: only the watchdog can tell) |
+//! | `late-gathers`               | ZeRO-1/2, every update: the weights' all-gathers left in flight start only when waited for (a network slower than any computation), so a reader that does not wait sees the other ranks' pieces from before the update |
 //!
 //! For checkpoints, ITER is the iteration the checkpoint resumes at. With several
 //! ranks every rank applies the fault, except `nan-grad`, which poisons this rank's
@@ -44,6 +45,8 @@ pub enum Fault {
     },
     NanParam(u64),
     PauseDuringExport(u64),
+    /// ZeRO-1/2: the all-gathers of the updated weights start when waited for.
+    LateGathers,
     /// SIGKILL (or with `stop`, SIGSTOP) in a ZeRO-3 gather.
     SignalDuringGather {
         nth: u64,
@@ -92,6 +95,7 @@ pub fn parse(spec: &str) -> Result<Fault> {
         },
         ("nan-param", 2) => Fault::NanParam(num(1)?),
         ("pause-during-export", 2) => Fault::PauseDuringExport(num(1)?),
+        ("late-gathers", 1) => Fault::LateGathers,
         (kind @ ("kill-during-gather" | "stop-during-gather"), 3) => Fault::SignalDuringGather {
             nth: num(1)?,
             rank: num(2)?,
@@ -100,7 +104,8 @@ pub fn parse(spec: &str) -> Result<Fault> {
         _ => bail!(
             "expected kill-during-step:ITER, kill-during-eval:ITER, kill-during-checkpoint:ITER, \
              pause-during-step:ITER:MS, nan-grad:ITER:COUNT, nan-param:ITER, \
-             pause-during-export:MS, kill-during-gather:N:RANK or stop-during-gather:N:RANK"
+             pause-during-export:MS, kill-during-gather:N:RANK, stop-during-gather:N:RANK or \
+             late-gathers"
         ),
     };
     Ok(fault)
@@ -171,6 +176,11 @@ pub fn during_gather(rank: usize) {
     let _ = signal_hook::low_level::raise(signal_hook::consts::SIGSTOP);
 }
 
+/// Whether ZeRO-1/2's all-gathers of the updated weights start only when waited for.
+pub fn late_gathers() -> bool {
+    get() == Some(Fault::LateGathers)
+}
+
 /// Whether iteration `iter` gets a NaN gradient.
 pub fn nan_grad(iter: u64) -> bool {
     matches!(get(), Some(Fault::NanGrad { from, count }) if (from..from + count).contains(&iter))
@@ -215,7 +225,9 @@ mod tests {
                 stop: true
             }
         );
+        assert_eq!(parse("late-gathers").unwrap(), Fault::LateGathers);
         let typos = [
+            "late-gathers:1",
             "kill-during-gather:40",
             "kill-during-stp:7",
             "kill-during-step",

@@ -1003,7 +1003,12 @@ fn bf16_gradient_reduction_stays_close_and_halves_the_bytes() {
 /// The tensors of `out`'s checkpoint: the header's entries (names, shapes, offsets;
 /// not the metadata, which names the world size and stage) and the bytes after it.
 fn tensor_bytes(out: &str) -> (serde_json::Value, Vec<u8>) {
-    let bytes = std::fs::read(workdir().join(out).join("ckpt.safetensors")).unwrap();
+    tensor_bytes_of(out, "ckpt.safetensors")
+}
+
+/// [`tensor_bytes`] of checkpoint file `file` of `out`.
+fn tensor_bytes_of(out: &str, file: &str) -> (serde_json::Value, Vec<u8>) {
+    let bytes = std::fs::read(workdir().join(out).join(file)).unwrap();
     let n = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..n]).unwrap();
     header.as_object_mut().unwrap().remove("__metadata__");
@@ -1135,6 +1140,57 @@ fn a_rank_killed_or_stopped_in_a_zero_3_gather_ends_the_job() {
             );
             assert!(stderr.contains("rank 1 (host ") && stderr.contains(") did not arrive"));
             assert!(took < Duration::from_secs(30), "ended after {took:?}");
+        }
+    }
+}
+
+/// ZeRO-1 and ZeRO-2 leave the all-gathers of the updated weights in flight: the
+/// next forward waits for each bucket just before it reads it (rounding its bf16
+/// copy then), and every other reader — evaluation, checkpoint — waits for all first.
+/// Against the blocking gather (`NANOGPT_AG_OVERLAP=0`), 2 ranks, f32 and bf16:
+/// every loss and evaluation, and the tensors of every checkpoint (at each
+/// evaluation, every 3 iterations, at iteration 4, written right after an update,
+/// and the final one) are bit-identical. With `NANOGPT_FAULT=late-gathers` a gather
+/// starts only when waited for, so a reader that did not wait would see the other
+/// rank's pieces from before the update (checked by hand: without the checkpoint's
+/// wait, `ckpt-000004` differs); without the fault MPI moves them meanwhile, as in
+/// a real run.
+#[test]
+fn weights_gathered_in_flight_train_and_save_as_the_blocking_gather() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let job = [
+        "gradient_accumulation_steps=2",
+        "max_iters=5",
+        "eval_interval=3",
+        "ckpt_interval=4",
+    ];
+    let runs = [
+        (1, "float32", true),
+        (1, "bfloat16", true),
+        (2, "float32", true),
+        (2, "bfloat16", true),
+        (1, "float32", false),
+    ];
+    for (stage, dtype, late) in runs {
+        let (zero, dtype_key) = (format!("zero_stage={stage}"), format!("dtype={dtype}"));
+        let args = [&job[..], &[zero.as_str(), dtype_key.as_str()]].concat();
+        let blocking = format!("ag-{stage}-{dtype}-blocking");
+        if !workdir().join(&blocking).join("ckpt.safetensors").exists() {
+            train_env(2, &blocking, &args, &[("NANOGPT_AG_OVERLAP", "0")]);
+        }
+        let fault = if late { "late-gathers" } else { "" };
+        let in_flight = format!("ag-{stage}-{dtype}-in-flight-{fault}");
+        train_env(2, &in_flight, &args, &[("NANOGPT_FAULT", fault)]);
+        assert_eq!(losses(&in_flight), losses(&blocking), "{in_flight}");
+        for file in ["ckpt-000004.safetensors", "ckpt.safetensors"] {
+            let same = tensor_bytes_of(&in_flight, file) == tensor_bytes_of(&blocking, file);
+            assert!(same, "{in_flight}: {file} is not the blocking run's");
+        }
+        for (out, on) in [(&in_flight, true), (&blocking, false)] {
+            let report = read_json(&workdir().join(out).join("comm.json"));
+            assert_eq!(report["gathers_in_flight"], on, "{out}: {report}");
+            let gather = report["exposed_gather_ms"].as_f64().unwrap();
+            assert!(gather > 0.0, "{out}: {report}");
         }
     }
 }

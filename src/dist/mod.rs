@@ -92,6 +92,16 @@ pub trait Pending {
     fn wait(self: Box<Self>);
 }
 
+/// One all-gather of [`Collective::start_all_gathers`]: this rank's piece at `from`
+/// of the send buffer, every rank's piece (`counts`, in rank order) into `into` of
+/// the receive buffer.
+#[derive(Clone, Debug)]
+pub struct GatherPart<'p> {
+    pub from: Range<usize>,
+    pub into: Range<usize>,
+    pub counts: &'p [usize],
+}
+
 /// A collective that completed when it started ([`Single`]'s).
 struct Completed;
 impl Pending for Completed {
@@ -165,6 +175,32 @@ pub trait Collective {
         let mine = buf[at..at + counts[self.rank()]].to_vec();
         self.all_gather_pieces(&mine, buf, counts);
         Box::new(Completed)
+    }
+    /// Starts one [`Collective::all_gather_pieces`] per part, in the order given, and
+    /// returns at once with their collectives in that order: part `k` gathers this
+    /// rank's piece `send[parts[k].from]` (`counts[rank]` floats) and every rank's,
+    /// in rank order, into `recv[parts[k].into]` (Σ counts floats). Wait for them in
+    /// the order given: a backend may drive them all from one helper that lives as
+    /// long as the last.
+    ///
+    /// # Safety
+    /// Until a part's collective has been waited for, `send[from]` must not be
+    /// written and `recv[into]` neither read nor written (their borrows end here),
+    /// and both must stay allocated.
+    /// (By default: blocking, each done when this returns.)
+    unsafe fn start_all_gathers<'a>(
+        &'a self,
+        send: &[f32],
+        recv: &mut [f32],
+        parts: &[GatherPart],
+    ) -> Vec<Box<dyn Pending + 'a>> {
+        parts
+            .iter()
+            .map(|p| {
+                self.all_gather_pieces(&send[p.from.clone()], &mut recv[p.into.clone()], p.counts);
+                Box::new(Completed) as Box<dyn Pending + 'a>
+            })
+            .collect()
     }
     /// Starts [`Collective::reduce_scatter_pieces`] and returns at once; `mine`
     /// holds this rank's piece of the sum once the returned collective has been

@@ -8,9 +8,10 @@
 //! progress thread needs `MPI_THREAD_MULTIPLE` and runs when some ranks are on other
 //! hosts (`NANOGPT_PROGRESS_THREAD=0|1` overrides); otherwise progress is made
 //! between layers only. ZeRO-3's gathers and reductions in flight have such a thread
-//! each, on one host too (`NANOGPT_PROGRESS_THREAD=0` turns it off).
+//! each, on one host too (`NANOGPT_PROGRESS_THREAD=0` turns it off), and ZeRO-1/2's
+//! all-gathers of the updated weights one for the whole group.
 
-use super::{BackwardFn, Bucket, Collective, OverlapTimes, Pending, Reduce, Watchdog};
+use super::{BackwardFn, Bucket, Collective, GatherPart, OverlapTimes, Pending, Reduce, Watchdog};
 use crate::kernels::bf16::Bf16;
 use anyhow::{bail, Result};
 use mpi::collective::{CommunicatorCollectives, Root, SystemOperation};
@@ -526,7 +527,7 @@ struct InFlight<'a> {
 
 impl<'a> InFlight<'a> {
     /// Holds `request` (just started) with its count arrays; a progress thread
-    /// pokes MPI until it is waited for when `progress`.
+    /// pokes MPI until it is waited for when `mpi.progress_in_flight`.
     fn new(
         mpi: &'a Mpi,
         request: mpi::ffi::MPI_Request,
@@ -534,7 +535,20 @@ impl<'a> InFlight<'a> {
         send: Vec<f32>,
         what: &'static str,
     ) -> Box<InFlight<'a>> {
-        let progress = mpi.progress_in_flight.then(|| {
+        let progress = mpi.progress_in_flight;
+        InFlight::with_progress(mpi, progress, request, arrays, send, what)
+    }
+
+    /// [`InFlight::new`], with a progress thread when `progress`.
+    fn with_progress(
+        mpi: &'a Mpi,
+        progress: bool,
+        request: mpi::ffi::MPI_Request,
+        arrays: (Vec<mpi::Count>, Vec<mpi::Count>),
+        send: Vec<f32>,
+        what: &'static str,
+    ) -> Box<InFlight<'a>> {
+        let progress = progress.then(|| {
             let stop = Arc::new(AtomicBool::new(false));
             let flag = Arc::clone(&stop);
             (stop, std::thread::spawn(move || progress_until(&flag)))
@@ -865,6 +879,51 @@ impl Collective for Mpi {
             request.assume_init()
         };
         InFlight::new(self, request, arrays, mine, "all-gather")
+    }
+
+    unsafe fn start_all_gathers<'a>(
+        &'a self,
+        send: &[f32],
+        recv: &mut [f32],
+        parts: &[GatherPart],
+    ) -> Vec<Box<dyn Pending + 'a>> {
+        let last = parts.len().saturating_sub(1);
+        let mut started: Vec<Box<dyn Pending + 'a>> = Vec::with_capacity(parts.len());
+        for (k, part) in parts.iter().enumerate() {
+            let (mine, all) = (&send[part.from.clone()], &mut recv[part.into.clone()]);
+            assert_eq!(part.counts.iter().sum::<usize>(), all.len());
+            assert_eq!(part.counts[self.rank], mine.len());
+            let arrays = counts_and_displs(part.counts);
+            let mut request = std::mem::MaybeUninit::uninit();
+            // SAFETY: `mine` holds this rank's count and `all` Σ counts floats; both
+            // are MPI's until the request completes (the caller's promise: `mine`
+            // unchanged, `all` untouched, both allocated); the count arrays are kept
+            // by the request; `send` and `recv` are distinct borrows, so the pieces
+            // MPI reads and writes do not overlap.
+            let request = unsafe {
+                mpi::ffi::MPI_Iallgatherv(
+                    mine.as_ptr() as *const _,
+                    count(mine.len()) as i32,
+                    mpi::ffi::RSMPI_FLOAT,
+                    all.as_mut_ptr() as *mut _,
+                    arrays.0.as_ptr(),
+                    arrays.1.as_ptr(),
+                    mpi::ffi::RSMPI_FLOAT,
+                    self.world.as_raw(),
+                    request.as_mut_ptr(),
+                );
+                request.assume_init()
+            };
+            // One progress thread for the whole group, held by the last one started,
+            // which is waited for last: it runs while any of them is in flight.
+            let progress = k == last && self.progress_in_flight;
+            let what = "all-gather of the parameters";
+            let empty = Vec::new();
+            started.push(InFlight::with_progress(
+                self, progress, request, arrays, empty, what,
+            ));
+        }
+        started
     }
 
     unsafe fn start_reduce_scatter_pieces<'a>(

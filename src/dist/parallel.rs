@@ -5,13 +5,14 @@
 //! start-up broadcast and the checks that every rank holds the same weights.
 
 use super::resident::release;
-use super::{Collective, GradPlan, Pending, Reduce};
+use super::{Collective, GatherPart, GradPlan, Pending, Reduce};
 use crate::model::{add_encoder_rows, Dtype, EncoderGrad, Gpt, ParamLayout, PassHooks};
 use crate::optim::{AdamW, AdamWConfig};
 use crate::shutdown::{self, StopSignal};
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 use serde::Serialize;
+use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -30,8 +31,16 @@ pub struct CommReport {
     pub compute_ms: f64,
     /// Mean wait per step for the gradient reduction after backward (not hidden), ms.
     pub exposed_reduce_ms: f64,
-    /// Mean time per step in the other collectives (loss, norm, all-gather), ms.
+    /// Mean time per step in the other collectives (loss, norm, checksum; ZeRO-3's
+    /// gathers), ms.
     pub other_comm_ms: f64,
+    /// ZeRO-1/2: mean time per step in the all-gather of the updated parameters, ms:
+    /// the whole blocking gather (`NANOGPT_AG_OVERLAP=0`), or with the gathers left
+    /// in flight (default) starting them and the waits for what had not arrived when
+    /// needed (the next forward, or an evaluation, checkpoint or checksum before it).
+    pub exposed_gather_ms: f64,
+    /// ZeRO-1/2: the parameters' all-gathers were left in flight after the update.
+    pub gathers_in_flight: bool,
     /// The gradient reduction alone, nothing to hide it behind (measured at start), ms.
     pub reduce_alone_ms: f64,
     /// Share of the gradient reduction hidden behind backward: 1 − exposed / alone.
@@ -57,6 +66,8 @@ pub struct DataParallel {
     step_time: Duration,
     exposed: Duration,
     other: Duration,
+    /// ZeRO-1/2: in the parameters' all-gather, or waiting for it.
+    gather: Duration,
     reduce_alone: Duration,
     /// The last iteration at which every rank was seen to hold the same weights.
     verified_iter: Option<u64>,
@@ -65,6 +76,12 @@ pub struct DataParallel {
     /// Stages 0-2: backward reports the embeddings' bucket first and the encoder's
     /// gradient is added after ([`DataParallel::backward_reduce`]).
     embeddings_first: bool,
+    /// ZeRO-1/2: the update leaves the parameters' all-gathers in flight
+    /// ([`DataParallel::keep_gathers_in_flight`]).
+    in_flight: bool,
+    /// Those gathers, one per bucket with its index, in the order started: the order
+    /// the next forward reads the buckets in.
+    arriving: VecDeque<(usize, Box<dyn Pending>)>,
 }
 
 impl DataParallel {
@@ -89,6 +106,7 @@ impl DataParallel {
             step_time: Duration::ZERO,
             exposed: Duration::ZERO,
             other: Duration::ZERO,
+            gather: Duration::ZERO,
             reduce_alone: Duration::ZERO,
             verified_iter: None,
             // ZeRO-3 reduces each bucket by itself on every micro-step (`Sharded`).
@@ -98,6 +116,52 @@ impl DataParallel {
                 1 => Reduce::ReduceScatter,
                 _ => Reduce::ReducePieces,
             },
+            in_flight: false,
+            arriving: VecDeque::new(),
+        }
+    }
+
+    /// ZeRO-1/2 without LoRA, unless `NANOGPT_AG_OVERLAP=0`: from here on each
+    /// update leaves the all-gathers of the updated parameters in flight, one per
+    /// bucket, started in the order the next forward reads them (the embeddings,
+    /// `ln_f`, then block by block); [`DataParallel::forward`] waits for each bucket
+    /// just before its first use, and [`DataParallel::params_whole`] for all of them
+    /// (call it before anything else reads or writes the parameters). Returns
+    /// whether it is on.
+    ///
+    /// # Safety
+    /// A gather in flight borrows the collective and writes into the parameters
+    /// given to the update ([`super::clip_and_step`]) beyond that call: until
+    /// [`DataParallel::params_whole`] (or the drop of this value) has returned, that
+    /// collective must stay alive, the parameters allocated, and nothing but
+    /// [`DataParallel::forward`] may read or write them.
+    pub unsafe fn keep_gathers_in_flight(&mut self, model: &Gpt) -> bool {
+        let stage = self.plan.zero_stage;
+        self.in_flight = matches!(stage, 1 | 2) && model.frozen().is_none() && ag_overlap();
+        self.in_flight
+    }
+
+    /// Whether the parameters' all-gathers are in flight (some parameters still
+    /// arriving).
+    pub fn params_arriving(&self) -> bool {
+        !self.arriving.is_empty()
+    }
+
+    /// The parameters whole on this rank: every all-gather left in flight by the
+    /// update waited for (a no-op when none is), and the bf16 copy refreshed if the
+    /// forward was to round it as the buckets arrived. Every reader of the
+    /// parameters but [`DataParallel::forward`] calls it first.
+    pub fn params_whole(&mut self, model: &mut Gpt) {
+        if self.arriving.is_empty() {
+            return;
+        }
+        let start = Instant::now();
+        for (_, gather) in self.arriving.drain(..) {
+            gather.wait();
+        }
+        self.gather += start.elapsed();
+        if model.bf16_refresh_owed() {
+            model.sync_bf16_weights();
         }
     }
 
@@ -206,7 +270,20 @@ impl DataParallel {
                 let mut hooks = self.sharded(comm, Pass::Forward);
                 model.forward_hooked(inputs, targets, b, t, &mut hooks)
             }
-            false => model.forward(inputs, targets, b, t),
+            false if self.arriving.is_empty() => model.forward(inputs, targets, b, t),
+            false => {
+                // The update's gathers in flight: each bucket waited for at its need.
+                let mut hooks = Arrivals {
+                    plan: &self.plan,
+                    arriving: &mut self.arriving,
+                    waited: &mut self.gather,
+                };
+                let loss = model.forward_hooked(inputs, targets, b, t, &mut hooks);
+                // A full forward needs every bucket: nothing is left (else, waited).
+                debug_assert!(self.arriving.is_empty(), "a bucket never needed");
+                self.params_whole(model);
+                loss
+            }
         }
     }
 
@@ -239,6 +316,8 @@ impl DataParallel {
             hooks.finish(&mut model.grads);
             return;
         }
+        // The gathers' send pieces are in `recv`, which the reduction overwrites.
+        self.params_whole(model);
         let kind = self.kind();
         let (early, mut held) = (self.embeddings_first, EncoderGrad::default());
         let times = comm.reduce_during_backward(
@@ -376,8 +455,45 @@ impl DataParallel {
             return; // each rank keeps its own pieces until a pass gathers them
         }
         let start = Instant::now();
-        self.all_gather_params(comm, params);
-        self.other += start.elapsed();
+        match self.in_flight {
+            true => self.start_param_gathers(comm, params),
+            false => self.all_gather_params(comm, params),
+        }
+        self.gather += start.elapsed();
+    }
+
+    /// Stages 1 and 2, gathers in flight ([`DataParallel::keep_gathers_in_flight`]):
+    /// starts every rank's updated pieces into every rank's parameters, one bucket
+    /// at a time in the order the next forward reads them, and returns at once.
+    /// `recv` (the shard's gradients, used) carries this rank's pieces until then.
+    fn start_param_gathers(&mut self, comm: &dyn Collective, params: &mut [f32]) {
+        let plan = &self.plan;
+        plan.pack_shard(plan.rank, params, &mut self.recv);
+        let order = forward_order(plan.buckets.len());
+        let parts: Vec<GatherPart> = (order.iter())
+            .map(|&b| GatherPart {
+                from: plan.slot(b)..plan.slot(b) + plan.buckets[b].counts[plan.rank],
+                into: plan.buckets[b].arena.clone(),
+                counts: &plan.buckets[b].counts,
+            })
+            .collect();
+        // SAFETY: until each gather is waited for (`Arrivals::need` of its bucket or
+        // `params_whole`, which `backward_reduce`, the only writer of `recv` before
+        // the next update, calls first) nothing writes `recv` and nothing reads or
+        // writes the bucket of `params`: the caller's promise
+        // (`keep_gathers_in_flight`), and the forward reads a bucket only after its
+        // need. `recv` lives in `self`, which waits for every gather before it drops.
+        let started = match crate::fault::late_gathers() {
+            false => unsafe { comm.start_all_gathers(&self.recv, params, &parts) },
+            true => Late::gathers(comm, &self.recv, params, &parts),
+        };
+        for (b, gather) in order.into_iter().zip(started) {
+            // SAFETY: only the lifetime changes, to keep the gather in `self`: the
+            // caller of `keep_gathers_in_flight` keeps `comm` alive until every
+            // gather has been waited for (`params_whole` or the drop of `self`).
+            let gather: Box<dyn Pending> = unsafe { std::mem::transmute(gather) };
+            self.arriving.push_back((b, gather));
+        }
     }
 
     /// Stages 1 and 2: every rank's updated pieces into every rank's parameters.
@@ -533,6 +649,7 @@ impl DataParallel {
         if !self.warm {
             self.warm = true;
             (self.exposed, self.other) = (Duration::ZERO, Duration::ZERO);
+            self.gather = Duration::ZERO;
             return;
         }
         self.steps += 1;
@@ -544,6 +661,7 @@ impl DataParallel {
         let n = self.steps.max(1) as f64;
         let ms = |d: Duration| d.as_secs_f64() * 1e3 / n;
         let (step, exposed, other) = (ms(self.step_time), ms(self.exposed), ms(self.other));
+        let gather = ms(self.gather);
         let alone = self.reduce_alone.as_secs_f64() * 1e3;
         let hidden = if alone > 0.0 {
             (1.0 - exposed / alone).clamp(0.0, 1.0)
@@ -561,9 +679,11 @@ impl DataParallel {
             backend: comm.describe(),
             steps: self.steps,
             step_ms: step,
-            compute_ms: step - exposed - other,
+            compute_ms: step - exposed - other - gather,
             exposed_reduce_ms: exposed,
             other_comm_ms: other,
+            exposed_gather_ms: gather,
+            gathers_in_flight: self.in_flight,
             reduce_alone_ms: alone,
             hidden_fraction: hidden,
             grad_bytes: self.plan.arena_len * self.kind.wire_bytes(),
@@ -588,6 +708,94 @@ fn embeddings_first(model: &Gpt, world_size: usize) -> bool {
         _ => {
             let rows = (model.layout.wte.len() + model.layout.wpe.len()) / model.config().n_embd;
             world_size * model.max_tokens() <= rows
+        }
+    }
+}
+
+impl Drop for DataParallel {
+    fn drop(&mut self) {
+        // Gathers in flight write into the parameters: never left to MPI.
+        for (_, gather) in self.arriving.drain(..) {
+            gather.wait();
+        }
+    }
+}
+
+/// `NANOGPT_AG_OVERLAP=0`: ZeRO-1/2 all-gather the updated parameters with one
+/// blocking collective (to measure what leaving them in flight saves); read once.
+fn ag_overlap() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("NANOGPT_AG_OVERLAP").as_deref() != Ok("0"))
+}
+
+/// The buckets (of `n`: `ln_f`, the blocks from the last, the embeddings) in the
+/// order a forward needs them: the embeddings, `ln_f`, the blocks from the first.
+fn forward_order(n: usize) -> Vec<usize> {
+    let rest = (1..n.saturating_sub(1)).rev();
+    [n - 1, 0].into_iter().take(n).chain(rest).collect()
+}
+
+/// `NANOGPT_FAULT=late-gathers` (tests): an all-gather of the updated weights
+/// started only when waited for, blocking then (every rank waits for the gathers in
+/// the same order): a reader that does not wait first sees the other ranks' pieces
+/// from before the update, however fast the network.
+struct Late<'a> {
+    comm: &'a dyn Collective,
+    mine: (*const f32, usize),
+    all: (*mut f32, usize),
+    counts: Vec<usize>,
+}
+
+impl<'a> Late<'a> {
+    /// One per part of [`Collective::start_all_gathers`]: `send[from]` into `recv[into]`.
+    fn gathers(
+        comm: &'a dyn Collective,
+        send: &[f32],
+        recv: &mut [f32],
+        parts: &[GatherPart],
+    ) -> Vec<Box<dyn Pending + 'a>> {
+        let late = |p: &GatherPart| -> Box<dyn Pending + 'a> {
+            let (mine, all) = (&send[p.from.clone()], &mut recv[p.into.clone()]);
+            Box::new(Late {
+                comm,
+                mine: (mine.as_ptr(), mine.len()),
+                all: (all.as_mut_ptr(), all.len()),
+                counts: p.counts.to_vec(),
+            })
+        };
+        parts.iter().map(late).collect()
+    }
+}
+
+impl Pending for Late<'_> {
+    fn wait(self: Box<Self>) {
+        // SAFETY: as for a gather in flight ([`Collective::start_all_gathers`]), both
+        // ranges stay allocated, `mine` unchanged and `all` untouched until this wait.
+        let (mine, all) = unsafe {
+            let mine = std::slice::from_raw_parts(self.mine.0, self.mine.1);
+            (mine, std::slice::from_raw_parts_mut(self.all.0, self.all.1))
+        };
+        self.comm.all_gather_pieces(mine, all, &self.counts);
+    }
+}
+
+/// The hooks of a forward while the update's gathers are in flight
+/// ([`DataParallel::forward`]): `need` of a bucket waits for its gather.
+struct Arrivals<'a> {
+    plan: &'a GradPlan,
+    arriving: &'a mut VecDeque<(usize, Box<dyn Pending>)>,
+    waited: &'a mut Duration,
+}
+
+impl PassHooks for Arrivals<'_> {
+    fn need(&mut self, range: Range<usize>, _params: &mut [f32]) {
+        let b = self.plan.buckets.iter().position(|b| b.arena == range);
+        let b = b.expect("the model reports the plan's buckets");
+        if let Some(at) = self.arriving.iter().position(|&(k, _)| k == b) {
+            let start = Instant::now();
+            let (_, gather) = self.arriving.remove(at).expect("found");
+            gather.wait();
+            *self.waited += start.elapsed();
         }
     }
 }
@@ -984,6 +1192,29 @@ mod tests {
                 self.log.borrow_mut().push(Event::ReduceWait);
             })))
         }
+        unsafe fn start_all_gathers<'a>(
+            &'a self,
+            _: &[f32],
+            recv: &mut [f32],
+            parts: &[GatherPart],
+        ) -> Vec<Box<dyn Pending + 'a>> {
+            let mut started: Vec<Box<dyn Pending + 'a>> = Vec::new();
+            for part in parts {
+                let at = part.into.clone();
+                let b = self.plan.buckets.iter().position(|k| k.arena == at);
+                let b = b.expect("a bucket of the parameters");
+                self.log.borrow_mut().push(Event::GatherStart(b));
+                let ptr = recv[at.clone()].as_mut_ptr() as usize;
+                started.push(Box::new(Later(Box::new(move || {
+                    // SAFETY: the caller keeps the bucket allocated and untouched
+                    // until this wait (the contract under test).
+                    let buf = unsafe { std::slice::from_raw_parts_mut(ptr as *mut f32, at.len()) };
+                    buf.copy_from_slice(&self.full[at.clone()]);
+                    self.log.borrow_mut().push(Event::GatherWait(b));
+                }))));
+            }
+            started
+        }
         fn reduce_during_backward(
             &self,
             _: Reduce,
@@ -1115,6 +1346,87 @@ mod tests {
             let needs = log.iter().filter(|e| matches!(e, Event::Need(_))).count();
             assert_eq!(needs, 2 + 2 * cfg.n_layer);
             assert_eq!(fetched_then, if prefetch { 2 } else { needs }, "{log:?}");
+        }
+    }
+
+    /// [`Arrivals`], with its `need` calls logged.
+    struct LoggedArrivals<'a>(Arrivals<'a>, Log);
+    impl PassHooks for LoggedArrivals<'_> {
+        fn need(&mut self, range: Range<usize>, params: &mut [f32]) {
+            let b = self.0.plan.buckets.iter().position(|b| b.arena == range);
+            self.1.borrow_mut().push(Event::Need(b.unwrap()));
+            self.0.need(range, params);
+        }
+    }
+
+    /// ZeRO-1 on rank 0 of two, the update's all-gathers completing only when waited
+    /// for: they start in the forward's order (the embeddings, `ln_f`, block 0, 1,
+    /// ...), the forward waits for each bucket right at its need and for none before,
+    /// and computes the loss of the whole updated model, in f32 and in bf16 (the copy
+    /// rounded bucket by bucket as they arrive).
+    #[test]
+    fn zero_1_forward_waits_for_each_bucket_of_the_update_just_before_reading_it() {
+        let cfg = ModelConfig {
+            vocab_size: 50,
+            block_size: 8,
+            n_layer: 3,
+            n_head: 2,
+            n_embd: 16,
+            bias: true,
+            dropout: 0.0,
+        };
+        let (b, t) = (2, 8);
+        let x: Vec<u32> = (0..b * t).map(|i| (i * 7 % 50) as u32).collect();
+        let y: Vec<i32> = (0..b * t).map(|i| (i * 3 % 50) as i32).collect();
+        for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+            let mut plain = Gpt::new(cfg.clone(), b, t).unwrap();
+            plain.init_gpt2(5);
+            plain.set_dtype(dtype);
+            let loss = plain.forward(&x, &y, b, t);
+            // Before the gathers this rank holds its own updated pieces only.
+            let mut gpt = Gpt::new(cfg.clone(), b, t).unwrap();
+            gpt.set_dtype(dtype);
+            let log = Log::default();
+            let twin = Twin {
+                full: plain.params.clone(),
+                plan: GradPlan::new(&gpt.grad_buckets(), gpt.layout.len, 2, 0, 1),
+                base: Cell::new(gpt.params.as_ptr() as usize),
+                log: log.clone(),
+            };
+            let mut dp = DataParallel::new(&twin, &gpt, 1);
+            for (k, _) in dp.plan.buckets.iter().enumerate() {
+                let own = dp.plan.piece(k, 0);
+                gpt.params[own.clone()].copy_from_slice(&plain.params[own]);
+            }
+            dp.start_param_gathers(&twin, &mut gpt.params);
+            gpt.refresh_bf16_at_next_forward();
+            let mut hooks = LoggedArrivals(
+                Arrivals {
+                    plan: &dp.plan,
+                    arriving: &mut dp.arriving,
+                    waited: &mut dp.gather,
+                },
+                log.clone(),
+            );
+            let got = gpt.forward_hooked(&x, &y, b, t, &mut hooks);
+            assert_eq!(got, loss, "{dtype:?}");
+            assert!(dp.arriving.is_empty() && gpt.params == plain.params);
+            let log = log.borrow();
+            let n = dp.plan.buckets.len();
+            let starts: Vec<Event> = forward_order(n)
+                .into_iter()
+                .map(Event::GatherStart)
+                .collect();
+            assert_eq!(log[..n], starts[..], "{log:?}");
+            assert_eq!(forward_order(n), [n - 1, 0, 3, 2, 1]);
+            for (i, e) in log.iter().enumerate().skip(n) {
+                match *e {
+                    Event::Need(k) => assert_eq!(log[i + 1], Event::GatherWait(k), "{log:?}"),
+                    Event::GatherWait(k) => assert_eq!(log[i - 1], Event::Need(k), "{log:?}"),
+                    _ => panic!("{log:?}"),
+                }
+            }
+            assert_eq!(log.len(), 3 * n, "{log:?}");
         }
     }
 

@@ -67,6 +67,9 @@ pub struct Gpt {
     /// The weights are lent range by range through [`PassHooks`] (ZeRO-3, see
     /// [`Gpt::set_weights_lent`]): the bf16 copy is made per range.
     lent: bool,
+    /// bf16 mode: the copy is stale and the next full forward rounds each range right
+    /// after its `need` ([`Gpt::refresh_bf16_at_next_forward`]).
+    bf16_owed: bool,
     acts: Activations,
     /// Activation checkpointing (see [`Gpt::set_activation_checkpointing`]).
     checkpointing: bool,
@@ -211,6 +214,7 @@ impl Gpt {
             params_bf16: Vec::new(),
             wte_packs: None,
             lent: false,
+            bf16_owed: false,
             layout,
             acts,
             checkpointing: false,
@@ -430,11 +434,28 @@ impl Gpt {
     /// micro-steps of one optimizer step share the copy. A no-op in f32 mode, and
     /// with lent weights (the passes round each range they receive).
     pub fn sync_bf16_weights(&mut self) {
+        self.bf16_owed = false;
         if self.dtype == Dtype::Bfloat16 && !self.lent {
             let _t = crate::profile::scope(crate::profile::Section::Bf16Weights);
             bf16::round_into(&mut self.params_bf16, &self.params);
             self.repack_wte();
         }
+    }
+
+    /// bf16 mode, instead of [`Gpt::sync_bf16_weights`] while `params` are still
+    /// arriving (ZeRO-1/2's all-gathers in flight): the next forward rounds each
+    /// range of the copy (and packs `wte`) right after its `need`, when the range has
+    /// arrived: the same bits as the whole copy. Call [`Gpt::sync_bf16_weights`]
+    /// instead if anything else reads the copy first ([`Gpt::bf16_refresh_owed`]).
+    /// Without LoRA only (its passes call no `need`).
+    pub fn refresh_bf16_at_next_forward(&mut self) {
+        assert!(self.frozen.is_none(), "LoRA passes call no need");
+        self.bf16_owed = true;
+    }
+
+    /// Whether the bf16 copy waits for the next forward to be refreshed.
+    pub fn bf16_refresh_owed(&self) -> bool {
+        self.bf16_owed
     }
 
     /// The AdamW step of `opt` (built by `AdamW::new` for this arena) at `lr` on the
@@ -777,6 +798,7 @@ impl Gpt {
             params_bf16,
             wte_packs,
             lent,
+            bf16_owed,
             acts,
             layout,
             config,
@@ -784,12 +806,14 @@ impl Gpt {
             ..
         } = self;
         let full = frozen.is_none();
+        // Lent weights, or a stale copy: each range rounded as it is needed.
+        let round = *lent || (full && std::mem::take(bf16_owed));
         let lent = *lent;
         if full {
             for range in [embeddings_bucket(layout), ln_f_bucket(layout)] {
                 hooks.need(range.clone(), params);
                 let packs = wte_packs.as_mut();
-                round_lent_copy(lent, range, params, params_bf16, packs, layout, config);
+                round_lent_copy(round, range, params, params_bf16, packs, layout, config);
             }
         }
         let base = weights(BF16, layout, params, params_bf16, frozen);
@@ -805,7 +829,7 @@ impl Gpt {
             if full {
                 hooks.need(block_bucket(layout, l), params);
                 let (range, packs) = (block_bucket(layout, l), wte_packs.as_mut());
-                round_lent_copy(lent, range, params, params_bf16, packs, layout, config);
+                round_lent_copy(round, range, params, params_bf16, packs, layout, config);
             }
             let base = weights(BF16, layout, params, params_bf16, frozen);
             let (before, this) = acts.blocks.split_at_mut(l);
@@ -835,9 +859,10 @@ impl Gpt {
     }
 }
 
-/// Lent weights ([`Gpt::set_weights_lent`]) in bf16 mode (`copy` not empty): the
-/// copy of `range` rounded from the weights its `need` has just filled, and `wte`
-/// packed from it when in `range`. Nothing otherwise.
+/// Lent weights ([`Gpt::set_weights_lent`]) or a stale copy
+/// ([`Gpt::refresh_bf16_at_next_forward`]), `lent` either, in bf16 mode (`copy` not
+/// empty): the copy of `range` rounded from the weights its `need` has just filled,
+/// and `wte` packed from it when in `range`. Nothing otherwise.
 fn round_lent_copy(
     lent: bool,
     range: Range<usize>,

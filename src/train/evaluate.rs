@@ -18,6 +18,7 @@ impl Trainer {
     pub fn evaluate(&mut self) -> Result<(f32, f32)> {
         let (b, t) = (self.cfg.batch_size, self.cfg.block_size);
         let (rank, world) = (self.rank() as u64, self.world_size());
+        self.params_whole();
         self.model.set_training(false);
         // Loss sums, then (with masks) the trained targets they are over.
         let mut totals = [0.0f64; 4];

@@ -131,10 +131,18 @@ impl Trainer {
         let Start {
             data,
             state,
-            dp,
+            mut dp,
             out_dir_lock,
             replace_at_first_save,
         } = Start::new(&cfg, &*comm)?;
+        if let Some(dp) = dp.as_mut() {
+            // SAFETY: the trainer owns `comm` and the model as long as `dp`; it calls
+            // `params_whole` before anything but `dp.forward` reads or writes
+            // `model.params` (evaluation, checkpoints, the replica check, the fault
+            // injection, the end of `run` and of `train_step`) and in its drop,
+            // before its fields (`comm`, the model) are dropped.
+            unsafe { dp.keep_gathers_in_flight(&state.model) };
+        }
         let root = comm.rank() == 0;
         // A resumed run drops the rows logged past its checkpoint (it runs them again);
         // an evaluation-only run changes nothing logged: every row stays, and its
@@ -236,7 +244,7 @@ impl Trainer {
                 break;
             }
             let start = Instant::now();
-            let step = self.train_step(iter)?;
+            let step = self.step(iter)?;
             let elapsed = start.elapsed();
             if let Some(dp) = &mut self.dp {
                 dp.record_step(elapsed);
@@ -273,6 +281,7 @@ impl Trainer {
         if let Some(p) = &mut progress {
             p.finish();
         }
+        self.params_whole();
         self.write_comm_report()?;
         Ok(TrainOutcome {
             out_dir: self.cfg.out_dir.clone(),
@@ -289,6 +298,24 @@ impl Trainer {
     /// the loss or gradient norm is not finite). The stop request of a signal is
     /// sampled here, and with several ranks agreed on with the loss's all-reduce.
     pub fn train_step(&mut self, iter: u64) -> Result<StepOutcome> {
+        let step = self.step(iter);
+        self.params_whole();
+        step
+    }
+
+    /// The parameters whole on this rank (ZeRO-1/2: the update's all-gathers, left
+    /// in flight for the next forward, waited for; see
+    /// `DataParallel::keep_gathers_in_flight`). Every reader or writer of
+    /// `model.params` between steps calls it first.
+    pub fn params_whole(&mut self) {
+        if let Some(dp) = &mut self.dp {
+            dp.params_whole(&mut self.model);
+        }
+    }
+
+    /// [`Trainer::train_step`], leaving ZeRO-1/2's all-gathers of the updated
+    /// parameters in flight for the next forward.
+    fn step(&mut self, iter: u64) -> Result<StepOutcome> {
         let mut loss = self.micro_steps(iter)?;
         fault::during_step(iter);
         if fault::nan_grad(iter) {
@@ -311,16 +338,22 @@ impl Trainer {
         let update = dist::clip_and_step(dp, comm, model, opt, settings, loss.is_finite());
         if let Some(dp) = &mut self.dp {
             if (iter + 1).is_multiple_of(REPLICA_CHECK_EVERY) {
+                dp.params_whole(&mut self.model);
                 dp.check_replicas(&*self.comm, &self.model.params, iter + 1)?;
             }
         }
         let nan_param = fault::nan_param(iter);
         if nan_param {
+            self.params_whole();
             self.model.params[self.model.layout.tensors[0].range().start] = f32::NAN;
         }
         // A skipped or sharded step left the bf16 copy and the gradients as they were.
         if nan_param || !update.fused {
-            self.model.sync_bf16_weights();
+            match self.dp.as_ref().is_some_and(DataParallel::params_arriving) {
+                // Rounded bucket by bucket as the next forward receives them.
+                true => self.model.refresh_bf16_at_next_forward(),
+                false => self.model.sync_bf16_weights(),
+            }
         }
         self.grads_zeroed = update.fused;
         Ok(StepOutcome {
@@ -399,6 +432,14 @@ impl Trainer {
             }
         }
         Ok(loss)
+    }
+}
+
+impl Drop for Trainer {
+    fn drop(&mut self) {
+        // Gathers in flight borrow `comm` and write `model.params`: completed before
+        // either is dropped (after an error, too).
+        self.params_whole();
     }
 }
 

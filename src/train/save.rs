@@ -77,6 +77,7 @@ impl Trainer {
     /// not depend on the world size and saving costs no whole-model gather. A failed
     /// write leaves the previous file intact and is an error.
     pub fn save_checkpoint_to(&mut self, path: &Path, iter: u64) -> Result<()> {
+        self.params_whole();
         self.saved_at = Some(iter);
         let (rank, world) = (self.rank(), self.world_size());
         let layout = &self.model.layout;
