@@ -296,7 +296,7 @@ pub fn nbc_reduce_halves(rank: usize, world_size: usize) -> usize {
     let mut halves = 0;
     let mut r = 1;
     while 1usize << (r - 1) < world_size {
-        if rank % (1 << r) != 0 {
+        if !rank.is_multiple_of(1 << r) {
             break;
         }
         if rank + (1 << (r - 1)) < world_size {
