@@ -179,7 +179,7 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
     // peak only what that buffer exceeds them by (nothing: the embeddings' bucket
     // holds the largest tensor). (The quick start's closing sample, without a config
     // file, gathers the whole weights on rank 0 after the run: `len - weights` floats
-    // more at stage 3, not counted here.)
+    // more at stage 3, after the moments are freed: see `closing_gather_fits`.)
     let released = match sharded {
         Some(_) => (grads + gathered + mpi_reduce).min(len),
         None => 0,
@@ -327,6 +327,18 @@ pub fn mpi_reduction_len(g: &GradPlan) -> usize {
     let released = 2 * (block - block_own) + block_own + len(h.first) + block;
     let end = (halves * (len(h.last) + block)).saturating_sub(released);
     mid.max(end)
+}
+
+/// ZeRO-3: whether the quick start's closing sample fits in rank 0's plan. After
+/// the run rank 0 gathers the whole weights (`Trainer::gather_final_weights`), the
+/// trained arena less its pieces, having freed its moments; the gathered layers,
+/// their gradients and MPI's reduction buffers are released by then. True up to 3
+/// ranks (the moments, `2·len/W`, cover `len − len/W`); beyond, the plan does not
+/// count the difference.
+pub fn closing_gather_fits(plan: &RankPlan, trained_len: usize) -> bool {
+    let rest = (trained_len as u64 * 4).saturating_sub(plan.part(WEIGHTS));
+    let freed = [MOMENTS, GRADIENTS, GATHERED, MPI_REDUCE].map(|p| plan.part(p));
+    rest <= freed.iter().sum()
 }
 
 /// The architecture a run of `cfg` trains, found as `train` finds it: the config's
@@ -978,6 +990,33 @@ mod tests {
         // 575 MB on rank 0: what it measured above rank 1 (4,517 vs 3,934 MB).
         let mpi = rank_plan(&p, 0).part(MPI_REDUCE) as f64 / 1e6;
         assert!((560.0..590.0).contains(&mpi), "{mpi}");
+    }
+
+    /// The quick start's closing sample at ZeRO-3: the whole weights on rank 0 fit
+    /// where its moments and the pass's layers were, up to 3 ranks (the plan does
+    /// not count it), not on 8 for gpt2-xl.
+    #[test]
+    fn the_closing_gather_fits_up_to_three_ranks() {
+        for model in [tiny(), ModelConfig::preset("gpt2-xl").unwrap()] {
+            let len = ParamLayout::new(&model).len;
+            for w in [2, 3, 8] {
+                let p = PlanInput {
+                    model: model.clone(),
+                    batch_size: 1,
+                    block_size: 8,
+                    dtype: Dtype::Float32,
+                    activation_checkpointing: true,
+                    zero_stage: 3,
+                    world_size: w,
+                    ranks_per_host: 1,
+                    lora: None,
+                };
+                let fits = closing_gather_fits(&rank_plan(&p, 0), len);
+                // (A pass of 3 layers holds most of the model: that always fits.)
+                let deep = model.n_layer > 3;
+                assert_eq!(fits, w <= 3 || !deep, "{} layers, {w} ranks", model.n_layer);
+            }
+        }
     }
 
     /// gpt2-large on 2 ranks: saving a checkpoint costs rank 0 one tensor (the token
