@@ -125,11 +125,15 @@ pub const GRADIENTS: &str = "gradients";
 pub const MOMENTS: &str = "optimizer moments";
 pub const ACTIVATIONS: &str = "activations";
 pub const COMM: &str = "communication buffers";
-/// ZeRO-3: the buckets a pass holds whole at once, weights and gradients each (the
+/// ZeRO-3: the weights a pass holds whole at once beyond this rank's pieces (the
 /// embeddings and `ln_f` for the whole pass, two blocks at a time: see
-/// `GradPlan::gathered_len`).
+/// `GradPlan::gathered_len` and [`gathered_beyond_own`]). Their gradients, held
+/// whole, are [`GRADIENTS`].
 pub const GATHERED: &str = "gathered layers";
 pub const GATHER: &str = "checkpoint gather";
+/// ZeRO-3: the MPI library's own buffers for the gradient reductions in flight, on
+/// the ranks that reduce whole buckets for others ([`mpi_reduction_len`]).
+pub const MPI_REDUCE: &str = "MPI reduction buffers";
 pub const BASELINE: &str = "program, threads, data";
 
 /// The peak memory of `rank` in the run `p`.
@@ -164,19 +168,20 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
         Some(g) => (
             g.shard_len,
             g.gathered_len(),
-            g.gathered_len(),
+            gathered_beyond_own(g),
             g.copied_len(),
         ),
     };
+    let mpi_reduce = sharded.map_or(0, mpi_reduction_len);
     // ZeRO 1-3: rank 0 receives a checkpoint's sharded tensors one at a time into a
     // buffer of the largest tensor's size while it writes the file; at stage 3 no
     // layer is gathered and no gradient held then, so the save adds to the step's
     // peak only what that buffer exceeds them by (nothing: the embeddings' bucket
     // holds the largest tensor). (The quick start's closing sample, without a config
     // file, gathers the whole weights on rank 0 after the run: `len - weights` floats
-    // more at stage 3, not counted here.)
+    // more at stage 3, after the moments are freed: see `closing_gather_fits`.)
     let released = match sharded {
-        Some(_) => (grads + gathered).min(len),
+        Some(_) => (grads + gathered + mpi_reduce).min(len),
         None => 0,
     };
     let gather = save_buffer_len(&trained, stage, w, rank).saturating_sub(released);
@@ -219,6 +224,10 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
             bytes: f32s(gathered),
         },
         Part {
+            name: MPI_REDUCE,
+            bytes: f32s(mpi_reduce),
+        },
+        Part {
             name: GATHER,
             bytes: f32s(gather),
         },
@@ -234,6 +243,102 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
     };
     plan.peak_rss_mb = plan.bytes() as f64 / 1e6;
     plan
+}
+
+/// ZeRO-3: what a pass holds whole at once ([`GradPlan::gathered_len`]): its
+/// buckets, the first and last (`ln_f`, the embeddings), and how many of the largest
+/// block between them.
+struct Held {
+    first: usize,
+    last: usize,
+    block: Option<usize>,
+    blocks: usize,
+}
+
+fn held(g: &GradPlan) -> Held {
+    let n = g.buckets.len();
+    let len = |b: usize| g.buckets[b].arena.len();
+    let (first, last) = (0, n - 1);
+    // The first of the largest, as `gathered_len` counts it.
+    let block = (1..last).rev().max_by_key(|&b| len(b));
+    let ends = len(first) + len(last);
+    let blocks = block.map_or(0, |b| (g.gathered_len() - ends) / len(b).max(1));
+    Held {
+        first,
+        last,
+        block,
+        blocks,
+    }
+}
+
+/// ZeRO-3: floats of the weights a pass holds beyond this rank's pieces (which
+/// [`WEIGHTS`] counts): the buckets of [`GradPlan::gathered_len`] but this rank's
+/// piece of each (between passes `params` keeps [`GradPlan::piece`] of every bucket
+/// resident and releases the rest), plus one piece more: the copy of this rank's
+/// piece of the bucket arriving, which its all-gather sends from
+/// (`Collective::start_all_gather_in_place`) while the block before it computes.
+fn gathered_beyond_own(g: &GradPlan) -> usize {
+    let own = |b: usize| g.piece(b, g.rank).len();
+    let h = held(g);
+    let block_own = h.block.map_or(0, own);
+    let own_held = own(h.first) + own(h.last) + h.blocks * block_own;
+    g.gathered_len() - own_held + block_own
+}
+
+/// Halves of its scratch that a rank receives whole buckets into in the MPI
+/// library's non-blocking reduce-scatter (Open MPI's `libnbc`, the default for
+/// `MPI_Ireduce_scatter`, which ZeRO-3's `Sharded` starts per bucket): the buckets
+/// are summed up a binomial tree onto rank 0, then scattered. A rank receives in
+/// round `r` (r = 1, 2, … while 2^(r-1) < W) when `rank` is a multiple of 2^r and a
+/// peer `rank + 2^(r-1)` exists, and stops at the first round in which it sends;
+/// the library allocates two bucket-sized halves and alternates between them.
+pub fn nbc_reduce_halves(rank: usize, world_size: usize) -> usize {
+    let mut halves = 0;
+    let mut r = 1;
+    while 1usize << (r - 1) < world_size {
+        if !rank.is_multiple_of(1 << r) {
+            break;
+        }
+        if rank + (1 << (r - 1)) < world_size {
+            halves += 1;
+        }
+        r += 1;
+    }
+    halves.min(2)
+}
+
+/// ZeRO-3: floats of the MPI library's reduction buffers at this rank's peak
+/// ([`nbc_reduce_halves`] of them per reduction in flight). Mid-backward two block
+/// reductions are in flight; at its end the embeddings' reduction and the first
+/// block's are, while the blocks' weights and the other gradients are already
+/// released: that end is the higher peak where the embeddings are large. The part is
+/// what the higher of the two adds to the mid-backward peak the other parts count.
+pub fn mpi_reduction_len(g: &GradPlan) -> usize {
+    let halves = nbc_reduce_halves(g.rank, g.world_size);
+    let h = held(g);
+    let len = |b: usize| g.buckets[b].arena.len();
+    let (block, block_own) = h
+        .block
+        .map_or((0, 0), |b| (len(b), g.piece(b, g.rank).len()));
+    let mid = halves * 2 * block;
+    // Mid-backward minus its end, without MPI's buffers: the two blocks' weights
+    // beyond this rank's pieces and the arriving one's send copy, `ln_f`'s and one
+    // block's gradients.
+    let released = 2 * (block - block_own) + block_own + len(h.first) + block;
+    let end = (halves * (len(h.last) + block)).saturating_sub(released);
+    mid.max(end)
+}
+
+/// ZeRO-3: whether the quick start's closing sample fits in rank 0's plan. After
+/// the run rank 0 gathers the whole weights (`Trainer::gather_final_weights`), the
+/// trained arena less its pieces, having freed its moments; the gathered layers,
+/// their gradients and MPI's reduction buffers are released by then. True up to 3
+/// ranks (the moments, `2·len/W`, cover `len − len/W`); beyond, the plan does not
+/// count the difference.
+pub fn closing_gather_fits(plan: &RankPlan, trained_len: usize) -> bool {
+    let rest = (trained_len as u64 * 4).saturating_sub(plan.part(WEIGHTS));
+    let freed = [MOMENTS, GRADIENTS, GATHERED, MPI_REDUCE].map(|p| plan.part(p));
+    rest <= freed.iter().sum()
 }
 
 /// The architecture a run of `cfg` trains, found as `train` finds it: the config's
@@ -346,10 +451,7 @@ pub struct MemoryPlan {
 
 impl MemoryPlan {
     pub fn new(p: &PlanInput, available: Option<Available>) -> MemoryPlan {
-        let mut ranks = vec![rank_plan(p, 0)];
-        if p.world_size > 1 {
-            ranks.push(rank_plan(p, 1));
-        }
+        let ranks = rank_plans(p);
         let host = host_bytes(p, &ranks);
         MemoryPlan {
             world_size: p.world_size,
@@ -397,6 +499,23 @@ impl MemoryPlan {
         });
         lines
     }
+}
+
+/// Rank 0's plan and, with several ranks, the largest of the others' (they differ
+/// by the last rank's shorter pieces and, at ZeRO-3, by the ranks that reduce for
+/// others: [`nbc_reduce_halves`] is largest first at ranks 2 and 4).
+fn rank_plans(p: &PlanInput) -> Vec<RankPlan> {
+    let w = p.world_size;
+    let mut others: Vec<usize> = [1, 2, 4, w.saturating_sub(1)]
+        .into_iter()
+        .filter(|&r| r >= 1 && r < w)
+        .collect();
+    others.dedup();
+    let other = others
+        .into_iter()
+        .map(|r| rank_plan(p, r))
+        .max_by_key(|r| (r.bytes(), std::cmp::Reverse(r.rank)));
+    std::iter::once(rank_plan(p, 0)).chain(other).collect()
 }
 
 fn host_bytes(p: &PlanInput, ranks: &[RankPlan]) -> u64 {
@@ -488,10 +607,7 @@ pub fn cheapest_fits(p: &PlanInput, grad_accum: usize, available: u64, n: usize)
     let mut seen = Vec::new();
     variants(p, grad_accum)
         .into_iter()
-        .filter(|(_, q, _)| {
-            let ranks: Vec<RankPlan> = (0..q.world_size.min(2)).map(|r| rank_plan(q, r)).collect();
-            host_bytes(q, &ranks) <= available
-        })
+        .filter(|(_, q, _)| host_bytes(q, &rank_plans(q)) <= available)
         .filter(|(_, _, changes)| {
             let keys: Vec<String> = changes
                 .iter()
@@ -713,6 +829,17 @@ mod tests {
         emb + ln_f + 2 * block(gpt)
     }
 
+    /// What a ZeRO-3 pass holds of the weights beyond the pieces `plan.rank` keeps
+    /// (`DataParallel::release_params` keeps `plan.piece`): `in_use` less its pieces
+    /// of the embeddings, `ln_f` and the two blocks, plus the copy of its piece of the
+    /// arriving block that `start_all_gather_in_place` sends from.
+    fn beyond_own(gpt: &Gpt, plan: &GradPlan) -> usize {
+        let n = plan.buckets.len();
+        let own = |b: usize| plan.piece(b, plan.rank).len();
+        // Buckets: ln_f, the blocks from the last, the embeddings; blocks are alike.
+        in_use(gpt) - own(0) - own(n - 1) - 2 * own(1) + own(1)
+    }
+
     /// Floats of one block's bucket.
     fn block(gpt: &Gpt) -> usize {
         let l = &gpt.layout;
@@ -772,7 +899,13 @@ mod tests {
                         _ => (gpt.params.len(), 0),
                     };
                     assert_eq!(plan.part(WEIGHTS), weights as u64 * 4, "{case}");
-                    assert_eq!(plan.part(GATHERED), in_use as u64 * 4, "{case}");
+                    // Beyond this rank's pieces (kept by `release_others`, counted
+                    // in the weights), plus the arriving block's send copy.
+                    let gathered = match stage {
+                        3 => beyond_own(&gpt, &dp.plan),
+                        _ => 0,
+                    };
+                    assert_eq!(plan.part(GATHERED), gathered as u64 * 4, "{case}");
                     let grads = if stage == 3 { in_use } else { gpt.grads.len() };
                     assert_eq!(plan.part(GRADIENTS), grads as u64 * 4, "{case}");
                     // bf16: the copy of what a pass holds, but the block arriving.
@@ -788,6 +921,100 @@ mod tests {
                     let copy = (copy + frozen) as u64 * 4;
                     assert_eq!(rank_plan(&p, rank).part(BF16_COPY), copy, "{case}");
                 }
+            }
+        }
+    }
+
+    /// Open MPI's binomial reduction onto rank 0: which ranks receive whole buckets,
+    /// into how many halves of their scratch (worked out by hand from the rounds).
+    #[test]
+    fn the_ranks_that_reduce_for_others() {
+        let table: [&[usize]; 8] = [
+            &[0],
+            &[1, 0],
+            &[2, 0, 0],
+            &[2, 0, 1, 0],
+            &[2, 0, 1, 0, 0],
+            &[2, 0, 1, 0, 1, 0],
+            &[2, 0, 1, 0, 2, 0, 0],
+            &[2, 0, 1, 0, 2, 0, 1, 0],
+        ];
+        for (w, halves) in table.iter().enumerate() {
+            let got: Vec<usize> = (0..=w).map(|r| nbc_reduce_halves(r, w + 1)).collect();
+            assert_eq!(&got[..], *halves, "{} ranks", w + 1);
+        }
+    }
+
+    /// The plan of a measured ZeRO-3 run (docs/PERFORMANCE.md, "plan vs measured")
+    /// part by part: the gathered weights beyond each rank's pieces, and rank 0's
+    /// share of MPI's reduction (the embeddings' and a block's, twice each, less what
+    /// the end of backward has released).
+    #[test]
+    fn stage_3_parts_of_the_xl_width_run() {
+        let model = ModelConfig {
+            vocab_size: 50257,
+            block_size: 1024,
+            n_layer: 12,
+            n_head: 25,
+            n_embd: 1600,
+            bias: true,
+            dropout: 0.0,
+        };
+        let layout = ParamLayout::new(&model);
+        let buckets = grad_buckets_of(&layout);
+        let p = PlanInput {
+            model,
+            batch_size: 1,
+            block_size: 1024,
+            dtype: Dtype::Float32,
+            activation_checkpointing: true,
+            zero_stage: 3,
+            world_size: 3,
+            ranks_per_host: 3,
+            lora: None,
+        };
+        let (n, len) = (buckets.len(), |b: usize| buckets[b].len());
+        let (emb, ln_f, block) = (len(n - 1), len(0), len(1));
+        for rank in 0..3 {
+            let g = GradPlan::new(&buckets, layout.len, 3, rank, 3);
+            let plan = rank_plan(&p, rank);
+            let own = |b: usize| g.piece(b, rank).len();
+            let beyond = emb - own(n - 1) + ln_f - own(0) + 2 * (block - own(1)) + own(1);
+            assert_eq!(plan.part(GATHERED), beyond as u64 * 4, "rank {rank}");
+            let mpi = match rank {
+                0 => 2 * (emb + block) - (3 * block - own(1) + ln_f),
+                _ => 0,
+            };
+            assert_eq!(plan.part(MPI_REDUCE), mpi as u64 * 4, "rank {rank}");
+        }
+        // 575 MB on rank 0: what it measured above rank 1 (4,517 vs 3,934 MB).
+        let mpi = rank_plan(&p, 0).part(MPI_REDUCE) as f64 / 1e6;
+        assert!((560.0..590.0).contains(&mpi), "{mpi}");
+    }
+
+    /// The quick start's closing sample at ZeRO-3: the whole weights on rank 0 fit
+    /// where its moments and the pass's layers were, up to 3 ranks (the plan does
+    /// not count it), not on 8 for gpt2-xl.
+    #[test]
+    fn the_closing_gather_fits_up_to_three_ranks() {
+        for model in [tiny(), ModelConfig::preset("gpt2-xl").unwrap()] {
+            let len = ParamLayout::new(&model).len;
+            for w in [2, 3, 8] {
+                let p = PlanInput {
+                    model: model.clone(),
+                    batch_size: 1,
+                    block_size: 8,
+                    dtype: Dtype::Float32,
+                    activation_checkpointing: true,
+                    zero_stage: 3,
+                    world_size: w,
+                    ranks_per_host: 1,
+                    lora: None,
+                };
+                let fits = closing_gather_fits(&rank_plan(&p, 0), len);
+                // (A pass of 3 layers holds most of the model: that always fits.)
+                let deep = model.n_layer > 3;
+                assert_eq!(fits, w <= 3 || !deep, "{} layers, {w} ranks", model.n_layer);
             }
         }
     }

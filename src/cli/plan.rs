@@ -48,16 +48,16 @@ pub fn run(args: PlanArgs) -> Result<()> {
             println!("{line}");
         }
         for r in &memory.ranks {
-            println!(
-                "rank {}{}:",
-                r.rank,
-                if r.rank > 0 { " (and up)" } else { "" }
-            );
+            match r.rank {
+                0 => println!("rank 0:"),
+                n => println!("other ranks (the largest, rank {n}):"),
+            }
             // The frozen base only exists with LoRA.
             for p in r
                 .parts
                 .iter()
                 .filter(|p| p.name != plan::FROZEN || p.bytes > 0)
+                .filter(|p| p.name != plan::MPI_REDUCE || p.bytes > 0)
             {
                 println!("  {:<24} {:>10.1} MB", p.name, p.bytes as f64 / 1e6);
             }

@@ -123,7 +123,10 @@ impl Trainer {
     /// sample; the other ranks follow rank 0's choice): the whole final weights in
     /// rank 0's `model.params`. Collective at ZeRO-3, where each rank holds only its
     /// pieces: rank 0 then holds the whole weights again, `len − shard` floats more
-    /// than the run's plan counted (only the quick start samples). A no-op otherwise.
+    /// (only the quick start samples). The run is over and its checkpoint written, so
+    /// every rank first frees its AdamW moments (`2 · shard`): up to 3 ranks that and
+    /// the released layers make room for the weights within the run's plan
+    /// (`plan::closing_gather_fits`). A no-op otherwise.
     pub fn gather_final_weights(&mut self, wants: bool) {
         let Some(dp) = self.dp.as_mut().filter(|dp| dp.shards_weights()) else {
             return;
@@ -131,6 +134,8 @@ impl Trainer {
         let mut choice = vec![wants as u8];
         self.comm.broadcast_bytes(&mut choice, 0);
         if choice == [1] {
+            self.opt.m = Vec::new();
+            self.opt.v = Vec::new();
             dp.gather_params(&*self.comm, &mut self.model.params);
         }
     }
