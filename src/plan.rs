@@ -159,7 +159,10 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
     let comm = grad_plan.as_ref().map_or(0, |g| g.send_len + g.recv_len);
     // ZeRO-3: each rank keeps its shard of the weights; a pass holds the embeddings
     // and ln_f (first and last buckets) and two blocks at a time (one computed, the
-    // next arriving or the previous reducing), weights and gradients alike.
+    // next arriving or the previous reducing), weights and gradients alike. The
+    // buckets a pass leaves whole for the next (the last two blocks from forward to
+    // backward; the first block, ln_f and the embeddings from backward to the next
+    // micro-step or the update) are among those: no more is whole at once.
     // The bf16 copy (bf16 mode) is made per bucket as it arrives, released with it:
     // the embeddings, ln_f and the one block computed with.
     let sharded = grad_plan.as_ref().filter(|_| stage >= 3);

@@ -1194,3 +1194,41 @@ fn weights_gathered_in_flight_train_and_save_as_the_blocking_gather() {
         }
     }
 }
+
+/// ZeRO-3 keeps buckets whole from one pass to the next where the next needs them
+/// first (the last two blocks into backward; the first block, `ln_f` and the
+/// embeddings into the next micro-step's forward): the same bits as gathering them
+/// again (`NANOGPT_ZERO3_KEEP=0`), and exactly those gathers fewer per step.
+#[test]
+fn zero_3_keeps_buckets_whole_between_passes_for_the_same_bits() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // 2 ranks of 4 micro-steps: 2 micro-steps per rank and step.
+    let args = [
+        "gradient_accumulation_steps=4",
+        "max_iters=6",
+        "zero_stage=3",
+    ];
+    let (again, kept) = ("zero3-gather-again", "zero3-kept-whole");
+    train_env(2, again, &args, &[("NANOGPT_ZERO3_KEEP", "0")]);
+    train(2, kept, &args);
+    assert_eq!(losses(again), losses(kept), "losses bit for bit");
+    assert!(
+        tensor_bytes(again) == tensor_bytes(kept),
+        "checkpoints byte for byte"
+    );
+    let gathered = |out: &str| {
+        let report = read_json(&workdir().join(out).join("comm.json"));
+        report["gathered_bytes"].as_u64().unwrap() as usize
+    };
+    // Buckets (floats, alignment included): the embeddings, each block, `ln_f`.
+    let layout = params(kept).0;
+    let emb = layout.layers[0].span.start;
+    let block = layout.layers[1].span.start - emb;
+    let n_layer = layout.layers.len();
+    let ln_f = layout.len - emb - n_layer * block;
+    let micro = 2;
+    // Every pass gathers all it reads: forward the whole arena, backward the blocks.
+    assert_eq!(gathered(again), 4 * micro * (layout.len + n_layer * block));
+    let saved = micro * 2 * block + (micro - 1) * (emb + ln_f + block);
+    assert_eq!(gathered(again) - gathered(kept), 4 * saved);
+}

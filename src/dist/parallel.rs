@@ -31,13 +31,14 @@ pub struct CommReport {
     pub compute_ms: f64,
     /// Mean wait per step for the gradient reduction after backward (not hidden), ms.
     pub exposed_reduce_ms: f64,
-    /// Mean time per step in the other collectives (loss, norm, checksum; ZeRO-3's
-    /// gathers), ms.
+    /// Mean time per step in the other collectives (loss, norm, checksum), ms.
     pub other_comm_ms: f64,
-    /// ZeRO-1/2: mean time per step in the all-gather of the updated parameters, ms:
-    /// the whole blocking gather (`NANOGPT_AG_OVERLAP=0`), or with the gathers left
-    /// in flight (default) starting them and the waits for what had not arrived when
-    /// needed (the next forward, or an evaluation, checkpoint or checksum before it).
+    /// Mean time per step in all-gathers of the weights, ms. ZeRO-1/2: the gather
+    /// of the updated parameters, whole when blocking (`NANOGPT_AG_OVERLAP=0`), or
+    /// with the gathers left in flight (default) starting them and the waits for
+    /// what had not arrived when needed (the next forward, or an evaluation,
+    /// checkpoint or checksum before it). ZeRO-3: the waits for each bucket's
+    /// weights before its pass.
     pub exposed_gather_ms: f64,
     /// ZeRO-1/2: the parameters' all-gathers were left in flight after the update.
     pub gathers_in_flight: bool,
@@ -53,6 +54,17 @@ pub struct CommReport {
     /// Backward reported the embeddings' bucket first (its reduction started before
     /// the blocks' backward) and the encoder's gradient was all-gathered after.
     pub embeddings_first: bool,
+    /// Bytes of weights made whole per step by all-gathers (each rank receives the
+    /// other ranks' pieces of them): stages 1-2 the arena once, after the update;
+    /// stage 3 every bucket each time a training pass gathers it (evaluations not
+    /// counted).
+    pub gathered_bytes: u64,
+    /// Bytes of gradients reduced per step (whole buckets, as each rank sends them):
+    /// stages 0-2 the arena once per step, stage 3 once per micro-step.
+    pub reduced_bytes: u64,
+    /// Rank 0's minor page faults per step (memory given back and touched again:
+    /// stage 3's released buckets).
+    pub minor_faults: f64,
 }
 
 /// Buffers and timings of data-parallel training on one rank.
@@ -82,6 +94,14 @@ pub struct DataParallel {
     /// Those gathers, one per bucket with its index, in the order started: the order
     /// the next forward reads the buckets in.
     arriving: VecDeque<(usize, Box<dyn Pending>)>,
+    /// Since the first step: floats of weights gathered and of gradients reduced,
+    /// and this process's minor page faults (at the first step and at the last).
+    gathered: u64,
+    reduced: u64,
+    faults: (u64, u64),
+    /// ZeRO-3: the buckets a pass left whole for the next ([`Sharded::keep`]),
+    /// released by the update.
+    whole: Vec<usize>,
 }
 
 impl DataParallel {
@@ -118,6 +138,10 @@ impl DataParallel {
             },
             in_flight: false,
             arriving: VecDeque::new(),
+            gathered: 0,
+            reduced: 0,
+            faults: (0, 0),
+            whole: Vec::new(),
         }
     }
 
@@ -267,7 +291,11 @@ impl DataParallel {
         let (inputs, targets) = batch;
         match self.shards_weights() {
             true => {
-                let mut hooks = self.sharded(comm, Pass::Forward);
+                let pass = match model.is_training() {
+                    true => Pass::Forward,
+                    false => Pass::Evaluation,
+                };
+                let mut hooks = self.sharded(comm, pass);
                 model.forward_hooked(inputs, targets, b, t, &mut hooks)
             }
             false if self.arriving.is_empty() => model.forward(inputs, targets, b, t),
@@ -291,13 +319,17 @@ impl DataParallel {
     fn sharded<'a>(&'a mut self, comm: &'a dyn Collective, pass: Pass) -> Sharded<'a> {
         Sharded {
             comm,
+            keep: keep_whole(&self.plan, pass, prefetch_enabled()),
+            whole: &mut self.whole,
             plan: &self.plan,
             pass,
             prefetch: prefetch_enabled(),
             scratch: &mut self.send,
             sums: &mut self.recv,
-            gathers: &mut self.other,
+            gathers: &mut self.gather,
             reductions: &mut self.exposed,
+            gathered: &mut self.gathered,
+            reduced: &mut self.reduced,
             arriving: None,
             reducing: None,
         }
@@ -319,6 +351,7 @@ impl DataParallel {
         // The gathers' send pieces are in `recv`, which the reduction overwrites.
         self.params_whole(model);
         let kind = self.kind();
+        self.reduced += self.plan.arena_len as u64;
         let (early, mut held) = (self.embeddings_first, EncoderGrad::default());
         let times = comm.reduce_during_backward(
             kind,
@@ -452,7 +485,10 @@ impl DataParallel {
     ) {
         opt.step_shard(params, &self.recv, lr, grad_factor);
         if self.shards_weights() {
-            return; // each rank keeps its own pieces until a pass gathers them
+            // Each rank keeps its own pieces until a pass gathers them; the buckets
+            // left whole hold the weights before this update.
+            self.release_whole(params);
+            return;
         }
         let start = Instant::now();
         match self.in_flight {
@@ -460,6 +496,7 @@ impl DataParallel {
             false => self.all_gather_params(comm, params),
         }
         self.gather += start.elapsed();
+        self.gathered += self.plan.arena_len as u64;
     }
 
     /// Stages 1 and 2, gathers in flight ([`DataParallel::keep_gathers_in_flight`]):
@@ -561,11 +598,21 @@ impl DataParallel {
 
     /// Stage 3: releases every part of `params` but this rank's pieces. A no-op below
     /// stage 3.
-    pub fn release_params(&self, params: &mut [f32]) {
+    pub fn release_params(&mut self, params: &mut [f32]) {
         if !self.shards_weights() {
             return;
         }
         for (b, bucket) in self.plan.buckets.iter().enumerate() {
+            release_others(params, &bucket.arena, self.plan.piece(b, self.plan.rank));
+        }
+        self.whole.clear();
+    }
+
+    /// Stage 3: releases the buckets the last pass left whole ([`keep_whole`]) but
+    /// this rank's pieces.
+    fn release_whole(&mut self, params: &mut [f32]) {
+        for b in self.whole.drain(..) {
+            let bucket = &self.plan.buckets[b];
             release_others(params, &bucket.arena, self.plan.piece(b, self.plan.rank));
         }
     }
@@ -650,10 +697,13 @@ impl DataParallel {
             self.warm = true;
             (self.exposed, self.other) = (Duration::ZERO, Duration::ZERO);
             self.gather = Duration::ZERO;
+            (self.gathered, self.reduced) = (0, 0);
+            self.faults = (minor_faults(), minor_faults());
             return;
         }
         self.steps += 1;
         self.step_time += elapsed;
+        self.faults.1 = minor_faults();
     }
 
     /// The figures so far, for a step of `tokens` global tokens.
@@ -689,8 +739,27 @@ impl DataParallel {
             grad_bytes: self.plan.arena_len * self.kind.wire_bytes(),
             tokens_per_sec_per_rank: per_rank,
             embeddings_first: self.embeddings_first,
+            gathered_bytes: self.gathered * 4 / self.steps.max(1),
+            reduced_bytes: self.reduced * 4 / self.steps.max(1),
+            minor_faults: (self.faults.1 - self.faults.0) as f64 / n,
         }
     }
+}
+
+/// This process's minor page faults so far (0 where not known).
+fn minor_faults() -> u64 {
+    #[cfg(unix)]
+    {
+        let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+        // SAFETY: getrusage writes one `rusage` into the memory it is given, which is
+        // ours and of that size; it is read only if the call succeeded.
+        let ok = unsafe { libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) } == 0;
+        if ok {
+            // SAFETY: initialised by the successful call above.
+            return unsafe { usage.assume_init() }.ru_minflt as u64;
+        }
+    }
+    0
 }
 
 /// Whether backward reports the embeddings first and their encoder gradient is
@@ -803,10 +872,33 @@ impl PassHooks for Arrivals<'_> {
 /// Which way a pass walks the blocks: the order ZeRO-3 prefetches them in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Pass {
-    /// The embeddings, `ln_f`, then the blocks from the first.
+    /// The embeddings, `ln_f`, then the blocks from the first; a backward follows.
     Forward,
+    /// The same, no backward following.
+    Evaluation,
     /// The blocks from the last.
     Backward,
+}
+
+/// The buckets a ZeRO-3 pass leaves whole for the next instead of releasing them,
+/// because the next pass needs them first and the weights do not change before:
+/// a training forward the last two blocks (the first its backward needs; the
+/// second is the bucket it would prefetch; without prefetch the last only), a
+/// backward the first block, `ln_f` and the embeddings (the first a next
+/// micro-step's forward needs; else released by the update). Either way no more
+/// blocks are whole at once than without: two with prefetch, one without.
+/// `NANOGPT_ZERO3_KEEP=0` releases every bucket at once (to measure).
+fn keep_whole(plan: &GradPlan, pass: Pass, prefetch: bool) -> Vec<usize> {
+    static ON: OnceLock<bool> = OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("NANOGPT_ZERO3_KEEP").as_deref() != Ok("0"));
+    let n = plan.buckets.len();
+    match pass {
+        _ if !on => vec![],
+        Pass::Evaluation => vec![],
+        // Buckets: `ln_f`, the blocks from the last, the embeddings.
+        Pass::Forward => (1..n - 1).take(1 + usize::from(prefetch)).collect(),
+        Pass::Backward => vec![n - 2, n - 1, 0],
+    }
 }
 
 /// Whether ZeRO-3 gathers the next bucket while the model computes with this one
@@ -833,6 +925,11 @@ fn prefetch_enabled() -> bool {
 /// [`Sharded::finish`] after backward for the last reduction.
 struct Sharded<'a> {
     comm: &'a dyn Collective,
+    /// The buckets this pass leaves whole at `done` ([`keep_whole`]).
+    keep: Vec<usize>,
+    /// The buckets whole from an earlier pass (used without a gather) or for a
+    /// later one.
+    whole: &'a mut Vec<usize>,
     plan: &'a GradPlan,
     pass: Pass,
     prefetch: bool,
@@ -843,6 +940,9 @@ struct Sharded<'a> {
     /// Time spent waiting for weights and for gradient reductions.
     gathers: &'a mut Duration,
     reductions: &'a mut Duration,
+    /// Floats of weights gathered and of gradients reduced.
+    gathered: &'a mut u64,
+    reduced: &'a mut u64,
     /// The bucket whose weights are arriving, and its all-gather.
     arriving: Option<(usize, Box<dyn Pending + 'a>)>,
     /// The bucket whose gradients are travelling, its scratch slot, its reduction.
@@ -863,16 +963,19 @@ impl<'a> Sharded<'a> {
         let n = self.plan.buckets.len();
         match self.pass {
             _ if !self.prefetch => None,
-            Pass::Forward if b == n - 1 => Some(0),
-            Pass::Forward if b == 0 => (n >= 3).then_some(n - 2),
-            Pass::Forward => (b >= 2).then(|| b - 1),
+            Pass::Forward | Pass::Evaluation if b == n - 1 => Some(0),
+            Pass::Forward | Pass::Evaluation if b == 0 => (n >= 3).then_some(n - 2),
+            Pass::Forward | Pass::Evaluation => (b >= 2).then(|| b - 1),
             Pass::Backward => (b + 1 < n - 1).then_some(b + 1),
         }
     }
 
     /// Starts gathering bucket `b` into `params`.
-    fn start_gather(&self, b: usize, params: &mut [f32]) -> Box<dyn Pending + 'a> {
+    fn start_gather(&mut self, b: usize, params: &mut [f32]) -> Box<dyn Pending + 'a> {
         let bucket = &self.plan.buckets[b];
+        if self.pass != Pass::Evaluation {
+            *self.gathered += bucket.arena.len() as u64;
+        }
         // SAFETY: until this gather is waited for (in `need` of bucket `b`, or when
         // `arriving` is dropped with `self`), nothing reads or writes
         // `params[bucket]`: the model reads only the buckets it has been told about
@@ -922,6 +1025,7 @@ impl<'a> PassHooks for Sharded<'a> {
         crate::fault::during_gather(self.plan.rank);
         let start = Instant::now();
         let b = self.bucket(&range);
+        let kept = self.whole.iter().position(|&k| k == b);
         let arrived = match self.arriving.take() {
             Some((a, gather)) => {
                 gather.wait();
@@ -929,18 +1033,25 @@ impl<'a> PassHooks for Sharded<'a> {
             }
             None => false,
         };
-        if !arrived {
-            self.start_gather(b, params).wait();
+        match kept {
+            Some(i) => _ = self.whole.swap_remove(i),
+            None if !arrived => self.start_gather(b, params).wait(),
+            None => {}
         }
-        if let Some(next) = self.next_after(b) {
+        let next = self.next_after(b).filter(|n| !self.whole.contains(n));
+        if let Some(next) = next {
             self.arriving = Some((next, self.start_gather(next, params)));
         }
         *self.gathers += start.elapsed();
     }
 
     fn done(&mut self, range: Range<usize>, params: &mut [f32]) {
-        let own = self.plan.piece(self.bucket(&range), self.plan.rank);
-        release_others(params, &range, own);
+        let b = self.bucket(&range);
+        if self.keep.contains(&b) {
+            self.whole.push(b);
+            return;
+        }
+        release_others(params, &range, self.plan.piece(b, self.plan.rank));
     }
 
     fn grads_done(&mut self, range: Range<usize>, grads: &mut [f32]) {
@@ -950,6 +1061,7 @@ impl<'a> PassHooks for Sharded<'a> {
         let slot = self.reducing.as_ref().map_or(0, |&(_, s, _)| 1 - s);
         let half = self.scratch.len() / 2;
         let counts = &plan.buckets[b].counts;
+        *self.reduced += range.len() as u64;
         let piece = &mut self.scratch[slot * half..][..counts[plan.rank]];
         // SAFETY: backward no longer writes `grads[range]` in this pass, and only
         // `finish_reduction` (after the wait) releases it; `piece` is a slot of the
@@ -1086,6 +1198,8 @@ mod tests {
     enum Event {
         Need(usize),
         Done(usize),
+        /// `done`, the bucket left whole for the next pass.
+        Kept(usize),
         GatherStart(usize),
         GatherWait(usize),
         ReduceStart,
@@ -1237,8 +1351,10 @@ mod tests {
         }
         fn done(&mut self, range: Range<usize>, params: &mut [f32]) {
             let b = self.0.bucket(&range);
-            self.1.borrow_mut().push(Event::Done(b));
             self.0.done(range, params);
+            let kept = self.0.whole.contains(&b);
+            let event = if kept { Event::Kept(b) } else { Event::Done(b) };
+            self.1.borrow_mut().push(event);
         }
         fn grads_done(&mut self, range: Range<usize>, grads: &mut [f32]) {
             self.0.grads_done(range, grads);
@@ -1268,11 +1384,12 @@ mod tests {
         (most, most_flying)
     }
 
-    /// A ZeRO-3 training pass on rank 0 of two, its collectives completing only
-    /// when waited for: the same loss as the whole model, this rank's pieces of the
-    /// summed gradients, every weight waited for before it was read; with prefetch
-    /// each gather started one bucket ahead and at most two blocks whole, and two
-    /// reductions in flight, at once.
+    /// ZeRO-3 training passes (two micro-steps) on rank 0 of two, its collectives
+    /// completing only when waited for: the same losses as the whole model, this
+    /// rank's pieces of the summed gradients, every weight waited for before it was
+    /// read; with prefetch each gather started one bucket ahead and at most two
+    /// blocks whole, and two reductions in flight, at once; with buckets kept whole
+    /// between passes, those not gathered again (and released by the update).
     #[test]
     fn zero_3_waits_for_each_prefetched_collective_before_its_buffers_are_used() {
         let cfg = ModelConfig {
@@ -1284,10 +1401,16 @@ mod tests {
             bias: true,
             dropout: 0.1,
         };
-        let (b, t) = (2, 8);
+        let (b, t, micro) = (2, 8, 2);
         let x: Vec<u32> = (0..b * t).map(|i| (i * 7 % 50) as u32).collect();
         let y: Vec<i32> = (0..b * t).map(|i| (i * 3 % 50) as i32).collect();
-        for (prefetch, ckpt) in [(true, false), (true, true), (false, false)] {
+        let runs = [
+            (true, false, true),
+            (true, true, true),
+            (false, false, true),
+            (true, false, false),
+        ];
+        for (prefetch, ckpt, keep) in runs {
             let mut plain = Gpt::new(cfg.clone(), b, t).unwrap();
             plain.init_gpt2(5);
             plain.set_dtype(Dtype::Float32);
@@ -1297,8 +1420,6 @@ mod tests {
                 m.set_dropout_seed(9);
                 m.zero_grad();
             }
-            let loss = plain.forward(&x, &y, b, t);
-            plain.backward_hooked(&mut NoHooks);
             let log = Log::default();
             let twin = Twin {
                 full: gpt.params.clone(),
@@ -1308,44 +1429,82 @@ mod tests {
             };
             let mut dp = DataParallel::new(&twin, &gpt, 3);
             dp.release_params(&mut gpt.params);
+            let released = gpt.params.clone();
             dp.zero_grad(&mut gpt);
-            let mut hooks = Logged(dp.sharded(&twin, Pass::Forward), log.clone());
-            hooks.0.prefetch = prefetch;
-            let got = gpt.forward_hooked(&x, &y, b, t, &mut hooks);
-            drop(hooks);
-            assert_eq!(got, loss, "prefetch {prefetch} checkpointing {ckpt}");
-            let mut hooks = Logged(dp.sharded(&twin, Pass::Backward), log.clone());
-            hooks.0.prefetch = prefetch;
-            gpt.backward_hooked(&mut hooks);
-            hooks.0.finish(&mut gpt.grads);
-            drop(hooks);
-            // This rank's pieces of the sum over the two (equal) ranks.
+            let run = format!("prefetch {prefetch} checkpointing {ckpt} keep {keep}");
+            // This rank's pieces of the sum over the two (equal) ranks, each
+            // micro-step's sum added to the step's.
             let mut want = vec![0.0; dp.plan.shard_len];
-            dp.plan.pack_shard(0, &plain.grads, &mut want);
-            want.iter_mut().for_each(|g| *g *= 2.0);
+            let mut piece = want.clone();
+            for _ in 0..micro {
+                plain.zero_grad();
+                let loss = plain.forward(&x, &y, b, t);
+                plain.backward_hooked(&mut NoHooks);
+                dp.plan.pack_shard(0, &plain.grads, &mut piece);
+                want.iter_mut().zip(&piece).for_each(|(w, g)| *w += 2.0 * g);
+                for pass in [Pass::Forward, Pass::Backward] {
+                    let mut hooks = Logged(dp.sharded(&twin, pass), log.clone());
+                    hooks.0.prefetch = prefetch;
+                    hooks.0.keep = match keep {
+                        true => keep_whole(hooks.0.plan, pass, prefetch),
+                        false => vec![],
+                    };
+                    if pass == Pass::Forward {
+                        let got = gpt.forward_hooked(&x, &y, b, t, &mut hooks);
+                        assert_eq!(got, loss, "{run}");
+                    } else {
+                        gpt.backward_hooked(&mut hooks);
+                        hooks.0.finish(&mut gpt.grads);
+                    }
+                }
+            }
             let same = dp.shard_grads() == &want[..];
-            assert!(same, "this rank's summed pieces, prefetch {prefetch}");
+            assert!(same, "this rank's summed pieces, {run}");
             assert!(gpt.grads.iter().all(|&g| g == 0.0), "gradients released");
-            let log = log.borrow();
+            // Left whole after backward: the first block, `ln_f`, the embeddings,
+            // given back by the update.
             let n = dp.plan.buckets.len();
+            let mut whole = dp.whole.clone();
+            whole.sort();
+            assert_eq!(whole, if keep { vec![0, n - 2, n - 1] } else { vec![] });
+            dp.release_whole(&mut gpt.params);
+            assert!(gpt.params == released, "{run}");
+            let log = log.borrow();
             let at_once = if prefetch { (2, 2) } else { (1, 1) };
             assert_eq!(most_at_once(&log, n), at_once, "{log:?}");
             // Every need waits for its bucket before the model reads it: arrived
-            // (prefetched) or gathered then. With prefetch only each pass's first
-            // need (the embeddings; the last block) gathers then.
-            let mut fetched_then = 0;
+            // (prefetched), gathered then, or kept whole since its last `done`.
+            let (mut fetched_then, mut kept) = (0, 0);
             for (i, e) in log.iter().enumerate() {
                 if let Event::Need(k) = *e {
                     let arrived = log[i + 1] == Event::GatherWait(k);
                     let fetched =
                         log[i + 1..i + 3] == [Event::GatherStart(k), Event::GatherWait(k)];
-                    assert!(arrived || fetched, "{log:?}");
+                    let last = log[..i].iter().rev().find(|e| match **e {
+                        Event::Need(j) | Event::Done(j) | Event::Kept(j) => j == k,
+                        _ => false,
+                    });
+                    let whole = last == Some(&Event::Kept(k));
+                    assert!(arrived || fetched || whole, "{log:?}");
                     fetched_then += usize::from(fetched);
+                    kept += usize::from(whole);
                 }
             }
             let needs = log.iter().filter(|e| matches!(e, Event::Need(_))).count();
-            assert_eq!(needs, 2 + 2 * cfg.n_layer);
-            assert_eq!(fetched_then, if prefetch { 2 } else { needs }, "{log:?}");
+            assert_eq!(needs, micro * (2 + 2 * cfg.n_layer));
+            // Kept: the last two blocks (one without prefetch) into each backward,
+            // the first block, `ln_f` and the embeddings into the second
+            // micro-step's forward.
+            let into_backward = 1 + usize::from(prefetch);
+            assert_eq!(kept, if keep { micro * into_backward + 3 } else { 0 });
+            let gathers = log.iter().filter(|e| matches!(e, Event::GatherStart(_)));
+            assert_eq!(gathers.count(), needs - kept, "no gather wasted: {log:?}");
+            let first = match (prefetch, keep) {
+                (true, true) => 1,          // the first forward's embeddings
+                (true, false) => 2 * micro, // each pass's first bucket
+                (false, _) => needs - kept,
+            };
+            assert_eq!(fetched_then, first, "{log:?}");
         }
     }
 

@@ -136,7 +136,9 @@ impl GradPlan {
     /// gradients each: the first and last buckets (`ln_f`, the embeddings) for the
     /// whole pass and [`STAGE3_GATHERED_BLOCKS`] of the largest block between them
     /// (weights: one computed with, the next arriving; gradients: one computed,
-    /// the previous one being reduced).
+    /// the previous one being reduced). Buckets kept whole between passes count
+    /// among these: the last two blocks from forward to backward, the first block
+    /// with the embeddings and `ln_f` from backward to the next pass.
     pub fn gathered_len(&self) -> usize {
         self.ends_and_blocks(STAGE3_GATHERED_BLOCKS)
     }

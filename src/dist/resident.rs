@@ -20,6 +20,37 @@ pub fn release(buf: &mut [f32], range: Range<usize>) {
     rest[(end - start) / 4..].fill(0.0);
 }
 
+/// Asks the kernel to back `buf` with transparent huge pages (2 MiB on x86-64) where
+/// it faults memory in (`madvise(MADV_HUGEPAGE)`), for buffers of which ZeRO-3
+/// releases and refills large ranges every pass: one fault per huge page instead of
+/// one per 4 KiB page, which made the refill cost several times a plain copy. What
+/// [`release`] gives back stays given back: the kernel splits a huge page that a
+/// released range covers only in part. Advice only: false where refused (THP off,
+/// not Linux) or turned off with `NANOGPT_ZERO3_HUGE_PAGES=0` (to measure).
+pub fn prefer_huge_pages(buf: &[f32]) -> bool {
+    if std::env::var("NANOGPT_ZERO3_HUGE_PAGES").as_deref() == Ok("0") {
+        return false;
+    }
+    let (start, end) = whole_pages(buf.as_ptr() as usize, buf.len() * 4, page_size());
+    start < end && madvise_hugepage(start, end - start)
+}
+
+/// `madvise(addr, len, MADV_HUGEPAGE)`; false where it failed or is not available.
+fn madvise_hugepage(addr: usize, len: usize) -> bool {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: `addr..addr + len` are whole pages inside a slice the caller holds,
+        // mapped private anonymous memory; MADV_HUGEPAGE changes only how the kernel
+        // backs them on later faults, never their contents.
+        unsafe { libc::madvise(addr as *mut libc::c_void, len, libc::MADV_HUGEPAGE) == 0 }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = (addr, len);
+        false
+    }
+}
+
 /// The page-aligned addresses `start..end` of the whole pages inside `len` bytes at
 /// `addr` (`start >= end`: none).
 fn whole_pages(addr: usize, len: usize, page: usize) -> (usize, usize) {
@@ -105,6 +136,43 @@ mod tests {
         assert_eq!(resident_pages(&buf), 0, "every whole page released");
         // (Reading them maps the kernel's shared zero page: no memory.)
         assert!(buf.iter().all(|&x| x == 0.0));
+    }
+
+    /// Whether the kernel backs `MADV_HUGEPAGE` memory with huge pages (THP set to
+    /// `always` or `madvise`).
+    #[cfg(target_os = "linux")]
+    fn huge_pages_on_advice() -> bool {
+        let mode = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled");
+        mode.is_ok_and(|m| m.contains("[always]") || m.contains("[madvise]"))
+    }
+
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn advised_buffers_fault_in_whole_huge_pages_and_still_release() {
+        if !huge_pages_on_advice() || std::env::var("NANOGPT_ZERO3_HUGE_PAGES").is_ok() {
+            eprintln!("transparent huge pages off here: nothing to check");
+            return;
+        }
+        let n = 16 << 20; // 64 MiB of f32, not touched yet
+        let mut buf = vec![0.0f32; n];
+        assert!(prefer_huge_pages(&buf));
+        let huge = 2 << 20;
+        // One float written in the middle of an aligned 2 MiB extent brings in the
+        // whole extent: 512 pages of 4 KiB (4 KiB pages: one).
+        let at = (buf.as_ptr() as usize + 8 * huge).next_multiple_of(huge) + huge / 2;
+        let i = (at - buf.as_ptr() as usize) / 4;
+        buf[i] = 1.0;
+        let pages = resident_pages(&buf);
+        assert!(pages * page_size() >= huge, "{pages} pages resident");
+        // Released, a part of that huge page reads zero and leaves the resident set;
+        // the rest keeps its values.
+        release(&mut buf, i - 4096..i + 1);
+        assert!(resident_pages(&buf) < pages, "a part released");
+        assert_eq!((buf[i], buf[i - 4096]), (0.0, 0.0));
+        buf[i + 1] = 3.0;
+        release(&mut buf, 0..i + 1);
+        assert_eq!(buf[i + 1], 3.0);
+        assert!(buf[..i + 1].iter().all(|&x| x == 0.0));
     }
 
     #[test]

@@ -345,6 +345,11 @@ impl Gpt {
         self.pending = None;
     }
 
+    /// Whether passes train (see [`Gpt::set_training`]).
+    pub fn is_training(&self) -> bool {
+        self.training
+    }
+
     /// Multiplies the gradients of the following backward passes, e.g. by
     /// `1 / gradient_accumulation_steps` so accumulated gradients are a mean.
     pub fn set_grad_scale(&mut self, scale: f32) {
@@ -427,6 +432,12 @@ impl Gpt {
         assert!(!on || self.frozen.is_none(), "LoRA passes lend no weights");
         self.lent = on;
         release_lent_copy(on, 0..self.params_bf16.len(), &mut self.params_bf16);
+        if on {
+            // Every pass releases and refills most of these.
+            for buf in [&self.params, &self.grads, &self.params_bf16] {
+                crate::dist::resident::prefer_huge_pages(buf);
+            }
+        }
     }
 
     /// bf16 mode: re-rounds the weight copy the matmuls read from `params`. Call it
