@@ -157,13 +157,28 @@ pub fn matmul_bf16(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
     }
 }
 
-/// [`matmul_bf16`] with a right-hand operand packed beforehand (the caller made the
-/// pack because [`kernel`] is [`Kernel::Amx`] or [`Kernel::Avx512Bf16`], which read
-/// the same layout).
-pub fn matmul_bf16_packed(dst: &mut [f32], a: Mat, b: &PackedB, accumulate: bool) {
+/// Whether bf16 products read right-hand operands packed beforehand ([`PackedB`]):
+/// true for the AMX and AVX512-BF16 kernels, which read the same pack, so callers
+/// that reuse a weight (the classifier's `wte`) pack it once per optimizer step.
+pub fn reads_packs() -> bool {
+    matches!(kernel(), Kernel::Amx | Kernel::Avx512Bf16)
+}
+
+/// [`matmul_bf16`] with `packed`, the right-hand operand `b` packed beforehand (made
+/// because [`reads_packs`]). The product runs on the kernel [`matmul_bf16`] picks for
+/// its shape, on the same values, so the bits are the same with or without the pack
+/// (bar one case: where `k` ≥ [`DPBF16_MAX_K`], the AVX512-BF16 kernel takes the
+/// product only with the pack, as packing B per call is what made it lose there).
+pub fn matmul_bf16_packed(dst: &mut [f32], a: Mat, b: Mat, packed: &PackedB, accumulate: bool) {
+    assert!(
+        (packed.k, packed.n) == (b.rows, b.cols),
+        "the pack is not of b"
+    );
+    let macs = a.rows * a.cols * b.cols;
     match kernel() {
-        Kernel::Avx512Bf16 => dpbf16::matmul_packed(dst, a, b, accumulate),
-        _ => amx::matmul_packed(dst, a, b, accumulate),
+        Kernel::Amx if macs >= MIN_MACS => amx::matmul_packed(dst, a, packed, accumulate),
+        Kernel::Avx512Bf16 if macs >= MIN_MACS => dpbf16::matmul_packed(dst, a, packed, accumulate),
+        _ => matmul_bf16(dst, a, b, accumulate),
     }
 }
 
