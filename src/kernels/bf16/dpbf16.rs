@@ -60,7 +60,7 @@ thread_local! {
 
 /// `dst = a · b` (or `+=` when `accumulate`) for operands holding bf16 values (others
 /// are rounded to nearest even while packing). Panics if [`available`] is false.
-pub(crate) fn matmul(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
+pub fn matmul(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
     if shapes_checked_and_trivial(dst, a, b, accumulate) {
         return;
     }
@@ -71,7 +71,7 @@ pub(crate) fn matmul(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
 }
 
 /// [`matmul`] with a right-hand operand packed beforehand (the AMX pack).
-pub(crate) fn matmul_packed(dst: &mut [f32], a: Mat, b: &PackedB, accumulate: bool) {
+pub fn matmul_packed(dst: &mut [f32], a: Mat, b: &PackedB, accumulate: bool) {
     assert_eq!(b.k, a.cols, "inner dimensions differ");
     let b_shape = Mat {
         data: &[],
