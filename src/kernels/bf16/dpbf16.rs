@@ -86,6 +86,27 @@ pub fn matmul_packed(dst: &mut [f32], a: Mat, b: &PackedB, accumulate: bool) {
     PACKS.with_borrow_mut(|(pa, _)| multiply(dst, a, &b.tiles, b.n, accumulate, pa));
 }
 
+/// `[pair(x[0], x[1]), pair(x[2], x[3]), …]` for 32 values, in one instruction:
+/// [`pair`]'s rounding, except that subnormals become zero (as `vdpbf16ps` and
+/// `tdpbf16ps` read them anyway). Needs [`available`].
+pub(super) fn pairs_along(x: &[f32]) -> [u32; 16] {
+    assert!(x.len() == 32 && available());
+    let mut out = [0; 16];
+    // SAFETY: the CPU has AVX512-BF16 (asserted); 32 floats in, 16 pairs out.
+    unsafe { x86::pairs16(x.as_ptr(), out.as_mut_ptr()) };
+    out
+}
+
+/// `[pair(lo[0], hi[0]), pair(lo[1], hi[1]), …]` for 16 values of each, rounded as
+/// [`pairs_along`]. Needs [`available`].
+pub(super) fn pairs_across(lo: &[f32], hi: &[f32]) -> [u32; 16] {
+    assert!(lo.len() == 16 && hi.len() == 16 && available());
+    let mut out = [0; 16];
+    // SAFETY: the CPU has AVX512-BF16 (asserted); 16 floats in each, 16 pairs out.
+    unsafe { x86::interleave16(lo.as_ptr(), hi.as_ptr(), out.as_mut_ptr()) };
+    out
+}
+
 /// Pairs per vectorised run when packing a row-major A.
 const RUN: usize = 16;
 
@@ -137,9 +158,7 @@ fn pack_a_panel(d: &mut [u32], a: &Mat, i0: usize) {
         for run in 0..runs {
             let mut stage = [[0u32; RUN]; MR];
             for (r, s) in stage.iter_mut().enumerate().take(rows) {
-                let x = &row(r)[run * 2 * RUN..][..2 * RUN];
-                // SAFETY: multiply checked available(); x holds 32 floats, s 16 pairs.
-                unsafe { x86::pairs16(x.as_ptr(), s.as_mut_ptr()) };
+                *s = pairs_along(&row(r)[run * 2 * RUN..][..2 * RUN]);
             }
             let out = &mut d[run * RUN * MR..][..RUN * MR];
             for (q, out) in out.chunks_exact_mut(MR).enumerate() {
@@ -291,6 +310,26 @@ mod x86 {
         }
     }
 
+    /// `out[q] = pair(lo[q], hi[q])` for q < 16 (subnormals flushed to zero).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F and AVX512-BF16; `lo` and `hi` hold 16 floats, `out` 16
+    /// pairs.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn interleave16(lo: *const f32, hi: *const f32, out: *mut u32) {
+        // SAFETY: 16 floats at lo and hi, 16 u32 at out (caller). Each value's bf16
+        // widened to 32 bits: lo's in the low half of the lane, hi's in the high half.
+        unsafe {
+            let lo16: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(lo)));
+            let hi16: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(hi)));
+            let pairs = _mm512_or_si512(
+                _mm512_cvtepu16_epi32(lo16),
+                _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(hi16)),
+            );
+            _mm512_storeu_si512(out.cast(), pairs);
+        }
+    }
+
     /// The register block: `c[r][0..32] (=|+=) Σ_p a[p][r] · (b0[p] | b1[p])` over `kl`
     /// pairs, 24 accumulators (MR rows × two 16-lane halves).
     ///
@@ -347,6 +386,14 @@ mod x86 {
     /// # Safety
     /// None needed; it panics.
     pub(super) unsafe fn pairs16(_: *const f32, _: *mut u32) {
+        unreachable!("AVX512-BF16 is x86-64 only")
+    }
+
+    /// Never called: [`super::available`] is false off x86-64.
+    ///
+    /// # Safety
+    /// None needed; it panics.
+    pub(super) unsafe fn interleave16(_: *const f32, _: *const f32, _: *mut u32) {
         unreachable!("AVX512-BF16 is x86-64 only")
     }
 
