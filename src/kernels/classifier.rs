@@ -145,10 +145,12 @@ const DWTE_BLOCK: usize = 4096;
 /// Vocabulary rows of `dwte` per product in [`weight_gradient`], for a `v`-row
 /// vocabulary: one product over all of V where the bf16 kernel is AMX (it packs into
 /// buffers it keeps, and in blocks it would repack the chunk's x for every block),
-/// [`DWTE_BLOCK`] wherever the `gemm` crate runs the product — f32, and bf16 without
-/// AMX, which thus runs f32's products exactly (one product over V packs an R × V
-/// buffer per chunk, 51 MB at GPT-2's R = 256; with glibc's adaptive mmap threshold
-/// that no longer faults in every step, measured, but it leaves the caches).
+/// [`DWTE_BLOCK`] elsewhere: where the `gemm` crate runs the product (f32, bf16 on
+/// the f32 GEMM) one product over V packs an R × V buffer per chunk, 51 MB at GPT-2's
+/// R = 256 (with glibc's adaptive mmap threshold that no longer faults in every step,
+/// measured, but it leaves the caches); the AVX512-BF16 kernel and oneDNN take the
+/// 4,096-row blocks too (the AVX512-BF16 kernel ran them at 1.9–2.0× the f32 GEMM,
+/// per CPU-second, `cargo bench --bench bf16`).
 fn dwte_block<const BF16: bool>(v: usize) -> usize {
     match BF16 && kernel() == Kernel::Amx {
         true => v,
@@ -438,8 +440,8 @@ mod tests {
         use crate::kernels::bf16::gemm::with_kernel;
         let v = 50_257;
         assert_eq!(dwte_block::<false>(v), DWTE_BLOCK);
-        // bf16 without AMX runs the f32 GEMM: blocked like f32 (one product over V
-        // would map a fresh R × V packing buffer per chunk).
+        // bf16 on the f32 GEMM: blocked like f32 (one product over V would map a
+        // fresh R × V packing buffer per chunk).
         assert_eq!(
             with_kernel(Kernel::F32, || dwte_block::<true>(v)),
             DWTE_BLOCK
