@@ -6,7 +6,7 @@
 //! rows of `wte` never receive probability and get no gradient.
 
 use super::bf16::amx::PackedB;
-use super::bf16::gemm::{kernel, matmul_bf16, matmul_bf16_packed, Kernel};
+use super::bf16::gemm::{kernel, matmul_bf16, matmul_bf16_packed, reads_packs, Kernel};
 use super::fastmath::{exp_fast, has_avx2_fma};
 use super::matmul::{matmul, Mat};
 use rayon::prelude::*;
@@ -22,7 +22,7 @@ pub struct ClassifierGrads<'a> {
     pub scale: f32,
 }
 
-/// `wte` (its bf16 copy) packed for the AMX kernel in both orientations the classifier
+/// `wte` (its bf16 copy) packed for the AMX and AVX512-BF16 kernels in both orientations the classifier
 /// multiplies by, once per optimizer step instead of twice per chunk of rows.
 #[derive(Default)]
 pub struct WtePacks {
@@ -42,12 +42,14 @@ impl WtePacks {
 }
 
 /// The classifier's weights: the tied token embedding `wte` (≥ V rows of C), of which
-/// the first V rows (the real vocabulary) are used, and, for bf16 on AMX, its packs.
+/// the first V rows (the real vocabulary) are used, and, for bf16 on AMX or
+/// AVX512-BF16, its packs.
 #[derive(Clone, Copy)]
 pub struct Classifier<'a> {
     pub wte: &'a [f32],
     /// Made by [`WtePacks::pack`] from the same `wte`; without them the bf16 products
-    /// on AMX repack `wte` twice per chunk of rows. Ignored in f32.
+    /// on AMX or AVX512-BF16 repack `wte` twice per chunk of rows. Ignored in f32 and
+    /// on the other kernels.
     pub packs: Option<&'a WtePacks>,
     pub c: usize,
     pub v: usize,
@@ -89,15 +91,15 @@ pub fn classifier_forward<const BF16: bool>(
         .map_or(0.0, |g| g.scale / count.max(1) as f32);
     let wte_v = Mat::new(&cls.wte[..v * c], v, c);
     let gemm = if BF16 { matmul_bf16 } else { matmul };
-    // The packs are AMX packs: used only while AMX is the bf16 kernel.
-    let packs = cls.packs.filter(|_| BF16 && kernel() == Kernel::Amx);
+    // The packs are read by the AMX and AVX512-BF16 kernels only.
+    let packs = cls.packs.filter(|_| BF16 && reads_packs());
     for start in (0..n).step_by(chunk) {
         let rows = chunk.min(n - start);
         let logits = &mut scratch[..rows * v];
         let x_chunk = &x[start * c..(start + rows) * c];
         let x_m = Mat::new(x_chunk, rows, c);
         match packs {
-            Some(p) => matmul_bf16_packed(logits, x_m, &p.logits, false),
+            Some(p) => matmul_bf16_packed(logits, x_m, wte_v.t(), &p.logits, false),
             None => gemm(logits, x_m, wte_v.t(), false),
         }
         let tgt = &targets[start..start + rows];
@@ -120,7 +122,7 @@ pub fn classifier_forward<const BF16: bool>(
             let dlogits = Mat::new(logits, rows, v);
             let dx = &mut g.dx[start * c..(start + rows) * c];
             match packs {
-                Some(p) => matmul_bf16_packed(dx, dlogits, &p.dx, false),
+                Some(p) => matmul_bf16_packed(dx, dlogits, wte_v, &p.dx, false),
                 None => gemm(dx, dlogits, wte_v, false),
             }
             // An empty `dwte` is a frozen embedding (LoRA): its gradient is not formed.
@@ -143,10 +145,12 @@ const DWTE_BLOCK: usize = 4096;
 /// Vocabulary rows of `dwte` per product in [`weight_gradient`], for a `v`-row
 /// vocabulary: one product over all of V where the bf16 kernel is AMX (it packs into
 /// buffers it keeps, and in blocks it would repack the chunk's x for every block),
-/// [`DWTE_BLOCK`] wherever the `gemm` crate runs the product — f32, and bf16 without
-/// AMX, which thus runs f32's products exactly (one product over V packs an R × V
-/// buffer per chunk, 51 MB at GPT-2's R = 256; with glibc's adaptive mmap threshold
-/// that no longer faults in every step, measured, but it leaves the caches).
+/// [`DWTE_BLOCK`] elsewhere: where the `gemm` crate runs the product (f32, bf16 on
+/// the f32 GEMM) one product over V packs an R × V buffer per chunk, 51 MB at GPT-2's
+/// R = 256 (with glibc's adaptive mmap threshold that no longer faults in every step,
+/// measured, but it leaves the caches); the AVX512-BF16 kernel and oneDNN take the
+/// 4,096-row blocks too (the AVX512-BF16 kernel ran them at 1.9–2.0× the f32 GEMM,
+/// per CPU-second, `cargo bench --bench bf16`).
 fn dwte_block<const BF16: bool>(v: usize) -> usize {
     match BF16 && kernel() == Kernel::Amx {
         true => v,
@@ -436,8 +440,8 @@ mod tests {
         use crate::kernels::bf16::gemm::with_kernel;
         let v = 50_257;
         assert_eq!(dwte_block::<false>(v), DWTE_BLOCK);
-        // bf16 without AMX runs the f32 GEMM: blocked like f32 (one product over V
-        // would map a fresh R × V packing buffer per chunk).
+        // bf16 on the f32 GEMM: blocked like f32 (one product over V would map a
+        // fresh R × V packing buffer per chunk).
         assert_eq!(
             with_kernel(Kernel::F32, || dwte_block::<true>(v)),
             DWTE_BLOCK
@@ -473,11 +477,11 @@ mod tests {
         // Products of ≥ 2^20 multiply-adds: these take the AMX kernel where present.
         // (100 rows in 3 chunks of 34: 34 · 128 · 256 ≥ 2^20.)
         let unpacked = check_bf16(100, 128, 256, 48, false);
-        if crate::kernels::bf16::amx::permitted() {
-            // With wte packed beforehand: the same kernel on the same packs.
+        if reads_packs() {
+            // With wte packed beforehand: the same kernel on the same values.
             assert_eq!(check_bf16(100, 128, 256, 48, true), unpacked);
         } else {
-            println!("SKIPPED the packed-wte case: no AMX here");
+            println!("SKIPPED the packed-wte case: no AMX or AVX512-BF16 here");
         }
     }
 

@@ -61,8 +61,8 @@ pub struct Gpt {
     /// bf16 mode: `params` rounded to bf16 (held as f32, same layout), the operand
     /// of every matmul; refreshed by [`Gpt::sync_bf16_weights`]. Empty in f32 mode.
     params_bf16: Vec<f32>,
-    /// bf16 mode on AMX: the bf16 `wte` packed for the classifier's two products with
-    /// it, refreshed with `params_bf16`. None otherwise.
+    /// bf16 mode on AMX or AVX512-BF16: the bf16 `wte` packed for the classifier's two
+    /// products with it, refreshed with `params_bf16`. None otherwise.
     wte_packs: Option<WtePacks>,
     /// The weights are lent range by range through [`PassHooks`] (ZeRO-3, see
     /// [`Gpt::set_weights_lent`]): the bf16 copy is made per range.
@@ -382,8 +382,8 @@ impl Gpt {
     fn set_dtype_rebuild(&mut self, dtype: Dtype) {
         self.rebuild_activations(dtype, self.checkpointing);
         self.params_bf16 = vec![0.0; bf16_copy_len(dtype, self.params.len())];
-        let amx = bf16::gemm::kernel() == bf16::gemm::Kernel::Amx;
-        self.wte_packs = (dtype == Dtype::Bfloat16 && amx).then(WtePacks::default);
+        let packed = bf16::gemm::reads_packs();
+        self.wte_packs = (dtype == Dtype::Bfloat16 && packed).then(WtePacks::default);
         self.dtype = dtype;
         self.pending = None;
         if let Some(f) = self.frozen.as_mut() {
@@ -480,8 +480,8 @@ impl Gpt {
         self.repack_wte();
     }
 
-    /// bf16 on AMX: packs `wte` from the bf16 copy (with LoRA the packed `wte` is the
-    /// frozen base's, packed once).
+    /// bf16 on AMX or AVX512-BF16: packs `wte` from the bf16 copy (with LoRA the
+    /// packed `wte` is the frozen base's, packed once).
     fn repack_wte(&mut self) {
         let packs = self.wte_packs.as_mut().filter(|_| self.frozen.is_none());
         if let Some(packs) = packs {

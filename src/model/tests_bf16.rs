@@ -283,3 +283,64 @@ fn bf16_weights_are_copied_once_per_sync() {
     gpt.sync_bf16_weights();
     assert_ne!(gpt.forward(&x, &y, b, t), before);
 }
+
+#[test]
+fn packing_wte_once_per_step_changes_no_bit() {
+    // The classifier's products at B·T = 128, C = 64, V = 160 are ≥ 2^20 multiply-adds,
+    // so where the kernel reads packs (AMX, AVX512-BF16) they run on it, from the
+    // packs made once per optimizer step, or, without them, packing per call.
+    let cfg = ModelConfig {
+        vocab_size: 160,
+        ..medium(true)
+    };
+    let (b, t) = (8, 16);
+    let (x, y) = batch(b, t, cfg.vocab_size);
+    let run = |packed: bool| {
+        let mut gpt = model(cfg.clone(), b, t, 41);
+        gpt.set_dtype(Dtype::Bfloat16);
+        assert_eq!(gpt.wte_packs.is_some(), gemm::reads_packs());
+        if !packed {
+            gpt.wte_packs = None;
+        }
+        let mut opt = crate::optim::AdamW::new(&gpt.layout, Default::default());
+        let mut out = Vec::new();
+        // Two optimizer steps: the packs follow the weights the first one changed.
+        for _ in 0..2 {
+            let loss = gpt.forward(&x, &y, b, t);
+            gpt.backward();
+            out.push((loss.to_bits(), gpt.grads.clone()));
+            gpt.step_adamw(&mut opt, 1e-2, 1.0);
+        }
+        out
+    };
+    let unpacked = run(false);
+    assert_eq!(run(true), unpacked);
+    // The products did run on the kernel that reads the packs: the f32 GEMM's sums
+    // differ, and packs of another `wte` (zero: every logit 0) change the loss.
+    if gemm::reads_packs() {
+        let mut gpt = model(cfg.clone(), b, t, 41);
+        gpt.set_dtype(Dtype::Bfloat16);
+        gpt.set_training(false);
+        let zero_wte = vec![0.0; cfg.vocab_size * cfg.n_embd];
+        let packs = gpt.wte_packs.as_mut().expect("packs");
+        packs.pack(&zero_wte, cfg.n_embd, cfg.vocab_size);
+        let uniform = (cfg.vocab_size as f32).ln();
+        assert!(
+            (gpt.forward(&x, &y, b, t) - uniform).abs() < 1e-6,
+            "packs unread"
+        );
+        gpt.sync_bf16_weights();
+        gpt.set_training(true);
+        let on_f32 = gemm::with_kernel(Kernel::F32, || {
+            let loss = gpt.forward(&x, &y, b, t);
+            gpt.backward();
+            (loss.to_bits(), gpt.grads.clone())
+        });
+        assert_ne!(
+            on_f32, unpacked[0],
+            "the kernels agree here: pick another shape"
+        );
+    } else {
+        println!("no kernel reads packs here: only the unpacked path ran");
+    }
+}

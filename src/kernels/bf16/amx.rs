@@ -104,13 +104,28 @@ fn pack_len(blocks16: usize, kc: usize) -> usize {
 /// `dst[r·SI + p·SP] = (x(i0 + r, k0 + 2p), x(i0 + r, k0 + 2p + 1))` for r, p < 16.
 /// An A tile is `x = a` with (SI, SP) = (16, 1); a B tile is `x = bᵀ` with (1, 16).
 /// Whole tiles read runs of the operand directly (along `k` when its column stride
-/// is 1, along `i` when its row stride is 1); edge tiles pad with zeros.
-fn pack_tile<const SI: usize, const SP: usize>(dst: &mut [u32], x: &Mat, i0: usize, k0: usize) {
+/// is 1, along `i` when its row stride is 1), 16 pairs per AVX512-BF16 instruction
+/// when `vector` (then subnormals become zero, which both kernels' multiplications
+/// do anyway); edge tiles pad with zeros.
+fn pack_tile<const SI: usize, const SP: usize>(
+    dst: &mut [u32],
+    x: &Mat,
+    i0: usize,
+    k0: usize,
+    vector: bool,
+) {
     let dst = &mut dst[..TILE];
     let whole = i0 + T <= x.rows && k0 + KT <= x.cols;
     if whole && x.cs == 1 {
         for r in 0..T {
             let run = &x.data[(i0 + r) * x.rs + k0..][..KT];
+            if vector {
+                let pairs = super::dpbf16::pairs_along(run);
+                for (p, &v) in pairs.iter().enumerate() {
+                    dst[r * SI + p * SP] = v;
+                }
+                continue;
+            }
             for p in 0..T {
                 dst[r * SI + p * SP] = pair(run[2 * p], run[2 * p + 1]);
             }
@@ -119,6 +134,13 @@ fn pack_tile<const SI: usize, const SP: usize>(dst: &mut [u32], x: &Mat, i0: usi
         for p in 0..T {
             let lo = &x.data[(k0 + 2 * p) * x.cs + i0..][..T];
             let hi = &x.data[(k0 + 2 * p + 1) * x.cs + i0..][..T];
+            if vector {
+                let pairs = super::dpbf16::pairs_across(lo, hi);
+                for (r, &v) in pairs.iter().enumerate() {
+                    dst[r * SI + p * SP] = v;
+                }
+                continue;
+            }
             for r in 0..T {
                 dst[r * SI + p * SP] = pair(lo[r], hi[r]);
             }
@@ -197,6 +219,11 @@ fn trivial(dst: &mut [f32], m: usize, n: usize, k: usize, accumulate: bool) -> b
 /// Along `k` a column panel of 16 is `[k / 2 pairs][16 columns]`, row after row: the
 /// AVX512-BF16 kernel ([`super::dpbf16`]) reads the same pack.
 pub(super) fn pack_b(pb: &mut Vec<u32>, b: Mat) {
+    pack_b_with(pb, b, super::dpbf16::available());
+}
+
+/// [`pack_b`], with the AVX512-BF16 conversions when `vector`.
+fn pack_b_with(pb: &mut Vec<u32>, b: Mat, vector: bool) {
     let (nb, kc) = (b.cols.div_ceil(2 * T), b.rows.div_ceil(KT));
     pb.resize(pack_len(2 * nb, kc), 0);
     let bt = b.t();
@@ -204,7 +231,7 @@ pub(super) fn pack_b(pb: &mut Vec<u32>, b: Mat) {
         .enumerate()
         .for_each(|(blk, d)| {
             for (c, tile) in d.chunks_exact_mut(TILE).enumerate() {
-                pack_tile::<1, T>(tile, &bt, blk * T, c * KT);
+                pack_tile::<1, T>(tile, &bt, blk * T, c * KT, vector);
             }
         });
 }
@@ -216,11 +243,12 @@ fn multiply(dst: &mut [f32], a: Mat, pb: &[u32], n: usize, accumulate: bool, pa:
     let (mb, nb, kc) = (m.div_ceil(2 * T), n.div_ceil(2 * T), k.div_ceil(KT));
     assert!(pb.len() >= pack_len(2 * nb, kc), "B pack too short");
     pa.resize(pack_len(2 * mb, kc), 0);
+    let vector = super::dpbf16::available();
     pa.par_chunks_mut(kc * TILE)
         .enumerate()
         .for_each(|(blk, d)| {
             for (c, tile) in d.chunks_exact_mut(TILE).enumerate() {
-                pack_tile::<T, 1>(tile, &a, blk * T, c * KT);
+                pack_tile::<T, 1>(tile, &a, blk * T, c * KT, vector);
             }
         });
     let pa = &pa[..];
@@ -369,6 +397,77 @@ mod tests {
     use crate::kernels::bf16::testcases::{rounded, same_bits_on_any_thread_count, views};
     use crate::kernels::matmul::matmul as f32_gemm;
     use crate::kernels::testutil::*;
+
+    /// Timing, not correctness: `cargo test --release --lib pack_speed -- --ignored
+    /// --nocapture`. Packs GPT-2's fc weight (768 × 3,072) in both orientations with
+    /// and without the AVX512-BF16 conversions, alternating, on the process's CPU
+    /// time (wall time on a shared machine is mostly waiting for a core).
+    #[test]
+    #[ignore]
+    fn pack_speed() {
+        if !super::super::dpbf16::available() {
+            return;
+        }
+        let (c, oc) = (768, 3072);
+        let w = rand_vec(c * oc, 1);
+        let mut pb = Vec::new();
+        for (name, b) in [
+            ("x·Wᵀ", Mat::new(&w, oc, c).t()),
+            ("dy·W", Mat::new(&w, oc, c)),
+        ] {
+            let cpu = || {
+                let mut t = libc::timespec {
+                    tv_sec: 0,
+                    tv_nsec: 0,
+                };
+                // SAFETY: clock_gettime writes one timespec, which `t` is.
+                unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut t) };
+                t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
+            };
+            let mut t = [f64::INFINITY; 2];
+            for _ in 0..15 {
+                for (vector, t) in [true, false].into_iter().zip(&mut t) {
+                    let s = cpu();
+                    pack_b_with(&mut pb, b, vector);
+                    *t = t.min(cpu() - s);
+                }
+            }
+            let ms = t.map(|t| t * 1e3);
+            println!(
+                "pack {name}: vector {:.2} ms, scalar {:.2} ms of CPU time (best of 15)",
+                ms[0], ms[1]
+            );
+        }
+    }
+
+    #[test]
+    fn vector_packing_gives_the_scalar_packs_bits() {
+        // Needs only AVX512-BF16 (no tiles): the packs both kernels read.
+        if !super::super::dpbf16::available() {
+            eprintln!("vector packing not tested: no AVX512-BF16 on this CPU");
+            return;
+        }
+        // Whole tiles and ragged edges; values that are not bf16 (rounded alike).
+        let (k, n) = (75, 53);
+        let data = rand_vec(k * n, 3);
+        for tb in [false, true] {
+            let b = match tb {
+                true => Mat::new(&data, n, k).t(),
+                false => Mat::new(&data, k, n),
+            };
+            let (mut fast, mut slow) = (Vec::new(), Vec::new());
+            pack_b_with(&mut fast, b, true);
+            pack_b_with(&mut slow, b, false);
+            assert_eq!(fast, slow, "B stored transposed: {tb}");
+            // The A-tile orientation of the same conversions.
+            let a = b.t();
+            let (mut fast, mut slow) = ([0u32; TILE], [0u32; TILE]);
+            pack_tile::<T, 1>(&mut fast, &a, 16, 32, true);
+            pack_tile::<T, 1>(&mut slow, &a, 16, 32, false);
+            assert_eq!(fast, slow, "A tile, transposed: {}", !tb);
+            assert!(fast.iter().all(|&p| p != 0), "a whole tile");
+        }
+    }
 
     fn usable() -> bool {
         if !permitted() {

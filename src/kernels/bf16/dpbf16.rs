@@ -60,7 +60,7 @@ thread_local! {
 
 /// `dst = a · b` (or `+=` when `accumulate`) for operands holding bf16 values (others
 /// are rounded to nearest even while packing). Panics if [`available`] is false.
-pub(crate) fn matmul(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
+pub fn matmul(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
     if shapes_checked_and_trivial(dst, a, b, accumulate) {
         return;
     }
@@ -71,7 +71,7 @@ pub(crate) fn matmul(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
 }
 
 /// [`matmul`] with a right-hand operand packed beforehand (the AMX pack).
-pub(crate) fn matmul_packed(dst: &mut [f32], a: Mat, b: &PackedB, accumulate: bool) {
+pub fn matmul_packed(dst: &mut [f32], a: Mat, b: &PackedB, accumulate: bool) {
     assert_eq!(b.k, a.cols, "inner dimensions differ");
     let b_shape = Mat {
         data: &[],
@@ -86,6 +86,30 @@ pub(crate) fn matmul_packed(dst: &mut [f32], a: Mat, b: &PackedB, accumulate: bo
     PACKS.with_borrow_mut(|(pa, _)| multiply(dst, a, &b.tiles, b.n, accumulate, pa));
 }
 
+/// `[pair(x[0], x[1]), pair(x[2], x[3]), …]` for 32 values, in one instruction:
+/// [`pair`]'s rounding, except that subnormals become zero (as `vdpbf16ps` and
+/// `tdpbf16ps` read them anyway). Needs [`available`].
+pub(super) fn pairs_along(x: &[f32]) -> [u32; 16] {
+    assert!(x.len() == 32 && available());
+    let mut out = [0; 16];
+    // SAFETY: the CPU has AVX512-BF16 (asserted); 32 floats in, 16 pairs out.
+    unsafe { x86::pairs16(x.as_ptr(), out.as_mut_ptr()) };
+    out
+}
+
+/// `[pair(lo[0], hi[0]), pair(lo[1], hi[1]), …]` for 16 values of each, rounded as
+/// [`pairs_along`]. Needs [`available`].
+pub(super) fn pairs_across(lo: &[f32], hi: &[f32]) -> [u32; 16] {
+    assert!(lo.len() == 16 && hi.len() == 16 && available());
+    let mut out = [0; 16];
+    // SAFETY: the CPU has AVX512-BF16 (asserted); 16 floats in each, 16 pairs out.
+    unsafe { x86::interleave16(lo.as_ptr(), hi.as_ptr(), out.as_mut_ptr()) };
+    out
+}
+
+/// Pairs per vectorised run when packing a row-major A.
+const RUN: usize = 16;
+
 /// Packs A (`m × k`) as `[m / MR][k / 2 pairs][MR rows]` into `pa`.
 fn pack_a(pa: &mut Vec<u32>, a: Mat) {
     let kp = a.cols.div_ceil(2);
@@ -97,7 +121,10 @@ fn pack_a(pa: &mut Vec<u32>, a: Mat) {
 
 /// One row panel of A (rows `i0..i0 + MR`, zero beyond the last row or column). Reads
 /// runs of the operand: along the rows when its row stride is 1 (a transposed
-/// operand), along `k` when its column stride is 1, element by element otherwise.
+/// operand), along `k` when its column stride is 1 (32 values of a row rounded and
+/// paired by one instruction, then the panel's rows interleaved), element by
+/// element otherwise. The instruction rounds like [`pair`] except that it flushes
+/// subnormal values to zero, which the multiplications do anyway.
 fn pack_a_panel(d: &mut [u32], a: &Mat, i0: usize) {
     let (k, kp) = (a.cols, a.cols.div_ceil(2));
     let rows = MR.min(a.rows - i0);
@@ -125,11 +152,26 @@ fn pack_a_panel(d: &mut [u32], a: &Mat, i0: usize) {
             }
         }
     } else if a.cs == 1 {
+        let row = |r: usize| &a.data[(i0 + r) * a.rs..][..k];
+        // Whole runs of 16 pairs with `vcvtne2ps2bf16`, the rest one pair at a time.
+        let runs = k / (2 * RUN);
+        for run in 0..runs {
+            let mut stage = [[0u32; RUN]; MR];
+            for (r, s) in stage.iter_mut().enumerate().take(rows) {
+                *s = pairs_along(&row(r)[run * 2 * RUN..][..2 * RUN]);
+            }
+            let out = &mut d[run * RUN * MR..][..RUN * MR];
+            for (q, out) in out.chunks_exact_mut(MR).enumerate() {
+                for (o, s) in out.iter_mut().zip(&stage) {
+                    *o = s[q];
+                }
+            }
+        }
         for r in 0..rows {
-            let row = &a.data[(i0 + r) * a.rs..][..k];
-            let mut pairs = row.chunks_exact(2);
+            let rest = &row(r)[runs * 2 * RUN..];
+            let mut pairs = rest.chunks_exact(2);
             for (p, x) in pairs.by_ref().enumerate() {
-                d[p * MR + r] = pair(x[0], x[1]);
+                d[(runs * RUN + p) * MR + r] = pair(x[0], x[1]);
             }
             if let [last] = pairs.remainder() {
                 d[(kp - 1) * MR + r] = pair(*last, 0.0);
@@ -252,6 +294,42 @@ mod x86 {
     use super::MR;
     use std::arch::x86_64::*;
 
+    /// `out[q] = pair(x[2q], x[2q + 1])` for q < 16 (subnormals flushed to zero).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F and AVX512-BF16; `x` holds 32 floats, `out` 16 pairs.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn pairs16(x: *const f32, out: *mut u32) {
+        // SAFETY: 32 floats at x and 16 u32 at out (caller). The low half of the
+        // result is the second operand's 16 values, in order: pairs (2q, 2q + 1).
+        unsafe {
+            let lo = _mm512_loadu_ps(x);
+            let hi = _mm512_loadu_ps(x.add(16));
+            let packed: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+            _mm512_storeu_si512(out.cast(), packed);
+        }
+    }
+
+    /// `out[q] = pair(lo[q], hi[q])` for q < 16 (subnormals flushed to zero).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F and AVX512-BF16; `lo` and `hi` hold 16 floats, `out` 16
+    /// pairs.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn interleave16(lo: *const f32, hi: *const f32, out: *mut u32) {
+        // SAFETY: 16 floats at lo and hi, 16 u32 at out (caller). Each value's bf16
+        // widened to 32 bits: lo's in the low half of the lane, hi's in the high half.
+        unsafe {
+            let lo16: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(lo)));
+            let hi16: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(hi)));
+            let pairs = _mm512_or_si512(
+                _mm512_cvtepu16_epi32(lo16),
+                _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(hi16)),
+            );
+            _mm512_storeu_si512(out.cast(), pairs);
+        }
+    }
+
     /// The register block: `c[r][0..32] (=|+=) Σ_p a[p][r] · (b0[p] | b1[p])` over `kl`
     /// pairs, 24 accumulators (MR rows × two 16-lane halves).
     ///
@@ -303,6 +381,22 @@ mod x86 {
 
 #[cfg(not(target_arch = "x86_64"))]
 mod x86 {
+    /// Never called: [`super::available`] is false off x86-64.
+    ///
+    /// # Safety
+    /// None needed; it panics.
+    pub(super) unsafe fn pairs16(_: *const f32, _: *mut u32) {
+        unreachable!("AVX512-BF16 is x86-64 only")
+    }
+
+    /// Never called: [`super::available`] is false off x86-64.
+    ///
+    /// # Safety
+    /// None needed; it panics.
+    pub(super) unsafe fn interleave16(_: *const f32, _: *const f32, _: *mut u32) {
+        unreachable!("AVX512-BF16 is x86-64 only")
+    }
+
     /// Never called: [`super::available`] is false off x86-64.
     ///
     /// # Safety
@@ -369,6 +463,45 @@ mod tests {
         assert_close("A strided", &got, &reference(&got, a, b, false), 0.0, 1e-4);
         non_bf16_inputs_round(matmul);
         empty_inner_dimension(matmul);
+    }
+
+    #[test]
+    fn the_vector_pairing_rounds_like_the_scalar_one() {
+        if !usable() {
+            return;
+        }
+        // Ties both ways, a carry into the exponent, overflow to infinity, NaN,
+        // infinity, zeros, then random values; subnormals are flushed to zero.
+        let awkward = [
+            0x3F80_8000u32,
+            0x3F81_8000,
+            0x3F80_7FFF,
+            0x3FFF_FFFF,
+            0x7F7F_FFFF,
+            0xFF80_0000,
+            0x7FC0_0001,
+            0x8000_0000,
+        ];
+        let mut x: Vec<f32> = awkward.into_iter().map(f32::from_bits).collect();
+        x.extend(rand_vec(32 * 8 - x.len(), 9).iter().map(|v| v * 1e3));
+        x.extend([1e-39f32, -3e-40].iter().cycle().take(32));
+        for run in x.chunks_exact(32) {
+            let mut got = [0u32; RUN];
+            // SAFETY: the CPU has AVX512-BF16 (usable); 32 floats in, 16 pairs out.
+            unsafe { x86::pairs16(run.as_ptr(), got.as_mut_ptr()) };
+            let flush = |v: f32| {
+                if v.is_subnormal() {
+                    0.0 * v.signum()
+                } else {
+                    v
+                }
+            };
+            let want: Vec<u32> = run
+                .chunks_exact(2)
+                .map(|p| pair(flush(p[0]), flush(p[1])))
+                .collect();
+            assert_eq!(got[..], want[..], "{run:?}");
+        }
     }
 
     #[test]

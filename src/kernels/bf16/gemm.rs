@@ -13,13 +13,13 @@
 //! - the f32 GEMM otherwise.
 //!
 //! That is also the default order, by measurement: oneDNN ran GPT-2 124M's products
-//! at 4.1–6.0 TFLOP/s on AMX (Sapphire Rapids, 2 threads), 6–9× our AMX kernel, and
-//! 1.2–3.4× the f32 GEMM (operand copies included) on an AVX512-BF16 CPU without AMX;
-//! there our AVX512-BF16 kernel ran the same products at 1.1–2.8× the f32 GEMM
-//! (packing included; one run at 0.96×), below oneDNN, except the classifier's input
-//! gradient (k = V), which it lost and which stays on the f32 GEMM
-//! ([`DPBF16_MAX_K`]), and a 124M bf16 step at 1.15–1.7× an f32 one
-//! (docs/PERFORMANCE.md, "bf16 without AMX: the AVX512-BF16 kernel"). An earlier
+//! at 4.1–6.0 TFLOP/s on AMX (Sapphire Rapids, 2 threads), 6–9× our AMX kernel; on an
+//! AVX512-BF16 CPU without AMX our AVX512-BF16 kernel ran every linear and classifier
+//! product of a 124M step at 1.2–2.0× the f32 GEMM and 0.77–1.05× oneDNN (0.89× over
+//! the step; per CPU-second, `cargo bench --bench bf16`, docs/PERFORMANCE.md, "bf16
+//! without AMX: the AVX512-BF16 kernel"). The classifier's input gradient (k = V)
+//! runs on it only from `wte` packed beforehand ([`matmul_bf16_packed`]); packing
+//! both long operands per call it lost to the f32 GEMM ([`DPBF16_MAX_K`]). An earlier
 //! AVX512-BF16 kernel (one 8 × 32 block per task, no cache blocking) never beat the
 //! f32 GEMM and was removed.
 //! `NANOGPT_BF16_GEMM=onednn|amx|avx512bf16|f32` asks for one; a kernel that is not
@@ -34,10 +34,11 @@ use std::sync::OnceLock;
 /// Below this many multiply-adds (m·n·k) copying or packing costs more than it saves.
 const MIN_MACS: usize = 1 << 20;
 
-/// From this inner dimension on, the AVX512-BF16 kernel loses to the f32 GEMM: the
-/// classifier's input gradient (256 × 50,304 × 768 per chunk of rows) ran at
-/// 0.65–0.85× of it, packing both long operands on every call, while every product
-/// with `k` ≤ 3,072 won (docs/PERFORMANCE.md, "bf16 without AMX").
+/// From this inner dimension on, the AVX512-BF16 kernel loses to the f32 GEMM when it
+/// packs B per call: the classifier's input gradient (256 × 50,304 × 768 per chunk of
+/// rows) ran at 0.65–0.85× of it, packing both long operands on every call, and at
+/// 1.2× with `wte` packed beforehand, which the classifier does
+/// ([`matmul_bf16_packed`] has no such limit).
 const DPBF16_MAX_K: usize = 16 * 1024;
 
 /// Which kernel runs the large bf16 matmuls.
@@ -157,13 +158,28 @@ pub fn matmul_bf16(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
     }
 }
 
-/// [`matmul_bf16`] with a right-hand operand packed beforehand (the caller made the
-/// pack because [`kernel`] is [`Kernel::Amx`] or [`Kernel::Avx512Bf16`], which read
-/// the same layout).
-pub fn matmul_bf16_packed(dst: &mut [f32], a: Mat, b: &PackedB, accumulate: bool) {
+/// Whether bf16 products read right-hand operands packed beforehand ([`PackedB`]):
+/// true for the AMX and AVX512-BF16 kernels, which read the same pack, so callers
+/// that reuse a weight (the classifier's `wte`) pack it once per optimizer step.
+pub fn reads_packs() -> bool {
+    matches!(kernel(), Kernel::Amx | Kernel::Avx512Bf16)
+}
+
+/// [`matmul_bf16`] with `packed`, the right-hand operand `b` packed beforehand (made
+/// because [`reads_packs`]). The product runs on the kernel [`matmul_bf16`] picks for
+/// its shape, on the same values, so the bits are the same with or without the pack
+/// (bar one case: where `k` ≥ [`DPBF16_MAX_K`], the AVX512-BF16 kernel takes the
+/// product only with the pack, as packing B per call is what made it lose there).
+pub fn matmul_bf16_packed(dst: &mut [f32], a: Mat, b: Mat, packed: &PackedB, accumulate: bool) {
+    assert!(
+        (packed.k, packed.n) == (b.rows, b.cols),
+        "the pack is not of b"
+    );
+    let macs = a.rows * a.cols * b.cols;
     match kernel() {
-        Kernel::Avx512Bf16 => dpbf16::matmul_packed(dst, a, b, accumulate),
-        _ => amx::matmul_packed(dst, a, b, accumulate),
+        Kernel::Amx if macs >= MIN_MACS => amx::matmul_packed(dst, a, packed, accumulate),
+        Kernel::Avx512Bf16 if macs >= MIN_MACS => dpbf16::matmul_packed(dst, a, packed, accumulate),
+        _ => matmul_bf16(dst, a, b, accumulate),
     }
 }
 

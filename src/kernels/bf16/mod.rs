@@ -20,6 +20,7 @@ pub mod dpbf16;
 pub mod gemm;
 #[cfg(feature = "onednn")]
 pub mod onednn;
+pub mod products;
 #[cfg(test)]
 mod testcases;
 

@@ -5,24 +5,7 @@ use super::round;
 use crate::kernels::matmul::Mat;
 use crate::kernels::testutil::*;
 
-/// GPT-2 124M's products at B·T = 1,024 (the classifier's in its 256-row chunks,
-/// src/kernels/classifier.rs; its dwte, blocked differently by each kernel, is left
-/// to the caller), for the kernels' timing tests: (name, m, k, n, A stored
-/// transposed, B stored transposed).
-pub const GPT2_PRODUCTS: [(&str, usize, usize, usize, bool, bool); 12] = [
-    ("qkv fwd  x·Wᵀ", 1024, 768, 2304, false, true),
-    ("proj fwd x·Wᵀ", 1024, 768, 768, false, true),
-    ("fc fwd   x·Wᵀ", 1024, 768, 3072, false, true),
-    ("mlp fwd  x·Wᵀ", 1024, 3072, 768, false, true),
-    ("qkv dx   dy·W", 1024, 2304, 768, false, false),
-    ("fc dx    dy·W", 1024, 3072, 768, false, false),
-    ("mlp dx   dy·W", 1024, 768, 3072, false, false),
-    ("qkv dW   dyᵀ·x", 2304, 1024, 768, true, false),
-    ("fc dW    dyᵀ·x", 3072, 1024, 768, true, false),
-    ("mlp dW   dyᵀ·x", 768, 1024, 3072, true, false),
-    ("cls fwd  x·wteᵀ", 256, 768, 50304, false, true),
-    ("cls dx   dl·wte", 256, 50304, 768, false, false),
-];
+pub use super::products::GPT2_PRODUCTS;
 
 /// A bf16 matmul kernel: `dst (=|+=) a · b`.
 pub type Kernel = fn(&mut [f32], Mat, Mat, bool);
