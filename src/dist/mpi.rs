@@ -55,6 +55,37 @@ pub struct Mpi {
 }
 
 impl Mpi {
+    /// Starts `MPI_Iallgatherv` of `mine` (this rank's piece) into `all`, pieces
+    /// placed by `arrays` (counts and displacements), and returns its request.
+    ///
+    /// # Safety
+    /// Until the request completes, `mine` must stay allocated and unchanged, `all`
+    /// allocated and neither read nor written, and `arrays` allocated.
+    unsafe fn iallgatherv(
+        &self,
+        mine: &[f32],
+        all: &mut [f32],
+        arrays: &(Vec<mpi::Count>, Vec<mpi::Count>),
+    ) -> mpi::ffi::MPI_Request {
+        let mut request = std::mem::MaybeUninit::uninit();
+        // SAFETY: the buffers and arrays are valid for the lengths given (the
+        // caller's promise covers their life until the request completes).
+        unsafe {
+            mpi::ffi::MPI_Iallgatherv(
+                mine.as_ptr() as *const _,
+                count(mine.len()) as i32,
+                mpi::ffi::RSMPI_FLOAT,
+                all.as_mut_ptr() as *mut _,
+                arrays.0.as_ptr(),
+                arrays.1.as_ptr(),
+                mpi::ffi::RSMPI_FLOAT,
+                self.world.as_raw(),
+                request.as_mut_ptr(),
+            );
+            request.assume_init()
+        }
+    }
+
     /// `MPI_Init_thread`, then the rank, world size, ranks on this host and every
     /// rank's host, all under a start-up timer (see [`StartTimer`]).
     pub fn init() -> Result<Mpi> {
@@ -859,25 +890,11 @@ impl Collective for Mpi {
         // keeps until it completes.
         let mine = buf[at..at + counts[self.rank]].to_vec();
         let arrays = counts_and_displs(counts);
-        let mut request = std::mem::MaybeUninit::uninit();
         // SAFETY: `mine` holds this rank's count and is moved into the returned
         // request's keeping below (a Vec's heap buffer does not move); `buf` holds
         // Σ counts floats and is MPI's until the request completes (the caller's
         // promise); the count arrays are kept by the request too.
-        let request = unsafe {
-            mpi::ffi::MPI_Iallgatherv(
-                mine.as_ptr() as *const _,
-                count(mine.len()) as i32,
-                mpi::ffi::RSMPI_FLOAT,
-                buf.as_mut_ptr() as *mut _,
-                arrays.0.as_ptr(),
-                arrays.1.as_ptr(),
-                mpi::ffi::RSMPI_FLOAT,
-                self.world.as_raw(),
-                request.as_mut_ptr(),
-            );
-            request.assume_init()
-        };
+        let request = unsafe { self.iallgatherv(&mine, buf, &arrays) };
         InFlight::new(self, request, arrays, mine, "all-gather")
     }
 
@@ -894,26 +911,12 @@ impl Collective for Mpi {
             assert_eq!(part.counts.iter().sum::<usize>(), all.len());
             assert_eq!(part.counts[self.rank], mine.len());
             let arrays = counts_and_displs(part.counts);
-            let mut request = std::mem::MaybeUninit::uninit();
             // SAFETY: `mine` holds this rank's count and `all` Σ counts floats; both
             // are MPI's until the request completes (the caller's promise: `mine`
             // unchanged, `all` untouched, both allocated); the count arrays are kept
             // by the request; `send` and `recv` are distinct borrows, so the pieces
             // MPI reads and writes do not overlap.
-            let request = unsafe {
-                mpi::ffi::MPI_Iallgatherv(
-                    mine.as_ptr() as *const _,
-                    count(mine.len()) as i32,
-                    mpi::ffi::RSMPI_FLOAT,
-                    all.as_mut_ptr() as *mut _,
-                    arrays.0.as_ptr(),
-                    arrays.1.as_ptr(),
-                    mpi::ffi::RSMPI_FLOAT,
-                    self.world.as_raw(),
-                    request.as_mut_ptr(),
-                );
-                request.assume_init()
-            };
+            let request = unsafe { self.iallgatherv(mine, all, &arrays) };
             // One progress thread for the whole group, held by the last one started,
             // which is waited for last: it runs while any of them is in flight.
             let progress = k == last && self.progress_in_flight;
