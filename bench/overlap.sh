@@ -24,6 +24,7 @@
 # SETTINGS overrides the list of settings (e.g. "first +thread").
 set -euo pipefail
 
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BIN=$(realpath "${1:-target/release/nanogpt}")
 shift || true
 MODEL=("$@")
@@ -40,7 +41,6 @@ COMMON=(dataset=shakespeare "${MODEL[@]}" threads=1 max_iters=$STEPS eval_interv
     always_save_checkpoint=false collective_timeout_s=600)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 if [ "$HOSTS" = 3 ]; then
-    ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
     MPINET=${MPINET:-$ROOT/../shared/tools/mpinet/netns-cluster.sh}
     export MPINET_PREFIX=${MPINET_PREFIX:-ngovl} MPINET_SUBNET=${MPINET_SUBNET:-10.79.0}
     export MPIEXEC=mpirun.openmpi MPIEXEC_TIMEOUT=3000
