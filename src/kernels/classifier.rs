@@ -5,7 +5,6 @@
 //! `(N, V)` logits never exist. Only the real vocabulary `V` is computed: the padded
 //! rows of `wte` never receive probability and get no gradient.
 
-use super::bf16::amx::PackedB;
 use super::bf16::gemm::{kernel, matmul_bf16, matmul_bf16_packed, reads_packs, Kernel};
 use super::fastmath::{exp_fast, has_avx2_fma};
 use super::matmul::{matmul, Mat};
@@ -22,24 +21,10 @@ pub struct ClassifierGrads<'a> {
     pub scale: f32,
 }
 
-/// `wte` (its bf16 copy) packed for the AMX and AVX512-BF16 kernels in both orientations the classifier
-/// multiplies by, once per optimizer step instead of twice per chunk of rows.
-#[derive(Default)]
-pub struct WtePacks {
-    /// The right operand of `logits = x · wteᵀ`: wteᵀ, (C, V).
-    logits: PackedB,
-    /// The right operand of `dx = dlogits · wte`: wte, (V, C).
-    dx: PackedB,
-}
-
-impl WtePacks {
-    /// Packs the first `v` rows of `wte` (C wide), reusing the allocations.
-    pub fn pack(&mut self, wte: &[f32], c: usize, v: usize) {
-        let wte_v = Mat::new(&wte[..v * c], v, c);
-        self.logits.pack(wte_v.t());
-        self.dx.pack(wte_v);
-    }
-}
+/// `wte` (its bf16 copy, the first V rows) packed for the AMX and AVX512-BF16
+/// kernels in both orientations the classifier multiplies by (`x · wteᵀ`,
+/// `dlogits · wte`), once per optimizer step instead of twice per chunk of rows.
+pub use super::bf16::gemm::WeightPacks as WtePacks;
 
 /// The classifier's weights: the tied token embedding `wte` (≥ V rows of C), of which
 /// the first V rows (the real vocabulary) are used, and, for bf16 on AMX or
@@ -99,7 +84,7 @@ pub fn classifier_forward<const BF16: bool>(
         let x_chunk = &x[start * c..(start + rows) * c];
         let x_m = Mat::new(x_chunk, rows, c);
         match packs {
-            Some(p) => matmul_bf16_packed(logits, x_m, wte_v.t(), &p.logits, false),
+            Some(p) => matmul_bf16_packed(logits, x_m, wte_v.t(), &p.t, false),
             None => gemm(logits, x_m, wte_v.t(), false),
         }
         let tgt = &targets[start..start + rows];
@@ -122,7 +107,7 @@ pub fn classifier_forward<const BF16: bool>(
             let dlogits = Mat::new(logits, rows, v);
             let dx = &mut g.dx[start * c..(start + rows) * c];
             match packs {
-                Some(p) => matmul_bf16_packed(dx, dlogits, wte_v, &p.dx, false),
+                Some(p) => matmul_bf16_packed(dx, dlogits, wte_v, &p.n, false),
                 None => gemm(dx, dlogits, wte_v, false),
             }
             // An empty `dwte` is a frozen embedding (LoRA): its gradient is not formed.
@@ -509,7 +494,7 @@ mod tests {
         };
         let mut packs = WtePacks::default();
         if packed {
-            packs.pack(&wte, c, v);
+            packs.pack(&wte, v, c);
         }
         let cls = Classifier {
             wte: &wte,

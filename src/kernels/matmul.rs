@@ -2,7 +2,7 @@
 //!
 //! Weights are `(OC, C)` (PyTorch `nn.Linear` order): `out = inp · weightᵀ + bias`.
 
-use super::bf16::gemm::matmul_bf16;
+use super::bf16::gemm::{matmul_bf16, matmul_bf16_packed, WeightPacks};
 use rayon::prelude::*;
 
 /// A read-only strided view of a matrix: element `(i, j)` is `data[i·rs + j·cs]`.
@@ -117,6 +117,10 @@ pub struct Linear<'a> {
     pub c: usize,
     /// Output channels (OC).
     pub oc: usize,
+    /// bf16 on AMX or AVX512-BF16: `weight` packed beforehand (once per optimizer
+    /// step) for the forward and input-gradient products, which then read the packs
+    /// instead of packing `weight` per call: the same bits. None: packed per call.
+    pub packs: Option<&'a WeightPacks>,
 }
 
 /// Where a linear layer's parameter gradients accumulate: `dweight` (OC, C) and
@@ -148,8 +152,12 @@ pub fn linear_forward<const BF16: bool>(out: &mut [f32], inp: &[f32], w: Linear)
         out.par_chunks_mut(w.oc)
             .for_each(|row| row.copy_from_slice(w.bias));
     }
-    let weight = Mat::new(w.weight, w.oc, w.c);
-    gemm::<BF16>()(out, Mat::new(inp, n, w.c), weight.t(), !w.bias.is_empty());
+    let (weight, x) = (Mat::new(w.weight, w.oc, w.c), Mat::new(inp, n, w.c));
+    let acc = !w.bias.is_empty();
+    match w.packs.filter(|_| BF16) {
+        Some(p) => matmul_bf16_packed(out, x, weight.t(), &p.t, acc),
+        None => gemm::<BF16>()(out, x, weight.t(), acc),
+    }
 }
 
 /// Backward of [`linear_forward`]: `dinp = dout · weight` (**overwritten**),
@@ -194,8 +202,11 @@ pub fn linear_backward_params<const BF16: bool>(
 pub fn linear_backward_input<const BF16: bool>(dinp: &mut [f32], dout: &[f32], w: Linear) {
     let _t = crate::profile::scope(crate::profile::Section::MatmulBackward);
     let n = dinp.len() / w.c;
-    let weight = Mat::new(w.weight, w.oc, w.c);
-    gemm::<BF16>()(dinp, Mat::new(dout, n, w.oc), weight, false);
+    let (weight, dy) = (Mat::new(w.weight, w.oc, w.c), Mat::new(dout, n, w.oc));
+    match w.packs.filter(|_| BF16) {
+        Some(p) => matmul_bf16_packed(dinp, dy, weight, &p.n, false),
+        None => gemm::<BF16>()(dinp, dy, weight, false),
+    }
 }
 
 /// `dbias[o] += Σ_rows dout[row, o]`, parallel over column blocks.
@@ -282,6 +293,7 @@ mod tests {
             bias: &b,
             c,
             oc,
+            packs: None,
         };
         let mut out = vec![f32::NAN; n * oc];
         linear_forward::<false>(&mut out, &x, lin);
@@ -331,6 +343,7 @@ mod tests {
             bias: &bias,
             c,
             oc,
+            packs: None,
         };
         let grads = |dweight, dbias| LinearGrads { dweight, dbias };
         linear_backward::<false>(&mut dx, grads(&mut dw, &mut db), &g, &x, lin);
@@ -352,6 +365,7 @@ mod tests {
             bias: &b,
             c,
             oc,
+            packs: None,
         };
         linear_forward::<false>(&mut out, &x, lin);
         let want = reference(&to_f64(&x), &to_f64(&w), &to_f64(&b), c, oc);
@@ -377,6 +391,7 @@ mod tests {
             bias: &[],
             c,
             oc,
+            packs: None,
         };
         linear_forward::<false>(&mut out, &x, lin);
         let want = reference(&to_f64(&x), &to_f64(&w), &[], c, oc);

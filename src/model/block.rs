@@ -15,6 +15,7 @@
 use super::activations::{BlockActs, Saved, Scratch};
 use super::layout::{BlockLayout, LinearSpans, NormSpans, Span};
 use super::lora::{u_segment, u_segment_mut, BlockLora, LoraBufs, Target};
+use super::packs::LayerPacks;
 use crate::kernels::attention::{attention_backward, attention_forward};
 use crate::kernels::bf16::{self, Bf16};
 use crate::kernels::dropout::{self, Dropout};
@@ -45,6 +46,9 @@ pub struct BlockWeights<'a> {
     /// weights the forward's linear layers read instead of `matmul`, through
     /// [`gemv`] (half the bytes; activations stay f32). Forward only.
     pub matmul_bf16: Option<&'a [Bf16]>,
+    /// bf16 on AMX or AVX512-BF16: the block's matmul weights packed beforehand
+    /// (from `matmul`), read by the forward and input-gradient products.
+    pub packs: Option<&'a LayerPacks>,
 }
 
 impl<'a> BlockWeights<'a> {
@@ -54,6 +58,7 @@ impl<'a> BlockWeights<'a> {
             bias: &self.params[l.bias],
             c: l.c,
             oc: l.oc,
+            packs: self.packs.and_then(|p| p.of(l.weight)),
         }
     }
 
@@ -77,6 +82,7 @@ impl<'a> BlockWeights<'a> {
                 bf16::load(wide, w16);
                 let linear = Linear {
                     weight: wide,
+                    packs: None,
                     ..self.linear(l)
                 };
                 linear_forward::<BF16>(out, inp, linear)

@@ -201,6 +201,7 @@ impl Decoder {
                 at,
                 lora: None,
                 matmul_bf16: self.weights_bf16.as_deref(),
+                packs: None,
             };
             let (x, a) = (&self.x[..n * c], &mut self.acts);
             block_forward::<false>(

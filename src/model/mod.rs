@@ -15,6 +15,7 @@ pub mod decode;
 pub mod init;
 pub mod layout;
 pub mod lora;
+pub mod packs;
 #[cfg(test)]
 mod tests_bf16;
 #[cfg(test)]
@@ -27,7 +28,7 @@ pub use layout::{ParamLayout, Span, TensorInfo};
 use crate::dist::resident::release;
 use crate::kernels::bf16;
 use crate::kernels::classifier::{
-    classifier_forward, classifier_logits, Classifier, ClassifierGrads, WtePacks,
+    classifier_forward, classifier_logits, Classifier, ClassifierGrads,
 };
 use crate::kernels::dropout::{self, Dropout};
 use crate::kernels::encoder::{encoder_backward, encoder_forward};
@@ -38,6 +39,7 @@ use anyhow::{bail, Context, Result};
 use block::{block_backward, block_forward, norm_grads, norm_of, split_two};
 use block::{Attend, BlockDropout, BlockWeights};
 use lora::{BlockLora, Frozen, LoraConfig, LoraLayout};
+use packs::Packs;
 use std::borrow::Cow;
 use std::ops::Range;
 
@@ -61,9 +63,10 @@ pub struct Gpt {
     /// bf16 mode: `params` rounded to bf16 (held as f32, same layout), the operand
     /// of every matmul; refreshed by [`Gpt::sync_bf16_weights`]. Empty in f32 mode.
     params_bf16: Vec<f32>,
-    /// bf16 mode on AMX or AVX512-BF16: the bf16 `wte` packed for the classifier's two
-    /// products with it, refreshed with `params_bf16`. None otherwise.
-    wte_packs: Option<WtePacks>,
+    /// bf16 mode on AMX or AVX512-BF16, weights not lent: the bf16 `wte` and linear
+    /// weights packed for the products that read them ([`packs`]), refreshed with
+    /// `params_bf16` (with LoRA the frozen base's, packed once). None otherwise.
+    packs: Option<Packs>,
     /// The weights are lent range by range through [`PassHooks`] (ZeRO-3, see
     /// [`Gpt::set_weights_lent`]): the bf16 copy is made per range.
     lent: bool,
@@ -212,7 +215,7 @@ impl Gpt {
             frozen: None,
             dtype: Dtype::Float32,
             params_bf16: Vec::new(),
-            wte_packs: None,
+            packs: None,
             lent: false,
             bf16_owed: false,
             layout,
@@ -277,7 +280,7 @@ impl Gpt {
         // Rebuild the activations and the bf16 copies for the adapted model.
         self.dtype = Dtype::Float32;
         self.params_bf16 = Vec::new();
-        self.wte_packs = None;
+        self.packs = None;
         self.acts = Activations::new(&self.config, 0, 0, Dtype::Float32, false);
         self.set_dtype_rebuild(dtype);
         self
@@ -378,22 +381,33 @@ impl Gpt {
     }
 
     /// [`Gpt::set_dtype`] once the old activations are freed: the arena, the bf16
-    /// copies (with LoRA, the frozen base's, made once, and its `wte` packs).
+    /// copies (with LoRA, the frozen base's, made once, and its packs).
     fn set_dtype_rebuild(&mut self, dtype: Dtype) {
         self.rebuild_activations(dtype, self.checkpointing);
         self.params_bf16 = vec![0.0; bf16_copy_len(dtype, self.params.len())];
-        let packed = bf16::gemm::reads_packs();
-        self.wte_packs = (dtype == Dtype::Bfloat16 && packed).then(WtePacks::default);
         self.dtype = dtype;
+        self.packs = self.new_packs();
         self.pending = None;
         if let Some(f) = self.frozen.as_mut() {
             f.set_dtype(dtype);
-            if let Some(packs) = self.wte_packs.as_mut() {
-                let wte = &f.params_bf16[f.layout.wte];
-                packs.pack(wte, self.config.n_embd, self.config.vocab_size);
+            if let Some(packs) = self.packs.as_mut() {
+                packs.pack_all(&f.params_bf16, &f.layout, &self.config);
             }
         }
         self.sync_bf16_weights();
+    }
+
+    /// Empty (stale) packs where bf16 products read packs: bf16 mode on AMX or
+    /// AVX512-BF16, weights not lent (ZeRO-3 packs per call: each gathered block's
+    /// weight is read once per pass, so packing it on arrival would pack as often).
+    fn new_packs(&self) -> Option<Packs> {
+        let bf16 = self.dtype == Dtype::Bfloat16 && !self.lent;
+        Packs::for_bf16(self.config.n_layer).filter(|_| bf16)
+    }
+
+    /// Bytes held by the packed bf16 weights (0 without them).
+    pub fn packs_bytes(&self) -> usize {
+        self.packs.as_ref().map_or(0, Packs::bytes)
     }
 
     /// Activation checkpointing: training forward keeps only each block's input (the
@@ -431,6 +445,7 @@ impl Gpt {
     pub fn set_weights_lent(&mut self, on: bool) {
         assert!(!on || self.frozen.is_none(), "LoRA passes lend no weights");
         self.lent = on;
+        self.packs = self.new_packs();
         release_lent_copy(on, 0..self.params_bf16.len(), &mut self.params_bf16);
         if on {
             // Every pass releases and refills most of these.
@@ -449,19 +464,22 @@ impl Gpt {
         if self.dtype == Dtype::Bfloat16 && !self.lent {
             let _t = crate::profile::scope(crate::profile::Section::Bf16Weights);
             bf16::round_into(&mut self.params_bf16, &self.params);
-            self.repack_wte();
+            self.repack();
         }
     }
 
     /// bf16 mode, instead of [`Gpt::sync_bf16_weights`] while `params` are still
     /// arriving (ZeRO-1/2's all-gathers in flight): the next forward rounds each
-    /// range of the copy (and packs `wte`) right after its `need`, when the range has
+    /// range of the copy (and packs its weights) right after its `need`, when the range has
     /// arrived: the same bits as the whole copy. Call [`Gpt::sync_bf16_weights`]
     /// instead if anything else reads the copy first ([`Gpt::bf16_refresh_owed`]).
     /// Without LoRA only (its passes call no `need`).
     pub fn refresh_bf16_at_next_forward(&mut self) {
         assert!(self.frozen.is_none(), "LoRA passes call no need");
         self.bf16_owed = true;
+        if let Some(packs) = self.packs.as_mut() {
+            packs.mark_stale();
+        }
     }
 
     /// Whether the bf16 copy waits for the next forward to be refreshed.
@@ -477,16 +495,15 @@ impl Gpt {
     pub fn step_adamw(&mut self, opt: &mut AdamW, lr: f32, grad_factor: f32) {
         let copy = (self.dtype == Dtype::Bfloat16).then_some(&mut self.params_bf16[..]);
         opt.step_fused(&mut self.params, &mut self.grads, copy, lr, grad_factor);
-        self.repack_wte();
+        self.repack();
     }
 
-    /// bf16 on AMX or AVX512-BF16: packs `wte` from the bf16 copy (with LoRA the
-    /// packed `wte` is the frozen base's, packed once).
-    fn repack_wte(&mut self) {
-        let packs = self.wte_packs.as_mut().filter(|_| self.frozen.is_none());
+    /// bf16 on AMX or AVX512-BF16: packs the weights from the bf16 copy just
+    /// refreshed (with LoRA the packs are the frozen base's, packed once).
+    fn repack(&mut self) {
+        let packs = self.packs.as_mut().filter(|_| self.frozen.is_none());
         if let Some(packs) = packs {
-            let wte = &self.params_bf16[self.layout.wte];
-            packs.pack(wte, self.config.n_embd, self.config.vocab_size);
+            packs.pack_all(&self.params_bf16, &self.layout, &self.config);
         }
     }
 
@@ -557,10 +574,11 @@ impl Gpt {
             &self.params,
             &self.params_bf16,
             &self.frozen,
+            self.packs.as_ref(),
         );
         let cls = Classifier {
             wte: &base.matmul[base.layout.wte],
-            packs: self.wte_packs.as_ref(),
+            packs: self.packs.as_ref().map(Packs::wte),
             c: d.c,
             v: self.config.vocab_size,
         };
@@ -656,7 +674,7 @@ impl Gpt {
         let Gpt {
             params,
             params_bf16,
-            wte_packs,
+            packs,
             lent,
             grads,
             acts,
@@ -666,7 +684,7 @@ impl Gpt {
             ..
         } = self;
         let full = frozen.is_none();
-        let base = weights(BF16, layout, params, params_bf16, frozen);
+        let base = weights(BF16, layout, params, params_bf16, frozen, packs.as_ref());
         let (dropout, lora_dropout) = pass_dropout(Some(pass), config, frozen);
         let s = &mut acts.scratch;
         // The classifier left d(ln_f output) in `dinp`; the residual gradient starts at 0.
@@ -695,7 +713,7 @@ impl Gpt {
             let range = buckets.next().expect("a block's bucket");
             if full {
                 hooks.need(range.clone(), params);
-                let packs = wte_packs.as_mut();
+                let packs = packs.as_mut();
                 round_lent_copy(
                     *lent,
                     range.clone(),
@@ -706,7 +724,7 @@ impl Gpt {
                     config,
                 );
             }
-            let base = weights(BF16, layout, params, params_bf16, frozen);
+            let base = weights(BF16, layout, params, params_bf16, frozen, packs.as_ref());
             let x = match l {
                 0 => &acts.encoded[..n * c],
                 _ => &acts.blocks[l - 1].res3[..n * c],
@@ -761,6 +779,7 @@ impl Gpt {
             &self.params,
             &self.params_bf16,
             &self.frozen,
+            self.packs.as_ref(),
         );
         let cls = Classifier {
             wte: &base.matmul[base.layout.wte],
@@ -807,7 +826,7 @@ impl Gpt {
         let Gpt {
             params,
             params_bf16,
-            wte_packs,
+            packs,
             lent,
             bf16_owed,
             acts,
@@ -823,11 +842,11 @@ impl Gpt {
         if full {
             for range in [embeddings_bucket(layout), ln_f_bucket(layout)] {
                 hooks.need(range.clone(), params);
-                let packs = wte_packs.as_mut();
+                let packs = packs.as_mut();
                 round_lent_copy(round, range, params, params_bf16, packs, layout, config);
             }
         }
-        let base = weights(BF16, layout, params, params_bf16, frozen);
+        let base = weights(BF16, layout, params, params_bf16, frozen, packs.as_ref());
         let (dropout, lora_dropout) = pass_dropout(pass, config, frozen);
         acts.inputs[..n].copy_from_slice(inputs);
         let (wte, wpe) = (&base.params[base.layout.wte], &base.params[base.layout.wpe]);
@@ -839,10 +858,10 @@ impl Gpt {
         for l in 0..config.n_layer {
             if full {
                 hooks.need(block_bucket(layout, l), params);
-                let (range, packs) = (block_bucket(layout, l), wte_packs.as_mut());
+                let (range, packs) = (block_bucket(layout, l), packs.as_mut());
                 round_lent_copy(round, range, params, params_bf16, packs, layout, config);
             }
-            let base = weights(BF16, layout, params, params_bf16, frozen);
+            let base = weights(BF16, layout, params, params_bf16, frozen, packs.as_ref());
             let (before, this) = acts.blocks.split_at_mut(l);
             let x = before.last().map_or(&acts.encoded, |p| &p.res3);
             let w = base.block(l, lora_dropout);
@@ -862,7 +881,7 @@ impl Gpt {
                 release_lent_copy(lent, block_bucket(layout, l), params_bf16);
             }
         }
-        let base = weights(BF16, layout, params, params_bf16, frozen);
+        let base = weights(BF16, layout, params, params_bf16, frozen, packs.as_ref());
         let last = acts.blocks.last().map_or(&acts.encoded, |l| &l.res3);
         let (mean, rstd) = acts.lnf_stats.rows_mut(n);
         let ln_f = norm_of(base.params, base.layout.ln_f);
@@ -873,13 +892,13 @@ impl Gpt {
 /// Lent weights ([`Gpt::set_weights_lent`]) or a stale copy
 /// ([`Gpt::refresh_bf16_at_next_forward`]), `lent` either, in bf16 mode (`copy` not
 /// empty): the copy of `range` rounded from the weights its `need` has just filled,
-/// and `wte` packed from it when in `range`. Nothing otherwise.
+/// and its weights packed from it. Nothing otherwise.
 fn round_lent_copy(
     lent: bool,
     range: Range<usize>,
     params: &[f32],
     copy: &mut [f32],
-    packs: Option<&mut WtePacks>,
+    packs: Option<&mut Packs>,
     layout: &ParamLayout,
     config: &ModelConfig,
 ) {
@@ -887,8 +906,8 @@ fn round_lent_copy(
         return;
     }
     bf16::round_into(&mut copy[range.clone()], &params[range.clone()]);
-    if let Some(packs) = packs.filter(|_| range.contains(&layout.wte.start)) {
-        packs.pack(&copy[layout.wte], config.n_embd, config.vocab_size);
+    if let Some(packs) = packs {
+        packs.pack_range(range, copy, layout, config);
     }
 }
 
@@ -910,6 +929,8 @@ struct Weights<'a> {
     matmul: &'a [f32],
     /// LoRA: the frozen base's settings and the adapters' matmul operand.
     lora: Option<(&'a Frozen, &'a [f32])>,
+    /// The base's matmul weights packed (bf16 on AMX or AVX512-BF16).
+    packs: Option<&'a Packs>,
 }
 
 impl<'a> Weights<'a> {
@@ -927,6 +948,7 @@ impl<'a> Weights<'a> {
                 layer: l,
             }),
             matmul_bf16: None,
+            packs: self.packs.map(|p| p.layer(l)),
         }
     }
 }
@@ -939,6 +961,7 @@ fn weights<'a>(
     params: &'a [f32],
     params_bf16: &'a [f32],
     frozen: &'a Option<Box<Frozen>>,
+    packs: Option<&'a Packs>,
 ) -> Weights<'a> {
     match frozen.as_deref() {
         None => Weights {
@@ -946,12 +969,14 @@ fn weights<'a>(
             params,
             matmul: matmul_weights(bf16, params, params_bf16),
             lora: None,
+            packs,
         },
         Some(f) => Weights {
             layout: &f.layout,
             params: &f.params,
             matmul: matmul_weights(bf16, &f.params, &f.params_bf16),
             lora: Some((f, matmul_weights(bf16, params, params_bf16))),
+            packs,
         },
     }
 }

@@ -285,10 +285,15 @@ fn bf16_weights_are_copied_once_per_sync() {
 }
 
 #[test]
-fn packing_wte_once_per_step_changes_no_bit() {
-    // The classifier's products at B·T = 128, C = 64, V = 160 are ≥ 2^20 multiply-adds,
-    // so where the kernel reads packs (AMX, AVX512-BF16) they run on it, from the
-    // packs made once per optimizer step, or, without them, packing per call.
+fn packing_weights_once_per_step_changes_no_bit() {
+    // The classifier's products and the linear layers' forward and input-gradient
+    // products (but the attention projection's, 2^19) at B·T = 128, C = 64, V = 160
+    // are ≥ 2^20 multiply-adds, so where the kernel reads packs (AMX, AVX512-BF16)
+    // they run on it, from the packs made once per refresh of the bf16 copy, or,
+    // without them, packing per call. Every way the copy is refreshed repacks: the
+    // fused AdamW step, `sync_bf16_weights`, and the forward that rounds each range as
+    // it arrives (`refresh_bf16_at_next_forward`, ZeRO-1/2). Activation checkpointing
+    // reads the packs again in backward's recompute.
     let cfg = ModelConfig {
         vocab_size: 160,
         ..medium(true)
@@ -297,50 +302,103 @@ fn packing_wte_once_per_step_changes_no_bit() {
     let (x, y) = batch(b, t, cfg.vocab_size);
     let run = |packed: bool| {
         let mut gpt = model(cfg.clone(), b, t, 41);
+        gpt.set_activation_checkpointing(true);
         gpt.set_dtype(Dtype::Bfloat16);
-        assert_eq!(gpt.wte_packs.is_some(), gemm::reads_packs());
+        assert_eq!(gpt.packs.is_some(), gemm::reads_packs());
         if !packed {
-            gpt.wte_packs = None;
+            gpt.packs = None;
         }
         let mut opt = crate::optim::AdamW::new(&gpt.layout, Default::default());
         let mut out = Vec::new();
-        // Two optimizer steps: the packs follow the weights the first one changed.
-        for _ in 0..2 {
+        let mut pass = |gpt: &mut Gpt| {
             let loss = gpt.forward(&x, &y, b, t);
             gpt.backward();
             out.push((loss.to_bits(), gpt.grads.clone()));
+        };
+        // Two optimizer steps: the packs follow the weights the first one changed.
+        for _ in 0..2 {
+            pass(&mut gpt);
             gpt.step_adamw(&mut opt, 1e-2, 1.0);
         }
+        let w = gpt.layout.layers[1].c_fc.weight;
+        gpt.params[w].iter_mut().for_each(|p| *p *= 1.5);
+        gpt.sync_bf16_weights();
+        pass(&mut gpt);
+        gpt.zero_grad();
+        gpt.params[w].iter_mut().for_each(|p| *p *= 1.5);
+        gpt.refresh_bf16_at_next_forward();
+        pass(&mut gpt);
         out
     };
     let unpacked = run(false);
-    assert_eq!(run(true), unpacked);
-    // The products did run on the kernel that reads the packs: the f32 GEMM's sums
-    // differ, and packs of another `wte` (zero: every logit 0) change the loss.
-    if gemm::reads_packs() {
-        let mut gpt = model(cfg.clone(), b, t, 41);
-        gpt.set_dtype(Dtype::Bfloat16);
-        gpt.set_training(false);
-        let zero_wte = vec![0.0; cfg.vocab_size * cfg.n_embd];
-        let packs = gpt.wte_packs.as_mut().expect("packs");
-        packs.pack(&zero_wte, cfg.n_embd, cfg.vocab_size);
-        let uniform = (cfg.vocab_size as f32).ln();
-        assert!(
-            (gpt.forward(&x, &y, b, t) - uniform).abs() < 1e-6,
-            "packs unread"
-        );
-        gpt.sync_bf16_weights();
-        gpt.set_training(true);
-        let on_f32 = gemm::with_kernel(Kernel::F32, || {
-            let loss = gpt.forward(&x, &y, b, t);
-            gpt.backward();
-            (loss.to_bits(), gpt.grads.clone())
-        });
-        assert_ne!(
-            on_f32, unpacked[0],
-            "the kernels agree here: pick another shape"
-        );
-    } else {
-        println!("no kernel reads packs here: only the unpacked path ran");
+    let packed = run(true);
+    for (i, (p, u)) in packed.iter().zip(&unpacked).enumerate() {
+        assert!(p == u, "pass {i}: the packed products differ");
     }
+    // The products did run on the kernel that reads the packs: the f32 GEMM's sums
+    // differ, and packs of other weights (zero) change the loss.
+    if !gemm::reads_packs() {
+        println!("no kernel reads packs here: only the unpacked path ran");
+        return;
+    }
+    let mut gpt = model(cfg.clone(), b, t, 41);
+    gpt.set_dtype(Dtype::Bfloat16);
+    gpt.set_training(false);
+    let before = gpt.forward(&x, &y, b, t);
+    let zero = vec![0.0; gpt.params.len()];
+    let (layout, config) = (gpt.layout.clone(), cfg.clone());
+    let packs = gpt.packs.as_mut().expect("packs");
+    // Block 1's packs from zero weights: its MLP and q/k/v products vanish.
+    let block1 = layout.layers[1].span.range();
+    packs.pack_range(block1, &zero, &layout, &config);
+    assert_ne!(gpt.forward(&x, &y, b, t), before, "block packs unread");
+    // `wte`'s packs from zero: every logit 0.
+    let packs = gpt.packs.as_mut().expect("packs");
+    packs.pack_range(0..1, &zero, &layout, &config);
+    let uniform = (cfg.vocab_size as f32).ln();
+    assert!(
+        (gpt.forward(&x, &y, b, t) - uniform).abs() < 1e-6,
+        "wte packs unread"
+    );
+    gpt.sync_bf16_weights();
+    assert_eq!(gpt.forward(&x, &y, b, t), before, "sync repacks");
+    gpt.set_training(true);
+    let on_f32 = gemm::with_kernel(Kernel::F32, || {
+        let mut gpt = model(cfg.clone(), b, t, 41);
+        gpt.set_activation_checkpointing(true);
+        gpt.set_dtype(Dtype::Bfloat16);
+        let loss = gpt.forward(&x, &y, b, t);
+        gpt.backward();
+        (loss.to_bits(), gpt.grads.clone())
+    });
+    assert_ne!(
+        on_f32, unpacked[0],
+        "the kernels agree here: pick another shape"
+    );
+}
+
+#[test]
+fn stale_packs_are_never_read() {
+    // While the bf16 copy is owed (weights arriving), every pack is stale until the
+    // forward packs its range; a product asking for a stale pack panics rather than
+    // read old weights.
+    if !gemm::reads_packs() {
+        return;
+    }
+    let (b, t) = (1, 8);
+    let mut gpt = model(medium(true), b, t, 5);
+    gpt.set_dtype(Dtype::Bfloat16);
+    gpt.refresh_bf16_at_next_forward();
+    let packs = gpt.packs.as_ref().expect("packs");
+    for read in [
+        |p: &Packs| assert!(p.wte().bytes() > 0),
+        |p: &Packs| _ = p.layer(1),
+    ] {
+        let stale = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| read(packs)));
+        assert!(stale.is_err(), "a stale pack was read");
+    }
+    let (x, y) = batch(b, t, gpt.config().vocab_size);
+    gpt.forward(&x, &y, b, t);
+    let packs = gpt.packs.as_ref().expect("packs");
+    let _fresh = (packs.wte(), packs.layer(1));
 }

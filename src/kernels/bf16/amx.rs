@@ -191,6 +191,17 @@ impl PackedB {
         pack_b(&mut self.tiles, b);
         (self.k, self.n) = (b.rows, b.cols);
     }
+
+    /// Bytes the pack of a `k × n` operand holds (16 × 32 tiles, zero-padded): what
+    /// [`PackedB::pack`] allocates, for the memory plan.
+    pub fn bytes_for(k: usize, n: usize) -> usize {
+        4 * pack_len(2 * n.div_ceil(2 * T), k.div_ceil(KT))
+    }
+
+    /// Bytes this pack holds.
+    pub fn bytes(&self) -> usize {
+        4 * self.tiles.len()
+    }
 }
 
 /// [`matmul`] with a right-hand operand packed beforehand.

@@ -183,6 +183,38 @@ pub fn matmul_bf16_packed(dst: &mut [f32], a: Mat, b: Mat, packed: &PackedB, acc
     }
 }
 
+/// A weight `w` (rows × cols, row-major: a linear layer's (OC, C), or the first V
+/// rows of `wte`) packed as the right-hand operand of both products that read it,
+/// made once per optimizer step when [`reads_packs`] instead of once per call:
+/// `x · wᵀ` (forward, logits) and `dy · w` (input gradient).
+#[derive(Default)]
+pub struct WeightPacks {
+    /// wᵀ, (cols, rows): the right operand of `x · wᵀ`.
+    pub(crate) t: PackedB,
+    /// w, (rows, cols): the right operand of `dy · w`.
+    pub(crate) n: PackedB,
+}
+
+impl WeightPacks {
+    /// Packs `w` (`rows × cols`, holding bf16 values) in both orientations, reusing
+    /// the allocations.
+    pub fn pack(&mut self, w: &[f32], rows: usize, cols: usize) {
+        let w = Mat::new(&w[..rows * cols], rows, cols);
+        self.t.pack(w.t());
+        self.n.pack(w);
+    }
+
+    /// Bytes the packs of a `rows × cols` weight hold (the memory plan's count).
+    pub fn bytes_for(rows: usize, cols: usize) -> usize {
+        PackedB::bytes_for(cols, rows) + PackedB::bytes_for(rows, cols)
+    }
+
+    /// Bytes these packs hold.
+    pub fn bytes(&self) -> usize {
+        self.t.bytes() + self.n.bytes()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

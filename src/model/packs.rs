@@ -1,0 +1,123 @@
+//! The bf16 weights packed once per optimizer step for the kernels that read packs
+//! (AMX and AVX512-BF16, [`reads_packs`]): the classifier's `wte` and every linear
+//! layer's weight, each in the two orientations its products read ([`WeightPacks`]:
+//! `x · Wᵀ` forward, `dy · W` input gradient; the weight gradient reads no weight).
+//! They are made from the bf16 weight copy right where it is refreshed and read by
+//! every micro-step, evaluation and recompute until the next refresh, instead of
+//! packing each weight twice per pass.
+//!
+//! Staleness is owned here: each bucket's packs (`wte`'s, each block's) carry a flag
+//! that says they hold the current bf16 copy. Packing sets it; [`Packs::mark_stale`]
+//! clears them all when the copy is owed (the weights are still arriving); reading
+//! a stale bucket's packs panics, so a product can never read a weight older than
+//! the copy. Whatever changes the weights refreshes the copy, and the copy's
+//! refreshes are the only places that pack (src/model/mod.rs).
+
+use super::layout::{ParamLayout, Span};
+use super::ModelConfig;
+use crate::kernels::bf16::gemm::{reads_packs, WeightPacks};
+use std::ops::Range;
+
+/// The packs of one model (or, with LoRA, of its frozen base).
+pub struct Packs {
+    wte: WeightPacks,
+    layers: Vec<LayerPacks>,
+    /// Whether each bucket's packs hold the current bf16 copy: `wte`'s, then each
+    /// block's.
+    fresh: Vec<bool>,
+}
+
+/// One block's four linear weights packed: (the weight's span, its packs).
+#[derive(Default)]
+pub struct LayerPacks {
+    linears: [(Span, WeightPacks); 4],
+}
+
+impl LayerPacks {
+    /// The packs of the linear weight at `weight`, if this block has it.
+    pub fn of(&self, weight: Span) -> Option<&WeightPacks> {
+        let found = self.linears.iter().find(|(at, _)| *at == weight);
+        found.map(|(_, packs)| packs)
+    }
+}
+
+impl Packs {
+    /// Empty packs for a model of `n_layer` blocks, stale until packed; None where
+    /// the bf16 products do not read packs (f32, or a kernel without them).
+    pub fn for_bf16(n_layer: usize) -> Option<Packs> {
+        reads_packs().then(|| Packs {
+            wte: WeightPacks::default(),
+            layers: (0..n_layer).map(|_| LayerPacks::default()).collect(),
+            fresh: vec![false; 1 + n_layer],
+        })
+    }
+
+    /// Bytes the packs of a model of `config` hold once made (the memory plan's line;
+    /// [`Packs::bytes`] measures the same).
+    pub fn bytes_for(config: &ModelConfig) -> usize {
+        let (c, v) = (config.n_embd, config.vocab_size);
+        let block = WeightPacks::bytes_for(3 * c, c)
+            + WeightPacks::bytes_for(c, c)
+            + WeightPacks::bytes_for(4 * c, c)
+            + WeightPacks::bytes_for(c, 4 * c);
+        WeightPacks::bytes_for(v, c) + config.n_layer * block
+    }
+
+    /// Bytes these packs hold.
+    pub fn bytes(&self) -> usize {
+        let blocks = self.layers.iter().flat_map(|l| &l.linears);
+        self.wte.bytes() + blocks.map(|(_, p)| p.bytes()).sum::<usize>()
+    }
+
+    /// The bf16 copy (`copy`, laid out by `layout`) is being refreshed: no pack
+    /// holds it until packed again.
+    pub fn mark_stale(&mut self) {
+        self.fresh.fill(false);
+    }
+
+    /// Packs, from the bf16 `copy` laid out by `layout`, the weights whose bucket
+    /// starts in `range` (the whole bucket of each is in `copy` already): `wte` when
+    /// `range` holds its start, each block whose first tensor it holds.
+    pub fn pack_range(
+        &mut self,
+        range: Range<usize>,
+        copy: &[f32],
+        layout: &ParamLayout,
+        config: &ModelConfig,
+    ) {
+        if range.contains(&layout.wte.start) {
+            let (v, c) = (config.vocab_size, config.n_embd);
+            self.wte.pack(&copy[layout.wte], v, c);
+            self.fresh[0] = true;
+        }
+        let blocks = layout.layers.iter().zip(&mut self.layers).enumerate();
+        for (l, (at, packs)) in blocks.filter(|(_, (at, _))| range.contains(&at.span.start)) {
+            let spans = [at.c_attn, at.attn_proj, at.c_fc, at.mlp_proj];
+            for (s, (span, p)) in spans.iter().zip(&mut packs.linears) {
+                p.pack(&copy[s.weight], s.oc, s.c);
+                *span = s.weight;
+            }
+            self.fresh[1 + l] = true;
+        }
+    }
+
+    /// [`Packs::pack_range`] over the whole `copy`.
+    pub fn pack_all(&mut self, copy: &[f32], layout: &ParamLayout, config: &ModelConfig) {
+        self.pack_range(0..copy.len(), copy, layout, config);
+    }
+
+    /// The classifier's `wte` packs; panics if stale.
+    pub fn wte(&self) -> &WeightPacks {
+        assert!(self.fresh[0], "stale wte packs read: the bf16 copy changed");
+        &self.wte
+    }
+
+    /// Block `l`'s packs; panics if stale.
+    pub fn layer(&self, l: usize) -> &LayerPacks {
+        assert!(
+            self.fresh[1 + l],
+            "stale packs of block {l} read: the bf16 copy changed"
+        );
+        &self.layers[l]
+    }
+}
