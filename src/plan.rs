@@ -17,6 +17,7 @@ use crate::data::{self, Meta};
 use crate::dist::{save_buffer_len, GradPlan};
 use crate::model::activations::Activations;
 use crate::model::lora::{LoraConfig, LoraLayout};
+use crate::model::packs::Packs;
 use crate::model::{bf16_copy_len, grad_buckets_of, Dtype, ModelConfig, ParamLayout};
 use anyhow::{Context, Result};
 use serde::Serialize;
@@ -121,6 +122,9 @@ pub const WEIGHTS: &str = "weights";
 pub const FROZEN: &str = "frozen base weights";
 /// The bf16 copies of the trained weights and (LoRA) of the frozen base.
 pub const BF16_COPY: &str = "bf16 weight copy";
+/// bf16 on AMX or AVX512-BF16 (not ZeRO-3): `wte` and the linear weights packed for
+/// the products, once per optimizer step (with LoRA the frozen base's).
+pub const PACKS: &str = "packed bf16 weights";
 pub const GRADIENTS: &str = "gradients";
 pub const MOMENTS: &str = "optimizer moments";
 pub const ACTIVATIONS: &str = "activations";
@@ -176,6 +180,10 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
         ),
     };
     let mpi_reduce = sharded.map_or(0, mpi_reduction_len);
+    let packs = match Packs::made_for(p.dtype, sharded.is_some()) {
+        true => Packs::bytes_for(&p.model),
+        false => 0,
+    };
     // ZeRO 1-3: rank 0 receives a checkpoint's sharded tensors one at a time into a
     // buffer of the largest tensor's size while it writes the file; at stage 3 no
     // layer is gathered and no gradient held then, so the save adds to the step's
@@ -205,6 +213,10 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
         Part {
             name: BF16_COPY,
             bytes: f32s(bf16_copy_len(p.dtype, copy_len) + bf16_copy_len(p.dtype, frozen)),
+        },
+        Part {
+            name: PACKS,
+            bytes: packs as u64,
         },
         Part {
             name: GRADIENTS,
@@ -728,6 +740,7 @@ mod tests {
                     0
                 };
                 assert_eq!(plan.part(BF16_COPY), bf16);
+                assert_eq!(plan.part(PACKS), gpt.packs_bytes() as u64);
                 assert_eq!(plan.part(ACTIVATIONS), gpt.activation_bytes() as u64);
                 assert_eq!(plan.part(COMM) + plan.part(GATHER), 0);
             }
@@ -766,6 +779,7 @@ mod tests {
                     };
                     let bf16 = bytes(frozen.params_bf16.len() + adapters_bf16);
                     assert_eq!(plan.part(BF16_COPY), bf16, "{case}");
+                    assert_eq!(plan.part(PACKS), gpt.packs_bytes() as u64, "{case}");
                     let acts = gpt.activation_bytes() as u64;
                     assert_eq!(plan.part(ACTIVATIONS), acts, "{case}");
                     assert_eq!(plan.part(COMM) + plan.part(GATHER), 0);
@@ -923,6 +937,9 @@ mod tests {
                     let frozen = lora.as_ref().map_or(0, |_| ParamLayout::new(&tiny()).len);
                     let copy = (copy + frozen) as u64 * 4;
                     assert_eq!(rank_plan(&p, rank).part(BF16_COPY), copy, "{case}");
+                    if stage == 3 {
+                        assert_eq!(rank_plan(&p, rank).part(PACKS), 0, "{case}");
+                    }
                 }
             }
         }

@@ -397,12 +397,10 @@ impl Gpt {
         self.sync_bf16_weights();
     }
 
-    /// Empty (stale) packs where bf16 products read packs: bf16 mode on AMX or
-    /// AVX512-BF16, weights not lent (ZeRO-3 packs per call: each gathered block's
-    /// weight is read once per pass, so packing it on arrival would pack as often).
+    /// Empty (stale) packs where the bf16 products read packs ([`Packs::made_for`]).
     fn new_packs(&self) -> Option<Packs> {
-        let bf16 = self.dtype == Dtype::Bfloat16 && !self.lent;
-        Packs::for_bf16(self.config.n_layer).filter(|_| bf16)
+        let made = Packs::made_for(self.dtype, self.lent);
+        made.then(|| Packs::new(self.config.n_layer))
     }
 
     /// Bytes held by the packed bf16 weights (0 without them).
@@ -445,7 +443,9 @@ impl Gpt {
     pub fn set_weights_lent(&mut self, on: bool) {
         assert!(!on || self.frozen.is_none(), "LoRA passes lend no weights");
         self.lent = on;
-        self.packs = self.new_packs();
+        if on {
+            self.packs = None;
+        }
         release_lent_copy(on, 0..self.params_bf16.len(), &mut self.params_bf16);
         if on {
             // Every pass releases and refills most of these.

@@ -14,7 +14,7 @@
 //! refreshes are the only places that pack (src/model/mod.rs).
 
 use super::layout::{ParamLayout, Span};
-use super::ModelConfig;
+use super::{Dtype, ModelConfig};
 use crate::kernels::bf16::gemm::{reads_packs, WeightPacks};
 use std::ops::Range;
 
@@ -42,14 +42,20 @@ impl LayerPacks {
 }
 
 impl Packs {
-    /// Empty packs for a model of `n_layer` blocks, stale until packed; None where
-    /// the bf16 products do not read packs (f32, or a kernel without them).
-    pub fn for_bf16(n_layer: usize) -> Option<Packs> {
-        reads_packs().then(|| Packs {
+    /// Whether a model in `dtype` packs its weights: bf16 products on a kernel that
+    /// reads packs, weights not `lent` (ZeRO-3 packs per call: each gathered block's
+    /// weight is read once per pass, so packing it on arrival would pack as often).
+    pub fn made_for(dtype: Dtype, lent: bool) -> bool {
+        dtype == Dtype::Bfloat16 && !lent && reads_packs()
+    }
+
+    /// Empty packs for a model of `n_layer` blocks, stale until packed.
+    pub fn new(n_layer: usize) -> Packs {
+        Packs {
             wte: WeightPacks::default(),
             layers: (0..n_layer).map(|_| LayerPacks::default()).collect(),
             fresh: vec![false; 1 + n_layer],
-        })
+        }
     }
 
     /// Bytes the packs of a model of `config` hold once made (the memory plan's line;
