@@ -1232,3 +1232,37 @@ fn zero_3_keeps_buckets_whole_between_passes_for_the_same_bits() {
     let saved = micro * 2 * block + (micro - 1) * (emb + ln_f + block);
     assert_eq!(gathered(again) - gathered(kept), 4 * saved);
 }
+
+/// bf16 weights packed once per optimizer step (where the kernel reads packs: AMX,
+/// AVX512-BF16) give the same bits as packing them per product
+/// (`NANOGPT_BF16_PACKS=0`): one process, and ZeRO-1 on 2 ranks, whose next
+/// forward rounds and packs each bucket as its all-gather arrives. The model is
+/// wide enough (C = 64, 128 rows) that the linear products reach the bf16 kernel.
+#[test]
+fn bf16_packs_made_once_per_step_give_the_same_bits() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let packed = nanogpt::kernels::bf16::gemm::reads_packs();
+    for (ranks, stage) in [(0, "zero_stage=0"), (2, "zero_stage=1")] {
+        let args = [
+            "dtype=bfloat16",
+            "n_embd=64",
+            "batch_size=8",
+            "gradient_accumulation_steps=2",
+            "max_iters=4",
+            stage,
+        ];
+        let per_call = format!("packs-off-{ranks}");
+        let once = format!("packs-on-{ranks}");
+        train_env(ranks, &per_call, &args, &[("NANOGPT_BF16_PACKS", "0")]);
+        let stdout = train(ranks, &once, &args);
+        // The plan counts the packs exactly where the run makes them.
+        assert_eq!(stdout.contains("packed bf16 weights"), packed, "{stdout}");
+        assert_eq!(losses(&per_call), losses(&once), "{per_call} vs {once}");
+        let same = params(&per_call).1 == params(&once).1;
+        assert!(same, "{per_call} vs {once}: bit-identical weights");
+        if ranks > 1 {
+            let report = read_json(&workdir().join(&once).join("comm.json"));
+            assert_eq!(report["gathers_in_flight"], true, "{once}: {report}");
+        }
+    }
+}

@@ -17,6 +17,7 @@ use super::layout::{ParamLayout, Span};
 use super::{Dtype, ModelConfig};
 use crate::kernels::bf16::gemm::{reads_packs, WeightPacks};
 use std::ops::Range;
+use std::sync::OnceLock;
 
 /// The packs of one model (or, with LoRA, of its frozen base).
 pub struct Packs {
@@ -45,8 +46,11 @@ impl Packs {
     /// Whether a model in `dtype` packs its weights: bf16 products on a kernel that
     /// reads packs, weights not `lent` (ZeRO-3 packs per call: each gathered block's
     /// weight is read once per pass, so packing it on arrival would pack as often).
+    /// `NANOGPT_BF16_PACKS=0` packs per call instead (to compare: the same bits).
     pub fn made_for(dtype: Dtype, lent: bool) -> bool {
-        dtype == Dtype::Bfloat16 && !lent && reads_packs()
+        static ON: OnceLock<bool> = OnceLock::new();
+        let on = *ON.get_or_init(|| std::env::var("NANOGPT_BF16_PACKS").as_deref() != Ok("0"));
+        on && dtype == Dtype::Bfloat16 && !lent && reads_packs()
     }
 
     /// Empty packs for a model of `n_layer` blocks, stale until packed.
