@@ -503,6 +503,7 @@ impl Gpt {
     fn repack(&mut self) {
         let packs = self.packs.as_mut().filter(|_| self.frozen.is_none());
         if let Some(packs) = packs {
+            let _t = crate::profile::scope(crate::profile::Section::Bf16Weights);
             packs.pack_all(&self.params_bf16, &self.layout, &self.config);
         }
     }
@@ -948,7 +949,7 @@ impl<'a> Weights<'a> {
                 layer: l,
             }),
             matmul_bf16: None,
-            packs: self.packs.map(|p| p.layer(l)),
+            packs: self.packs.and_then(|p| p.layer(l)),
         }
     }
 }

@@ -46,15 +46,21 @@ impl Packs {
     /// Whether a model in `dtype` packs its weights: bf16 products on a kernel that
     /// reads packs, weights not `lent` (ZeRO-3 packs per call: each gathered block's
     /// weight is read once per pass, so packing it on arrival would pack as often).
-    /// `NANOGPT_BF16_PACKS=0` packs per call instead (to compare: the same bits).
     pub fn made_for(dtype: Dtype, lent: bool) -> bool {
+        dtype == Dtype::Bfloat16 && !lent && reads_packs()
+    }
+
+    /// Whether the linear weights are packed too (else only `wte`, whose products
+    /// with k = V need the pack to run on AVX512-BF16 at all):
+    /// `NANOGPT_BF16_PACKS=0` packs them per call instead, to compare (the same bits).
+    fn linears() -> bool {
         static ON: OnceLock<bool> = OnceLock::new();
-        let on = *ON.get_or_init(|| std::env::var("NANOGPT_BF16_PACKS").as_deref() != Ok("0"));
-        on && dtype == Dtype::Bfloat16 && !lent && reads_packs()
+        *ON.get_or_init(|| std::env::var("NANOGPT_BF16_PACKS").as_deref() != Ok("0"))
     }
 
     /// Empty packs for a model of `n_layer` blocks, stale until packed.
     pub fn new(n_layer: usize) -> Packs {
+        let n_layer = if Packs::linears() { n_layer } else { 0 };
         Packs {
             wte: WeightPacks::default(),
             layers: (0..n_layer).map(|_| LayerPacks::default()).collect(),
@@ -70,7 +76,13 @@ impl Packs {
             + WeightPacks::bytes_for(c, c)
             + WeightPacks::bytes_for(4 * c, c)
             + WeightPacks::bytes_for(c, 4 * c);
-        WeightPacks::bytes_for(v, c) + config.n_layer * block
+        let layers = if Packs::linears() { config.n_layer } else { 0 };
+        WeightPacks::bytes_for(v, c) + layers * block
+    }
+
+    /// Whether the linear weights are packed (not `NANOGPT_BF16_PACKS=0`).
+    pub fn has_linears(&self) -> bool {
+        !self.layers.is_empty()
     }
 
     /// Bytes these packs hold.
@@ -122,12 +134,13 @@ impl Packs {
         &self.wte
     }
 
-    /// Block `l`'s packs; panics if stale.
-    pub fn layer(&self, l: usize) -> &LayerPacks {
+    /// Block `l`'s packs (None with `NANOGPT_BF16_PACKS=0`); panics if stale.
+    pub fn layer(&self, l: usize) -> Option<&LayerPacks> {
+        let packs = self.layers.get(l)?;
         assert!(
             self.fresh[1 + l],
             "stale packs of block {l} read: the bf16 copy changed"
         );
-        &self.layers[l]
+        Some(packs)
     }
 }
