@@ -1,7 +1,7 @@
 //! The bf16 matmul kernels on every linear and classifier product of a GPT-2 124M
 //! training step at B·T = 1,024 (src/kernels/bf16/products.rs): the f32 GEMM over
 //! bf16 values, our AVX512-BF16 kernel (packing B per call, and reading a B packed
-//! beforehand, as the step does for `wte`) and, in builds with `--features onednn`,
+//! beforehand, as the step does for every weight) and, in builds with `--features onednn`,
 //! oneDNN (its operand copies included), alternating in one process, the fastest
 //! repetition of each. The clock is the process's CPU time (all threads) by default:
 //! on a machine shared with other work it counts the cycles spent on the product,
@@ -32,9 +32,10 @@ fn per_step(name: &str) -> f64 {
     }
 }
 
-/// Whether the step reads this product's B packed beforehand (the classifier's `wte`).
+/// Whether the step reads this product's B packed beforehand: every product whose B
+/// is a weight (forward and dX: src/model/packs.rs), not the weight gradients.
 fn step_prepacks(name: &str) -> bool {
-    name.starts_with("cls fwd") || name.starts_with("cls dx")
+    name.contains(" fwd ") || name.contains(" dx ")
 }
 
 /// `n` reproducible values in [-1, 1), rounded to bf16.
