@@ -675,9 +675,7 @@ fn reduce_bf16<'a, S: mpi::request::Scope<'a>>(
     recv: &'a mut [f32],
 ) -> mpi::request::Request<'a, [f32], S> {
     let n = count(send.len());
-    let wire = bf16_view(send);
-    crate::kernels::bf16::store(&mut wire[..grads.len()], grads);
-    wire[grads.len()..].fill(Bf16(0));
+    fill_send(kind, grads, send);
     let send: &'a [f32] = send;
     let mut request = std::mem::MaybeUninit::uninit();
     // SAFETY: `send` holds `n` bf16 values and `recv` the result's (n for the
@@ -705,6 +703,112 @@ fn reduce_bf16<'a, S: mpi::request::Scope<'a>>(
             ),
         };
         mpi::request::Request::from_raw(request.assume_init(), &*recv, scope)
+    }
+}
+
+/// Writes a bucket's `grads` into the front of its `send` range in `kind`'s wire
+/// format (f32, or bf16 rounded to nearest, ties to even, in the front half of the
+/// bytes: [`bf16_view`]) and zeroes the rest of the range.
+fn fill_send(kind: Reduce, grads: &[f32], send: &mut [f32]) {
+    match kind.wire_bytes() {
+        2 => {
+            let wire = bf16_view(send);
+            crate::kernels::bf16::store(&mut wire[..grads.len()], grads);
+            wire[grads.len()..].fill(Bf16(0));
+        }
+        _ => {
+            send[..grads.len()].copy_from_slice(grads);
+            send[grads.len()..].fill(0.0);
+        }
+    }
+}
+
+/// Tag of the blocks [`exchange_blocks`] sends (collectives do not see it).
+const BLOCK_TAG: i32 = 0x5a31;
+
+/// Starts ZeRO-1's reduction of one bucket between exactly two ranks as a pairwise
+/// exchange, in `kind`'s wire format: the other rank's block of `send` (two equal
+/// blocks of `recv.len()` values, filled by [`fill_send`]) goes to it, and its
+/// block for this rank arrives into `recv`; once both requests completed,
+/// [`add_own_block`] adds this rank's own block. Returns the send's and the
+/// receive's requests.
+///
+/// Open MPI's `MPI_Ireduce_scatter_block` (libnbc) reduces the whole bucket on rank
+/// 0 in a buffer of twice the bucket that it allocates per call and frees on
+/// completion: beyond glibc's mmap threshold (32 MiB at most), fresh pages every
+/// step. The sum is the same bit for bit: one addition of two values.
+fn exchange_blocks<'a, S: mpi::request::Scope<'a> + Copy>(
+    world: &SimpleCommunicator,
+    scope: S,
+    (kind, rank): (Reduce, usize),
+    send: &'a [f32],
+    recv: &'a mut [f32],
+) -> [mpi::request::Request<'a, [f32], S>; 2] {
+    let block = recv.len();
+    let other = 1 - rank;
+    assert_eq!(send.len(), 2 * block);
+    let bytes = kind.wire_bytes();
+    let n = count(block) as i32;
+    let (mut sent, mut received) = (
+        std::mem::MaybeUninit::uninit(),
+        std::mem::MaybeUninit::uninit(),
+    );
+    // SAFETY: `send` holds two blocks of `block` values of `datatype` in its first
+    // 2 · block · bytes bytes, so the other rank's block starts `other · block ·
+    // bytes` bytes in and is in bounds; `recv` holds at least `block` values of
+    // `datatype`; both are borrowed for 'a, which the scope's requests cannot
+    // outlive, and `send` only shared (MPI only reads it).
+    unsafe {
+        let datatype = match bytes {
+            2 => mpi::ffi::RSMPI_UINT16_T,
+            _ => mpi::ffi::RSMPI_FLOAT,
+        };
+        let from = (send.as_ptr() as *const u8).add(other * block * bytes);
+        let (peer, comm) = (other as i32, world.as_raw());
+        mpi::ffi::MPI_Isend(
+            from as *const _,
+            n,
+            datatype,
+            peer,
+            BLOCK_TAG,
+            comm,
+            sent.as_mut_ptr(),
+        );
+        let into = recv.as_mut_ptr() as *mut _;
+        mpi::ffi::MPI_Irecv(
+            into,
+            n,
+            datatype,
+            peer,
+            BLOCK_TAG,
+            comm,
+            received.as_mut_ptr(),
+        );
+        [
+            mpi::request::Request::from_raw(sent.assume_init(), send, scope),
+            mpi::request::Request::from_raw(received.assume_init(), &*recv, scope),
+        ]
+    }
+}
+
+/// Completes [`exchange_blocks`] once its requests have: adds this rank's own block
+/// of `send` to the other rank's, received into `recv`, in `kind`'s wire format
+/// (bf16: the sum in f32 rounded to bf16, as [`bf16_sum`]).
+fn add_own_block(kind: Reduce, rank: usize, send: &mut [f32], recv: &mut [f32]) {
+    let block = recv.len();
+    let own = rank * block..(rank + 1) * block;
+    match kind.wire_bytes() {
+        2 => {
+            let (own, sum) = (&bf16_view(send)[own], bf16_view(recv));
+            for (y, x) in sum.iter_mut().zip(own) {
+                *y = Bf16::from_f32(x.to_f32() + y.to_f32());
+            }
+        }
+        _ => {
+            for (y, x) in recv.iter_mut().zip(&send[own]) {
+                *y += x;
+            }
+        }
     }
 }
 
@@ -979,20 +1083,32 @@ impl Collective for Mpi {
             .map(|b| counts_and_displs(&b.counts).0)
             .collect();
         let (world, watchdog, overlap) = (&self.world, &self.watchdog, self.overlap);
+        // ZeRO-1 between two ranks: a pairwise exchange instead of MPI's
+        // reduce-scatter, which allocates per call ([`exchange_blocks`]).
+        let reduce_scatter = matches!(kind, Reduce::ReduceScatter | Reduce::ReduceScatterBf16);
+        let pairwise = reduce_scatter && self.size == 2;
         let mut exposed = Duration::ZERO;
         let stop = AtomicBool::new(false);
         std::thread::scope(|threads| {
             if overlap && self.progress_thread {
                 threads.spawn(|| progress_until(&stop));
             }
-            mpi::request::multiple_scope(buckets.len(), |scope, requests| {
-                let mut done = Vec::with_capacity(buckets.len());
+            mpi::request::multiple_scope(2 * buckets.len(), |scope, requests| {
+                let mut done = Vec::with_capacity(2 * buckets.len());
                 let mut seen = vec![false; buckets.len()];
                 backward(&mut |range, grads| {
                     let i = super::reported(buckets, &range, &mut seen);
                     let b = &buckets[i];
                     let r = recvs[i].take().expect("each bucket once");
                     let request = match kind {
+                        _ if pairwise => {
+                            let s = sends[i].take().expect("each bucket once");
+                            fill_send(kind, &grads[range], s);
+                            let [sent, received] =
+                                exchange_blocks(world, scope, (kind, self.rank), s, r);
+                            requests.add(sent);
+                            received
+                        }
                         Reduce::AllReduceBf16 | Reduce::ReduceScatterBf16 => {
                             let s = sends[i].take().expect("each bucket once");
                             let wire = (kind, self.bf16_sum);
@@ -1007,9 +1123,7 @@ impl Collective for Mpi {
                         }
                         _ => {
                             let s = sends[i].take().expect("each bucket once");
-                            let n = range.len();
-                            s[..n].copy_from_slice(&grads[range]);
-                            s[n..].fill(0.0);
+                            fill_send(kind, &grads[range], s);
                             let s: &[f32] = s;
                             count(s.len());
                             let sum = SystemOperation::sum();
@@ -1040,6 +1154,18 @@ impl Collective for Mpi {
             });
             stop.store(true, Ordering::Relaxed);
         });
+        if pairwise {
+            let start = Instant::now();
+            for b in buckets {
+                add_own_block(
+                    kind,
+                    self.rank,
+                    &mut send[b.send.clone()],
+                    &mut recv[b.recv.clone()],
+                );
+            }
+            exposed += start.elapsed();
+        }
         if kind.wire_bytes() == 2 {
             let start = Instant::now();
             for b in buckets {
@@ -1085,5 +1211,38 @@ mod tests {
             b.map(Bf16::to_f32),
             [1.0, round(0.75 + 2f32.powi(-8)), -2.5]
         );
+    }
+
+    /// The pairwise exchange's sum: rank r's own block (the r-th of two in its send
+    /// range) added to the other rank's block received into `recv`; in bf16, both
+    /// in the wire format, the sum rounded as `bf16_sum` rounds it (a tie to even).
+    #[test]
+    fn the_own_block_is_added_to_the_received_one() {
+        let grads: Vec<f32> = (0..7).map(|i| i as f32 * 0.25 - 1.0).collect();
+        let theirs = [10.0f32, 20.0, 30.0, 40.0];
+        for rank in [0, 1] {
+            let mut send = vec![f32::NAN; 8];
+            fill_send(Reduce::ReduceScatter, &grads, &mut send);
+            let mut recv = theirs;
+            add_own_block(Reduce::ReduceScatter, rank, &mut send, &mut recv);
+            let own = [grads.as_slice(), &[0.0]].concat();
+            let want: Vec<f32> = (0..4).map(|i| theirs[i] + own[4 * rank + i]).collect();
+            assert_eq!(recv.to_vec(), want, "rank {rank}");
+        }
+        let kind = Reduce::ReduceScatterBf16;
+        let grads = [2f32.powi(-8), 0.75, 3.0, -1.0];
+        let mut send = vec![f32::NAN; 4];
+        fill_send(kind, &grads, &mut send);
+        let mut recv = vec![f32::NAN; 2];
+        let received = [1.0f32, 0.5].map(Bf16::from_f32);
+        bf16_view(&mut recv)[..2].copy_from_slice(&received);
+        add_own_block(kind, 0, &mut send, &mut recv);
+        widen_bf16_in_place(&mut recv);
+        assert_eq!(recv, [1.0, 1.25]);
+        let mut recv = vec![f32::NAN; 2];
+        bf16_view(&mut recv)[..2].copy_from_slice(&received);
+        add_own_block(kind, 1, &mut send, &mut recv);
+        widen_bf16_in_place(&mut recv);
+        assert_eq!(recv, [4.0, -0.5]);
     }
 }
