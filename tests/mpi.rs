@@ -1238,7 +1238,7 @@ fn zero_3_keeps_buckets_whole_between_passes_for_the_same_bits() {
 /// `MPI_Ireduce_scatter_block` does (twice the bucket, beyond glibc's largest mmap
 /// threshold of 32 MiB in f32 and in bf16), has rank 0 fault those pages in every
 /// step: 9,410 per step in f32 and 4,705 in bf16 before the pairwise exchange,
-/// 0.0 and 0.25 with it.
+/// under 1 with it.
 #[test]
 fn zero_1_on_two_ranks_reuses_its_memory_every_step() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
