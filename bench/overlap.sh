@@ -7,15 +7,24 @@
 # Runs the same job (Open MPI, 1 thread per rank; default GPT-2
 # 124M shape, B 2 x T 256 per rank) once per setting below and prints, per run, the
 # communication report's step time, exposed and stand-alone reduction times, the
-# hidden share (1 - exposed / alone, a ratio within one run) and the other
-# collectives' time (ZeRO-1's all-gather). Settings:
+# hidden share (1 - exposed / alone, a ratio within one run), the other
+# collectives' time, and the all-gather of the updated weights (ZeRO-1/2): its
+# exposed time (exposed_gather_ms: the blocking gather, or starting the gathers and
+# waiting for what had not arrived when the next forward needed it) and whether it
+# was left in flight (gathers_in_flight). Settings:
 #   before   - embeddings' bucket last (NANOGPT_EMBEDDINGS_FIRST=0), default progress
 #              thread (off on one host, on across hosts): the code before issue 16's work
-#   first    - embeddings' bucket first (NANOGPT_EMBEDDINGS_FIRST=1), default thread
+#   first    - embeddings' bucket first (NANOGPT_EMBEDDINGS_FIRST=1), default thread,
+#              the weights' all-gathers left in flight (the default)
 #   +thread  - first, progress thread forced on (NANOGPT_PROGRESS_THREAD=1)
 #   -thread  - first, progress thread forced off (NANOGPT_PROGRESS_THREAD=0)
-# each for ZeRO 0 and ZeRO 1 (ZERO_STAGES, default "0 1"), plus EXTRA key=value pairs
-# (e.g. EXTRA=grad_reduce_dtype=bfloat16).
+#   ag-block - first, the weights' all-gather one blocking collective right after the
+#              update (NANOGPT_AG_OVERLAP=0); "first ag-block" at ZeRO 1 or 2 is the
+#              in-flight vs blocking A/B
+# each for ZeRO 0 and ZeRO 1 (ZERO_STAGES, default "0 1"; 2 as well), all settings
+# ROUNDS times (default 1, alternating them), plus EXTRA key=value pairs (e.g.
+# EXTRA=grad_reduce_dtype=bfloat16). E.g. the gathers in flight vs blocking:
+#   ZERO_STAGES=1 SETTINGS="first ag-block" ROUNDS=2 bench/overlap.sh
 # The binary must be built with `--features mpi`. Needs ~3 GB per rank at 124M.
 #
 # HOSTS=3: three hosts made from network namespaces instead (needs root and MPINET,
@@ -58,17 +67,21 @@ fi
 
 field() { sed -n "s/.*\"$1\": *\([^,}]*\).*/\1/p" "$2" | head -1; }
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+for round in $(seq "${ROUNDS:-1}"); do
 for stage in ${ZERO_STAGES:-0 1}; do
     for setting in ${SETTINGS:-before first +thread}; do
+        ag=1
         case $setting in
         before) ef=0 pt= ;;
         first) ef=1 pt= ;;
         +thread) ef=1 pt=1 ;;
         -thread) ef=1 pt=0 ;;
+        ag-block) ef=1 pt= ag=0 ;;
+        *) echo "unknown setting $setting (before, first, +thread, -thread, ag-block)" >&2; exit 1 ;;
         esac
-        out="$WORK/z$stage-$setting"
-        export NANOGPT_EMBEDDINGS_FIRST=$ef
-        XS=(-x NANOGPT_EMBEDDINGS_FIRST)
+        out="$WORK/r$round-z$stage-$setting"
+        export NANOGPT_EMBEDDINGS_FIRST=$ef NANOGPT_AG_OVERLAP=$ag
+        XS=(-x NANOGPT_EMBEDDINGS_FIRST -x NANOGPT_AG_OVERLAP)
         unset NANOGPT_PROGRESS_THREAD
         [ -z "$pt" ] || { export NANOGPT_PROGRESS_THREAD=$pt; XS+=(-x NANOGPT_PROGRESS_THREAD); }
         # shellcheck disable=SC2086
@@ -76,11 +89,13 @@ for stage in ${ZERO_STAGES:-0 1}; do
             zero_stage=$stage ${EXTRA:-} out_dir="$out" >"$out.log" 2>&1 ||
             { cat "$out.log"; exit 1; }
         tr -d '\n ' <"$out/comm.json" >"$out.json"
-        printf 'hosts %s ZeRO %s %-8s %s step %8.1f ms  exposed %7.1f ms  alone %7.1f ms  hidden %5.1f%%  other %7.1f ms  grad_bytes %s\n' \
+        printf 'hosts %s ZeRO %s %-8s %s step %8.1f ms  exposed %7.1f ms  alone %7.1f ms  hidden %5.1f%%  other %7.1f ms  gather %7.1f ms  in_flight %-5s  grad_bytes %s\n' \
             "$HOSTS" "$stage" "$setting" "${EXTRA:-}" "$(field step_ms "$out.json")" "$(field exposed_reduce_ms "$out.json")" \
             "$(field reduce_alone_ms "$out.json")" \
             "$(awk -v h="$(field hidden_fraction "$out.json")" 'BEGIN {print 100 * h}')" \
-            "$(field other_comm_ms "$out.json")" "$(field grad_bytes "$out.json")"
+            "$(field other_comm_ms "$out.json")" "$(field exposed_gather_ms "$out.json")" \
+            "$(field gathers_in_flight "$out.json")" "$(field grad_bytes "$out.json")"
     done
+done
 done
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"

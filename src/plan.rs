@@ -695,15 +695,7 @@ mod tests {
     use crate::optim::AdamW;
 
     fn tiny() -> ModelConfig {
-        ModelConfig {
-            vocab_size: 50,
-            block_size: 8,
-            n_layer: 3,
-            n_head: 2,
-            n_embd: 16,
-            bias: true,
-            dropout: 0.1,
-        }
+        ModelConfig::tiny_for_tests(3, 0.1)
     }
 
     fn input(dtype: Dtype, ckpt: bool, stage: u8, w: usize) -> PlanInput {
@@ -802,37 +794,9 @@ mod tests {
         fn local_size(&self) -> usize {
             1
         }
-        fn host(&self) -> String {
-            String::new()
-        }
-        fn describe(&self) -> String {
-            String::new()
-        }
-        fn set_timeout(&self, _: std::time::Duration) {}
-        fn barrier_patient(&self) {}
-        fn all_reduce_sum_f64(&self, _: &mut [f64]) {}
-        fn broadcast(&self, _: &mut [f32], _: usize) {}
-        fn broadcast_bytes(&self, _: &mut Vec<u8>, _: usize) {}
-        fn all_gather(&self, _: &[f32], _: &mut [f32]) {}
-        fn all_gather_u64(&self, _: u64) -> Vec<u64> {
-            unreachable!("not a collective run")
-        }
-        fn gather(&self, _: &[f32], _: &mut [f32], _: usize) {}
-        fn scatter(&self, _: &[f32], _: &mut [f32], _: usize) {}
+        crate::dist::quiet_collective_methods!();
         fn reduce_scatter_pieces(&self, _: &[f32], _: &mut [f32], _: &[usize]) {}
         fn all_gather_pieces(&self, _: &[f32], _: &mut [f32], _: &[usize]) {}
-        fn gather_pieces(&self, _: &[f32], _: &mut [f32], _: &[usize], _: usize) {}
-        fn scatter_pieces(&self, _: &[f32], _: &mut [f32], _: &[usize], _: usize) {}
-        fn reduce_during_backward(
-            &self,
-            _: crate::dist::Reduce,
-            _: &[crate::dist::Bucket],
-            _: &mut [f32],
-            _: &mut [f32],
-            _: &mut crate::dist::BackwardFn,
-        ) -> crate::dist::OverlapTimes {
-            unreachable!("not a collective run")
-        }
     }
 
     /// What a ZeRO-3 pass holds whole at once: the embeddings and ln_f for the pass,

@@ -250,6 +250,46 @@ fn reported(buckets: &[Bucket], range: &Range<usize>, seen: &mut [bool]) -> usiz
     i
 }
 
+/// The methods of a unit test's stub [`Collective`] that move no data for it (they
+/// do nothing) or that its tests never reach, for the stub's `impl Collective`; the
+/// stub writes the rest (who it is, and the collectives its test looks at).
+#[cfg(test)]
+macro_rules! quiet_collective_methods {
+    () => {
+        fn host(&self) -> String {
+            String::new()
+        }
+        fn describe(&self) -> String {
+            String::new()
+        }
+        fn set_timeout(&self, _: std::time::Duration) {}
+        fn barrier_patient(&self) {}
+        fn all_reduce_sum_f64(&self, _: &mut [f64]) {}
+        fn broadcast(&self, _: &mut [f32], _: usize) {}
+        fn broadcast_bytes(&self, _: &mut Vec<u8>, _: usize) {}
+        fn all_gather(&self, _: &[f32], _: &mut [f32]) {}
+        fn all_gather_u64(&self, _: u64) -> Vec<u64> {
+            unreachable!("a stub collective")
+        }
+        fn gather(&self, _: &[f32], _: &mut [f32], _: usize) {}
+        fn scatter(&self, _: &[f32], _: &mut [f32], _: usize) {}
+        fn gather_pieces(&self, _: &[f32], _: &mut [f32], _: &[usize], _: usize) {}
+        fn scatter_pieces(&self, _: &[f32], _: &mut [f32], _: &[usize], _: usize) {}
+        fn reduce_during_backward(
+            &self,
+            _: $crate::dist::Reduce,
+            _: &[$crate::dist::Bucket],
+            _: &mut [f32],
+            _: &mut [f32],
+            _: &mut $crate::dist::BackwardFn,
+        ) -> $crate::dist::OverlapTimes {
+            unreachable!("a stub collective")
+        }
+    };
+}
+#[cfg(test)]
+pub(crate) use quiet_collective_methods;
+
 /// One process: every collective is a copy or nothing.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Single;

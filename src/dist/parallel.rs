@@ -1162,7 +1162,6 @@ pub fn save_buffer_len(
 
 #[cfg(test)]
 mod tests {
-    use super::super::{BackwardFn, Bucket, OverlapTimes};
     use super::*;
 
     #[test]
@@ -1238,31 +1237,13 @@ mod tests {
         fn local_size(&self) -> usize {
             2
         }
-        fn host(&self) -> String {
-            String::new()
-        }
-        fn describe(&self) -> String {
-            String::new()
-        }
-        fn set_timeout(&self, _: Duration) {}
-        fn barrier_patient(&self) {}
-        fn all_reduce_sum_f64(&self, _: &mut [f64]) {}
-        fn broadcast(&self, _: &mut [f32], _: usize) {}
-        fn broadcast_bytes(&self, _: &mut Vec<u8>, _: usize) {}
-        fn all_gather(&self, _: &[f32], _: &mut [f32]) {}
-        fn all_gather_u64(&self, _: u64) -> Vec<u64> {
-            unreachable!()
-        }
-        fn gather(&self, _: &[f32], _: &mut [f32], _: usize) {}
-        fn scatter(&self, _: &[f32], _: &mut [f32], _: usize) {}
+        crate::dist::quiet_collective_methods!();
         fn reduce_scatter_pieces(&self, _: &[f32], _: &mut [f32], _: &[usize]) {
             unreachable!("stage 3 reduces without blocking")
         }
         fn all_gather_pieces(&self, _: &[f32], _: &mut [f32], _: &[usize]) {
             unreachable!("stage 3 gathers without blocking")
         }
-        fn gather_pieces(&self, _: &[f32], _: &mut [f32], _: &[usize], _: usize) {}
-        fn scatter_pieces(&self, _: &[f32], _: &mut [f32], _: &[usize], _: usize) {}
         unsafe fn start_all_gather_in_place<'a>(
             &'a self,
             buf: &mut [f32],
@@ -1329,16 +1310,6 @@ mod tests {
             }
             started
         }
-        fn reduce_during_backward(
-            &self,
-            _: Reduce,
-            _: &[Bucket],
-            _: &mut [f32],
-            _: &mut [f32],
-            _: &mut BackwardFn,
-        ) -> OverlapTimes {
-            unreachable!()
-        }
     }
 
     /// [`Sharded`], with its `need` and `done` calls logged.
@@ -1392,15 +1363,7 @@ mod tests {
     /// between passes, those not gathered again (and released by the update).
     #[test]
     fn zero_3_waits_for_each_prefetched_collective_before_its_buffers_are_used() {
-        let cfg = ModelConfig {
-            vocab_size: 50,
-            block_size: 8,
-            n_layer: 4,
-            n_head: 2,
-            n_embd: 16,
-            bias: true,
-            dropout: 0.1,
-        };
+        let cfg = ModelConfig::tiny_for_tests(4, 0.1);
         let (b, t, micro) = (2, 8, 2);
         let x: Vec<u32> = (0..b * t).map(|i| (i * 7 % 50) as u32).collect();
         let y: Vec<i32> = (0..b * t).map(|i| (i * 3 % 50) as i32).collect();
@@ -1525,15 +1488,7 @@ mod tests {
     /// rounded bucket by bucket as they arrive).
     #[test]
     fn zero_1_forward_waits_for_each_bucket_of_the_update_just_before_reading_it() {
-        let cfg = ModelConfig {
-            vocab_size: 50,
-            block_size: 8,
-            n_layer: 3,
-            n_head: 2,
-            n_embd: 16,
-            bias: true,
-            dropout: 0.0,
-        };
+        let cfg = ModelConfig::tiny_for_tests(3, 0.0);
         let (b, t) = (2, 8);
         let x: Vec<u32> = (0..b * t).map(|i| (i * 7 % 50) as u32).collect();
         let y: Vec<i32> = (0..b * t).map(|i| (i * 3 % 50) as i32).collect();

@@ -537,15 +537,7 @@ mod tests {
 
     #[test]
     fn counted_bytes_are_the_allocated_bytes() {
-        let cfg = ModelConfig {
-            vocab_size: 50,
-            block_size: 8,
-            n_layer: 3,
-            n_head: 2,
-            n_embd: 16,
-            bias: true,
-            dropout: 0.1,
-        };
+        let cfg = ModelConfig::tiny_for_tests(3, 0.1);
         for dtype in [Dtype::Float32, Dtype::Bfloat16] {
             for checkpointing in [false, true] {
                 let real = Activations::new(&cfg, 3, 8, dtype, checkpointing).num_bytes();

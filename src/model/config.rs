@@ -183,6 +183,23 @@ impl ModelConfig {
 }
 
 #[cfg(test)]
+impl ModelConfig {
+    /// The unit tests' tiny model: a vocabulary of 50, a context of 8, 2 heads of 8
+    /// (C = 16), biases; `n_layer` blocks and `dropout` as the test needs.
+    pub(crate) fn tiny_for_tests(n_layer: usize, dropout: f32) -> ModelConfig {
+        ModelConfig {
+            vocab_size: 50,
+            block_size: 8,
+            n_layer,
+            n_head: 2,
+            n_embd: 16,
+            bias: true,
+            dropout,
+        }
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

@@ -1083,8 +1083,10 @@ fn embedding_dropout(pass_seed: u64, p: f32) -> Dropout {
 mod tests {
     use super::*;
     use crate::kernels::testutil::rand_vec;
+    use std::ops::Range;
 
-    fn tiny(bias: bool, dropout: f32) -> ModelConfig {
+    /// The model tests' tiny model: a vocabulary of 37 (padded to 64), 2 blocks, C = 16.
+    pub(super) fn tiny(bias: bool, dropout: f32) -> ModelConfig {
         ModelConfig {
             vocab_size: 37,
             block_size: 8,
@@ -1096,7 +1098,9 @@ mod tests {
         }
     }
 
-    fn batch(b: usize, t: usize, v: usize) -> (Vec<u32>, Vec<i32>) {
+    /// Inputs and targets of `b` rows of `t` tokens below `v`, every fifth target
+    /// masked out (-1).
+    pub(super) fn batch(b: usize, t: usize, v: usize) -> (Vec<u32>, Vec<i32>) {
         let inputs = (0..b * t).map(|i| ((i * 11 + 5) % v) as u32).collect();
         let targets = (0..b * t)
             .map(|i| {
@@ -1112,9 +1116,14 @@ mod tests {
 
     /// A model with random (not GPT-2-init) weights so every path carries signal.
     fn model(cfg: ModelConfig, b: usize, t: usize) -> Gpt {
+        random_model(cfg, b, t, 9)
+    }
+
+    /// [`model`] with the weights drawn from `seed` (the padded vocabulary rows 0).
+    pub(super) fn random_model(cfg: ModelConfig, b: usize, t: usize, seed: u64) -> Gpt {
         let mut gpt = Gpt::new(cfg, b, t).unwrap();
         let real = gpt.config().vocab_size * gpt.config().n_embd;
-        let noise = rand_vec(gpt.params.len(), 9);
+        let noise = rand_vec(gpt.params.len(), seed);
         for (i, (p, n)) in gpt.params.iter_mut().zip(noise).enumerate() {
             *p = 0.3 * n;
             if (real..gpt.layout.wte.end).contains(&i) {
@@ -1129,6 +1138,45 @@ mod tests {
         let loss = gpt.forward(x, y, b, t) as f64;
         gpt.pending = None;
         loss
+    }
+
+    /// Forward and backward of `(x, y, b, t)` (dropout seed 77), then the gradient
+    /// at every `step`-th parameter of each tensor's `range` against central
+    /// differences (ε = 0.01) of the f32 loss with the same masks. Returns the
+    /// gradients and how many of those checked were not near zero.
+    pub(super) fn check_finite_differences(
+        gpt: &mut Gpt,
+        (x, y, b, t): (&[u32], &[i32], usize, usize),
+        step: usize,
+        range: impl Fn(&Gpt, &TensorInfo) -> Range<usize>,
+    ) -> (Vec<f32>, usize) {
+        gpt.zero_grad();
+        gpt.set_dropout_seed(77);
+        gpt.forward(x, y, b, t);
+        gpt.backward();
+        let grads = gpt.grads.clone();
+        let eps = 1e-2f32;
+        let mut checked = 0;
+        for tensor in gpt.layout.tensors.clone() {
+            for i in range(gpt, &tensor).step_by(step) {
+                let orig = gpt.params[i];
+                gpt.params[i] = orig + eps;
+                let plus = loss_at(gpt, x, y, b, t, 77);
+                gpt.params[i] = orig - eps;
+                let minus = loss_at(gpt, x, y, b, t, 77);
+                gpt.params[i] = orig;
+                let numeric = (plus - minus) / (2.0 * eps as f64);
+                let analytic = grads[i] as f64;
+                assert!(
+                    (numeric - analytic).abs() <= 2e-3 + 2e-2 * numeric.abs(),
+                    "{} [{}]: backward {analytic} vs finite difference {numeric}",
+                    tensor.name,
+                    i - tensor.offset
+                );
+                checked += (analytic.abs() > 1e-4) as usize;
+            }
+        }
+        (grads, checked)
     }
 
     /// Reporting the embeddings first changes the order only: the embeddings' bucket
@@ -1184,34 +1232,14 @@ mod tests {
         let (b, t) = (2, 5);
         let mut gpt = model(tiny(bias, dropout), b, t);
         let (x, y) = batch(b, t, gpt.config().vocab_size);
-        gpt.zero_grad();
-        gpt.set_dropout_seed(77);
-        gpt.forward(&x, &y, b, t);
-        gpt.backward();
-        let grads = gpt.grads.clone();
-        let eps = 1e-2f32;
-        for tensor in gpt.layout.tensors.clone() {
-            let mut range = tensor.range();
-            if tensor.name == "transformer.wte.weight" {
-                range.end = range.start + gpt.config().vocab_size * gpt.config().n_embd;
+        // The embeddings' real rows only: the padded ones are checked for zeros below.
+        let real_rows = |gpt: &Gpt, tensor: &TensorInfo| match tensor.name.as_str() {
+            "transformer.wte.weight" => {
+                tensor.offset..tensor.offset + gpt.config().vocab_size * gpt.config().n_embd
             }
-            for i in range.step_by(7) {
-                let orig = gpt.params[i];
-                gpt.params[i] = orig + eps;
-                let plus = loss_at(&mut gpt, &x, &y, b, t, 77);
-                gpt.params[i] = orig - eps;
-                let minus = loss_at(&mut gpt, &x, &y, b, t, 77);
-                gpt.params[i] = orig;
-                let numeric = (plus - minus) / (2.0 * eps as f64);
-                let analytic = grads[i] as f64;
-                assert!(
-                    (numeric - analytic).abs() <= 2e-3 + 2e-2 * numeric.abs(),
-                    "{} [{}]: backward {analytic} vs finite difference {numeric}",
-                    tensor.name,
-                    i - tensor.offset
-                );
-            }
-        }
+            _ => tensor.range(),
+        };
+        let (grads, _) = check_finite_differences(&mut gpt, (&x, &y, b, t), 7, real_rows);
         let vp_rows = gpt.config().vocab_size * gpt.config().n_embd..gpt.layout.wte.end;
         assert!(
             grads[vp_rows].iter().all(|&g| g == 0.0),

@@ -2,21 +2,14 @@
 //! reference that rounds at the same places, and the gradients against f32.
 
 use super::layout::{LinearSpans, NormSpans};
+use super::tests::random_model as model;
 use super::*;
 use crate::kernels::bf16::gemm::{self, Kernel};
 use crate::kernels::bf16::round;
-use crate::kernels::testutil::rand_vec;
 
+/// The model tests' tiny model without dropout.
 fn tiny(bias: bool) -> ModelConfig {
-    ModelConfig {
-        vocab_size: 37,
-        block_size: 8,
-        n_layer: 2,
-        n_head: 2,
-        n_embd: 16,
-        bias,
-        dropout: 0.0,
-    }
+    super::tests::tiny(bias, 0.0)
 }
 
 /// Large enough that the big matmuls take the AMX kernel where it is usable
@@ -31,20 +24,6 @@ fn medium(bias: bool) -> ModelConfig {
         bias,
         dropout: 0.0,
     }
-}
-
-fn model(cfg: ModelConfig, b: usize, t: usize, seed: u64) -> Gpt {
-    let mut gpt = Gpt::new(cfg, b, t).unwrap();
-    let real = gpt.config().vocab_size * gpt.config().n_embd;
-    let noise = rand_vec(gpt.params.len(), seed);
-    for (i, (p, n)) in gpt.params.iter_mut().zip(noise).enumerate() {
-        *p = if (real..gpt.layout.wte.end).contains(&i) {
-            0.0
-        } else {
-            0.3 * n
-        };
-    }
-    gpt
 }
 
 fn batch(b: usize, t: usize, v: usize) -> (Vec<u32>, Vec<i32>) {

@@ -2,6 +2,7 @@
 //! frozen base, the merge, and bf16 autocast.
 
 use super::lora::LoraConfig;
+use super::tests::{batch, check_finite_differences, random_model};
 use super::*;
 use crate::kernels::testutil::rand_vec;
 
@@ -17,29 +18,9 @@ fn tiny(bias: bool, dropout: f32) -> ModelConfig {
     }
 }
 
-fn batch(b: usize, t: usize, v: usize) -> (Vec<u32>, Vec<i32>) {
-    let inputs = (0..b * t).map(|i| ((i * 11 + 5) % v) as u32).collect();
-    let targets = (0..b * t)
-        .map(|i| match i % 5 {
-            3 => -1,
-            _ => ((i * 7 + 2) % v) as i32,
-        })
-        .collect();
-    (inputs, targets)
-}
-
 /// A random base (not GPT-2-init) with adapters on `targets`, `B` made non-zero.
 fn adapted(cfg: ModelConfig, targets: &str, lora_dropout: f32, b: usize, t: usize) -> Gpt {
-    let mut gpt = Gpt::new(cfg, b, t).unwrap();
-    let real = gpt.config().vocab_size * gpt.config().n_embd;
-    let noise = rand_vec(gpt.params.len(), 9);
-    for (i, (p, n)) in gpt.params.iter_mut().zip(noise).enumerate() {
-        *p = if i >= real && i < gpt.layout.wte.end {
-            0.0
-        } else {
-            0.3 * n
-        };
-    }
+    let gpt = random_model(cfg, b, t, 9);
     let lora = LoraConfig::new(3, 6.0, lora_dropout, targets).unwrap();
     let mut gpt = gpt.with_lora(lora, ("test", 0), 5);
     let noise = rand_vec(gpt.params.len(), 4);
@@ -55,44 +36,13 @@ fn adapted(cfg: ModelConfig, targets: &str, lora_dropout: f32, b: usize, t: usiz
 
 const ALL: &str = "c_attn,attn.c_proj,c_fc,mlp.c_proj";
 
-fn loss_at(gpt: &mut Gpt, x: &[u32], y: &[i32], b: usize, t: usize, seed: u64) -> f64 {
-    gpt.set_dropout_seed(seed);
-    let loss = gpt.forward(x, y, b, t) as f64;
-    gpt.pending = None;
-    loss
-}
-
 /// Every adapter element's gradient against central differences of the f32 loss.
 fn check_adapter_gradients(bias: bool, dropout: f32, lora_dropout: f32) {
     let (b, t) = (2, 5);
     let mut gpt = adapted(tiny(bias, dropout), ALL, lora_dropout, b, t);
     let (x, y) = batch(b, t, gpt.config().vocab_size);
-    gpt.zero_grad();
-    gpt.set_dropout_seed(77);
-    gpt.forward(&x, &y, b, t);
-    gpt.backward();
-    let grads = gpt.grads.clone();
-    let eps = 1e-2f32;
-    let mut checked = 0;
-    for tensor in gpt.layout.tensors.clone() {
-        for i in tensor.range().step_by(3) {
-            let orig = gpt.params[i];
-            gpt.params[i] = orig + eps;
-            let plus = loss_at(&mut gpt, &x, &y, b, t, 77);
-            gpt.params[i] = orig - eps;
-            let minus = loss_at(&mut gpt, &x, &y, b, t, 77);
-            gpt.params[i] = orig;
-            let numeric = (plus - minus) / (2.0 * eps as f64);
-            let analytic = grads[i] as f64;
-            assert!(
-                (numeric - analytic).abs() <= 2e-3 + 2e-2 * numeric.abs(),
-                "{} [{}]: backward {analytic} vs finite difference {numeric}",
-                tensor.name,
-                i - tensor.offset
-            );
-            checked += (analytic.abs() > 1e-4) as usize;
-        }
-    }
+    let whole = |_: &Gpt, tensor: &TensorInfo| tensor.range();
+    let (_, checked) = check_finite_differences(&mut gpt, (&x, &y, b, t), 3, whole);
     assert!(
         checked > 40,
         "too few non-zero gradients checked ({checked})"
