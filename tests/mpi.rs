@@ -896,6 +896,41 @@ fn doctor_under_mpirun_reports_every_rank_and_fails_on_other_data() {
     );
 }
 
+/// ZeRO 1-3's gradient reductions (our ring reduce-scatter by default) give exactly
+/// `MPI_Reduce_scatter`'s sums of integer-valued gradients, on 2 and 3 ranks, with
+/// uneven pieces and (3 ranks) empty ones: `doctor` compares them
+/// (src/dist/reduce_check.rs). A round skipped or a piece misplaced changes a sum
+/// (checked by hand: the first round's addition left out fails at 3 ranks).
+#[test]
+fn the_ring_reduce_scatter_sums_exactly_as_mpi_does() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    copy_dataset(workdir(), false);
+    for ranks in ["2", "3"] {
+        let mut cmd = Command::new(mpirun());
+        cmd.args(["-n", ranks]);
+        if is_open_mpi() {
+            cmd.args(["--oversubscribe", "--bind-to", "none"]);
+            cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+                .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+        }
+        cmd.arg(BIN)
+            .args(["doctor", "--json", "dataset=tiny", "n_layer=2", "n_embd=32"])
+            .current_dir(workdir());
+        let out = run_for(cmd, Duration::from_secs(60));
+        let stdout = text(&out.stdout);
+        let json = stdout.lines().find(|l| l.starts_with('{'));
+        let json = json.unwrap_or_else(|| panic!("no JSON:\n{stdout}\n{}", text(&out.stderr)));
+        let report: serde_json::Value = serde_json::from_str(json).unwrap();
+        assert!(out.status.success(), "{ranks} ranks: {report}");
+        assert_eq!(report["ok"], true, "{ranks} ranks: {report}");
+        let check = report["reduce_check"].as_str().unwrap();
+        assert!(
+            check.starts_with("the ring reduce-scatter = MPI_Reduce_scatter"),
+            "{ranks} ranks: {check}"
+        );
+    }
+}
+
 /// How far (relative) a bf16 run on several ranks may follow the one-process bf16
 /// run: the 1e-5. The gradients are summed in another order (f32 noise,
 /// about 1e-7 relative), which moves a weight's bf16 rounding only where it lies
