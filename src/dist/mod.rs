@@ -27,7 +27,7 @@ mod mpi;
 mod ring;
 
 pub use parallel::{save_buffer_len, CommReport, DataParallel};
-pub use plan::{ring_scratch_len, Bucket, GradPlan, RINGS_IN_FLIGHT};
+pub use plan::{ring_scratch_len, Bucket, GradPlan, RINGS_IN_FLIGHT, STAGE3_REDUCTIONS_IN_FLIGHT};
 pub use reduce_check::check_reductions;
 pub use update::{clip_and_step, StepSettings, Update};
 pub use watchdog::{leave_if_stuck, Watchdog};
@@ -327,6 +327,12 @@ impl Collective for Single {
         assert!(seen.iter().all(|&s| s), "every bucket reported");
         OverlapTimes::default()
     }
+}
+
+/// Whether ZeRO 1-3 reduce gradients with our ring reduce-scatter (the default)
+/// rather than MPI's collective (`NANOGPT_RING_REDUCE=0`, for A/B measurements).
+pub fn ring_reduce() -> bool {
+    std::env::var("NANOGPT_RING_REDUCE").as_deref() != Ok("0")
 }
 
 /// The job this process belongs to, once [`init`] has run.

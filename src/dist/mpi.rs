@@ -151,7 +151,7 @@ impl Mpi {
         };
         Ok(Mpi {
             bf16_sum,
-            ring: std::env::var("NANOGPT_RING_REDUCE").as_deref() != Ok("0"),
+            ring: super::ring_reduce(),
             ring_comm,
             rings_started: AtomicU32::new(0),
             world,
@@ -202,7 +202,8 @@ impl Mpi {
     /// [`Collective::reduce_during_backward`] for ZeRO 1-3 ([`Reduce::ReduceScatter`]
     /// and [`Reduce::ReducePieces`]) with our ring: each bucket's ring is added as
     /// backward reports it and moved on at every later report (and by the progress
-    /// thread, when it runs), at most [`super::RINGS_IN_FLIGHT`] at once.
+    /// thread, when it runs), at most [`super::RINGS_IN_FLIGHT`] at once where they
+    /// hold scratch.
     fn ring_during_backward(
         &self,
         kind: Reduce,
@@ -219,7 +220,12 @@ impl Mpi {
         let recv_ranges: Vec<_> = buckets.iter().map(|b| b.recv.clone()).collect();
         let mut sends = split_disjoint(send, &send_ranges);
         let mut recvs = split_disjoint(recv, &recv_ranges);
-        let rings = Mutex::new(Rings::new(super::RINGS_IN_FLIGHT));
+        // Rings without scratch (2 ranks) need no limit.
+        let limit = match super::plan::ring_scratch_buffers(self.size) {
+            0 => usize::MAX,
+            _ => super::RINGS_IN_FLIGHT,
+        };
+        let rings = Mutex::new(Rings::new(limit));
         let lock = || rings.lock().unwrap_or_else(|e| e.into_inner());
         let (watchdog, overlap) = (&self.watchdog, self.overlap);
         let mut exposed = Duration::ZERO;
