@@ -11,7 +11,7 @@
 //! each, on one host too (`NANOGPT_PROGRESS_THREAD=0` turns it off), and ZeRO-1/2's
 //! all-gathers of the updated weights one for the whole group.
 
-use super::ring::{Ring, Rings};
+use super::ring::{Element, Ring, Rings};
 use super::{BackwardFn, Bucket, Collective, GatherPart, OverlapTimes, Pending, Reduce, Watchdog};
 use crate::kernels::bf16::Bf16;
 use anyhow::{bail, Result};
@@ -190,7 +190,7 @@ impl Mpi {
     /// # Safety
     /// Every rank makes the same calls in the same order, and the buffers obey
     /// [`Ring::new`]'s contract until the ring is done.
-    unsafe fn ring(&self, counts: &[usize], data: &[f32], out: &mut [f32]) -> Ring {
+    unsafe fn ring<T: Element>(&self, counts: &[usize], data: &[T], out: &mut [T]) -> Ring<T> {
         let tag = self.rings_started.fetch_add(1, Ordering::Relaxed) % RING_TAGS;
         // SAFETY: every rank numbers its rings alike, so the ranks of one ring share
         // its tag, and fewer than RING_TAGS rings are ever in flight at once (a
@@ -199,11 +199,8 @@ impl Mpi {
         unsafe { Ring::new(self.ring_comm.0, self.rank, tag as i32, counts, data, out) }
     }
 
-    /// [`Collective::reduce_during_backward`] for ZeRO 1-3 ([`Reduce::ReduceScatter`]
-    /// and [`Reduce::ReducePieces`]) with our ring: each bucket's ring is added as
-    /// backward reports it and moved on at every later report (and by the progress
-    /// thread, when it runs), at most [`super::RINGS_IN_FLIGHT`] at once where they
-    /// hold scratch.
+    /// [`Collective::reduce_during_backward`] for ZeRO 1-3 ([`Reduce::ReduceScatter`],
+    /// [`Reduce::ReduceScatterBf16`] and [`Reduce::ReducePieces`]) with our ring.
     fn ring_during_backward(
         &self,
         kind: Reduce,
@@ -212,10 +209,74 @@ impl Mpi {
         recv: &mut [f32],
         backward: &mut BackwardFn,
     ) -> OverlapTimes {
-        let pieces = kind == Reduce::ReducePieces;
-        let send_ranges: Vec<_> = match pieces {
-            true => vec![0..0; buckets.len()],
-            false => buckets.iter().map(|b| b.send.clone()).collect(),
+        let rank = self.rank;
+        // Equal blocks of the padded send buffer (ZeRO-1), as
+        // MPI_Reduce_scatter_block would reduce them.
+        let blocks = |r: &[f32]| vec![r.len(); self.size];
+        // Each maker's rings read and write the ranges handed to it: the bucket's
+        // gradients (backward no longer writes a reported range) and its own send and
+        // receive ranges, all borrowed by the caller until `rings_during_backward`
+        // returns, after every ring is done, and touched by nothing else meanwhile.
+        match kind {
+            Reduce::ReducePieces => {
+                let make = |b: &Bucket, grads: &[f32], _: &mut [f32], r: &mut [f32]| {
+                    // SAFETY: the ranges live and stay untouched until the ring is done
+                    // (above), and every rank starts the same rings in the same order.
+                    unsafe { self.ring(&b.counts, grads, &mut r[..b.counts[rank]]) }
+                };
+                self.rings_during_backward(kind, buckets, send, recv, backward, &make)
+            }
+            Reduce::ReduceScatterBf16 => {
+                let make = |_: &Bucket, grads: &[f32], s: &mut [f32], r: &mut [f32]| {
+                    let counts = blocks(r);
+                    let wire = bf16_view(s);
+                    crate::kernels::bf16::store(&mut wire[..grads.len()], grads);
+                    wire[grads.len()..].fill(Bf16(0));
+                    // The result, bf16 in the front of `r`, widened once all are done.
+                    // SAFETY: as for the f32 rings.
+                    unsafe { self.ring(&counts, wire, bf16_view(r)) }
+                };
+                let mut times =
+                    self.rings_during_backward(kind, buckets, send, recv, backward, &make);
+                let start = Instant::now();
+                for b in buckets {
+                    widen_bf16_in_place(&mut recv[b.recv.clone()]);
+                }
+                times.exposed += start.elapsed();
+                times
+            }
+            _ => {
+                let make = |_: &Bucket, grads: &[f32], s: &mut [f32], r: &mut [f32]| {
+                    let counts = blocks(r);
+                    s[..grads.len()].copy_from_slice(grads);
+                    s[grads.len()..].fill(0.0);
+                    // SAFETY: as for the rings by pieces.
+                    unsafe { self.ring(&counts, s, r) }
+                };
+                self.rings_during_backward(kind, buckets, send, recv, backward, &make)
+            }
+        }
+    }
+
+    /// Runs `backward`, starting each bucket's ring as it is reported (`make` builds
+    /// it from the bucket, its gradients and its send and receive ranges; no send
+    /// range for [`Reduce::ReducePieces`]) and moving every ring on at every later
+    /// report (and by the progress thread, when it runs), at most
+    /// [`super::RINGS_IN_FLIGHT`] at once where they hold scratch; then finishes
+    /// them under the watchdog.
+    #[allow(clippy::type_complexity)]
+    fn rings_during_backward<T: Element>(
+        &self,
+        kind: Reduce,
+        buckets: &[Bucket],
+        send: &mut [f32],
+        recv: &mut [f32],
+        backward: &mut BackwardFn,
+        make: &dyn Fn(&Bucket, &[f32], &mut [f32], &mut [f32]) -> Ring<T>,
+    ) -> OverlapTimes {
+        let send_ranges: Vec<_> = match kind {
+            Reduce::ReducePieces => vec![0..0; buckets.len()],
+            _ => buckets.iter().map(|b| b.send.clone()).collect(),
         };
         let recv_ranges: Vec<_> = buckets.iter().map(|b| b.recv.clone()).collect();
         let mut sends = split_disjoint(send, &send_ranges);
@@ -242,33 +303,9 @@ impl Mpi {
             let mut seen = vec![false; buckets.len()];
             backward(&mut |range, grads| {
                 let i = super::reported(buckets, &range, &mut seen);
+                let s = sends[i].take().expect("each bucket once");
                 let r = recvs[i].take().expect("each bucket once");
-                let ring = match pieces {
-                    true => {
-                        let counts = &buckets[i].counts;
-                        let out = &mut r[..counts[self.rank]];
-                        // SAFETY: backward no longer writes a reported range, and the
-                        // caller holds the gradients borrowed until this function
-                        // returns, after every ring is done; `out` is this bucket's
-                        // own piece of `recv`, untouched until then.
-                        unsafe { self.ring(counts, &grads[range], out) }
-                    }
-                    false => {
-                        // Equal blocks of the padded send buffer, as
-                        // MPI_Reduce_scatter_block would reduce.
-                        let s = sends[i].take().expect("each bucket once");
-                        let n = range.len();
-                        s[..n].copy_from_slice(&grads[range]);
-                        s[n..].fill(0.0);
-                        let counts = vec![r.len(); self.size];
-                        // SAFETY: `s` and `r` are this bucket's own ranges of the
-                        // send and receive buffers, borrowed until this function
-                        // returns, after every ring is done; nothing else touches
-                        // them meanwhile.
-                        unsafe { self.ring(&counts, s, r) }
-                    }
-                };
-                lock().add(ring);
+                lock().add(make(&buckets[i], &grads[range], s, r));
                 if !overlap {
                     let start = Instant::now();
                     let _g = watchdog.arm("gradient reduction", 1);
@@ -741,13 +778,13 @@ impl Drop for InFlight<'_> {
 /// progress thread when MPI runs one for collectives in flight; finished, under
 /// the watchdog, when waited for or dropped.
 struct RingInFlight<'a> {
-    ring: Arc<Mutex<Ring>>,
+    ring: Arc<Mutex<Ring<f32>>>,
     watchdog: &'a Watchdog,
     progress: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
 }
 
 impl<'a> RingInFlight<'a> {
-    fn new(mpi: &'a Mpi, ring: Ring) -> Box<RingInFlight<'a>> {
+    fn new(mpi: &'a Mpi, ring: Ring<f32>) -> Box<RingInFlight<'a>> {
         let ring = Arc::new(Mutex::new(ring));
         let progress = mpi.progress_in_flight.then(|| {
             let stop = Arc::new(AtomicBool::new(false));
@@ -1150,7 +1187,12 @@ impl Collective for Mpi {
         recv: &mut [f32],
         backward: &mut BackwardFn,
     ) -> OverlapTimes {
-        if self.ring && matches!(kind, Reduce::ReduceScatter | Reduce::ReducePieces) {
+        let ours = [
+            Reduce::ReduceScatter,
+            Reduce::ReduceScatterBf16,
+            Reduce::ReducePieces,
+        ];
+        if self.ring && ours.contains(&kind) {
             return self.ring_during_backward(kind, buckets, send, recv, backward);
         }
         // Reductions by pieces read the gradients themselves: no send buffer.

@@ -1,7 +1,8 @@
 //! `nanogpt doctor`'s check of the gradient reductions of ZeRO 1-3: integer-valued
 //! gradients (every sum exact, in any order) reduced the way training reduces them
-//! (during backward at stages 1 and 2, started one bucket at a time at stage 3)
-//! must give exactly what the blocking `MPI_Reduce_scatter` gives. With our ring
+//! (during backward at stages 1 and 2, started one bucket at a time at stage 3;
+//! stage 1 with bf16 on the wire too, where these small integers and their sums are
+//! exact) must give exactly what the blocking `MPI_Reduce_scatter` gives. With our ring
 //! (the default), this compares it with MPI's own algorithm; a round skipped or a
 //! piece misplaced changes a sum.
 
@@ -12,7 +13,8 @@ use std::ops::Range;
 /// ranks) empty pieces.
 const LENGTHS: [usize; 5] = [100_003, 10, 7, 2, 1];
 
-/// Rank `rank`'s gradient `i`: a small integer, different on every rank.
+/// Rank `rank`'s gradient `i`: a small integer, different on every rank (|sums| ≤
+/// 256 up to 8 ranks: exact in bf16 too).
 fn gradient(i: usize, rank: usize) -> f32 {
     ((i * 7 + rank * 13) % 61) as f32 - 30.0
 }
@@ -28,18 +30,20 @@ pub fn check_reductions(comm: &dyn Collective) -> Result<String, String> {
         at += n;
     }
     let grads: Vec<f32> = (0..at).map(|i| gradient(i, rank)).collect();
-    for stage in 1..=3u8 {
+    for (stage, bf16) in [(1u8, false), (1, true), (2, false), (3, false)] {
         let plan = GradPlan::new(&ranges, at, w, rank, stage);
-        let got = reduce_as_training_does(comm, &plan, &grads);
+        let got = reduce_as_training_does(comm, &plan, &grads, bf16);
         for (b, bucket) in plan.buckets.iter().enumerate() {
             let mut want = vec![0.0; bucket.counts[rank]];
             comm.reduce_scatter_pieces(&grads[bucket.arena.clone()], &mut want, &bucket.counts);
             let mine = &got[bucket.recv.start..][..want.len()];
             if let Some(i) = (0..want.len()).find(|&i| mine[i].to_bits() != want[i].to_bits()) {
                 return Err(format!(
-                    "the ZeRO-{stage} gradient reduction ({}) differs from MPI_Reduce_scatter: \
-                     bucket {b} (pieces {:?}), rank {rank}'s float {i} is {} instead of {}",
+                    "the ZeRO-{stage} gradient reduction ({}{}) differs from \
+                     MPI_Reduce_scatter: bucket {b} (pieces {:?}), rank {rank}'s float {i} \
+                     is {} instead of {}",
                     comm.reduction_name(),
+                    if bf16 { ", bf16 on the wire" } else { "" },
                     bucket.counts,
                     mine[i],
                     want[i]
@@ -48,19 +52,25 @@ pub fn check_reductions(comm: &dyn Collective) -> Result<String, String> {
         }
     }
     Ok(format!(
-        "{} = MPI_Reduce_scatter (ZeRO 1-3, buckets of {LENGTHS:?} floats)",
+        "{} = MPI_Reduce_scatter (ZeRO 1-3 and ZeRO-1 in bf16, buckets of {LENGTHS:?} floats)",
         comm.reduction_name()
     ))
 }
 
 /// This rank's pieces of the sum, at each bucket's `recv` range, reduced as stage
-/// `plan.zero_stage` does during training.
-fn reduce_as_training_does(comm: &dyn Collective, plan: &GradPlan, grads: &[f32]) -> Vec<f32> {
+/// `plan.zero_stage` does during training (`bf16`: on the wire, stage 1).
+fn reduce_as_training_does(
+    comm: &dyn Collective,
+    plan: &GradPlan,
+    grads: &[f32],
+    bf16: bool,
+) -> Vec<f32> {
     let mut recv = vec![f32::NAN; plan.recv_len];
     let arenas: Vec<Range<usize>> = plan.buckets.iter().map(|b| b.arena.clone()).collect();
     if plan.zero_stage < 3 {
-        let kind = match plan.zero_stage {
-            1 => Reduce::ReduceScatter,
+        let kind = match (plan.zero_stage, bf16) {
+            (1, false) => Reduce::ReduceScatter,
+            (1, true) => Reduce::ReduceScatterBf16,
             _ => Reduce::ReducePieces,
         };
         let mut send = vec![f32::NAN; plan.send_len];

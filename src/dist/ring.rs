@@ -22,12 +22,47 @@
 //! flight without blocking and, when it has completed, adds and starts the next;
 //! [`Ring::finish`] blocks until the last round is done.
 
+use crate::kernels::bf16::Bf16;
 use mpi::ffi;
+
+/// What a ring's messages carry: f32 values, or bf16 values (`grad_reduce_dtype =
+/// "bfloat16"`) whose every partial sum is computed in f32 from two bf16 values and
+/// rounded to bf16 (to nearest, ties to even), as `Reduce::AllReduceBf16` says.
+pub trait Element: Copy + 'static {
+    /// The MPI datatype of one value.
+    fn datatype() -> ffi::MPI_Datatype;
+    /// `sum[i] ← sum[i] + own[i]`.
+    fn add(sum: &mut [Self], own: &[Self]);
+}
+
+impl Element for f32 {
+    fn datatype() -> ffi::MPI_Datatype {
+        // SAFETY: reads a constant MPI handle that the mpi-sys shim defines.
+        unsafe { ffi::RSMPI_FLOAT }
+    }
+    fn add(sum: &mut [f32], own: &[f32]) {
+        for (s, g) in sum.iter_mut().zip(own) {
+            *s += g;
+        }
+    }
+}
+
+impl Element for Bf16 {
+    fn datatype() -> ffi::MPI_Datatype {
+        // SAFETY: reads a constant MPI handle that the mpi-sys shim defines.
+        unsafe { ffi::RSMPI_UINT16_T }
+    }
+    fn add(sum: &mut [Bf16], own: &[Bf16]) {
+        for (s, g) in sum.iter_mut().zip(own) {
+            *s = Bf16::from_f32(s.to_f32() + g.to_f32());
+        }
+    }
+}
 
 use super::plan::ring_scratch_buffers as scratch_buffers;
 
-/// One bucket's ring reduce-scatter in flight.
-pub struct Ring {
+/// One bucket's ring reduce-scatter in flight, of values `T` ([`Element`]).
+pub struct Ring<T: Element> {
     comm: ffi::MPI_Comm,
     rank: usize,
     size: usize,
@@ -35,11 +70,13 @@ pub struct Ring {
     /// Floats of each rank's piece, and where it starts in `data`.
     counts: Vec<usize>,
     starts: Vec<usize>,
-    /// This rank's contribution: the whole bucket (Σ counts floats), read only.
-    data: *const f32,
-    /// The result: this rank's piece of the sum (`counts[rank]` floats).
-    out: *mut f32,
-    /// The receive buffers of the rounds before the last ([`super::plan::ring_scratch_len`]).
+    /// This rank's contribution: the whole bucket (Σ counts values), read only.
+    data: *const T,
+    /// The result: this rank's piece of the sum (`counts[rank]` values).
+    out: *mut T,
+    /// The receive buffers of the rounds before the last: the largest piece's
+    /// count of f32 each ([`super::plan::ring_scratch_len`]), whatever `T` (a bf16
+    /// ring uses the first half of each).
     scratch: [Vec<f32>; 2],
     /// The round in flight; `size − 1` once every round has completed.
     round: usize,
@@ -54,11 +91,11 @@ pub struct Ring {
 // life (`Ring::start`'s contract), and MPI request and communicator handles may be
 // passed to MPI from any thread under MPI_THREAD_MULTIPLE (a ring is only shared
 // with a second thread when MPI runs so).
-unsafe impl Send for Ring {}
+unsafe impl<T: Element> Send for Ring<T> {}
 
-impl Ring {
-    /// The reduce-scatter of `data` (Σ `counts` floats, pieces in rank order) into
-    /// `out` (`counts[rank]` floats) over `comm`, every message tagged `tag`; it
+impl<T: Element> Ring<T> {
+    /// The reduce-scatter of `data` (Σ `counts` values, pieces in rank order) into
+    /// `out` (`counts[rank]` values) over `comm`, every message tagged `tag`; it
     /// starts with [`Ring::begin`].
     ///
     /// # Safety
@@ -71,9 +108,9 @@ impl Ring {
         rank: usize,
         tag: i32,
         counts: &[usize],
-        data: &[f32],
-        out: &mut [f32],
-    ) -> Ring {
+        data: &[T],
+        out: &mut [T],
+    ) -> Ring<T> {
         let size = counts.len();
         assert!(rank < size && counts.iter().sum::<usize>() == data.len());
         assert_eq!(out.len(), counts[rank]);
@@ -134,10 +171,11 @@ impl Ring {
 
     /// Where round `j` receives: the output in the last round, else a scratch
     /// buffer, alternating.
-    fn landing(&mut self, j: usize) -> *mut f32 {
+    fn landing(&mut self, j: usize) -> *mut T {
         match j + 2 == self.size {
             true => self.out,
-            false => self.scratch[(self.size - 3 - j) % 2].as_mut_ptr(),
+            // A scratch buffer: f32-aligned, which suits every `T` (f32, Bf16).
+            false => self.scratch[(self.size - 3 - j) % 2].as_mut_ptr() as *mut T,
         }
     }
 
@@ -150,7 +188,7 @@ impl Ring {
         let from = match j {
             // SAFETY: the sent piece lies inside `data` (the starts tile it).
             0 => unsafe { self.data.add(self.starts[sent]) },
-            _ => self.landing(j - 1) as *const f32,
+            _ => self.landing(j - 1) as *const T,
         };
         let into = self.landing(j);
         let right = ((self.rank + 1) % self.size) as i32;
@@ -164,7 +202,7 @@ impl Ring {
             ffi::MPI_Irecv(
                 into as *mut _,
                 self.counts[received] as i32,
-                ffi::RSMPI_FLOAT,
+                T::datatype(),
                 left,
                 self.tag,
                 self.comm,
@@ -173,7 +211,7 @@ impl Ring {
             ffi::MPI_Isend(
                 from as *const _,
                 self.counts[sent] as i32,
-                ffi::RSMPI_FLOAT,
+                T::datatype(),
                 right,
                 self.tag,
                 self.comm,
@@ -199,9 +237,7 @@ impl Ring {
                 std::slice::from_raw_parts(self.data.add(self.starts[q]), n),
             )
         };
-        for (s, g) in sum.iter_mut().zip(own) {
-            *s += g;
-        }
+        T::add(sum, own);
         self.round += 1;
         if !self.done() {
             // SAFETY: round j has completed and its sum is in its landing buffer.
@@ -245,7 +281,7 @@ impl Ring {
     }
 }
 
-impl Drop for Ring {
+impl<T: Element> Drop for Ring<T> {
     /// A ring begun is finished before it is dropped (its caller waits for it):
     /// MPI must not be left writing into buffers that go away.
     fn drop(&mut self) {
@@ -257,15 +293,15 @@ impl Drop for Ring {
 
 /// Rings of several buckets in flight, begun in the order added (the same on every
 /// rank): at most `limit` at once (each holds scratch); the others wait their turn.
-pub struct Rings {
+pub struct Rings<T: Element> {
     limit: usize,
-    running: Vec<Ring>,
+    running: Vec<Ring<T>>,
     /// Begun once a running one is done, first come first.
-    queued: std::collections::VecDeque<Ring>,
+    queued: std::collections::VecDeque<Ring<T>>,
 }
 
-impl Rings {
-    pub fn new(limit: usize) -> Rings {
+impl<T: Element> Rings<T> {
+    pub fn new(limit: usize) -> Rings<T> {
         Rings {
             limit: limit.max(1),
             running: Vec::new(),
@@ -277,7 +313,7 @@ impl Rings {
     /// running, else after the ones before it. Every rank adds the same rings in
     /// the same order, so a ring waits only for earlier ones, which every rank
     /// drives.
-    pub fn add(&mut self, ring: Ring) {
+    pub fn add(&mut self, ring: Ring<T>) {
         self.queued.push_back(ring);
         self.advance();
     }
@@ -299,5 +335,27 @@ impl Rings {
             }
         }
         self.running.is_empty() && self.queued.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::bf16::round;
+
+    /// A bf16 ring's partial sum: in f32 from two bf16 values, rounded to bf16 (1 +
+    /// 2⁻⁸ is a tie between 1 and 1 + 2⁻⁷: to even, 1), as `Reduce::AllReduceBf16`
+    /// says; f32 adds plainly.
+    #[test]
+    fn partial_sums_round_as_the_bf16_reduction_does() {
+        let mut sum = [1.0f32, 0.75, -3.0].map(Bf16::from_f32);
+        let own = [2f32.powi(-8), 2f32.powi(-8), 0.5].map(Bf16::from_f32);
+        Bf16::add(&mut sum, &own);
+        let want = [1.0, round(0.75 + 2f32.powi(-8)), -2.5];
+        assert_eq!(sum.map(Bf16::to_f32), want);
+        assert_ne!(want[0], 1.0 + 2f32.powi(-8), "rounded");
+        let mut sum = [1.0f32, 0.75];
+        f32::add(&mut sum, &[2f32.powi(-8), 0.25]);
+        assert_eq!(sum, [1.0 + 2f32.powi(-8), 1.0]);
     }
 }
