@@ -317,7 +317,7 @@ pub fn nbc_reduce_halves(rank: usize, world_size: usize) -> usize {
 /// ZeRO 1-3: floats of the gradient reductions' own buffers at this rank's peak.
 /// With our `ring`: each ring's scratch ([`ring_scratch_len`] of the pieces it
 /// reduces: equal blocks at stage 1, the bucket's counts at stages 2 and 3), for
-/// [`RINGS_IN_FLIGHT`] of the largest at stages 1 and 2 and as [`in_flight_peak`]
+/// the [`RINGS_IN_FLIGHT`] largest at stages 1 and 2 and as [`in_flight_peak`]
 /// says at stage 3. Without it, Open MPI's reduction buffers at stage 3
 /// ([`nbc_reduce_halves`] of each bucket; the stage 1-2 ones are not counted).
 pub fn reduction_buffers_len(g: &GradPlan, ring: bool) -> usize {
@@ -332,8 +332,9 @@ pub fn reduction_buffers_len(g: &GradPlan, ring: bool) -> usize {
     match (g.zero_stage, ring) {
         (0, _) => 0,
         (1 | 2, true) => {
-            let largest = (0..g.buckets.len()).map(ring_scratch).max();
-            RINGS_IN_FLIGHT * largest.unwrap_or(0)
+            let mut sizes: Vec<usize> = (0..g.buckets.len()).map(ring_scratch).collect();
+            sizes.sort_unstable_by(|a, b| b.cmp(a));
+            sizes.iter().take(RINGS_IN_FLIGHT).sum()
         }
         (1 | 2, false) => 0,
         (_, true) => in_flight_peak(g, ring_scratch),
@@ -1034,22 +1035,34 @@ mod tests {
     }
 
     /// ZeRO 1 and 2 with our ring: two rings in flight, each with a scratch piece of
-    /// its bucket (the largest: the embeddings') per round but the last; none on 2
-    /// ranks (the one round lands in the result), two pieces each from 4 ranks. The
-    /// same numbers the allocation uses (`ring_scratch_len` of what the ring reduces).
+    /// its bucket per round but the last (the two largest buckets: the embeddings'
+    /// and a block's); none on 2 ranks (the one round lands in the result), two
+    /// pieces each from 4 ranks. The same numbers the allocation uses
+    /// (`ring_scratch_len` of what the ring reduces).
     #[test]
-    fn ring_scratch_is_two_pieces_of_the_largest_bucket_per_ring() {
-        let layout = ParamLayout::new(&tiny());
+    fn ring_scratch_is_the_two_largest_buckets_pieces() {
+        // A vocabulary large enough for the embeddings to outweigh a block.
+        let model = ModelConfig {
+            vocab_size: 500,
+            ..tiny()
+        };
+        let layout = ParamLayout::new(&model);
         let buckets = grad_buckets_of(&layout);
         for stage in [1u8, 2] {
             for (w, per_ring) in [(2, 0), (3, 1), (4, 2), (8, 2)] {
                 let g = GradPlan::new(&buckets, layout.len, w, 0, stage);
-                let largest = g.buckets.iter().map(|b| b.recv.len()).max().unwrap();
-                let want = 2 * per_ring * largest;
+                let mut pieces: Vec<usize> = g.buckets.iter().map(|b| b.recv.len()).collect();
+                pieces.sort_unstable();
+                let two_largest = pieces[pieces.len() - 1] + pieces[pieces.len() - 2];
+                assert!(pieces[pieces.len() - 1] > pieces[pieces.len() - 2]);
+                let want = per_ring * two_largest;
                 assert_eq!(reduction_buffers_len(&g, true), want, "stage {stage} w {w}");
                 assert_eq!(reduction_buffers_len(&g, false), 0);
-                let plan = rank_plan(&input(Dtype::Float32, false, stage, w), 0);
-                assert_eq!(plan.part(MPI_REDUCE), want as u64 * 4);
+                let p = PlanInput {
+                    model: model.clone(),
+                    ..input(Dtype::Float32, false, stage, w)
+                };
+                assert_eq!(rank_plan(&p, 0).part(MPI_REDUCE), want as u64 * 4);
             }
         }
     }
