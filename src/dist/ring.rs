@@ -67,7 +67,7 @@ pub struct Ring<T: Element> {
     rank: usize,
     size: usize,
     tag: i32,
-    /// Floats of each rank's piece, and where it starts in `data`.
+    /// Values of each rank's piece, and where it starts in `data`.
     counts: Vec<usize>,
     starts: Vec<usize>,
     /// This rank's contribution: the whole bucket (Σ counts values), read only.
@@ -88,7 +88,7 @@ pub struct Ring<T: Element> {
 
 // SAFETY: a ring is used by one thread at a time (the caller moves it or holds it
 // under a lock); the buffers behind its pointers are the caller's for its whole
-// life (`Ring::start`'s contract), and MPI request and communicator handles may be
+// life (`Ring::new`'s contract), and MPI request and communicator handles may be
 // passed to MPI from any thread under MPI_THREAD_MULTIPLE (a ring is only shared
 // with a second thread when MPI runs so).
 unsafe impl<T: Element> Send for Ring<T> {}
