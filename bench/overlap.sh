@@ -31,6 +31,9 @@
 # default ../shared/tools/mpinet/netns-cluster.sh), links shaped to 1 Gbit/s + 1 ms,
 # gradient_accumulation_steps=3, as scripts/multinode/scaling.sh does.
 # SETTINGS overrides the list of settings (e.g. "first +thread").
+# NANOGPT_RING_REDUCE=0 in the environment is forwarded to every rank (ZeRO 1-3 then
+# reduce with MPI's reduce-scatter instead of our ring). Each run also prints every
+# rank's peak RSS (/usr/bin/time).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -82,10 +85,12 @@ for stage in ${ZERO_STAGES:-0 1}; do
         out="$WORK/r$round-z$stage-$setting"
         export NANOGPT_EMBEDDINGS_FIRST=$ef NANOGPT_AG_OVERLAP=$ag
         XS=(-x NANOGPT_EMBEDDINGS_FIRST -x NANOGPT_AG_OVERLAP)
+        [ -z "${NANOGPT_RING_REDUCE:-}" ] || XS+=(-x NANOGPT_RING_REDUCE)
         unset NANOGPT_PROGRESS_THREAD
         [ -z "$pt" ] || { export NANOGPT_PROGRESS_THREAD=$pt; XS+=(-x NANOGPT_PROGRESS_THREAD); }
         # shellcheck disable=SC2086
-        launch "$BIN" train "${COMMON[@]}" \
+        launch sh -c 'p=$0; exec /usr/bin/time -f %M -o "$p.rss.${OMPI_COMM_WORLD_RANK:-0}" "$@"' \
+            "$out" "$BIN" train "${COMMON[@]}" \
             zero_stage=$stage ${EXTRA:-} out_dir="$out" >"$out.log" 2>&1 ||
             { cat "$out.log"; exit 1; }
         tr -d '\n ' <"$out/comm.json" >"$out.json"
@@ -95,6 +100,9 @@ for stage in ${ZERO_STAGES:-0 1}; do
             "$(awk -v h="$(field hidden_fraction "$out.json")" 'BEGIN {print 100 * h}')" \
             "$(field other_comm_ms "$out.json")" "$(field exposed_gather_ms "$out.json")" \
             "$(field gathers_in_flight "$out.json")" "$(field grad_bytes "$out.json")"
+        printf '    peak RSS by rank (MB):'
+        for f in "$out".rss.*; do awk '{printf " %.0f", $1 / 1024}' "$f"; done
+        echo
     done
 done
 done

@@ -66,6 +66,9 @@ pub struct Report {
     pub placement: String,
     pub warnings: Vec<String>,
     pub all_reduce: AllReduce,
+    /// What the check of the ZeRO 1-3 gradient reductions compared
+    /// (`dist::check_reductions`); a difference is a problem of the rank.
+    pub reduce_check: String,
 }
 
 /// Runs the checks (a collective: every rank calls it); every rank returns the
@@ -114,6 +117,10 @@ pub fn run(comm: &dyn Collective, cfg: &TrainConfig, threads: usize) -> Result<R
             None
         }
     };
+    let reduce_check = crate::dist::check_reductions(comm).unwrap_or_else(|e| {
+        problems.push(e.clone());
+        e
+    });
     let out_dir_writable = root.then(|| match out_dir_writable(&cfg.out_dir) {
         Ok(()) => true,
         Err(e) => {
@@ -162,6 +169,7 @@ pub fn run(comm: &dyn Collective, cfg: &TrainConfig, threads: usize) -> Result<R
         placement,
         warnings,
         all_reduce,
+        reduce_check,
     })
 }
 
@@ -321,6 +329,11 @@ pub fn table(report: &Report) -> String {
         a.ms,
         a.gb_per_s,
         a.latency_us
+    ));
+    out.push_str(&format!(
+        "gradient reductions: {}
+",
+        report.reduce_check
     ));
     for w in &report.warnings {
         out.push_str(&format!("warning: {w}\n"));

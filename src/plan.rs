@@ -14,7 +14,7 @@
 use crate::checkpoint::Checkpoint;
 use crate::config::{InitFrom, TrainConfig};
 use crate::data::{self, Meta};
-use crate::dist::{save_buffer_len, GradPlan};
+use crate::dist::{ring_scratch_len, save_buffer_len, GradPlan, RINGS_IN_FLIGHT};
 use crate::model::activations::Activations;
 use crate::model::lora::{LoraConfig, LoraLayout};
 use crate::model::packs::Packs;
@@ -135,9 +135,10 @@ pub const COMM: &str = "communication buffers";
 /// whole, are [`GRADIENTS`].
 pub const GATHERED: &str = "gathered layers";
 pub const GATHER: &str = "checkpoint gather";
-/// ZeRO-3: the MPI library's own buffers for the gradient reductions in flight, on
-/// the ranks that reduce whole buckets for others ([`mpi_reduction_len`]).
-pub const MPI_REDUCE: &str = "MPI reduction buffers";
+/// ZeRO 1-3: the buffers of the gradient reductions in flight: our ring's scratch
+/// (from 3 ranks), or with `NANOGPT_RING_REDUCE=0` at ZeRO-3 the MPI library's, on
+/// the ranks that reduce whole buckets for others ([`reduction_buffers_len`]).
+pub const MPI_REDUCE: &str = "reduction buffers";
 pub const BASELINE: &str = "program, threads, data";
 
 /// The peak memory of `rank` in the run `p`.
@@ -179,7 +180,10 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
             g.copied_len(),
         ),
     };
-    let mpi_reduce = sharded.map_or(0, mpi_reduction_len);
+    let ring = crate::dist::ring_reduce();
+    let mpi_reduce = grad_plan
+        .as_ref()
+        .map_or(0, |g| reduction_buffers_len(g, ring));
     let packs = match Packs::made_for(p.dtype, sharded.is_some()) {
         true => Packs::bytes_for(&p.model),
         false => 0,
@@ -322,25 +326,56 @@ pub fn nbc_reduce_halves(rank: usize, world_size: usize) -> usize {
     halves.min(2)
 }
 
-/// ZeRO-3: floats of the MPI library's reduction buffers at this rank's peak
-/// ([`nbc_reduce_halves`] of them per reduction in flight). Mid-backward two block
-/// reductions are in flight; at its end the embeddings' reduction and the first
-/// block's are, while the blocks' weights and the other gradients are already
-/// released: that end is the higher peak where the embeddings are large. The part is
-/// what the higher of the two adds to the mid-backward peak the other parts count.
-pub fn mpi_reduction_len(g: &GradPlan) -> usize {
-    let halves = nbc_reduce_halves(g.rank, g.world_size);
+/// ZeRO 1-3: floats of the gradient reductions' own buffers at this rank's peak.
+/// With our `ring`: each ring's scratch ([`ring_scratch_len`] of the pieces it
+/// reduces: equal blocks at stage 1, the bucket's counts at stages 2 and 3), for
+/// the [`RINGS_IN_FLIGHT`] largest at stages 1 and 2 and as [`in_flight_peak`]
+/// says at stage 3. Without it, Open MPI's reduction buffers at stage 3
+/// ([`nbc_reduce_halves`] of each bucket; the stage 1-2 ones are not counted).
+pub fn reduction_buffers_len(g: &GradPlan, ring: bool) -> usize {
+    let w = g.world_size;
+    let ring_scratch = |b: usize| {
+        let bucket = &g.buckets[b];
+        match g.zero_stage {
+            1 => ring_scratch_len(&vec![bucket.recv.len(); w]),
+            _ => ring_scratch_len(&bucket.counts),
+        }
+    };
+    match (g.zero_stage, ring) {
+        (0, _) => 0,
+        (1 | 2, true) => {
+            let mut sizes: Vec<usize> = (0..g.buckets.len()).map(ring_scratch).collect();
+            sizes.sort_unstable_by(|a, b| b.cmp(a));
+            sizes.iter().take(RINGS_IN_FLIGHT).sum()
+        }
+        (1 | 2, false) => 0,
+        (_, true) => in_flight_peak(g, ring_scratch),
+        (_, false) => {
+            let halves = nbc_reduce_halves(g.rank, w);
+            in_flight_peak(g, |b| halves * g.buckets[b].arena.len())
+        }
+    }
+}
+
+/// ZeRO-3: what reductions in flight holding `buffers(b)` floats for bucket `b`
+/// add at this rank's peak. Mid-backward two block reductions are in flight; at its
+/// end the embeddings' reduction and the first block's are, while the blocks'
+/// weights and the other gradients are already released: that end is the higher
+/// peak where the buffers of the embeddings are large. The part is what the higher
+/// of the two adds to the mid-backward peak the other parts count.
+fn in_flight_peak(g: &GradPlan, buffers: impl Fn(usize) -> usize) -> usize {
     let h = held(g);
     let len = |b: usize| g.buckets[b].arena.len();
     let (block, block_own) = h
         .block
         .map_or((0, 0), |b| (len(b), g.piece(b, g.rank).len()));
-    let mid = halves * 2 * block;
-    // Mid-backward minus its end, without MPI's buffers: the two blocks' weights
-    // beyond this rank's pieces and the arriving one's send copy, `ln_f`'s and one
-    // block's gradients.
+    let block_buffers = h.block.map_or(0, &buffers);
+    let mid = 2 * block_buffers;
+    // Mid-backward minus its end, without the reductions' buffers: the two blocks'
+    // weights beyond this rank's pieces and the arriving one's send copy, `ln_f`'s
+    // and one block's gradients.
     let released = 2 * (block - block_own) + block_own + len(h.first) + block;
-    let end = (halves * (len(h.last) + block)).saturating_sub(released);
+    let end = (buffers(h.last) + block_buffers).saturating_sub(released);
     mid.max(end)
 }
 
@@ -969,11 +1004,48 @@ mod tests {
                 0 => 2 * (emb + block) - (3 * block - own(1) + ln_f),
                 _ => 0,
             };
-            assert_eq!(plan.part(MPI_REDUCE), mpi as u64 * 4, "rank {rank}");
+            assert_eq!(reduction_buffers_len(&g, false), mpi, "rank {rank}");
+            // Our ring: two rings in flight mid-backward, one scratch piece each.
+            let ring = 2 * g.buckets[1].counts[0];
+            assert_eq!(plan.part(MPI_REDUCE), ring as u64 * 4, "rank {rank}");
         }
         // 575 MB on rank 0: what it measured above rank 1 (4,517 vs 3,934 MB).
-        let mpi = rank_plan(&p, 0).part(MPI_REDUCE) as f64 / 1e6;
+        let g = GradPlan::new(&buckets, layout.len, 3, 0, 3);
+        let mpi = reduction_buffers_len(&g, false) as f64 * 4.0 / 1e6;
         assert!((560.0..590.0).contains(&mpi), "{mpi}");
+    }
+
+    /// ZeRO 1 and 2 with our ring: two rings in flight, each with a scratch piece of
+    /// its bucket per round but the last (the two largest buckets: the embeddings'
+    /// and a block's); none on 2 ranks (the one round lands in the result), two
+    /// pieces each from 4 ranks. The same numbers the allocation uses
+    /// (`ring_scratch_len` of what the ring reduces).
+    #[test]
+    fn ring_scratch_is_the_two_largest_buckets_pieces() {
+        // A vocabulary large enough for the embeddings to outweigh a block.
+        let model = ModelConfig {
+            vocab_size: 500,
+            ..tiny()
+        };
+        let layout = ParamLayout::new(&model);
+        let buckets = grad_buckets_of(&layout);
+        for stage in [1u8, 2] {
+            for (w, per_ring) in [(2, 0), (3, 1), (4, 2), (8, 2)] {
+                let g = GradPlan::new(&buckets, layout.len, w, 0, stage);
+                let mut pieces: Vec<usize> = g.buckets.iter().map(|b| b.recv.len()).collect();
+                pieces.sort_unstable();
+                let two_largest = pieces[pieces.len() - 1] + pieces[pieces.len() - 2];
+                assert!(pieces[pieces.len() - 1] > pieces[pieces.len() - 2]);
+                let want = per_ring * two_largest;
+                assert_eq!(reduction_buffers_len(&g, true), want, "stage {stage} w {w}");
+                assert_eq!(reduction_buffers_len(&g, false), 0);
+                let p = PlanInput {
+                    model: model.clone(),
+                    ..input(Dtype::Float32, false, stage, w)
+                };
+                assert_eq!(rank_plan(&p, 0).part(MPI_REDUCE), want as u64 * 4);
+            }
+        }
     }
 
     /// The quick start's closing sample at ZeRO-3: the whole weights on rank 0 fit

@@ -15,6 +15,7 @@
 mod parallel;
 mod plan;
 pub mod preflight;
+mod reduce_check;
 pub mod resident;
 pub mod route;
 mod update;
@@ -22,9 +23,12 @@ mod watchdog;
 
 #[cfg(feature = "mpi")]
 mod mpi;
+#[cfg(feature = "mpi")]
+mod ring;
 
 pub use parallel::{save_buffer_len, CommReport, DataParallel};
-pub use plan::{Bucket, GradPlan};
+pub use plan::{ring_scratch_len, Bucket, GradPlan, RINGS_IN_FLIGHT, STAGE3_REDUCTIONS_IN_FLIGHT};
+pub use reduce_check::check_reductions;
 pub use update::{clip_and_step, StepSettings, Update};
 pub use watchdog::{leave_if_stuck, Watchdog};
 
@@ -124,6 +128,10 @@ pub trait Collective {
     }
     /// The backend's name and version, for the log.
     fn describe(&self) -> String;
+    /// How the ZeRO 1-3 gradient reductions run, for messages.
+    fn reduction_name(&self) -> &'static str {
+        "a copy (one process)"
+    }
     /// Abort the job when a collective makes no progress for this long (0: never).
     fn set_timeout(&self, timeout: Duration);
     /// Waits for every rank, patiently: for phases where one rank may legitimately
@@ -359,6 +367,12 @@ impl Collective for Single {
         assert!(seen.iter().all(|&s| s), "every bucket reported");
         OverlapTimes::default()
     }
+}
+
+/// Whether ZeRO 1-3 reduce gradients with our ring reduce-scatter (the default)
+/// rather than MPI's collective (`NANOGPT_RING_REDUCE=0`, for A/B measurements).
+pub fn ring_reduce() -> bool {
+    std::env::var("NANOGPT_RING_REDUCE").as_deref() != Ok("0")
 }
 
 /// The job this process belongs to, once [`init`] has run.

@@ -11,6 +11,7 @@
 //! each, on one host too (`NANOGPT_PROGRESS_THREAD=0` turns it off), and ZeRO-1/2's
 //! all-gathers of the updated weights one for the whole group.
 
+use super::ring::{Element, Ring, Rings};
 use super::{BackwardFn, Bucket, Collective, GatherPart, OverlapTimes, Pending, Reduce, Watchdog};
 use crate::kernels::bf16::Bf16;
 use anyhow::{bail, Result};
@@ -21,7 +22,7 @@ use mpi::raw::AsRaw;
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::Threading;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -52,7 +53,18 @@ pub struct Mpi {
     progress_in_flight: bool,
     /// The sum of bf16 values (`MPI_UINT16_T`) as a user operation ([`bf16_sum`]).
     bf16_sum: mpi::ffi::MPI_Op,
+    /// ZeRO 1-3 reduce gradients with our ring ([`super::ring`]; default) rather
+    /// than MPI's reduce-scatter (`NANOGPT_RING_REDUCE=0`).
+    ring: bool,
+    /// The rings' own communicator (a duplicate of the world: their tags meet no
+    /// other message), and the number of rings started so far, whose remainder
+    /// modulo [`RING_TAGS`] tags the next one's messages.
+    ring_comm: RawComm,
+    rings_started: AtomicU32,
 }
+
+/// Tags of ring messages, one per ring in flight (MPI guarantees tags up to 32767).
+const RING_TAGS: u32 = 32768;
 
 impl Mpi {
     /// Starts `MPI_Iallgatherv` of `mine` (this rank's piece) into `all`, pieces
@@ -104,6 +116,8 @@ impl Mpi {
         // A second communicator, for the watchdog thread's messages only; never
         // freed (leaked), so its handle stays valid for the whole process.
         let diag = RawComm(Box::leak(Box::new(world.duplicate())).as_raw());
+        // The rings' communicator, likewise never freed.
+        let ring_comm = RawComm(Box::leak(Box::new(world.duplicate())).as_raw());
         timer.done();
         *UNIVERSE.lock().unwrap_or_else(|e| e.into_inner()) = Some(universe);
         let who = format!("rank {rank} of {size} (host {host})");
@@ -137,6 +151,9 @@ impl Mpi {
         };
         Ok(Mpi {
             bf16_sum,
+            ring: super::ring_reduce(),
+            ring_comm,
+            rings_started: AtomicU32::new(0),
             world,
             rank,
             size,
@@ -165,6 +182,149 @@ impl Mpi {
 
     fn root(&self, root: usize) -> mpi::topology::Process<'_> {
         self.world.process_at_rank(root as i32)
+    }
+
+    /// A ring reduce-scatter of `data` (Σ `counts`) into `out` (`counts[rank]`),
+    /// not yet begun, on the rings' communicator with the next tag.
+    ///
+    /// # Safety
+    /// Every rank makes the same calls in the same order, and the buffers obey
+    /// [`Ring::new`]'s contract until the ring is done.
+    unsafe fn ring<T: Element>(&self, counts: &[usize], data: &[T], out: &mut [T]) -> Ring<T> {
+        let tag = self.rings_started.fetch_add(1, Ordering::Relaxed) % RING_TAGS;
+        // SAFETY: every rank numbers its rings alike, so the ranks of one ring share
+        // its tag, and fewer than RING_TAGS rings are ever in flight at once (a
+        // backward pass has one per bucket): no other message on `ring_comm` carries
+        // it; the buffers are the caller's promise.
+        unsafe { Ring::new(self.ring_comm.0, self.rank, tag as i32, counts, data, out) }
+    }
+
+    /// [`Collective::reduce_during_backward`] for ZeRO 1-3 ([`Reduce::ReduceScatter`],
+    /// [`Reduce::ReduceScatterBf16`] and [`Reduce::ReducePieces`]) with our ring.
+    fn ring_during_backward(
+        &self,
+        kind: Reduce,
+        buckets: &[Bucket],
+        send: &mut [f32],
+        recv: &mut [f32],
+        backward: &mut BackwardFn,
+    ) -> OverlapTimes {
+        let rank = self.rank;
+        // Equal blocks of the padded send buffer (ZeRO-1), as
+        // MPI_Reduce_scatter_block would reduce them.
+        let blocks = |r: &[f32]| vec![r.len(); self.size];
+        // Each maker's rings read and write the ranges handed to it: the bucket's
+        // gradients (backward no longer writes a reported range) and its own send and
+        // receive ranges, all borrowed by the caller until `rings_during_backward`
+        // returns, after every ring is done, and touched by nothing else meanwhile.
+        match kind {
+            Reduce::ReducePieces => {
+                let make = |b: &Bucket, grads: &[f32], _: &mut [f32], r: &mut [f32]| {
+                    // SAFETY: the ranges live and stay untouched until the ring is done
+                    // (above), and every rank starts the same rings in the same order.
+                    unsafe { self.ring(&b.counts, grads, &mut r[..b.counts[rank]]) }
+                };
+                self.rings_during_backward(kind, buckets, send, recv, backward, &make)
+            }
+            Reduce::ReduceScatterBf16 => {
+                let make = |_: &Bucket, grads: &[f32], s: &mut [f32], r: &mut [f32]| {
+                    let counts = blocks(r);
+                    let wire = bf16_view(s);
+                    crate::kernels::bf16::store(&mut wire[..grads.len()], grads);
+                    wire[grads.len()..].fill(Bf16(0));
+                    // The result, bf16 in the front of `r`, widened once all are done.
+                    // SAFETY: as for the f32 rings.
+                    unsafe { self.ring(&counts, wire, bf16_view(r)) }
+                };
+                let mut times =
+                    self.rings_during_backward(kind, buckets, send, recv, backward, &make);
+                let start = Instant::now();
+                for b in buckets {
+                    widen_bf16_in_place(&mut recv[b.recv.clone()]);
+                }
+                times.exposed += start.elapsed();
+                times
+            }
+            _ => {
+                let make = |_: &Bucket, grads: &[f32], s: &mut [f32], r: &mut [f32]| {
+                    let counts = blocks(r);
+                    s[..grads.len()].copy_from_slice(grads);
+                    s[grads.len()..].fill(0.0);
+                    // SAFETY: as for the rings by pieces.
+                    unsafe { self.ring(&counts, s, r) }
+                };
+                self.rings_during_backward(kind, buckets, send, recv, backward, &make)
+            }
+        }
+    }
+
+    /// Runs `backward`, starting each bucket's ring as it is reported (`make` builds
+    /// it from the bucket, its gradients and its send and receive ranges; no send
+    /// range for [`Reduce::ReducePieces`]) and moving every ring on at every later
+    /// report (and by the progress thread, when it runs), at most
+    /// [`super::RINGS_IN_FLIGHT`] at once where they hold scratch; then finishes
+    /// them under the watchdog.
+    #[allow(clippy::type_complexity)]
+    fn rings_during_backward<T: Element>(
+        &self,
+        kind: Reduce,
+        buckets: &[Bucket],
+        send: &mut [f32],
+        recv: &mut [f32],
+        backward: &mut BackwardFn,
+        make: &dyn Fn(&Bucket, &[f32], &mut [f32], &mut [f32]) -> Ring<T>,
+    ) -> OverlapTimes {
+        let send_ranges: Vec<_> = match kind {
+            Reduce::ReducePieces => vec![0..0; buckets.len()],
+            _ => buckets.iter().map(|b| b.send.clone()).collect(),
+        };
+        let recv_ranges: Vec<_> = buckets.iter().map(|b| b.recv.clone()).collect();
+        let mut sends = split_disjoint(send, &send_ranges);
+        let mut recvs = split_disjoint(recv, &recv_ranges);
+        // Rings without scratch (2 ranks) need no limit.
+        let limit = match super::plan::ring_scratch_buffers(self.size) {
+            0 => usize::MAX,
+            _ => super::RINGS_IN_FLIGHT,
+        };
+        let rings = Mutex::new(Rings::new(limit));
+        let lock = || rings.lock().unwrap_or_else(|e| e.into_inner());
+        let (watchdog, overlap) = (&self.watchdog, self.overlap);
+        let mut exposed = Duration::ZERO;
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|threads| {
+            let progress = (overlap && self.progress_thread).then(|| {
+                threads.spawn(|| {
+                    while !stop.load(Ordering::Relaxed) {
+                        lock().advance();
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                })
+            });
+            let mut seen = vec![false; buckets.len()];
+            backward(&mut |range, grads| {
+                let i = super::reported(buckets, &range, &mut seen);
+                let s = sends[i].take().expect("each bucket once");
+                let r = recvs[i].take().expect("each bucket once");
+                lock().add(make(&buckets[i], &grads[range], s, r));
+                if !overlap {
+                    let start = Instant::now();
+                    let _g = watchdog.arm("gradient reduction", 1);
+                    while !lock().advance() {}
+                    exposed += start.elapsed();
+                }
+            });
+            assert!(seen.iter().all(|&s| s), "every bucket reported");
+            stop.store(true, Ordering::Relaxed);
+            if let Some(thread) = progress {
+                let _ = thread.join();
+            }
+            let start = Instant::now();
+            let _g = watchdog.arm("gradient reduction", 1);
+            let mut rings = lock();
+            while !rings.advance() {}
+            exposed += start.elapsed();
+        });
+        OverlapTimes { exposed }
     }
 }
 
@@ -614,6 +774,54 @@ impl Drop for InFlight<'_> {
     }
 }
 
+/// A ring started by [`Mpi::start_reduce_scatter_pieces`] (ZeRO-3), moved on by a
+/// progress thread when MPI runs one for collectives in flight; finished, under
+/// the watchdog, when waited for or dropped.
+struct RingInFlight<'a> {
+    ring: Arc<Mutex<Ring<f32>>>,
+    watchdog: &'a Watchdog,
+    progress: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
+}
+
+impl<'a> RingInFlight<'a> {
+    fn new(mpi: &'a Mpi, ring: Ring<f32>) -> Box<RingInFlight<'a>> {
+        let ring = Arc::new(Mutex::new(ring));
+        let progress = mpi.progress_in_flight.then(|| {
+            let stop = Arc::new(AtomicBool::new(false));
+            let (flag, ring) = (Arc::clone(&stop), Arc::clone(&ring));
+            let thread = std::thread::spawn(move || {
+                while !flag.load(Ordering::Relaxed) {
+                    if ring.lock().unwrap_or_else(|e| e.into_inner()).advance() {
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            });
+            (stop, thread)
+        });
+        Box::new(RingInFlight {
+            ring,
+            watchdog: &mpi.watchdog,
+            progress,
+        })
+    }
+}
+
+impl Pending for RingInFlight<'_> {
+    fn wait(self: Box<Self>) {} // dropping it waits
+}
+
+impl Drop for RingInFlight<'_> {
+    fn drop(&mut self) {
+        if let Some((stop, thread)) = self.progress.take() {
+            stop.store(true, Ordering::Relaxed);
+            let _ = thread.join();
+        }
+        let _g = self.watchdog.arm("reduce-scatter", 1);
+        self.ring.lock().unwrap_or_else(|e| e.into_inner()).finish();
+    }
+}
+
 /// MPI's user function for the sum of bf16 values (sent as `MPI_UINT16_T`):
 /// `inout[i] = bf16(f32(in[i]) + f32(inout[i]))`, rounded to nearest, ties to even.
 ///
@@ -753,6 +961,13 @@ impl Collective for Mpi {
         let first = lib.lines().next().unwrap_or("");
         let first = first.trim_matches(|c: char| c == '\0' || c.is_whitespace());
         format!("MPI ({first})")
+    }
+
+    fn reduction_name(&self) -> &'static str {
+        match self.ring {
+            true => "the ring reduce-scatter",
+            false => "MPI's non-blocking reduce-scatter (NANOGPT_RING_REDUCE=0)",
+        }
     }
 
     fn set_timeout(&self, timeout: Duration) {
@@ -937,6 +1152,13 @@ impl Collective for Mpi {
     ) -> Box<dyn Pending + 'a> {
         assert_eq!(counts.iter().sum::<usize>(), send.len());
         assert_eq!(counts[self.rank], mine.len());
+        if self.ring {
+            // SAFETY: every rank starts ZeRO-3's reductions in the same order; the
+            // buffers are the caller's promise until the wait, which finishes the ring.
+            let mut ring = unsafe { self.ring(counts, send, mine) };
+            ring.begin();
+            return RingInFlight::new(self, ring);
+        }
         let arrays = counts_and_displs(counts);
         let mut request = std::mem::MaybeUninit::uninit();
         // SAFETY: `send` holds Σ counts floats, `mine` this rank's count, and both
@@ -965,6 +1187,14 @@ impl Collective for Mpi {
         recv: &mut [f32],
         backward: &mut BackwardFn,
     ) -> OverlapTimes {
+        let ours = [
+            Reduce::ReduceScatter,
+            Reduce::ReduceScatterBf16,
+            Reduce::ReducePieces,
+        ];
+        if self.ring && ours.contains(&kind) {
+            return self.ring_during_backward(kind, buckets, send, recv, backward);
+        }
         // Reductions by pieces read the gradients themselves: no send buffer.
         let send_ranges: Vec<_> = match kind {
             Reduce::ReducePieces => vec![0..0; buckets.len()],

@@ -31,6 +31,23 @@ pub const STAGE3_GATHERED_BLOCKS: usize = 2;
 /// previous one's completes), each landing in its own piece of scratch.
 pub const STAGE3_REDUCTIONS_IN_FLIGHT: usize = 2;
 
+/// ZeRO 1-3 with the ring reduce-scatter (`dist::ring`): rings of buckets in
+/// flight at once during backward, each holding its scratch; later buckets wait
+/// their turn. (ZeRO-3 has [`STAGE3_REDUCTIONS_IN_FLIGHT`] by itself.)
+pub const RINGS_IN_FLIGHT: usize = 2;
+
+/// Scratch buffers of a ring reduce-scatter over `size` ranks: one per round but
+/// the last (which lands in the output), two at most (they alternate).
+pub fn ring_scratch_buffers(size: usize) -> usize {
+    size.saturating_sub(2).min(2)
+}
+
+/// Floats of scratch a ring reduce-scatter of pieces `counts` holds: a buffer of
+/// the largest piece per [`ring_scratch_buffers`].
+pub fn ring_scratch_len(counts: &[usize]) -> usize {
+    ring_scratch_buffers(counts.len()) * counts.iter().copied().max().unwrap_or(0)
+}
+
 /// One gradient bucket of a [`GradPlan`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Bucket {
