@@ -79,6 +79,8 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
         gpt = gpt.with_lora(lora.clone(), ("scratch", 1337), 1337);
     }
     gpt.set_activation_checkpointing(opts.activation_checkpointing);
+    // One micro-step per optimizer step, as timed (`Gpt::set_micro_steps`).
+    gpt.set_micro_steps(1);
     gpt.set_dtype(opts.dtype);
     let mut opt = AdamW::new(&gpt.layout, AdamWConfig::default());
     let v = opts.model.vocab_size;

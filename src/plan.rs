@@ -42,6 +42,8 @@ pub struct PlanInput {
     pub ranks_per_host: usize,
     /// LoRA: the adapters trained on the frozen model. None: full training.
     pub lora: Option<LoraConfig>,
+    /// Micro-steps per optimizer step on each rank.
+    pub micro_steps: usize,
 }
 
 impl PlanInput {
@@ -61,6 +63,7 @@ impl PlanInput {
             world_size,
             ranks_per_host: ranks_per_host.max(1),
             lora: lora_of(cfg, &model),
+            micro_steps: cfg.gradient_accumulation_steps / world_size.max(1),
             model,
         }
     }
@@ -185,7 +188,11 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
         .as_ref()
         .map_or(0, |g| reduction_buffers_len(g, ring));
     let packs = match Packs::made_for(p.dtype, sharded.is_some()) {
-        true => Packs::bytes_for(&p.model),
+        true => {
+            let (ckpt, frozen) = (p.activation_checkpointing, p.lora.is_some());
+            let linears = Packs::linears_pay(Some(p.micro_steps), ckpt, frozen);
+            Packs::bytes_for(&p.model, linears)
+        }
         false => 0,
     };
     // ZeRO 1-3: rank 0 receives a checkpoint's sharded tensors one at a time into a
@@ -639,6 +646,7 @@ fn variants(p: &PlanInput, grad_accum: usize) -> Vec<(f64, PlanInput, Vec<String
                         dtype,
                         activation_checkpointing: ckpt,
                         zero_stage: stage,
+                        micro_steps: p.micro_steps << halvings,
                         ..p.clone()
                     };
                     out.push((cost, q, changes));
@@ -726,6 +734,7 @@ pub fn refusal(plan: &MemoryPlan, p: &PlanInput, grad_accum: usize) -> Option<St
 mod tests {
     use super::*;
     use crate::dist::DataParallel;
+    use crate::kernels::bf16::gemm::reads_packs;
     use crate::model::Gpt;
     use crate::optim::AdamW;
 
@@ -744,6 +753,33 @@ mod tests {
             world_size: w,
             ranks_per_host: 1,
             lora: None,
+            micro_steps: 2,
+        }
+    }
+
+    #[test]
+    fn linear_packs_are_planned_where_a_step_reads_them_more_than_once() {
+        // One micro-step without recompute packs the linear weights per product
+        // (no packs held); two micro-steps or checkpointing pack them once per step.
+        for ckpt in [false, true] {
+            for micro_steps in [1, 2] {
+                let p = PlanInput {
+                    micro_steps,
+                    ..input(Dtype::Bfloat16, ckpt, 0, 1)
+                };
+                let plan = rank_plan(&p, 0);
+                let mut gpt = Gpt::new(tiny(), 3, 8).unwrap();
+                gpt.set_activation_checkpointing(ckpt);
+                gpt.set_micro_steps(micro_steps);
+                gpt.set_dtype(Dtype::Bfloat16);
+                let case = format!("checkpointing {ckpt}, {micro_steps} micro-steps");
+                assert_eq!(plan.part(PACKS), gpt.packs_bytes() as u64, "{case}");
+                let wte_only = Packs::bytes_for(&tiny(), false) as u64;
+                let linears = micro_steps > 1 || ckpt;
+                if reads_packs() && Packs::linears_pay(None, false, false) {
+                    assert_eq!(plan.part(PACKS) > wte_only, linears, "{case}");
+                }
+            }
         }
     }
 
@@ -991,6 +1027,7 @@ mod tests {
             world_size: 3,
             ranks_per_host: 3,
             lora: None,
+            micro_steps: 1,
         };
         let (n, len) = (buckets.len(), |b: usize| buckets[b].len());
         let (emb, ln_f, block) = (len(n - 1), len(0), len(1));
@@ -1066,6 +1103,7 @@ mod tests {
                     world_size: w,
                     ranks_per_host: 1,
                     lora: None,
+                    micro_steps: 1,
                 };
                 let fits = closing_gather_fits(&rank_plan(&p, 0), len);
                 // (A pass of 3 layers holds most of the model: that always fits.)
@@ -1093,6 +1131,7 @@ mod tests {
                 world_size: 2,
                 ranks_per_host: 2,
                 lora: None,
+                micro_steps: 1,
             };
             let gather = rank_plan(&p, 0).part(GATHER);
             assert_eq!(
@@ -1118,6 +1157,7 @@ mod tests {
             world_size: 1,
             ranks_per_host: 1,
             lora: Some(LoraConfig::new(8, 16.0, 0.0, "c_attn").unwrap()),
+            micro_steps: 1,
         };
         let bf16 = rank_plan(&p, 0).bytes();
         let f32 = PlanInput {
@@ -1158,6 +1198,7 @@ mod tests {
             world_size: 2,
             ranks_per_host: 1,
             lora: None,
+            micro_steps: 1,
         };
         let full = rank_plan(&p, 0).bytes();
         let ckpt = rank_plan(

@@ -1283,7 +1283,8 @@ fn zero_3_keeps_buckets_whole_between_passes_for_the_same_bits() {
 /// bf16 weights packed once per optimizer step (where the kernel reads packs: AMX,
 /// AVX512-BF16) give the same bits as packing them per product
 /// (`NANOGPT_BF16_PACKS=0`): one process, and ZeRO-1 on 2 ranks, whose next
-/// forward rounds and packs each bucket as its all-gather arrives. The model is
+/// forward rounds and packs each bucket as its all-gather arrives; 2 micro-steps per
+/// rank at least, where the linear weights are packed once per step. The model is
 /// wide enough (C = 64, 128 rows) that the linear products reach the bf16 kernel.
 #[test]
 fn bf16_packs_made_once_per_step_give_the_same_bits() {
@@ -1294,7 +1295,7 @@ fn bf16_packs_made_once_per_step_give_the_same_bits() {
             "dtype=bfloat16",
             "n_embd=64",
             "batch_size=8",
-            "gradient_accumulation_steps=2",
+            "gradient_accumulation_steps=4",
             "max_iters=4",
             stage,
         ];

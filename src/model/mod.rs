@@ -76,6 +76,8 @@ pub struct Gpt {
     acts: Activations,
     /// Activation checkpointing (see [`Gpt::set_activation_checkpointing`]).
     checkpointing: bool,
+    /// Micro-steps per optimizer step when training (see [`Gpt::set_micro_steps`]).
+    micro_steps: Option<usize>,
     max_b: usize,
     max_t: usize,
     training: bool,
@@ -221,6 +223,7 @@ impl Gpt {
             layout,
             acts,
             checkpointing: false,
+            micro_steps: None,
             max_b,
             max_t,
             config,
@@ -400,7 +403,18 @@ impl Gpt {
     /// Empty (stale) packs where the bf16 products read packs ([`Packs::made_for`]).
     fn new_packs(&self) -> Option<Packs> {
         let made = Packs::made_for(self.dtype, self.lent);
-        made.then(|| Packs::new(self.config.n_layer))
+        let frozen = self.frozen.is_some();
+        let linears = Packs::linears_pay(self.micro_steps, self.checkpointing, frozen);
+        made.then(|| Packs::new(self.config.n_layer, linears))
+    }
+
+    /// Training: `n` micro-steps (forward and backward) per optimizer step on this
+    /// rank. With one, and no activation checkpointing, the linear weights are
+    /// packed per product rather than once per step ([`Packs::linears_pay`]: the same
+    /// packing work, without holding the packs). Unset (evaluation, sampling), they
+    /// are packed once. Set it before [`Gpt::set_dtype`].
+    pub fn set_micro_steps(&mut self, n: usize) {
+        self.micro_steps = Some(n);
     }
 
     /// Bytes held by the packed bf16 weights (0 without them).

@@ -50,17 +50,25 @@ impl Packs {
         dtype == Dtype::Bfloat16 && !lent && reads_packs()
     }
 
-    /// Whether the linear weights are packed too (else only `wte`, whose products
-    /// with k = V need the pack to run on AVX512-BF16 at all):
-    /// `NANOGPT_BF16_PACKS=0` packs them per call instead, to compare (the same bits).
-    fn linears() -> bool {
+    /// Whether the linear weights are worth packing once per refresh of the bf16
+    /// copy, not only `wte` (whose products with k = V need the pack to run on
+    /// AVX512-BF16 at all): when more than one forward reads each weight between
+    /// refreshes — several micro-steps per optimizer step (`micro_steps`, `None`
+    /// when not training, e.g. evaluation), activation checkpointing's recompute, or
+    /// a frozen LoRA base, never refreshed. With one forward per step, packing per
+    /// call packs each weight as often (once per product) and holds nothing, where
+    /// the packs hold 4 bytes per linear weight (340 MB at GPT-2 124M).
+    /// `NANOGPT_BF16_PACKS=0` never packs them, to compare (the same bits).
+    pub fn linears_pay(micro_steps: Option<usize>, checkpointing: bool, frozen: bool) -> bool {
         static ON: OnceLock<bool> = OnceLock::new();
-        *ON.get_or_init(|| std::env::var("NANOGPT_BF16_PACKS").as_deref() != Ok("0"))
+        let on = *ON.get_or_init(|| std::env::var("NANOGPT_BF16_PACKS").as_deref() != Ok("0"));
+        on && (micro_steps.is_none_or(|m| m > 1) || checkpointing || frozen)
     }
 
-    /// Empty packs for a model of `n_layer` blocks, stale until packed.
-    pub fn new(n_layer: usize) -> Packs {
-        let n_layer = if Packs::linears() { n_layer } else { 0 };
+    /// Empty packs for a model of `n_layer` blocks, with its `linears` or `wte`'s
+    /// only ([`Packs::linears_pay`]), stale until packed.
+    pub fn new(n_layer: usize, linears: bool) -> Packs {
+        let n_layer = if linears { n_layer } else { 0 };
         Packs {
             wte: WeightPacks::default(),
             layers: (0..n_layer).map(|_| LayerPacks::default()).collect(),
@@ -70,17 +78,17 @@ impl Packs {
 
     /// Bytes the packs of a model of `config` hold once made (the memory plan's line;
     /// [`Packs::bytes`] measures the same).
-    pub fn bytes_for(config: &ModelConfig) -> usize {
+    pub fn bytes_for(config: &ModelConfig, linears: bool) -> usize {
         let (c, v) = (config.n_embd, config.vocab_size);
         let block = WeightPacks::bytes_for(3 * c, c)
             + WeightPacks::bytes_for(c, c)
             + WeightPacks::bytes_for(4 * c, c)
             + WeightPacks::bytes_for(c, 4 * c);
-        let layers = if Packs::linears() { config.n_layer } else { 0 };
+        let layers = if linears { config.n_layer } else { 0 };
         WeightPacks::bytes_for(v, c) + layers * block
     }
 
-    /// Whether the linear weights are packed (not `NANOGPT_BF16_PACKS=0`).
+    /// Whether the linear weights are packed ([`Packs::linears_pay`]).
     pub fn has_linears(&self) -> bool {
         !self.layers.is_empty()
     }

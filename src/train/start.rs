@@ -104,11 +104,10 @@ impl Start {
         start.replace_at_first_save = replace;
         // Master weights and optimizer state stay f32; with bfloat16 the model makes
         // its bf16 weight copy here and after every optimizer step.
-        start
-            .state
-            .model
-            .set_activation_checkpointing(cfg.activation_checkpointing);
-        start.state.model.set_dtype(cfg.dtype);
+        let model = &mut start.state.model;
+        model.set_activation_checkpointing(cfg.activation_checkpointing);
+        model.set_micro_steps(cfg.gradient_accumulation_steps / comm.world_size());
+        model.set_dtype(cfg.dtype);
         Ok(start)
     }
 }
