@@ -37,10 +37,13 @@ mod backward;
 mod cached;
 mod forward;
 mod isa;
+#[cfg(target_arch = "x86_64")]
+mod pairs;
 #[cfg(test)]
 mod tests;
 mod tiles;
 
+use super::bf16::gemm::{self, Kernel};
 use super::dropout::Dropout;
 use super::{Dims, SharedMut};
 use backward::backward_impl;
@@ -177,7 +180,10 @@ const DT: usize = 128;
 ///   mask index `((b·NH + h)·T + t)·T + s`.
 ///
 /// Parallel over `(b, h, query block)`; results do not depend on the thread count.
-pub fn attention_forward(
+///
+/// With `BF16` (bf16 autocast: q, k and v hold bf16 values), the products run on
+/// `vdpbf16ps` where [`bf16_products`] says so (see the [module docs](self)).
+pub fn attention_forward<const BF16: bool>(
     out: &mut [f32],
     lse: &mut [f32],
     qkv: &[f32],
@@ -185,7 +191,8 @@ pub fn attention_forward(
     dropout: Option<Dropout>,
 ) {
     let _t = crate::profile::scope(crate::profile::Section::Attention);
-    forward_impl(Isa::detect(), out, lse, qkv, d, dropout);
+    let bf16 = bf16_products::<BF16>(d);
+    forward_impl(Isa::detect(), out, lse, qkv, d, dropout, bf16);
 }
 
 /// Causal self-attention backward, recomputing the probabilities from `lse`.
@@ -194,7 +201,8 @@ pub fn attention_forward(
 /// produced by [`attention_forward`]; `dqkv`: `(B, T, 3C)`, **overwritten**. With
 /// `BF16`, `dqkv` is rounded to bf16 (the operand of the bf16 matmuls that follow
 /// under autocast) by each task as its rows are final and still in cache, instead
-/// of in a pass of its own: the same bits.
+/// of in a pass of its own: the same bits; and the products run on `vdpbf16ps` where
+/// [`bf16_products`] says so.
 ///
 /// Parallel over `(b, h)`; results do not depend on the thread count.
 pub fn attention_backward<const BF16: bool>(
@@ -207,7 +215,26 @@ pub fn attention_backward<const BF16: bool>(
     dropout: Option<Dropout>,
 ) {
     let _t = crate::profile::scope(crate::profile::Section::AttentionBackward);
-    backward_impl(Isa::detect(), dqkv, dout, qkv, out, lse, d, dropout, BF16);
+    let bf16 = bf16_products::<BF16>(d);
+    backward_impl(
+        Isa::detect(),
+        dqkv,
+        dout,
+        qkv,
+        out,
+        lse,
+        d,
+        dropout,
+        BF16,
+        bf16,
+    );
+}
+
+/// Whether bf16 attention (`BF16`) runs its products on `vdpbf16ps`: on a CPU with
+/// AVX512-BF16, for heads of at most [`DT`] channels, unless `NANOGPT_BF16_GEMM=f32`
+/// forces the f32 products for the bf16 matmuls (then the attention's too).
+pub fn bf16_products<const BF16: bool>(d: Dims) -> bool {
+    BF16 && d.hs() <= DT && isa::bf16_usable() && gemm::kernel() != Kernel::F32
 }
 
 /// Panics unless `C` splits into `NH` heads.
