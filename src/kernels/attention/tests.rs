@@ -361,7 +361,7 @@ fn bf16_products_head_size_64() {
 fn bf16_products_odd_head_sizes() {
     // HS = 13: an odd number of channels (a half pair) and a partial 16-lane vector;
     // HS = 40 and 128: column strips of 32 + 8 and of two full 64s.
-    for (c, nh, t) in [(26, 2, 17), (80, 2, 65), (128, 1, 40)] {
+    for (c, nh, t) in [(16, 2, 8), (26, 2, 17), (80, 2, 65), (128, 1, 40)] {
         check_bf16((1, t, c, nh), None, 31);
         check_bf16((1, t, c, nh), DROP, 32);
     }
