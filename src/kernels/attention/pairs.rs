@@ -323,3 +323,46 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod speed {
+    use super::*;
+    use crate::kernels::bf16::dpbf16;
+
+    /// Timing only: `cargo test --release --lib pair_gemm_speed -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn pair_gemm_speed() {
+        if !dpbf16::available() {
+            return;
+        }
+        for (m, n, kp) in [(32, 32, 32), (32, 64, 16)] {
+            let a = vec![0x3F80_3F80u32; 32 * 64];
+            let b = vec![0x3F80_3F80u32; 64 * 64];
+            let mut c = vec![0.0f32; 64 * 64];
+            let reps = 200_000;
+            let s = std::time::Instant::now();
+            for _ in 0..reps {
+                // SAFETY: the buffers are larger than the shapes read and written.
+                unsafe {
+                    pair_gemm(PairGemm {
+                        m,
+                        n,
+                        kp,
+                        a: a.as_ptr(),
+                        ars: kp,
+                        aps: 1,
+                        b: b.as_ptr(),
+                        ldb: 64,
+                        c: c.as_mut_ptr(),
+                        ldc: 64,
+                        add: true,
+                    })
+                };
+                std::hint::black_box(&mut c);
+            }
+            let macs = (m * n * 2 * kp * reps) as f64;
+            println!("{m}x{n}x{}: {:.1} GMAC/s", 2 * kp, macs / s.elapsed().as_secs_f64() / 1e9);
+        }
+    }
+}

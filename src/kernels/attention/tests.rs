@@ -434,3 +434,75 @@ fn bf16_falls_back_to_the_f32_products_when_forced() {
         );
     }
 }
+
+/// CPU time of the calling thread, in seconds (what a loaded machine does not steal).
+fn thread_cpu_seconds() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec into the memory it is given.
+    let ok = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } == 0;
+    assert!(ok, "clock_gettime failed");
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+/// Timing, not correctness: `cargo test --release --lib bf16_attention_speed --
+/// --ignored --nocapture`. One thread (so the thread's CPU time is the work's), GPT-2
+/// 124M's heads (C = 768, NH = 12) on one sequence of T = 256 and 1024 (with B
+/// sequences, B times as long), alternating the f32 and the `vdpbf16ps` products;
+/// medians of `ATTN_REPS` (5) runs, wall and CPU milliseconds.
+#[test]
+#[ignore]
+fn bf16_attention_speed() {
+    if !isa::bf16_usable() {
+        eprintln!("not timed: no AVX512-BF16 on this CPU");
+        return;
+    }
+    let reps = std::env::var("ATTN_REPS").map_or(5, |r| r.parse().unwrap());
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    for t in [256, 1024] {
+        let d = Dims {
+            b: 1,
+            t,
+            c: 768,
+            nh: 12,
+        };
+        let (qkv, dout) = inputs(d.b, t, d.c, 40);
+        let (qkv, dout) = (bf16_values(&qkv), bf16_values(&dout));
+        let mut out = vec![0.0; d.bt() * d.c];
+        let mut lse = vec![0.0; d.nh * t];
+        let mut dqkv = vec![0.0; qkv.len()];
+        // [f32, bf16] × [forward, backward] × [wall, cpu]
+        let mut times = vec![vec![Vec::new(); 4]; 2];
+        pool.install(|| {
+            for _ in 0..reps {
+                for (k, bf16) in [false, true].into_iter().enumerate() {
+                    let (w, c) = (std::time::Instant::now(), thread_cpu_seconds());
+                    forward_impl(Isa::detect(), &mut out, &mut lse, &qkv, d, None, bf16);
+                    times[k][0].push(w.elapsed().as_secs_f64());
+                    times[k][1].push(thread_cpu_seconds() - c);
+                    let (w, c) = (std::time::Instant::now(), thread_cpu_seconds());
+                    let isa = Isa::detect();
+                    backward_impl(isa, &mut dqkv, &dout, &qkv, &out, &lse, d, None, true, bf16);
+                    times[k][2].push(w.elapsed().as_secs_f64());
+                    times[k][3].push(thread_cpu_seconds() - c);
+                }
+            }
+        });
+        let median = |v: &Vec<f64>| {
+            let mut v = v.clone();
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2] * 1e3
+        };
+        let [f, b] = [&times[0], &times[1]].map(|t| t.iter().map(median).collect::<Vec<_>>());
+        println!(
+            "T={t}: forward f32 {:.1} ms (cpu {:.1}), bf16 {:.1} ms (cpu {:.1}), {:.2}x by cpu; \
+             backward f32 {:.1} ms (cpu {:.1}), bf16 {:.1} ms (cpu {:.1}), {:.2}x by cpu",
+            f[0], f[1], b[0], b[1], f[1] / b[1], f[2], f[3], b[2], b[3], f[3] / b[3]
+        );
+    }
+}
