@@ -346,7 +346,7 @@ pub(super) unsafe fn backward_head_bf16<const DROP: bool>(task: BwdTask) {
     let mask_base = (bh * t) as u64 * t as u64;
     assert!(hs <= DT && lse.len() == t && qbase + (t - 1) * row3 + 2 * c + hs <= qkv.len());
     assert!(obase + (t - 1) * c + hs <= dout.len().min(out.len()));
-    let hp = pairs(hs);
+    let (hp, hw) = (pairs(hs), hs.div_ceil(16) * 16);
     let q_at = |row: usize, part: usize| qkv[qbase + row * row3 + part * c..].as_ptr();
     let do_at = |row: usize| dout[obase + row * c..].as_ptr();
 
@@ -355,13 +355,24 @@ pub(super) unsafe fn backward_head_bf16<const DROP: bool>(task: BwdTask) {
     let mut ktp = [[0u32; BK]; DT / 2];
     let mut vtp = [[0u32; BK]; DT / 2];
     let mut kb = [[0u32; DT]; BK / 2];
-    // Per tile: Q and dO rows as pairs along channels (A of S and dP̃), as pair rows
-    // over queries (B of dK and dV); P∘M and dS as pairs along queries (A of dV, dK)
-    // and dS along keys (A of dQ).
-    let mut qa = [[0u32; DT / 2]; BQ];
-    let mut doa = [[0u32; DT / 2]; BQ];
-    let mut qb = [[0u32; DT]; BQ / 2];
-    let mut dob = [[0u32; DT]; BQ / 2];
+    // The head's Q and dO rows as pairs along channels (A of S and dP̃) and as pair
+    // rows over queries (B of dK and dV), packed once (the worker's buffer); per tile,
+    // P∘M and dS as pairs along queries (A of dV, dK) and dS along keys (A of dQ).
+    let mut head = QO_PACKS.take();
+    let (al, bl) = (t * hp, t.div_ceil(2) * hw);
+    head.resize(2 * (al + bl), 0);
+    let (qa, rest) = head.split_at_mut(al);
+    let (doa, rest) = rest.split_at_mut(al);
+    let (qb, dob) = rest.split_at_mut(bl);
+    // SAFETY: the head's T query rows lie in `qkv` and its T dout rows in `dout`
+    // (asserted); qa/doa hold T rows of ⌈HS / 2⌉ pairs, qb/dob ⌈T / 2⌉ pair rows of
+    // hw >= HS.
+    unsafe {
+        pack_along(qa.as_mut_ptr(), (hp, 1), q_at(0, 0), row3, (t, hs));
+        pack_along(doa.as_mut_ptr(), (hp, 1), do_at(0), c, (t, hs));
+        pack_across(qb.as_mut_ptr(), hw, q_at(0, 0), row3, (t, hs));
+        pack_across(dob.as_mut_ptr(), hw, do_at(0), c, (t, hs));
+    }
     let mut pt = [[0u32; BK]; BQ / 2];
     let mut dst = [[0u32; BK]; BQ / 2];
     let mut dsa = [[0u32; BK / 2]; BQ];
@@ -415,27 +426,11 @@ pub(super) unsafe fn backward_head_bf16<const DROP: bool>(task: BwdTask) {
             // the packs have room for nr rows of ⌈HS / 2⌉ pairs and ⌈nr / 2⌉ pair rows
             // of DT; p/ds hold BQ >= nr rows of BK, and the B packs BK columns.
             unsafe {
-                pack_along(
-                    qa.as_mut_ptr().cast(),
-                    (DT / 2, 1),
-                    q_at(i0, 0),
-                    row3,
-                    (nr, hs),
-                );
-                pack_along(doa.as_mut_ptr().cast(), (DT / 2, 1), do_at(i0), c, (nr, hs));
-                let (qa, doa) = (qa.as_ptr().cast(), doa.as_ptr().cast());
+                let (qa, doa) = (qa[i0 * hp..].as_ptr(), doa[i0 * hp..].as_ptr());
                 let (ktp, vtp) = (ktp.as_ptr().cast(), vtp.as_ptr().cast());
                 let (p, ds) = (p.as_mut_ptr().cast(), ds.as_mut_ptr().cast());
-                pair_gemm(gemm(nr, BK, hp, (qa, DT / 2, 1), (ktp, BK), (p, BK), false));
-                pair_gemm(gemm(
-                    nr,
-                    BK,
-                    hp,
-                    (doa, DT / 2, 1),
-                    (vtp, BK),
-                    (ds, BK),
-                    false,
-                ));
+                pair_gemm(gemm(nr, BK, hp, (qa, hp, 1), (ktp, BK), (p, BK), false));
+                pair_gemm(gemm(nr, BK, hp, (doa, hp, 1), (vtp, BK), (ds, BK), false));
             }
             // D_r = dO_r · O_r, in f32.
             for (r, d) in dd[..nr].iter_mut().enumerate() {
@@ -457,8 +452,6 @@ pub(super) unsafe fn backward_head_bf16<const DROP: bool>(task: BwdTask) {
             // pair rows of BK, dsa nr rows of ⌈nc / 2⌉ <= BK / 2 pairs; dk/dv have
             // BK >= nc rows of DT >= HS; the dq rows written are this task's own.
             unsafe {
-                pack_across(qb.as_mut_ptr().cast(), DT, q_at(i0, 0), row3, (nr, hs));
-                pack_across(dob.as_mut_ptr().cast(), DT, do_at(i0), c, (nr, hs));
                 pack_across(pt.as_mut_ptr().cast(), BK, p.as_ptr().cast(), BK, (nr, nc));
                 pack_across(
                     dst.as_mut_ptr().cast(),
@@ -474,13 +467,15 @@ pub(super) unsafe fn backward_head_bf16<const DROP: bool>(task: BwdTask) {
                     BK,
                     (nr, nc),
                 );
-                let (qb, dob, kb) = (qb.as_ptr().cast(), dob.as_ptr().cast(), kb.as_ptr().cast());
+                // Pair rows i0 / 2.. (i0 is even); a ragged T's last is padded with zero.
+                let (qb, dob) = (qb[i0 / 2 * hw..].as_ptr(), dob[i0 / 2 * hw..].as_ptr());
+                let kb = kb.as_ptr().cast();
                 let (pt, dst, dsa) = (pt.as_ptr().cast(), dst.as_ptr().cast(), dsa.as_ptr().cast());
                 let (dk, dv) = (dk.as_mut_ptr().cast(), dv.as_mut_ptr().cast());
                 let (kr, kq) = (pairs(nr), pairs(nc));
                 // dV_j (+)= (P∘M)ᵀ · dO_i, dK_j (+)= scale · dSᵀ · Q_i
-                pair_gemm(gemm(nc, hs, kr, (pt, 1, BK), (dob, DT), (dv, DT), i0 > j0));
-                pair_gemm(gemm(nc, hs, kr, (dst, 1, BK), (qb, DT), (dk, DT), i0 > j0));
+                pair_gemm(gemm(nc, hs, kr, (pt, 1, BK), (dob, hw), (dv, DT), i0 > j0));
+                pair_gemm(gemm(nc, hs, kr, (dst, 1, BK), (qb, hw), (dk, DT), i0 > j0));
                 // dQ_i (+)= scale · dS · K_j
                 pair_gemm(gemm(
                     nr,
@@ -495,4 +490,12 @@ pub(super) unsafe fn backward_head_bf16<const DROP: bool>(task: BwdTask) {
         }
         finish_key_block(dqkv, Some((&dk, &dv)), (d, qbase), (j0, nc), round);
     }
+    QO_PACKS.set(head);
+}
+
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    /// A worker's packed Q and dO of the head it is on ([`backward_head_bf16`]), grown
+    /// to the largest head and reused, so a training step allocates nothing once warm.
+    static QO_PACKS: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
 }

@@ -1,6 +1,7 @@
 //! The forward pass: one task per (batch element, head, query block).
 
 use rayon::prelude::*;
+use std::cell::Cell;
 
 use super::isa::{self, Isa, Variant};
 use super::tiles::{transpose_into, Dst, Gemm, Src};
@@ -30,6 +31,14 @@ pub(super) fn forward_impl(
         return;
     }
     let mask = effective(dropout);
+    // With `bf16`, every head's keys and values are packed once, before the tasks that
+    // read them; the buffer is the calling thread's, kept for the next call.
+    let mut kv_owned = if bf16 { KV_PACKS.take() } else { Vec::new() };
+    let per_head = kv_pack_len(d).iter().sum::<usize>();
+    if bf16 {
+        pack_keys_values(&mut kv_owned, qkv, d);
+    }
+    let kv = &kv_owned[..];
     // The task of batch element b, head h and one query block writes only channels
     // h·HS..(h+1)·HS of its own rows of `out`: the tasks' pieces are disjoint.
     let out = SharedMut::new(out);
@@ -48,6 +57,7 @@ pub(super) fn forward_impl(
                         bh,
                         i0: qb * BQ,
                         mask: mask.unwrap_or(NO_MASK),
+                        kv: kv.get(bh * per_head..(bh + 1) * per_head).unwrap_or(&[]),
                     };
                     match (mask, bf16) {
                         (Some(_), false) => isa.forward::<true>(task),
@@ -56,6 +66,56 @@ pub(super) fn forward_impl(
                         (None, true) => isa::forward_bf16::<false>(task),
                     }
                 });
+        });
+    if bf16 {
+        KV_PACKS.set(std::mem::take(&mut kv_owned));
+    }
+}
+
+thread_local! {
+    /// The keys and values of bf16 attention packed for `vdpbf16ps`, grown to the
+    /// largest call on this thread and reused, so a training step allocates nothing
+    /// once warm.
+    static KV_PACKS: Cell<Vec<u32>> = const { Cell::new(Vec::new()) };
+}
+
+/// The lengths, in pairs, of one head's packed keys (T rows of ⌈HS / 2⌉ pairs along
+/// the channels: the A operand of S = Q·Kᵀ, computed as K·Qᵀ) and packed values
+/// (⌈T / 2⌉ pair rows over keys of 16·⌈HS / 16⌉ columns: the B operand of P̃·V).
+fn kv_pack_len(d: Dims) -> [usize; 2] {
+    let hs = d.hs();
+    [d.t * hs.div_ceil(2), d.t.div_ceil(2) * hs.div_ceil(16) * 16]
+}
+
+/// Packs every head's keys and values into `kv`, heads one after another
+/// ([`kv_pack_len`]), in parallel over heads. Panics without AVX512-BF16.
+fn pack_keys_values(kv: &mut Vec<u32>, qkv: &[f32], d: Dims) {
+    assert!(isa::bf16_usable(), "bf16 attention needs AVX512-BF16");
+    let [kl, vl] = kv_pack_len(d);
+    kv.resize(d.b * d.nh * (kl + vl), 0);
+    kv.par_chunks_mut(kl + vl)
+        .enumerate()
+        .for_each(|(bh, dst)| {
+            let (k, v) = dst.split_at_mut(kl);
+            let (c, hs, row3, base) = (d.c, d.hs(), 3 * d.c, qkv_base(d, bh));
+            assert!(base + (d.t - 1) * row3 + 2 * c + hs <= qkv.len());
+            // SAFETY: AVX512-BF16 and AVX-512 F (asserted); the head's T key and value
+            // rows lie in `qkv` (asserted), `k` holds T rows of ⌈HS / 2⌉ pairs and `v`
+            // ⌈T / 2⌉ pair rows of 16·⌈HS / 16⌉ >= HS.
+            #[cfg(target_arch = "x86_64")]
+            unsafe {
+                use super::pairs::{pack_across, pack_along};
+                let hw = hs.div_ceil(16) * 16;
+                pack_along(
+                    k.as_mut_ptr(),
+                    (hs.div_ceil(2), 1),
+                    &qkv[base + c],
+                    row3,
+                    (d.t, hs),
+                );
+                pack_across(v.as_mut_ptr(), hw, &qkv[base + 2 * c], row3, (d.t, hs));
+            }
+            let _ = (k, v);
         });
 }
 
@@ -77,6 +137,9 @@ pub(super) struct FwdTask<'a> {
     bh: usize,
     i0: usize,
     mask: Dropout,
+    /// The head's keys and values packed for `vdpbf16ps` ([`pack_keys_values`]), or
+    /// empty.
+    kv: &'a [u32],
 }
 
 #[inline(always)]
@@ -89,6 +152,7 @@ pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
         bh,
         i0,
         mask,
+        kv: _,
     } = task;
     let (t, c, hs, scale, fma) = (d.t, d.c, d.hs(), score_scale(d), K::FMA);
     let row3 = 3 * c;
@@ -294,6 +358,7 @@ pub(super) unsafe fn forward_block_bf16<const DROP: bool>(task: FwdTask) {
         bh,
         i0,
         mask,
+        kv,
     } = task;
     let (t, c, hs, scale) = (d.t, d.c, d.hs(), score_scale(d));
     let row3 = 3 * c;
@@ -303,14 +368,15 @@ pub(super) unsafe fn forward_block_bf16<const DROP: bool>(task: FwdTask) {
     let mask_base = (bh * t) as u64 * t as u64;
     assert!(hs <= DT && nr > 0 && i0 + nr <= t);
     assert!(qbase + (t - 1) * row3 + 2 * c + hs <= qkv.len());
-    let hp = pairs(hs);
+    let (hp, hw) = (pairs(hs), hs.div_ceil(16) * 16);
+    let [kl, vl] = kv_pack_len(d);
+    assert_eq!(kv.len(), kl + vl, "the head's packed keys and values");
+    let (kpk, vpk) = kv.split_at(kl);
+    assert!(kpk.len() == t * hp && vpk.len() == t.div_ceil(2) * hw);
 
     // Qᵀ as pair rows over the head's channels: qp[p][r] = (q[i0 + r][2p], q[..][2p + 1]).
     let mut qp = [[0u32; BQ]; DT / 2];
-    // K rows as pairs along the channels, V as pair rows over keys, and P̃ as pair
-    // rows over keys (its queries in columns): refilled per key block.
-    let mut kp = [[0u32; DT / 2]; BK];
-    let mut vp = [[0u32; DT]; BK / 2];
+    // P̃ as pair rows over keys (its queries in columns), refilled per key block.
     let mut pp = [[0u32; BQ]; BK / 2];
     let mut o = [[0.0f32; DT]; BQ];
     let mut st = [[0.0f32; BQ]; BK];
@@ -324,24 +390,15 @@ pub(super) unsafe fn forward_block_bf16<const DROP: bool>(task: FwdTask) {
     let kend = i0 + nr;
     for j0 in (0..kend).step_by(BK) {
         let nc = BK.min(kend - j0);
-        // SAFETY: key and value rows j0..j0 + nc <= T of this head lie in `qkv`; the
-        // packs have room for nc rows of ⌈HS / 2⌉ pairs, ⌈nc / 2⌉ pair rows of
-        // 16·⌈HS / 16⌉ <= DT columns; st holds nc rows of BQ and qp BQ columns.
+        // SAFETY: the packed key rows j0..j0 + nc <= T of ⌈HS / 2⌉ pairs lie in `kpk`;
+        // st holds nc rows of BQ and qp BQ columns.
         unsafe {
-            pack_along(
-                kp.as_mut_ptr().cast(),
-                (DT / 2, 1),
-                at(j0, 1),
-                row3,
-                (nc, hs),
-            );
-            pack_across(vp.as_mut_ptr().cast(), DT, at(j0, 2), row3, (nc, hs));
             pair_gemm(PairGemm {
                 m: nc,
                 n: BQ,
                 kp: hp,
-                a: kp.as_ptr().cast(),
-                ars: DT / 2,
+                a: kpk[j0 * hp..].as_ptr(),
+                ars: hp,
                 aps: 1,
                 b: qp.as_ptr().cast(),
                 ldb: BQ,
@@ -374,7 +431,8 @@ pub(super) unsafe fn forward_block_bf16<const DROP: bool>(task: FwdTask) {
         }
         // o[r] (+)= Σ_c p̃[r][c] · v[j0 + c], P̃ rounded to bf16 by the packing.
         // SAFETY: st holds nc rows of BQ >= nr; pp has ⌈nc / 2⌉ <= BK / 2 pair rows of
-        // BQ; vp ⌈nc / 2⌉ pair rows of DT >= 16·⌈HS / 16⌉; o has BQ >= nr rows of DT.
+        // BQ; `vpk` pair rows j0 / 2.. (j0 is even) of hw = 16·⌈HS / 16⌉ columns, the
+        // last one of a ragged T padded with zero; o has BQ >= nr rows of DT >= hw.
         unsafe {
             pack_across(pp.as_mut_ptr().cast(), BQ, st.as_ptr().cast(), BQ, (nc, nr));
             pair_gemm(PairGemm {
@@ -384,8 +442,8 @@ pub(super) unsafe fn forward_block_bf16<const DROP: bool>(task: FwdTask) {
                 a: pp.as_ptr().cast(),
                 ars: 1,
                 aps: BQ,
-                b: vp.as_ptr().cast(),
-                ldb: DT,
+                b: vpk[j0 / 2 * hw..].as_ptr(),
+                ldb: hw,
                 c: o.as_mut_ptr().cast(),
                 ldc: DT,
                 add: j0 > 0,

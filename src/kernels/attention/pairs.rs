@@ -362,7 +362,11 @@ mod speed {
                 std::hint::black_box(&mut c);
             }
             let macs = (m * n * 2 * kp * reps) as f64;
-            println!("{m}x{n}x{}: {:.1} GMAC/s", 2 * kp, macs / s.elapsed().as_secs_f64() / 1e9);
+            println!(
+                "{m}x{n}x{}: {:.1} GMAC/s",
+                2 * kp,
+                macs / s.elapsed().as_secs_f64() / 1e9
+            );
         }
     }
 }

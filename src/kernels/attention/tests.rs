@@ -502,7 +502,16 @@ fn bf16_attention_speed() {
         println!(
             "T={t}: forward f32 {:.1} ms (cpu {:.1}), bf16 {:.1} ms (cpu {:.1}), {:.2}x by cpu; \
              backward f32 {:.1} ms (cpu {:.1}), bf16 {:.1} ms (cpu {:.1}), {:.2}x by cpu",
-            f[0], f[1], b[0], b[1], f[1] / b[1], f[2], f[3], b[2], b[3], f[3] / b[3]
+            f[0],
+            f[1],
+            b[0],
+            b[1],
+            f[1] / b[1],
+            f[2],
+            f[3],
+            b[2],
+            b[3],
+            f[3] / b[3]
         );
     }
 }
