@@ -203,7 +203,7 @@ fn bf16_loss_matches_a_reference_that_rounds_the_same_way() {
             c: gpt.config().n_embd,
             nh: gpt.config().n_head,
         };
-        let probs = crate::kernels::attention::bf16_products::<true>(dims);
+        let probs = crate::kernels::attention::bf16_forward_products::<true>(dims);
         let want_default = reference_loss(&gpt, &x, &y, (b, t), true, probs);
         println!(
             "bias {bias}: bf16 {bf16_loss} (ref {want_bf16}, default kernel {default_loss}, \

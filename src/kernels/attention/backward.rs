@@ -14,7 +14,7 @@ use crate::kernels::Dims;
 
 /// [`attention_backward`](super::attention_backward) with the given variant (the
 /// tests run each one this CPU has), and with `bf16` on `vdpbf16ps` (see
-/// [`bf16_products`](super::bf16_products)).
+/// [`bf16_backward_products`](super::bf16_backward_products)).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn backward_impl(
     isa: Isa,

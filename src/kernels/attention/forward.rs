@@ -13,7 +13,7 @@ use crate::kernels::Dims;
 
 /// [`attention_forward`](super::attention_forward) with the given variant (the tests
 /// run each one this CPU has), and with `bf16` on `vdpbf16ps` (see
-/// [`bf16_products`](super::bf16_products)).
+/// [`bf16_forward_products`](super::bf16_forward_products)).
 pub(super) fn forward_impl(
     isa: Isa,
     out: &mut [f32],

@@ -281,10 +281,10 @@ fn within_bound(
 }
 
 /// bf16 attention against [`naive_forward`] and [`naive_backward`] on bf16-valued q, k,
-/// v and dout, within [`bf16_bounds`]. Where the products run on `vdpbf16ps`
-/// ([`bf16_products`]) the rounding must also show (some error beyond f32 noise);
-/// elsewhere, or with `NANOGPT_BF16_GEMM=f32`, the f32 passes run and must be as close
-/// as in [`check`].
+/// v and dout, within [`bf16_bounds`]. Where the products can run on `vdpbf16ps`
+/// ([`bf16_capable`]; run here whatever T) the rounding must also show (some error
+/// beyond f32 noise); elsewhere, or with `NANOGPT_BF16_GEMM=f32`, the f32 passes run
+/// and must be as close as in [`check`].
 fn check_bf16((b, t, c, nh): (usize, usize, usize, usize), mask: Option<Dropout>, seed: u64) {
     let d = Dims { b, t, c, nh };
     let (qkv, dout) = inputs(b, t, c, seed);
@@ -293,7 +293,7 @@ fn check_bf16((b, t, c, nh): (usize, usize, usize, usize), mask: Option<Dropout>
     let (want_out, want_lse) = naive_forward(&qkv64, d, mask);
     let want_dqkv = naive_backward(&dout64, &qkv64, d, mask);
     let [out_bound, dqkv_bound] = bf16_bounds(&dout64, &qkv64, d, mask);
-    let bf16 = bf16_products::<true>(d);
+    let bf16 = bf16_capable(d);
     let what = format!("bf16 products {bf16}: B={b} T={t} C={c} NH={nh} mask={mask:?}");
     let mut out = vec![f32::NAN; b * t * c];
     let mut lse = vec![f32::NAN; b * nh * t];
@@ -373,6 +373,7 @@ fn bf16_products_do_not_depend_on_the_thread_count() {
     let d = Dims { b, t, c, nh };
     let (qkv, dout) = inputs(b, t, c, 24);
     let (qkv, dout) = (bf16_values(&qkv), bf16_values(&dout));
+    let bf16 = bf16_capable(d);
     let run = |threads: usize| {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -381,9 +382,10 @@ fn bf16_products_do_not_depend_on_the_thread_count() {
         pool.install(|| {
             let mut out = vec![0.0; b * t * c];
             let mut lse = vec![0.0; b * nh * t];
-            attention_forward::<true>(&mut out, &mut lse, &qkv, d, DROP);
+            forward_impl(Isa::detect(), &mut out, &mut lse, &qkv, d, DROP, bf16);
             let mut dqkv = vec![0.0; qkv.len()];
-            attention_backward::<true>(&mut dqkv, &dout, &qkv, &out, &lse, d, DROP);
+            let isa = Isa::detect();
+            backward_impl(isa, &mut dqkv, &dout, &qkv, &out, &lse, d, DROP, true, bf16);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             (bits(&out), bits(&lse), bits(&dqkv))
         })
@@ -395,12 +397,36 @@ fn bf16_products_do_not_depend_on_the_thread_count() {
 }
 
 #[test]
+fn bf16_products_run_from_the_measured_lengths_on() {
+    let d = |t| Dims {
+        b: 1,
+        t,
+        c: 128,
+        nh: 2,
+    };
+    let capable = bf16_capable(d(1));
+    for t in [1, 256, 511, 512, 1024, 2047, 2048, 4096] {
+        assert_eq!(bf16_forward_products::<true>(d(t)), capable && t >= 2048);
+        assert_eq!(bf16_backward_products::<true>(d(t)), capable && t >= 512);
+        assert!(!bf16_forward_products::<false>(d(t)) && !bf16_backward_products::<false>(d(t)));
+    }
+    // Heads wider than a tile keep the f32 passes.
+    let wide = Dims {
+        c: 136,
+        nh: 1,
+        ..d(4096)
+    };
+    assert!(!bf16_forward_products::<true>(wide) && !bf16_backward_products::<true>(wide));
+}
+
+#[test]
 fn bf16_falls_back_to_the_f32_products_when_forced() {
     // `NANOGPT_BF16_GEMM=f32` (here: the f32 kernel forced for this thread) runs bf16
-    // attention on the f32 products: the f32 pass's bits, plus dqkv's rounding.
+    // attention on the f32 products: the f32 pass's bits, plus dqkv's rounding. T 512:
+    // long enough for the backward's products to run on `vdpbf16ps` otherwise.
     let d = Dims {
         b: 1,
-        t: 40,
+        t: 512,
         c: 64,
         nh: 2,
     };
@@ -422,16 +448,12 @@ fn bf16_falls_back_to_the_f32_products_when_forced() {
     };
     let f32_run = run(false);
     let forced = gemm::with_kernel(Kernel::F32, || {
-        assert!(!bf16_products::<true>(d));
+        assert!(!bf16_capable(d));
         run(true)
     });
     assert_eq!(forced, f32_run);
-    if bf16_products::<true>(d) {
-        assert_ne!(
-            run(true).0,
-            f32_run.0,
-            "the bf16 products change the output"
-        );
+    if bf16_backward_products::<true>(d) {
+        assert_ne!(run(true).2, f32_run.2, "the bf16 products change dqkv");
     }
 }
 
@@ -449,7 +471,7 @@ fn thread_cpu_seconds() -> f64 {
 
 /// Timing, not correctness: `cargo test --release --lib bf16_attention_speed --
 /// --ignored --nocapture`. One thread (so the thread's CPU time is the work's), GPT-2
-/// 124M's heads (C = 768, NH = 12) on one sequence of T = 256 and 1024 (with B
+/// 124M's heads (C = 768, NH = 12) on one sequence of T = 256 and 1024 (`ATTN_T`; with B
 /// sequences, B times as long), alternating the f32 and the `vdpbf16ps` products;
 /// medians of `ATTN_REPS` (5) runs, wall and CPU milliseconds.
 #[test]
@@ -464,7 +486,9 @@ fn bf16_attention_speed() {
         .num_threads(1)
         .build()
         .unwrap();
-    for t in [256, 1024] {
+    // ATTN_T=256,512 picks the sequence lengths.
+    let ts = std::env::var("ATTN_T").unwrap_or("256,1024".into());
+    for t in ts.split(',').map(|t| t.parse::<usize>().unwrap()) {
         let d = Dims {
             b: 1,
             t,
