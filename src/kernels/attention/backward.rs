@@ -240,13 +240,16 @@ pub(super) fn backward_head<K: Variant, const DROP: bool>(task: BwdTask) {
     }
 }
 
+/// dK or dV of one key block: BK rows of up to DT head channels.
+type KeyTile = [[f32; DT]; BK];
+
 /// Ends key block `j0` (`nc` rows) of the head at `qbase`: stores its dK and dV from
 /// the stack `tiles` if given, and with `round` rounds the block's rows of dq, dk and
 /// dv to bf16.
 #[inline(always)]
 fn finish_key_block(
     dqkv: SharedMut,
-    tiles: Option<(&[[f32; DT]; BK], &[[f32; DT]; BK])>,
+    tiles: Option<(&KeyTile, &KeyTile)>,
     (d, qbase): (Dims, usize),
     (j0, nc): (usize, usize),
     round: bool,
