@@ -457,14 +457,19 @@ fn bf16_falls_back_to_the_f32_products_when_forced() {
     }
 }
 
-/// CPU time of the calling thread, in seconds (what a loaded machine does not steal).
+/// CPU time of the calling thread, in seconds (what a loaded machine does not steal);
+/// with `ATTN_THREADS` above 1, of the whole process (the test's other threads idle).
 fn thread_cpu_seconds() -> f64 {
+    let clock = match std::env::var("ATTN_THREADS").map_or(1, |t| t.parse().unwrap()) {
+        1 => libc::CLOCK_THREAD_CPUTIME_ID,
+        _ => libc::CLOCK_PROCESS_CPUTIME_ID,
+    };
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
     // SAFETY: clock_gettime writes one timespec into the memory it is given.
-    let ok = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } == 0;
+    let ok = unsafe { libc::clock_gettime(clock, &mut ts) } == 0;
     assert!(ok, "clock_gettime failed");
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
@@ -473,7 +478,8 @@ fn thread_cpu_seconds() -> f64 {
 /// --ignored --nocapture`. One thread (so the thread's CPU time is the work's), GPT-2
 /// 124M's heads (C = 768, NH = 12) on one sequence of T = 256 and 1024 (`ATTN_T`; with B
 /// sequences, B times as long), alternating the f32 and the `vdpbf16ps` products;
-/// medians of `ATTN_REPS` (5) runs, wall and CPU milliseconds.
+/// medians of `ATTN_REPS` (5) runs, wall and CPU milliseconds (`ATTN_THREADS=2`: two
+/// threads, the process's CPU time).
 #[test]
 #[ignore]
 fn bf16_attention_speed() {
@@ -482,8 +488,9 @@ fn bf16_attention_speed() {
         return;
     }
     let reps = std::env::var("ATTN_REPS").map_or(5, |r| r.parse().unwrap());
+    let threads = std::env::var("ATTN_THREADS").map_or(1, |t| t.parse().unwrap());
     let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(1)
+        .num_threads(threads)
         .build()
         .unwrap();
     // ATTN_T=256,512 picks the sequence lengths.
