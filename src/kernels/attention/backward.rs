@@ -425,9 +425,9 @@ pub(super) unsafe fn backward_head_bf16<const DROP: bool>(task: BwdTask) {
         // touch dK_j and dV_j; j0 = 0 is the first key block to touch each dQ_i.
         for i0 in (j0..t).step_by(BQ) {
             let nr = BQ.min(t - i0);
-            // SAFETY: query rows i0..i0 + nr <= T lie in `qkv` and `dout` (asserted);
-            // the packs have room for nr rows of ⌈HS / 2⌉ pairs and ⌈nr / 2⌉ pair rows
-            // of DT; p/ds hold BQ >= nr rows of BK, and the B packs BK columns.
+            // SAFETY: rows i0..i0 + nr <= T of the head's packed Q and dO hold ⌈HS / 2⌉
+            // pairs each; ktp/vtp ⌈HS / 2⌉ pair rows of BK columns; p/ds BQ >= nr rows
+            // of BK.
             unsafe {
                 let (qa, doa) = (qa[i0 * hp..].as_ptr(), doa[i0 * hp..].as_ptr());
                 let (ktp, vtp) = (ktp.as_ptr().cast(), vtp.as_ptr().cast());
@@ -451,9 +451,10 @@ pub(super) unsafe fn backward_head_bf16<const DROP: bool>(task: BwdTask) {
                 t,
             );
             let dq_i = dqkv.ptr().wrapping_add(qbase + i0 * row3);
-            // SAFETY: as above; p/ds hold nr rows of BK >= nc; pt/dst ⌈nr / 2⌉ <= BQ / 2
-            // pair rows of BK, dsa nr rows of ⌈nc / 2⌉ <= BK / 2 pairs; dk/dv have
-            // BK >= nc rows of DT >= HS; the dq rows written are this task's own.
+            // SAFETY: p/ds hold nr rows of BK >= nc; pt/dst ⌈nr / 2⌉ <= BQ / 2 pair rows
+            // of BK, dsa nr rows of ⌈nc / 2⌉ <= BK / 2 pairs; the packed Q and dO pair
+            // rows i0 / 2.. and kb ⌈·⌉ pair rows of hw / DT >= 16·⌈HS / 16⌉ columns;
+            // dk/dv BK >= nc rows of DT >= HS; the dq rows written are this task's own.
             unsafe {
                 pack_across(pt.as_mut_ptr().cast(), BK, p.as_ptr().cast(), BK, (nr, nc));
                 pack_across(
