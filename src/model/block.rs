@@ -180,7 +180,7 @@ pub fn block_forward<const BF16: bool>(
     });
     let lse = &mut a.att_lse[..d.b * d.nh * d.t];
     let atty = a.atty.save(&mut s.staging, n * c, |o| match attend {
-        Attend::Causal => attention_forward(o, lse, qkv, d, drop.map(|m| m.attn_probs)),
+        Attend::Causal => attention_forward::<BF16>(o, lse, qkv, d, drop.map(|m| m.attn_probs)),
         Attend::Cache(attend) => attend(o, qkv),
     });
     let res2 = &mut a.res2[..n * c];

@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use super::isa::{Isa, Variant};
+use super::isa::{self, Isa, Variant};
 use super::tiles::{row_dot, transpose_into, Dst, Gemm, Src};
 use super::{check_heads, effective, mask_factor, out_base, qkv_base, score_scale};
 use super::{SharedMut, BK, BQ, DT, NO_MASK};
@@ -13,7 +13,8 @@ use crate::kernels::fastmath::{exp_fast, fmadd};
 use crate::kernels::Dims;
 
 /// [`attention_backward`](super::attention_backward) with the given variant (the
-/// tests run each one this CPU has).
+/// tests run each one this CPU has), and with `bf16` on `vdpbf16ps` (see
+/// [`bf16_backward_products`](super::bf16_backward_products)).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn backward_impl(
     isa: Isa,
@@ -25,6 +26,7 @@ pub(super) fn backward_impl(
     d: Dims,
     dropout: Option<Dropout>,
     round: bool,
+    bf16: bool,
 ) {
     check_heads(d);
     let (n3, n) = (d.bt() * 3 * d.c, d.bt() * d.c);
@@ -52,9 +54,11 @@ pub(super) fn backward_impl(
             mask: mask.unwrap_or(NO_MASK),
             round,
         };
-        match mask {
-            Some(_) => isa.backward::<true>(task),
-            None => isa.backward::<false>(task),
+        match (mask, bf16) {
+            (Some(_), false) => isa.backward::<true>(task),
+            (None, false) => isa.backward::<false>(task),
+            (Some(_), true) => isa::backward_bf16::<true>(task),
+            (None, true) => isa::backward_bf16::<false>(task),
         }
     });
 }
@@ -167,30 +171,16 @@ pub(super) fn backward_head<K: Variant, const DROP: bool>(task: BwdTask) {
                 let o = obase + (i0 + r) * c;
                 *d = row_dot(fma, &dout[o..o + hs], &out[o..o + hs]);
             }
-            for r in 0..nr {
-                let lse_r = lse[i0 + r];
-                // Keys below `lim` are visible to this row: all of a tile below the
-                // diagonal, and up to the query itself in the diagonal tile.
-                let lim = if i0 == j0 { r + 1 } else { BK };
-                let (pr, dsr) = (&mut p[r], &mut ds[r]);
-                for v in pr.iter_mut() {
-                    *v = exp_fast(fma, fmadd(fma, *v, scale, -lse_r));
-                }
-                pr[lim..].fill(0.0);
-                if DROP {
-                    for cc in 0..lim {
-                        let index = mask_base + ((i0 + r) * t + j0 + cc) as u64;
-                        let f = mask_factor::<DROP>(mask, index);
-                        dsr[cc] = pr[cc] * (f * dsr[cc] - dd[r]) * scale;
-                        pr[cc] *= f;
-                    }
-                    dsr[lim..].fill(0.0);
-                } else {
-                    for (dv, &pv) in dsr.iter_mut().zip(pr.iter()) {
-                        *dv = pv * (*dv - dd[r]) * scale;
-                    }
-                }
-            }
+            softmax_backward_tile::<DROP>(
+                (&mut p, &mut ds),
+                &lse[i0..i0 + nr],
+                &dd,
+                (i0, j0),
+                (scale, fma),
+                mask,
+                mask_base,
+                t,
+            );
             let (dk_dst, dv_dst) = if resident {
                 let dk = Dst {
                     ptr: dk.as_mut_ptr().cast(),
@@ -245,26 +235,271 @@ pub(super) fn backward_head<K: Variant, const DROP: bool>(task: BwdTask) {
                 });
             }
         }
-        if resident {
-            for (cc, (dkr, dvr)) in dk[..nc].iter().zip(&dv[..nc]).enumerate() {
-                let row = qbase + (j0 + cc) * row3;
-                // SAFETY: this task's own rows and head channels of `dqkv`.
-                unsafe { dqkv.slice(row + c, hs) }.copy_from_slice(&dkr[..hs]);
-                // SAFETY: as above.
-                unsafe { dqkv.slice(row + 2 * c, hs) }.copy_from_slice(&dvr[..hs]);
-            }
+        let tiles = (&dk, &dv);
+        finish_key_block(dqkv, resident.then_some(tiles), (d, qbase), (j0, nc), round);
+    }
+}
+
+/// dK or dV of one key block: BK rows of up to DT head channels.
+type KeyTile = [[f32; DT]; BK];
+
+/// Ends key block `j0` (`nc` rows) of the head at `qbase`: stores its dK and dV from
+/// the stack `tiles` if given, and with `round` rounds the block's rows of dq, dk and
+/// dv to bf16.
+#[inline(always)]
+fn finish_key_block(
+    dqkv: SharedMut,
+    tiles: Option<(&KeyTile, &KeyTile)>,
+    (d, qbase): (Dims, usize),
+    (j0, nc): (usize, usize),
+    round: bool,
+) {
+    let (c, hs, row3) = (d.c, d.hs(), 3 * d.c);
+    if let Some((dk, dv)) = tiles {
+        for (cc, (dkr, dvr)) in dk[..nc].iter().zip(&dv[..nc]).enumerate() {
+            let row = qbase + (j0 + cc) * row3;
+            // SAFETY: this task's own rows and head channels of `dqkv`.
+            unsafe { dqkv.slice(row + c, hs) }.copy_from_slice(&dkr[..hs]);
+            // SAFETY: as above.
+            unsafe { dqkv.slice(row + 2 * c, hs) }.copy_from_slice(&dvr[..hs]);
         }
-        if round {
-            // Rows j0..j0 + nc are final: later key blocks touch only later query rows
-            // (dq), and their dk and dv were completed above. Round them in cache.
-            for cc in 0..nc {
-                let row = qbase + (j0 + cc) * row3;
-                for part in 0..3 {
-                    // SAFETY: this task's own rows and head channels of `dqkv`.
-                    let seg = unsafe { dqkv.slice(row + part * c, hs) };
-                    seg.iter_mut().for_each(|v| *v = bf16::round(*v));
-                }
+    }
+    if round {
+        // Rows j0..j0 + nc are final: later key blocks touch only later query rows
+        // (dq), and their dk and dv were completed above. Round them in cache.
+        for cc in 0..nc {
+            let row = qbase + (j0 + cc) * row3;
+            for part in 0..3 {
+                // SAFETY: this task's own rows and head channels of `dqkv`.
+                let seg = unsafe { dqkv.slice(row + part * c, hs) };
+                seg.iter_mut().for_each(|v| *v = bf16::round(*v));
             }
         }
     }
+}
+
+/// The softmax's backward on one (query block, key block) tile, rows `r < nr =
+/// lse.len()`: turns the scores `p[r][c]` (unscaled, query `i0 + r`, key `j0 + c`)
+/// into the probabilities times the dropout factor, and `ds[r][c]`, holding
+/// dP̃ = dO·v, into `scale · dS`; zero for masked keys.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn softmax_backward_tile<const DROP: bool>(
+    (p, ds): (&mut [[f32; BK]; BQ], &mut [[f32; BK]; BQ]),
+    lse: &[f32],
+    dd: &[f32; BQ],
+    (i0, j0): (usize, usize),
+    (scale, fma): (f32, bool),
+    mask: Dropout,
+    mask_base: u64,
+    t: usize,
+) {
+    for (r, &lse_r) in lse.iter().enumerate() {
+        // Keys below `lim` are visible to this row: all of a tile below the
+        // diagonal, and up to the query itself in the diagonal tile.
+        let lim = if i0 == j0 { r + 1 } else { BK };
+        let (pr, dsr) = (&mut p[r], &mut ds[r]);
+        for v in pr.iter_mut() {
+            *v = exp_fast(fma, fmadd(fma, *v, scale, -lse_r));
+        }
+        pr[lim..].fill(0.0);
+        if DROP {
+            for cc in 0..lim {
+                let index = mask_base + ((i0 + r) * t + j0 + cc) as u64;
+                let f = mask_factor::<DROP>(mask, index);
+                dsr[cc] = pr[cc] * (f * dsr[cc] - dd[r]) * scale;
+                pr[cc] *= f;
+            }
+            dsr[lim..].fill(0.0);
+        } else {
+            for (dv, &pv) in dsr.iter_mut().zip(pr.iter()) {
+                *dv = pv * (*dv - dd[r]) * scale;
+            }
+        }
+    }
+}
+
+/// [`backward_head`] with its five products on `vdpbf16ps` (bf16 autocast on a CPU
+/// with AVX512-BF16, heads of at most [`DT`] channels): S = Q·Kᵀ and dP̃ = dO·Vᵀ from
+/// bf16 q, k, v and dO (dO rounded by the packing), then, with the probabilities times
+/// the dropout factor and `scale · dS` rounded to bf16, dV += (P∘M)ᵀ·dO,
+/// dK += dSᵀ·Q, dQ += dS·K. D = dO·O and the softmax's backward stay f32.
+///
+/// # Safety
+/// The CPU has AVX-512 F, AVX512-BF16, AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) unsafe fn backward_head_bf16<const DROP: bool>(task: BwdTask) {
+    use super::pairs::{pack_across, pack_along, pair_gemm, pairs, PairGemm};
+    let BwdTask {
+        d,
+        dqkv,
+        dout,
+        qkv,
+        out,
+        lse,
+        bh,
+        mask,
+        round,
+    } = task;
+    let (t, c, hs, scale) = (d.t, d.c, d.hs(), score_scale(d));
+    let row3 = 3 * c;
+    let qbase = qkv_base(d, bh);
+    let obase = out_base(d, bh);
+    let mask_base = (bh * t) as u64 * t as u64;
+    assert!(hs <= DT && lse.len() == t && qbase + (t - 1) * row3 + 2 * c + hs <= qkv.len());
+    assert!(obase + (t - 1) * c + hs <= dout.len().min(out.len()));
+    let (hp, hw) = (pairs(hs), hs.div_ceil(16) * 16);
+    let q_at = |row: usize, part: usize| qkv[qbase + row * row3 + part * c..].as_ptr();
+    let do_at = |row: usize| dout[obase + row * c..].as_ptr();
+
+    // Per key block: Kᵀ and Vᵀ as pair rows over channels (B of S and dP̃), K as pair
+    // rows over keys (B of dQ).
+    let mut ktp = [[0u32; BK]; DT / 2];
+    let mut vtp = [[0u32; BK]; DT / 2];
+    let mut kb = [[0u32; DT]; BK / 2];
+    // The head's Q and dO rows as pairs along channels (A of S and dP̃) and as pair
+    // rows over queries (B of dK and dV), packed once (the worker's buffer); per tile,
+    // P∘M and dS as pairs along queries (A of dV, dK) and dS along keys (A of dQ).
+    let mut head = QO_PACKS.take();
+    let (al, bl) = (t * hp, t.div_ceil(2) * hw);
+    head.resize(2 * (al + bl), 0);
+    let (qa, rest) = head.split_at_mut(al);
+    let (doa, rest) = rest.split_at_mut(al);
+    let (qb, dob) = rest.split_at_mut(bl);
+    // SAFETY: the head's T query rows lie in `qkv` and its T dout rows in `dout`
+    // (asserted); qa/doa hold T rows of ⌈HS / 2⌉ pairs, qb/dob ⌈T / 2⌉ pair rows of
+    // hw >= HS.
+    unsafe {
+        pack_along(qa.as_mut_ptr(), (hp, 1), q_at(0, 0), row3, (t, hs));
+        pack_along(doa.as_mut_ptr(), (hp, 1), do_at(0), c, (t, hs));
+        pack_across(qb.as_mut_ptr(), hw, q_at(0, 0), row3, (t, hs));
+        pack_across(dob.as_mut_ptr(), hw, do_at(0), c, (t, hs));
+    }
+    let mut pt = [[0u32; BK]; BQ / 2];
+    let mut dst = [[0u32; BK]; BQ / 2];
+    let mut dsa = [[0u32; BK / 2]; BQ];
+    let mut dk = [[0.0f32; DT]; BK];
+    let mut dv = [[0.0f32; DT]; BK];
+    let mut p = [[0.0f32; BK]; BQ];
+    let mut ds = [[0.0f32; BK]; BQ];
+    let mut dd = [0.0f32; BQ];
+    let gemm =
+        |m, n, kp, (a, ars, aps): (*const u32, usize, usize), (b, ldb), (c, ldc), add| PairGemm {
+            m,
+            n,
+            kp,
+            a,
+            ars,
+            aps,
+            b,
+            ldb,
+            c,
+            ldc,
+            add,
+        };
+
+    for j0 in (0..t).step_by(BK) {
+        let nc = BK.min(t - j0);
+        // SAFETY: key and value rows j0..j0 + nc <= T of this head lie in `qkv`
+        // (asserted); ktp/vtp hold ⌈HS / 2⌉ <= DT / 2 pair rows of BK >= nc, kb
+        // ⌈nc / 2⌉ <= BK / 2 pair rows of DT >= HS.
+        unsafe {
+            pack_along(
+                ktp.as_mut_ptr().cast(),
+                (1, BK),
+                q_at(j0, 1),
+                row3,
+                (nc, hs),
+            );
+            pack_along(
+                vtp.as_mut_ptr().cast(),
+                (1, BK),
+                q_at(j0, 2),
+                row3,
+                (nc, hs),
+            );
+            pack_across(kb.as_mut_ptr().cast(), DT, q_at(j0, 1), row3, (nc, hs));
+        }
+        // As in `backward_head`: query blocks start on the diagonal tile, the first to
+        // touch dK_j and dV_j; j0 = 0 is the first key block to touch each dQ_i.
+        for i0 in (j0..t).step_by(BQ) {
+            let nr = BQ.min(t - i0);
+            // SAFETY: rows i0..i0 + nr <= T of the head's packed Q and dO hold ⌈HS / 2⌉
+            // pairs each; ktp/vtp ⌈HS / 2⌉ pair rows of BK columns; p/ds BQ >= nr rows
+            // of BK.
+            unsafe {
+                let (qa, doa) = (qa[i0 * hp..].as_ptr(), doa[i0 * hp..].as_ptr());
+                let (ktp, vtp) = (ktp.as_ptr().cast(), vtp.as_ptr().cast());
+                let (p, ds) = (p.as_mut_ptr().cast(), ds.as_mut_ptr().cast());
+                pair_gemm(gemm(nr, BK, hp, (qa, hp, 1), (ktp, BK), (p, BK), false));
+                pair_gemm(gemm(nr, BK, hp, (doa, hp, 1), (vtp, BK), (ds, BK), false));
+            }
+            // D_r = dO_r · O_r, in f32.
+            for (r, d) in dd[..nr].iter_mut().enumerate() {
+                let o = obase + (i0 + r) * c;
+                *d = row_dot(true, &dout[o..o + hs], &out[o..o + hs]);
+            }
+            softmax_backward_tile::<DROP>(
+                (&mut p, &mut ds),
+                &lse[i0..i0 + nr],
+                &dd,
+                (i0, j0),
+                (scale, true),
+                mask,
+                mask_base,
+                t,
+            );
+            let dq_i = dqkv.ptr().wrapping_add(qbase + i0 * row3);
+            // SAFETY: p/ds hold nr rows of BK >= nc; pt/dst ⌈nr / 2⌉ <= BQ / 2 pair rows
+            // of BK, dsa nr rows of ⌈nc / 2⌉ <= BK / 2 pairs; the packed Q and dO pair
+            // rows i0 / 2.. and kb ⌈·⌉ pair rows of hw / DT >= 16·⌈HS / 16⌉ columns;
+            // dk/dv BK >= nc rows of DT >= HS; the dq rows written are this task's own.
+            unsafe {
+                pack_across(pt.as_mut_ptr().cast(), BK, p.as_ptr().cast(), BK, (nr, nc));
+                pack_across(
+                    dst.as_mut_ptr().cast(),
+                    BK,
+                    ds.as_ptr().cast(),
+                    BK,
+                    (nr, nc),
+                );
+                pack_along(
+                    dsa.as_mut_ptr().cast(),
+                    (BK / 2, 1),
+                    ds.as_ptr().cast(),
+                    BK,
+                    (nr, nc),
+                );
+                // Pair rows i0 / 2.. (i0 is even); a ragged T's last is padded with zero.
+                let (qb, dob) = (qb[i0 / 2 * hw..].as_ptr(), dob[i0 / 2 * hw..].as_ptr());
+                let kb = kb.as_ptr().cast();
+                let (pt, dst, dsa) = (pt.as_ptr().cast(), dst.as_ptr().cast(), dsa.as_ptr().cast());
+                let (dk, dv) = (dk.as_mut_ptr().cast(), dv.as_mut_ptr().cast());
+                let (kr, kq) = (pairs(nr), pairs(nc));
+                // dV_j (+)= (P∘M)ᵀ · dO_i, dK_j (+)= scale · dSᵀ · Q_i
+                pair_gemm(gemm(nc, hs, kr, (pt, 1, BK), (dob, hw), (dv, DT), i0 > j0));
+                pair_gemm(gemm(nc, hs, kr, (dst, 1, BK), (qb, hw), (dk, DT), i0 > j0));
+                // dQ_i (+)= scale · dS · K_j
+                pair_gemm(gemm(
+                    nr,
+                    hs,
+                    kq,
+                    (dsa, BK / 2, 1),
+                    (kb, DT),
+                    (dq_i, row3),
+                    j0 > 0,
+                ));
+            }
+        }
+        finish_key_block(dqkv, Some((&dk, &dv)), (d, qbase), (j0, nc), round);
+    }
+    QO_PACKS.set(head);
+}
+
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    /// A worker's packed Q and dO of the head it is on ([`backward_head_bf16`]), grown
+    /// to the largest head and reused, so a training step allocates nothing once warm.
+    static QO_PACKS: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
 }

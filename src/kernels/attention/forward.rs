@@ -1,8 +1,9 @@
 //! The forward pass: one task per (batch element, head, query block).
 
 use rayon::prelude::*;
+use std::cell::Cell;
 
-use super::isa::{Isa, Variant};
+use super::isa::{self, Isa, Variant};
 use super::tiles::{transpose_into, Dst, Gemm, Src};
 use super::{check_heads, effective, mask_factor, out_base, qkv_base, score_scale};
 use super::{SharedMut, BK, BQ, DT, NO_MASK};
@@ -11,7 +12,8 @@ use crate::kernels::fastmath::exp_fast;
 use crate::kernels::Dims;
 
 /// [`attention_forward`](super::attention_forward) with the given variant (the tests
-/// run each one this CPU has).
+/// run each one this CPU has), and with `bf16` on `vdpbf16ps` (see
+/// [`bf16_forward_products`](super::bf16_forward_products)).
 pub(super) fn forward_impl(
     isa: Isa,
     out: &mut [f32],
@@ -19,6 +21,7 @@ pub(super) fn forward_impl(
     qkv: &[f32],
     d: Dims,
     dropout: Option<Dropout>,
+    bf16: bool,
 ) {
     check_heads(d);
     assert_eq!(qkv.len(), d.bt() * 3 * d.c, "qkv must be (B, T, 3C)");
@@ -28,6 +31,14 @@ pub(super) fn forward_impl(
         return;
     }
     let mask = effective(dropout);
+    // With `bf16`, every head's keys and values are packed once, before the tasks that
+    // read them; the buffer is the calling thread's, kept for the next call.
+    let mut kv_owned = if bf16 { KV_PACKS.take() } else { Vec::new() };
+    let per_head = kv_pack_len(d).iter().sum::<usize>();
+    if bf16 {
+        pack_keys_values(&mut kv_owned, qkv, d);
+    }
+    let kv = &kv_owned[..];
     // The task of batch element b, head h and one query block writes only channels
     // h·HS..(h+1)·HS of its own rows of `out`: the tasks' pieces are disjoint.
     let out = SharedMut::new(out);
@@ -46,12 +57,65 @@ pub(super) fn forward_impl(
                         bh,
                         i0: qb * BQ,
                         mask: mask.unwrap_or(NO_MASK),
+                        kv: kv.get(bh * per_head..(bh + 1) * per_head).unwrap_or(&[]),
                     };
-                    match mask {
-                        Some(_) => isa.forward::<true>(task),
-                        None => isa.forward::<false>(task),
+                    match (mask, bf16) {
+                        (Some(_), false) => isa.forward::<true>(task),
+                        (None, false) => isa.forward::<false>(task),
+                        (Some(_), true) => isa::forward_bf16::<true>(task),
+                        (None, true) => isa::forward_bf16::<false>(task),
                     }
                 });
+        });
+    if bf16 {
+        KV_PACKS.set(std::mem::take(&mut kv_owned));
+    }
+}
+
+thread_local! {
+    /// The keys and values of bf16 attention packed for `vdpbf16ps`, grown to the
+    /// largest call on this thread and reused, so a training step allocates nothing
+    /// once warm.
+    static KV_PACKS: Cell<Vec<u32>> = const { Cell::new(Vec::new()) };
+}
+
+/// The lengths, in pairs, of one head's packed keys (T rows of ⌈HS / 2⌉ pairs along
+/// the channels: the A operand of S = Q·Kᵀ, computed as K·Qᵀ) and packed values
+/// (⌈T / 2⌉ pair rows over keys of 16·⌈HS / 16⌉ columns: the B operand of P̃·V).
+fn kv_pack_len(d: Dims) -> [usize; 2] {
+    let hs = d.hs();
+    [d.t * hs.div_ceil(2), d.t.div_ceil(2) * hs.div_ceil(16) * 16]
+}
+
+/// Packs every head's keys and values into `kv`, heads one after another
+/// ([`kv_pack_len`]), in parallel over heads. Panics without AVX512-BF16.
+fn pack_keys_values(kv: &mut Vec<u32>, qkv: &[f32], d: Dims) {
+    assert!(isa::bf16_usable(), "bf16 attention needs AVX512-BF16");
+    let [kl, vl] = kv_pack_len(d);
+    kv.resize(d.b * d.nh * (kl + vl), 0);
+    kv.par_chunks_mut(kl + vl)
+        .enumerate()
+        .for_each(|(bh, dst)| {
+            let (k, v) = dst.split_at_mut(kl);
+            let (c, hs, row3, base) = (d.c, d.hs(), 3 * d.c, qkv_base(d, bh));
+            assert!(base + (d.t - 1) * row3 + 2 * c + hs <= qkv.len());
+            // SAFETY: AVX512-BF16 and AVX-512 F (asserted); the head's T key and value
+            // rows lie in `qkv` (asserted), `k` holds T rows of ⌈HS / 2⌉ pairs and `v`
+            // ⌈T / 2⌉ pair rows of 16·⌈HS / 16⌉ >= HS.
+            #[cfg(target_arch = "x86_64")]
+            unsafe {
+                use super::pairs::{pack_across, pack_along};
+                let hw = hs.div_ceil(16) * 16;
+                pack_along(
+                    k.as_mut_ptr(),
+                    (hs.div_ceil(2), 1),
+                    &qkv[base + c],
+                    row3,
+                    (d.t, hs),
+                );
+                pack_across(v.as_mut_ptr(), hw, &qkv[base + 2 * c], row3, (d.t, hs));
+            }
+            let _ = (k, v);
         });
 }
 
@@ -73,6 +137,9 @@ pub(super) struct FwdTask<'a> {
     bh: usize,
     i0: usize,
     mask: Dropout,
+    /// The head's keys and values packed for `vdpbf16ps` ([`pack_keys_values`]), or
+    /// empty.
+    kv: &'a [u32],
 }
 
 #[inline(always)]
@@ -85,6 +152,7 @@ pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
         bh,
         i0,
         mask,
+        kv: _,
     } = task;
     let (t, c, hs, scale, fma) = (d.t, d.c, d.hs(), score_scale(d), K::FMA);
     let row3 = 3 * c;
@@ -137,42 +205,16 @@ pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
                 });
             }
         }
-        if j0 + nc > i0 + 1 {
-            // Diagonal tile: key j0 + c is masked for query i0 + r when j0 + c > i0 + r.
-            for (cc, row) in st[..nc].iter_mut().enumerate() {
-                for (r, v) in row.iter_mut().enumerate() {
-                    if j0 + cc > i0 + r {
-                        *v = f32::NEG_INFINITY;
-                    }
-                }
-            }
-        }
-        // Online softmax. Every row sees key 0 in its first tile, so `m` is finite
-        // from then on and `alpha` is never NaN.
-        let mut m_new = m;
-        for row in &st[..nc] {
-            for (mn, &v) in m_new.iter_mut().zip(row) {
-                *mn = fmax(*mn, v);
-            }
-        }
-        let mut alpha = [0.0f32; BQ];
-        for ((a, &mo), &mn) in alpha.iter_mut().zip(&m).zip(&m_new) {
-            *a = exp_fast(fma, mo - mn);
-        }
-        for row in &mut st[..nc] {
-            for (v, &mn) in row.iter_mut().zip(&m_new) {
-                *v = exp_fast(fma, *v - mn);
-            }
-        }
-        for (lr, &a) in l.iter_mut().zip(&alpha) {
-            *lr *= a;
-        }
-        for row in &st[..nc] {
-            for (lr, &p) in l.iter_mut().zip(row) {
-                *lr += p;
-            }
-        }
-        m = m_new;
+        let alpha = softmax_tile::<DROP>(
+            &mut st,
+            (nc, nr),
+            (i0, j0),
+            (&mut m, &mut l),
+            fma,
+            mask,
+            mask_base,
+            t,
+        );
         // The first tile overwrites the output rows; later ones rescale them and add.
         if j0 > 0 {
             for (r, &a) in alpha[..nr].iter().enumerate() {
@@ -186,14 +228,6 @@ pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
                     for v in row {
                         *v *= a;
                     }
-                }
-            }
-        }
-        if DROP {
-            for (cc, row) in st[..nc].iter_mut().enumerate() {
-                for (r, v) in row[..nr].iter_mut().enumerate() {
-                    let index = mask_base + ((i0 + r) * t + j0 + cc) as u64;
-                    *v *= mask_factor::<DROP>(mask, index);
                 }
             }
         }
@@ -236,6 +270,192 @@ pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
             for d in dst {
                 *d *= inv;
             }
+        }
+        lse[r] = m[r] + l[r].ln();
+    }
+}
+
+/// One key tile of the online softmax: masks the diagonal tile's future keys, updates
+/// the running max `m` and sum `l` of each query row, turns the scores `st[c][r]`
+/// (key `j0 + c`, query `i0 + r`; `nc` keys, `nr` queries) into unnormalised
+/// probabilities times the dropout factor, and returns the factors `alpha` the rows'
+/// earlier output must be rescaled by.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) fn softmax_tile<const DROP: bool>(
+    st: &mut [[f32; BQ]; BK],
+    (nc, nr): (usize, usize),
+    (i0, j0): (usize, usize),
+    (m, l): (&mut [f32; BQ], &mut [f32; BQ]),
+    fma: bool,
+    mask: Dropout,
+    mask_base: u64,
+    t: usize,
+) -> [f32; BQ] {
+    if j0 + nc > i0 + 1 {
+        // Diagonal tile: key j0 + c is masked for query i0 + r when j0 + c > i0 + r.
+        for (cc, row) in st[..nc].iter_mut().enumerate() {
+            for (r, v) in row.iter_mut().enumerate() {
+                if j0 + cc > i0 + r {
+                    *v = f32::NEG_INFINITY;
+                }
+            }
+        }
+    }
+    // Online softmax. Every row sees key 0 in its first tile, so `m` is finite
+    // from then on and `alpha` is never NaN.
+    let mut m_new = *m;
+    for row in &st[..nc] {
+        for (mn, &v) in m_new.iter_mut().zip(row) {
+            *mn = fmax(*mn, v);
+        }
+    }
+    let mut alpha = [0.0f32; BQ];
+    for ((a, &mo), &mn) in alpha.iter_mut().zip(m.iter()).zip(&m_new) {
+        *a = exp_fast(fma, mo - mn);
+    }
+    for row in &mut st[..nc] {
+        for (v, &mn) in row.iter_mut().zip(&m_new) {
+            *v = exp_fast(fma, *v - mn);
+        }
+    }
+    for (lr, &a) in l.iter_mut().zip(&alpha) {
+        *lr *= a;
+    }
+    for row in &st[..nc] {
+        for (lr, &p) in l.iter_mut().zip(row) {
+            *lr += p;
+        }
+    }
+    *m = m_new;
+    if DROP {
+        for (cc, row) in st[..nc].iter_mut().enumerate() {
+            for (r, v) in row[..nr].iter_mut().enumerate() {
+                let index = mask_base + ((i0 + r) * t + j0 + cc) as u64;
+                *v *= mask_factor::<DROP>(mask, index);
+            }
+        }
+    }
+    alpha
+}
+
+/// [`forward_block`] with its two products on `vdpbf16ps` (bf16 autocast on a CPU with
+/// AVX512-BF16, heads of at most [`DT`] channels): S = Q·Kᵀ from the bf16 values of
+/// q and k, scaled in f32; O += P̃·V with the unnormalised probabilities times the
+/// dropout factor, P̃, rounded to bf16. The softmax is the f32 one of [`softmax_tile`].
+///
+/// # Safety
+/// The CPU has AVX-512 F, AVX512-BF16, AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) unsafe fn forward_block_bf16<const DROP: bool>(task: FwdTask) {
+    use super::pairs::{pack_across, pack_along, pair_gemm, pairs, PairGemm};
+    let FwdTask {
+        d,
+        qkv,
+        out,
+        lse,
+        bh,
+        i0,
+        mask,
+        kv,
+    } = task;
+    let (t, c, hs, scale) = (d.t, d.c, d.hs(), score_scale(d));
+    let row3 = 3 * c;
+    let nr = lse.len();
+    let qbase = qkv_base(d, bh);
+    let obase = out_base(d, bh) + i0 * c;
+    let mask_base = (bh * t) as u64 * t as u64;
+    assert!(hs <= DT && nr > 0 && i0 + nr <= t);
+    assert!(qbase + (t - 1) * row3 + 2 * c + hs <= qkv.len());
+    let (hp, hw) = (pairs(hs), hs.div_ceil(16) * 16);
+    let [kl, vl] = kv_pack_len(d);
+    assert_eq!(kv.len(), kl + vl, "the head's packed keys and values");
+    let (kpk, vpk) = kv.split_at(kl);
+    assert!(kpk.len() == t * hp && vpk.len() == t.div_ceil(2) * hw);
+
+    // Qᵀ as pair rows over the head's channels: qp[p][r] = (q[i0 + r][2p], q[..][2p + 1]).
+    let mut qp = [[0u32; BQ]; DT / 2];
+    // P̃ as pair rows over keys (its queries in columns), refilled per key block.
+    let mut pp = [[0u32; BQ]; BK / 2];
+    let mut o = [[0.0f32; DT]; BQ];
+    let mut st = [[0.0f32; BQ]; BK];
+    let mut m = [f32::NEG_INFINITY; BQ];
+    let mut l = [0.0f32; BQ];
+    let at = |row: usize, part: usize| qkv[qbase + row * row3 + part * c..].as_ptr();
+    // SAFETY: rows i0..i0 + nr of this head's q lie in `qkv` (asserted); qp has
+    // ⌈HS / 2⌉ <= DT / 2 rows of BQ >= nr pairs.
+    unsafe { pack_along(qp.as_mut_ptr().cast(), (1, BQ), at(i0, 0), row3, (nr, hs)) };
+
+    let kend = i0 + nr;
+    for j0 in (0..kend).step_by(BK) {
+        let nc = BK.min(kend - j0);
+        // SAFETY: the packed key rows j0..j0 + nc <= T of ⌈HS / 2⌉ pairs lie in `kpk`;
+        // st holds nc rows of BQ and qp BQ columns.
+        unsafe {
+            pair_gemm(PairGemm {
+                m: nc,
+                n: BQ,
+                kp: hp,
+                a: kpk[j0 * hp..].as_ptr(),
+                ars: hp,
+                aps: 1,
+                b: qp.as_ptr().cast(),
+                ldb: BQ,
+                c: st.as_mut_ptr().cast(),
+                ldc: BQ,
+                add: false,
+            });
+        }
+        for row in &mut st[..nc] {
+            for v in row.iter_mut() {
+                *v *= scale;
+            }
+        }
+        let alpha = softmax_tile::<DROP>(
+            &mut st,
+            (nc, nr),
+            (i0, j0),
+            (&mut m, &mut l),
+            true,
+            mask,
+            mask_base,
+            t,
+        );
+        if j0 > 0 {
+            for (row, &a) in o[..nr].iter_mut().zip(&alpha) {
+                if a != 1.0 {
+                    row[..hs].iter_mut().for_each(|v| *v *= a);
+                }
+            }
+        }
+        // o[r] (+)= Σ_c p̃[r][c] · v[j0 + c], P̃ rounded to bf16 by the packing.
+        // SAFETY: st holds nc rows of BQ >= nr; pp has ⌈nc / 2⌉ <= BK / 2 pair rows of
+        // BQ; `vpk` pair rows j0 / 2.. (j0 is even) of hw = 16·⌈HS / 16⌉ columns, the
+        // last one of a ragged T padded with zero; o has BQ >= nr rows of DT >= hw.
+        unsafe {
+            pack_across(pp.as_mut_ptr().cast(), BQ, st.as_ptr().cast(), BQ, (nc, nr));
+            pair_gemm(PairGemm {
+                m: nr,
+                n: hs,
+                kp: pairs(nc),
+                a: pp.as_ptr().cast(),
+                ars: 1,
+                aps: BQ,
+                b: vpk[j0 / 2 * hw..].as_ptr(),
+                ldb: hw,
+                c: o.as_mut_ptr().cast(),
+                ldc: DT,
+                add: j0 > 0,
+            });
+        }
+    }
+    for r in 0..nr {
+        let inv = 1.0 / l[r];
+        // SAFETY: this task's own rows and head channels of `out`.
+        let dst = unsafe { out.slice(obase + r * c, hs) };
+        for (d, &v) in dst.iter_mut().zip(&o[r]) {
+            *d = v * inv;
         }
         lse[r] = m[r] + l[r].ln();
     }

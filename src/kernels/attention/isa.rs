@@ -4,6 +4,7 @@
 use super::backward::{backward_head, BwdTask};
 use super::forward::{forward_block, FwdTask};
 use super::tiles::{gemm_acc, Gemm};
+use crate::kernels::bf16::dpbf16;
 
 /// An instruction-set variant: the code of the passes is generic over it.
 pub(super) trait Variant {
@@ -101,10 +102,42 @@ impl Isa {
     }
 }
 
+/// One forward task of bf16 attention on `vdpbf16ps`. Panics without AVX512-BF16.
+pub(super) fn forward_bf16<const DROP: bool>(task: FwdTask) {
+    assert!(bf16_usable(), "bf16 attention needs AVX512-BF16");
+    // SAFETY: AVX-512 F, AVX2, FMA and AVX512-BF16 were checked just above.
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        x86::forward_bf16::<DROP>(task)
+    }
+}
+
+/// One backward task of bf16 attention on `vdpbf16ps`. Panics without AVX512-BF16.
+pub(super) fn backward_bf16<const DROP: bool>(task: BwdTask) {
+    assert!(bf16_usable(), "bf16 attention needs AVX512-BF16");
+    // SAFETY: AVX-512 F, AVX2, FMA and AVX512-BF16 were checked just above.
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        x86::backward_bf16::<DROP>(task)
+    }
+}
+
+/// Whether this CPU runs the bf16 variants: AVX512-BF16 on top of the AVX-512 one.
+pub(super) fn bf16_usable() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        Isa::detect() == Isa::Avx512 && dpbf16::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// The passes and the matrix kernel compiled with AVX2 + FMA and with AVX-512. Every
 /// `#[inline(always)]` helper they call is compiled into them with these features.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use super::super::backward::backward_head_bf16;
+    use super::super::forward::forward_block_bf16;
     use super::{backward_head, forward_block, gemm_acc, BwdTask, FwdTask, Gemm, Variant};
 
     pub(super) struct Avx2;
@@ -163,5 +196,21 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx2,fma")]
     pub(super) fn backward_avx512<const DROP: bool>(task: BwdTask) {
         backward_head::<Avx512, DROP>(task)
+    }
+
+    /// # Safety
+    /// The CPU must have AVX-512 F, AVX512-BF16, AVX2 and FMA.
+    #[target_feature(enable = "avx512f,avx512bf16,avx2,fma")]
+    pub(super) unsafe fn forward_bf16<const DROP: bool>(task: FwdTask) {
+        // SAFETY: the features are enabled here (caller).
+        unsafe { forward_block_bf16::<DROP>(task) }
+    }
+
+    /// # Safety
+    /// The CPU must have AVX-512 F, AVX512-BF16, AVX2 and FMA.
+    #[target_feature(enable = "avx512f,avx512bf16,avx2,fma")]
+    pub(super) unsafe fn backward_bf16<const DROP: bool>(task: BwdTask) {
+        // SAFETY: the features are enabled here (caller).
+        unsafe { backward_head_bf16::<DROP>(task) }
     }
 }

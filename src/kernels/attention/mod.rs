@@ -26,21 +26,49 @@
 //! run time. Each task performs its floating-point operations in a fixed order, so the
 //! results do not depend on the number of threads.
 //!
+//! Under bf16 autocast (`attention_forward::<true>`, `attention_backward::<true>`)
+//! q, k and v already hold bf16 values, and on a CPU with AVX512-BF16 the products run
+//! on `vdpbf16ps` (`pairs.rs`) for long sequences, where that measured faster
+//! ([`bf16_forward_products`]: T >= 2048; [`bf16_backward_products`]: T >= 512), with
+//! the same tiles, task split and fixed operation order. Exactly what is rounded to bf16 (round to nearest even):
+//! - forward: S = Q·Kᵀ multiplies the bf16 values of q and k exactly (scaled by
+//!   `1/√HS` in f32 afterwards); for O += P̃·V the operand rounded is
+//!   P̃ = exp(x − m)·m_s, the running-max (unnormalised) probability times the
+//!   dropout factor, not the normalised `p` that PyTorch's autocast rounds: the same
+//!   relative error (at most 2^-8 per element), not the same bits. The row sums `l`
+//!   add the unrounded values; the max, `l`, lse and O accumulate in f32.
+//! - backward: dO is rounded (PyTorch's autocast rounds it too: it is the gradient of
+//!   a bf16 matmul's output) for dP̃ = dO·Vᵀ and dV += (P∘M)ᵀ·dO; P∘M (the
+//!   recomputed probability times the dropout factor) and `scale·dS` are rounded before
+//!   their products dV += (P∘M)ᵀ·dO, dK += (scale·dS)ᵀ·Q and dQ += (scale·dS)·K.
+//!   D = dO·O, the softmax's backward and every accumulation stay f32.
+//!
+//! Keys and values (forward) and a head's Q and dO (backward) are packed into bf16
+//! pairs once per call in per-thread buffers that are kept and reused (no allocation
+//! once warm); everything per tile lives on the stack. f32 attention, CPUs without
+//! AVX512-BF16, heads larger than [`DT`] channels, and `NANOGPT_BF16_GEMM=f32` (which
+//! forces the f32 products for the matmuls and the attention alike, for A/B runs) keep
+//! the f32 passes, which are exact on bf16-valued q/k/v up to summation order.
+//!
 //! [`cached_attention`] is the same attention for generation: new positions against
 //! a cache of keys and values.
 //!
 //! Files: `forward.rs` and `backward.rs` hold the passes, `tiles.rs` the products and
-//! transposes they are built from, `isa.rs` the instruction-set variants, `cached.rs`
-//! the cached attention, and `tests.rs` the tests of the passes.
+//! transposes they are built from, `pairs.rs` the bf16 pair packing and `vdpbf16ps`
+//! kernel, `isa.rs` the instruction-set variants, `cached.rs` the cached attention, and
+//! `tests.rs` the tests of the passes.
 
 mod backward;
 mod cached;
 mod forward;
 mod isa;
+#[cfg(target_arch = "x86_64")]
+mod pairs;
 #[cfg(test)]
 mod tests;
 mod tiles;
 
+use super::bf16::gemm::{self, Kernel};
 use super::dropout::Dropout;
 use super::{Dims, SharedMut};
 use backward::backward_impl;
@@ -177,7 +205,10 @@ const DT: usize = 128;
 ///   mask index `((b·NH + h)·T + t)·T + s`.
 ///
 /// Parallel over `(b, h, query block)`; results do not depend on the thread count.
-pub fn attention_forward(
+///
+/// With `BF16` (bf16 autocast: q, k and v hold bf16 values), the products run on
+/// `vdpbf16ps` where [`bf16_forward_products`] says so (see the [module docs](self)).
+pub fn attention_forward<const BF16: bool>(
     out: &mut [f32],
     lse: &mut [f32],
     qkv: &[f32],
@@ -185,7 +216,8 @@ pub fn attention_forward(
     dropout: Option<Dropout>,
 ) {
     let _t = crate::profile::scope(crate::profile::Section::Attention);
-    forward_impl(Isa::detect(), out, lse, qkv, d, dropout);
+    let bf16 = bf16_forward_products::<BF16>(d);
+    forward_impl(Isa::detect(), out, lse, qkv, d, dropout, bf16);
 }
 
 /// Causal self-attention backward, recomputing the probabilities from `lse`.
@@ -194,7 +226,8 @@ pub fn attention_forward(
 /// produced by [`attention_forward`]; `dqkv`: `(B, T, 3C)`, **overwritten**. With
 /// `BF16`, `dqkv` is rounded to bf16 (the operand of the bf16 matmuls that follow
 /// under autocast) by each task as its rows are final and still in cache, instead
-/// of in a pass of its own: the same bits.
+/// of in a pass of its own: the same bits; and the products run on `vdpbf16ps` where
+/// [`bf16_backward_products`] says so.
 ///
 /// Parallel over `(b, h)`; results do not depend on the thread count.
 pub fn attention_backward<const BF16: bool>(
@@ -207,7 +240,49 @@ pub fn attention_backward<const BF16: bool>(
     dropout: Option<Dropout>,
 ) {
     let _t = crate::profile::scope(crate::profile::Section::AttentionBackward);
-    backward_impl(Isa::detect(), dqkv, dout, qkv, out, lse, d, dropout, BF16);
+    let bf16 = bf16_backward_products::<BF16>(d);
+    backward_impl(
+        Isa::detect(),
+        dqkv,
+        dout,
+        qkv,
+        out,
+        lse,
+        d,
+        dropout,
+        BF16,
+        bf16,
+    );
+}
+
+/// Whether bf16 attention can run its products on `vdpbf16ps` here: a CPU with
+/// AVX512-BF16, heads of at most [`DT`] channels, and `NANOGPT_BF16_GEMM=f32` not
+/// forcing the f32 products (for the bf16 matmuls and then the attention's too).
+fn bf16_capable(d: Dims) -> bool {
+    d.hs() <= DT && isa::bf16_usable() && gemm::kernel() != Kernel::F32
+}
+
+/// From this T on, bf16 attention's forward pass runs its products on `vdpbf16ps`.
+/// Below it the packing costs more than the faster products save: one thread, GPT-2
+/// 124M's heads, CPU time of the f32 pass over the `vdpbf16ps` one, 0.74–0.86× at
+/// T 256, 0.88× at 512, 1.01× at 1024, 1.18–1.25× at 2048 (docs/PERFORMANCE.md).
+const BF16_FORWARD_MIN_T: usize = 2048;
+
+/// From this T on, bf16 attention's backward pass runs its products on `vdpbf16ps`:
+/// measured as for [`BF16_FORWARD_MIN_T`], 0.82–0.90× at T 256, 1.13–1.15× at 512,
+/// 1.31–1.36× at 1024, 1.73× at 2048.
+const BF16_BACKWARD_MIN_T: usize = 512;
+
+/// Whether bf16 attention's (`BF16`) forward pass runs its products on `vdpbf16ps`
+/// ([`BF16_FORWARD_MIN_T`]).
+pub fn bf16_forward_products<const BF16: bool>(d: Dims) -> bool {
+    BF16 && d.t >= BF16_FORWARD_MIN_T && bf16_capable(d)
+}
+
+/// Whether bf16 attention's (`BF16`) backward pass runs its products on `vdpbf16ps`
+/// ([`BF16_BACKWARD_MIN_T`]).
+pub fn bf16_backward_products<const BF16: bool>(d: Dims) -> bool {
+    BF16 && d.t >= BF16_BACKWARD_MIN_T && bf16_capable(d)
 }
 
 /// Panics unless `C` splits into `NH` heads.

@@ -56,15 +56,26 @@ fn check(
         let what = format!("B={b} T={t} C={c} NH={nh} mask={mask:?} {isa:?}");
         let mut out = vec![f32::NAN; b * t * c];
         let mut lse = vec![f32::NAN; b * nh * t];
-        forward_impl(isa, &mut out, &mut lse, &qkv, d, mask);
+        forward_impl(isa, &mut out, &mut lse, &qkv, d, mask, false);
         assert_close(&format!("{what}: out"), &out, &want_out, 1e-5, 1e-6);
         assert_close(&format!("{what}: lse"), &lse, &want_lse, 1e-5, 1e-6);
         let mut dqkv = vec![f32::NAN; qkv.len()];
-        backward_impl(isa, &mut dqkv, &w, &qkv, &out, &lse, d, mask, false);
+        backward_impl(isa, &mut dqkv, &w, &qkv, &out, &lse, d, mask, false, false);
         // bf16 autocast's variant rounds each block of rows as it is final: the
         // same bits as rounding the finished gradient in a pass of its own.
         let mut rounded = vec![f32::NAN; qkv.len()];
-        backward_impl(isa, &mut rounded, &w, &qkv, &out, &lse, d, mask, true);
+        backward_impl(
+            isa,
+            &mut rounded,
+            &w,
+            &qkv,
+            &out,
+            &lse,
+            d,
+            mask,
+            true,
+            false,
+        );
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         let mut want_rounded = dqkv.clone();
         crate::kernels::bf16::round_in_place(&mut want_rounded);
@@ -167,7 +178,7 @@ fn dropout_changes_output() {
     let run = |mask| {
         let mut out = vec![0.0; b * t * c];
         let mut lse = vec![0.0; b * nh * t];
-        attention_forward(&mut out, &mut lse, &qkv, d, mask);
+        attention_forward::<false>(&mut out, &mut lse, &qkv, d, mask);
         (out, lse)
     };
     let (plain, plain_lse) = run(None);
@@ -190,7 +201,7 @@ fn deterministic_across_thread_counts() {
         pool.install(|| {
             let mut out = vec![0.0; b * t * c];
             let mut lse = vec![0.0; b * nh * t];
-            attention_forward(&mut out, &mut lse, &qkv, d, DROP);
+            attention_forward::<false>(&mut out, &mut lse, &qkv, d, DROP);
             let mut dqkv = vec![0.0; qkv.len()];
             attention_backward::<false>(&mut dqkv, &dout, &qkv, &out, &lse, d, DROP);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
@@ -201,4 +212,337 @@ fn deterministic_across_thread_counts() {
     assert!(one.2.iter().any(|&x| x != 0));
     assert_eq!(one, run(2));
     assert_eq!(one, run(3));
+}
+
+/// bf16's unit roundoff: with 8 significant bits, rounding to nearest changes a
+/// normal value by at most half an ulp, `2^-8` of it.
+const BF16_U: f64 = 1.0 / 256.0;
+
+/// What rounding the bf16 products' operands can move each output by, in units of
+/// [`BF16_U`], in the notation of [`naive_backward`] (q, k, v and dO already hold bf16
+/// values, so only P̃ and dS are rounded):
+/// - `out_t`: `Σ_s p_s·m_s·|v_s|` (each term of `Σ p_s·m_s·v_s` moves by at most
+///   `U·p_s·m_s·|v_s|`; the running-max factor of P̃ and `1 / l` are exact scalings);
+/// - `dv_s`: `Σ_t p_s·m_s·|dout_t|`, `dq_t`: `Σ_s |dx_s|·|k_s|`, `dk_s`: `Σ_t |dx_s|·|q_t|`.
+fn bf16_bounds(dout: &[f64], qkv: &[f64], d: Dims, dropout: Option<Dropout>) -> [Vec<f64>; 2] {
+    let hs = d.hs();
+    let scale = 1.0 / (hs as f64).sqrt();
+    let mut out = vec![0.0; dout.len()];
+    let mut dqkv = vec![0.0; qkv.len()];
+    for query in naive_queries(d) {
+        let (b, h, t) = query;
+        let (p, _) = naive_probs(qkv, d, query);
+        let o = (b * d.t + t) * d.c + h * hs;
+        let q = naive_at(d, query, 0);
+        let m: Vec<f64> = (0..p.len())
+            .map(|s| naive_mask(dropout, d, query, s))
+            .collect();
+        let dp: Vec<f64> = (0..p.len())
+            .map(|s| m[s] * naive_dot(&dout[o..o + hs], &qkv[naive_at(d, (b, h, s), 2)..][..hs]))
+            .collect();
+        let p_dp = naive_dot(&p, &dp);
+        for (s, &ps) in p.iter().enumerate() {
+            let (k, v) = (naive_at(d, (b, h, s), 1), naive_at(d, (b, h, s), 2));
+            let dx = (ps * (dp[s] - p_dp) * scale).abs();
+            for i in 0..hs {
+                out[o + i] += ps * m[s] * qkv[v + i].abs();
+                dqkv[v + i] += ps * m[s] * dout[o + i].abs();
+                dqkv[q + i] += dx * qkv[k + i].abs();
+                dqkv[k + i] += dx * qkv[q + i].abs();
+            }
+        }
+    }
+    [out, dqkv]
+}
+
+/// Checks `got` against `want` within `U·bound` plus f32 noise (`rtol·|want| + atol`);
+/// returns the largest error as a fraction of `U·bound`.
+fn within_bound(
+    what: &str,
+    got: &[f32],
+    want: &[f64],
+    bound: &[f64],
+    (rtol, atol): (f64, f64),
+) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let mut worst = 0.0f64;
+    for (i, ((&g, &w), &b)) in got.iter().zip(want).zip(bound).enumerate() {
+        let err = (g as f64 - w).abs();
+        let tol = BF16_U * b + rtol * w.abs() + atol;
+        assert!(
+            err <= tol,
+            "{what}: element {i} is {g} but should be {w} ± {tol} (bound {b})"
+        );
+        if b > 0.0 {
+            worst = worst.max(err / (BF16_U * b));
+        }
+    }
+    worst
+}
+
+/// bf16 attention against [`naive_forward`] and [`naive_backward`] on bf16-valued q, k,
+/// v and dout, within [`bf16_bounds`]. Where the products can run on `vdpbf16ps`
+/// ([`bf16_capable`]; run here whatever T) the rounding must also show (some error
+/// beyond f32 noise); elsewhere, or with `NANOGPT_BF16_GEMM=f32`, the f32 passes run
+/// and must be as close as in [`check`].
+fn check_bf16((b, t, c, nh): (usize, usize, usize, usize), mask: Option<Dropout>, seed: u64) {
+    let d = Dims { b, t, c, nh };
+    let (qkv, dout) = inputs(b, t, c, seed);
+    let (qkv, dout) = (bf16_values(&qkv), bf16_values(&dout));
+    let (qkv64, dout64) = (to_f64(&qkv), to_f64(&dout));
+    let (want_out, want_lse) = naive_forward(&qkv64, d, mask);
+    let want_dqkv = naive_backward(&dout64, &qkv64, d, mask);
+    let [out_bound, dqkv_bound] = bf16_bounds(&dout64, &qkv64, d, mask);
+    let bf16 = bf16_capable(d);
+    let what = format!("bf16 products {bf16}: B={b} T={t} C={c} NH={nh} mask={mask:?}");
+    let mut out = vec![f32::NAN; b * t * c];
+    let mut lse = vec![f32::NAN; b * nh * t];
+    forward_impl(Isa::detect(), &mut out, &mut lse, &qkv, d, mask, bf16);
+    assert_close(&format!("{what}: lse"), &lse, &want_lse, 1e-5, 1e-6);
+    // The backward from the exact forward, so that its own roundings are what is
+    // measured.
+    let f32s = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
+    let mut dqkv = vec![f32::NAN; qkv.len()];
+    let (exact_out, exact_lse) = (f32s(&want_out), f32s(&want_lse));
+    backward_impl(
+        Isa::detect(),
+        &mut dqkv,
+        &dout,
+        &qkv,
+        &exact_out,
+        &exact_lse,
+        d,
+        mask,
+        false,
+        bf16,
+    );
+    if !bf16 {
+        assert_close(&format!("{what}: out"), &out, &want_out, 1e-5, 1e-6);
+        assert_close(&format!("{what}: dqkv"), &dqkv, &want_dqkv, 1e-4, 1e-5);
+        return;
+    }
+    let fwd = within_bound(
+        &format!("{what}: out"),
+        &out,
+        &want_out,
+        &out_bound,
+        (1e-5, 1e-6),
+    );
+    let bwd = within_bound(
+        &format!("{what}: dqkv"),
+        &dqkv,
+        &want_dqkv,
+        &dqkv_bound,
+        (1e-4, 1e-5),
+    );
+    println!("{what}: largest error / bound: out {fwd:.3}, dqkv {bwd:.3}");
+    if t > 1 {
+        // f32 products would stay below 1 % of the bound (~1e-7 against ~1e-4).
+        assert!(
+            fwd > 0.05 && bwd > 0.05,
+            "{what}: no bf16 rounding seen ({fwd}, {bwd})"
+        );
+    }
+}
+
+fn bf16_values(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|&v| crate::kernels::bf16::round(v)).collect()
+}
+
+#[test]
+fn bf16_products_head_size_64() {
+    for (t, seed) in [(1, 21), (17, 22), (65, 23)] {
+        check_bf16((2, t, 128, 2), None, seed);
+        check_bf16((2, t, 128, 2), DROP, seed + 10);
+    }
+}
+
+#[test]
+fn bf16_products_odd_head_sizes() {
+    // HS = 13: an odd number of channels (a half pair) and a partial 16-lane vector;
+    // HS = 40 and 128: column strips of 32 + 8 and of two full 64s.
+    for (c, nh, t) in [(16, 2, 8), (26, 2, 17), (80, 2, 65), (128, 1, 40)] {
+        check_bf16((1, t, c, nh), None, 31);
+        check_bf16((1, t, c, nh), DROP, 32);
+    }
+}
+
+#[test]
+fn bf16_products_do_not_depend_on_the_thread_count() {
+    let (b, t, c, nh) = (2, 100, 64, 4);
+    let d = Dims { b, t, c, nh };
+    let (qkv, dout) = inputs(b, t, c, 24);
+    let (qkv, dout) = (bf16_values(&qkv), bf16_values(&dout));
+    let bf16 = bf16_capable(d);
+    let run = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            let mut out = vec![0.0; b * t * c];
+            let mut lse = vec![0.0; b * nh * t];
+            forward_impl(Isa::detect(), &mut out, &mut lse, &qkv, d, DROP, bf16);
+            let mut dqkv = vec![0.0; qkv.len()];
+            let isa = Isa::detect();
+            backward_impl(isa, &mut dqkv, &dout, &qkv, &out, &lse, d, DROP, true, bf16);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            (bits(&out), bits(&lse), bits(&dqkv))
+        })
+    };
+    let one = run(1);
+    assert!(one.2.iter().any(|&x| x != 0));
+    assert_eq!(one, run(2));
+    assert_eq!(one, run(3));
+}
+
+#[test]
+fn bf16_products_run_from_the_measured_lengths_on() {
+    let d = |t| Dims {
+        b: 1,
+        t,
+        c: 128,
+        nh: 2,
+    };
+    let capable = bf16_capable(d(1));
+    for t in [1, 256, 511, 512, 1024, 2047, 2048, 4096] {
+        assert_eq!(bf16_forward_products::<true>(d(t)), capable && t >= 2048);
+        assert_eq!(bf16_backward_products::<true>(d(t)), capable && t >= 512);
+        assert!(!bf16_forward_products::<false>(d(t)) && !bf16_backward_products::<false>(d(t)));
+    }
+    // Heads wider than a tile keep the f32 passes.
+    let wide = Dims {
+        c: 136,
+        nh: 1,
+        ..d(4096)
+    };
+    assert!(!bf16_forward_products::<true>(wide) && !bf16_backward_products::<true>(wide));
+}
+
+#[test]
+fn bf16_falls_back_to_the_f32_products_when_forced() {
+    // `NANOGPT_BF16_GEMM=f32` (here: the f32 kernel forced for this thread) runs bf16
+    // attention on the f32 products: the f32 pass's bits, plus dqkv's rounding. T 512:
+    // long enough for the backward's products to run on `vdpbf16ps` otherwise.
+    let d = Dims {
+        b: 1,
+        t: 512,
+        c: 64,
+        nh: 2,
+    };
+    let (qkv, dout) = inputs(d.b, d.t, d.c, 25);
+    let qkv = bf16_values(&qkv);
+    let run = |bf16: bool| {
+        let mut out = vec![0.0; d.bt() * d.c];
+        let mut lse = vec![0.0; d.b * d.nh * d.t];
+        let mut dqkv = vec![0.0; qkv.len()];
+        if bf16 {
+            attention_forward::<true>(&mut out, &mut lse, &qkv, d, DROP);
+            attention_backward::<true>(&mut dqkv, &dout, &qkv, &out, &lse, d, DROP);
+        } else {
+            attention_forward::<false>(&mut out, &mut lse, &qkv, d, DROP);
+            attention_backward::<false>(&mut dqkv, &dout, &qkv, &out, &lse, d, DROP);
+            crate::kernels::bf16::round_in_place(&mut dqkv);
+        }
+        (out, lse, dqkv)
+    };
+    let f32_run = run(false);
+    let forced = gemm::with_kernel(Kernel::F32, || {
+        assert!(!bf16_capable(d));
+        run(true)
+    });
+    assert_eq!(forced, f32_run);
+    if bf16_backward_products::<true>(d) {
+        assert_ne!(run(true).2, f32_run.2, "the bf16 products change dqkv");
+    }
+}
+
+/// CPU time of the calling thread, in seconds (what a loaded machine does not steal);
+/// with `ATTN_THREADS` above 1, of the whole process (the test's other threads idle).
+fn thread_cpu_seconds() -> f64 {
+    let clock = match std::env::var("ATTN_THREADS").map_or(1, |t| t.parse().unwrap()) {
+        1 => libc::CLOCK_THREAD_CPUTIME_ID,
+        _ => libc::CLOCK_PROCESS_CPUTIME_ID,
+    };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec into the memory it is given.
+    let ok = unsafe { libc::clock_gettime(clock, &mut ts) } == 0;
+    assert!(ok, "clock_gettime failed");
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+/// Timing, not correctness: `cargo test --release --lib bf16_attention_speed --
+/// --ignored --nocapture`. One thread (so the thread's CPU time is the work's), GPT-2
+/// 124M's heads (C = 768, NH = 12) on one sequence of T = 256 and 1024 (`ATTN_T`; with B
+/// sequences, B times as long), alternating the f32 and the `vdpbf16ps` products;
+/// medians of `ATTN_REPS` (5) runs, wall and CPU milliseconds (`ATTN_THREADS=2`: two
+/// threads, the process's CPU time).
+#[test]
+#[ignore]
+fn bf16_attention_speed() {
+    if !isa::bf16_usable() {
+        eprintln!("not timed: no AVX512-BF16 on this CPU");
+        return;
+    }
+    let reps = std::env::var("ATTN_REPS").map_or(5, |r| r.parse().unwrap());
+    let threads = std::env::var("ATTN_THREADS").map_or(1, |t| t.parse().unwrap());
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap();
+    // ATTN_T=256,512 picks the sequence lengths.
+    let ts = std::env::var("ATTN_T").unwrap_or("256,1024".into());
+    for t in ts.split(',').map(|t| t.parse::<usize>().unwrap()) {
+        let d = Dims {
+            b: 1,
+            t,
+            c: 768,
+            nh: 12,
+        };
+        let (qkv, dout) = inputs(d.b, t, d.c, 40);
+        let (qkv, dout) = (bf16_values(&qkv), bf16_values(&dout));
+        let mut out = vec![0.0; d.bt() * d.c];
+        let mut lse = vec![0.0; d.nh * t];
+        let mut dqkv = vec![0.0; qkv.len()];
+        // [f32, bf16] × [forward, backward] × [wall, cpu]
+        let mut times = vec![vec![Vec::new(); 4]; 2];
+        pool.install(|| {
+            for _ in 0..reps {
+                for (k, bf16) in [false, true].into_iter().enumerate() {
+                    let (w, c) = (std::time::Instant::now(), thread_cpu_seconds());
+                    forward_impl(Isa::detect(), &mut out, &mut lse, &qkv, d, None, bf16);
+                    times[k][0].push(w.elapsed().as_secs_f64());
+                    times[k][1].push(thread_cpu_seconds() - c);
+                    let (w, c) = (std::time::Instant::now(), thread_cpu_seconds());
+                    let isa = Isa::detect();
+                    backward_impl(isa, &mut dqkv, &dout, &qkv, &out, &lse, d, None, true, bf16);
+                    times[k][2].push(w.elapsed().as_secs_f64());
+                    times[k][3].push(thread_cpu_seconds() - c);
+                }
+            }
+        });
+        let median = |v: &Vec<f64>| {
+            let mut v = v.clone();
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2] * 1e3
+        };
+        let [f, b] = [&times[0], &times[1]].map(|t| t.iter().map(median).collect::<Vec<_>>());
+        println!(
+            "T={t}: forward f32 {:.1} ms (cpu {:.1}), bf16 {:.1} ms (cpu {:.1}), {:.2}x by cpu; \
+             backward f32 {:.1} ms (cpu {:.1}), bf16 {:.1} ms (cpu {:.1}), {:.2}x by cpu",
+            f[0],
+            f[1],
+            b[0],
+            b[1],
+            f[1] / b[1],
+            f[2],
+            f[3],
+            b[2],
+            b[3],
+            f[3] / b[3]
+        );
+    }
 }
