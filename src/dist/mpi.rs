@@ -229,27 +229,22 @@ impl Mpi {
             Reduce::ReduceScatterBf16 => {
                 let make = |_: &Bucket, grads: &[f32], s: &mut [f32], r: &mut [f32]| {
                     let counts = blocks(r);
-                    let wire = bf16_view(s);
-                    crate::kernels::bf16::store(&mut wire[..grads.len()], grads);
-                    wire[grads.len()..].fill(Bf16(0));
+                    fill_send(kind, grads, s);
                     // The result, bf16 in the front of `r`, widened once all are done.
                     // SAFETY: as for the f32 rings.
-                    unsafe { self.ring(&counts, wire, bf16_view(r)) }
+                    unsafe { self.ring(&counts, bf16_view(s), bf16_view(r)) }
                 };
                 let mut times =
                     self.rings_during_backward(kind, buckets, send, recv, backward, &make);
                 let start = Instant::now();
-                for b in buckets {
-                    widen_bf16_in_place(&mut recv[b.recv.clone()]);
-                }
+                widen_results(kind, buckets, recv);
                 times.exposed += start.elapsed();
                 times
             }
             _ => {
                 let make = |_: &Bucket, grads: &[f32], s: &mut [f32], r: &mut [f32]| {
                     let counts = blocks(r);
-                    s[..grads.len()].copy_from_slice(grads);
-                    s[grads.len()..].fill(0.0);
+                    fill_send(kind, grads, s);
                     // SAFETY: as for the rings by pieces.
                     unsafe { self.ring(&counts, s, r) }
                 };
@@ -274,13 +269,7 @@ impl Mpi {
         backward: &mut BackwardFn,
         make: &dyn Fn(&Bucket, &[f32], &mut [f32], &mut [f32]) -> Ring<T>,
     ) -> OverlapTimes {
-        let send_ranges: Vec<_> = match kind {
-            Reduce::ReducePieces => vec![0..0; buckets.len()],
-            _ => buckets.iter().map(|b| b.send.clone()).collect(),
-        };
-        let recv_ranges: Vec<_> = buckets.iter().map(|b| b.recv.clone()).collect();
-        let mut sends = split_disjoint(send, &send_ranges);
-        let mut recvs = split_disjoint(recv, &recv_ranges);
+        let (mut sends, mut recvs) = bucket_slices(kind, buckets, send, recv);
         // Rings without scratch (2 ranks) need no limit.
         let limit = match super::plan::ring_scratch_buffers(self.size) {
             0 => usize::MAX,
@@ -622,25 +611,56 @@ fn skips_finalize() -> bool {
     mpich && SPANS_HOSTS.load(Ordering::SeqCst) && !forced
 }
 
-/// Makes MPI progress (an `MPI_Iprobe`, which matches nothing: collectives do not
-/// use the point-to-point tags it sees) every millisecond until `stop`.
-fn progress_until(stop: &AtomicBool) {
+/// Makes MPI progress once: an `MPI_Iprobe`, which matches nothing (collectives do
+/// not use the point-to-point tags it sees). Called from progress threads only.
+fn poke_mpi() {
     let mut flag = 0;
     let mut status = std::mem::MaybeUninit::<mpi::ffi::MPI_Status>::uninit();
+    // SAFETY: MPI runs with MPI_THREAD_MULTIPLE (checked before a progress thread is
+    // started), is initialised, and is not finalised while the collective that owns
+    // the thread runs; flag and status are valid for writing.
+    unsafe {
+        mpi::ffi::MPI_Iprobe(
+            mpi::ffi::RSMPI_ANY_SOURCE,
+            mpi::ffi::RSMPI_ANY_TAG,
+            mpi::ffi::RSMPI_COMM_WORLD,
+            &mut flag,
+            status.as_mut_ptr(),
+        );
+    }
+}
+
+/// Makes MPI progress ([`poke_mpi`]) every millisecond until `stop`.
+fn progress_until(stop: &AtomicBool) {
     while !stop.load(Ordering::Relaxed) {
-        // SAFETY: MPI runs with MPI_THREAD_MULTIPLE (checked before this thread is
-        // started), is initialised, and is not finalised while the reduction that
-        // owns this thread runs; flag and status are valid for writing.
-        unsafe {
-            mpi::ffi::MPI_Iprobe(
-                mpi::ffi::RSMPI_ANY_SOURCE,
-                mpi::ffi::RSMPI_ANY_TAG,
-                mpi::ffi::RSMPI_COMM_WORLD,
-                &mut flag,
-                status.as_mut_ptr(),
-            );
-        }
+        poke_mpi();
         std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// A progress thread for a collective left in flight: calls `poke` every
+/// millisecond until [`Poker::stop`], or until `poke` says the collective is done.
+struct Poker {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Poker {
+    fn start(poke: impl Fn() -> bool + Send + 'static) -> Poker {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            while !flag.load(Ordering::Relaxed) && !poke() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+        Poker { stop, thread }
+    }
+
+    /// Stops the thread and waits for it to end.
+    fn stop(self) {
+        self.stop.store(true, Ordering::Relaxed);
+        let _ = self.thread.join();
     }
 }
 
@@ -713,7 +733,7 @@ struct InFlight<'a> {
     _send: Vec<f32>,
     watchdog: &'a Watchdog,
     what: &'static str,
-    progress: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
+    progress: Option<Poker>,
 }
 
 impl<'a> InFlight<'a> {
@@ -740,9 +760,10 @@ impl<'a> InFlight<'a> {
         what: &'static str,
     ) -> Box<InFlight<'a>> {
         let progress = progress.then(|| {
-            let stop = Arc::new(AtomicBool::new(false));
-            let flag = Arc::clone(&stop);
-            (stop, std::thread::spawn(move || progress_until(&flag)))
+            Poker::start(|| {
+                poke_mpi();
+                false
+            })
         });
         Box::new(InFlight {
             request,
@@ -762,9 +783,8 @@ impl Pending for InFlight<'_> {
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        if let Some((stop, thread)) = self.progress.take() {
-            stop.store(true, Ordering::Relaxed);
-            let _ = thread.join();
+        if let Some(poker) = self.progress.take() {
+            poker.stop();
         }
         let _g = self.watchdog.arm(self.what, 1);
         // SAFETY: `request` came from a non-blocking collective started by this
@@ -780,24 +800,15 @@ impl Drop for InFlight<'_> {
 struct RingInFlight<'a> {
     ring: Arc<Mutex<Ring<f32>>>,
     watchdog: &'a Watchdog,
-    progress: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
+    progress: Option<Poker>,
 }
 
 impl<'a> RingInFlight<'a> {
     fn new(mpi: &'a Mpi, ring: Ring<f32>) -> Box<RingInFlight<'a>> {
         let ring = Arc::new(Mutex::new(ring));
         let progress = mpi.progress_in_flight.then(|| {
-            let stop = Arc::new(AtomicBool::new(false));
-            let (flag, ring) = (Arc::clone(&stop), Arc::clone(&ring));
-            let thread = std::thread::spawn(move || {
-                while !flag.load(Ordering::Relaxed) {
-                    if ring.lock().unwrap_or_else(|e| e.into_inner()).advance() {
-                        return;
-                    }
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-            });
-            (stop, thread)
+            let ring = Arc::clone(&ring);
+            Poker::start(move || ring.lock().unwrap_or_else(|e| e.into_inner()).advance())
         });
         Box::new(RingInFlight {
             ring,
@@ -813,9 +824,8 @@ impl Pending for RingInFlight<'_> {
 
 impl Drop for RingInFlight<'_> {
     fn drop(&mut self) {
-        if let Some((stop, thread)) = self.progress.take() {
-            stop.store(true, Ordering::Relaxed);
-            let _ = thread.join();
+        if let Some(poker) = self.progress.take() {
+            poker.stop();
         }
         let _g = self.watchdog.arm("reduce-scatter", 1);
         self.ring.lock().unwrap_or_else(|e| e.into_inner()).finish();
@@ -883,9 +893,7 @@ fn reduce_bf16<'a, S: mpi::request::Scope<'a>>(
     recv: &'a mut [f32],
 ) -> mpi::request::Request<'a, [f32], S> {
     let n = count(send.len());
-    let wire = bf16_view(send);
-    crate::kernels::bf16::store(&mut wire[..grads.len()], grads);
-    wire[grads.len()..].fill(Bf16(0));
+    fill_send(kind, grads, send);
     let send: &'a [f32] = send;
     let mut request = std::mem::MaybeUninit::uninit();
     // SAFETY: `send` holds `n` bf16 values and `recv` the result's (n for the
@@ -917,6 +925,55 @@ fn reduce_bf16<'a, S: mpi::request::Scope<'a>>(
 }
 
 /// Disjoint `ranges` of `buf` as separate mutable slices, in the order given.
+/// Writes a bucket's `grads` into the front of its `send` range in `kind`'s wire
+/// format (f32, or bf16 rounded to nearest, ties to even, in the front half of the
+/// bytes: [`bf16_view`]) and zeroes the rest of the range (the padding of the last
+/// rank's block).
+fn fill_send(kind: Reduce, grads: &[f32], send: &mut [f32]) {
+    match kind.wire_bytes() {
+        2 => {
+            let wire = bf16_view(send);
+            crate::kernels::bf16::store(&mut wire[..grads.len()], grads);
+            wire[grads.len()..].fill(Bf16(0));
+        }
+        _ => {
+            send[..grads.len()].copy_from_slice(grads);
+            send[grads.len()..].fill(0.0);
+        }
+    }
+}
+
+/// Each bucket's send and receive ranges of `send` and `recv`, taken once each as the
+/// bucket is reported; reductions by pieces read the gradients themselves and get an
+/// empty send range.
+#[allow(clippy::type_complexity)]
+fn bucket_slices<'b>(
+    kind: Reduce,
+    buckets: &[Bucket],
+    send: &'b mut [f32],
+    recv: &'b mut [f32],
+) -> (Vec<Option<&'b mut [f32]>>, Vec<Option<&'b mut [f32]>>) {
+    let send_ranges: Vec<_> = match kind {
+        Reduce::ReducePieces => vec![0..0; buckets.len()],
+        _ => buckets.iter().map(|b| b.send.clone()).collect(),
+    };
+    let recv_ranges: Vec<_> = buckets.iter().map(|b| b.recv.clone()).collect();
+    (
+        split_disjoint(send, &send_ranges),
+        split_disjoint(recv, &recv_ranges),
+    )
+}
+
+/// After a reduction with bf16 on the wire: each bucket's result, bf16 in the front
+/// of its receive range, widened in place to f32 (nothing for f32 on the wire).
+fn widen_results(kind: Reduce, buckets: &[Bucket], recv: &mut [f32]) {
+    if kind.wire_bytes() == 2 {
+        for b in buckets {
+            widen_bf16_in_place(&mut recv[b.recv.clone()]);
+        }
+    }
+}
+
 fn split_disjoint<'b>(buf: &'b mut [f32], ranges: &[Range<usize>]) -> Vec<Option<&'b mut [f32]>> {
     let mut order: Vec<usize> = (0..ranges.len()).collect();
     order.sort_by_key(|&i| ranges[i].start);
@@ -1195,14 +1252,7 @@ impl Collective for Mpi {
         if self.ring && ours.contains(&kind) {
             return self.ring_during_backward(kind, buckets, send, recv, backward);
         }
-        // Reductions by pieces read the gradients themselves: no send buffer.
-        let send_ranges: Vec<_> = match kind {
-            Reduce::ReducePieces => vec![0..0; buckets.len()],
-            _ => buckets.iter().map(|b| b.send.clone()).collect(),
-        };
-        let recv_ranges: Vec<_> = buckets.iter().map(|b| b.recv.clone()).collect();
-        let mut sends = split_disjoint(send, &send_ranges);
-        let mut recvs = split_disjoint(recv, &recv_ranges);
+        let (mut sends, mut recvs) = bucket_slices(kind, buckets, send, recv);
         // Reductions by pieces: each bucket's per-rank counts, alive until all complete.
         let counts: Vec<Vec<i32>> = buckets
             .iter()
@@ -1237,9 +1287,7 @@ impl Collective for Mpi {
                         }
                         _ => {
                             let s = sends[i].take().expect("each bucket once");
-                            let n = range.len();
-                            s[..n].copy_from_slice(&grads[range]);
-                            s[n..].fill(0.0);
+                            fill_send(kind, &grads[range], s);
                             let s: &[f32] = s;
                             count(s.len());
                             let sum = SystemOperation::sum();
@@ -1270,13 +1318,9 @@ impl Collective for Mpi {
             });
             stop.store(true, Ordering::Relaxed);
         });
-        if kind.wire_bytes() == 2 {
-            let start = Instant::now();
-            for b in buckets {
-                widen_bf16_in_place(&mut recv[b.recv.clone()]);
-            }
-            exposed += start.elapsed();
-        }
+        let start = Instant::now();
+        widen_results(kind, buckets, recv);
+        exposed += start.elapsed();
         OverlapTimes { exposed }
     }
 }
