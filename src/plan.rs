@@ -14,7 +14,7 @@
 use crate::checkpoint::Checkpoint;
 use crate::config::{InitFrom, TrainConfig};
 use crate::data::{self, Meta};
-use crate::dist::{ring_scratch_len, save_buffer_len, GradPlan, RINGS_IN_FLIGHT};
+use crate::dist::{ring_scratch_len, save_buffer_len, GradPlan, Reduce, RINGS_IN_FLIGHT};
 use crate::model::activations::Activations;
 use crate::model::lora::{LoraConfig, LoraLayout};
 use crate::model::packs::Packs;
@@ -44,6 +44,8 @@ pub struct PlanInput {
     pub lora: Option<LoraConfig>,
     /// Micro-steps per optimizer step on each rank.
     pub micro_steps: usize,
+    /// The gradients' values on the wire (`grad_reduce_dtype`).
+    pub grad_reduce_dtype: Dtype,
 }
 
 impl PlanInput {
@@ -64,6 +66,7 @@ impl PlanInput {
             ranks_per_host: ranks_per_host.max(1),
             lora: lora_of(cfg, &model),
             micro_steps: cfg.gradient_accumulation_steps / world_size.max(1),
+            grad_reduce_dtype: cfg.grad_reduce_dtype,
             model,
         }
     }
@@ -138,9 +141,9 @@ pub const COMM: &str = "communication buffers";
 /// whole, are [`GRADIENTS`].
 pub const GATHERED: &str = "gathered layers";
 pub const GATHER: &str = "checkpoint gather";
-/// ZeRO 1-3: the buffers of the gradient reductions in flight: our ring's scratch
-/// (from 3 ranks), or with `NANOGPT_RING_REDUCE=0` at ZeRO-3 the MPI library's, on
-/// the ranks that reduce whole buckets for others ([`reduction_buffers_len`]).
+/// The buffers of the gradient reductions in flight: our rings' scratch (from 3
+/// ranks), or with `NANOGPT_RING_REDUCE=0` at ZeRO-3 the MPI library's, on the
+/// ranks that reduce whole buckets for others ([`reduction_buffers_len`]).
 pub const MPI_REDUCE: &str = "reduction buffers";
 pub const BASELINE: &str = "program, threads, data";
 
@@ -164,7 +167,9 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
         0 => len,
         _ => g.shard_len,
     });
-    let comm = grad_plan.as_ref().map_or(0, |g| g.send_len + g.recv_len);
+    let ring = crate::dist::ring_reduce();
+    let kind = Reduce::of_stage(stage, p.grad_reduce_dtype);
+    let comm = (grad_plan.as_ref()).map_or(0, |g| g.send_len_for(kind, ring) + g.recv_len);
     // ZeRO-3: each rank keeps its shard of the weights; a pass holds the embeddings
     // and ln_f (first and last buckets) and two blocks at a time (one computed, the
     // next arriving or the previous reducing), weights and gradients alike. The
@@ -183,7 +188,6 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
             g.copied_len(),
         ),
     };
-    let ring = crate::dist::ring_reduce();
     let mpi_reduce = grad_plan
         .as_ref()
         .map_or(0, |g| reduction_buffers_len(g, ring));
@@ -333,12 +337,12 @@ pub fn nbc_reduce_halves(rank: usize, world_size: usize) -> usize {
     halves.min(2)
 }
 
-/// ZeRO 1-3: floats of the gradient reductions' own buffers at this rank's peak.
-/// With our `ring`: each ring's scratch ([`ring_scratch_len`] of the pieces it
-/// reduces: equal blocks at stage 1, the bucket's counts at stages 2 and 3), for
-/// the [`RINGS_IN_FLIGHT`] largest at stages 1 and 2 and as [`in_flight_peak`]
-/// says at stage 3. Without it, Open MPI's reduction buffers at stage 3
-/// ([`nbc_reduce_halves`] of each bucket; the stage 1-2 ones are not counted).
+/// Floats of the gradient reductions' own buffers at this rank's peak. With our
+/// `ring`: each ring's scratch ([`ring_scratch_len`] of the pieces it reduces:
+/// equal blocks at stage 1, the bucket's counts at stages 0, 2 and 3), for the
+/// [`RINGS_IN_FLIGHT`] largest at stages 0-2 and as [`in_flight_peak`] says at
+/// stage 3. Without it, Open MPI's reduction buffers at stage 3
+/// ([`nbc_reduce_halves`] of each bucket; the stage 0-2 ones are not counted).
 pub fn reduction_buffers_len(g: &GradPlan, ring: bool) -> usize {
     let w = g.world_size;
     let ring_scratch = |b: usize| {
@@ -349,13 +353,12 @@ pub fn reduction_buffers_len(g: &GradPlan, ring: bool) -> usize {
         }
     };
     match (g.zero_stage, ring) {
-        (0, _) => 0,
-        (1 | 2, true) => {
+        (0..=2, true) => {
             let mut sizes: Vec<usize> = (0..g.buckets.len()).map(ring_scratch).collect();
             sizes.sort_unstable_by(|a, b| b.cmp(a));
             sizes.iter().take(RINGS_IN_FLIGHT).sum()
         }
-        (1 | 2, false) => 0,
+        (0..=2, false) => 0,
         (_, true) => in_flight_peak(g, ring_scratch),
         (_, false) => {
             let halves = nbc_reduce_halves(g.rank, w);
@@ -733,7 +736,7 @@ pub fn refusal(plan: &MemoryPlan, p: &PlanInput, grad_accum: usize) -> Option<St
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dist::DataParallel;
+    use crate::dist::{Bucket, DataParallel};
     use crate::kernels::bf16::gemm::reads_packs;
     use crate::model::Gpt;
     use crate::optim::AdamW;
@@ -754,6 +757,7 @@ mod tests {
             ranks_per_host: 1,
             lora: None,
             micro_steps: 2,
+            grad_reduce_dtype: Dtype::Float32,
         }
     }
 
@@ -922,6 +926,18 @@ mod tests {
                     let case = format!("stage {stage} rank {rank} lora {}", lora.is_some());
                     let (send, recv) = dp.buffer_lens();
                     assert_eq!(plan.part(COMM), (send + recv) as u64 * 4, "{case}");
+                    if stage <= 1 {
+                        // bf16 on the wire: a send buffer at stage 0 too.
+                        let mut dp = DataParallel::new(&Ranks(rank, 3), &gpt, stage);
+                        dp.reduce_in(Dtype::Bfloat16);
+                        let p = PlanInput {
+                            grad_reduce_dtype: Dtype::Bfloat16,
+                            ..p.clone()
+                        };
+                        let (send, recv) = dp.buffer_lens();
+                        let comm = rank_plan(&p, rank).part(COMM);
+                        assert_eq!(comm, (send + recv) as u64 * 4, "{case} bf16");
+                    }
                     let state = match stage {
                         0 => gpt.layout.len,
                         _ => dp.plan.shard_len,
@@ -1028,6 +1044,7 @@ mod tests {
             ranks_per_host: 3,
             lora: None,
             micro_steps: 1,
+            grad_reduce_dtype: Dtype::Float32,
         };
         let (n, len) = (buckets.len(), |b: usize| buckets[b].len());
         let (emb, ln_f, block) = (len(n - 1), len(0), len(1));
@@ -1052,11 +1069,11 @@ mod tests {
         assert!((560.0..590.0).contains(&mpi), "{mpi}");
     }
 
-    /// ZeRO 1 and 2 with our ring: two rings in flight, each with a scratch piece of
-    /// its bucket per round but the last (the two largest buckets: the embeddings'
-    /// and a block's); none on 2 ranks (the one round lands in the result), two
-    /// pieces each from 4 ranks. The same numbers the allocation uses
-    /// (`ring_scratch_len` of what the ring reduces).
+    /// ZeRO 0, 1 and 2 with our rings: two rings in flight, each with a scratch
+    /// piece of its bucket per reduce-scatter round but the last (the two largest
+    /// buckets: the embeddings' and a block's); none on 2 ranks (the one round lands
+    /// in the result), two pieces each from 4 ranks. The same numbers the
+    /// allocation uses (`ring_scratch_len` of what the ring reduces).
     #[test]
     fn ring_scratch_is_the_two_largest_buckets_pieces() {
         // A vocabulary large enough for the embeddings to outweigh a block.
@@ -1066,10 +1083,11 @@ mod tests {
         };
         let layout = ParamLayout::new(&model);
         let buckets = grad_buckets_of(&layout);
-        for stage in [1u8, 2] {
+        for stage in [0u8, 1, 2] {
             for (w, per_ring) in [(2, 0), (3, 1), (4, 2), (8, 2)] {
                 let g = GradPlan::new(&buckets, layout.len, w, 0, stage);
-                let mut pieces: Vec<usize> = g.buckets.iter().map(|b| b.recv.len()).collect();
+                let piece = |b: &Bucket| b.counts.iter().copied().max().unwrap();
+                let mut pieces: Vec<usize> = g.buckets.iter().map(piece).collect();
                 pieces.sort_unstable();
                 let two_largest = pieces[pieces.len() - 1] + pieces[pieces.len() - 2];
                 assert!(pieces[pieces.len() - 1] > pieces[pieces.len() - 2]);
@@ -1083,6 +1101,29 @@ mod tests {
                 assert_eq!(rank_plan(&p, 0).part(MPI_REDUCE), want as u64 * 4);
             }
         }
+    }
+
+    /// ZeRO-0's f32 ring all-reduce reads the gradients themselves: its
+    /// communication buffers are the receive buffer alone (one arena), where bf16
+    /// on the wire, or MPI's all-reduce, also needs the send buffer (two arenas).
+    #[test]
+    fn zero_0_needs_a_send_buffer_only_for_bf16_on_the_wire() {
+        let p = input(Dtype::Float32, false, 0, 2);
+        let len = ParamLayout::new(&p.model).len as u64 * 4;
+        assert!(
+            crate::dist::ring_reduce(),
+            "the default, unless the environment says"
+        );
+        assert_eq!(rank_plan(&p, 0).part(COMM), len);
+        let bf16 = PlanInput {
+            grad_reduce_dtype: Dtype::Bfloat16,
+            ..p
+        };
+        assert_eq!(rank_plan(&bf16, 0).part(COMM), 2 * len);
+        let g = GradPlan::new(&[0..10, 10..25], 25, 2, 0, 0);
+        assert_eq!(g.send_len_for(Reduce::AllReduce, true), 0);
+        assert_eq!(g.send_len_for(Reduce::AllReduce, false), 25);
+        assert_eq!(g.send_len_for(Reduce::AllReduceBf16, true), 25);
     }
 
     /// The quick start's closing sample at ZeRO-3: the whole weights on rank 0 fit
@@ -1104,6 +1145,7 @@ mod tests {
                     ranks_per_host: 1,
                     lora: None,
                     micro_steps: 1,
+                    grad_reduce_dtype: Dtype::Float32,
                 };
                 let fits = closing_gather_fits(&rank_plan(&p, 0), len);
                 // (A pass of 3 layers holds most of the model: that always fits.)
@@ -1132,6 +1174,7 @@ mod tests {
                 ranks_per_host: 2,
                 lora: None,
                 micro_steps: 1,
+                grad_reduce_dtype: Dtype::Float32,
             };
             let gather = rank_plan(&p, 0).part(GATHER);
             assert_eq!(
@@ -1158,6 +1201,7 @@ mod tests {
             ranks_per_host: 1,
             lora: Some(LoraConfig::new(8, 16.0, 0.0, "c_attn").unwrap()),
             micro_steps: 1,
+            grad_reduce_dtype: Dtype::Float32,
         };
         let bf16 = rank_plan(&p, 0).bytes();
         let f32 = PlanInput {
@@ -1199,6 +1243,7 @@ mod tests {
             ranks_per_host: 1,
             lora: None,
             micro_steps: 1,
+            grad_reduce_dtype: Dtype::Float32,
         };
         let full = rank_plan(&p, 0).bytes();
         let ckpt = rank_plan(

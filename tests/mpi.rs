@@ -896,13 +896,15 @@ fn doctor_under_mpirun_reports_every_rank_and_fails_on_other_data() {
     );
 }
 
-/// ZeRO 1-3's gradient reductions (our ring reduce-scatter by default) give exactly
-/// `MPI_Reduce_scatter`'s sums of integer-valued gradients, on 2 and 3 ranks, with
-/// uneven pieces and (3 ranks) empty ones: `doctor` compares them
-/// (src/dist/reduce_check.rs). A round skipped or a piece misplaced changes a sum
-/// (checked by hand: the first round's addition left out fails at 3 ranks).
+/// ZeRO 0-3's gradient reductions (our rings by default) give exactly MPI's
+/// blocking collectives' sums of integer-valued gradients, and the weights'
+/// all-gathers put every piece in its place, on 2 and 3 ranks, with uneven pieces
+/// and (3 ranks) empty ones: `doctor` compares them (src/dist/reduce_check.rs). A
+/// round skipped or a piece misplaced changes a sum (checked by hand: the first
+/// round's addition left out fails at 3 ranks, and so does the all-reduce's last
+/// all-gather round left out at 2 ranks).
 #[test]
-fn the_ring_reduce_scatter_sums_exactly_as_mpi_does() {
+fn the_rings_sum_and_gather_exactly_as_mpi_does() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     copy_dataset(workdir(), false);
     for ranks in ["2", "3"] {
@@ -925,7 +927,7 @@ fn the_ring_reduce_scatter_sums_exactly_as_mpi_does() {
         assert_eq!(report["ok"], true, "{ranks} ranks: {report}");
         let check = report["reduce_check"].as_str().unwrap();
         assert!(
-            check.starts_with("the ring reduce-scatter = MPI_Reduce_scatter"),
+            check.starts_with("our ring collectives: reductions = MPI_Allreduce"),
             "{ranks} ranks: {check}"
         );
     }

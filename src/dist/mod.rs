@@ -32,6 +32,7 @@ pub use reduce_check::check_reductions;
 pub use update::{clip_and_step, StepSettings, Update};
 pub use watchdog::{leave_if_stuck, Watchdog};
 
+use crate::model::Dtype;
 use anyhow::Result;
 use std::ops::Range;
 use std::sync::OnceLock;
@@ -58,6 +59,30 @@ pub enum Reduce {
 }
 
 impl Reduce {
+    /// The reduction of ZeRO stage `stage` with `wire` values on the wire (bf16:
+    /// stages 0 and 1 only).
+    pub fn of_stage(stage: u8, wire: Dtype) -> Reduce {
+        let kind = match stage {
+            0 => Reduce::AllReduce,
+            1 => Reduce::ReduceScatter,
+            _ => Reduce::ReducePieces,
+        };
+        match wire {
+            Dtype::Bfloat16 => kind.in_bf16(),
+            _ => kind,
+        }
+    }
+
+    /// Whether it reads the reported gradients themselves, with no send buffer:
+    /// the reductions by pieces (stages 2 and 3), and with our `ring` ZeRO-0's f32
+    /// all-reduce.
+    pub fn reads_gradients(self, ring: bool) -> bool {
+        matches!(
+            (self, ring),
+            (Reduce::ReducePieces, _) | (Reduce::AllReduce, true)
+        )
+    }
+
     /// The same reduction with bf16 on the wire (stages 0 and 1 only).
     pub fn in_bf16(self) -> Reduce {
         match self {

@@ -184,23 +184,62 @@ impl Mpi {
         self.world.process_at_rank(root as i32)
     }
 
+    /// The tag of the next ring on the rings' communicator. Every rank starts the
+    /// same rings in the same order, so the ranks of one ring share its tag, and
+    /// fewer than [`RING_TAGS`] rings are ever in flight at once (a pass has one
+    /// per bucket): no other message in flight on `ring_comm` carries it.
+    fn next_tag(&self) -> i32 {
+        (self.rings_started.fetch_add(1, Ordering::Relaxed) % RING_TAGS) as i32
+    }
+
     /// A ring reduce-scatter of `data` (Σ `counts`) into `out` (`counts[rank]`),
     /// not yet begun, on the rings' communicator with the next tag.
     ///
     /// # Safety
     /// Every rank makes the same calls in the same order, and the buffers obey
-    /// [`Ring::new`]'s contract until the ring is done.
+    /// [`Ring::reduce_scatter`]'s contract until the ring is done.
     unsafe fn ring<T: Element>(&self, counts: &[usize], data: &[T], out: &mut [T]) -> Ring<T> {
-        let tag = self.rings_started.fetch_add(1, Ordering::Relaxed) % RING_TAGS;
-        // SAFETY: every rank numbers its rings alike, so the ranks of one ring share
-        // its tag, and fewer than RING_TAGS rings are ever in flight at once (a
-        // backward pass has one per bucket): no other message on `ring_comm` carries
-        // it; the buffers are the caller's promise.
-        unsafe { Ring::new(self.ring_comm.0, self.rank, tag as i32, counts, data, out) }
+        let (comm, rank, tag) = (self.ring_comm.0, self.rank, self.next_tag());
+        // SAFETY: the tag is this ring's alone (`next_tag`); the buffers are the
+        // caller's promise.
+        unsafe { Ring::reduce_scatter(comm, rank, tag, counts, data, out) }
     }
 
-    /// [`Collective::reduce_during_backward`] for ZeRO 1-3 ([`Reduce::ReduceScatter`],
-    /// [`Reduce::ReduceScatterBf16`] and [`Reduce::ReducePieces`]) with our ring.
+    /// A ring all-reduce of `data` into `out` (both Σ `counts`), as [`Mpi::ring`].
+    ///
+    /// # Safety
+    /// As [`Mpi::ring`]'s, with [`Ring::all_reduce`]'s contract.
+    unsafe fn ring_all_reduce<T: Element>(
+        &self,
+        counts: &[usize],
+        data: &[T],
+        out: &mut [T],
+    ) -> Ring<T> {
+        let (comm, rank, tag) = (self.ring_comm.0, self.rank, self.next_tag());
+        // SAFETY: as in `ring`.
+        unsafe { Ring::all_reduce(comm, rank, tag, counts, data, out) }
+    }
+
+    /// A ring all-gather into `out` (Σ `counts`) of this rank's piece `mine` (or,
+    /// with `None`, its piece already in `out`), begun.
+    ///
+    /// # Safety
+    /// As [`Mpi::ring`]'s, with [`Ring::all_gather`]'s contract.
+    unsafe fn ring_all_gather(
+        &self,
+        counts: &[usize],
+        mine: Option<&[f32]>,
+        out: &mut [f32],
+    ) -> Ring<f32> {
+        let (comm, rank, tag) = (self.ring_comm.0, self.rank, self.next_tag());
+        // SAFETY: as in `ring`.
+        let mut ring = unsafe { Ring::all_gather(comm, rank, tag, counts, mine, out) };
+        ring.begin();
+        ring
+    }
+
+    /// [`Collective::reduce_during_backward`] with our rings: every [`Reduce`] kind
+    /// (ZeRO-0's all-reduces cut each bucket in the pieces stage 1 would).
     fn ring_during_backward(
         &self,
         kind: Reduce,
@@ -226,13 +265,19 @@ impl Mpi {
                 };
                 self.rings_during_backward(kind, buckets, send, recv, backward, &make)
             }
-            Reduce::ReduceScatterBf16 => {
-                let make = |_: &Bucket, grads: &[f32], s: &mut [f32], r: &mut [f32]| {
-                    let counts = blocks(r);
+            Reduce::ReduceScatterBf16 | Reduce::AllReduceBf16 => {
+                let make = |b: &Bucket, grads: &[f32], s: &mut [f32], r: &mut [f32]| {
                     fill_send(kind, grads, s);
                     // The result, bf16 in the front of `r`, widened once all are done.
                     // SAFETY: as for the f32 rings.
-                    unsafe { self.ring(&counts, bf16_view(s), bf16_view(r)) }
+                    unsafe {
+                        match kind {
+                            Reduce::AllReduceBf16 => {
+                                self.ring_all_reduce(&b.counts, bf16_view(s), bf16_view(r))
+                            }
+                            _ => self.ring(&blocks(r), bf16_view(s), bf16_view(r)),
+                        }
+                    }
                 };
                 let mut times =
                     self.rings_during_backward(kind, buckets, send, recv, backward, &make);
@@ -241,7 +286,14 @@ impl Mpi {
                 times.exposed += start.elapsed();
                 times
             }
-            _ => {
+            Reduce::AllReduce => {
+                let make = |b: &Bucket, grads: &[f32], _: &mut [f32], r: &mut [f32]| {
+                    // SAFETY: as for the rings by pieces.
+                    unsafe { self.ring_all_reduce(&b.counts, grads, r) }
+                };
+                self.rings_during_backward(kind, buckets, send, recv, backward, &make)
+            }
+            Reduce::ReduceScatter => {
                 let make = |_: &Bucket, grads: &[f32], s: &mut [f32], r: &mut [f32]| {
                     let counts = blocks(r);
                     fill_send(kind, grads, s);
@@ -254,8 +306,8 @@ impl Mpi {
     }
 
     /// Runs `backward`, starting each bucket's ring as it is reported (`make` builds
-    /// it from the bucket, its gradients and its send and receive ranges; no send
-    /// range for [`Reduce::ReducePieces`]) and moving every ring on at every later
+    /// it from the bucket, its gradients and its send and receive ranges; an empty
+    /// send range where it reads the gradients themselves) and moving every ring on at every later
     /// report (and by the progress thread, when it runs), at most
     /// [`super::RINGS_IN_FLIGHT`] at once where they hold scratch; then finishes
     /// them under the watchdog.
@@ -269,7 +321,7 @@ impl Mpi {
         backward: &mut BackwardFn,
         make: &dyn Fn(&Bucket, &[f32], &mut [f32], &mut [f32]) -> Ring<T>,
     ) -> OverlapTimes {
-        let (mut sends, mut recvs) = bucket_slices(kind, buckets, send, recv);
+        let (mut sends, mut recvs) = bucket_slices((kind, true), buckets, send, recv);
         // Rings without scratch (2 ranks) need no limit.
         let limit = match super::plan::ring_scratch_buffers(self.size) {
             0 => usize::MAX,
@@ -800,11 +852,12 @@ impl Drop for InFlight<'_> {
 struct RingInFlight<'a> {
     ring: Arc<Mutex<Ring<f32>>>,
     watchdog: &'a Watchdog,
+    what: &'static str,
     progress: Option<Poker>,
 }
 
 impl<'a> RingInFlight<'a> {
-    fn new(mpi: &'a Mpi, ring: Ring<f32>) -> Box<RingInFlight<'a>> {
+    fn new(mpi: &'a Mpi, ring: Ring<f32>, what: &'static str) -> Box<RingInFlight<'a>> {
         let ring = Arc::new(Mutex::new(ring));
         let progress = mpi.progress_in_flight.then(|| {
             let ring = Arc::clone(&ring);
@@ -813,6 +866,7 @@ impl<'a> RingInFlight<'a> {
         Box::new(RingInFlight {
             ring,
             watchdog: &mpi.watchdog,
+            what,
             progress,
         })
     }
@@ -827,8 +881,94 @@ impl Drop for RingInFlight<'_> {
         if let Some(poker) = self.progress.take() {
             poker.stop();
         }
-        let _g = self.watchdog.arm("reduce-scatter", 1);
+        let _g = self.watchdog.arm(self.what, 1);
         self.ring.lock().unwrap_or_else(|e| e.into_inner()).finish();
+    }
+}
+
+/// Rings started together and waited for one by one, in the order started
+/// (ZeRO-1/2's all-gathers of the updated weights, one per bucket): waiting for
+/// one moves all of them on, and a progress thread, where MPI runs one for
+/// collectives in flight, moves them on until the last is waited for.
+struct RingGroup {
+    rings: Mutex<Vec<Ring<f32>>>,
+}
+
+impl RingGroup {
+    /// The group of `rings` (begun), as one handle per ring in their order.
+    fn start<'a>(
+        mpi: &'a Mpi,
+        rings: Vec<Ring<f32>>,
+        what: &'static str,
+    ) -> Vec<Box<dyn Pending + 'a>> {
+        let n = rings.len();
+        let group = Arc::new(RingGroup {
+            rings: Mutex::new(rings),
+        });
+        let mut progress = (mpi.progress_in_flight && n > 0).then(|| {
+            let group = Arc::clone(&group);
+            Poker::start(move || group.advance())
+        });
+        (0..n)
+            .map(|index| {
+                Box::new(OfGroup {
+                    group: Arc::clone(&group),
+                    index,
+                    watchdog: &mpi.watchdog,
+                    what,
+                    // Held by the last ring, waited for last.
+                    progress: if index + 1 == n {
+                        progress.take()
+                    } else {
+                        None
+                    },
+                }) as Box<dyn Pending + 'a>
+            })
+            .collect()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Ring<f32>>> {
+        self.rings.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Moves every ring on without blocking; returns whether all are done.
+    fn advance(&self) -> bool {
+        let mut rings = self.lock();
+        rings
+            .iter_mut()
+            .fold(true, |all, ring| ring.advance() && all)
+    }
+}
+
+/// One ring of a [`RingGroup`]; waiting for it (or dropping it) moves the whole
+/// group on until this ring is done, under the watchdog.
+struct OfGroup<'a> {
+    group: Arc<RingGroup>,
+    index: usize,
+    watchdog: &'a Watchdog,
+    what: &'static str,
+    progress: Option<Poker>,
+}
+
+impl Pending for OfGroup<'_> {
+    fn wait(self: Box<Self>) {} // dropping it waits
+}
+
+impl Drop for OfGroup<'_> {
+    fn drop(&mut self) {
+        let _g = self.watchdog.arm(self.what, 1);
+        loop {
+            let mut rings = self.group.lock();
+            rings.iter_mut().for_each(|ring| {
+                ring.advance();
+            });
+            if rings[self.index].done() {
+                break;
+            }
+        }
+        if let Some(poker) = self.progress.take() {
+            poker.stop();
+        }
     }
 }
 
@@ -944,18 +1084,18 @@ fn fill_send(kind: Reduce, grads: &[f32], send: &mut [f32]) {
 }
 
 /// Each bucket's send and receive ranges of `send` and `recv`, taken once each as the
-/// bucket is reported; reductions by pieces read the gradients themselves and get an
-/// empty send range.
+/// bucket is reported; reductions that read the gradients themselves
+/// ([`Reduce::reads_gradients`], `ring`: with our rings) get an empty send range.
 #[allow(clippy::type_complexity)]
 fn bucket_slices<'b>(
-    kind: Reduce,
+    (kind, ring): (Reduce, bool),
     buckets: &[Bucket],
     send: &'b mut [f32],
     recv: &'b mut [f32],
 ) -> (Vec<Option<&'b mut [f32]>>, Vec<Option<&'b mut [f32]>>) {
-    let send_ranges: Vec<_> = match kind {
-        Reduce::ReducePieces => vec![0..0; buckets.len()],
-        _ => buckets.iter().map(|b| b.send.clone()).collect(),
+    let send_ranges: Vec<_> = match kind.reads_gradients(ring) {
+        true => vec![0..0; buckets.len()],
+        false => buckets.iter().map(|b| b.send.clone()).collect(),
     };
     let recv_ranges: Vec<_> = buckets.iter().map(|b| b.recv.clone()).collect();
     (
@@ -1022,8 +1162,8 @@ impl Collective for Mpi {
 
     fn reduction_name(&self) -> &'static str {
         match self.ring {
-            true => "the ring reduce-scatter",
-            false => "MPI's non-blocking reduce-scatter (NANOGPT_RING_REDUCE=0)",
+            true => "our ring collectives",
+            false => "MPI's non-blocking collectives (NANOGPT_RING_REDUCE=0)",
         }
     }
 
@@ -1156,6 +1296,12 @@ impl Collective for Mpi {
         counts: &[usize],
     ) -> Box<dyn Pending + 'a> {
         assert_eq!(counts.iter().sum::<usize>(), buf.len());
+        if self.ring {
+            // SAFETY: every rank starts ZeRO-3's gathers in the same order; `buf` is
+            // the caller's promise until the wait, which finishes the ring.
+            let ring = unsafe { self.ring_all_gather(counts, None, buf) };
+            return RingInFlight::new(self, ring, "all-gather");
+        }
         let at: usize = counts[..self.rank].iter().sum();
         // MPI's send and receive buffers must not overlap (and the mpi crate has no
         // MPI_IN_PLACE): this rank's piece travels from a copy, which the request
@@ -1176,6 +1322,17 @@ impl Collective for Mpi {
         recv: &mut [f32],
         parts: &[GatherPart],
     ) -> Vec<Box<dyn Pending + 'a>> {
+        let what = "all-gather of the parameters";
+        if self.ring {
+            let rings = parts.iter().map(|part| {
+                let (mine, all) = (&send[part.from.clone()], &mut recv[part.into.clone()]);
+                // SAFETY: every rank starts the same gathers in the same order; `mine`
+                // and `all` are the caller's promise until each is waited for, and
+                // distinct borrows (`send` and `recv`), so they do not overlap.
+                unsafe { self.ring_all_gather(part.counts, Some(mine), all) }
+            });
+            return RingGroup::start(self, rings.collect(), what);
+        }
         let last = parts.len().saturating_sub(1);
         let mut started: Vec<Box<dyn Pending + 'a>> = Vec::with_capacity(parts.len());
         for (k, part) in parts.iter().enumerate() {
@@ -1192,7 +1349,6 @@ impl Collective for Mpi {
             // One progress thread for the whole group, held by the last one started,
             // which is waited for last: it runs while any of them is in flight.
             let progress = k == last && self.progress_in_flight;
-            let what = "all-gather of the parameters";
             let empty = Vec::new();
             started.push(InFlight::with_progress(
                 self, progress, request, arrays, empty, what,
@@ -1214,7 +1370,7 @@ impl Collective for Mpi {
             // buffers are the caller's promise until the wait, which finishes the ring.
             let mut ring = unsafe { self.ring(counts, send, mine) };
             ring.begin();
-            return RingInFlight::new(self, ring);
+            return RingInFlight::new(self, ring, "reduce-scatter");
         }
         let arrays = counts_and_displs(counts);
         let mut request = std::mem::MaybeUninit::uninit();
@@ -1244,15 +1400,10 @@ impl Collective for Mpi {
         recv: &mut [f32],
         backward: &mut BackwardFn,
     ) -> OverlapTimes {
-        let ours = [
-            Reduce::ReduceScatter,
-            Reduce::ReduceScatterBf16,
-            Reduce::ReducePieces,
-        ];
-        if self.ring && ours.contains(&kind) {
+        if self.ring {
             return self.ring_during_backward(kind, buckets, send, recv, backward);
         }
-        let (mut sends, mut recvs) = bucket_slices(kind, buckets, send, recv);
+        let (mut sends, mut recvs) = bucket_slices((kind, false), buckets, send, recv);
         // Reductions by pieces: each bucket's per-rank counts, alive until all complete.
         let counts: Vec<Vec<i32>> = buckets
             .iter()

@@ -117,8 +117,9 @@ impl DataParallel {
             comm.rank(),
             zero_stage,
         );
+        let kind = Reduce::of_stage(zero_stage, Dtype::Float32);
         DataParallel {
-            send: vec![0.0; plan.send_len],
+            send: vec![0.0; plan.send_len_for(kind, super::ring_reduce())],
             recv: vec![0.0; plan.recv_len],
             plan,
             steps: 0,
@@ -131,11 +132,7 @@ impl DataParallel {
             verified_iter: None,
             // ZeRO-3 reduces each bucket by itself on every micro-step (`Sharded`).
             embeddings_first: zero_stage < 3 && embeddings_first(model, comm.world_size()),
-            kind: match zero_stage {
-                0 => Reduce::AllReduce,
-                1 => Reduce::ReduceScatter,
-                _ => Reduce::ReducePieces,
-            },
+            kind,
             in_flight: false,
             arriving: VecDeque::new(),
             gathered: 0,
@@ -192,8 +189,10 @@ impl DataParallel {
     /// `grad_reduce_dtype`: bf16 on the wire (stages 0 and 1; the config refuses it
     /// above) or f32.
     pub fn reduce_in(&mut self, dtype: Dtype) {
-        if dtype == Dtype::Bfloat16 {
-            self.kind = self.kind.in_bf16();
+        self.kind = Reduce::of_stage(self.plan.zero_stage, dtype);
+        let len = self.plan.send_len_for(self.kind, super::ring_reduce());
+        if self.send.len() != len {
+            self.send = vec![0.0; len];
         }
     }
 

@@ -22,6 +22,7 @@
 //! a piece to send into the first one (MPI's send and receive buffers must not
 //! overlap).
 
+use super::Reduce;
 use std::ops::Range;
 
 /// ZeRO-3: blocks whose weights a pass holds whole at once (one computed with, the
@@ -57,7 +58,9 @@ pub struct Bucket {
     pub send: Range<usize>,
     /// Where this rank's result lands in the receive buffer.
     pub recv: Range<usize>,
-    /// Stages 1-3: floats of each rank's piece, in rank order (they tile `arena`).
+    /// Floats of each rank's piece, in rank order (they tile `arena`): what it
+    /// reduces and owns at stages 1-3, and at stage 0 the pieces a ring all-reduce
+    /// sums by.
     pub counts: Vec<usize>,
 }
 
@@ -100,20 +103,20 @@ impl GradPlan {
         let mut pieces = Vec::with_capacity(ranges.len());
         let mut slot = 0;
         for r in ranges {
+            let p = r.len().div_ceil(w);
+            let counts = (0..w)
+                .map(|q| (q * p).min(r.len())..((q + 1) * p).min(r.len()))
+                .map(|piece| piece.len())
+                .collect();
             if zero_stage == 0 {
                 buckets.push(Bucket {
                     arena: r.clone(),
                     send: r.clone(),
                     recv: r.clone(),
-                    counts: Vec::new(),
+                    counts,
                 });
                 pieces.push((r.len(), r.start));
             } else {
-                let p = r.len().div_ceil(w);
-                let counts = (0..w)
-                    .map(|q| (q * p).min(r.len())..((q + 1) * p).min(r.len()))
-                    .map(|piece| piece.len())
-                    .collect();
                 let send = match zero_stage {
                     1 => w * slot..w * (slot + p),
                     2 => 0..0,
@@ -146,6 +149,16 @@ impl GradPlan {
             recv_len,
             shard_len,
             pieces,
+        }
+    }
+
+    /// Floats of the send buffer a reduction of `kind` (`ring`: with our rings)
+    /// uses: none where it reads the gradients themselves (ZeRO-0's f32 ring
+    /// all-reduce; stage 2 has none anyway), else `send_len`.
+    pub fn send_len_for(&self, kind: Reduce, ring: bool) -> usize {
+        match self.zero_stage == 0 && kind.reads_gradients(ring) {
+            true => 0,
+            false => self.send_len,
         }
     }
 

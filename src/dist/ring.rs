@@ -1,22 +1,30 @@
-//! Our own ring reduce-scatter over non-blocking point-to-point messages, for the
-//! ZeRO 1-3 gradient reductions (`NANOGPT_RING_REDUCE=0` goes back to MPI's
-//! collectives).
+//! Our own ring collectives over non-blocking point-to-point messages: the
+//! reduce-scatter of the ZeRO 1-3 gradient reductions, ZeRO-0's all-reduce (a
+//! reduce-scatter, then an all-gather of the summed pieces) and the weights'
+//! all-gathers (`NANOGPT_RING_REDUCE=0` goes back to MPI's collectives).
 //!
 //! Open MPI 4.1's non-blocking reduce-scatter (libnbc) reduces the whole bucket to
 //! rank 0 and scatters it from there: rank 0's link carries several whole buckets
-//! and rank 0 holds whole-bucket temporaries. A ring moves `(N−1)/N` of the bucket
-//! in and out of every rank, and holds at most two pieces of scratch.
+//! and rank 0 holds whole-bucket temporaries; its non-blocking all-reduce moved
+//! about a third of the bytes per second of a ring across 3 hosts. A ring moves
+//! `(N−1)/N` of the bucket in and out of every rank per phase, and holds at most two
+//! pieces of scratch.
 //!
 //! One bucket of `N` ranks' pieces (`counts`, in rank order; unequal or empty
-//! pieces allowed) takes `N−1` rounds. Counting pieces backwards from this rank
-//! `r`, `back(k) = (r − k) mod N`: in round `j` rank `r` sends the partial sum of
-//! piece `back(j+1)` to rank `r+1` (round 0: its own gradients) and receives rank
-//! `r−1`'s partial sum of piece `back(j+2)`, to which it adds its own gradients;
-//! that sum is what it sends in round `j+1`. The last round (`j = N−2`) receives
-//! piece `back(N) = r`, which then holds every rank's contribution. A round's
-//! messages complete before the next round starts, so a buffer received into at
-//! round `j` and sent at round `j+1` is free again at round `j+2`: the receives
-//! alternate between two buffers, the last one landing in the caller's output.
+//! pieces allowed) takes `N−1` rounds per phase. Counting pieces backwards from this
+//! rank `r`, `back(k) = (r − k) mod N`:
+//!
+//! - Reduce-scatter, round `j`: rank `r` sends the partial sum of piece `back(j+1)`
+//!   to rank `r+1` (round 0: its own gradients) and receives rank `r−1`'s partial
+//!   sum of piece `back(j+2)`, to which it adds its own gradients; that sum is what
+//!   it sends in round `j+1`. The last round (`j = N−2`) receives piece `back(N) = r`,
+//!   which then holds every rank's contribution. A round's messages complete before
+//!   the next round starts, so a buffer received into at round `j` and sent at round
+//!   `j+1` is free again at round `j+2`: the receives alternate between two buffers,
+//!   the last one landing in the caller's output.
+//! - All-gather, round `g`: rank `r` sends piece `back(g)` (round 0: its own) to rank
+//!   `r+1` and receives piece `back(g+1)` from rank `r−1`, straight into the output,
+//!   where it sends it from in round `g+1`.
 //!
 //! [`Ring`] is one bucket's state machine: [`Ring::advance`] tests the round in
 //! flight without blocking and, when it has completed, adds and starts the next;
@@ -61,24 +69,39 @@ impl Element for Bf16 {
 
 use super::plan::ring_scratch_buffers as scratch_buffers;
 
-/// One bucket's ring reduce-scatter in flight, of values `T` ([`Element`]).
+/// What a [`Ring`] computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shape {
+    /// This rank's piece of the sum, into an output of `counts[rank]` values.
+    ReduceScatter,
+    /// The whole sum on every rank, into an output of Σ counts values: the
+    /// reduce-scatter's rounds, then the all-gather's of the summed pieces.
+    AllReduce,
+    /// Every rank's piece, in rank order, into an output of Σ counts values.
+    AllGather,
+}
+
+/// One bucket's ring collective in flight, of values `T` ([`Element`]).
 pub struct Ring<T: Element> {
+    shape: Shape,
     comm: ffi::MPI_Comm,
     rank: usize,
     size: usize,
     tag: i32,
-    /// Values of each rank's piece, and where it starts in `data`.
+    /// Values of each rank's piece, and where it starts in a whole bucket.
     counts: Vec<usize>,
     starts: Vec<usize>,
-    /// This rank's contribution: the whole bucket (Σ counts values), read only.
+    /// This rank's input, read only: its contribution to the whole bucket (Σ counts
+    /// values; reductions), or its own piece (an all-gather not in place), or null
+    /// (an all-gather whose own piece is in the output already).
     data: *const T,
-    /// The result: this rank's piece of the sum (`counts[rank]` values).
+    /// The result: this rank's piece (reduce-scatter) or the whole bucket.
     out: *mut T,
-    /// The receive buffers of the rounds before the last: the largest piece's
-    /// count of f32 each ([`super::plan::ring_scratch_len`]), whatever `T` (a bf16
-    /// ring uses the first half of each).
+    /// The receive buffers of the reduce-scatter's rounds before its last: the
+    /// largest piece's count of f32 each ([`super::plan::ring_scratch_len`]),
+    /// whatever `T` (a bf16 ring uses the first half of each).
     scratch: [Vec<f32>; 2],
-    /// The round in flight; `size − 1` once every round has completed.
+    /// Rounds completed; the ring is done at [`Ring::rounds`].
     round: usize,
     /// Whether [`Ring::begin`] ran.
     started: bool,
@@ -88,8 +111,8 @@ pub struct Ring<T: Element> {
 
 // SAFETY: a ring is used by one thread at a time (the caller moves it or holds it
 // under a lock); the buffers behind its pointers are the caller's for its whole
-// life (`Ring::new`'s contract), and MPI request and communicator handles may be
-// passed to MPI from any thread under MPI_THREAD_MULTIPLE (a ring is only shared
+// life (the constructors' contract), and MPI request and communicator handles may
+// be passed to MPI from any thread under MPI_THREAD_MULTIPLE (a ring is only shared
 // with a second thread when MPI runs so).
 unsafe impl<T: Element> Send for Ring<T> {}
 
@@ -103,7 +126,7 @@ impl<T: Element> Ring<T> {
     /// same `counts` and `tag`, and no other message in flight on it carries `tag`.
     /// Until the ring is done (or dropped), `data` must stay allocated and
     /// unchanged and `out` allocated and neither read nor written.
-    pub unsafe fn new(
+    pub unsafe fn reduce_scatter(
         comm: ffi::MPI_Comm,
         rank: usize,
         tag: i32,
@@ -111,9 +134,74 @@ impl<T: Element> Ring<T> {
         data: &[T],
         out: &mut [T],
     ) -> Ring<T> {
-        let size = counts.len();
-        assert!(rank < size && counts.iter().sum::<usize>() == data.len());
+        assert_eq!(counts.iter().sum::<usize>(), data.len());
         assert_eq!(out.len(), counts[rank]);
+        let data = data.as_ptr();
+        // SAFETY: the caller's contract.
+        unsafe { Ring::with(Shape::ReduceScatter, comm, rank, tag, counts, data, out) }
+    }
+
+    /// The all-reduce of `data` into `out` (both Σ `counts` values; the sum of piece
+    /// `q` is computed in ring order starting after rank `q`, then sent as it is to
+    /// every rank, so every rank ends with the same bits).
+    ///
+    /// # Safety
+    /// As [`Ring::reduce_scatter`]'s; `data` and `out` are distinct buffers.
+    pub unsafe fn all_reduce(
+        comm: ffi::MPI_Comm,
+        rank: usize,
+        tag: i32,
+        counts: &[usize],
+        data: &[T],
+        out: &mut [T],
+    ) -> Ring<T> {
+        assert_eq!(counts.iter().sum::<usize>(), data.len());
+        assert_eq!(out.len(), data.len());
+        let data = data.as_ptr();
+        // SAFETY: the caller's contract.
+        unsafe { Ring::with(Shape::AllReduce, comm, rank, tag, counts, data, out) }
+    }
+
+    /// The all-gather of every rank's piece into `out` (Σ `counts` values, pieces in
+    /// rank order): this rank's from `mine` (`counts[rank]` values), or, with
+    /// `None`, already in its place in `out`.
+    ///
+    /// # Safety
+    /// As [`Ring::reduce_scatter`]'s, `mine` standing for `data`; `mine` and `out`
+    /// do not overlap.
+    pub unsafe fn all_gather(
+        comm: ffi::MPI_Comm,
+        rank: usize,
+        tag: i32,
+        counts: &[usize],
+        mine: Option<&[T]>,
+        out: &mut [T],
+    ) -> Ring<T> {
+        assert_eq!(counts.iter().sum::<usize>(), out.len());
+        let data = match mine {
+            Some(mine) => {
+                assert_eq!(mine.len(), counts[rank]);
+                mine.as_ptr()
+            }
+            None => std::ptr::null(),
+        };
+        // SAFETY: the caller's contract.
+        unsafe { Ring::with(Shape::AllGather, comm, rank, tag, counts, data, out) }
+    }
+
+    /// # Safety
+    /// The constructors' contracts, `data` and `out` checked against `shape` by them.
+    unsafe fn with(
+        shape: Shape,
+        comm: ffi::MPI_Comm,
+        rank: usize,
+        tag: i32,
+        counts: &[usize],
+        data: *const T,
+        out: &mut [T],
+    ) -> Ring<T> {
+        let size = counts.len();
+        assert!(rank < size);
         let largest = counts.iter().copied().max().unwrap_or(0);
         assert!(largest <= i32::MAX as usize, "an MPI message too large");
         let mut starts = Vec::with_capacity(size);
@@ -123,13 +211,14 @@ impl<T: Element> Ring<T> {
             at += n;
         }
         Ring {
+            shape,
             comm,
             rank,
             size,
             tag,
             counts: counts.to_vec(),
             starts,
-            data: data.as_ptr(),
+            data,
             out: out.as_mut_ptr(),
             scratch: [Vec::new(), Vec::new()],
             round: 0,
@@ -138,30 +227,59 @@ impl<T: Element> Ring<T> {
         }
     }
 
+    /// Rounds of the reduce-scatter phase (none in an all-gather).
+    fn reduce_rounds(&self) -> usize {
+        match self.shape {
+            Shape::AllGather => 0,
+            _ => self.size - 1,
+        }
+    }
+
+    /// Rounds in all.
+    fn rounds(&self) -> usize {
+        match self.shape {
+            Shape::ReduceScatter | Shape::AllGather => self.size - 1,
+            Shape::AllReduce => 2 * (self.size - 1),
+        }
+    }
+
     /// Allocates the scratch and starts round 0 (one rank: copies its piece).
     pub fn begin(&mut self) {
         assert!(!self.started, "a ring starts once");
         self.started = true;
-        let buffers = scratch_buffers(self.size);
-        let largest = self.counts.iter().copied().max().unwrap_or(0);
-        for buf in &mut self.scratch[..buffers] {
-            *buf = vec![0.0; largest];
+        if self.reduce_rounds() > 0 {
+            let buffers = scratch_buffers(self.size);
+            let largest = self.counts.iter().copied().max().unwrap_or(0);
+            for buf in &mut self.scratch[..buffers] {
+                *buf = vec![0.0; largest];
+            }
         }
-        if self.size == 1 {
-            let n = self.counts[0];
-            // SAFETY: one rank: `data` and `out` both hold its whole piece, and are
-            // distinct buffers (the caller's contract).
-            unsafe { std::ptr::copy_nonoverlapping(self.data, self.out, n) };
-        } else {
-            // SAFETY: round 0 of a ring just begun; the contract of `new` covers the
-            // caller's buffers.
+        let own = self.counts[self.rank];
+        match self.shape {
+            // One rank: its contribution is the sum.
+            Shape::ReduceScatter | Shape::AllReduce if self.size == 1 => {
+                // SAFETY: `data` and this rank's place in `out` hold its whole piece
+                // and are distinct buffers (the constructors' contract).
+                unsafe { std::ptr::copy_nonoverlapping(self.data, self.piece_out(0), own) };
+            }
+            Shape::AllGather if !self.data.is_null() => {
+                // SAFETY: `data` holds this rank's piece and its place in `out` has
+                // room for it; they do not overlap (the contract of `all_gather`).
+                let into = self.piece_out(self.rank);
+                unsafe { std::ptr::copy_nonoverlapping(self.data, into, own) };
+            }
+            _ => {}
+        }
+        if !self.done() {
+            // SAFETY: round 0 of a ring just begun; the constructors' contract covers
+            // the caller's buffers.
             unsafe { self.post(0) };
         }
     }
 
-    /// Whether every round has completed: the output holds the sum.
+    /// Whether every round has completed: the output holds the result.
     pub fn done(&self) -> bool {
-        self.started && self.round + 1 >= self.size
+        self.started && self.round >= self.rounds()
     }
 
     /// The piece `k` places before this rank's, cyclically.
@@ -169,11 +287,24 @@ impl<T: Element> Ring<T> {
         (self.rank + 2 * self.size - k) % self.size
     }
 
-    /// Where round `j` receives: the output in the last round, else a scratch
-    /// buffer, alternating.
+    /// Where piece `q`'s result goes in the output (a reduce-scatter's output is
+    /// this rank's piece alone).
+    fn piece_out(&self, q: usize) -> *mut T {
+        match self.shape {
+            Shape::ReduceScatter => {
+                debug_assert_eq!(q, self.rank);
+                self.out
+            }
+            // SAFETY: a whole bucket's output: piece `q` starts inside it.
+            _ => unsafe { self.out.add(self.starts[q]) },
+        }
+    }
+
+    /// Where reduce-scatter round `j` receives: this rank's place in the output in
+    /// the last round, else a scratch buffer, alternating.
     fn landing(&mut self, j: usize) -> *mut T {
-        match j + 2 == self.size {
-            true => self.out,
+        match j + 1 == self.reduce_rounds() {
+            true => self.piece_out(self.rank),
             // A scratch buffer: f32-aligned, which suits every `T` (f32, Bf16).
             false => self.scratch[(self.size - 3 - j) % 2].as_mut_ptr() as *mut T,
         }
@@ -182,22 +313,30 @@ impl<T: Element> Ring<T> {
     /// Starts round `j`'s send and receive.
     ///
     /// # Safety
-    /// Round `j − 1` has completed (its partial sum is in its landing buffer).
+    /// Round `j − 1` has completed (what it received is in place).
     unsafe fn post(&mut self, j: usize) {
-        let (sent, received) = (self.back(j + 1), self.back(j + 2));
-        let from = match j {
-            // SAFETY: the sent piece lies inside `data` (the starts tile it).
-            0 => unsafe { self.data.add(self.starts[sent]) },
-            _ => self.landing(j - 1) as *const T,
+        let rs = self.reduce_rounds();
+        let (sent, received, from, into) = if j < rs {
+            let (sent, received) = (self.back(j + 1), self.back(j + 2));
+            let from = match j {
+                // SAFETY: the sent piece lies inside `data` (the starts tile it).
+                0 => unsafe { self.data.add(self.starts[sent]) },
+                _ => self.landing(j - 1) as *const T,
+            };
+            (sent, received, from, self.landing(j))
+        } else {
+            let (sent, received) = (self.back(j - rs), self.back(j - rs + 1));
+            let from = self.piece_out(sent) as *const T;
+            (sent, received, from, self.piece_out(received))
         };
-        let into = self.landing(j);
         let right = ((self.rank + 1) % self.size) as i32;
         let left = ((self.rank + self.size - 1) % self.size) as i32;
-        // SAFETY: `from` holds the sent piece's count (data, or the buffer that
-        // received it last round) and `into` the received one's (a scratch buffer
-        // holds the largest piece; the output this rank's, received last); both stay
-        // allocated and untouched until the requests complete (the ring owns the
-        // scratch and the caller's contract covers the rest).
+        // SAFETY: `from` holds the sent piece's count (data, the buffer that received
+        // it last round, or its place in the output) and `into` the received one's (a
+        // scratch buffer holds the largest piece, the output every piece it is
+        // given); both stay allocated and untouched until the requests complete (the
+        // ring owns the scratch and the caller's contract covers the rest), and a
+        // round's two buffers never overlap (distinct pieces or buffers).
         unsafe {
             ffi::MPI_Irecv(
                 into as *mut _,
@@ -220,27 +359,29 @@ impl<T: Element> Ring<T> {
         }
     }
 
-    /// After the round in flight has completed: adds this rank's gradients to the
-    /// piece received and starts the next round.
+    /// After the round in flight has completed: in the reduce-scatter phase adds this
+    /// rank's gradients to the piece received; starts the next round.
     fn next_round(&mut self) {
         let j = self.round;
-        let q = self.back(j + 2);
-        let n = self.counts[q];
-        let into = self.landing(j);
-        // SAFETY: the round's receive has completed, so its landing buffer holds `n`
-        // floats that MPI no longer touches; `data` holds piece `q` at its start (the
-        // caller's contract), and the two do not overlap (data is the caller's
-        // input, landing buffers the ring's scratch or the caller's output).
-        let (sum, own) = unsafe {
-            (
-                std::slice::from_raw_parts_mut(into, n),
-                std::slice::from_raw_parts(self.data.add(self.starts[q]), n),
-            )
-        };
-        T::add(sum, own);
+        if j < self.reduce_rounds() {
+            let q = self.back(j + 2);
+            let n = self.counts[q];
+            let into = self.landing(j);
+            // SAFETY: the round's receive has completed, so its landing buffer holds
+            // `n` values that MPI no longer touches; `data` holds piece `q` at its
+            // start (the caller's contract), and the two do not overlap (data is the
+            // caller's input, landing buffers the ring's scratch or the output).
+            let (sum, own) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(into, n),
+                    std::slice::from_raw_parts(self.data.add(self.starts[q]), n),
+                )
+            };
+            T::add(sum, own);
+        }
         self.round += 1;
         if !self.done() {
-            // SAFETY: round j has completed and its sum is in its landing buffer.
+            // SAFETY: round j has completed and what it received is in place.
             unsafe { self.post(self.round) };
         }
     }
