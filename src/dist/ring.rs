@@ -277,6 +277,11 @@ impl<T: Element> Ring<T> {
         }
     }
 
+    /// Whether [`Ring::begin`] has run.
+    pub fn begun(&self) -> bool {
+        self.started
+    }
+
     /// Whether every round has completed: the output holds the result.
     pub fn done(&self) -> bool {
         self.started && self.round >= self.rounds()
