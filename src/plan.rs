@@ -184,7 +184,7 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
         Some(g) => (
             g.shard_len,
             g.gathered_len(),
-            gathered_beyond_own(g),
+            gathered_beyond_own(g, ring),
             g.copied_len(),
         ),
     };
@@ -304,15 +304,18 @@ fn held(g: &GradPlan) -> Held {
 /// ZeRO-3: floats of the weights a pass holds beyond this rank's pieces (which
 /// [`WEIGHTS`] counts): the buckets of [`GradPlan::gathered_len`] but this rank's
 /// piece of each (between passes `params` keeps [`GradPlan::piece`] of every bucket
-/// resident and releases the rest), plus one piece more: the copy of this rank's
-/// piece of the bucket arriving, which its all-gather sends from
-/// (`Collective::start_all_gather_in_place`) while the block before it computes.
-fn gathered_beyond_own(g: &GradPlan) -> usize {
+/// resident and releases the rest), plus, with MPI's all-gather
+/// (`NANOGPT_RING_REDUCE=0`, not `ring`), one piece more: the copy of this rank's
+/// piece of the bucket arriving, which `MPI_Iallgatherv` sends from
+/// (`Collective::start_all_gather_in_place`) while the block before it computes
+/// (our ring gathers in place).
+fn gathered_beyond_own(g: &GradPlan, ring: bool) -> usize {
     let own = |b: usize| g.piece(b, g.rank).len();
     let h = held(g);
     let block_own = h.block.map_or(0, own);
     let own_held = own(h.first) + own(h.last) + h.blocks * block_own;
-    g.gathered_len() - own_held + block_own
+    let send_copy = if ring { 0 } else { block_own };
+    g.gathered_len() - own_held + send_copy
 }
 
 /// Halves of its scratch that a rank receives whole buckets into in the MPI
@@ -887,13 +890,15 @@ mod tests {
 
     /// What a ZeRO-3 pass holds of the weights beyond the pieces `plan.rank` keeps
     /// (`DataParallel::release_params` keeps `plan.piece`): `in_use` less its pieces
-    /// of the embeddings, `ln_f` and the two blocks, plus the copy of its piece of the
+    /// of the embeddings, `ln_f` and the two blocks, plus, with MPI's all-gather
+    /// (not our ring, which gathers in place), the copy of its piece of the
     /// arriving block that `start_all_gather_in_place` sends from.
     fn beyond_own(gpt: &Gpt, plan: &GradPlan) -> usize {
         let n = plan.buckets.len();
         let own = |b: usize| plan.piece(b, plan.rank).len();
+        let send_copy = if crate::dist::ring_reduce() { 0 } else { own(1) };
         // Buckets: ln_f, the blocks from the last, the embeddings; blocks are alike.
-        in_use(gpt) - own(0) - own(n - 1) - 2 * own(1) + own(1)
+        in_use(gpt) - own(0) - own(n - 1) - 2 * own(1) + send_copy
     }
 
     /// Floats of one block's bucket.
