@@ -208,10 +208,10 @@ impl PackedB {
             .par_chunks_mut(kc * TILE)
             .enumerate()
             .for_each(|(panel, d)| {
-                let rows: Vec<&[Bf16]> = (0..T)
-                    .map(|r| w.get((panel * T + r) * k..(panel * T + r + 1) * k))
-                    .map(|row| row.unwrap_or(&[]))
-                    .collect();
+                let rows: [&[Bf16]; T] = std::array::from_fn(|r| {
+                    let i = panel * T + r;
+                    w.get(i * k..(i + 1) * k).unwrap_or(&[])
+                });
                 for (p, out) in d.chunks_exact_mut(T).enumerate() {
                     for (o, row) in out.iter_mut().zip(&rows) {
                         let lo = row.get(2 * p).map_or(0, |b| b.0 as u32);
