@@ -17,6 +17,7 @@ use super::layout::{BlockLayout, LinearSpans, NormSpans, Span};
 use super::lora::{u_segment, u_segment_mut, BlockLora, LoraBufs, Target};
 use super::packs::LayerPacks;
 use crate::kernels::attention::{attention_backward, attention_forward};
+use crate::kernels::bf16::gemm::matmul_bf16_wt;
 use crate::kernels::bf16::{self, Bf16};
 use crate::kernels::dropout::{self, Dropout};
 use crate::kernels::gelu::{gelu_backward, gelu_forward};
@@ -67,32 +68,23 @@ impl<'a> BlockWeights<'a> {
     }
 
     /// `out = inp · Wᵀ + bias` for linear layer `l`: [`linear_forward`], or with
-    /// `matmul_bf16` the GEMV over its bf16 weights for a few rows (decoding steps),
-    /// and for more (a prompt) the weights widened to f32 for `linear_forward`: the
-    /// same product, but a GEMV does not reuse weights across rows the way the GEMM
-    /// does. out: (N, OC); inp: (N, C).
+    /// `matmul_bf16` the GEMV over its bf16 weights for a few rows (decoding steps:
+    /// activations stay f32), and for more (a prompt) the bf16 GEMM on the bf16
+    /// weights ([`matmul_bf16_wt`]: activations rounded to bf16 as operands, the
+    /// training step's kernel). out: (N, OC); inp: (N, C).
     fn forward<const BF16: bool>(&self, out: &mut [f32], inp: &[f32], l: LinearSpans) {
         let Some(w16) = self.matmul_bf16 else {
             return linear_forward::<BF16>(out, inp, self.linear(l));
         };
-        let w16 = &w16[l.weight.start..l.weight.end];
-        if inp.len() / l.c > GEMV_MAX_ROWS {
-            return WIDENED.with_borrow_mut(|wide| {
-                wide.resize(w16.len(), 0.0);
-                bf16::load(wide, w16);
-                let linear = Linear {
-                    weight: wide,
-                    packs: None,
-                    ..self.linear(l)
-                };
-                linear_forward::<BF16>(out, inp, linear)
-            });
-        }
         let _t = crate::profile::scope(crate::profile::Section::MatmulForward);
+        let w16 = &w16[l.weight.start..l.weight.end];
         let bias = &self.params[l.bias];
         if !bias.is_empty() {
             out.chunks_exact_mut(l.oc)
                 .for_each(|row| row.copy_from_slice(bias));
+        }
+        if inp.len() / l.c > GEMV_MAX_ROWS {
+            return matmul_bf16_wt(out, inp, w16, l.c, !bias.is_empty());
         }
         gemv(out, inp, GemvWeights::Bf16(w16), l.c, !bias.is_empty());
     }
@@ -100,12 +92,6 @@ impl<'a> BlockWeights<'a> {
 
 /// Rows up to which [`BlockWeights::forward`] runs bf16 weights on the GEMV.
 const GEMV_MAX_ROWS: usize = 8;
-
-thread_local! {
-    /// One linear layer's bf16 weights widened to f32, for a prompt's rows (at most
-    /// 4·C² floats, kept for the thread's next layer).
-    static WIDENED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-}
 
 /// A layer norm's parameters in the arena `params`.
 pub fn norm_of(params: &[f32], n: NormSpans) -> Norm<'_> {

@@ -12,7 +12,8 @@
 //! ```
 //!
 //! It runs the same block and kernels as the training forward, in f32, without dropout;
-//! [`Decoder::with_bf16_weights`] reads the matmul weights in bf16 instead.
+//! [`Decoder::with_bf16_weights`] reads the matmul weights in bf16 instead: the steps'
+//! few rows on the GEMV, a prompt's rows on the bf16 GEMM that training uses.
 
 use super::activations::{BlockActs, NormStats, Scratch};
 use super::block::{block_forward, norm_of, Attend, BlockWeights};
@@ -135,9 +136,14 @@ impl Decoder {
 
     /// Decodes with the matmul weights (and the classifier's `wte`) rounded to bf16:
     /// a copy of `params` in bf16 is made here, once, and [`Decoder::feed`] streams
-    /// half the bytes per token. Activations, layer norms, biases, softmax and
-    /// accumulation stay f32 (weight-only bf16), and the embedding lookups read the
-    /// f32 tables. `feed` must then be given the same `params`.
+    /// half the bytes per token. Feeds of up to 8 rows (decoding steps) run the GEMV
+    /// on the bf16 weights with f32 activations (weight-only bf16); longer feeds (a
+    /// prompt) run the bf16 GEMM of `dtype = "bfloat16"` training on them
+    /// ([`bf16::gemm::matmul_bf16_wt`]: the same kernel choice and
+    /// `NANOGPT_BF16_GEMM`, activations rounded to bf16 as operands). Layer norms,
+    /// biases, softmax, the residual stream and accumulation stay f32, and the
+    /// embedding lookups read the f32 tables. `feed` must then be given the same
+    /// `params`.
     pub fn with_bf16_weights(mut self, params: &[f32]) -> Decoder {
         let mut w = vec![Bf16::default(); params.len()];
         bf16::store(&mut w, params);
@@ -296,6 +302,7 @@ impl Decoder {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::kernels::bf16::gemm::{self, bf16_weight_packs_on_this_thread, with_kernel, Kernel};
     use crate::kernels::testutil::rand_vec;
     use crate::model::Gpt;
 
@@ -456,8 +463,9 @@ pub(crate) mod tests {
         assert_eq!((dec.len(), dec.max_len(), dec.batch()), (6, 8, 1));
     }
 
-    /// With bf16 weights, the logits are the f32 decoder's on the same parameters
-    /// with every matmul weight rounded to bf16, prefill and steps. (wte is made
+    /// With bf16 weights, the GEMV's rows (a prompt of up to 8 rows, the steps) give
+    /// the f32 decoder's logits on the same parameters with every matmul weight
+    /// rounded to bf16: weight-only bf16. (wte is made
     /// bf16-exact first: the embedding lookup reads the f32 table, the classifier the
     /// bf16 copy, and a rounded f32 model cannot tell the two apart.)
     #[test]
@@ -477,10 +485,10 @@ pub(crate) mod tests {
         let mut half = Decoder::new(gpt.config(), 2, 9).with_bf16_weights(params);
         let mut exact = Decoder::new(gpt.config(), 2, 9);
         let mut full = Decoder::new(gpt.config(), 2, 9);
-        let (prompt, rest) = seq.split_at(2 * 5);
-        let got = half.feed(params, layout, prompt, 5).to_vec();
-        assert_close("prefill", &got, exact.feed(&rounded, layout, prompt, 5));
-        let unrounded = full.feed(params, layout, prompt, 5);
+        let (prompt, rest) = seq.split_at(2 * 4);
+        let got = half.feed(params, layout, prompt, 4).to_vec();
+        assert_close("prefill", &got, exact.feed(&rounded, layout, prompt, 4));
+        let unrounded = full.feed(params, layout, prompt, 4);
         let moved = got.iter().zip(unrounded).map(|(a, b)| (a - b).abs());
         let moved = moved.fold(0.0f32, f32::max);
         assert!(
@@ -491,6 +499,102 @@ pub(crate) mod tests {
             let got = half.feed(params, layout, step, 1).to_vec();
             assert_close("step", &got, exact.feed(&rounded, layout, step, 1));
         }
+    }
+
+    /// Large enough that each linear product of a 2 × 16 prompt (32 rows) has the
+    /// 2^20 multiply-adds that send it to the AMX or AVX512-BF16 kernel.
+    fn medium() -> ModelConfig {
+        ModelConfig {
+            n_embd: 256,
+            block_size: 32,
+            ..small(true)
+        }
+    }
+
+    /// The bf16 decoder's logits after a (2, 16) prompt, its products on `kernel`.
+    fn bf16_prompt_logits(gpt: &Gpt, kernel: Kernel, prompt: &[u32]) -> Vec<f32> {
+        let mut dec = Decoder::new(gpt.config(), 2, 32).with_bf16_weights(&gpt.params);
+        with_kernel(kernel, || {
+            dec.feed(&gpt.params, &gpt.layout, prompt, 16).to_vec()
+        })
+    }
+
+    /// A prompt of more than 8 rows runs every linear product on the bf16 GEMM that
+    /// training picks here (AMX or AVX512-BF16: packs of the bf16 weights, counted),
+    /// never on weights widened to f32; the steps after it stay on the GEMV.
+    #[test]
+    fn a_bf16_prompt_runs_the_bf16_gemm_and_steps_the_gemv() {
+        let gpt = random_gpt(medium(), 2, 8);
+        let prompt = tokens(2 * 16, gpt.config().vocab_size, 1);
+        let per_prompt = 4 * gpt.config().n_layer;
+        for kernel in [Kernel::Amx, Kernel::Avx512Bf16] {
+            if !gemm::usable(kernel) {
+                eprintln!("{kernel:?} prompt not tested: not usable on this CPU");
+                continue;
+            }
+            let mut dec = Decoder::new(gpt.config(), 2, 32).with_bf16_weights(&gpt.params);
+            let (params, layout) = (&gpt.params, &gpt.layout);
+            let packs = bf16_weight_packs_on_this_thread();
+            with_kernel(kernel, || dec.feed(params, layout, &prompt, 16));
+            let prompt_packs = bf16_weight_packs_on_this_thread() - packs;
+            assert_eq!(
+                prompt_packs, per_prompt,
+                "{kernel:?}: products on bf16 packs"
+            );
+            with_kernel(kernel, || dec.feed(params, layout, &prompt[..2], 1));
+            let step_packs = bf16_weight_packs_on_this_thread() - packs - per_prompt;
+            assert_eq!(step_packs, 0, "{kernel:?}: a step packed a weight");
+        }
+    }
+
+    /// A bf16 prompt's logits (activations rounded to bf16 as matmul operands, bf16
+    /// weights, f32 accumulation; logits here within ±2.1), against:
+    /// - the f32 decoder on the rounded weights, activations not rounded: bit for bit
+    ///   the f32 GEMM path's summation order, so any difference is the activations'
+    ///   rounding (1.8e-3 to 3.1e-3 · (1 + |logit|) over seeds 9–14), bound 0.01;
+    /// - the training model's bf16 forward on the same tokens, which rounds the same
+    ///   operands plus q, k, v and the attention probabilities, and reads the final
+    ///   layer norm rounded (3.5e-3 to 5.3e-3 measured), bound 0.02;
+    /// - on AMX and AVX512-BF16, the f32 GEMM path (`NANOGPT_BF16_GEMM=f32`): the
+    ///   same values summed in another order, which can move an activation across a
+    ///   bf16 rounding boundary, one bf16 ulp (measured 3e-7 to 9.8e-4), bound 3e-3.
+    #[test]
+    fn bf16_prompt_logits_match_the_references() {
+        let mut gpt = random_gpt(medium(), 2, 9);
+        bf16::round_in_place(&mut gpt.params[gpt.layout.wte]);
+        let prompt = tokens(2 * 16, gpt.config().vocab_size, 2);
+        let f32_gemm = bf16_prompt_logits(&gpt, Kernel::F32, &prompt);
+        let close = |what: &str, got: &[f32], want: &[f32], tol: f32| {
+            let worst = got
+                .iter()
+                .zip(want)
+                .map(|(g, w)| (g - w).abs() / (1.0 + w.abs()));
+            let worst = worst.fold(0.0f32, f32::max);
+            eprintln!("{what}: worst {worst:e} (bound {tol:e})");
+            assert!(worst <= tol, "{what}: {worst} > {tol}");
+            worst
+        };
+        for kernel in [Kernel::Amx, Kernel::Avx512Bf16] {
+            if gemm::usable(kernel) {
+                let got = bf16_prompt_logits(&gpt, kernel, &prompt);
+                close(&format!("{kernel:?} vs f32 GEMM"), &got, &f32_gemm, 3e-3);
+            }
+        }
+        let mut rounded = gpt.params.clone();
+        let matmuls = gpt.layout.layers.iter().flat_map(|l| {
+            let ls = [l.c_attn, l.attn_proj, l.c_fc, l.mlp_proj];
+            ls.map(|s| s.weight)
+        });
+        for span in matmuls {
+            bf16::round_in_place(&mut rounded[span]);
+        }
+        let mut f32_dec = Decoder::new(gpt.config(), 2, 32);
+        let weight_only = f32_dec.feed(&rounded, &gpt.layout, &prompt, 16).to_vec();
+        let apart = close("vs weights only", &f32_gemm, &weight_only, 0.01);
+        assert!(apart > 1e-4, "the activations were not rounded ({apart})");
+        gpt.set_dtype(Dtype::Bfloat16);
+        let training = last_logits(&mut gpt, &prompt, 2, 16);
+        close("vs the training bf16 forward", &f32_gemm, &training, 0.02);
     }
 
     #[test]

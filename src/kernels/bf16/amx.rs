@@ -192,6 +192,37 @@ impl PackedB {
         (self.k, self.n) = (b.rows, b.cols);
     }
 
+    /// Packs `wᵀ` for a weight `w` stored in bf16 (`n × k`, row-major: a linear
+    /// layer's (OC, C)), the right operand of `x · wᵀ`: the pack [`PackedB::pack`]
+    /// makes of the widened `w`'s transpose, bit for bit (bar subnormals, which the
+    /// kernels read as zero either way), without an f32 copy or any rounding. Column
+    /// `j` of `wᵀ` is row `j` of `w`, so each pair is two neighbouring bf16 values
+    /// of one row. Reuses the allocation.
+    pub fn pack_t_bf16(&mut self, w: &[Bf16], n: usize, k: usize) {
+        assert_eq!(w.len(), n * k, "w must be n × k");
+        let (nb, kc) = (n.div_ceil(2 * T), k.div_ceil(KT));
+        self.tiles.resize(pack_len(2 * nb, kc), 0);
+        // One 16-column panel per task: `[kc · 16 pairs][16 columns]`, zero beyond
+        // the last row of `w` (column of wᵀ) and its last value.
+        self.tiles
+            .par_chunks_mut(kc * TILE)
+            .enumerate()
+            .for_each(|(panel, d)| {
+                let rows: [&[Bf16]; T] = std::array::from_fn(|r| {
+                    let i = panel * T + r;
+                    w.get(i * k..(i + 1) * k).unwrap_or(&[])
+                });
+                for (p, out) in d.chunks_exact_mut(T).enumerate() {
+                    for (o, row) in out.iter_mut().zip(&rows) {
+                        let lo = row.get(2 * p).map_or(0, |b| b.0 as u32);
+                        let hi = row.get(2 * p + 1).map_or(0, |b| b.0 as u32);
+                        *o = lo | hi << 16;
+                    }
+                }
+            });
+        (self.k, self.n) = (k, n);
+    }
+
     /// Bytes the pack of a `k × n` operand holds (16 × 32 tiles, zero-padded): what
     /// [`PackedB::pack`] allocates, for the memory plan.
     pub fn bytes_for(k: usize, n: usize) -> usize {
@@ -559,6 +590,24 @@ mod tests {
         matmul(&mut got, Mat::new(&a, m, k), Mat::new(&b, k, n), false);
         let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
         assert_close("rounded on packing", &got, &want64, 0.0, 1e-5);
+    }
+
+    /// Packing runs on any CPU (only the product needs AMX), so this runs everywhere.
+    #[test]
+    fn a_bf16_weight_packs_like_its_widened_transpose() {
+        let mut got = PackedB::default();
+        // Large first: the smaller packs reuse an allocation holding other values.
+        for (n, k) in [(100, 130), (1, 1), (37, 75), (33, 64), (64, 32), (16, 31)] {
+            let w = rand_vec(n * k, (n * k) as u64);
+            let mut w16 = vec![Bf16::default(); n * k];
+            super::super::store(&mut w16, &w);
+            let wide: Vec<f32> = w16.iter().map(|b| b.to_f32()).collect();
+            let mut want = PackedB::default();
+            want.pack(Mat::new(&wide, n, k).t());
+            got.pack_t_bf16(&w16, n, k);
+            assert_eq!((got.k, got.n), (k, n));
+            assert!(got.tiles == want.tiles, "{n} × {k}: the packs differ");
+        }
     }
 
     #[test]

@@ -27,8 +27,9 @@
 //! and `bench`/`train` print which kernel ran.
 
 use super::amx::{self, PackedB};
-use super::dpbf16;
+use super::{dpbf16, Bf16};
 use crate::kernels::matmul::{matmul, Mat};
+use std::cell::{Cell, RefCell};
 use std::sync::OnceLock;
 
 /// Below this many multiply-adds (m·n·k) copying or packing costs more than it saves.
@@ -183,6 +184,62 @@ pub fn matmul_bf16_packed(dst: &mut [f32], a: Mat, b: Mat, packed: &PackedB, acc
     }
 }
 
+thread_local! {
+    /// [`matmul_bf16_wt`]'s buffers on this thread, reused by its next call: the
+    /// pack of `wᵀ` (AMX, AVX512-BF16), or the weight widened to f32 and `a` rounded
+    /// (other kernels).
+    static WT: RefCell<(PackedB, Vec<f32>, Vec<f32>)> = RefCell::default();
+    /// [`matmul_bf16_wt`] products this thread ran from a pack of the bf16 weight.
+    static WT_PACKED: Cell<usize> = const { Cell::new(0) };
+}
+
+/// `dst (=|+=) round(a) · wᵀ`, f32 accumulation: a linear layer's product from its
+/// weight stored in bf16, with the activations rounded to bf16 as operands
+/// (autocast, as `dtype = "bfloat16"` training's products). Decoding's prompt rows
+/// run it (src/model/decode.rs); its steps stay on the GEMV.
+///
+/// a: (m, k), any f32 values; w: (n, k) row-major (a linear layer's (OC, C));
+/// dst: (m, n).
+///
+/// On the AMX or AVX512-BF16 [`kernel`], products of at least `MIN_MACS` pack `wᵀ`
+/// straight from bf16 ([`PackedB::pack_t_bf16`], per call: a prompt reads each
+/// weight once) and the kernel rounds `a` while packing it; otherwise `w` is widened
+/// to f32, `a` rounded, and the product runs where [`matmul_bf16`] sends it (oneDNN,
+/// or the f32 GEMM): the same values, summed in another order.
+pub fn matmul_bf16_wt(dst: &mut [f32], a: &[f32], w: &[Bf16], k: usize, accumulate: bool) {
+    assert!(
+        k > 0 && a.len().is_multiple_of(k) && w.len().is_multiple_of(k),
+        "a and w must have k columns"
+    );
+    let (m, n) = (a.len() / k, w.len() / k);
+    assert_eq!(dst.len(), m * n, "dst must be m × n");
+    let x = Mat::new(a, m, k);
+    let packed = matches!(kernel(), Kernel::Amx | Kernel::Avx512Bf16) && m * n * k >= MIN_MACS;
+    WT.with_borrow_mut(|(pack, wide, rounded)| {
+        if packed {
+            pack.pack_t_bf16(w, n, k);
+            WT_PACKED.set(WT_PACKED.get() + 1);
+            return match kernel() {
+                Kernel::Amx => amx::matmul_packed(dst, x, pack, accumulate),
+                _ => dpbf16::matmul_packed(dst, x, pack, accumulate),
+            };
+        }
+        wide.resize(w.len(), 0.0);
+        super::load(wide, w);
+        rounded.resize(a.len(), 0.0);
+        super::round_into(rounded, a);
+        let (x, wt) = (Mat::new(rounded, m, k), Mat::new(wide, n, k).t());
+        matmul_bf16(dst, x, wt, accumulate);
+    });
+}
+
+/// How many [`matmul_bf16_wt`] products this thread has run on a pack of the bf16
+/// weight (AMX or AVX512-BF16), not on a widened f32 copy: a decoder's prompt on
+/// such a CPU adds four per layer (tested).
+pub fn bf16_weight_packs_on_this_thread() -> usize {
+    WT_PACKED.get()
+}
+
 /// A weight `w` (rows × cols, row-major: a linear layer's (OC, C), or the first V
 /// rows of `wte`) packed as the right-hand operand of both products that read it,
 /// made once per optimizer step when [`reads_packs`] instead of once per call:
@@ -287,6 +344,129 @@ mod tests {
         assert_eq!(got, f32_out);
         dpbf16::matmul(&mut got, am, bm, false);
         assert_ne!(got, f32_out, "the kernels agree here: pick another shape");
+    }
+
+    /// `matmul_bf16_wt` on every kernel usable here: against an f64 reference of
+    /// round(a) · wᵀ, bit for bit [`matmul_bf16`] on the rounded and widened operands
+    /// (the same values, packed the same), and on a pack of the bf16 weight exactly
+    /// when the kernel reads packs and the product is large.
+    #[test]
+    fn bf16_weight_products_round_a_and_read_w_in_bf16() {
+        use crate::kernels::bf16::{store, testcases::reference};
+        let shapes = [(1, 77, 50), (37, 75, 101), (128, 128, 64), (200, 777, 161)];
+        let kernels = [Kernel::Amx, Kernel::Avx512Bf16, Kernel::OneDnn, Kernel::F32];
+        for kern in kernels.into_iter().filter(|&k| usable(k)) {
+            for (i, &(m, k, n)) in shapes.iter().enumerate() {
+                let acc = i % 2 == 1;
+                let a = rand_vec(m * k, 20 + i as u64);
+                let mut w16 = vec![Bf16::default(); n * k];
+                store(&mut w16, &rand_vec(n * k, 30 + i as u64));
+                let prior = rand_vec(m * n, 40 + i as u64);
+                let mut got = prior.clone();
+                let before = bf16_weight_packs_on_this_thread();
+                with_kernel(kern, || matmul_bf16_wt(&mut got, &a, &w16, k, acc));
+                let packs = bf16_weight_packs_on_this_thread() - before;
+                let what = format!("{kern:?} {m}×{k}×{n}");
+                let big = m * n * k >= MIN_MACS;
+                let reads_packs = matches!(kern, Kernel::Amx | Kernel::Avx512Bf16);
+                assert_eq!(packs == 1, big && reads_packs, "{what}: packed");
+                let ra: Vec<f32> = a.iter().map(|&v| round(v)).collect();
+                let wide: Vec<f32> = w16.iter().map(|v| v.to_f32()).collect();
+                let (am, wt) = (Mat::new(&ra, m, k), Mat::new(&wide, n, k).t());
+                let want = reference(&prior, am, wt, acc);
+                assert_close(&what, &got, &want, 0.0, 1e-6 * k as f64);
+                let mut same = prior.clone();
+                with_kernel(kern, || matmul_bf16(&mut same, am, wt, acc));
+                assert_eq!(got, same, "{what}: not matmul_bf16's bits");
+            }
+        }
+    }
+
+    /// Timing, not correctness: `cargo test --release --lib bf16_weight_product_speed
+    /// -- --ignored --nocapture`. A 256-token prompt's four linear products of GPT-2
+    /// 124M from bf16 weights: [`matmul_bf16_wt`] on the kernel chosen here, against
+    /// widening the weight and running the f32 GEMM (what decoding's prompt did
+    /// before), and the pack alone; alternating, best of 7 on the process's CPU time
+    /// and on the wall clock.
+    #[test]
+    #[ignore]
+    fn bf16_weight_product_speed() {
+        use crate::kernels::bf16::{load, store};
+        use std::time::Instant;
+        let cpu = || {
+            let mut t = libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            };
+            // SAFETY: clock_gettime writes one timespec, which `t` is.
+            unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut t) };
+            t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
+        };
+        let (m, c) = (256, 768);
+        println!(
+            "kernel {:?}, {} threads",
+            kernel(),
+            rayon::current_num_threads()
+        );
+        let mut totals = [[0.0; 2]; 3];
+        for (name, n, k) in [
+            ("qkv", 3 * c, c),
+            ("proj", c, c),
+            ("fc", 4 * c, c),
+            ("mlp", c, 4 * c),
+        ] {
+            let a = rand_vec(m * k, 1);
+            let mut w16 = vec![Bf16::default(); n * k];
+            store(&mut w16, &rand_vec(n * k, 2));
+            let (mut dst, mut dst2) = (vec![0.0; m * n], vec![0.0; m * n]);
+            let mut wide = vec![0.0; n * k];
+            let mut pack = PackedB::default();
+            let mut best = [[f64::INFINITY; 2]; 3];
+            for _ in 0..7 {
+                let runs: [&mut dyn FnMut(); 3] = [
+                    &mut || matmul_bf16_wt(&mut dst, &a, &w16, k, false),
+                    &mut || {
+                        load(&mut wide, &w16);
+                        let w = Mat::new(&wide, n, k).t();
+                        matmul(&mut dst2, Mat::new(&a, m, k), w, false)
+                    },
+                    &mut || pack.pack_t_bf16(&w16, n, k),
+                ];
+                for (run, best) in runs.into_iter().zip(&mut best) {
+                    let (w, c) = (Instant::now(), cpu());
+                    run();
+                    best[0] = best[0].min(cpu() - c);
+                    best[1] = best[1].min(w.elapsed().as_secs_f64());
+                }
+            }
+            let gflop = 2.0 * (m * n * k) as f64 / 1e9;
+            for (t, b) in totals.iter_mut().zip(&best) {
+                t[0] += b[0];
+                t[1] += b[1];
+            }
+            println!(
+                "{name} {m}×{k}×{n}: bf16 GEMM {:.2} ms CPU ({:.0} GFLOP/CPU-s), {:.2} ms wall; \
+                 widen + f32 GEMM {:.2} ms CPU ({:.0}), {:.2} ms wall; pack {:.2} ms CPU",
+                best[0][0] * 1e3,
+                gflop / best[0][0],
+                best[0][1] * 1e3,
+                best[1][0] * 1e3,
+                gflop / best[1][0],
+                best[1][1] * 1e3,
+                best[2][0] * 1e3,
+            );
+        }
+        let [ours, before, pack] = totals.map(|t| t.map(|s| s * 1e3));
+        println!(
+            "one layer: bf16 GEMM {:.1} ms CPU / {:.1} wall, widen + f32 GEMM {:.1} / {:.1} \
+             ({:.2}x CPU), of which packing {:.1} ms CPU",
+            ours[0],
+            ours[1],
+            before[0],
+            before[1],
+            before[0] / ours[0],
+            pack[0]
+        );
     }
 
     #[cfg(feature = "onednn")]
