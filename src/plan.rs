@@ -896,7 +896,11 @@ mod tests {
     fn beyond_own(gpt: &Gpt, plan: &GradPlan) -> usize {
         let n = plan.buckets.len();
         let own = |b: usize| plan.piece(b, plan.rank).len();
-        let send_copy = if crate::dist::ring_reduce() { 0 } else { own(1) };
+        let send_copy = if crate::dist::ring_reduce() {
+            0
+        } else {
+            own(1)
+        };
         // Buckets: ln_f, the blocks from the last, the embeddings; blocks are alike.
         in_use(gpt) - own(0) - own(n - 1) - 2 * own(1) + send_copy
     }
@@ -1057,7 +1061,8 @@ mod tests {
             let g = GradPlan::new(&buckets, layout.len, 3, rank, 3);
             let plan = rank_plan(&p, rank);
             let own = |b: usize| g.piece(b, rank).len();
-            let beyond = emb - own(n - 1) + ln_f - own(0) + 2 * (block - own(1)) + own(1);
+            // Our ring gathers in place: no copy of the arriving block's piece.
+            let beyond = emb - own(n - 1) + ln_f - own(0) + 2 * (block - own(1));
             assert_eq!(plan.part(GATHERED), beyond as u64 * 4, "rank {rank}");
             let mpi = match rank {
                 0 => 2 * (emb + block) - (3 * block - own(1) + ln_f),

@@ -1,5 +1,6 @@
-//! Helpers for kernel tests: random inputs, f64 central differences, and tolerant
-//! comparisons that report the worst element.
+//! Helpers for kernel tests: random inputs, f64 central differences, tolerant
+//! comparisons that report the worst element, and a CPU-time clock for the speed
+//! tests.
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -53,4 +54,17 @@ pub fn assert_close(what: &str, got: &[f32], want: &[f64], rtol: f64, atol: f64)
         got[i],
         want[i]
     );
+}
+
+/// Seconds of CPU time on `clock` (`libc::CLOCK_PROCESS_CPUTIME_ID` or
+/// `CLOCK_THREAD_CPUTIME_ID`): what a loaded machine does not steal from a speed test.
+pub fn cpu_seconds(clock: libc::clockid_t) -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec into the memory it is given.
+    let ok = unsafe { libc::clock_gettime(clock, &mut ts) } == 0;
+    assert!(ok, "clock_gettime failed");
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }

@@ -464,14 +464,7 @@ fn thread_cpu_seconds() -> f64 {
         1 => libc::CLOCK_THREAD_CPUTIME_ID,
         _ => libc::CLOCK_PROCESS_CPUTIME_ID,
     };
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes one timespec into the memory it is given.
-    let ok = unsafe { libc::clock_gettime(clock, &mut ts) } == 0;
-    assert!(ok, "clock_gettime failed");
-    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+    crate::kernels::testutil::cpu_seconds(clock)
 }
 
 /// Timing, not correctness: `cargo test --release --lib bf16_attention_speed --

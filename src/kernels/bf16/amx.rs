@@ -457,15 +457,7 @@ mod tests {
             ("x·Wᵀ", Mat::new(&w, oc, c).t()),
             ("dy·W", Mat::new(&w, oc, c)),
         ] {
-            let cpu = || {
-                let mut t = libc::timespec {
-                    tv_sec: 0,
-                    tv_nsec: 0,
-                };
-                // SAFETY: clock_gettime writes one timespec, which `t` is.
-                unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut t) };
-                t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
-            };
+            let cpu = || crate::kernels::testutil::cpu_seconds(libc::CLOCK_PROCESS_CPUTIME_ID);
             let mut t = [f64::INFINITY; 2];
             for _ in 0..15 {
                 for (vector, t) in [true, false].into_iter().zip(&mut t) {

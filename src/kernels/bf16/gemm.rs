@@ -9,7 +9,7 @@
 //! - our AMX-BF16 kernel ([`super::amx`]) when the CPU has AMX-BF16 and Linux grants
 //!   the process the tile permission;
 //! - our AVX512-BF16 kernel ([`super::dpbf16`], `vdpbf16ps`) when the CPU has
-//!   AVX512-BF16;
+//!   AVX512-BF16, except on Intel CPUs (below);
 //! - the f32 GEMM otherwise.
 //!
 //! That is also the default order, by measurement: oneDNN ran GPT-2 124M's products
@@ -21,7 +21,14 @@
 //! runs on it only from `wte` packed beforehand ([`matmul_bf16_packed`]); packing
 //! both long operands per call it lost to the f32 GEMM ([`DPBF16_MAX_K`]). An earlier
 //! AVX512-BF16 kernel (one 8 × 32 block per task, no cache blocking) never beat the
-//! f32 GEMM and was removed.
+//! f32 GEMM and was removed. That CPU was an AMD EPYC (Zen 4). On an Intel Xeon with
+//! AVX512-BF16 and AMX hidden (Sapphire Rapids class, 2 vCPUs) the same kernel ran
+//! every one of 124M's products at 0.56–0.73× the f32 GEMM (`cargo test --release
+//! --lib dpbf16_speed -- --ignored --nocapture`): there `vdpbf16ps` does no more
+//! multiply-adds per cycle than the two f32 FMA units, and the operands' packing and
+//! rounding come on top. So on Intel CPUs the f32 GEMM comes before it (AMX, where
+//! present, first), and the choice stays a pure function of the machine: a run and
+//! its resume pick the same kernel, and so the same bits.
 //! `NANOGPT_BF16_GEMM=onednn|amx|avx512bf16|f32` asks for one; a kernel that is not
 //! usable here (not built, no AMX, no AVX512-BF16) falls back to the default order,
 //! and `bench`/`train` print which kernel ran.
@@ -109,13 +116,40 @@ pub fn kernel() -> Kernel {
         return k;
     }
     static K: OnceLock<Kernel> = OnceLock::new();
-    *K.get_or_init(|| choose(requested(), usable))
+    *K.get_or_init(|| choose(requested(), usable, default_order(intel_cpu())))
 }
 
-/// The kernel asked for if it is usable, else the first usable one in the default
-/// order.
-fn choose(requested: Option<Kernel>, usable: impl Fn(Kernel) -> bool) -> Kernel {
-    let order = [Kernel::OneDnn, Kernel::Amx, Kernel::Avx512Bf16, Kernel::F32];
+/// Whether this is an Intel CPU (CPUID's vendor string), where the f32 GEMM beats
+/// the AVX512-BF16 kernel (see the module comment).
+fn intel_cpu() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: CPUID leaf 0 exists on every x86-64 CPU and only reads registers.
+        #[allow(unused_unsafe)]
+        let id = unsafe { std::arch::x86_64::__cpuid(0) };
+        let bytes = [id.ebx, id.edx, id.ecx].map(u32::to_le_bytes).concat();
+        bytes == *b"GenuineIntel"
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// The kernels, fastest first as measured: the AVX512-BF16 kernel after the f32
+/// GEMM on Intel CPUs.
+fn default_order(intel: bool) -> [Kernel; 4] {
+    use Kernel::*;
+    match intel {
+        true => [OneDnn, Amx, F32, Avx512Bf16],
+        false => [OneDnn, Amx, Avx512Bf16, F32],
+    }
+}
+
+/// The kernel asked for if it is usable, else the first usable one in `order`.
+fn choose(
+    requested: Option<Kernel>,
+    usable: impl Fn(Kernel) -> bool,
+    order: [Kernel; 4],
+) -> Kernel {
     let first = requested.filter(|&k| usable(k));
     first.unwrap_or_else(|| {
         order
@@ -294,20 +328,40 @@ mod tests {
     #[test]
     fn the_request_wins_when_usable_and_the_default_order_otherwise() {
         use Kernel::*;
-        // An AVX512-BF16 CPU without AMX or oneDNN.
+        let (amd, intel) = (default_order(false), default_order(true));
+        // An AVX512-BF16 CPU without AMX or oneDNN: our kernel on AMD, the f32 GEMM
+        // on Intel (where it is faster) unless asked for.
         let no_amx = |k: Kernel| matches!(k, Avx512Bf16 | F32);
-        assert_eq!(choose(None, no_amx), Avx512Bf16);
-        assert_eq!(choose(Some(F32), no_amx), F32, "NANOGPT_BF16_GEMM=f32");
-        assert_eq!(choose(Some(Amx), no_amx), Avx512Bf16, "unusable request");
+        assert_eq!(choose(None, no_amx, amd), Avx512Bf16);
+        assert_eq!(choose(None, no_amx, intel), F32);
+        assert_eq!(choose(Some(Avx512Bf16), no_amx, intel), Avx512Bf16);
+        assert_eq!(choose(Some(F32), no_amx, amd), F32, "NANOGPT_BF16_GEMM=f32");
+        assert_eq!(
+            choose(Some(Amx), no_amx, amd),
+            Avx512Bf16,
+            "unusable request"
+        );
         // A CPU without AVX512-BF16 never gets the kernel, even when asked for it.
         let plain = |k: Kernel| k == F32;
-        assert_eq!(choose(None, plain), F32);
-        assert_eq!(choose(Some(Avx512Bf16), plain), F32);
-        // AMX and oneDNN come first where they run.
+        assert_eq!(choose(None, plain, amd), F32);
+        assert_eq!(choose(Some(Avx512Bf16), plain, amd), F32);
+        // AMX and oneDNN come first where they run, on either.
         let all = |_: Kernel| true;
-        assert_eq!(choose(None, all), OneDnn);
-        assert_eq!(choose(None, |k: Kernel| k != OneDnn), Amx);
-        assert_eq!(choose(Some(Avx512Bf16), all), Avx512Bf16);
+        for order in [amd, intel] {
+            assert_eq!(choose(None, all, order), OneDnn);
+            assert_eq!(choose(None, |k: Kernel| k != OneDnn, order), Amx);
+            assert_eq!(choose(Some(Avx512Bf16), all, order), Avx512Bf16);
+        }
+    }
+
+    /// The vendor string is read as CPUID gives it: this machine's `/proc/cpuinfo`
+    /// says the same.
+    #[test]
+    fn the_vendor_is_cpuids() {
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        if cpuinfo.contains("vendor_id") {
+            assert_eq!(intel_cpu(), cpuinfo.contains("GenuineIntel"));
+        }
     }
 
     #[test]
@@ -393,15 +447,7 @@ mod tests {
     fn bf16_weight_product_speed() {
         use crate::kernels::bf16::{load, store};
         use std::time::Instant;
-        let cpu = || {
-            let mut t = libc::timespec {
-                tv_sec: 0,
-                tv_nsec: 0,
-            };
-            // SAFETY: clock_gettime writes one timespec, which `t` is.
-            unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut t) };
-            t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
-        };
+        let cpu = || crate::kernels::testutil::cpu_seconds(libc::CLOCK_PROCESS_CPUTIME_ID);
         let (m, c) = (256, 768);
         println!(
             "kernel {:?}, {} threads",
