@@ -169,7 +169,9 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
     });
     let ring = crate::dist::ring_reduce();
     let kind = Reduce::of_stage(stage, p.grad_reduce_dtype);
-    let comm = (grad_plan.as_ref()).map_or(0, |g| g.send_len_for(kind, ring) + g.recv_len);
+    let comm = grad_plan
+        .as_ref()
+        .map_or(0, |g| g.send_len_for(kind, ring) + g.recv_len);
     // ZeRO-3: each rank keeps its shard of the weights; a pass holds the embeddings
     // and ln_f (first and last buckets) and two blocks at a time (one computed, the
     // next arriving or the previous reducing), weights and gradients alike. The

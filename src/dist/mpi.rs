@@ -11,7 +11,7 @@
 //! each, on one host too (`NANOGPT_PROGRESS_THREAD=0` turns it off), and ZeRO-1/2's
 //! all-gathers of the updated weights one for the whole group.
 
-use super::ring::{Element, Ring, Rings};
+use super::ring::{Element, Ring, Rings, Shape};
 use super::{BackwardFn, Bucket, Collective, GatherPart, OverlapTimes, Pending, Reduce, Watchdog};
 use crate::kernels::bf16::Bf16;
 use anyhow::{bail, Result};
@@ -192,32 +192,24 @@ impl Mpi {
         (self.rings_started.fetch_add(1, Ordering::Relaxed) % RING_TAGS) as i32
     }
 
-    /// A ring reduce-scatter of `data` (Σ `counts`) into `out` (`counts[rank]`),
-    /// not yet begun, on the rings' communicator with the next tag.
+    /// A ring reduction of `shape` of `data` (Σ `counts`) into `out` (`counts[rank]`
+    /// for a reduce-scatter, Σ `counts` for an all-reduce), not yet begun, on the
+    /// rings' communicator with the next tag.
     ///
     /// # Safety
     /// Every rank makes the same calls in the same order, and the buffers obey
-    /// [`Ring::reduce_scatter`]'s contract until the ring is done.
-    unsafe fn ring<T: Element>(&self, counts: &[usize], data: &[T], out: &mut [T]) -> Ring<T> {
-        let (comm, rank, tag) = (self.ring_comm.0, self.rank, self.next_tag());
-        // SAFETY: the tag is this ring's alone (`next_tag`); the buffers are the
-        // caller's promise.
-        unsafe { Ring::reduce_scatter(comm, rank, tag, counts, data, out) }
-    }
-
-    /// A ring all-reduce of `data` into `out` (both Σ `counts`), as [`Mpi::ring`].
-    ///
-    /// # Safety
-    /// As [`Mpi::ring`]'s, with [`Ring::all_reduce`]'s contract.
-    unsafe fn ring_all_reduce<T: Element>(
+    /// [`Ring::reduce`]'s contract until the ring is done.
+    unsafe fn ring<T: Element>(
         &self,
+        shape: Shape,
         counts: &[usize],
         data: &[T],
         out: &mut [T],
     ) -> Ring<T> {
         let (comm, rank, tag) = (self.ring_comm.0, self.rank, self.next_tag());
-        // SAFETY: as in `ring`.
-        unsafe { Ring::all_reduce(comm, rank, tag, counts, data, out) }
+        // SAFETY: the tag is this ring's alone (`next_tag`); the buffers are the
+        // caller's promise.
+        unsafe { Ring::reduce(shape, comm, rank, tag, counts, data, out) }
     }
 
     /// A ring all-gather into `out` (Σ `counts`) of this rank's piece `mine` (or,
@@ -259,23 +251,27 @@ impl Mpi {
                 let make = |b: &Bucket, grads: &[f32], _: &mut [f32], r: &mut [f32]| {
                     // SAFETY: the ranges live and stay untouched until the ring is done
                     // (above), and every rank starts the same rings in the same order.
-                    unsafe { self.ring(&b.counts, grads, &mut r[..b.counts[rank]]) }
+                    unsafe {
+                        self.ring(
+                            Shape::ReduceScatter,
+                            &b.counts,
+                            grads,
+                            &mut r[..b.counts[rank]],
+                        )
+                    }
                 };
                 self.rings_during_backward(kind, buckets, send, recv, backward, &make)
             }
             Reduce::ReduceScatterBf16 | Reduce::AllReduceBf16 => {
                 let make = |b: &Bucket, grads: &[f32], s: &mut [f32], r: &mut [f32]| {
                     fill_send(kind, grads, s);
+                    let (shape, counts) = match kind {
+                        Reduce::AllReduceBf16 => (Shape::AllReduce, b.counts.clone()),
+                        _ => (Shape::ReduceScatter, blocks(r)),
+                    };
                     // The result, bf16 in the front of `r`, widened once all are done.
                     // SAFETY: as for the f32 rings.
-                    unsafe {
-                        match kind {
-                            Reduce::AllReduceBf16 => {
-                                self.ring_all_reduce(&b.counts, bf16_view(s), bf16_view(r))
-                            }
-                            _ => self.ring(&blocks(r), bf16_view(s), bf16_view(r)),
-                        }
-                    }
+                    unsafe { self.ring(shape, &counts, bf16_view(s), bf16_view(r)) }
                 };
                 let mut times =
                     self.rings_during_backward(kind, buckets, send, recv, backward, &make);
@@ -287,7 +283,7 @@ impl Mpi {
             Reduce::AllReduce => {
                 let make = |b: &Bucket, grads: &[f32], _: &mut [f32], r: &mut [f32]| {
                     // SAFETY: as for the rings by pieces.
-                    unsafe { self.ring_all_reduce(&b.counts, grads, r) }
+                    unsafe { self.ring(Shape::AllReduce, &b.counts, grads, r) }
                 };
                 self.rings_during_backward(kind, buckets, send, recv, backward, &make)
             }
@@ -296,7 +292,7 @@ impl Mpi {
                     let counts = blocks(r);
                     fill_send(kind, grads, s);
                     // SAFETY: as for the rings by pieces.
-                    unsafe { self.ring(&counts, s, r) }
+                    unsafe { self.ring(Shape::ReduceScatter, &counts, s, r) }
                 };
                 self.rings_during_backward(kind, buckets, send, recv, backward, &make)
             }
@@ -305,8 +301,8 @@ impl Mpi {
 
     /// Runs `backward`, starting each bucket's ring as it is reported (`make` builds
     /// it from the bucket, its gradients and its send and receive ranges; an empty
-    /// send range where it reads the gradients themselves) and moving every ring on at every later
-    /// report (and by the progress thread, when it runs), at most
+    /// send range where it reads the gradients themselves) and moving every ring on
+    /// at every later report (and by the progress thread, when it runs), at most
     /// [`super::RINGS_IN_FLIGHT`] at once where they hold scratch; then finishes
     /// them under the watchdog.
     #[allow(clippy::type_complexity)]
@@ -1387,7 +1383,7 @@ impl Collective for Mpi {
         if self.ring {
             // SAFETY: every rank starts ZeRO-3's reductions in the same order; the
             // buffers are the caller's promise until the wait, which finishes the ring.
-            let mut ring = unsafe { self.ring(counts, send, mine) };
+            let mut ring = unsafe { self.ring(Shape::ReduceScatter, counts, send, mine) };
             ring.begin();
             return RingInFlight::new(self, ring, "reduce-scatter");
         }

@@ -117,16 +117,21 @@ pub struct Ring<T: Element> {
 unsafe impl<T: Element> Send for Ring<T> {}
 
 impl<T: Element> Ring<T> {
-    /// The reduce-scatter of `data` (Σ `counts` values, pieces in rank order) into
-    /// `out` (`counts[rank]` values) over `comm`, every message tagged `tag`; it
-    /// starts with [`Ring::begin`].
+    /// A reduction of `data` (Σ `counts` values, pieces in rank order) over `comm`,
+    /// every message tagged `tag`, into `out`: this rank's piece of the sum
+    /// (`counts[rank]` values) for [`Shape::ReduceScatter`], the whole sum (Σ
+    /// `counts` values) for [`Shape::AllReduce`], piece `q` summed in ring order
+    /// starting after rank `q` and then sent as it is to every rank, so every rank
+    /// ends with the same bits. It starts with [`Ring::begin`].
     ///
     /// # Safety
     /// `comm` is a valid communicator whose ranks all run the same ring with the
     /// same `counts` and `tag`, and no other message in flight on it carries `tag`.
     /// Until the ring is done (or dropped), `data` must stay allocated and
-    /// unchanged and `out` allocated and neither read nor written.
-    pub unsafe fn reduce_scatter(
+    /// unchanged and `out` allocated and neither read nor written; they are
+    /// distinct buffers.
+    pub unsafe fn reduce(
+        shape: Shape,
         comm: ffi::MPI_Comm,
         rank: usize,
         tag: i32,
@@ -135,31 +140,15 @@ impl<T: Element> Ring<T> {
         out: &mut [T],
     ) -> Ring<T> {
         assert_eq!(counts.iter().sum::<usize>(), data.len());
-        assert_eq!(out.len(), counts[rank]);
+        let out_len = match shape {
+            Shape::ReduceScatter => counts[rank],
+            Shape::AllReduce => data.len(),
+            Shape::AllGather => panic!("an all-gather sums nothing: Ring::all_gather"),
+        };
+        assert_eq!(out.len(), out_len);
         let data = data.as_ptr();
         // SAFETY: the caller's contract.
-        unsafe { Ring::with(Shape::ReduceScatter, comm, rank, tag, counts, data, out) }
-    }
-
-    /// The all-reduce of `data` into `out` (both Σ `counts` values; the sum of piece
-    /// `q` is computed in ring order starting after rank `q`, then sent as it is to
-    /// every rank, so every rank ends with the same bits).
-    ///
-    /// # Safety
-    /// As [`Ring::reduce_scatter`]'s; `data` and `out` are distinct buffers.
-    pub unsafe fn all_reduce(
-        comm: ffi::MPI_Comm,
-        rank: usize,
-        tag: i32,
-        counts: &[usize],
-        data: &[T],
-        out: &mut [T],
-    ) -> Ring<T> {
-        assert_eq!(counts.iter().sum::<usize>(), data.len());
-        assert_eq!(out.len(), data.len());
-        let data = data.as_ptr();
-        // SAFETY: the caller's contract.
-        unsafe { Ring::with(Shape::AllReduce, comm, rank, tag, counts, data, out) }
+        unsafe { Ring::with(shape, comm, rank, tag, counts, data, out) }
     }
 
     /// The all-gather of every rank's piece into `out` (Σ `counts` values, pieces in
@@ -167,8 +156,7 @@ impl<T: Element> Ring<T> {
     /// `None`, already in its place in `out`.
     ///
     /// # Safety
-    /// As [`Ring::reduce_scatter`]'s, `mine` standing for `data`; `mine` and `out`
-    /// do not overlap.
+    /// As [`Ring::reduce`]'s, `mine` standing for `data`.
     pub unsafe fn all_gather(
         comm: ffi::MPI_Comm,
         rank: usize,
