@@ -7,7 +7,7 @@
 
 use crate::config::TrainConfig;
 use crate::dist::preflight::{self, Fingerprint};
-use crate::dist::{Collective, GradPlan, Reduce};
+use crate::dist::{Collective, GradPlan, Reduce, Reported};
 use crate::model::ParamLayout;
 use crate::plan;
 use anyhow::Result;
@@ -257,7 +257,7 @@ fn measure_all_reduce(comm: &dyn Collective, cfg: &TrainConfig, vocab: usize) ->
             &plan.buckets,
             &mut send,
             &mut recv,
-            &mut |hook| hook(0..n, &grads),
+            &mut |hook| hook(Reported::Final(0..n, &grads)),
         );
         best = best.min(start.elapsed());
     }

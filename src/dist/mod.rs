@@ -26,6 +26,8 @@ mod mpi;
 #[cfg(feature = "mpi")]
 mod ring;
 
+/// What backward tells a reduction driving it ([`BackwardFn`]).
+pub use crate::model::Reported;
 pub use parallel::{save_buffer_len, CommReport, DataParallel};
 pub use plan::{ring_scratch_len, Bucket, GradPlan, RINGS_IN_FLIGHT, STAGE3_REDUCTIONS_IN_FLIGHT};
 pub use reduce_check::check_reductions;
@@ -102,9 +104,11 @@ impl Reduce {
 }
 
 /// The backward pass as [`Collective::reduce_during_backward`] drives it: called
-/// once, it runs backward and calls the hook `(range, grads)` for each bucket as
-/// soon as that bucket's gradients are final (see `Gpt::backward_with`).
-pub type BackwardFn<'f> = dyn FnMut(&mut dyn FnMut(Range<usize>, &[f32])) + 'f;
+/// once, it runs backward and tells the hook [`Reported::Final`] for each bucket as
+/// soon as that bucket's gradients are final, and [`Reported::Midway`] halfway
+/// through each block, where the reductions in flight can move on (see
+/// `Gpt::backward_reporting`).
+pub type BackwardFn<'f> = dyn FnMut(&mut dyn FnMut(Reported)) + 'f;
 
 /// Timings of one overlapped reduction.
 #[derive(Clone, Copy, Debug, Default)]
@@ -273,7 +277,7 @@ pub trait Collective {
 
 /// The index of the bucket whose arena range backward has just reported, marked
 /// seen. Backward may report the buckets in another order than the plan's (the
-/// embeddings first: `Gpt::backward_embeddings_first`); every rank reports them in
+/// embeddings first: `Gpt::backward_reporting`); every rank reports them in
 /// the same order, so the collectives still start in the same order everywhere.
 fn reported(buckets: &[Bucket], range: &Range<usize>, seen: &mut [bool]) -> usize {
     let i = buckets.iter().position(|b| b.arena == *range);
@@ -381,7 +385,10 @@ impl Collective for Single {
         backward: &mut BackwardFn,
     ) -> OverlapTimes {
         let mut seen = vec![false; buckets.len()];
-        backward(&mut |range, grads| {
+        backward(&mut |report| {
+            let Reported::Final(range, grads) = report else {
+                return; // nothing in flight
+            };
             let b = &buckets[reported(buckets, &range, &mut seen)];
             let dst = &mut recv[b.recv.start..b.recv.start + range.len()];
             match kind.wire_bytes() {
@@ -544,7 +551,8 @@ mod tests {
             &mut recv,
             &mut |hook| {
                 for r in [6..10, 2..6, 0..2] {
-                    hook(r, &grads);
+                    hook(Reported::Final(r, &grads));
+                    hook(Reported::Midway);
                 }
             },
         );

@@ -12,7 +12,8 @@
 //! all-gathers of the updated weights one for the whole group.
 
 use super::ring::{Element, Ring, Rings, Shape};
-use super::{BackwardFn, Bucket, Collective, GatherPart, OverlapTimes, Pending, Reduce, Watchdog};
+use super::{BackwardFn, Bucket, Collective, GatherPart, OverlapTimes, Pending, Reduce};
+use super::{Reported, Watchdog};
 use crate::kernels::bf16::Bf16;
 use anyhow::{bail, Result};
 use mpi::collective::{CommunicatorCollectives, Root, SystemOperation};
@@ -336,7 +337,13 @@ impl Mpi {
                 })
             });
             let mut seen = vec![false; buckets.len()];
-            backward(&mut |range, grads| {
+            backward(&mut |report| {
+                let Reported::Final(range, grads) = report else {
+                    if overlap {
+                        lock().advance();
+                    }
+                    return;
+                };
                 let i = super::reported(buckets, &range, &mut seen);
                 let s = sends[i].take().expect("each bucket once");
                 let r = recvs[i].take().expect("each bucket once");
@@ -1434,7 +1441,13 @@ impl Collective for Mpi {
             mpi::request::multiple_scope(buckets.len(), |scope, requests| {
                 let mut done = Vec::with_capacity(buckets.len());
                 let mut seen = vec![false; buckets.len()];
-                backward(&mut |range, grads| {
+                backward(&mut |report| {
+                    let Reported::Final(range, grads) = report else {
+                        if overlap {
+                            requests.test_some(&mut done);
+                        }
+                        return;
+                    };
                     let i = super::reported(buckets, &range, &mut seen);
                     let b = &buckets[i];
                     let r = recvs[i].take().expect("each bucket once");

@@ -5,7 +5,7 @@
 //! start-up broadcast and the checks that every rank holds the same weights.
 
 use super::resident::release;
-use super::{Collective, GatherPart, GradPlan, Pending, Reduce};
+use super::{Collective, GatherPart, GradPlan, Pending, Reduce, Reported};
 use crate::model::{add_encoder_rows, Dtype, EncoderGrad, Gpt, ParamLayout, PassHooks};
 use crate::optim::{AdamW, AdamWConfig};
 use crate::shutdown::{self, StopSignal};
@@ -357,10 +357,7 @@ impl DataParallel {
             &self.plan.buckets,
             &mut self.send,
             &mut self.recv,
-            &mut |hook| match early {
-                true => held = model.backward_embeddings_first(|range, grads| hook(range, grads)),
-                false => model.backward_with(|range, grads| hook(range, grads)),
-            },
+            &mut |hook| held = model.backward_reporting(early, hook),
         );
         self.exposed += times.exposed;
         if early {
@@ -430,7 +427,7 @@ impl DataParallel {
                 &mut self.recv,
                 &mut |hook| {
                     for b in &buckets {
-                        hook(b.arena.clone(), &model.grads);
+                        hook(Reported::Final(b.arena.clone(), &model.grads));
                     }
                 },
             );

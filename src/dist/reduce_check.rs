@@ -8,7 +8,7 @@
 //! must put every rank's piece in its place. A round skipped or a piece misplaced
 //! changes a sum or a value.
 
-use super::{Collective, GatherPart, GradPlan, Pending, Reduce};
+use super::{Collective, GatherPart, GradPlan, Pending, Reduce, Reported};
 use std::ops::Range;
 
 /// Bucket lengths: a large one, short ones whose pieces are uneven, and (from 3
@@ -172,7 +172,7 @@ fn reduce_as_training_does(
         let mut send = vec![f32::NAN; plan.send_len];
         comm.reduce_during_backward(kind, &plan.buckets, &mut send, &mut recv, &mut |hook| {
             for a in &arenas {
-                hook(a.clone(), grads);
+                hook(Reported::Final(a.clone(), grads));
             }
         });
         return recv;

@@ -205,14 +205,18 @@ pub fn block_forward<const BF16: bool>(
     residual_add_inplace(res3, res2);
 }
 
-/// One block backward, [`block_forward`] in reverse. On entry `s.dres` holds
-/// d(block output); on return, d(block input `x`). Parameter gradients accumulate into
-/// `g` (the whole gradient arena, laid out like the parameters; with LoRA, the
-/// adapters' arena).
-pub fn block_backward<const BF16: bool>(
+/// One block backward is [`block_forward`] in reverse: [`mlp_backward`], then
+/// [`attention_branch_backward`]; between the two, a caller may move communication
+/// on. On entry `s.dres` holds d(block output); on return, d(block input `x`).
+/// Parameter gradients accumulate into `g` (the whole gradient arena, laid out like
+/// the parameters; with LoRA, the adapters' arena).
+///
+/// The MLP branch's half: `s.dres` goes from d(res3) to d(res2). The GELU output is
+/// recomputed into `hidden`, multiplied into W_proj's gradient, then overwritten by
+/// its own gradient.
+pub fn mlp_backward<const BF16: bool>(
     w: &BlockWeights,
     g: &mut [f32],
-    x: &[f32],
     a: &BlockActs,
     s: &mut Scratch,
     drop: Option<BlockDropout>,
@@ -220,9 +224,6 @@ pub fn block_backward<const BF16: bool>(
 ) {
     let (n, c, at) = (d.bt(), d.c, w.at);
     let (res2, fch) = (&a.res2[..n * c], &a.fch);
-
-    // MLP branch. The GELU output is recomputed into `hidden`, multiplied into
-    // W_proj's gradient, then overwritten by its own gradient.
     let mask = drop.map(|m| m.mlp_resid);
     let dout = branch_grad::<BF16>(&s.dres[..n * c], &mut s.dbranch, mask);
     let hidden = &mut s.hidden[..n * 4 * c];
@@ -251,8 +252,20 @@ pub fn block_backward<const BF16: bool>(
     let ln_w = w.norm(at.ln_2).weight;
     let ng = block_norm_grads(w, g, &mut s.norm_sink, at.ln_2);
     layernorm_backward(dres, ng, dln2, res2, ln_w, m2, r2);
+}
 
-    // Attention branch.
+/// The attention branch's half of a block's backward ([`mlp_backward`]): `s.dres`
+/// goes from d(res2) to d(x).
+pub fn attention_branch_backward<const BF16: bool>(
+    w: &BlockWeights,
+    g: &mut [f32],
+    x: &[f32],
+    a: &BlockActs,
+    s: &mut Scratch,
+    drop: Option<BlockDropout>,
+    d: Dims,
+) {
+    let (n, c, at) = (d.bt(), d.c, w.at);
     let mask = drop.map(|m| m.attn_resid);
     let dout = branch_grad::<BF16>(&s.dres[..n * c], &mut s.dbranch, mask);
     let atty = a.atty.load(&mut s.staging, n * c, not_recomputed);

@@ -36,7 +36,8 @@ use crate::kernels::layernorm::{layernorm_backward, layernorm_forward};
 use crate::kernels::Dims;
 use crate::optim::AdamW;
 use anyhow::{bail, Context, Result};
-use block::{block_backward, block_forward, norm_grads, norm_of, split_two};
+use block::{attention_branch_backward, block_forward, mlp_backward};
+use block::{norm_grads, norm_of, split_two};
 use block::{Attend, BlockDropout, BlockWeights};
 use lora::{BlockLora, Frozen, LoraConfig, LoraLayout};
 use packs::Packs;
@@ -101,6 +102,9 @@ pub trait PassHooks {
     fn done(&mut self, _range: Range<usize>, _params: &mut [f32]) {}
     /// Backward: `grads[range]` is final for this pass.
     fn grads_done(&mut self, _range: Range<usize>, _grads: &mut [f32]) {}
+    /// Backward: halfway through each block (between its MLP's and its attention's
+    /// backward), where nothing new is final: a moment to move communication on.
+    fn midway(&mut self) {}
     /// Backward (without LoRA): report the embeddings' bucket first, before `ln_f`'s,
     /// and hand this pass's encoder gradient to [`PassHooks::encoder_grads`] instead
     /// of adding it to `grads`. Everything else in the bucket is final when backward
@@ -115,8 +119,8 @@ pub trait PassHooks {
 }
 
 /// One pass's encoder gradient held back from `dwte` and `dwpe`
-/// ([`Gpt::backward_embeddings_first`]): row `i` of `dout` (B·T rows of C) belongs to
-/// token `tokens[i]` and position `i % t`.
+/// ([`Gpt::backward_reporting`] with the embeddings first): row `i` of `dout` (B·T
+/// rows of C) belongs to token `tokens[i]` and position `i % t`.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct EncoderGrad {
     pub dout: Vec<f32>,
@@ -164,17 +168,30 @@ pub fn add_encoder_rows(
     }
 }
 
-/// [`PassHooks`] of [`Gpt::backward_embeddings_first`].
-struct EarlyEmbeddings<F> {
-    done: F,
+/// What [`Gpt::backward_reporting`] tells its caller, in the order backward reaches it.
+pub enum Reported<'g> {
+    /// `grads[range]` is final for this pass (`grads`: the whole gradient arena).
+    Final(Range<usize>, &'g [f32]),
+    /// Halfway through a block ([`PassHooks::midway`]).
+    Midway,
+}
+
+/// [`PassHooks`] of [`Gpt::backward_reporting`] and [`Gpt::backward_with`]: final
+/// gradients (and, to `report` only, the midways) to a closure.
+struct Reporting<F> {
+    report: F,
+    embeddings_first: bool,
     held: EncoderGrad,
 }
-impl<F: FnMut(Range<usize>, &[f32])> PassHooks for EarlyEmbeddings<F> {
+impl<F: FnMut(Reported)> PassHooks for Reporting<F> {
     fn grads_done(&mut self, range: Range<usize>, grads: &mut [f32]) {
-        (self.done)(range, grads)
+        (self.report)(Reported::Final(range, grads))
+    }
+    fn midway(&mut self) {
+        (self.report)(Reported::Midway)
     }
     fn embeddings_first(&self) -> bool {
-        true
+        self.embeddings_first
     }
     fn encoder_grads(&mut self, dout: &[f32], tokens: &[u32], t: usize) {
         self.held = EncoderGrad {
@@ -188,14 +205,6 @@ impl<F: FnMut(Range<usize>, &[f32])> PassHooks for EarlyEmbeddings<F> {
 /// A pass that tells nobody.
 pub struct NoHooks;
 impl PassHooks for NoHooks {}
-
-/// [`PassHooks`] that only report final gradients, to a closure.
-struct GradsDone<F>(F);
-impl<F: FnMut(Range<usize>, &[f32])> PassHooks for GradsDone<F> {
-    fn grads_done(&mut self, range: Range<usize>, grads: &mut [f32]) {
-        (self.0)(range, grads)
-    }
-}
 
 impl Gpt {
     /// A model with all-zero parameters whose activations fit batches up to
@@ -634,22 +643,29 @@ impl Gpt {
     /// `range` are final for this pass: once per range of [`Gpt::grad_buckets`], in
     /// that order, with the whole gradient buffer to read from. Data-parallel
     /// training starts each bucket's all-reduce there, while backward continues.
-    pub fn backward_with(&mut self, done: impl FnMut(Range<usize>, &[f32])) {
-        self.backward_hooked(&mut GradsDone(done));
+    pub fn backward_with(&mut self, mut done: impl FnMut(Range<usize>, &[f32])) {
+        self.backward_reporting(false, |r| {
+            if let Reported::Final(range, grads) = r {
+                done(range, grads)
+            }
+        });
     }
 
-    /// [`Gpt::backward_with`], but the embeddings' bucket is reported first (then
-    /// `ln_f`'s and the blocks' in [`Gpt::grad_buckets`] order) and this pass's encoder
-    /// gradient is returned instead of added to `grads`: data-parallel training starts
-    /// reducing the largest bucket before the blocks' backward and adds every rank's
-    /// encoder gradient to the sum afterwards. Without LoRA (the embeddings are
-    /// frozen with it: the same as [`Gpt::backward_with`], an empty gradient returned).
-    pub fn backward_embeddings_first(
+    /// [`Gpt::backward_with`], also reporting each block's midway, for communication
+    /// to move on there. With `embeddings_first`, the embeddings' bucket is reported
+    /// first (then `ln_f`'s and the blocks' in [`Gpt::grad_buckets`] order) and this
+    /// pass's encoder gradient is returned instead of added to `grads`: data-parallel
+    /// training starts reducing the largest bucket before the blocks' backward and
+    /// adds every rank's encoder gradient to the sum afterwards. Otherwise, and with
+    /// LoRA (whose embeddings are frozen), the gradient returned is empty.
+    pub fn backward_reporting(
         &mut self,
-        done: impl FnMut(Range<usize>, &[f32]),
+        embeddings_first: bool,
+        report: impl FnMut(Reported),
     ) -> EncoderGrad {
-        let mut hooks = EarlyEmbeddings {
-            done,
+        let mut hooks = Reporting {
+            report,
+            embeddings_first,
             held: EncoderGrad::default(),
         };
         self.backward_hooked(&mut hooks);
@@ -753,7 +769,9 @@ impl Gpt {
                 }
                 None => &acts.blocks[l],
             };
-            block_backward::<BF16>(&w, grads, x, a, s, drop, d);
+            mlp_backward::<BF16>(&w, grads, a, s, drop, d);
+            hooks.midway();
+            attention_branch_backward::<BF16>(&w, grads, x, a, s, drop, d);
             if full {
                 hooks.done(range.clone(), params);
                 release_lent_copy(*lent, range.clone(), params_bf16);
@@ -1208,7 +1226,11 @@ mod tests {
             gpt.forward(&x, &y, b, t);
             let mut order = Vec::new();
             let held = match early {
-                true => gpt.backward_embeddings_first(|r, _| order.push(r)),
+                true => gpt.backward_reporting(true, |r| {
+                    if let Reported::Final(r, _) = r {
+                        order.push(r)
+                    }
+                }),
                 false => {
                     gpt.backward_with(|r, _| order.push(r));
                     EncoderGrad::default()
@@ -1495,6 +1517,31 @@ mod tests {
                 assert_eq!(gpt.grads[range].to_vec(), at_report, "final when reported");
             }
         }
+    }
+
+    /// Each block's backward reports one midway, after the bucket before it (`ln_f`'s
+    /// or the next block's) and before its own.
+    #[test]
+    fn backward_reporting_tells_one_midway_per_block_between_its_halves() {
+        let (b, t) = (2, 6);
+        let mut gpt = model(tiny(true, 0.1), b, t);
+        let (x, y) = batch(b, t, gpt.config().vocab_size);
+        gpt.zero_grad();
+        gpt.forward(&x, &y, b, t);
+        let n_layer = gpt.config().n_layer;
+        let mut events = Vec::new();
+        let held = gpt.backward_reporting(false, |r| match r {
+            Reported::Final(range, _) => events.push(Some(range)),
+            Reported::Midway => events.push(None),
+        });
+        assert!(held.tokens.is_empty());
+        let buckets = gpt.grad_buckets();
+        let mut want = vec![Some(buckets[0].clone())];
+        for bucket in &buckets[1..=n_layer] {
+            want.extend([None, Some(bucket.clone())]);
+        }
+        want.push(Some(buckets[n_layer + 1].clone()));
+        assert_eq!(events, want);
     }
 
     /// Hooks that keep the weights elsewhere, as ZeRO-3 does: `need` copies a range
