@@ -21,17 +21,19 @@ pub fn release(buf: &mut [f32], range: Range<usize>) {
 }
 
 /// Asks the kernel to back `buf` with transparent huge pages (2 MiB on x86-64) where
-/// it faults memory in (`madvise(MADV_HUGEPAGE)`), for buffers of which ZeRO-3
-/// releases and refills large ranges every pass: one fault per huge page instead of
-/// one per 4 KiB page, which made the refill cost several times a plain copy. What
-/// [`release`] gives back stays given back: the kernel splits a huge page that a
-/// released range covers only in part. Advice only: false where refused (THP off,
-/// not Linux) or turned off with `NANOGPT_ZERO3_HUGE_PAGES=0` (to measure).
-pub fn prefer_huge_pages(buf: &[f32]) -> bool {
+/// it faults memory in (`madvise(MADV_HUGEPAGE)`), for large buffers written in
+/// whole: those of which ZeRO-3 releases and refills large ranges every pass, and a
+/// decoder's fresh bf16 weight copy. One fault per huge page instead of one per 4 KiB
+/// page, which made ZeRO-3's refill cost several times a plain copy. What [`release`]
+/// gives back stays given back: the kernel splits a huge page that a released range
+/// covers only in part. Advice only: false where refused (THP off, not Linux) or
+/// turned off with `NANOGPT_ZERO3_HUGE_PAGES=0` (to measure; it covers both uses).
+pub fn prefer_huge_pages<T>(buf: &[T]) -> bool {
     if std::env::var("NANOGPT_ZERO3_HUGE_PAGES").as_deref() == Ok("0") {
         return false;
     }
-    let (start, end) = whole_pages(buf.as_ptr() as usize, buf.len() * 4, page_size());
+    let bytes = std::mem::size_of_val(buf);
+    let (start, end) = whole_pages(buf.as_ptr() as usize, bytes, page_size());
     start < end && madvise_hugepage(start, end - start)
 }
 
