@@ -176,8 +176,8 @@ pub enum Reported<'g> {
     Midway,
 }
 
-/// [`PassHooks`] of [`Gpt::backward_reporting`] and [`Gpt::backward_with`]: final
-/// gradients (and, to `report` only, the midways) to a closure.
+/// [`PassHooks`] of [`Gpt::backward_reporting`] (and so of [`Gpt::backward_with`]):
+/// each final bucket and each block's midway, in order, to the closure `report`.
 struct Reporting<F> {
     report: F,
     embeddings_first: bool,
