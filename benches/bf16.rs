@@ -1,7 +1,8 @@
 //! The bf16 matmul kernels on every linear and classifier product of a GPT-2 124M
 //! training step at B·T = 1,024 (src/kernels/bf16/products.rs): the f32 GEMM over
-//! bf16 values, our AVX512-BF16 kernel (packing B per call, and reading a B packed
-//! beforehand, as the step does for every weight) and, in builds with `--features onednn`,
+//! bf16 values, our kernel for this CPU (AMX-BF16 where the CPU has it, else
+//! AVX512-BF16: `gemm::kernel`), packing B per call and reading a B packed
+//! beforehand, as the step does for every weight, and, in builds with `--features onednn`,
 //! oneDNN (its operand copies included), alternating in one process, the fastest
 //! repetition of each. The clock is the process's CPU time (all threads) by default:
 //! on a machine shared with other work it counts the cycles spent on the product,
@@ -16,8 +17,8 @@
 //! `BF16_BENCH_REPS` (default 7) sets the repetitions, `BF16_BENCH_SHAPES=qkv,cls`
 //! keeps the products whose names contain one of the words.
 
-use nanogpt::kernels::bf16::amx::PackedB;
-use nanogpt::kernels::bf16::dpbf16;
+use nanogpt::kernels::bf16::amx::{self, PackedB};
+use nanogpt::kernels::bf16::gemm::{self, Kernel};
 use nanogpt::kernels::bf16::products::{CLS_DWTE_BLOCK, GPT2_PRODUCTS};
 use nanogpt::kernels::matmul::{matmul, Mat};
 use std::time::Instant;
@@ -84,10 +85,23 @@ fn best(t: Vec<f64>) -> f64 {
 type Run<'a> = Box<dyn FnMut(&mut [f32]) + 'a>;
 
 fn main() {
-    if !dpbf16::available() {
-        println!("no AVX512-BF16 on this CPU: nothing to time");
-        return;
+    // Ours, even in a build where oneDNN would be the default (its column calls it
+    // directly).
+    if std::env::var_os("NANOGPT_BF16_GEMM").is_none() {
+        let k = if amx::permitted() {
+            "amx"
+        } else {
+            "avx512bf16"
+        };
+        std::env::set_var("NANOGPT_BF16_GEMM", k);
     }
+    let ours = match gemm::kernel() {
+        Kernel::F32 | Kernel::OneDnn => {
+            println!("no AMX or AVX512-BF16 kernel for this CPU: nothing to time");
+            return;
+        }
+        k => k,
+    };
     let reps: usize = std::env::var("BF16_BENCH_REPS").map_or(7, |r| r.parse().unwrap());
     let only = std::env::var("BF16_BENCH_SHAPES").unwrap_or_default();
     let wall = std::env::var("BF16_BENCH_CLOCK").is_ok_and(|c| c == "wall");
@@ -103,7 +117,7 @@ fn main() {
     #[cfg(not(feature = "onednn"))]
     let dnnl = false;
     println!(
-        "threads: {}; {}, best of {reps}, alternating; ours = AVX512-BF16 packing B \
+        "threads: {}; {}, best of {reps}, alternating; ours = {ours:?} packing B \
          per call, packed = B packed beforehand; step = what the step runs{}",
         rayon::current_num_threads(),
         if wall {
@@ -131,8 +145,8 @@ fn main() {
         packed.pack(bm);
         let mut runs: Vec<Run> = vec![
             Box::new(|c| matmul(c, am, bm, false)),
-            Box::new(|c| dpbf16::matmul(c, am, bm, false)),
-            Box::new(|c| dpbf16::matmul_packed(c, am, &packed, false)),
+            Box::new(|c| gemm::matmul_bf16(c, am, bm, false)),
+            Box::new(|c| gemm::matmul_bf16_packed(c, am, bm, &packed, false)),
         ];
         #[cfg(feature = "onednn")]
         if dnnl {

@@ -107,6 +107,11 @@ impl<'a> SharedMut<'a> {
     pub(crate) fn ptr(self) -> *mut f32 {
         self.ptr
     }
+
+    /// Elements in the buffer.
+    pub(crate) fn len(self) -> usize {
+        self.len
+    }
 }
 
 #[cfg(test)]

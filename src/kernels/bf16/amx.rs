@@ -7,9 +7,12 @@
 //! many products, once beforehand: [`PackedB`]) into 1 KiB tiles of bf16 pairs,
 //! zero-padded at the edges: A as `[m / 16][k / 32][16 rows][16 pairs]`, B as
 //! `[n / 16][k / 32][16 pairs][16 columns]`. Each 32 × 32 output block holds four
-//! accumulator tiles (tmm0–3) fed by two A tiles (tmm4–5) and two B tiles (tmm6–7)
-//! over all of `k`. Tasks own disjoint output blocks and run `k` in a fixed order, so
-//! results do not depend on the thread count. The instruction treats subnormal inputs
+//! accumulator tiles (tmm0–3) fed by two A tiles (tmm4–5) and two B tiles (tmm6–7).
+//! `k` runs in blocks of [`KB`] tiles: per block, a task holds one block row's two A
+//! tile rows (24 KiB, in L1) while B's column panels stream past from L2, prefetched
+//! two tiles ahead, and loads and stores C once (exactly: a block boundary changes no
+//! bit). Tasks own disjoint blocks of C and run `k` in a fixed order, so results do
+//! not depend on the thread count. The instruction treats subnormal inputs
 //! and results as zero (bf16 subnormals are below 1.2e-38, far under anything a model
 //! holds).
 //!
@@ -31,9 +34,13 @@ pub(super) const T: usize = 16;
 pub(super) const KT: usize = 32;
 /// u32 pairs per packed tile.
 pub(super) const TILE: usize = T * T;
-/// Output blocks (32 × 32) of one parallel task, down and across.
-const TASK_M: usize = 4;
-const TASK_N: usize = 4;
+/// Tiles of `k` per cache block (384 values): the task's A block (up to 8 × 24 KiB)
+/// stays in L2 and one block's two A tile rows in L1 while B's panels stream past,
+/// prefetched two tiles ahead. C is loaded and stored once per `k` block.
+const KB: usize = 12;
+/// Most output blocks (32 × 32) of one parallel task, down and across.
+const TASK_M: usize = 8;
+const TASK_N: usize = 8;
 
 /// Whether this CPU has AMX-TILE and AMX-BF16 and the process may use the tiles
 /// (asked of the kernel once, the first time this is called).
@@ -281,6 +288,19 @@ fn pack_b_with(pb: &mut Vec<u32>, b: Mat, vector: bool) {
 /// Packs A (`m × k`) into `pa`, then `dst (=|+=) a · b` over the packed B `pb` of `n`
 /// columns, in 32 × 32 output blocks.
 fn multiply(dst: &mut [f32], a: Mat, pb: &[u32], n: usize, accumulate: bool, pa: &mut Vec<u32>) {
+    multiply_in(dst, a, pb, n, accumulate, pa, KB);
+}
+
+/// [`multiply`] with `k` in blocks of `kb_tiles` tiles (any size gives the same bits).
+fn multiply_in(
+    dst: &mut [f32],
+    a: Mat,
+    pb: &[u32],
+    n: usize,
+    accumulate: bool,
+    pa: &mut Vec<u32>,
+    kb_tiles: usize,
+) {
     let (m, k) = (a.rows, a.cols);
     let (mb, nb, kc) = (m.div_ceil(2 * T), n.div_ceil(2 * T), k.div_ceil(KT));
     assert!(pb.len() >= pack_len(2 * nb, kc), "B pack too short");
@@ -295,39 +315,35 @@ fn multiply(dst: &mut [f32], a: Mat, pb: &[u32], n: usize, accumulate: bool, pa:
         });
     let pa = &pa[..];
     let out = SharedMut::new(dst);
-    let (tm, tn) = (mb.div_ceil(TASK_M), nb.div_ceil(TASK_N));
+    // Tasks: up to TASK_M row blocks by enough column blocks that every thread gets
+    // about four tasks (the classifier's 256-row products still split).
+    let tp = TASK_M.min(mb);
+    let tm = mb.div_ceil(tp);
+    let want = 4 * rayon::current_num_threads();
+    let tc = (nb * tm / want).clamp(1, TASK_N);
+    let tn = nb.div_ceil(tc);
     (0..tm * tn).into_par_iter().for_each(|task| {
         let (ti, tj) = (task / tn, task % tn);
+        let rows = ti * tp..((ti + 1) * tp).min(mb);
+        let cols = tj * tc..((tj + 1) * tc).min(nb);
         #[cfg(target_arch = "x86_64")]
         // SAFETY: permitted() confirmed AMX-BF16 and the tile permission; the config
         // is 64 valid bytes.
         unsafe {
             x86::configure()
         };
-        for bj in tj * TASK_N..((tj + 1) * TASK_N).min(nb) {
-            let bp = &pb[2 * bj * kc * TILE..2 * (bj + 1) * kc * TILE];
-            for bi in ti * TASK_M..((ti + 1) * TASK_M).min(mb) {
-                let ap = &pa[2 * bi * kc * TILE..2 * (bi + 1) * kc * TILE];
-                let mut c = [[0.0f32; 2 * T]; 2 * T];
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: this thread loaded the tile config above; ap and bp hold two
-                // tile rows of kc tiles each, which is what the kernel reads.
-                unsafe {
-                    x86::block(kc, ap, bp, &mut c)
-                };
-                let rows = (m - bi * 2 * T).min(2 * T);
-                let cols = (n - bj * 2 * T).min(2 * T);
-                for (r, acc) in c.iter().enumerate().take(rows) {
-                    let at = (bi * 2 * T + r) * n + bj * 2 * T;
+        for kb in (0..kc).step_by(kb_tiles) {
+            let kl = kb_tiles.min(kc - kb);
+            let load = accumulate || kb > 0;
+            for bi in rows.clone() {
+                let ap = tile_pair(pa, 2 * bi, kc, kb..kb + kl);
+                for bj in cols.clone() {
+                    let bp = tile_pair(pb, 2 * bj, kc, kb..kb + kl);
+                    let (r, c) = ((m - bi * 2 * T).min(2 * T), (n - bj * 2 * T).min(2 * T));
                     // SAFETY: rows bi·32.. and columns bj·32.. of dst belong to this
-                    // task alone (tasks partition the block grid), and at + cols ≤ m·n
-                    // since the row is < m and bj·32 + cols ≤ n.
-                    let row = unsafe { out.slice(at, cols) };
-                    if accumulate {
-                        row.iter_mut().zip(acc).for_each(|(d, s)| *d += s);
-                    } else {
-                        row.copy_from_slice(&acc[..cols]);
-                    }
+                    // task alone (tasks partition the block grid); `block` checks that
+                    // the r × c block lies inside dst.
+                    unsafe { block(ap, bp, out, (bi * 2 * T, bj * 2 * T), (r, c), n, load) };
                 }
             }
         }
@@ -337,6 +353,57 @@ fn multiply(dst: &mut [f32], a: Mat, pb: &[u32], n: usize, accumulate: bool, pa:
             x86::release()
         };
     });
+}
+
+/// Tiles `ks` of tile rows (or columns) `i` and `i + 1` of a pack of `kc` tiles each.
+fn tile_pair(p: &[u32], i: usize, kc: usize, ks: std::ops::Range<usize>) -> [&[u32]; 2] {
+    [i, i + 1].map(|i| &p[(i * kc + ks.start) * TILE..(i * kc + ks.end) * TILE])
+}
+
+/// `C (=|+=) A · B` for the `rows × cols` block of `dst` (row stride `n`) at
+/// `(i0, j0)`: `a` two A tile rows, `b` two B tile columns, the same `k` tiles each.
+/// A whole 32 × 32 block works on `dst` in place, an edge block on a copy.
+///
+/// # Safety
+/// The calling task owns the block of `dst` (no other thread reads or writes it
+/// meanwhile), and this thread loaded the tile configuration.
+#[allow(clippy::too_many_arguments)]
+unsafe fn block(
+    a: [&[u32]; 2],
+    b: [&[u32]; 2],
+    dst: SharedMut,
+    (i0, j0): (usize, usize),
+    (rows, cols): (usize, usize),
+    n: usize,
+    load: bool,
+) {
+    let kl = a[0].len() / TILE;
+    assert!(kl > 0 && [a[1], b[0], b[1]].iter().all(|x| x.len() == kl * TILE));
+    assert!(
+        (i0 + rows - 1) * n + j0 + cols <= dst.len(),
+        "block outside dst"
+    );
+    #[cfg(target_arch = "x86_64")]
+    {
+        let at = i0 * n + j0;
+        if rows == 2 * T && cols == 2 * T {
+            // SAFETY: the block's 32 rows of 32 at stride n are inside dst (asserted)
+            // and this task's alone (caller); the packs hold kl tiles each (asserted).
+            return unsafe { x86::block(kl, a, b, dst.ptr().add(at), 4 * n, load) };
+        }
+        let mut tmp = [[0.0f32; 2 * T]; 2 * T];
+        // SAFETY: rows i0.. i0 + rows of cols values at stride n are inside dst
+        // (asserted) and this task's alone (caller).
+        let row = |r: usize| unsafe { dst.slice(at + r * n, cols) };
+        if load {
+            (0..rows).for_each(|r| tmp[r][..cols].copy_from_slice(row(r)));
+        }
+        // SAFETY: tmp holds 32 rows of 32 floats at a 128-byte stride; as above.
+        unsafe { x86::block(kl, a, b, tmp.as_mut_ptr().cast(), 4 * 2 * T, load) };
+        (0..rows).for_each(|r| row(r).copy_from_slice(&tmp[r][..cols]));
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("permitted() is false off x86-64: {a:?}{b:?}{rows}{cols}{n}{load}{i0}{j0}");
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -378,31 +445,118 @@ mod x86 {
         unsafe { asm!("tilerelease", options(nostack, nomem)) };
     }
 
-    /// `c = Σ_k A · B` for one 32 × 32 block: `a` holds two A tile rows (16 rows each)
-    /// and `b` two B tile columns, `kc` tiles each.
+    /// Sixteen `prefetcht0`, one per 64-byte line of the tile two tiles past `{$r}`.
+    macro_rules! prefetch_tile_after_next {
+        ($r:literal) => {
+            concat!(
+                "prefetcht0 [{",
+                $r,
+                "} + 2048]\n",
+                "prefetcht0 [{",
+                $r,
+                "} + 2112]\n",
+                "prefetcht0 [{",
+                $r,
+                "} + 2176]\n",
+                "prefetcht0 [{",
+                $r,
+                "} + 2240]\n",
+                "prefetcht0 [{",
+                $r,
+                "} + 2304]\n",
+                "prefetcht0 [{",
+                $r,
+                "} + 2368]\n",
+                "prefetcht0 [{",
+                $r,
+                "} + 2432]\n",
+                "prefetcht0 [{",
+                $r,
+                "} + 2496]\n",
+                "prefetcht0 [{",
+                $r,
+                "} + 2560]\n",
+                "prefetcht0 [{",
+                $r,
+                "} + 2624]\n",
+                "prefetcht0 [{",
+                $r,
+                "} + 2688]\n",
+                "prefetcht0 [{",
+                $r,
+                "} + 2752]\n",
+                "prefetcht0 [{",
+                $r,
+                "} + 2816]\n",
+                "prefetcht0 [{",
+                $r,
+                "} + 2880]\n",
+                "prefetcht0 [{",
+                $r,
+                "} + 2944]\n",
+                "prefetcht0 [{",
+                $r,
+                "} + 3008]\n",
+            )
+        };
+    }
+
+    /// `C (=|+=) Σ_k A · B` for one 32 × 32 block of f32 at `c` (rows `ldc` bytes
+    /// apart; added to when `load`): `a` two A tile rows (16 rows each) and `b` two B
+    /// tile columns, `kl` tiles each. The loads are spread between the products,
+    /// each as late as the product that needs it (the tile registers are not renamed,
+    /// so a load waits for the products still reading the register), and B's tiles
+    /// two steps ahead are prefetched into L1.
     ///
     /// # Safety
-    /// [`configure`] ran on this thread.
-    pub(crate) unsafe fn block(kc: usize, a: &[u32], b: &[u32], c: &mut [[f32; 2 * T]; 2 * T]) {
-        assert!(kc > 0 && a.len() >= 2 * kc * TILE && b.len() >= 2 * kc * TILE);
-        let (a0, b0) = (a.as_ptr(), b.as_ptr());
-        let out = c.as_mut_ptr() as *mut f32;
+    /// [`configure`] ran on this thread; `a` and `b` hold `kl` ≥ 1 tiles each; `c`
+    /// points to 32 rows of 32 writable floats, `ldc` bytes apart.
+    pub(crate) unsafe fn block(
+        kl: usize,
+        a: [&[u32]; 2],
+        b: [&[u32]; 2],
+        c: *mut f32,
+        ldc: usize,
+        load: bool,
+    ) {
+        assert!(kl > 0 && a.iter().chain(&b).all(|x| x.len() >= kl * TILE));
+        let (c1, c2) = (c.wrapping_add(T), c.wrapping_byte_add(T * ldc));
+        let c3 = c2.wrapping_add(T);
+        // SAFETY: the four accumulator tiles are 16 rows of 64 bytes at stride ldc
+        // inside the caller's 32 × 32 block (caller's contract).
+        unsafe {
+            match load {
+                true => asm!(
+                    "tileloadd tmm0, [{c0} + {s}*1]",
+                    "tileloadd tmm1, [{c1} + {s}*1]",
+                    "tileloadd tmm2, [{c2} + {s}*1]",
+                    "tileloadd tmm3, [{c3} + {s}*1]",
+                    c0 = in(reg) c, c1 = in(reg) c1, c2 = in(reg) c2, c3 = in(reg) c3,
+                    s = in(reg) ldc,
+                    options(nostack, readonly),
+                ),
+                false => asm!(
+                    "tilezero tmm0",
+                    "tilezero tmm1",
+                    "tilezero tmm2",
+                    "tilezero tmm3",
+                    options(nostack, nomem),
+                ),
+            }
+        }
         // SAFETY: each tileloadd reads 16 rows of 64 bytes from within a packed tile
-        // (the loop reads tiles 0..kc of each of the two tile rows; asserted above);
-        // the stores write 16 rows of 64 bytes at a 128-byte stride inside c's 4 KiB.
+        // (tiles 0..kl of each operand; asserted above); prefetches do not fault.
         unsafe {
             asm!(
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tilezero tmm2",
-                "tilezero tmm3",
                 "2:",
                 "tileloadd tmm4, [{a0} + {s}*1]",
-                "tileloadd tmm5, [{a1} + {s}*1]",
                 "tileloadd tmm6, [{b0} + {s}*1]",
-                "tileloadd tmm7, [{b1} + {s}*1]",
                 "tdpbf16ps tmm0, tmm4, tmm6",
+                "tileloadd tmm7, [{b1} + {s}*1]",
                 "tdpbf16ps tmm1, tmm4, tmm7",
+                "tileloadd tmm5, [{a1} + {s}*1]",
+                prefetch_tile_after_next!("b0"),
+                prefetch_tile_after_next!("b1"),
                 "tdpbf16ps tmm2, tmm5, tmm6",
                 "tdpbf16ps tmm3, tmm5, tmm7",
                 "add {a0}, 1024",
@@ -411,21 +565,24 @@ mod x86 {
                 "add {b1}, 1024",
                 "dec {n}",
                 "jnz 2b",
-                "tilestored [{c0} + {cs}*1], tmm0",
-                "tilestored [{c1} + {cs}*1], tmm1",
-                "tilestored [{c2} + {cs}*1], tmm2",
-                "tilestored [{c3} + {cs}*1], tmm3",
-                a0 = inout(reg) a0 => _,
-                a1 = inout(reg) a0.add(kc * TILE) => _,
-                b0 = inout(reg) b0 => _,
-                b1 = inout(reg) b0.add(kc * TILE) => _,
-                n = inout(reg) kc => _,
+                a0 = inout(reg) a[0].as_ptr() => _,
+                a1 = inout(reg) a[1].as_ptr() => _,
+                b0 = inout(reg) b[0].as_ptr() => _,
+                b1 = inout(reg) b[1].as_ptr() => _,
+                n = inout(reg) kl => _,
                 s = in(reg) 64usize,
-                cs = in(reg) 128usize,
-                c0 = in(reg) out,
-                c1 = in(reg) out.add(T),
-                c2 = in(reg) out.add(T * 2 * T),
-                c3 = in(reg) out.add(T * 2 * T + T),
+                options(nostack, readonly),
+            );
+        }
+        // SAFETY: as for the loads of C above, now writing.
+        unsafe {
+            asm!(
+                "tilestored [{c0} + {s}*1], tmm0",
+                "tilestored [{c1} + {s}*1], tmm1",
+                "tilestored [{c2} + {s}*1], tmm2",
+                "tilestored [{c3} + {s}*1], tmm3",
+                c0 = in(reg) c, c1 = in(reg) c1, c2 = in(reg) c2, c3 = in(reg) c3,
+                s = in(reg) ldc,
                 options(nostack),
             )
         };
@@ -603,6 +760,28 @@ mod tests {
     }
 
     #[test]
+    fn the_k_blocking_changes_no_bit() {
+        // C goes to memory between k blocks and comes back exactly.
+        if !usable() {
+            return;
+        }
+        let (m, k, n) = (70, 777, 90);
+        let (a, b) = (rounded(m * k, 8), rounded(k * n, 9));
+        let [am, bm] = views(&a, &b, [m, k, n], [false, true]);
+        let mut pb = Vec::new();
+        pack_b(&mut pb, bm);
+        for acc in [false, true] {
+            let prior = rand_vec(m * n, 10);
+            let runs = [1, 5, KB, 1000].map(|kb| {
+                let mut c = prior.clone();
+                multiply_in(&mut c, am, &pb, n, acc, &mut Vec::new(), kb);
+                c
+            });
+            assert!(runs.iter().all(|c| c == &runs[0]), "accumulate {acc}");
+        }
+    }
+
+    #[test]
     fn results_do_not_depend_on_the_thread_count() {
         // Tasks own disjoint output blocks and sum k in a fixed order, on whichever
         // worker thread (each loads its own tile config): bit-identical results.
@@ -633,8 +812,10 @@ mod tests {
             let t = unsafe {
                 x86::configure();
                 let s = std::time::Instant::now();
+                let (a0, a1) = p.split_at(kc * 256);
                 for _ in 0..reps {
-                    x86::block(kc, std::hint::black_box(&p), &p, &mut c);
+                    let a = std::hint::black_box([a0, a1]);
+                    x86::block(kc, a, [a0, a1], c.as_mut_ptr().cast(), 128, false);
                 }
                 let t = s.elapsed().as_secs_f64();
                 x86::release();

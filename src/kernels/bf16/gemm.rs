@@ -4,30 +4,33 @@
 //! operands costs more than it saves) run on one of four kernels, chosen once per
 //! process ([`kernel`]); the rest run on the f32 GEMM over bf16-valued operands
 //! ([`matmul`], the same products up to summation order):
-//! - oneDNN's bf16 matmul ([`super::onednn`]), in builds with the `onednn` feature
-//!   when the library has a fast implementation for this CPU (AMX or AVX512-BF16);
 //! - our AMX-BF16 kernel ([`super::amx`]) when the CPU has AMX-BF16 and Linux grants
 //!   the process the tile permission;
+//! - oneDNN's bf16 matmul ([`super::onednn`]), in builds with the `onednn` feature
+//!   when the library has a fast implementation for this CPU (AMX or AVX512-BF16);
 //! - our AVX512-BF16 kernel ([`super::dpbf16`], `vdpbf16ps`) when the CPU has
 //!   AVX512-BF16, except on Intel CPUs (below);
 //! - the f32 GEMM otherwise.
 //!
-//! That is also the default order, by measurement: oneDNN ran GPT-2 124M's products
-//! at 4.1–6.0 TFLOP/s on AMX (Sapphire Rapids, 2 threads), 6–9× our AMX kernel; on an
-//! AVX512-BF16 CPU without AMX our AVX512-BF16 kernel ran every linear and classifier
-//! product of a 124M step at 1.2–2.0× the f32 GEMM and 0.77–1.05× oneDNN (0.89× over
-//! the step; per CPU-second, `cargo bench --bench bf16`, docs/PERFORMANCE.md, "bf16
-//! without AMX: the AVX512-BF16 kernel"). The classifier's input gradient (k = V)
-//! runs on it only from `wte` packed beforehand ([`matmul_bf16_packed`]); packing
-//! both long operands per call it lost to the f32 GEMM ([`DPBF16_MAX_K`]). An earlier
-//! AVX512-BF16 kernel (one 8 × 32 block per task, no cache blocking) never beat the
-//! f32 GEMM and was removed. That CPU was an AMD EPYC (Zen 4). On an Intel Xeon with
-//! AVX512-BF16 and AMX hidden (Sapphire Rapids class, 2 vCPUs) the same kernel ran
-//! every one of 124M's products at 0.56–0.73× the f32 GEMM (`cargo test --release
-//! --lib dpbf16_speed -- --ignored --nocapture`): there `vdpbf16ps` does no more
-//! multiply-adds per cycle than the two f32 FMA units, and the operands' packing and
-//! rounding come on top. So on Intel CPUs the f32 GEMM comes before it (AMX, where
-//! present, first), and the choice stays a pure function of the machine: a run and
+//! The default order is by measurement. On a 2-vCPU Xeon with AMX (2026-12-02) our
+//! AMX kernel ran a 124M step's products 1.42× as fast as oneDNN with its operand
+//! copies (`cargo bench --features onednn --bench bf16`, wall clock) and the whole
+//! bf16 step in 3.2–3.9 s against oneDNN's 4.2–5.7 (docs/PERFORMANCE.md, "bf16 on
+//! AMX"), so AMX comes first. Without AMX, oneDNN comes next. On an AVX512-BF16 CPU
+//! without AMX our AVX512-BF16 kernel ran
+//! every linear and classifier product of a 124M step at 1.2–2.0× the f32 GEMM and
+//! 0.77–1.05× oneDNN (0.89× over the step; per CPU-second, `cargo bench --bench
+//! bf16`, docs/PERFORMANCE.md, "bf16 without AMX: the AVX512-BF16 kernel"). The
+//! classifier's input gradient (k = V) runs on it only from `wte` packed beforehand
+//! ([`matmul_bf16_packed`]); packing both long operands per call it lost to the f32
+//! GEMM ([`DPBF16_MAX_K`]). An earlier AVX512-BF16 kernel (one 8 × 32 block per task,
+//! no cache blocking) never beat the f32 GEMM and was removed. That CPU was an AMD
+//! EPYC (Zen 4). On an Intel Xeon with AVX512-BF16 and AMX hidden (Sapphire Rapids
+//! class, 2 vCPUs) the same kernel ran every one of 124M's products at 0.56–0.73× the
+//! f32 GEMM (`cargo test --release --lib dpbf16_speed -- --ignored --nocapture`):
+//! there `vdpbf16ps` does no more multiply-adds per cycle than the two f32 FMA units,
+//! and the operands' packing and rounding come on top. So on Intel CPUs the f32 GEMM
+//! comes before it, and the choice stays a pure function of the machine: a run and
 //! its resume pick the same kernel, and so the same bits.
 //! `NANOGPT_BF16_GEMM=onednn|amx|avx512bf16|f32` asks for one; a kernel that is not
 //! usable here (not built, no AMX, no AVX512-BF16) falls back to the default order,
@@ -139,8 +142,8 @@ fn intel_cpu() -> bool {
 fn default_order(intel: bool) -> [Kernel; 4] {
     use Kernel::*;
     match intel {
-        true => [OneDnn, Amx, F32, Avx512Bf16],
-        false => [OneDnn, Amx, Avx512Bf16, F32],
+        true => [Amx, OneDnn, F32, Avx512Bf16],
+        false => [Amx, OneDnn, Avx512Bf16, F32],
     }
 }
 
@@ -345,11 +348,12 @@ mod tests {
         let plain = |k: Kernel| k == F32;
         assert_eq!(choose(None, plain, amd), F32);
         assert_eq!(choose(Some(Avx512Bf16), plain, amd), F32);
-        // AMX and oneDNN come first where they run, on either.
+        // Our AMX kernel comes first where it runs, then oneDNN, on either.
         let all = |_: Kernel| true;
         for order in [amd, intel] {
-            assert_eq!(choose(None, all, order), OneDnn);
-            assert_eq!(choose(None, |k: Kernel| k != OneDnn, order), Amx);
+            assert_eq!(choose(None, all, order), Amx);
+            assert_eq!(choose(None, |k: Kernel| k != Amx, order), OneDnn);
+            assert_eq!(choose(Some(OneDnn), all, order), OneDnn);
             assert_eq!(choose(Some(Avx512Bf16), all, order), Avx512Bf16);
         }
     }
