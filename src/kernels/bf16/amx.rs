@@ -26,6 +26,7 @@ use crate::kernels::matmul::Mat;
 use crate::kernels::SharedMut;
 use rayon::prelude::*;
 use std::cell::RefCell;
+use std::ops::Range;
 use std::sync::OnceLock;
 
 /// Rows and columns of one tile (16 f32 accumulators or 16 bf16 pairs per row).
@@ -315,17 +316,8 @@ fn multiply_in(
         });
     let pa = &pa[..];
     let out = SharedMut::new(dst);
-    // Tasks: up to TASK_M row blocks by enough column blocks that every thread gets
-    // about four tasks (the classifier's 256-row products still split).
-    let tp = TASK_M.min(mb);
-    let tm = mb.div_ceil(tp);
-    let want = 4 * rayon::current_num_threads();
-    let tc = (nb * tm / want).clamp(1, TASK_N);
-    let tn = nb.div_ceil(tc);
-    (0..tm * tn).into_par_iter().for_each(|task| {
-        let (ti, tj) = (task / tn, task % tn);
-        let rows = ti * tp..((ti + 1) * tp).min(mb);
-        let cols = tj * tc..((tj + 1) * tc).min(nb);
+    let tasks = tasks(mb, nb, TASK_M, TASK_N);
+    tasks.into_par_iter().for_each(|(rows, cols)| {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: permitted() confirmed AMX-BF16 and the tile permission; the config
         // is 64 valid bytes.
@@ -355,8 +347,29 @@ fn multiply_in(
     });
 }
 
+/// The tasks of a product blocked `mb × nb` (row blocks by column blocks): up to
+/// `most_rows` row blocks each, by enough column blocks (up to `most_cols`) that
+/// every thread gets about four tasks, so a product with few rows (the
+/// classifier's) still splits. Each task's blocks: (rows, columns).
+pub(super) fn tasks(
+    mb: usize,
+    nb: usize,
+    most_rows: usize,
+    most_cols: usize,
+) -> Vec<(Range<usize>, Range<usize>)> {
+    let tp = most_rows.min(mb);
+    let tm = mb.div_ceil(tp);
+    let want = 4 * rayon::current_num_threads();
+    let tc = (nb * tm / want).clamp(1, most_cols);
+    let tn = nb.div_ceil(tc);
+    let span = |t: usize, w: usize, end: usize| t * w..((t + 1) * w).min(end);
+    (0..tm * tn)
+        .map(|t| (span(t / tn, tp, mb), span(t % tn, tc, nb)))
+        .collect()
+}
+
 /// Tiles `ks` of tile rows (or columns) `i` and `i + 1` of a pack of `kc` tiles each.
-fn tile_pair(p: &[u32], i: usize, kc: usize, ks: std::ops::Range<usize>) -> [&[u32]; 2] {
+fn tile_pair(p: &[u32], i: usize, kc: usize, ks: Range<usize>) -> [&[u32]; 2] {
     [i, i + 1].map(|i| &p[(i * kc + ks.start) * TILE..(i * kc + ks.end) * TILE])
 }
 

@@ -217,20 +217,9 @@ fn multiply_in(
     assert!(pb.len() >= 2 * np * b_panel, "B pack too short");
     pack_a(pa, a);
     let pa = &pa[..];
-    // Tasks: TASK_PANELS row panels by enough column panels that every thread gets
-    // about four tasks (a product with few rows, like the classifier's, still splits).
-    let tp = TASK_PANELS.min(mp);
-    let tm = mp.div_ceil(tp);
-    let want = 4 * rayon::current_num_threads();
-    let tc = (np * tm / want).clamp(1, TASK_COLS);
-    let tn = np.div_ceil(tc);
     let out = SharedMut::new(dst);
-    (0..tm * tn).into_par_iter().for_each(|task| {
-        let (ti, tj) = (task / tn, task % tn);
-        let (panels, cols) = (
-            ti * tp..((ti + 1) * tp).min(mp),
-            tj * tc..((tj + 1) * tc).min(np),
-        );
+    let tasks = amx::tasks(mp, np, TASK_PANELS, TASK_COLS);
+    tasks.into_par_iter().for_each(|(panels, cols)| {
         for kb in (0..kp).step_by(kb_pairs) {
             let kl = kb_pairs.min(kp - kb);
             let load = accumulate || kb > 0;
