@@ -458,59 +458,18 @@ mod x86 {
         unsafe { asm!("tilerelease", options(nostack, nomem)) };
     }
 
+    /// One `prefetcht0` per byte offset from the register `{$r}`.
+    macro_rules! prefetch_lines {
+        ($r:literal: $($off:literal)*) => {
+            concat!($("prefetcht0 [{", $r, "} + ", $off, "]\n",)*)
+        };
+    }
+
     /// Sixteen `prefetcht0`, one per 64-byte line of the tile two tiles past `{$r}`.
     macro_rules! prefetch_tile_after_next {
         ($r:literal) => {
-            concat!(
-                "prefetcht0 [{",
-                $r,
-                "} + 2048]\n",
-                "prefetcht0 [{",
-                $r,
-                "} + 2112]\n",
-                "prefetcht0 [{",
-                $r,
-                "} + 2176]\n",
-                "prefetcht0 [{",
-                $r,
-                "} + 2240]\n",
-                "prefetcht0 [{",
-                $r,
-                "} + 2304]\n",
-                "prefetcht0 [{",
-                $r,
-                "} + 2368]\n",
-                "prefetcht0 [{",
-                $r,
-                "} + 2432]\n",
-                "prefetcht0 [{",
-                $r,
-                "} + 2496]\n",
-                "prefetcht0 [{",
-                $r,
-                "} + 2560]\n",
-                "prefetcht0 [{",
-                $r,
-                "} + 2624]\n",
-                "prefetcht0 [{",
-                $r,
-                "} + 2688]\n",
-                "prefetcht0 [{",
-                $r,
-                "} + 2752]\n",
-                "prefetcht0 [{",
-                $r,
-                "} + 2816]\n",
-                "prefetcht0 [{",
-                $r,
-                "} + 2880]\n",
-                "prefetcht0 [{",
-                $r,
-                "} + 2944]\n",
-                "prefetcht0 [{",
-                $r,
-                "} + 3008]\n",
-            )
+            prefetch_lines!($r: 2048 2112 2176 2240 2304 2368 2432 2496
+                2560 2624 2688 2752 2816 2880 2944 3008)
         };
     }
 
