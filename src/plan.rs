@@ -229,7 +229,10 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
         },
         Part {
             name: BF16_COPY,
-            bytes: f32s(bf16_copy_len(p.dtype, copy_len) + bf16_copy_len(p.dtype, frozen)),
+            bytes: f32s(
+                bf16_copy_len(p.dtype, sharded.is_some(), copy_len)
+                    + bf16_copy_len(p.dtype, false, frozen),
+            ),
         },
         Part {
             name: PACKS,
@@ -806,12 +809,7 @@ mod tests {
                 assert_eq!(plan.part(WEIGHTS), bytes(gpt.params.len()));
                 assert_eq!(plan.part(GRADIENTS), bytes(gpt.grads.len()));
                 assert_eq!(plan.part(MOMENTS), bytes(opt.m.len() + opt.v.len()));
-                let bf16 = if dtype == Dtype::Bfloat16 {
-                    bytes(gpt.params.len())
-                } else {
-                    0
-                };
-                assert_eq!(plan.part(BF16_COPY), bf16);
+                assert_eq!(plan.part(BF16_COPY), gpt.bf16_copy_bytes() as u64);
                 assert_eq!(plan.part(PACKS), gpt.packs_bytes() as u64);
                 assert_eq!(plan.part(ACTIVATIONS), gpt.activation_bytes() as u64);
                 assert_eq!(plan.part(COMM) + plan.part(GATHER), 0);
@@ -845,11 +843,7 @@ mod tests {
                     assert_eq!(plan.part(MOMENTS), moments, "{case}");
                     // The frozen base's bf16 copy and the adapters' (the trained
                     // arena's, as for the full model).
-                    let adapters_bf16 = match dtype {
-                        Dtype::Bfloat16 => gpt.params.len(),
-                        Dtype::Float32 => 0,
-                    };
-                    let bf16 = bytes(frozen.params_bf16.len() + adapters_bf16);
+                    let bf16 = gpt.bf16_copy_bytes() as u64;
                     assert_eq!(plan.part(BF16_COPY), bf16, "{case}");
                     assert_eq!(plan.part(PACKS), gpt.packs_bytes() as u64, "{case}");
                     let acts = gpt.activation_bytes() as u64;
@@ -992,11 +986,14 @@ mod tests {
                         lora: lora.clone(),
                         ..input(Dtype::Bfloat16, false, stage, 3)
                     };
+                    // Kept whole where the products read no packs; per range with
+                    // lent weights (stage 3) on every kernel.
                     let copy = match stage {
                         3 => in_use - block(&gpt),
-                        _ => gpt.params.len(),
+                        _ => bf16_copy_len(Dtype::Bfloat16, false, gpt.params.len()),
                     };
                     let frozen = lora.as_ref().map_or(0, |_| ParamLayout::new(&tiny()).len);
+                    let frozen = bf16_copy_len(Dtype::Bfloat16, false, frozen);
                     let copy = (copy + frozen) as u64 * 4;
                     assert_eq!(rank_plan(&p, rank).part(BF16_COPY), copy, "{case}");
                     if stage == 3 {

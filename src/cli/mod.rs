@@ -81,11 +81,11 @@ pub fn bf16_matmuls() -> std::borrow::Cow<'static, str> {
         #[cfg(not(feature = "onednn"))]
         gemm::Kernel::OneDnn => unreachable!("oneDNN is not built in"),
         gemm::Kernel::Amx => {
-            "AMX-BF16 (tdpbf16ps) for the large linear layers, f32 GEMM over bf16 values elsewhere"
-            .into()
+            "AMX-BF16 (tdpbf16ps) for the linear and classifier products, weights rounded while packed"
+                .into()
         }
         gemm::Kernel::Avx512Bf16 => {
-            "AVX512-BF16 (vdpbf16ps) for the large products, f32 GEMM over bf16 values elsewhere"
+            "AVX512-BF16 (vdpbf16ps) for the linear and classifier products, weights rounded while packed"
                 .into()
         }
         gemm::Kernel::F32 if gemm::f32_requested() => {

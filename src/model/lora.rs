@@ -273,7 +273,8 @@ pub fn init_adapters(params: &mut [f32], layout: &LoraLayout, seed: u64) {
 pub struct Frozen {
     pub layout: ParamLayout,
     pub params: Vec<f32>,
-    /// bf16 runs: `params` rounded, the matmuls' operand. Empty in f32 runs.
+    /// bf16 runs where the model keeps a rounded copy ([`super::bf16_copy_len`]):
+    /// `params` rounded, the matmuls' operand. Empty otherwise.
     pub params_bf16: Vec<f32>,
     /// The adapters' settings and the base's identity.
     pub state: LoraState,
@@ -281,16 +282,14 @@ pub struct Frozen {
 }
 
 impl Frozen {
-    /// Makes (or drops) the bf16 copy of the base for `dtype`.
+    /// Makes (or drops) the bf16 copy of the base for `dtype`, where the model keeps
+    /// one ([`super::bf16_copy_len`]; the base's weights are never lent).
     pub fn set_dtype(&mut self, dtype: Dtype) {
-        self.params_bf16 = match dtype {
-            Dtype::Float32 => Vec::new(),
-            Dtype::Bfloat16 => {
-                let mut copy = vec![0.0; self.params.len()];
-                bf16::round_into(&mut copy, &self.params);
-                copy
-            }
-        };
+        let mut copy = vec![0.0; super::bf16_copy_len(dtype, false, self.params.len())];
+        if !copy.is_empty() {
+            bf16::round_into(&mut copy, &self.params);
+        }
+        self.params_bf16 = copy;
     }
 
     /// The base weights with every adapter merged in: `W += s · B · A` (the model

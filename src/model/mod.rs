@@ -61,8 +61,11 @@ pub struct Gpt {
     frozen: Option<Box<Frozen>>,
     /// Precision of the matmuls (see [`Gpt::set_dtype`]).
     dtype: Dtype,
-    /// bf16 mode: `params` rounded to bf16 (held as f32, same layout), the operand
-    /// of every matmul; refreshed by [`Gpt::sync_bf16_weights`]. Empty in f32 mode.
+    /// bf16 mode on a kernel that reads no packs, or with lent weights: `params`
+    /// rounded to bf16 (held as f32, same layout), the operand of every matmul;
+    /// refreshed by [`Gpt::sync_bf16_weights`]. Empty otherwise: in f32 mode, and
+    /// where the products run on AMX or AVX512-BF16, which read `params` (or `packs`
+    /// made from them) and round while packing ([`bf16_copy_len`]).
     params_bf16: Vec<f32>,
     /// bf16 mode on AMX or AVX512-BF16, weights not lent: the bf16 `wte` and linear
     /// weights packed for the products that read them ([`packs`]), refreshed with
@@ -396,14 +399,15 @@ impl Gpt {
     /// copies (with LoRA, the frozen base's, made once, and its packs).
     fn set_dtype_rebuild(&mut self, dtype: Dtype) {
         self.rebuild_activations(dtype, self.checkpointing);
-        self.params_bf16 = vec![0.0; bf16_copy_len(dtype, self.params.len())];
+        self.params_bf16 = vec![0.0; bf16_copy_len(dtype, self.lent, self.params.len())];
         self.dtype = dtype;
         self.packs = self.new_packs();
         self.pending = None;
         if let Some(f) = self.frozen.as_mut() {
             f.set_dtype(dtype);
             if let Some(packs) = self.packs.as_mut() {
-                packs.pack_all(&f.params_bf16, &f.layout, &self.config);
+                let base = matmul_weights(true, &f.params, &f.params_bf16);
+                packs.pack_all(base, &f.layout, &self.config);
             }
         }
         self.sync_bf16_weights();
@@ -424,6 +428,13 @@ impl Gpt {
     /// are packed once. Set it before [`Gpt::set_dtype`].
     pub fn set_micro_steps(&mut self, n: usize) {
         self.micro_steps = Some(n);
+    }
+
+    /// Bytes held by the bf16 weight copies (with LoRA the frozen base's too; 0
+    /// where the model keeps none, [`bf16_copy_len`]).
+    pub fn bf16_copy_bytes(&self) -> usize {
+        let frozen = self.frozen.as_ref().map_or(0, |f| f.params_bf16.len());
+        4 * (self.params_bf16.len() + frozen)
     }
 
     /// Bytes held by the packed bf16 weights (0 without them).
@@ -469,6 +480,11 @@ impl Gpt {
         if on {
             self.packs = None;
         }
+        if self.dtype == Dtype::Bfloat16 {
+            // Lent weights keep a copy made per range on every kernel.
+            let len = bf16_copy_len(self.dtype, on, self.params.len());
+            self.params_bf16.resize(len, 0.0);
+        }
         release_lent_copy(on, 0..self.params_bf16.len(), &mut self.params_bf16);
         if on {
             // Every pass releases and refills most of these.
@@ -478,15 +494,18 @@ impl Gpt {
         }
     }
 
-    /// bf16 mode: re-rounds the weight copy the matmuls read from `params`. Call it
-    /// whenever `params` changed (after each optimizer step, after loading); the
-    /// micro-steps of one optimizer step share the copy. A no-op in f32 mode, and
-    /// with lent weights (the passes round each range they receive).
+    /// bf16 mode: re-rounds the weight copy the matmuls read from `params`, and
+    /// repacks the packs. Call it whenever `params` changed (after each optimizer
+    /// step, after loading); the micro-steps of one optimizer step share the copy.
+    /// A no-op in f32 mode, and with lent weights (the passes round each range they
+    /// receive).
     pub fn sync_bf16_weights(&mut self) {
         self.bf16_owed = false;
         if self.dtype == Dtype::Bfloat16 && !self.lent {
-            let _t = crate::profile::scope(crate::profile::Section::Bf16Weights);
-            bf16::round_into(&mut self.params_bf16, &self.params);
+            if !self.params_bf16.is_empty() {
+                let _t = crate::profile::scope(crate::profile::Section::Bf16Weights);
+                bf16::round_into(&mut self.params_bf16, &self.params);
+            }
             self.repack();
         }
     }
@@ -516,18 +535,19 @@ impl Gpt {
     /// `opt.step_scaled(params, grads, lr, grad_factor)`, then
     /// [`Gpt::sync_bf16_weights`] and [`Gpt::zero_grad`], whose passes it replaces.
     pub fn step_adamw(&mut self, opt: &mut AdamW, lr: f32, grad_factor: f32) {
-        let copy = (self.dtype == Dtype::Bfloat16).then_some(&mut self.params_bf16[..]);
+        let copy = (!self.params_bf16.is_empty()).then_some(&mut self.params_bf16[..]);
         opt.step_fused(&mut self.params, &mut self.grads, copy, lr, grad_factor);
         self.repack();
     }
 
-    /// bf16 on AMX or AVX512-BF16: packs the weights from the bf16 copy just
-    /// refreshed (with LoRA the packs are the frozen base's, packed once).
+    /// bf16 on AMX or AVX512-BF16: packs the weights just changed, rounding them
+    /// (with LoRA the packs are the frozen base's, packed once).
     fn repack(&mut self) {
         let packs = self.packs.as_mut().filter(|_| self.frozen.is_none());
         if let Some(packs) = packs {
             let _t = crate::profile::scope(crate::profile::Section::Bf16Weights);
-            packs.pack_all(&self.params_bf16, &self.layout, &self.config);
+            let w = matmul_weights(true, &self.params, &self.params_bf16);
+            packs.pack_all(w, &self.layout, &self.config);
         }
     }
 
@@ -814,8 +834,15 @@ impl Gpt {
             &self.frozen,
             self.packs.as_ref(),
         );
+        // The f32 GEMM reads its operands as they are: in bf16, `wte` rounded (it
+        // is `params`'s where the model keeps no rounded copy).
+        let wte = &base.matmul[base.layout.wte];
+        let wte: Cow<[f32]> = match bf16 {
+            true => Cow::Owned(wte.iter().copied().map(bf16::round).collect()),
+            false => Cow::Borrowed(wte),
+        };
         let cls = Classifier {
-            wte: &base.matmul[base.layout.wte],
+            wte: &wte,
             packs: None,
             c: d.c,
             v,
@@ -923,9 +950,9 @@ impl Gpt {
 }
 
 /// Lent weights ([`Gpt::set_weights_lent`]) or a stale copy
-/// ([`Gpt::refresh_bf16_at_next_forward`]), `lent` either, in bf16 mode (`copy` not
-/// empty): the copy of `range` rounded from the weights its `need` has just filled,
-/// and its weights packed from it. Nothing otherwise.
+/// ([`Gpt::refresh_bf16_at_next_forward`]), `lent` either, in bf16 mode: the copy of
+/// `range` (if the model keeps one) rounded from the weights its `need` has just
+/// filled, and its weights packed (if the model packs). Nothing otherwise.
 fn round_lent_copy(
     lent: bool,
     range: Range<usize>,
@@ -935,12 +962,15 @@ fn round_lent_copy(
     layout: &ParamLayout,
     config: &ModelConfig,
 ) {
-    if !lent || copy.is_empty() {
+    if !lent {
         return;
     }
-    bf16::round_into(&mut copy[range.clone()], &params[range.clone()]);
+    if !copy.is_empty() {
+        bf16::round_into(&mut copy[range.clone()], &params[range.clone()]);
+    }
     if let Some(packs) = packs {
-        packs.pack_range(range, copy, layout, config);
+        let w = matmul_weights(true, params, copy);
+        packs.pack_range(range, w, layout, config);
     }
 }
 
@@ -1049,18 +1079,26 @@ pub fn grad_buckets_of(layout: &ParamLayout) -> Vec<Range<usize>> {
     buckets(layout).collect()
 }
 
-/// Floats of the bf16 weight copy of a `params_len` arena in `dtype` runs (held as
-/// f32 values rounded to bf16; none in f32 runs).
-pub fn bf16_copy_len(dtype: Dtype, params_len: usize) -> usize {
+/// Floats of the bf16 weight copy of a `params_len` arena in `dtype` runs, its
+/// weights `lent` or not (held as f32 values rounded to bf16): none in f32 runs,
+/// and none where the bf16 products run on AMX or AVX512-BF16 and read packs
+/// ([`Packs::made_for`]): those kernels round `params` themselves while packing
+/// them, so the packs (and, for the products packed per call, `params`) replace the
+/// copy. Kept for the f32 GEMM and oneDNN, which read a product's operands as they
+/// are, and for lent weights (ZeRO-3: per range, [`Gpt::set_weights_lent`]), whose
+/// products pack per call and include the classifier's input gradient, which the
+/// AVX512-BF16 kernel leaves to the f32 GEMM without `wte`'s pack.
+pub fn bf16_copy_len(dtype: Dtype, lent: bool, params_len: usize) -> usize {
     match dtype {
-        Dtype::Float32 => 0,
-        Dtype::Bfloat16 => params_len,
+        Dtype::Bfloat16 if !Packs::made_for(dtype, lent) => params_len,
+        _ => 0,
     }
 }
 
-/// The weights the matmuls read: `params`, or under bf16 autocast their bf16 copy.
+/// The weights the matmuls read: `params`, or under bf16 autocast their bf16 copy
+/// where the model keeps one ([`bf16_copy_len`]).
 fn matmul_weights<'a>(bf16: bool, params: &'a [f32], params_bf16: &'a [f32]) -> &'a [f32] {
-    match bf16 {
+    match bf16 && !params_bf16.is_empty() {
         true => params_bf16,
         false => params,
     }

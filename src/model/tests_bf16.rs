@@ -163,15 +163,22 @@ fn bf16_loss_matches_a_reference_that_rounds_the_same_way() {
         (medium(true), 8, 16),
     ] {
         let bias = cfg.bias;
-        let mut gpt = model(cfg, b, t, 21);
+        let mut gpt = model(cfg.clone(), b, t, 21);
         let (x, y) = batch(b, t, gpt.config().vocab_size);
         gpt.set_training(false);
         let f32_loss = gpt.forward(&x, &y, b, t) as f64;
         gpt.set_dtype(Dtype::Bfloat16);
         // The rounding points are checked on the f32 GEMM: its sums round like the
         // reference's here, so no bf16 rounding flips. Any other kernel sums in
-        // another order and may flip a rounding or two (checked below).
-        let bf16_loss = gemm::with_kernel(Kernel::F32, || gpt.forward(&x, &y, b, t)) as f64;
+        // another order and may flip a rounding or two (checked below). The model
+        // is made on it: a model made for a packing kernel keeps no rounded copy,
+        // which the f32 GEMM needs.
+        let bf16_loss = gemm::with_kernel(Kernel::F32, || {
+            let mut on_f32 = model(cfg, b, t, 21);
+            on_f32.set_training(false);
+            on_f32.set_dtype(Dtype::Bfloat16);
+            on_f32.forward(&x, &y, b, t)
+        }) as f64;
         let default_loss = gpt.forward(&x, &y, b, t) as f64;
         let want_bf16 = reference_loss(&gpt, &x, &y, (b, t), true, false);
         let want_f32 = reference_loss(&gpt, &x, &y, (b, t), false, false);
@@ -265,7 +272,9 @@ fn bf16_gradients_are_close_to_f32_ones() {
 
 #[test]
 fn bf16_weights_are_copied_once_per_sync() {
-    // The matmuls read the copy made by sync_bf16_weights, not `params` directly.
+    // The matmuls read the copy or the packs made by sync_bf16_weights, not
+    // `params` directly: whatever the kernel, a change to `params` is seen only
+    // after the sync.
     let (b, t) = (1, 8);
     let mut gpt = model(tiny(true), b, t, 5);
     let (x, y) = batch(b, t, gpt.config().vocab_size);

@@ -1,4 +1,4 @@
-//! A bf16 GEMM on AMX-BF16 (`tdpbf16ps`), the default path of the large bf16 matmuls
+//! A bf16 GEMM on AMX-BF16 (`tdpbf16ps`), the default path of the bf16 matmuls
 //! on CPUs that have AMX and whose kernel lets the process use it.
 //!
 //! One `tdpbf16ps` adds a 16 × 32 bf16 A tile times a 32 × 16 bf16 B tile (held as

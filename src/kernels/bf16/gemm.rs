@@ -1,9 +1,13 @@
 //! The bf16 matmuls of `dtype = "bfloat16"` and the choice of their kernel.
 //!
-//! Large products (at least 2^20 multiply-adds; below that, copying or packing the
-//! operands costs more than it saves) run on one of four kernels, chosen once per
-//! process ([`kernel`]); the rest run on the f32 GEMM over bf16-valued operands
-//! ([`matmul`], the same products up to summation order):
+//! Products run on one of four kernels, chosen once per process ([`kernel`]); on
+//! oneDNN only the large ones (at least 2^20 multiply-adds; below that its operand
+//! copies cost more than they save), the rest on the f32 GEMM over bf16-valued
+//! operands ([`matmul`], the same products up to summation order). Our AMX and
+//! AVX512-BF16 kernels take every product, whatever its size: they round their
+//! operands while packing them, so a model whose products run on them keeps no
+//! rounded copy of its weights, and a small product reads the same weights (the
+//! packs of the last refresh, [`WeightPacks`]) as a large one:
 //! - our AMX-BF16 kernel ([`super::amx`]) when the CPU has AMX-BF16 and Linux grants
 //!   the process the tile permission;
 //! - oneDNN's bf16 matmul ([`super::onednn`]), in builds with the `onednn` feature
@@ -42,7 +46,8 @@ use crate::kernels::matmul::{matmul, Mat};
 use std::cell::{Cell, RefCell};
 use std::sync::OnceLock;
 
-/// Below this many multiply-adds (m·n·k) copying or packing costs more than it saves.
+/// Below this many multiply-adds (m·n·k) oneDNN's operand copies, or a bf16 weight's
+/// pack made for one product ([`matmul_bf16_wt`]), cost more than they save.
 const MIN_MACS: usize = 1 << 20;
 
 /// From this inner dimension on, the AVX512-BF16 kernel loses to the f32 GEMM when it
@@ -179,19 +184,22 @@ pub(crate) fn with_kernel<R>(k: Kernel, f: impl FnOnce() -> R) -> R {
     r
 }
 
-/// `dst = a · b` (or `+=` when `accumulate`) for operands that hold bf16 values
-/// (exactly representable; on AMX other values are rounded to nearest even while
-/// packing). Large products run on the [`kernel`] chosen, the rest on the f32 GEMM;
-/// all accumulate in f32.
+/// `dst = a · b` (or `+=` when `accumulate`), f32 accumulation, for bf16 operands.
+/// Where the [`kernel`] reads packs (AMX, AVX512-BF16) any f32 values may come:
+/// the kernel rounds them to nearest even while packing, as [`super::round`] does
+/// (bar subnormals, read as zero), so the weights need no rounded copy. Elsewhere
+/// (oneDNN below 2^20 multiply-adds, the f32 GEMM, and AVX512-BF16 from a depth of
+/// [`DPBF16_MAX_K`] without a pack) the product runs on the f32 GEMM, which reads the
+/// values as they are: there the operands must hold bf16 values, and the model keeps
+/// its rounded weight copy ([`reads_packs`]).
 pub fn matmul_bf16(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
-    let macs = a.rows * a.cols * b.cols;
     match kernel() {
-        Kernel::Amx if macs >= MIN_MACS => amx::matmul(dst, a, b, accumulate),
-        Kernel::Avx512Bf16 if macs >= MIN_MACS && a.cols < DPBF16_MAX_K => {
-            dpbf16::matmul(dst, a, b, accumulate)
-        }
+        Kernel::Amx => amx::matmul(dst, a, b, accumulate),
+        Kernel::Avx512Bf16 if a.cols < DPBF16_MAX_K => dpbf16::matmul(dst, a, b, accumulate),
         #[cfg(feature = "onednn")]
-        Kernel::OneDnn if macs >= MIN_MACS => super::onednn::matmul(dst, a, b, accumulate),
+        Kernel::OneDnn if a.rows * a.cols * b.cols >= MIN_MACS => {
+            super::onednn::matmul(dst, a, b, accumulate)
+        }
         _ => matmul(dst, a, b, accumulate),
     }
 }
@@ -199,6 +207,9 @@ pub fn matmul_bf16(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
 /// Whether bf16 products read right-hand operands packed beforehand ([`PackedB`]):
 /// true for the AMX and AVX512-BF16 kernels, which read the same pack, so callers
 /// that reuse a weight (the classifier's `wte`) pack it once per optimizer step.
+/// These kernels round any f32 operand while packing it ([`matmul_bf16`]): models
+/// whose products run on them read their f32 weights, or packs made from them,
+/// and keep no rounded copy.
 pub fn reads_packs() -> bool {
     matches!(kernel(), Kernel::Amx | Kernel::Avx512Bf16)
 }
@@ -213,10 +224,9 @@ pub fn matmul_bf16_packed(dst: &mut [f32], a: Mat, b: Mat, packed: &PackedB, acc
         (packed.k, packed.n) == (b.rows, b.cols),
         "the pack is not of b"
     );
-    let macs = a.rows * a.cols * b.cols;
     match kernel() {
-        Kernel::Amx if macs >= MIN_MACS => amx::matmul_packed(dst, a, packed, accumulate),
-        Kernel::Avx512Bf16 if macs >= MIN_MACS => dpbf16::matmul_packed(dst, a, packed, accumulate),
+        Kernel::Amx => amx::matmul_packed(dst, a, packed, accumulate),
+        Kernel::Avx512Bf16 => dpbf16::matmul_packed(dst, a, packed, accumulate),
         _ => matmul_bf16(dst, a, b, accumulate),
     }
 }
@@ -316,16 +326,41 @@ mod tests {
     use crate::kernels::testutil::*;
 
     #[test]
-    fn small_products_take_the_f32_gemm() {
-        // Below MIN_MACS (and whenever AMX is not the kernel), matmul_bf16 is the f32
-        // GEMM, bit for bit.
-        let (m, k, n) = (16, 16, 48);
-        let a: Vec<f32> = rand_vec(m * k, 6).into_iter().map(round).collect();
-        let b: Vec<f32> = rand_vec(k * n, 7).into_iter().map(round).collect();
+    fn small_products_run_on_the_packing_kernels_and_round_their_operands() {
+        // On the f32 GEMM a small product is the f32 GEMM's, bit for bit. On AMX and
+        // AVX512-BF16 every product runs on the kernel, whatever its size, and reads
+        // f32 operands as their bf16 rounding: unrounded operands give the bits of
+        // the rounded ones (what lets a model keep no rounded weight copy there).
+        let (m, k, n) = (3, 17, 5);
+        let (a, b) = (rand_vec(m * k, 6), rand_vec(k * n, 7));
+        let a16: Vec<f32> = a.iter().copied().map(round).collect();
+        let b16: Vec<f32> = b.iter().copied().map(round).collect();
+        let (a16m, b16m) = (Mat::new(&a16, m, k), Mat::new(&b16, k, n));
         let (mut x, mut y) = (vec![0.0; m * n], vec![0.0; m * n]);
-        matmul(&mut x, Mat::new(&a, m, k), Mat::new(&b, k, n), false);
-        matmul_bf16(&mut y, Mat::new(&a, m, k), Mat::new(&b, k, n), false);
+        matmul(&mut x, a16m, b16m, false);
+        with_kernel(Kernel::F32, || matmul_bf16(&mut y, a16m, b16m, false));
         assert_eq!(x, y);
+        type Product = fn(&mut [f32], Mat, Mat, bool);
+        let direct: [(Kernel, Product); 2] = [
+            (Kernel::Amx, amx::matmul),
+            (Kernel::Avx512Bf16, dpbf16::matmul),
+        ];
+        for (kern, run) in direct.into_iter().filter(|&(k, _)| usable(k)) {
+            let (am, bm) = (Mat::new(&a, m, k), Mat::new(&b, k, n));
+            let (mut want, mut got) = (vec![0.0; m * n], vec![0.0; m * n]);
+            run(&mut want, a16m, b16m, false);
+            with_kernel(kern, || matmul_bf16(&mut got, am, bm, false));
+            assert_eq!(got, want, "{kern:?}");
+            // The values are the rounded operands': an f64 reference agrees.
+            for (i, row) in got.chunks(n).enumerate() {
+                for (j, &v) in row.iter().enumerate() {
+                    let dot: f64 = (0..k)
+                        .map(|p| a16[i * k + p] as f64 * b16[p * n + j] as f64)
+                        .sum();
+                    assert!((v as f64 - dot).abs() < 1e-5, "{kern:?} ({i}, {j})");
+                }
+            }
+        }
     }
 
     #[test]
@@ -369,7 +404,7 @@ mod tests {
     }
 
     #[test]
-    fn large_products_take_avx512bf16_when_it_is_the_kernel() {
+    fn products_take_avx512bf16_when_it_is_the_kernel() {
         if !usable(Kernel::Avx512Bf16) {
             eprintln!("AVX512-BF16 kernel not tested: no AVX512-BF16 on this CPU");
             return;
@@ -391,7 +426,7 @@ mod tests {
         // Forced to the f32 GEMM, the same product is the f32 GEMM's.
         with_kernel(Kernel::F32, || matmul_bf16(&mut got, am, bm, false));
         assert_eq!(got, f32_out);
-        // So is a product as deep as DPBF16_MAX_K (and as large as MIN_MACS).
+        // So is a product as deep as DPBF16_MAX_K without a pack.
         let (m, k, n) = (8, DPBF16_MAX_K, 8);
         let a: Vec<f32> = rand_vec(m * k, 10).into_iter().map(round).collect();
         let b: Vec<f32> = rand_vec(k * n, 11).into_iter().map(round).collect();
