@@ -831,6 +831,12 @@ fn bench_sample_times_prefill_and_decoding() {
         num("prefill_ms") > 0.0 && num("total_ms") >= num("prefill_ms"),
         "{r}"
     );
+    assert_eq!(num("bf16_copy_ms"), 0.0, "f32 weights are not copied");
+    // bf16 weights: the copy, made once as at load, is timed on its own.
+    args.extend(["--dtype", "bfloat16"]);
+    let r: serde_json::Value = serde_json::from_str(ok(d, &args).trim()).unwrap();
+    assert!(r["bf16_copy_ms"].as_f64().is_some_and(|ms| ms > 0.0), "{r}");
+    assert_eq!(r["dtype"], "bfloat16");
     let err = fails(d, &["bench", "--sample", "1"]);
     assert!(err.contains("2 new tokens"), "{err}");
 }

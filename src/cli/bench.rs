@@ -203,6 +203,12 @@ fn run_sample_bench(args: &BenchArgs, new_tokens: usize) -> anyhow::Result<()> {
             r.prefill_tokens_per_sec, r.decode_ms_per_token, r.decode_tokens_per_sec,
             r.weight_mb_per_step, r.weight_mb_per_step / r.decode_ms_per_token, r.peak_rss_mb
         );
+        if r.bf16_copy_ms > 0.0 {
+            println!(
+                "the bf16 weight copy, made once when the model is loaded (not in the prefill): {:.1} ms",
+                r.bf16_copy_ms
+            );
+        }
         print_profile(&r.profile, r.decode_ms_per_token);
     }
     Ok(())

@@ -144,7 +144,14 @@ impl Decoder {
     /// biases, softmax, the residual stream and accumulation stay f32, and the
     /// embedding lookups read the f32 tables. `feed` must then be given the same
     /// `params`.
-    pub fn with_bf16_weights(mut self, params: &[f32]) -> Decoder {
+    pub fn with_bf16_weights(self, params: &[f32]) -> Decoder {
+        self.with_bf16_copy(Decoder::bf16_copy(params))
+    }
+
+    /// The bf16 copy of `params` that [`Decoder::with_bf16_weights`] makes, to hand
+    /// to decoders made later ([`Decoder::with_bf16_copy`]) as a model loaded in
+    /// bf16 would be.
+    pub fn bf16_copy(params: &[f32]) -> Vec<Bf16> {
         // Fresh memory, faulted in when first written: a fault per 2 MiB page where
         // the kernel allows, instead of per 4 KiB (those faults were a large part of
         // a 124M prompt's time), so the advice comes before any write.
@@ -152,9 +159,21 @@ impl Decoder {
         crate::dist::resident::prefer_huge_pages(w.spare_capacity_mut());
         w.resize(params.len(), Bf16::default());
         bf16::store(&mut w, params);
-        self.weights_bf16 = Some(w);
         BF16_COPIES.with(|n| n.set(n.get() + 1));
+        w
+    }
+
+    /// [`Decoder::with_bf16_weights`] with a copy made beforehand by
+    /// [`Decoder::bf16_copy`] of the `params` that `feed` will be given.
+    pub fn with_bf16_copy(mut self, weights: Vec<Bf16>) -> Decoder {
+        self.weights_bf16 = Some(weights);
         self
+    }
+
+    /// Gives back the bf16 copy ([`Decoder::with_bf16_copy`]), leaving the decoder
+    /// on f32 weights.
+    pub fn take_bf16_copy(&mut self) -> Option<Vec<Bf16>> {
+        self.weights_bf16.take()
     }
 
     /// Whether the matmuls read a bf16 copy of the weights.
