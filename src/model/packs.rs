@@ -2,9 +2,12 @@
 //! (AMX and AVX512-BF16, [`reads_packs`]): the classifier's `wte` and every linear
 //! layer's weight, each in the two orientations its products read ([`WeightPacks`]:
 //! `x · Wᵀ` forward, `dy · W` input gradient; the weight gradient reads no weight).
-//! They are made from the bf16 weight copy right where it is refreshed and read by
-//! every micro-step, evaluation and recompute until the next refresh, instead of
-//! packing each weight twice per pass.
+//! They are made right where the weights change (the fused AdamW step, a sync, a
+//! bucket's arrival) and read by every micro-step, evaluation and recompute until the
+//! next change, instead of packing each weight twice per pass. The kernels that
+//! read packs round while packing, so a model that packs keeps no bf16 weight copy:
+//! the packs are made from the f32 weights ("the copy" below is whatever the
+//! matmuls read, [`super::bf16_copy_len`]).
 //!
 //! Staleness is owned here: each bucket's packs (`wte`'s, each block's) carry a flag
 //! that says they hold the current bf16 copy. Packing sets it; [`Packs::mark_stale`]
@@ -105,7 +108,8 @@ impl Packs {
         self.fresh.fill(false);
     }
 
-    /// Packs, from the bf16 `copy` laid out by `layout`, the weights whose bucket
+    /// Packs, rounding, from `copy` (the weights the matmuls read: f32 or rounded,
+    /// laid out by `layout`), the weights whose bucket
     /// starts in `range` (the whole bucket of each is in `copy` already): `wte` when
     /// `range` holds its start, each block whose first tensor it holds.
     pub fn pack_range(
