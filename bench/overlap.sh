@@ -7,7 +7,9 @@
 # Runs the same job (Open MPI, 1 thread per rank; default GPT-2
 # 124M shape, B 2 x T 256 per rank) once per setting below and prints, per run, the
 # communication report's step time, exposed and stand-alone reduction times, the
-# hidden share (1 - exposed / alone, a ratio within one run), the other
+# hidden share (1 - exposed / alone, a ratio within one run), the skew (how much
+# longer the slowest rank computed than rank 0, mean per step: a wait no overlap
+# removes) and the hidden share net of it (1 - max(0, exposed - skew) / alone), the other
 # collectives' time, and the all-gather of the updated weights (ZeRO-1/2): its
 # exposed time (exposed_gather_ms: the blocking gather, or starting the gathers and
 # waiting for what had not arrived when the next forward needed it) and whether it
@@ -94,10 +96,12 @@ for stage in ${ZERO_STAGES:-0 1}; do
             zero_stage=$stage ${EXTRA:-} out_dir="$out" >"$out.log" 2>&1 ||
             { cat "$out.log"; exit 1; }
         tr -d '\n ' <"$out/comm.json" >"$out.json"
-        printf 'hosts %s ZeRO %s %-8s %s step %8.1f ms  exposed %7.1f ms  alone %7.1f ms  hidden %5.1f%%  other %7.1f ms  gather %7.1f ms  in_flight %-5s  grad_bytes %s\n' \
+        printf 'hosts %s ZeRO %s %-8s %s step %8.1f ms  exposed %7.1f ms  alone %7.1f ms  hidden %5.1f%%  skew %7.1f ms  hidden net of skew %5.1f%%  other %7.1f ms  gather %7.1f ms  in_flight %-5s  grad_bytes %s\n' \
             "$HOSTS" "$stage" "$setting" "${EXTRA:-}" "$(field step_ms "$out.json")" "$(field exposed_reduce_ms "$out.json")" \
             "$(field reduce_alone_ms "$out.json")" \
             "$(awk -v h="$(field hidden_fraction "$out.json")" 'BEGIN {print 100 * h}')" \
+            "$(field skew_ms "$out.json")" \
+            "$(awk -v h="$(field hidden_fraction_net_of_skew "$out.json")" 'BEGIN {print 100 * h}')" \
             "$(field other_comm_ms "$out.json")" "$(field exposed_gather_ms "$out.json")" \
             "$(field gathers_in_flight "$out.json")" "$(field grad_bytes "$out.json")"
         printf '    peak RSS by rank (MB):'

@@ -213,6 +213,18 @@ fn two_ranks_follow_the_one_process_run() {
             report["reduce_alone_ms"].as_f64().unwrap() > 0.0,
             "{report}"
         );
+        // The slowest rank's extra compute, taken out of the wait, can only raise
+        // the hidden share.
+        let num = |k: &str| {
+            report[k]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{k}: {report}"))
+        };
+        assert!(num("skew_ms") >= 0.0, "{report}");
+        assert!(
+            num("hidden_fraction_net_of_skew") >= num("hidden_fraction"),
+            "{report}"
+        );
     }
 }
 

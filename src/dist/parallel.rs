@@ -46,6 +46,15 @@ pub struct CommReport {
     pub reduce_alone_ms: f64,
     /// Share of the gradient reduction hidden behind backward: 1 − exposed / alone.
     pub hidden_fraction: f64,
+    /// Mean per step of how much longer the slowest rank computed than this one
+    /// (rank 0), ms, over the last steps measured (up to [`SKEW_STEPS`]). This
+    /// rank waits that long at the gradient reduction, which cannot end before the
+    /// slowest rank's last gradient, whatever the communication costs: load
+    /// imbalance (ranks sharing cores, a straggler), counted in `exposed_reduce_ms`.
+    pub skew_ms: f64,
+    /// The hidden share with the skew taken out of the wait:
+    /// 1 − max(0, exposed − skew) / alone.
+    pub hidden_fraction_net_of_skew: f64,
     /// Gradient bytes each rank contributes per step (4 per value, 2 with
     /// `grad_reduce_dtype = "bfloat16"`).
     pub grad_bytes: usize,
@@ -80,6 +89,10 @@ pub struct DataParallel {
     other: Duration,
     /// ZeRO-1/2: in the parameters' all-gather, or waiting for it.
     gather: Duration,
+    /// The compute time (wall time less the waits) of each measured step, ms, the
+    /// last [`SKEW_STEPS`], and the waits counted up to the step before.
+    computes: VecDeque<f64>,
+    waits_before: Duration,
     reduce_alone: Duration,
     /// The last iteration at which every rank was seen to hold the same weights.
     verified_iter: Option<u64>,
@@ -128,6 +141,8 @@ impl DataParallel {
             exposed: Duration::ZERO,
             other: Duration::ZERO,
             gather: Duration::ZERO,
+            computes: VecDeque::new(),
+            waits_before: Duration::ZERO,
             reduce_alone: Duration::ZERO,
             verified_iter: None,
             // ZeRO-3 reduces each bucket by itself on every micro-step (`Sharded`).
@@ -700,20 +715,44 @@ impl DataParallel {
         self.steps += 1;
         self.step_time += elapsed;
         self.faults.1 = minor_faults();
+        // The step's waits (a wait before an evaluation between steps lands in the
+        // next step's: its compute is then underestimated, never negative).
+        let waits = self.exposed + self.other + self.gather;
+        let compute = elapsed.saturating_sub(waits.saturating_sub(self.waits_before));
+        self.waits_before = waits;
+        if self.computes.len() == SKEW_STEPS {
+            self.computes.pop_front();
+        }
+        self.computes.push_back(compute.as_secs_f64() * 1e3);
     }
 
-    /// The figures so far, for a step of `tokens` global tokens.
+    /// [`CommReport::skew_ms`]: every rank's step computes summed into one table
+    /// (each fills its own row). Collective.
+    fn skew_ms(&self, comm: &dyn Collective) -> f64 {
+        let (n, world) = (self.computes.len(), comm.world_size());
+        let mut all = vec![0.0; n * world];
+        let own = comm.rank() * n..(comm.rank() + 1) * n;
+        all[own]
+            .iter_mut()
+            .zip(&self.computes)
+            .for_each(|(a, &c)| *a = c);
+        comm.all_reduce_sum_f64(&mut all);
+        mean_skew(&all, n, comm.rank())
+    }
+
+    /// The figures so far, for a step of `tokens` global tokens. Collective: every
+    /// rank calls it.
     pub fn report(&self, comm: &dyn Collective, tokens: usize) -> CommReport {
         let n = self.steps.max(1) as f64;
         let ms = |d: Duration| d.as_secs_f64() * 1e3 / n;
         let (step, exposed, other) = (ms(self.step_time), ms(self.exposed), ms(self.other));
         let gather = ms(self.gather);
         let alone = self.reduce_alone.as_secs_f64() * 1e3;
-        let hidden = if alone > 0.0 {
-            (1.0 - exposed / alone).clamp(0.0, 1.0)
-        } else {
-            0.0
+        let hidden_share = |exposed: f64| match alone > 0.0 {
+            true => (1.0 - exposed / alone).clamp(0.0, 1.0),
+            false => 0.0,
         };
+        let skew = self.skew_ms(comm);
         let per_rank = if step > 0.0 {
             tokens as f64 / (step / 1e3) / comm.world_size() as f64
         } else {
@@ -731,7 +770,9 @@ impl DataParallel {
             exposed_gather_ms: gather,
             gathers_in_flight: self.in_flight,
             reduce_alone_ms: alone,
-            hidden_fraction: hidden,
+            hidden_fraction: hidden_share(exposed),
+            skew_ms: skew,
+            hidden_fraction_net_of_skew: hidden_share((exposed - skew).max(0.0)),
             grad_bytes: self.plan.arena_len * self.kind.wire_bytes(),
             tokens_per_sec_per_rank: per_rank,
             embeddings_first: self.embeddings_first,
@@ -740,6 +781,23 @@ impl DataParallel {
             minor_faults: (self.faults.1 - self.faults.0) as f64 / n,
         }
     }
+}
+
+/// Steps whose compute times [`CommReport::skew_ms`] compares (the last ones).
+pub const SKEW_STEPS: usize = 4096;
+
+/// The mean over steps of the slowest rank's compute less `rank`'s: `all` holds
+/// each rank's `n` step computes, rank after rank.
+fn mean_skew(all: &[f64], n: usize, rank: usize) -> f64 {
+    if n == 0 {
+        return 0.0;
+    }
+    let world = all.len() / n;
+    let behind = (0..n).map(|s| {
+        let slowest = (0..world).map(|r| all[r * n + s]).fold(f64::MIN, f64::max);
+        slowest - all[rank * n + s]
+    });
+    behind.sum::<f64>() / n as f64
 }
 
 /// This process's minor page faults so far (0 where not known).
@@ -1159,6 +1217,21 @@ pub fn save_buffer_len(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_skew_is_how_far_the_slowest_rank_computed_beyond_this_one_per_step() {
+        // Three ranks, two steps: rank 1 is slowest in the first, rank 2 in the
+        // second; the mean of per-step gaps, not the gap of the means.
+        let all = [
+            100.0, 100.0, // rank 0
+            130.0, 90.0, // rank 1
+            110.0, 150.0, // rank 2
+        ];
+        assert_eq!(mean_skew(&all, 2, 0), (30.0 + 50.0) / 2.0);
+        assert_eq!(mean_skew(&all, 2, 1), (0.0 + 60.0) / 2.0);
+        assert_eq!(mean_skew(&all, 2, 2), (20.0 + 0.0) / 2.0);
+        assert_eq!(mean_skew(&[], 0, 0), 0.0);
+    }
 
     #[test]
     fn the_divergence_message_is_one_clean_line_that_trusts_only_verified_checkpoints() {

@@ -96,14 +96,18 @@ impl Trainer {
         crate::fsutil::write_bytes_atomic(&path, text)?;
         crate::outln!(
             "{} ranks: {:.1} ms/step, of which computing {:.1}, waiting for the gradient \
-             reduction {:.1} ({:.0}% of its {:.1} ms hidden behind backward), for the \
-             weights' all-gather {:.1}, other collectives {:.1}; {:.0} tokens/s per rank",
+             reduction {:.1} ({:.0}% of its {:.1} ms hidden behind backward; {:.1} ms of \
+             the wait is the slowest rank computing longer, {:.0}% hidden without it), \
+             for the weights' all-gather {:.1}, other collectives {:.1}; {:.0} tokens/s \
+             per rank",
             report.world_size,
             report.step_ms,
             report.compute_ms,
             report.exposed_reduce_ms,
             report.hidden_fraction * 100.0,
             report.reduce_alone_ms,
+            report.skew_ms.min(report.exposed_reduce_ms),
+            report.hidden_fraction_net_of_skew * 100.0,
             report.exposed_gather_ms,
             report.other_comm_ms,
             report.tokens_per_sec_per_rank
