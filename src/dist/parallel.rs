@@ -730,6 +730,9 @@ impl DataParallel {
     /// (each fills its own row). Collective.
     fn skew_ms(&self, comm: &dyn Collective) -> f64 {
         let (n, world) = (self.computes.len(), comm.world_size());
+        if n == 0 {
+            return 0.0; // no step measured, on any rank (they step together)
+        }
         let mut all = vec![0.0; n * world];
         let own = comm.rank() * n..(comm.rank() + 1) * n;
         all[own]
