@@ -296,8 +296,7 @@ pub fn run_sample(opts: &SampleBenchOptions) -> anyhow::Result<SampleBenchReport
         let mut stamps = Vec::with_capacity(new_tokens);
         let start = Instant::now();
         // As `generate` makes it, but for the bf16 copy, made once above.
-        let longest = (p + new_tokens - 1).min(cfg.block_size);
-        let mut dec = Decoder::new(&cfg, b, longest);
+        let mut dec = crate::sample::decoder_for(&cfg, p, &o);
         if let Some(w) = copy.take() {
             dec = dec.with_bf16_copy(w);
         }

@@ -97,13 +97,26 @@ pub fn generate_until(
     if b == 0 || opts.max_new_tokens == 0 {
         return vec![Vec::new(); b];
     }
-    // The longest context ever fed: the prompt and all but the last new token, cropped.
-    let longest = (prompt.len() + opts.max_new_tokens - 1).min(config.block_size);
-    let mut dec = Decoder::new(config, b, longest);
+    let mut dec = decoder_for(config, prompt.len(), opts);
     if opts.bf16_weights {
         dec = dec.with_bf16_weights(params);
     }
     generate_in(&mut dec, params, layout, config, prompt, opts, on_token)
+}
+
+/// The positions a generation of `opts` from a `prompt_len`-token prompt feeds at
+/// most: the prompt and all but the last new token, cropped to the block. Needs
+/// `max_new_tokens` ≥ 1.
+fn longest_context(prompt_len: usize, opts: &SampleOptions, config: &ModelConfig) -> usize {
+    (prompt_len + opts.max_new_tokens - 1).min(config.block_size)
+}
+
+/// A decoder (on f32 weights) with room for a generation of `opts` from a
+/// `prompt_len`-token prompt: the one [`generate_until`] makes. Needs
+/// `num_samples` and `max_new_tokens` ≥ 1.
+pub fn decoder_for(config: &ModelConfig, prompt_len: usize, opts: &SampleOptions) -> Decoder {
+    let longest = longest_context(prompt_len, opts, config);
+    Decoder::new(config, opts.num_samples, longest)
 }
 
 /// [`generate_until`] on a decoder the caller keeps from one call to the next (a chat
@@ -129,7 +142,7 @@ pub fn generate_in(
         return vec![Vec::new(); b];
     }
     let block = config.block_size;
-    let longest = (prompt.len() + opts.max_new_tokens - 1).min(block);
+    let longest = longest_context(prompt.len(), opts, config);
     assert!(
         dec.batch() == b && dec.max_len() >= longest,
         "the decoder holds {}×{} positions, generation needs {b}×{longest}",
