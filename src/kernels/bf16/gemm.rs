@@ -322,7 +322,7 @@ impl WeightPacks {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::bf16::round;
+    use crate::kernels::bf16::{round, testcases};
     use crate::kernels::testutil::*;
 
     #[test]
@@ -340,8 +340,7 @@ mod tests {
         matmul(&mut x, a16m, b16m, false);
         with_kernel(Kernel::F32, || matmul_bf16(&mut y, a16m, b16m, false));
         assert_eq!(x, y);
-        type Product = fn(&mut [f32], Mat, Mat, bool);
-        let direct: [(Kernel, Product); 2] = [
+        let direct: [(Kernel, testcases::Kernel); 2] = [
             (Kernel::Amx, amx::matmul),
             (Kernel::Avx512Bf16, dpbf16::matmul),
         ];
@@ -352,14 +351,8 @@ mod tests {
             with_kernel(kern, || matmul_bf16(&mut got, am, bm, false));
             assert_eq!(got, want, "{kern:?}");
             // The values are the rounded operands': an f64 reference agrees.
-            for (i, row) in got.chunks(n).enumerate() {
-                for (j, &v) in row.iter().enumerate() {
-                    let dot: f64 = (0..k)
-                        .map(|p| a16[i * k + p] as f64 * b16[p * n + j] as f64)
-                        .sum();
-                    assert!((v as f64 - dot).abs() < 1e-5, "{kern:?} ({i}, {j})");
-                }
-            }
+            let exact = testcases::reference(&[], a16m, b16m, false);
+            assert_close(&format!("{kern:?}"), &got, &exact, 0.0, 1e-5);
         }
     }
 
