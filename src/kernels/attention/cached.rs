@@ -4,8 +4,16 @@
 
 use rayon::prelude::*;
 
-use super::{check_heads, score_scale, SharedMut};
+use super::forward::{FwdTask, KeyRows};
+use super::isa::Isa;
+use super::{check_heads, score_scale, SharedMut, BQ, NO_MASK};
 use crate::kernels::Dims;
+
+/// Up to this many new rows per sequence (decoding steps) each query attends on its
+/// own ([`attend_one`]); more (a prompt) run the blocked pass of training's forward
+/// ([`forward_block`](super::forward::forward_block)), whose query blocks of
+/// [`BQ`] rows would be mostly padding for a few rows.
+const ROWWISE_MAX_T: usize = 8;
 
 /// One layer's key and value caches, each `(B, NH, max_len, HS)`: head `h` of
 /// sequence `b` keeps the key of position `pos` at `((b·NH + h)·max_len + pos)·HS`,
@@ -26,9 +34,11 @@ pub struct KvCache<'a> {
 /// - `out`: `(B, T, C)` written: the row at absolute position `pos` is the softmax
 ///   (scale 1/√HS, max-subtracted) of its scores against cached keys `0..=pos`,
 ///   applied to the matching values.
-/// - `scores`: `(B, NH, max_len)` scratch, one row per task.
+/// - `scores`: `(B, NH, max_len)` scratch.
 ///
-/// Parallel over (sequence, head); each task owns that head's cache slices.
+/// Up to [`ROWWISE_MAX_T`] new rows, parallel over (sequence, head), each query on its
+/// own; more, parallel over (sequence, head, block of queries) on the flash-style
+/// tiles of training's forward pass (the same results up to summation order).
 pub fn cached_attention(
     out: &mut [f32],
     qkv: &[f32],
@@ -38,17 +48,24 @@ pub fn cached_attention(
     start: usize,
 ) {
     check_shapes(out, qkv, &cache, scores, d, start);
-    let (new, max_len) = (d.t, cache.max_len);
-    let (c, hs, span) = (d.c, d.hs(), max_len * d.hs());
-    let out_ptr = SharedMut::new(out);
-    let scale = score_scale(d);
-    cache
-        .keys
-        .par_chunks_exact_mut(span)
-        .zip(cache.values.par_chunks_exact_mut(span))
-        .zip(scores.par_chunks_exact_mut(max_len))
+    let span = cache.max_len * d.hs();
+    append(qkv, &mut *cache.keys, &mut *cache.values, span, d, start);
+    let (keys, values) = (&*cache.keys, &*cache.values);
+    if d.t <= ROWWISE_MAX_T {
+        rowwise(out, qkv, (keys, values, span), scores, d, start);
+    } else {
+        blocked(out, qkv, (keys, values, span), scores, d, start);
+    }
+}
+
+/// Copies the new rows' keys and values into the caches at positions
+/// `start..start + T`, in parallel over (sequence, head).
+fn append(qkv: &[f32], keys: &mut [f32], values: &mut [f32], span: usize, d: Dims, start: usize) {
+    let (new, c, hs) = (d.t, d.c, d.hs());
+    keys.par_chunks_exact_mut(span)
+        .zip(values.par_chunks_exact_mut(span))
         .enumerate()
-        .for_each(|(bh, ((keys, values), scores))| {
+        .for_each(|(bh, (keys, values))| {
             let (b, h) = (bh / d.nh, bh % d.nh);
             let rows = &qkv[b * new * 3 * c..(b + 1) * new * 3 * c];
             for (i, row) in rows.chunks_exact(3 * c).enumerate() {
@@ -56,6 +73,25 @@ pub fn cached_attention(
                 keys[at.clone()].copy_from_slice(&row[c + h * hs..c + (h + 1) * hs]);
                 values[at].copy_from_slice(&row[2 * c + h * hs..2 * c + (h + 1) * hs]);
             }
+        });
+}
+
+/// The caches after [`append`], and the floats of one head's part of each.
+type Cached<'a> = (&'a [f32], &'a [f32], usize);
+
+/// Each new query on its own ([`attend_one`]): one task per (sequence, head).
+fn rowwise(out: &mut [f32], qkv: &[f32], cache: Cached, scores: &mut [f32], d: Dims, start: usize) {
+    let (keys, values, span) = cache;
+    let (new, c, hs, max_len) = (d.t, d.c, d.hs(), span / d.hs());
+    let out_ptr = SharedMut::new(out);
+    let scale = score_scale(d);
+    keys.par_chunks_exact(span)
+        .zip(values.par_chunks_exact(span))
+        .zip(scores.par_chunks_exact_mut(max_len))
+        .enumerate()
+        .for_each(|(bh, ((keys, values), scores))| {
+            let (b, h) = (bh / d.nh, bh % d.nh);
+            let rows = &qkv[b * new * 3 * c..(b + 1) * new * 3 * c];
             for (i, row) in rows.chunks_exact(3 * c).enumerate() {
                 let q = &row[h * hs..(h + 1) * hs];
                 let n_keys = start + i + 1;
@@ -66,6 +102,42 @@ pub fn cached_attention(
                 let ctx = HeadCache { keys, values, hs };
                 attend_one(o, q, ctx, &mut scores[..n_keys], scale);
             }
+        });
+}
+
+/// The new queries in blocks of [`BQ`] against the cached keys, on the f32 tiles of
+/// training's forward pass: one task per (sequence, head, query block).
+fn blocked(out: &mut [f32], qkv: &[f32], cache: Cached, scores: &mut [f32], d: Dims, start: usize) {
+    let (keys, values, span) = cache;
+    let isa = Isa::detect();
+    // The pass's per-row log-sum-exp is not needed here: it lands in `scores`.
+    let lse = &mut scores[..d.b * d.nh * d.t];
+    let out = SharedMut::new(out);
+    lse.par_chunks_mut(d.t)
+        .enumerate()
+        .for_each(|(bh, lse_bh)| {
+            lse_bh
+                .par_chunks_mut(BQ)
+                .enumerate()
+                .for_each(|(qb, lse_blk)| {
+                    let head = bh * span..(bh + 1) * span;
+                    isa.forward::<false>(FwdTask {
+                        d,
+                        qkv,
+                        out,
+                        lse: lse_blk,
+                        bh,
+                        i0: qb * BQ,
+                        mask: NO_MASK,
+                        kv: &[],
+                        keys: KeyRows {
+                            keys: &keys[head.clone()],
+                            values: &values[head],
+                            rs: d.hs(),
+                            pos0: start,
+                        },
+                    })
+                });
         });
 }
 
@@ -210,10 +282,54 @@ mod tests {
         let stepped = feed(&qkv, d, max_len, &[4, 1, 1, 1, 1, 1]);
         assert_close("prefill 4, then steps", &stepped, &want, 1e-5, 1e-6);
         // Each row's arithmetic does not depend on how the positions arrived.
-        let whole = feed(&qkv, d, max_len, &[9]);
+        let whole = feed(&qkv, d, max_len, &[3, 6]);
         assert_eq!(
             whole, stepped,
             "one prefill and prefill + steps agree bit for bit"
         );
+    }
+
+    /// Random `(B, T, 3C)` rows with scores large enough for the softmax to matter.
+    fn random_qkv(d: Dims, salt: u64) -> Vec<f32> {
+        let qkv = rand_vec(d.bt() * 3 * d.c, salt);
+        qkv.iter().map(|v| 2.0 * v).collect()
+    }
+
+    #[test]
+    fn prompts_run_blocked_at_any_position() {
+        // Chunks of more than ROWWISE_MAX_T rows take the blocked pass, here starting
+        // at positions that are not multiples of its BQ-row blocks, over several
+        // blocks, and mixed with single steps. HS = 12.
+        let d = Dims {
+            b: 2,
+            t: 83,
+            c: 36,
+            nh: 3,
+        };
+        let qkv = random_qkv(d, 2);
+        let (want, _) = naive_forward(&to_f64(&qkv), d, None);
+        let whole = feed(&qkv, d, d.t + 5, &[83]);
+        assert_close("one prompt of 83", &whole, &want, 1e-5, 1e-6);
+        for chunks in [&[9, 40, 1, 33][..], &[37, 46], &[1, 1, 10, 1, 70]] {
+            let got = feed(&qkv, d, d.t + 5, chunks);
+            assert_close(&format!("chunks {chunks:?}"), &got, &want, 1e-5, 1e-6);
+        }
+        // A blocked row's arithmetic does not depend on where its block started.
+        assert_eq!(feed(&qkv, d, d.t, &[37, 46]), whole, "37 + 46 rows vs 83");
+    }
+
+    #[test]
+    fn prompts_with_heads_wider_than_a_tile() {
+        // HS = 136 > DT: the blocked pass walks the head's channels in pieces.
+        let d = Dims {
+            b: 1,
+            t: 45,
+            c: 272,
+            nh: 2,
+        };
+        let qkv = random_qkv(d, 3);
+        let (want, _) = naive_forward(&to_f64(&qkv), d, None);
+        let got = feed(&qkv, d, d.t, &[13, 32]);
+        assert_close("13 + 32 rows, HS 136", &got, &want, 1e-5, 1e-6);
     }
 }

@@ -49,6 +49,7 @@ pub(super) fn forward_impl(
                 .par_chunks_mut(BQ)
                 .enumerate()
                 .for_each(|(qb, lse_blk)| {
+                    let base = qkv_base(d, bh);
                     let task = FwdTask {
                         d,
                         qkv,
@@ -58,6 +59,12 @@ pub(super) fn forward_impl(
                         i0: qb * BQ,
                         mask: mask.unwrap_or(NO_MASK),
                         kv: kv.get(bh * per_head..(bh + 1) * per_head).unwrap_or(&[]),
+                        keys: KeyRows {
+                            keys: &qkv[base + d.c..],
+                            values: &qkv[base + 2 * d.c..],
+                            rs: 3 * d.c,
+                            pos0: 0,
+                        },
                     };
                     match (mask, bf16) {
                         (Some(_), false) => isa.forward::<true>(task),
@@ -130,16 +137,32 @@ fn fmax(a: f32, b: f32) -> f32 {
 
 /// One forward task: query rows `i0..i0 + lse.len()` of head `bh`.
 pub(super) struct FwdTask<'a> {
-    d: Dims,
-    qkv: &'a [f32],
-    out: SharedMut<'a>,
-    lse: &'a mut [f32],
-    bh: usize,
-    i0: usize,
-    mask: Dropout,
+    pub(super) d: Dims,
+    pub(super) qkv: &'a [f32],
+    pub(super) out: SharedMut<'a>,
+    pub(super) lse: &'a mut [f32],
+    pub(super) bh: usize,
+    pub(super) i0: usize,
+    pub(super) mask: Dropout,
     /// The head's keys and values packed for `vdpbf16ps` ([`pack_keys_values`]), or
     /// empty.
-    kv: &'a [u32],
+    pub(super) kv: &'a [u32],
+    /// The head's keys and values in f32, which the f32 pass reads.
+    pub(super) keys: KeyRows<'a>,
+}
+
+/// One head's keys and values as the f32 forward pass reads them: the key of
+/// absolute position `s` at `keys[s·rs..s·rs + HS]`, its value likewise in `values`.
+/// Training reads them from `qkv` itself (`rs = 3C`, `pos0 = 0`); generation from a
+/// cache of earlier positions ([`cached_attention`](super::cached_attention)).
+#[derive(Clone, Copy)]
+pub(super) struct KeyRows<'a> {
+    pub(super) keys: &'a [f32],
+    pub(super) values: &'a [f32],
+    pub(super) rs: usize,
+    /// The absolute position of query row 0 of `qkv`: query row `i` attends to the
+    /// keys at positions `0..=pos0 + i`.
+    pub(super) pos0: usize,
 }
 
 #[inline(always)]
@@ -153,6 +176,7 @@ pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
         i0,
         mask,
         kv: _,
+        keys: kr,
     } = task;
     let (t, c, hs, scale, fma) = (d.t, d.c, d.hs(), score_scale(d), K::FMA);
     let row3 = 3 * c;
@@ -160,8 +184,20 @@ pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
     let qbase = qkv_base(d, bh);
     let obase = out_base(d, bh) + i0 * c;
     let mask_base = (bh * t) as u64 * t as u64;
-    let qkv_rows = Src::rows(qkv.as_ptr(), row3);
     assert!(nr > 0 && i0 + nr <= t && qbase + (t - 1) * row3 + 2 * c + hs <= qkv.len());
+    // The absolute position of query row i0 (the rows of this block attend to keys
+    // 0..=q0 + r), and the keys of the block's last row.
+    let q0 = kr.pos0 + i0;
+    let kend = q0 + nr;
+    let fits = |rows: &[f32]| (kend - 1) * kr.rs + hs <= rows.len();
+    assert!(
+        fits(kr.keys) && fits(kr.values),
+        "keys and values up to the last query"
+    );
+    let (key_rows, value_rows) = (
+        Src::rows(kr.keys.as_ptr(), kr.rs),
+        Src::rows(kr.values.as_ptr(), kr.rs),
+    );
 
     let resident = hs <= DT;
     // Transposed, pre-scaled queries: qt[d][r] = scale · q[i0 + r][d0 + d]. Columns
@@ -179,7 +215,6 @@ pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
     let mut l = [0.0f32; BQ];
 
     // Keys beyond the last query of the block are masked for all its rows.
-    let kend = i0 + nr;
     for j0 in (0..kend).step_by(BK) {
         let nc = BK.min(kend - j0);
         for d0 in (0..hs).step_by(DT) {
@@ -188,14 +223,15 @@ pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
                 let src = &qkv[qbase + i0 * row3 + d0..];
                 transpose_into(K::AVX, &mut qt, src, row3, (nr, dn), scale);
             }
-            // SAFETY: key rows j0..j0 + nc <= T, channels d0..d0 + dn <= HS of this
-            // head lie in `qkv`; `qt` has DT >= dn rows of BQ; `st` has BK >= nc rows.
+            // SAFETY: key rows j0..j0 + nc <= kend, channels d0..d0 + dn <= HS of this
+            // head lie in `kr.keys` (asserted); `qt` has DT >= dn rows of BQ; `st` has
+            // BK >= nc rows.
             unsafe {
                 K::gemm(Gemm {
                     m: nc,
                     n: BQ,
                     kn: dn,
-                    a: qkv_rows.at(0, qbase + j0 * row3 + c + d0),
+                    a: key_rows.at(j0, d0),
                     b: Src::rows(qt.as_ptr().cast(), BQ),
                     c: Dst {
                         ptr: st.as_mut_ptr().cast(),
@@ -208,7 +244,7 @@ pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
         let alpha = softmax_tile::<DROP>(
             &mut st,
             (nc, nr),
-            (i0, j0),
+            (q0, j0),
             (&mut m, &mut l),
             fma,
             mask,
@@ -243,16 +279,16 @@ pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
                 rs: c,
             }
         };
-        // SAFETY: `st` holds BK >= nc rows of BQ >= nr; value rows j0..j0 + nc <= T of
-        // this head lie in `qkv`; `o` has BQ rows of DT >= HS, and the `out` rows are
-        // this task's own.
+        // SAFETY: `st` holds BK >= nc rows of BQ >= nr; value rows j0..j0 + nc <= kend
+        // of this head lie in `kr.values` (asserted); `o` has BQ rows of DT >= HS, and
+        // the `out` rows are this task's own.
         unsafe {
             K::gemm(Gemm {
                 m: nr,
                 n: hs,
                 kn: nc,
                 a: Src::cols(st.as_ptr().cast(), BQ),
-                b: qkv_rows.at(0, qbase + j0 * row3 + 2 * c),
+                b: value_rows.at(j0, 0),
                 c: o_dst,
                 add: j0 > 0,
             });
@@ -277,7 +313,7 @@ pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
 
 /// One key tile of the online softmax: masks the diagonal tile's future keys, updates
 /// the running max `m` and sum `l` of each query row, turns the scores `st[c][r]`
-/// (key `j0 + c`, query `i0 + r`; `nc` keys, `nr` queries) into unnormalised
+/// (key `j0 + c`, query at position `i0 + r`; `nc` keys, `nr` queries) into unnormalised
 /// probabilities times the dropout factor, and returns the factors `alpha` the rows'
 /// earlier output must be rescaled by.
 #[allow(clippy::too_many_arguments)]
@@ -359,7 +395,9 @@ pub(super) unsafe fn forward_block_bf16<const DROP: bool>(task: FwdTask) {
         i0,
         mask,
         kv,
+        keys,
     } = task;
+    assert_eq!(keys.pos0, 0, "the bf16 pass reads the keys of `qkv` itself");
     let (t, c, hs, scale) = (d.t, d.c, d.hs(), score_scale(d));
     let row3 = 3 * c;
     let nr = lse.len();
