@@ -230,7 +230,8 @@ pub struct SampleBenchOptions {
     pub new_tokens: usize,
     /// Timed generations (after one short untimed one); medians are reported.
     pub runs: usize,
-    /// Time the last run's decoding steps by kernel family (see [`crate::profile`]).
+    /// Time the last run's prefill and decoding steps by kernel family (see
+    /// [`crate::profile`]).
     pub profile: bool,
     /// Weights the matmuls read: f32, or bf16 (`sample --dtype bfloat16`).
     pub dtype: Dtype,
@@ -260,6 +261,12 @@ pub struct SampleBenchReport {
     /// With `profile`: (kernel family, ms per decoding step), largest first.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub profile: Vec<(&'static str, f64)>,
+    /// With `profile`: (kernel family, ms) of the last run's prefill, largest first;
+    /// what they leave of `last_prefill_ms` is outside the instrumented kernels.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub prefill_profile: Vec<(&'static str, f64)>,
+    /// The last run's prefill, which `prefill_profile` splits.
+    pub last_prefill_ms: f64,
 }
 
 /// Times greedy generation (see [`SampleBenchOptions`]) in the current rayon pool.
@@ -285,6 +292,7 @@ pub fn run_sample(opts: &SampleBenchOptions) -> anyhow::Result<SampleBenchReport
         true => made.elapsed().as_secs_f64(),
         false => 0.0,
     };
+    let mut prefill_profile = Vec::new();
     let mut time_one = |new_tokens: usize| {
         let o = crate::sample::SampleOptions {
             num_samples: b,
@@ -294,6 +302,9 @@ pub fn run_sample(opts: &SampleBenchOptions) -> anyhow::Result<SampleBenchReport
             ..Default::default()
         };
         let mut stamps = Vec::with_capacity(new_tokens);
+        if opts.profile {
+            crate::profile::enable();
+        }
         let start = Instant::now();
         // As `generate` makes it, but for the bf16 copy, made once above.
         let mut dec = crate::sample::decoder_for(&cfg, p, &o);
@@ -305,6 +316,8 @@ pub fn run_sample(opts: &SampleBenchOptions) -> anyhow::Result<SampleBenchReport
             if i == 0 {
                 stamps.push(start.elapsed().as_secs_f64());
                 if opts.profile && stamps.len() == 1 {
+                    // The prompt's share, then the decoding steps' from zero.
+                    prefill_profile = crate::profile::totals();
                     crate::profile::enable();
                 }
             }
@@ -316,6 +329,8 @@ pub fn run_sample(opts: &SampleBenchOptions) -> anyhow::Result<SampleBenchReport
     };
     time_one(new.min(8));
     let runs: Vec<(f64, f64, f64)> = (0..opts.runs).map(|_| time_one(new)).collect();
+    let prefill_ms = |secs: Vec<(&'static str, f64)>| secs.into_iter().map(|(n, s)| (n, s * 1e3));
+    let prefill_profile = prefill_ms(prefill_profile).collect();
     let median = |f: fn(&(f64, f64, f64)) -> f64| {
         let mut xs: Vec<f64> = runs.iter().map(f).collect();
         xs.sort_by(f64::total_cmp);
@@ -350,5 +365,7 @@ pub fn run_sample(opts: &SampleBenchOptions) -> anyhow::Result<SampleBenchReport
         weight_mb_per_step: (weights * weight_bytes) as f64 / 1e6,
         peak_rss_mb: peak_rss_bytes().map_or(f64::NAN, |r| r as f64 / 1e6),
         profile: profile.collect(),
+        prefill_profile,
+        last_prefill_ms: runs[runs.len() - 1].0 * 1e3,
     })
 }

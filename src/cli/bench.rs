@@ -209,6 +209,11 @@ fn run_sample_bench(args: &BenchArgs, new_tokens: usize) -> anyhow::Result<()> {
                 r.bf16_copy_ms
             );
         }
+        if !r.prefill_profile.is_empty() {
+            println!("the last run's prefill, {:.1} ms:", r.last_prefill_ms);
+            print_profile(&r.prefill_profile, r.last_prefill_ms);
+            println!("its decoding steps:");
+        }
         print_profile(&r.profile, r.decode_ms_per_token);
     }
     Ok(())
@@ -218,7 +223,8 @@ fn print_profile(rows: &[(&str, f64)], step_ms: f64) {
     if rows.is_empty() {
         return;
     }
-    // Rows are means over the timed steps, so they are shares of the mean step.
+    // Rows are means over the timed steps (or the one prefill), so they are shares of
+    // the mean step.
     println!("{:<24} {:>10} {:>7}", "kernel family", "ms/step", "share");
     for (name, ms) in rows {
         println!("{name:<24} {ms:>10.2} {:>6.1}%", 100.0 * ms / step_ms);

@@ -47,6 +47,7 @@ pub fn cached_attention(
     d: Dims,
     start: usize,
 ) {
+    let _t = crate::profile::scope(crate::profile::Section::Attention);
     check_shapes(out, qkv, &cache, scores, d, start);
     let span = cache.max_len * d.hs();
     append(qkv, &mut *cache.keys, &mut *cache.values, span, d, start);
