@@ -33,6 +33,17 @@ impl Weights<'_> {
 /// enough to hide rayon's per-task cost, small enough to balance the threads.
 const TASK_ROWS: usize = 64;
 
+thread_local! {
+    /// [`gemv`] calls made from this thread.
+    static CALLS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// How many [`gemv`] products this thread has run: a decoding step adds one per
+/// linear layer and one for the classifier (tested).
+pub fn gemv_calls_on_this_thread() -> usize {
+    CALLS.get()
+}
+
 /// `out = x · Wᵀ`, or `out += x · Wᵀ` when `accumulate` (out already holds a bias).
 ///
 /// out: (N, OC); x: (N, C); w: (OC, C). Any N works; the kernel is meant for small N
@@ -46,6 +57,7 @@ pub fn gemv(out: &mut [f32], x: &[f32], w: Weights, c: usize, accumulate: bool) 
     assert_eq!(x.len() % c, 0, "gemv: x must be (N, C)");
     let (oc, n) = (w.len() / c, x.len() / c);
     assert_eq!(out.len(), n * oc, "gemv: out must be (N, OC)");
+    CALLS.set(CALLS.get() + 1);
     let isa = isa();
     let shared = SharedMut::new(out);
     (0..oc.div_ceil(TASK_ROWS))
@@ -178,20 +190,42 @@ mod x86 {
     }
 
     /// Σ x·w_k for four bf16 rows of x's length (widened exactly to f32).
+    ///
+    /// Each row is read 32 values (one 64-byte load) at a time: as 16 32-bit lanes,
+    /// a lane's low half is the even element and its high half the odd one, so
+    /// shifting left by 16 gives the even elements' f32 values and masking off the low
+    /// half the odd ones'; x is split into its even and odd elements to match (once
+    /// per 32, for the four rows).
     #[target_feature(enable = "avx512f")]
     pub unsafe fn dot4_bf16(x: &[f32], w: [&[Bf16]; 4]) -> [f32; 4] {
         let n = x.len();
         assert!(w.iter().all(|r| r.len() == n));
-        let p = w.map(|r| r.as_ptr() as *const __m256i);
-        // SAFETY: as in dot4_f32; `Bf16` is a transparent u16, so 16 of them are 256
-        // bits, read unaligned. Shifted into the top half of a 32-bit lane, a bf16 is
-        // its f32 value.
-        let acc = dot4(x, |k, i| {
-            let h = _mm256_loadu_si256(p[k].byte_add(2 * i));
-            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
-        });
-        let from = n - n % L;
-        finish(acc, |k| (from..n).map(|i| x[i] * w[k][i].to_f32()).sum())
+        let (xp, p) = (x.as_ptr(), w.map(|r| r.as_ptr() as *const __m512i));
+        let even_idx = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        let odd_idx = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+        let high = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+        let mut even = [_mm512_setzero_ps(); 4];
+        let mut odd = [_mm512_setzero_ps(); 4];
+        let mut i = 0;
+        // SAFETY: every load reads 32 elements from i with i + 32 ≤ n, of x (f32) and
+        // of the rows (`Bf16` is a transparent u16: 32 of them are 512 bits, read
+        // unaligned). Shifted into the top half of a 32-bit lane, a bf16 is its f32
+        // value.
+        while i + 2 * L <= n {
+            let (x0, x1) = (_mm512_loadu_ps(xp.add(i)), _mm512_loadu_ps(xp.add(i + L)));
+            let xe = _mm512_permutex2var_ps(x0, even_idx, x1);
+            let xo = _mm512_permutex2var_ps(x0, odd_idx, x1);
+            for k in 0..4 {
+                let v = _mm512_loadu_si512(p[k].byte_add(2 * i));
+                let we = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                let wo = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+                even[k] = _mm512_fmadd_ps(xe, we, even[k]);
+                odd[k] = _mm512_fmadd_ps(xo, wo, odd[k]);
+            }
+            i += 2 * L;
+        }
+        let acc = std::array::from_fn(|k| _mm512_add_ps(even[k], odd[k]));
+        finish(acc, |k| (i..n).map(|j| x[j] * w[k][j].to_f32()).sum())
     }
 }
 
@@ -317,5 +351,47 @@ mod speed {
                 bf16s * 1e3
             );
         }
+    }
+
+    /// GB/s of one decoding step's products from memory, as `sample` runs them: every
+    /// matmul weight of GPT-2 124M (12 layers of four, then the classifier), each in
+    /// its own allocation and read once per pass, 494 MB (f32) or 247 MB (bf16), far
+    /// more than the caches hold. Best of 10 passes of each, alternating.
+    /// `cargo test --release --lib -- --ignored --nocapture gemv_model_pass_speed`
+    #[test]
+    #[ignore = "benchmark: needs a release build and ~750 MB"]
+    fn gemv_model_pass_speed() {
+        let c = 768;
+        let mut shapes = [(3 * c, c), (c, c), (4 * c, c), (c, 4 * c)].repeat(12);
+        shapes.push((50257, c));
+        let f32w: Vec<Vec<f32>> = shapes.iter().map(|&(oc, c)| vec![0.25; oc * c]).collect();
+        let bf16w: Vec<Vec<Bf16>> = shapes
+            .iter()
+            .map(|&(oc, c)| vec![Bf16::from_f32(0.25); oc * c])
+            .collect();
+        let xs: Vec<Vec<f32>> = shapes.iter().map(|&(_, c)| vec![0.5; c]).collect();
+        let mut outs: Vec<Vec<f32>> = shapes.iter().map(|&(oc, _)| vec![0.0; oc]).collect();
+        let floats: usize = shapes.iter().map(|&(oc, c)| oc * c).sum();
+        let (mut f32s, mut bf16s) = (f64::INFINITY, f64::INFINITY);
+        for _ in 0..10 {
+            let t = Instant::now();
+            for ((o, x), w) in outs.iter_mut().zip(&xs).zip(&f32w) {
+                gemv(o, x, Weights::F32(w), x.len(), false);
+            }
+            f32s = f32s.min(t.elapsed().as_secs_f64());
+            let t = Instant::now();
+            for ((o, x), w) in outs.iter_mut().zip(&xs).zip(&bf16w) {
+                gemv(o, x, Weights::Bf16(w), x.len(), false);
+            }
+            bf16s = bf16s.min(t.elapsed().as_secs_f64());
+        }
+        println!(
+            "one 124M decoding pass, {} threads: f32 {:.2} ms ({:.1} GB/s), bf16 {:.2} ms ({:.1} GB/s)",
+            rayon::current_num_threads(),
+            f32s * 1e3,
+            (floats * 4) as f64 / 1e9 / f32s,
+            bf16s * 1e3,
+            (floats * 2) as f64 / 1e9 / bf16s
+        );
     }
 }
