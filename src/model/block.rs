@@ -47,6 +47,10 @@ pub struct BlockWeights<'a> {
     /// weights the forward's linear layers read instead of `matmul`, through
     /// [`gemv`] (half the bytes; activations stay f32). Forward only.
     pub matmul_bf16: Option<&'a [Bf16]>,
+    /// Decoding: feeds of up to [`GEMV_MAX_ROWS`] rows (decoding steps) run the
+    /// forward's linear layers on [`gemv`], which streams each weight once for all
+    /// rows, in f32 as with `matmul_bf16`. Training's passes keep the GEMM.
+    pub decoding: bool,
     /// bf16 on AMX or AVX512-BF16: the block's matmul weights packed beforehand
     /// (from `matmul`), read by the forward and input-gradient products.
     pub packs: Option<&'a LayerPacks>,
@@ -67,30 +71,33 @@ impl<'a> BlockWeights<'a> {
         norm_of(self.params, n)
     }
 
-    /// `out = inp · Wᵀ + bias` for linear layer `l`: [`linear_forward`], or with
-    /// `matmul_bf16` the GEMV over its bf16 weights for a few rows (decoding steps:
-    /// activations stay f32), and for more (a prompt) the bf16 GEMM on the bf16
-    /// weights ([`matmul_bf16_wt`]: activations rounded to bf16 as operands, the
-    /// training step's kernel). out: (N, OC); inp: (N, C).
+    /// `out = inp · Wᵀ + bias` for linear layer `l`: [`linear_forward`]; when
+    /// `decoding`, the GEMV for a few rows (decoding steps: f32 activations against
+    /// the f32 weights or `matmul_bf16`'s), and with `matmul_bf16` for more (a
+    /// prompt) the bf16 GEMM on the bf16 weights ([`matmul_bf16_wt`]: activations
+    /// rounded to bf16 as operands, the training step's kernel). out: (N, OC);
+    /// inp: (N, C).
     fn forward<const BF16: bool>(&self, out: &mut [f32], inp: &[f32], l: LinearSpans) {
-        let Some(w16) = self.matmul_bf16 else {
-            return linear_forward::<BF16>(out, inp, self.linear(l));
+        let few = self.decoding && inp.len() / l.c <= GEMV_MAX_ROWS;
+        let weights = match self.matmul_bf16 {
+            Some(w16) => GemvWeights::Bf16(&w16[l.weight.start..l.weight.end]),
+            None if few => GemvWeights::F32(&self.matmul[l.weight]),
+            None => return linear_forward::<BF16>(out, inp, self.linear(l)),
         };
         let _t = crate::profile::scope(crate::profile::Section::MatmulForward);
-        let w16 = &w16[l.weight.start..l.weight.end];
         let bias = &self.params[l.bias];
         if !bias.is_empty() {
             out.chunks_exact_mut(l.oc)
                 .for_each(|row| row.copy_from_slice(bias));
         }
-        if inp.len() / l.c > GEMV_MAX_ROWS {
-            return matmul_bf16_wt(out, inp, w16, l.c, !bias.is_empty());
+        match weights {
+            GemvWeights::Bf16(w16) if !few => matmul_bf16_wt(out, inp, w16, l.c, !bias.is_empty()),
+            _ => gemv(out, inp, weights, l.c, !bias.is_empty()),
         }
-        gemv(out, inp, GemvWeights::Bf16(w16), l.c, !bias.is_empty());
     }
 }
 
-/// Rows up to which [`BlockWeights::forward`] runs bf16 weights on the GEMV.
+/// Rows up to which [`BlockWeights::forward`] runs a decoder's linear layers on the GEMV.
 const GEMV_MAX_ROWS: usize = 8;
 
 /// A layer norm's parameters in the arena `params`.

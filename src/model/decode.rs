@@ -231,6 +231,7 @@ impl Decoder {
                 at,
                 lora: None,
                 matmul_bf16: self.weights_bf16.as_deref(),
+                decoding: true,
                 packs: None,
             };
             let (x, a) = (&self.x[..n * c], &mut self.acts);
@@ -568,6 +569,29 @@ pub(crate) mod tests {
             with_kernel(kernel, || dec.feed(params, layout, &prompt[..2], 1));
             let step_packs = bf16_weight_packs_on_this_thread() - packs - per_prompt;
             assert_eq!(step_packs, 0, "{kernel:?}: a step packed a weight");
+        }
+    }
+
+    /// Decoding steps stream every weight once on the GEMV, in f32 and bf16 alike:
+    /// one product per linear layer and the classifier's; a prompt's linear layers
+    /// run on the GEMM (only its classifier row on the GEMV).
+    #[test]
+    fn steps_run_every_linear_layer_on_the_gemv() {
+        use crate::kernels::gemv::gemv_calls_on_this_thread as calls;
+        let gpt = random_gpt(small(true), 2, 4);
+        let (params, layout) = (&gpt.params, &gpt.layout);
+        let per_step = 4 * gpt.config().n_layer + 1;
+        let prompt = tokens(2 * 12, gpt.config().vocab_size, 5);
+        for bf16 in [false, true] {
+            let mut dec = Decoder::new(gpt.config(), 2, 16);
+            if bf16 {
+                dec = dec.with_bf16_weights(params);
+            }
+            let before = calls();
+            dec.feed(params, layout, &prompt, 12);
+            assert_eq!(calls() - before, 1, "bf16 {bf16}: a prompt on the GEMV");
+            dec.feed(params, layout, &prompt[..2], 1);
+            assert_eq!(calls() - before - 1, per_step, "bf16 {bf16}: a step");
         }
     }
 

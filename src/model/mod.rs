@@ -1011,6 +1011,7 @@ impl<'a> Weights<'a> {
                 layer: l,
             }),
             matmul_bf16: None,
+            decoding: false,
             packs: self.packs.and_then(|p| p.layer(l)),
         }
     }
