@@ -7,6 +7,7 @@ use rayon::prelude::*;
 use super::forward::{FwdTask, KeyRows};
 use super::isa::Isa;
 use super::{check_heads, score_scale, SharedMut, BQ, NO_MASK};
+use crate::kernels::fastmath::{exp_fast, simd_fn, Simd};
 use crate::kernels::Dims;
 
 /// Up to this many new rows per sequence (decoding steps) each query attends on its
@@ -85,7 +86,7 @@ fn rowwise(out: &mut [f32], qkv: &[f32], cache: Cached, scores: &mut [f32], d: D
     let (keys, values, span) = cache;
     let (new, c, hs, max_len) = (d.t, d.c, d.hs(), span / d.hs());
     let out_ptr = SharedMut::new(out);
-    let scale = score_scale(d);
+    let (scale, simd) = (score_scale(d), Simd::detect());
     keys.par_chunks_exact(span)
         .zip(values.par_chunks_exact(span))
         .zip(scores.par_chunks_exact_mut(max_len))
@@ -101,7 +102,7 @@ fn rowwise(out: &mut [f32], qkv: &[f32], cache: Cached, scores: &mut [f32], d: D
                 // disjoint.
                 let o = unsafe { out_ptr.slice((b * new + i) * c + h * hs, hs) };
                 let ctx = HeadCache { keys, values, hs };
-                attend_one(o, q, ctx, &mut scores[..n_keys], scale);
+                attend_one(simd, o, q, ctx, &mut scores[..n_keys], scale);
             }
         });
 }
@@ -169,33 +170,49 @@ struct HeadCache<'a> {
     hs: usize,
 }
 
-/// `out = softmax(scale · K q) · V` over the first `scores.len()` cached positions.
-///
-/// out, q: (HS); scores: (n) scratch.
-fn attend_one(out: &mut [f32], q: &[f32], head: HeadCache, scores: &mut [f32], scale: f32) {
-    let hs = head.hs;
-    let mut max = f32::NEG_INFINITY;
-    for (sc, k) in scores.iter_mut().zip(head.keys.chunks_exact(hs)) {
-        *sc = scale * dot(q, k);
-        max = max.max(*sc);
+simd_fn! {
+    /// `out = softmax(scale · K q) · V` over the first `scores.len()` cached positions.
+    ///
+    /// out, q: (HS); scores: (n) scratch. Each loop is written to vectorise (eight
+    /// partial sums where it adds up), in the same order on every instruction set.
+    fn attend_one(out: &mut [f32], q: &[f32], head: HeadCache, scores: &mut [f32], scale: f32) {
+        let hs = head.hs;
+        for (sc, k) in scores.iter_mut().zip(head.keys.chunks_exact(hs)) {
+            *sc = scale * dot(q, k);
+        }
+        let max = scores.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        for sc in scores.iter_mut() {
+            *sc = exp_fast(false, *sc - max);
+        }
+        let sum = lane_sum(scores);
+        out.fill(0.0);
+        for (&w, v) in scores.iter().zip(head.values.chunks_exact(hs)) {
+            for (o, &v) in out.iter_mut().zip(v) {
+                *o += w * v;
+            }
+        }
+        let inv = 1.0 / sum;
+        out.iter_mut().for_each(|o| *o *= inv);
     }
-    let mut sum = 0.0f32;
-    for sc in scores.iter_mut() {
-        *sc = (*sc - max).exp();
-        sum += *sc;
-    }
-    out.fill(0.0);
-    for (&w, v) in scores.iter().zip(head.values.chunks_exact(hs)) {
-        for (o, &v) in out.iter_mut().zip(v) {
-            *o += w * v;
+}
+
+/// Σ x in eight interleaved partial sums, so the loop vectorises.
+#[inline(always)]
+fn lane_sum(x: &[f32]) -> f32 {
+    const LANES: usize = 8;
+    let chunks = x.chunks_exact(LANES);
+    let tail: f32 = chunks.remainder().iter().sum();
+    let mut acc = [0.0f32; LANES];
+    for c in chunks {
+        for j in 0..LANES {
+            acc[j] += c[j];
         }
     }
-    let inv = 1.0 / sum;
-    out.iter_mut().for_each(|o| *o *= inv);
+    acc.iter().sum::<f32>() + tail
 }
 
 /// Dot product with eight independent partial sums, so the loop vectorises.
-#[inline]
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     const LANES: usize = 8;
     let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
@@ -317,6 +334,26 @@ mod tests {
         }
         // A blocked row's arithmetic does not depend on where its block started.
         assert_eq!(feed(&qkv, d, d.t, &[37, 46]), whole, "37 + 46 rows vs 83");
+    }
+
+    #[test]
+    fn one_query_is_the_same_on_every_instruction_set() {
+        let (hs, n) = (64, 45);
+        let (keys, values, q) = (rand_vec(n * hs, 4), rand_vec(n * hs, 5), rand_vec(hs, 6));
+        let head = HeadCache {
+            keys: &keys,
+            values: &values,
+            hs,
+        };
+        let run = |simd| {
+            let (mut out, mut scores) = (vec![f32::NAN; hs], vec![f32::NAN; n]);
+            attend_one(simd, &mut out, &q, head, &mut scores, 0.125);
+            out
+        };
+        let portable = run(Simd::available()[0]);
+        for simd in Simd::available() {
+            assert_eq!(run(simd), portable, "{simd:?}");
+        }
     }
 
     #[test]
