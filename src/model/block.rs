@@ -47,7 +47,7 @@ pub struct BlockWeights<'a> {
     /// weights the forward's linear layers read instead of `matmul`, through
     /// [`gemv`] (half the bytes; activations stay f32). Forward only.
     pub matmul_bf16: Option<&'a [Bf16]>,
-    /// Decoding: feeds of up to [`GEMV_MAX_ROWS`] rows (decoding steps) run the
+    /// Decoding: feeds of up to 8 rows (`GEMV_MAX_ROWS`; decoding steps) run the
     /// forward's linear layers on [`gemv`], which streams each weight once for all
     /// rows, in f32 as with `matmul_bf16`. Training's passes keep the GEMM.
     pub decoding: bool,

@@ -4,16 +4,16 @@
 
 use rayon::prelude::*;
 
-use super::forward::{FwdTask, KeyRows};
+use super::forward::{for_each_query_block, FwdTask, KeyRows};
 use super::isa::Isa;
-use super::{check_heads, score_scale, SharedMut, BQ, NO_MASK};
+use super::{check_heads, score_scale, SharedMut, NO_MASK};
 use crate::kernels::fastmath::{exp_fast, simd_fn, Simd};
 use crate::kernels::Dims;
 
 /// Up to this many new rows per sequence (decoding steps) each query attends on its
 /// own ([`attend_one`]); more (a prompt) run the blocked pass of training's forward
 /// ([`forward_block`](super::forward::forward_block)), whose query blocks of
-/// [`BQ`] rows would be mostly padding for a few rows.
+/// [`BQ`](super::BQ) rows would be mostly padding for a few rows.
 const ROWWISE_MAX_T: usize = 8;
 
 /// One layer's key and value caches, each `(B, NH, max_len, HS)`: head `h` of
@@ -37,7 +37,7 @@ pub struct KvCache<'a> {
 ///   applied to the matching values.
 /// - `scores`: `(B, NH, max_len)` scratch.
 ///
-/// Up to [`ROWWISE_MAX_T`] new rows, parallel over (sequence, head), each query on its
+/// Up to 8 new rows (`ROWWISE_MAX_T`), parallel over (sequence, head), each query on its
 /// own; more, parallel over (sequence, head, block of queries) on the flash-style
 /// tiles of training's forward pass (the same results up to summation order).
 pub fn cached_attention(
@@ -107,7 +107,7 @@ fn rowwise(out: &mut [f32], qkv: &[f32], cache: Cached, scores: &mut [f32], d: D
         });
 }
 
-/// The new queries in blocks of [`BQ`] against the cached keys, on the f32 tiles of
+/// The new queries in blocks of [`BQ`](super::BQ) against the cached keys, on the f32 tiles of
 /// training's forward pass: one task per (sequence, head, query block).
 fn blocked(out: &mut [f32], qkv: &[f32], cache: Cached, scores: &mut [f32], d: Dims, start: usize) {
     let (keys, values, span) = cache;
@@ -115,32 +115,25 @@ fn blocked(out: &mut [f32], qkv: &[f32], cache: Cached, scores: &mut [f32], d: D
     // The pass's per-row log-sum-exp is not needed here: it lands in `scores`.
     let lse = &mut scores[..d.b * d.nh * d.t];
     let out = SharedMut::new(out);
-    lse.par_chunks_mut(d.t)
-        .enumerate()
-        .for_each(|(bh, lse_bh)| {
-            lse_bh
-                .par_chunks_mut(BQ)
-                .enumerate()
-                .for_each(|(qb, lse_blk)| {
-                    let head = bh * span..(bh + 1) * span;
-                    isa.forward::<false>(FwdTask {
-                        d,
-                        qkv,
-                        out,
-                        lse: lse_blk,
-                        bh,
-                        i0: qb * BQ,
-                        mask: NO_MASK,
-                        kv: &[],
-                        keys: KeyRows {
-                            keys: &keys[head.clone()],
-                            values: &values[head],
-                            rs: d.hs(),
-                            pos0: start,
-                        },
-                    })
-                });
-        });
+    for_each_query_block(lse, d.t, |bh, i0, lse_blk| {
+        let head = bh * span..(bh + 1) * span;
+        isa.forward::<false>(FwdTask {
+            d,
+            qkv,
+            out,
+            lse: lse_blk,
+            bh,
+            i0,
+            mask: NO_MASK,
+            kv: &[],
+            keys: KeyRows {
+                keys: &keys[head.clone()],
+                values: &values[head],
+                rs: d.hs(),
+                pos0: start,
+            },
+        })
+    });
 }
 
 /// Panics unless the buffers have the shapes [`cached_attention`] documents.

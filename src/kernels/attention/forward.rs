@@ -42,41 +42,50 @@ pub(super) fn forward_impl(
     // The task of batch element b, head h and one query block writes only channels
     // h·HS..(h+1)·HS of its own rows of `out`: the tasks' pieces are disjoint.
     let out = SharedMut::new(out);
-    lse.par_chunks_mut(d.t)
-        .enumerate()
-        .for_each(|(bh, lse_bh)| {
-            lse_bh
-                .par_chunks_mut(BQ)
-                .enumerate()
-                .for_each(|(qb, lse_blk)| {
-                    let base = qkv_base(d, bh);
-                    let task = FwdTask {
-                        d,
-                        qkv,
-                        out,
-                        lse: lse_blk,
-                        bh,
-                        i0: qb * BQ,
-                        mask: mask.unwrap_or(NO_MASK),
-                        kv: kv.get(bh * per_head..(bh + 1) * per_head).unwrap_or(&[]),
-                        keys: KeyRows {
-                            keys: &qkv[base + d.c..],
-                            values: &qkv[base + 2 * d.c..],
-                            rs: 3 * d.c,
-                            pos0: 0,
-                        },
-                    };
-                    match (mask, bf16) {
-                        (Some(_), false) => isa.forward::<true>(task),
-                        (None, false) => isa.forward::<false>(task),
-                        (Some(_), true) => isa::forward_bf16::<true>(task),
-                        (None, true) => isa::forward_bf16::<false>(task),
-                    }
-                });
-        });
+    for_each_query_block(lse, d.t, |bh, i0, lse_blk| {
+        let base = qkv_base(d, bh);
+        let task = FwdTask {
+            d,
+            qkv,
+            out,
+            lse: lse_blk,
+            bh,
+            i0,
+            mask: mask.unwrap_or(NO_MASK),
+            kv: kv.get(bh * per_head..(bh + 1) * per_head).unwrap_or(&[]),
+            keys: KeyRows {
+                keys: &qkv[base + d.c..],
+                values: &qkv[base + 2 * d.c..],
+                rs: 3 * d.c,
+                pos0: 0,
+            },
+        };
+        match (mask, bf16) {
+            (Some(_), false) => isa.forward::<true>(task),
+            (None, false) => isa.forward::<false>(task),
+            (Some(_), true) => isa::forward_bf16::<true>(task),
+            (None, true) => isa::forward_bf16::<false>(task),
+        }
+    });
     if bf16 {
         KV_PACKS.set(std::mem::take(&mut kv_owned));
     }
+}
+
+/// Runs `task(bh, i0, lse_block)` for every head `bh` (of `lse.len() / t`, each `t`
+/// rows of `lse`) and block of [`BQ`] query rows from `i0`, in parallel: the forward
+/// pass's split into tasks, which each own their rows of `lse`.
+pub(super) fn for_each_query_block(
+    lse: &mut [f32],
+    t: usize,
+    task: impl Fn(usize, usize, &mut [f32]) + Sync,
+) {
+    lse.par_chunks_mut(t).enumerate().for_each(|(bh, lse_bh)| {
+        lse_bh
+            .par_chunks_mut(BQ)
+            .enumerate()
+            .for_each(|(qb, lse_blk)| task(bh, qb * BQ, lse_blk));
+    });
 }
 
 thread_local! {
