@@ -275,6 +275,17 @@ mod tests {
         got
     }
 
+    /// Random `(B, T, 3C)` rows, with scores large enough for the softmax to matter,
+    /// and their attention by the f64 reference, `(B, T, C)`.
+    fn case(d: Dims, salt: u64) -> (Vec<f32>, Vec<f64>) {
+        let qkv: Vec<f32> = rand_vec(d.bt() * 3 * d.c, salt)
+            .iter()
+            .map(|v| 2.0 * v)
+            .collect();
+        let (want, _) = naive_forward(&to_f64(&qkv), d, None);
+        (qkv, want)
+    }
+
     #[test]
     fn prefill_then_steps_equal_full_causal_attention() {
         // HS = 12: one 8-lane chunk plus a tail in the dot product.
@@ -284,11 +295,7 @@ mod tests {
             c: 36,
             nh: 3,
         };
-        let qkv: Vec<f32> = rand_vec(d.bt() * 3 * d.c, 1)
-            .iter()
-            .map(|v| 2.0 * v)
-            .collect();
-        let (want, _) = naive_forward(&to_f64(&qkv), d, None);
+        let (qkv, want) = case(d, 1);
         let max_len = d.t + 3;
         let stepped = feed(&qkv, d, max_len, &[4, 1, 1, 1, 1, 1]);
         assert_close("prefill 4, then steps", &stepped, &want, 1e-5, 1e-6);
@@ -298,12 +305,6 @@ mod tests {
             whole, stepped,
             "one prefill and prefill + steps agree bit for bit"
         );
-    }
-
-    /// Random `(B, T, 3C)` rows with scores large enough for the softmax to matter.
-    fn random_qkv(d: Dims, salt: u64) -> Vec<f32> {
-        let qkv = rand_vec(d.bt() * 3 * d.c, salt);
-        qkv.iter().map(|v| 2.0 * v).collect()
     }
 
     #[test]
@@ -317,8 +318,7 @@ mod tests {
             c: 36,
             nh: 3,
         };
-        let qkv = random_qkv(d, 2);
-        let (want, _) = naive_forward(&to_f64(&qkv), d, None);
+        let (qkv, want) = case(d, 2);
         let whole = feed(&qkv, d, d.t + 5, &[83]);
         assert_close("one prompt of 83", &whole, &want, 1e-5, 1e-6);
         for chunks in [&[9, 40, 1, 33][..], &[37, 46], &[1, 1, 10, 1, 70]] {
@@ -358,8 +358,7 @@ mod tests {
             c: 272,
             nh: 2,
         };
-        let qkv = random_qkv(d, 3);
-        let (want, _) = naive_forward(&to_f64(&qkv), d, None);
+        let (qkv, want) = case(d, 3);
         let got = feed(&qkv, d, d.t, &[13, 32]);
         assert_close("13 + 32 rows, HS 136", &got, &want, 1e-5, 1e-6);
     }
