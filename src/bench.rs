@@ -329,8 +329,10 @@ pub fn run_sample(opts: &SampleBenchOptions) -> anyhow::Result<SampleBenchReport
     };
     time_one(new.min(8));
     let runs: Vec<(f64, f64, f64)> = (0..opts.runs).map(|_| time_one(new)).collect();
-    let prefill_ms = |secs: Vec<(&'static str, f64)>| secs.into_iter().map(|(n, s)| (n, s * 1e3));
-    let prefill_profile = prefill_ms(prefill_profile).collect();
+    let prefill_profile = prefill_profile
+        .into_iter()
+        .map(|(name, secs)| (name, secs * 1e3))
+        .collect();
     let median = |f: fn(&(f64, f64, f64)) -> f64| {
         let mut xs: Vec<f64> = runs.iter().map(f).collect();
         xs.sort_by(f64::total_cmp);

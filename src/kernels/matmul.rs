@@ -90,8 +90,9 @@ pub fn matmul(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
     }
     let (m, k, n) = (a.rows, a.cols, b.cols);
     let threads = rayon::current_num_threads();
-    let split = a.cs == 1 && n >= SPLIT_MIN_COLUMNS * threads && m * n * k >= SPLIT_MIN_MACS;
-    if threads < 2 || !split {
+    let split =
+        threads > 1 && a.cs == 1 && n >= SPLIT_MIN_COLUMNS * threads && m * n * k >= SPLIT_MIN_MACS;
+    if !split {
         // SAFETY: dst is exclusively borrowed and holds m × n (checked above).
         return unsafe { gemm_into(dst.as_mut_ptr(), a, b, n, accumulate, threads) };
     }
