@@ -69,7 +69,7 @@ pub struct Job<'a> {
     pub binary: &'a str,
     /// `train CONFIG.toml key=value ...` (or `doctor ...`).
     pub command: &'a [String],
-    /// Variables set here (of [`FORWARD`]), to forward.
+    /// Variables set here (of `FORWARD`), to forward.
     pub env: Vec<String>,
     /// Open MPI refuses root unless told.
     pub as_root: bool,
@@ -132,7 +132,7 @@ impl Job<'_> {
     }
 }
 
-/// The variables of [`FORWARD`] set in this environment.
+/// The variables of `FORWARD` set in this environment.
 pub fn forwarded_env() -> Vec<String> {
     FORWARD
         .iter()

@@ -137,7 +137,7 @@ pub const ACTIVATIONS: &str = "activations";
 pub const COMM: &str = "communication buffers";
 /// ZeRO-3: the weights a pass holds whole at once beyond this rank's pieces (the
 /// embeddings and `ln_f` for the whole pass, two blocks at a time: see
-/// `GradPlan::gathered_len` and [`gathered_beyond_own`]). Their gradients, held
+/// `GradPlan::gathered_len` and `gathered_beyond_own`). Their gradients, held
 /// whole, are [`GRADIENTS`].
 pub const GATHERED: &str = "gathered layers";
 pub const GATHER: &str = "checkpoint gather";
@@ -348,7 +348,7 @@ pub fn nbc_reduce_halves(rank: usize, world_size: usize) -> usize {
 /// Floats of the gradient reductions' own buffers at this rank's peak. With our
 /// `ring`: each ring's scratch ([`ring_scratch_len`] of the pieces it reduces:
 /// equal blocks at stage 1, the bucket's counts at stages 0, 2 and 3), for the
-/// [`RINGS_IN_FLIGHT`] largest at stages 0-2 and as [`in_flight_peak`] says at
+/// [`RINGS_IN_FLIGHT`] largest at stages 0-2 and as `in_flight_peak` says at
 /// stage 3. Without it, Open MPI's reduction buffers at stage 3
 /// ([`nbc_reduce_halves`] of each bucket; the stage 0-2 ones are not counted).
 pub fn reduction_buffers_len(g: &GradPlan, ring: bool) -> usize {

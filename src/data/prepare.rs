@@ -37,8 +37,8 @@ pub struct PrepareOptions {
     pub out_dir: PathBuf,
     pub tokenizer: TokenizerKind,
     /// Share of the text that goes to `val.bin`; `None` picks
-    /// [`DEFAULT_VAL_FRACTION_SINGLE`] for one document and
-    /// [`DEFAULT_VAL_FRACTION_DOCUMENTS`] for many.
+    /// `DEFAULT_VAL_FRACTION_SINGLE` for one document and
+    /// `DEFAULT_VAL_FRACTION_DOCUMENTS` for many.
     pub val_fraction: Option<f64>,
     /// JSONL field / parquet column holding the text.
     pub text_column: String,

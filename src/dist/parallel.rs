@@ -47,7 +47,7 @@ pub struct CommReport {
     /// Share of the gradient reduction hidden behind backward: 1 − exposed / alone.
     pub hidden_fraction: f64,
     /// Mean per step of how much longer the slowest rank computed than this one
-    /// (rank 0), ms, over the last steps measured (up to [`SKEW_STEPS`]). This
+    /// (rank 0), ms, over the last steps measured (up to `SKEW_STEPS`). This
     /// rank waits that long at the gradient reduction, which cannot end before the
     /// slowest rank's last gradient, whatever the communication costs: load
     /// imbalance (ranks sharing cores, a straggler), counted in `exposed_reduce_ms`.

@@ -44,7 +44,7 @@ pub fn ring_scratch_buffers(size: usize) -> usize {
 }
 
 /// Floats of scratch a ring reduce-scatter of pieces `counts` holds: a buffer of
-/// the largest piece per [`ring_scratch_buffers`].
+/// the largest piece per `ring_scratch_buffers`.
 pub fn ring_scratch_len(counts: &[usize]) -> usize {
     ring_scratch_buffers(counts.len()) * counts.iter().copied().max().unwrap_or(0)
 }
@@ -164,7 +164,7 @@ impl GradPlan {
 
     /// ZeRO-3: floats of the arena a pass holds whole at once, weights and
     /// gradients each: the first and last buckets (`ln_f`, the embeddings) for the
-    /// whole pass and [`STAGE3_GATHERED_BLOCKS`] of the largest block between them
+    /// whole pass and `STAGE3_GATHERED_BLOCKS` of the largest block between them
     /// (weights: one computed with, the next arriving; gradients: one computed,
     /// the previous one being reduced). Buckets kept whole between passes count
     /// among these: the last two blocks from forward to backward, the first block

@@ -9,7 +9,7 @@
 //!   parameter arena: keys with or without `transformer.`, Conv1D `[in, out]`
 //!   weights transposed, attention-mask buffers skipped, `lm_head` tied to `wte`,
 //!   the vocabulary padded. Pickle (`pytorch_model.bin`) is refused, never read.
-//! - [`export`]: the arena back to `config.json` + `model.safetensors` +
+//! - [`export`](mod@export): the arena back to `config.json` + `model.safetensors` +
 //!   `generation_config.json` (+ GPT-2's tokenizer files, from [`tokenizer_files`]).
 //!
 //! ```no_run

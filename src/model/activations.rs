@@ -13,7 +13,7 @@
 //! statistics and all gradients are f32.
 //!
 //! With activation checkpointing each block keeps only its output, the next block's
-//! input ([`BlockActs::output_only`]); one full [`BlockActs`] serves every block's
+//! input (`BlockActs::output_only`); one full [`BlockActs`] serves every block's
 //! forward, and backward refills it by running the block's forward again from its
 //! input. The arena then holds one block's activations instead of `n_layer`.
 
@@ -353,7 +353,7 @@ pub struct Activations {
     /// (B, T, C) token + position embedding: the input of block 0.
     pub encoded: Vec<f32>,
     /// Each block's activations; with activation checkpointing only its output
-    /// ([`BlockActs::output_only`]).
+    /// (`BlockActs::output_only`).
     pub blocks: Vec<BlockActs>,
     /// With activation checkpointing: one block's full activations, which every
     /// block's forward writes (its output then swapped into `blocks`) and backward

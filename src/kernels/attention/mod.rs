@@ -46,7 +46,7 @@
 //! Keys and values (forward) and a head's Q and dO (backward) are packed into bf16
 //! pairs once per call in per-thread buffers that are kept and reused (no allocation
 //! once warm); everything per tile lives on the stack. f32 attention, CPUs without
-//! AVX512-BF16, heads larger than [`DT`] channels, and `NANOGPT_BF16_GEMM=f32` (which
+//! AVX512-BF16, heads larger than `DT` channels, and `NANOGPT_BF16_GEMM=f32` (which
 //! forces the f32 products for the matmuls and the attention alike, for A/B runs) keep
 //! the f32 passes, which are exact on bf16-valued q/k/v up to summation order.
 //!
@@ -274,13 +274,13 @@ const BF16_FORWARD_MIN_T: usize = 2048;
 const BF16_BACKWARD_MIN_T: usize = 512;
 
 /// Whether bf16 attention's (`BF16`) forward pass runs its products on `vdpbf16ps`
-/// ([`BF16_FORWARD_MIN_T`]).
+/// (`BF16_FORWARD_MIN_T`).
 pub fn bf16_forward_products<const BF16: bool>(d: Dims) -> bool {
     BF16 && d.t >= BF16_FORWARD_MIN_T && bf16_capable(d)
 }
 
 /// Whether bf16 attention's (`BF16`) backward pass runs its products on `vdpbf16ps`
-/// ([`BF16_BACKWARD_MIN_T`]).
+/// (`BF16_BACKWARD_MIN_T`).
 pub fn bf16_backward_products<const BF16: bool>(d: Dims) -> bool {
     BF16 && d.t >= BF16_BACKWARD_MIN_T && bf16_capable(d)
 }

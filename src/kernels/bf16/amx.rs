@@ -8,7 +8,7 @@
 //! zero-padded at the edges: A as `[m / 16][k / 32][16 rows][16 pairs]`, B as
 //! `[n / 16][k / 32][16 pairs][16 columns]`. Each 32 × 32 output block holds four
 //! accumulator tiles (tmm0–3) fed by two A tiles (tmm4–5) and two B tiles (tmm6–7).
-//! `k` runs in blocks of [`KB`] tiles: per block, a task holds one block row's two A
+//! `k` runs in blocks of `KB` tiles: per block, a task holds one block row's two A
 //! tile rows (24 KiB, in L1) while B's column panels stream past from L2, prefetched
 //! two tiles ahead, and loads and stores C once (exactly: a block boundary changes no
 //! bit). Tasks own disjoint blocks of C and run `k` in a fixed order, so results do

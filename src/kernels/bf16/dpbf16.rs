@@ -5,19 +5,19 @@
 //! twice an f32 FMA's 16 on the same register width.
 //!
 //! Operands are packed into bf16 pairs along `k`, zero-padded at the edges:
-//! - B in AMX's layout ([`super::amx::pack_b`], or a [`PackedB`] made once for many
+//! - B in AMX's layout (`super::amx::pack_b`, or a [`PackedB`] made once for many
 //!   products): 16-column panels of `[k / 2 pairs][16 columns]`, so one packed
 //!   weight serves either kernel;
-//! - A in row panels of [`MR`] rows, `[k / 2 pairs][MR rows]`, so a pair of one row is
+//! - A in row panels of `MR` rows, `[k / 2 pairs][MR rows]`, so a pair of one row is
 //!   one 32-bit broadcast.
 //!
-//! The microkernel keeps an [`MR`] × 32 block of C in 24 registers and, per pair of
-//! `k`, loads 32 columns of B (two 16-column panels) and broadcasts [`MR`] pairs of A.
-//! `k` runs in blocks of [`KB`] pairs (32 columns × 384 pairs of B, 48 KiB, from L2
+//! The microkernel keeps an `MR` × 32 block of C in 24 registers and, per pair of
+//! `k`, loads 32 columns of B (two 16-column panels) and broadcasts `MR` pairs of A.
+//! `k` runs in blocks of `KB` pairs (32 columns × 384 pairs of B, 48 KiB, from L2
 //! while the task's row panels stream past; C is loaded and stored once per block, and
 //! a block boundary changes no bit: the accumulators go to C and come back exactly).
 //! Tasks own disjoint blocks of C (up to
-//! [`TASK_PANELS`] row panels × a few 32-column panels) and add the `k` blocks in a
+//! `TASK_PANELS` row panels × a few 32-column panels) and add the `k` blocks in a
 //! fixed order, so results do not depend on the thread count. The instruction treats
 //! subnormal inputs and results as zero (bf16 subnormals are below 1.2e-38, far under
 //! anything a model holds) and rounds each step to nearest even.

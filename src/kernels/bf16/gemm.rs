@@ -10,7 +10,7 @@
 //! packs of the last refresh, [`WeightPacks`]) as a large one:
 //! - our AMX-BF16 kernel ([`super::amx`]) when the CPU has AMX-BF16 and Linux grants
 //!   the process the tile permission;
-//! - oneDNN's bf16 matmul ([`super::onednn`]), in builds with the `onednn` feature
+//! - oneDNN's bf16 matmul (`super::onednn`), in builds with the `onednn` feature
 //!   when the library has a fast implementation for this CPU (AMX or AVX512-BF16);
 //! - our AVX512-BF16 kernel ([`super::dpbf16`], `vdpbf16ps`) when the CPU has
 //!   AVX512-BF16, except on Intel CPUs (below);
@@ -27,7 +27,7 @@
 //! bf16`, docs/PERFORMANCE.md, "bf16 without AMX: the AVX512-BF16 kernel"). The
 //! classifier's input gradient (k = V) runs on it only from `wte` packed beforehand
 //! ([`matmul_bf16_packed`]); packing both long operands per call it lost to the f32
-//! GEMM ([`DPBF16_MAX_K`]). An earlier AVX512-BF16 kernel (one 8 × 32 block per task,
+//! GEMM (`DPBF16_MAX_K`). An earlier AVX512-BF16 kernel (one 8 × 32 block per task,
 //! no cache blocking) never beat the f32 GEMM and was removed. That CPU was an AMD
 //! EPYC (Zen 4). On an Intel Xeon with AVX512-BF16 and AMX hidden (Sapphire Rapids
 //! class, 2 vCPUs) the same kernel ran every one of 124M's products at 0.56–0.73× the
@@ -66,7 +66,7 @@ pub enum Kernel {
     Avx512Bf16,
     /// The f32 GEMM over bf16-valued operands.
     F32,
-    /// oneDNN's bf16 matmul ([`super::onednn`]; only with the `onednn` feature).
+    /// oneDNN's bf16 matmul (`super::onednn`; only with the `onednn` feature).
     OneDnn,
 }
 
@@ -189,7 +189,7 @@ pub(crate) fn with_kernel<R>(k: Kernel, f: impl FnOnce() -> R) -> R {
 /// the kernel rounds them to nearest even while packing, as [`super::round`] does
 /// (bar subnormals, read as zero), so the weights need no rounded copy. Elsewhere
 /// (oneDNN below 2^20 multiply-adds, the f32 GEMM, and AVX512-BF16 from a depth of
-/// [`DPBF16_MAX_K`] without a pack) the product runs on the f32 GEMM, which reads the
+/// `DPBF16_MAX_K` without a pack) the product runs on the f32 GEMM, which reads the
 /// values as they are: there the operands must hold bf16 values, and the model keeps
 /// its rounded weight copy ([`reads_packs`]).
 pub fn matmul_bf16(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
@@ -217,7 +217,7 @@ pub fn reads_packs() -> bool {
 /// [`matmul_bf16`] with `packed`, the right-hand operand `b` packed beforehand (made
 /// because [`reads_packs`]). The product runs on the kernel [`matmul_bf16`] picks for
 /// its shape, on the same values, so the bits are the same with or without the pack
-/// (bar one case: where `k` ≥ [`DPBF16_MAX_K`], the AVX512-BF16 kernel takes the
+/// (bar one case: where `k` ≥ `DPBF16_MAX_K`, the AVX512-BF16 kernel takes the
 /// product only with the pack, as packing B per call is what made it lose there).
 pub fn matmul_bf16_packed(dst: &mut [f32], a: Mat, b: Mat, packed: &PackedB, accumulate: bool) {
     assert!(

@@ -24,7 +24,7 @@
 //! the same way every call.
 //!
 //! The FFI below declares the few C functions used, from `oneapi/dnnl/dnnl.h` 2.6;
-//! the library is opened at run time ([`load`] says why), so building with the
+//! the library is opened at run time (`load` says why), so building with the
 //! feature needs no oneDNN, and a binary built with it runs where oneDNN is missing
 //! (on the other kernels; `bench` and `train` print which ran).
 
