@@ -334,6 +334,32 @@ mod tests {
             }
         }
     }
+    /// Rows of x decoded together give each row the bits it gets alone: a sequence
+    /// samples the same in a batch.
+    #[test]
+    fn each_row_gets_its_bits_alone_whatever_the_batch() {
+        let (c, oc) = (200, 70);
+        let w = rand_vec(oc * c, 6);
+        let wb: Vec<Bf16> = w.iter().map(|&v| Bf16::from_f32(v)).collect();
+        for w in [Weights::F32(&w), Weights::Bf16(&wb)] {
+            for n in 1..=9 {
+                let x = rand_vec(n * c, 7 + n as u64);
+                let mut together = vec![0.0; n * oc];
+                gemv(&mut together, &x, w, c, false);
+                for (r, xr) in x.chunks_exact(c).enumerate() {
+                    let mut alone = vec![0.0; oc];
+                    gemv(&mut alone, xr, w, c, false);
+                    let got = &together[r * oc..(r + 1) * oc];
+                    assert!(
+                        got.iter()
+                            .zip(&alone)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "row {r} of {n}"
+                    );
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -385,8 +411,9 @@ mod speed {
     /// GB/s of one decoding step's products from memory, as `sample` runs them: every
     /// matmul weight of GPT-2 124M (12 layers of four, then the classifier), each in
     /// its own allocation and read once per pass, 494 MB (f32) or 247 MB (bf16), far
-    /// more than the caches hold. Best of 10 passes of each, alternating.
-    /// `cargo test --release --lib -- --ignored --nocapture gemv_model_pass_speed`
+    /// more than the caches hold; for 1 and 4 sequences (rows of x). Best of 10 passes
+    /// of each, alternating.
+    /// `cargo test --release --lib -- --ignored --nocapture --test-threads=1 gemv_model_pass_speed`
     #[test]
     #[ignore = "benchmark: needs a release build and ~750 MB"]
     fn gemv_model_pass_speed() {
@@ -398,29 +425,31 @@ mod speed {
             .iter()
             .map(|&(oc, c)| vec![Bf16::from_f32(0.25); oc * c])
             .collect();
-        let xs: Vec<Vec<f32>> = shapes.iter().map(|&(_, c)| vec![0.5; c]).collect();
-        let mut outs: Vec<Vec<f32>> = shapes.iter().map(|&(oc, _)| vec![0.0; oc]).collect();
         let floats: usize = shapes.iter().map(|&(oc, c)| oc * c).sum();
-        let (mut f32s, mut bf16s) = (f64::INFINITY, f64::INFINITY);
-        for _ in 0..10 {
-            let t = Instant::now();
-            for ((o, x), w) in outs.iter_mut().zip(&xs).zip(&f32w) {
-                gemv(o, x, Weights::F32(w), x.len(), false);
+        for n in [1, 4] {
+            let xs: Vec<Vec<f32>> = shapes.iter().map(|&(_, c)| vec![0.5; n * c]).collect();
+            let mut outs: Vec<Vec<f32>> = shapes.iter().map(|&(oc, _)| vec![0.0; n * oc]).collect();
+            let (mut f32s, mut bf16s) = (f64::INFINITY, f64::INFINITY);
+            for _ in 0..10 {
+                let t = Instant::now();
+                for (((o, x), w), &(_, c)) in outs.iter_mut().zip(&xs).zip(&f32w).zip(&shapes) {
+                    gemv(o, x, Weights::F32(w), c, false);
+                }
+                f32s = f32s.min(t.elapsed().as_secs_f64());
+                let t = Instant::now();
+                for (((o, x), w), &(_, c)) in outs.iter_mut().zip(&xs).zip(&bf16w).zip(&shapes) {
+                    gemv(o, x, Weights::Bf16(w), c, false);
+                }
+                bf16s = bf16s.min(t.elapsed().as_secs_f64());
             }
-            f32s = f32s.min(t.elapsed().as_secs_f64());
-            let t = Instant::now();
-            for ((o, x), w) in outs.iter_mut().zip(&xs).zip(&bf16w) {
-                gemv(o, x, Weights::Bf16(w), x.len(), false);
-            }
-            bf16s = bf16s.min(t.elapsed().as_secs_f64());
+            println!(
+                "one 124M decoding pass, {n} row(s), {} threads: f32 {:.2} ms ({:.1} GB/s), bf16 {:.2} ms ({:.1} GB/s)",
+                rayon::current_num_threads(),
+                f32s * 1e3,
+                (floats * 4) as f64 / 1e9 / f32s,
+                bf16s * 1e3,
+                (floats * 2) as f64 / 1e9 / bf16s
+            );
         }
-        println!(
-            "one 124M decoding pass, {} threads: f32 {:.2} ms ({:.1} GB/s), bf16 {:.2} ms ({:.1} GB/s)",
-            rayon::current_num_threads(),
-            f32s * 1e3,
-            (floats * 4) as f64 / 1e9 / f32s,
-            bf16s * 1e3,
-            (floats * 2) as f64 / 1e9 / bf16s
-        );
     }
 }
