@@ -334,6 +334,7 @@ mod tests {
             }
         }
     }
+
     /// Rows of x decoded together give each row the bits it gets alone: a sequence
     /// samples the same in a batch.
     #[test]
