@@ -1085,7 +1085,6 @@ fn reduce_bf16<'a, S: mpi::request::Scope<'a>>(
     }
 }
 
-/// Disjoint `ranges` of `buf` as separate mutable slices, in the order given.
 /// Writes a bucket's `grads` into the front of its `send` range in `kind`'s wire
 /// format (f32, or bf16 rounded to nearest, ties to even, in the front half of the
 /// bytes: [`bf16_view`]) and zeroes the rest of the range (the padding of the last
