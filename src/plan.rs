@@ -177,7 +177,9 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
     // next arriving or the previous reducing), weights and gradients alike. The
     // buckets a pass leaves whole for the next (the last two blocks from forward to
     // backward; the first block, ln_f and the embeddings from backward to the next
-    // micro-step or the update) are among those: no more is whole at once.
+    // micro-step or the update) are among those: no more is whole at once. The
+    // embeddings' gradient, whole through a backward anyway, stays whole from one
+    // micro-step to the next (reduced in the last only): counted the same.
     // The bf16 copy (bf16 mode) is made per bucket as it arrives, released with it:
     // the embeddings, ln_f and the one block computed with.
     let sharded = grad_plan.as_ref().filter(|_| stage >= 3);

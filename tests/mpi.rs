@@ -1259,7 +1259,9 @@ fn weights_gathered_in_flight_train_and_save_as_the_blocking_gather() {
 /// ZeRO-3 keeps buckets whole from one pass to the next where the next needs them
 /// first (the last two blocks into backward; the first block, `ln_f` and the
 /// embeddings into the next micro-step's forward): the same bits as gathering them
-/// again (`NANOGPT_ZERO3_KEEP=0`), and exactly those gathers fewer per step.
+/// again (`NANOGPT_ZERO3_KEEP=0`), and exactly those gathers fewer per step. It
+/// also keeps the embeddings' gradient, summed over a rank's micro-steps and
+/// reduced in the last one only: every other bucket is reduced once per micro-step.
 #[test]
 fn zero_3_keeps_buckets_whole_between_passes_for_the_same_bits() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -1292,6 +1294,9 @@ fn zero_3_keeps_buckets_whole_between_passes_for_the_same_bits() {
     assert_eq!(gathered(again), 4 * micro * (layout.len + n_layer * block));
     let saved = micro * 2 * block + (micro - 1) * (emb + ln_f + block);
     assert_eq!(gathered(again) - gathered(kept), 4 * saved);
+    let report = read_json(&workdir().join(kept).join("comm.json"));
+    let reduced = report["reduced_bytes"].as_u64().unwrap() as usize;
+    assert_eq!(reduced, 4 * (micro * layout.len - (micro - 1) * emb));
 }
 
 /// bf16 weights packed once per optimizer step (where the kernel reads packs: AMX,

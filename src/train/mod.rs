@@ -423,12 +423,8 @@ impl Trainer {
                 None => micro / accum as f32,
             };
             match &mut self.dp {
-                // The last micro-step (ZeRO-3: every one): reduce each layer as
-                // backward finishes it.
-                Some(dp) if k + 1 == mine.end || dp.shards_weights() => {
-                    dp.backward_reduce(&*self.comm, &mut self.model)
-                }
-                _ => self.model.backward(),
+                Some(dp) => dp.backward_reduce(&*self.comm, &mut self.model, k + 1 == mine.end),
+                None => self.model.backward(),
             }
         }
         Ok(loss)
