@@ -704,15 +704,20 @@ impl Poker {
         let flag = Arc::clone(&stop);
         let thread = std::thread::spawn(move || {
             while !flag.load(Ordering::Relaxed) && !poke() {
-                std::thread::sleep(Duration::from_millis(1));
+                // Parked rather than asleep, so that `stop` wakes it at once.
+                std::thread::park_timeout(Duration::from_millis(1));
             }
         });
         Poker { stop, thread }
     }
 
-    /// Stops the thread and waits for it to end.
+    /// Stops the thread and waits for it to end. The wait for a collective does
+    /// this first: with the thread asleep for its millisecond, each such wait lost
+    /// up to a millisecond (0.76 ms measured when stopped 0.3 ms after a poke), some
+    /// 35 times per ZeRO-3 micro-step at 124M (each bucket's gathers and reduction).
     fn stop(self) {
         self.stop.store(true, Ordering::Relaxed);
+        self.thread.thread().unpark();
         let _ = self.thread.join();
     }
 }
