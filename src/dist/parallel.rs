@@ -116,12 +116,6 @@ pub struct DataParallel {
     /// ZeRO-3: the buckets a pass left whole for the next ([`Sharded::keep`]),
     /// released by the update.
     whole: Vec<usize>,
-    /// ZeRO-3 without LoRA: the embeddings' bucket, whose gradient each rank sums
-    /// over its micro-steps and reduces once, in the last one's backward. It is
-    /// whole through every backward anyway (the classifier adds to it first, the
-    /// encoder last), so holding it costs no more memory than the plan counts, and
-    /// saves all but one of its reductions per step (31 % of 124M's bytes).
-    held: Option<usize>,
 }
 
 impl DataParallel {
@@ -138,8 +132,6 @@ impl DataParallel {
             zero_stage,
         );
         let kind = Reduce::of_stage(zero_stage, Dtype::Float32);
-        // Backward's order: the embeddings' bucket is the last.
-        let embeddings = plan.buckets.len() - 1;
         DataParallel {
             send: vec![0.0; plan.send_len_for(kind, super::ring_reduce())],
             recv: vec![0.0; plan.recv_len],
@@ -163,7 +155,6 @@ impl DataParallel {
             reduced: 0,
             faults: (0, 0),
             whole: Vec::new(),
-            held: (zero_stage == 3 && model.frozen().is_none()).then_some(embeddings),
         }
     }
 
@@ -368,10 +359,14 @@ impl DataParallel {
     /// here. Stage 3 (every micro-step): each bucket's weights gathered again, its
     /// gradients reduced to their owners as soon as final and added to this rank's
     /// sums, then released; but the embeddings', which accumulate in `model.grads`
-    /// and are reduced in the last micro-step only (`DataParallel::held`).
+    /// and are reduced in the last micro-step only. Their bucket is whole through
+    /// every backward anyway (the classifier adds to it first, the encoder last), so
+    /// holding it costs no more memory than the plan counts, and saves all but one
+    /// of its reductions per step (31 % of 124M's bytes). LoRA freezes them.
     pub fn backward_reduce(&mut self, comm: &dyn Collective, model: &mut Gpt, last: bool) {
         if self.shards_weights() {
-            let hold = self.held.filter(|_| !last);
+            let hold = !last && model.frozen().is_none();
+            let hold = hold.then(|| embeddings_bucket(&self.plan));
             let mut hooks = self.sharded(comm, Pass::Backward);
             hooks.hold = hold;
             model.backward_hooked(&mut hooks);
@@ -424,8 +419,7 @@ impl DataParallel {
         let mut all = vec![0.0; per * comm.world_size()];
         comm.all_gather(&mine, &mut all);
         let plan = &self.plan;
-        let b = plan.buckets.iter().position(|b| b.arena.start == 0);
-        let b = b.expect("the embeddings' bucket starts the arena");
+        let b = embeddings_bucket(plan);
         let (window, dst) = match plan.zero_stage {
             0 => {
                 let arena = plan.buckets[b].arena.clone();
@@ -838,6 +832,13 @@ fn minor_faults() -> u64 {
     0
 }
 
+/// The plan's bucket of the embeddings (`wte`, `wpe`: the start of the arena).
+/// Without LoRA only: the adapters' buckets hold no embeddings.
+fn embeddings_bucket(plan: &GradPlan) -> usize {
+    let b = plan.buckets.iter().position(|b| b.arena.start == 0);
+    b.expect("the embeddings' bucket starts the arena")
+}
+
 /// Whether backward reports the embeddings first and their encoder gradient is
 /// all-gathered after (see [`DataParallel::backward_reduce`]): without LoRA (which
 /// freezes the embeddings) and when the gather carries no more than the bucket,
@@ -1024,7 +1025,8 @@ struct Sharded<'a> {
     /// The bucket whose gradients are travelling, its scratch slot, its reduction.
     reducing: Option<(usize, usize, Box<dyn Pending + 'a>)>,
     /// A bucket whose gradients this backward leaves in place, unreduced, for the
-    /// next micro-step's to add to (`DataParallel::held`, before the last).
+    /// next micro-step's to add to (the embeddings', before a rank's last
+    /// micro-step: [`DataParallel::backward_reduce`]).
     hold: Option<usize>,
 }
 
