@@ -22,11 +22,19 @@ pub fn err_line(args: fmt::Arguments) {
     write_line(&mut io::stderr().lock(), &STDERR_CLOSED, args)
 }
 
+/// Writes the line whole, in one call: stderr is unbuffered, and `writeln!` would
+/// write each piece of the format separately, so the lines of ranks sharing one
+/// stream (every rank's stderr under `mpirun`) interleaved mid-line.
 fn write_line(out: &mut impl Write, closed: &AtomicBool, args: fmt::Arguments) {
     if closed.load(Ordering::Relaxed) {
         return;
     }
-    if writeln!(out, "{args}").and_then(|()| out.flush()).is_err() {
+    let line = format!("{args}\n");
+    if out
+        .write_all(line.as_bytes())
+        .and_then(|()| out.flush())
+        .is_err()
+    {
         closed.store(true, Ordering::Relaxed);
     }
 }
@@ -79,5 +87,34 @@ mod tests {
         let open = AtomicBool::new(false);
         write_line(&mut buf, &open, format_args!("a {}", "line"));
         assert_eq!(buf, b"a line\n");
+    }
+
+    /// A writer that keeps each write call apart.
+    #[derive(Default)]
+    struct Calls(Vec<Vec<u8>>);
+
+    impl Write for Calls {
+        fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+            self.0.push(bytes.to_vec());
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_line_is_written_in_one_call() {
+        // Several processes share stderr under mpirun: a line written in pieces
+        // interleaves with the other ranks' lines.
+        let mut calls = Calls::default();
+        let open = AtomicBool::new(false);
+        let (rank, host) = (1, "vm");
+        write_line(
+            &mut calls,
+            &open,
+            format_args!("error: rank {rank} of 2 (host {host}): x"),
+        );
+        assert_eq!(calls.0, [b"error: rank 1 of 2 (host vm): x\n".to_vec()]);
     }
 }
