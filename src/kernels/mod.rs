@@ -1,9 +1,12 @@
 //! Forward and backward kernels of GPT-2, as plain functions over flat `f32` slices.
 //!
 //! Shapes are written with these letters throughout:
-//! `B` batch, `T` sequence length, `C` channels (`n_embd`), `NH` heads,
-//! `HS = C / NH` head size, `V` real vocabulary, `Vp` padded vocabulary,
-//! `N = B·T` rows, `OC` output channels of a linear layer.
+//! `B` batch, `T` sequence length, `C` channels (`n_embd`, `hidden_size`), `NH` query
+//! heads, `KV` key/value heads (`NH` for multi-head attention, fewer for grouped-query
+//! attention, which `NH / KV` query heads share), `HS` head size (`C / NH` for GPT-2,
+//! independent of it in Qwen3), `QW = NH·HS` the query (and attention output) width,
+//! `I` the MLP's hidden width, `V` real vocabulary, `Vp` padded vocabulary, `N = B·T`
+//! rows, `OC` output channels of a linear layer.
 //! All tensors are row-major; `(B, T, C)` means index `(b·T + t)·C + c`.
 //!
 //! Gradient conventions (every kernel documents which applies):
@@ -25,30 +28,66 @@ pub mod gemv;
 pub mod layernorm;
 pub mod matmul;
 pub mod residual;
+pub mod rmsnorm;
+pub mod rope;
+pub mod swiglu;
 
 #[cfg(test)]
 pub(crate) mod testutil;
 
 use std::marker::PhantomData;
 
-/// The shape of one pass: `B` sequences of `T` positions, `C` channels in `NH` heads.
+/// The shape of one pass: `B` sequences of `T` positions, `C` channels; attention in
+/// `NH` query heads and `KV` key/value heads of `HS` channels each.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Dims {
     pub b: usize,
     pub t: usize,
     pub c: usize,
     pub nh: usize,
+    pub kv: usize,
+    pub hs: usize,
 }
 
 impl Dims {
+    /// Multi-head attention over `C` split into `NH` heads (GPT-2): `KV = NH`,
+    /// `HS = C / NH`.
+    pub fn new(b: usize, t: usize, c: usize, nh: usize) -> Dims {
+        let hs = c.checked_div(nh).unwrap_or(0);
+        Dims {
+            b,
+            t,
+            c,
+            nh,
+            kv: nh,
+            hs,
+        }
+    }
+
+    /// The same pass with `kv` key/value heads of `hs` channels (grouped-query
+    /// attention, a head size independent of `C / NH`).
+    pub fn with_heads(self, kv: usize, hs: usize) -> Dims {
+        Dims { kv, hs, ..self }
+    }
+
     /// Rows of a `(B, T, ·)` tensor: `N = B·T`.
     pub fn bt(self) -> usize {
         self.b * self.t
     }
 
-    /// Channels per head: `HS = C / NH`.
-    pub fn hs(self) -> usize {
-        self.c / self.nh
+    /// Channels of the queries and of the attention's output: `QW = NH·HS`.
+    pub fn q_width(self) -> usize {
+        self.nh * self.hs
+    }
+
+    /// Channels of a row of queries, keys and values: `(NH + 2·KV)·HS`.
+    pub fn qkv_width(self) -> usize {
+        (self.nh + 2 * self.kv) * self.hs
+    }
+
+    /// Query heads per key/value head: `NH / KV`.
+    pub fn group(self) -> usize {
+        self.nh / self.kv
     }
 }
 

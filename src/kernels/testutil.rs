@@ -68,3 +68,54 @@ pub fn cpu_seconds(clock: libc::clockid_t) -> f64 {
     assert!(ok, "clock_gettime failed");
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
+
+/// The tensors transformers computed for the Llama-family kernels
+/// (`scripts/reference/llama_kernels.py`, committed as
+/// `tests/fixtures/kernels/llama_kernels.safetensors`).
+pub struct LlamaFixture {
+    bytes: Vec<u8>,
+}
+
+impl LlamaFixture {
+    pub fn load() -> LlamaFixture {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/kernels/llama_kernels.safetensors");
+        let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        LlamaFixture { bytes }
+    }
+
+    fn tensor(&self, name: &str) -> safetensors::tensor::TensorView<'_> {
+        let st = safetensors::SafeTensors::deserialize(&self.bytes).expect("a safetensors file");
+        st.tensor(name).unwrap_or_else(|e| panic!("{name}: {e}"))
+    }
+
+    /// An F32 tensor's values.
+    pub fn f32(&self, name: &str) -> Vec<f32> {
+        let t = self.tensor(name);
+        assert_eq!(t.dtype(), safetensors::Dtype::F32, "{name}");
+        t.data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
+    }
+
+    /// An F32 tensor's values in f64, for [`assert_close`].
+    pub fn f64(&self, name: &str) -> Vec<f64> {
+        to_f64(&self.f32(name))
+    }
+
+    /// The pass shape stored as `[B, T, NH, KV, HS]` (I32).
+    pub fn dims(&self, name: &str) -> crate::kernels::Dims {
+        let t = self.tensor(name);
+        assert_eq!(t.dtype(), safetensors::Dtype::I32, "{name}");
+        let v: Vec<usize> = t
+            .data()
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
+            .collect();
+        let [b, t, nh, kv, hs] = v[..] else {
+            panic!("{name}: not [B, T, NH, KV, HS]")
+        };
+        crate::kernels::Dims::new(b, t, nh * hs, nh).with_heads(kv, hs)
+    }
+}

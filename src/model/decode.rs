@@ -206,12 +206,7 @@ impl Decoder {
         self.check(params, layout, tokens, p);
         let s = self.shape;
         let (n, c, start) = (s.b * p, s.c, self.len);
-        let d = Dims {
-            b: s.b,
-            t: p,
-            c,
-            nh: s.nh,
-        };
+        let d = Dims::new(s.b, p, c, s.nh);
         let wpe = &params[layout.wpe][start * c..];
         encoder_forward(&mut self.x[..n * c], tokens, &params[layout.wte], wpe, p, c);
         let per_layer = s.cache_floats();

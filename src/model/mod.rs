@@ -865,12 +865,7 @@ impl Gpt {
             inputs.iter().all(|&tok| tok < vp),
             "token id beyond the vocabulary"
         );
-        Dims {
-            b,
-            t,
-            c: self.config.n_embd,
-            nh: self.config.n_head,
-        }
+        Dims::new(b, t, self.config.n_embd, self.config.n_head)
     }
 
     /// Embedding, all blocks and the final layer norm; fills `acts` for `d`. `pass`:

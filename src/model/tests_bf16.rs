@@ -183,12 +183,7 @@ fn bf16_loss_matches_a_reference_that_rounds_the_same_way() {
         let want_bf16 = reference_loss(&gpt, &x, &y, (b, t), true, false);
         let want_f32 = reference_loss(&gpt, &x, &y, (b, t), false, false);
         // The default kernel's attention products may round the probabilities too.
-        let dims = crate::kernels::Dims {
-            b,
-            t,
-            c: gpt.config().n_embd,
-            nh: gpt.config().n_head,
-        };
+        let dims = crate::kernels::Dims::new(b, t, gpt.config().n_embd, gpt.config().n_head);
         let probs = crate::kernels::attention::bf16_forward_products::<true>(dims);
         let want_default = reference_loss(&gpt, &x, &y, (b, t), true, probs);
         println!(

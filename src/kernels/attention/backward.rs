@@ -1,11 +1,13 @@
-//! The backward pass: one task per (batch element, head), recomputing the
-//! probabilities of each tile from the forward pass's log-sum-exp.
+//! The backward pass: one task per (batch element, key/value head), recomputing the
+//! probabilities of each tile from the forward pass's log-sum-exp. A task walks the
+//! query heads that share its keys and values, so their key and value gradients sum
+//! in its own tiles (in a fixed order: no other task writes them).
 
 use rayon::prelude::*;
 
 use super::isa::{self, Isa, Variant};
 use super::tiles::{row_dot, transpose_into, Dst, Gemm, Src};
-use super::{check_heads, effective, mask_factor, out_base, qkv_base, score_scale};
+use super::{check_heads, effective, key_base, mask_factor, out_base, qkv_base, score_scale};
 use super::{SharedMut, BK, BQ, DT, NO_MASK};
 use crate::kernels::bf16;
 use crate::kernels::dropout::Dropout;
@@ -29,52 +31,90 @@ pub(super) fn backward_impl(
     bf16: bool,
 ) {
     check_heads(d);
-    let (n3, n) = (d.bt() * 3 * d.c, d.bt() * d.c);
-    assert_eq!(dqkv.len(), n3, "dqkv must be (B, T, 3C)");
-    assert_eq!(qkv.len(), n3, "qkv must be (B, T, 3C)");
-    assert_eq!(dout.len(), n, "dout must be (B, T, C)");
-    assert_eq!(out.len(), n, "out must be (B, T, C)");
+    let (n3, n) = (d.bt() * d.qkv_width(), d.bt() * d.q_width());
+    assert_eq!(dqkv.len(), n3, "dqkv must be (B, T, (NH + 2·KV)·HS)");
+    assert_eq!(qkv.len(), n3, "qkv must be (B, T, (NH + 2·KV)·HS)");
+    assert_eq!(dout.len(), n, "dout must be (B, T, NH·HS)");
+    assert_eq!(out.len(), n, "out must be (B, T, NH·HS)");
     assert_eq!(lse.len(), d.b * d.nh * d.t, "lse must be (B, NH, T)");
     if lse.is_empty() {
         return;
     }
     let mask = effective(dropout);
-    // The task of batch element b and head h writes only channels h·HS..(h+1)·HS of
-    // the q, k and v of its own rows of `dqkv`: the tasks' pieces are disjoint.
+    // The task of batch element b and key/value head g writes only the channels of g's
+    // key and value, and of its query heads' queries, of its own rows of `dqkv`: the
+    // tasks' pieces are disjoint. Its query heads' rows of `lse` are consecutive.
     let dqkv = SharedMut::new(dqkv);
-    lse.par_chunks(d.t).enumerate().for_each(|(bh, lse_bh)| {
-        let task = BwdTask {
-            d,
-            dqkv,
-            dout,
-            qkv,
-            out,
-            lse: lse_bh,
-            bh,
-            mask: mask.unwrap_or(NO_MASK),
-            round,
-        };
-        match (mask, bf16) {
-            (Some(_), false) => isa.backward::<true>(task),
-            (None, false) => isa.backward::<false>(task),
-            (Some(_), true) => isa::backward_bf16::<true>(task),
-            (None, true) => isa::backward_bf16::<false>(task),
-        }
-    });
+    lse.par_chunks(d.group() * d.t)
+        .enumerate()
+        .for_each(|(bg, lse_g)| {
+            let task = BwdTask {
+                d,
+                dqkv,
+                dout,
+                qkv,
+                out,
+                lse: lse_g,
+                bg,
+                mask: mask.unwrap_or(NO_MASK),
+                round,
+            };
+            match (mask, bf16) {
+                (Some(_), false) => isa.backward::<true>(task),
+                (None, false) => isa.backward::<false>(task),
+                (Some(_), true) => isa::backward_bf16::<true>(task),
+                (None, true) => isa::backward_bf16::<false>(task),
+            }
+        });
 }
 
-/// One backward task: all of head `bh`.
+/// One backward task: all of key/value head `bg = b·KV + g` and its query heads.
 pub(super) struct BwdTask<'a> {
     d: Dims,
     dqkv: SharedMut<'a>,
     dout: &'a [f32],
     qkv: &'a [f32],
     out: &'a [f32],
+    /// The `lse` rows of the query heads, `NH / KV` rows of `T`.
     lse: &'a [f32],
-    bh: usize,
+    bg: usize,
     mask: Dropout,
-    /// Round the head's dq, dk and dv to bf16 as each block of rows is final.
+    /// Round the heads' dq, dk and dv to bf16 as each block of rows is final.
     round: bool,
+}
+
+/// Where one task's heads lie: its key/value head and its query heads.
+#[derive(Clone, Copy)]
+struct TaskHeads {
+    /// The first query head, `b·NH + g·NH / KV`.
+    bh0: usize,
+    /// Query heads: `NH / KV`.
+    group: usize,
+    /// Index in `qkv` of the key/value head's key at token `(b, 0)`.
+    kbase: usize,
+    /// From a key to its value: `KV·HS`.
+    vofs: usize,
+}
+
+impl TaskHeads {
+    /// The heads of task `bg`, with the bounds of what they read checked.
+    fn new(d: Dims, bg: usize, lens: (usize, usize, usize)) -> TaskHeads {
+        let (qkv_len, out_len, lse_len) = lens;
+        let (b, g, group, row) = (bg / d.kv, bg % d.kv, d.group(), d.qkv_width());
+        let heads = TaskHeads {
+            bh0: b * d.nh + g * group,
+            group,
+            kbase: key_base(d, bg),
+            vofs: d.kv * d.hs,
+        };
+        let (t, hs) = (d.t, d.hs);
+        assert!(lse_len == group * t && heads.kbase + (t - 1) * row + heads.vofs + hs <= qkv_len);
+        for bh in heads.bh0..heads.bh0 + group {
+            assert!(qkv_base(d, bh) + (t - 1) * row + hs <= qkv_len);
+            assert!(out_base(d, bh) + (t - 1) * d.q_width() + hs <= out_len);
+        }
+        heads
+    }
 }
 
 #[inline(always)]
@@ -86,23 +126,21 @@ pub(super) fn backward_head<K: Variant, const DROP: bool>(task: BwdTask) {
         qkv,
         out,
         lse,
-        bh,
+        bg,
         mask,
         round,
     } = task;
-    let (t, c, hs, scale, fma) = (d.t, d.c, d.hs(), score_scale(d), K::FMA);
-    let row3 = 3 * c;
-    let qbase = qkv_base(d, bh);
-    let obase = out_base(d, bh);
-    let mask_base = (bh * t) as u64 * t as u64;
+    // Rows of `qkv` are `row3` apart, rows of `out` `c` (GPT-2: 3C and C).
+    let (t, c, hs, scale, fma) = (d.t, d.q_width(), d.hs, score_scale(d), K::FMA);
+    let row3 = d.qkv_width();
+    let heads = TaskHeads::new(d, bg, (qkv.len(), out.len().min(dout.len()), lse.len()));
+    let (kbase, vofs) = (heads.kbase, heads.vofs);
     let qkv_rows = Src::rows(qkv.as_ptr(), row3);
     let dout_rows = Src::rows(dout.as_ptr(), c);
     let dqkv_rows = Dst {
         ptr: dqkv.ptr(),
         rs: row3,
     };
-    assert!(lse.len() == t && qbase + (t - 1) * row3 + 2 * c + hs <= qkv.len());
-    assert!(obase + (t - 1) * c + hs <= dout.len().min(out.len()));
 
     let resident = hs <= DT;
     // Transposed key and value tiles: kt[d][c] = k[j0 + c][d0 + d], likewise vt.
@@ -119,159 +157,168 @@ pub(super) fn backward_head<K: Variant, const DROP: bool>(task: BwdTask) {
 
     for j0 in (0..t).step_by(BK) {
         let nc = BK.min(t - j0);
+        let kj = kbase + j0 * row3;
         if resident {
-            let src = &qkv[qbase + j0 * row3 + c..];
-            transpose_into(K::AVX, &mut kt, src, row3, (nc, hs), 1.0);
-            transpose_into(K::AVX, &mut vt, &src[c..], row3, (nc, hs), 1.0);
+            transpose_into(K::AVX, &mut kt, &qkv[kj..], row3, (nc, hs), 1.0);
+            transpose_into(K::AVX, &mut vt, &qkv[kj + vofs..], row3, (nc, hs), 1.0);
         }
-        // Query blocks start on the diagonal: i0 = j0 is the only partial tile, and the
-        // first to touch dK_j and dV_j (which it overwrites). Likewise j0 = 0 is the
-        // first key block to touch each dQ_i.
-        for i0 in (j0..t).step_by(BQ) {
-            let nr = BQ.min(t - i0);
-            for d0 in (0..hs).step_by(DT) {
-                let dn = DT.min(hs - d0);
-                if !resident {
-                    let src = &qkv[qbase + j0 * row3 + c + d0..];
-                    transpose_into(K::AVX, &mut kt, src, row3, (nc, dn), 1.0);
-                    transpose_into(K::AVX, &mut vt, &src[c..], row3, (nc, dn), 1.0);
+        for (hi, bh) in (heads.bh0..heads.bh0 + heads.group).enumerate() {
+            let (qbase, obase) = (qkv_base(d, bh), out_base(d, bh));
+            let mask_base = (bh * t) as u64 * t as u64;
+            let lse = &lse[hi * t..(hi + 1) * t];
+            // Query blocks start on the diagonal: i0 = j0 is the only partial tile, and
+            // for the first query head the first to touch dK_j and dV_j (which it
+            // overwrites). Likewise j0 = 0 is the first key block to touch each dQ_i.
+            for i0 in (j0..t).step_by(BQ) {
+                let nr = BQ.min(t - i0);
+                let first = hi == 0 && i0 == j0;
+                for d0 in (0..hs).step_by(DT) {
+                    let dn = DT.min(hs - d0);
+                    if !resident {
+                        let (k, v) = (&qkv[kj + d0..], &qkv[kj + vofs + d0..]);
+                        transpose_into(K::AVX, &mut kt, k, row3, (nc, dn), 1.0);
+                        transpose_into(K::AVX, &mut vt, v, row3, (nc, dn), 1.0);
+                    }
+                    // SAFETY: query rows i0..i0 + nr <= T, channels d0..d0 + dn <= HS of
+                    // this head lie in `qkv` and `dout` (asserted by TaskHeads::new);
+                    // kt/vt have DT >= dn rows of BK columns; p/ds have BQ >= nr rows of
+                    // BK.
+                    unsafe {
+                        K::gemm(Gemm {
+                            m: nr,
+                            n: BK,
+                            kn: dn,
+                            a: qkv_rows.at(0, qbase + i0 * row3 + d0),
+                            b: Src::rows(kt.as_ptr().cast(), BK),
+                            c: Dst {
+                                ptr: p.as_mut_ptr().cast(),
+                                rs: BK,
+                            },
+                            add: d0 > 0,
+                        });
+                        K::gemm(Gemm {
+                            m: nr,
+                            n: BK,
+                            kn: dn,
+                            a: dout_rows.at(0, obase + i0 * c + d0),
+                            b: Src::rows(vt.as_ptr().cast(), BK),
+                            c: Dst {
+                                ptr: ds.as_mut_ptr().cast(),
+                                rs: BK,
+                            },
+                            add: d0 > 0,
+                        });
+                    }
                 }
-                // SAFETY: query rows i0..i0 + nr <= T, channels d0..d0 + dn <= HS of
-                // this head lie in `qkv` and `dout` (asserted above); kt/vt have
-                // DT >= dn rows of BK columns; p/ds have BQ >= nr rows of BK.
+                // D_r = dO_r · O_r (cheap next to the tile: recomputed rather than
+                // stored).
+                for (r, d) in dd[..nr].iter_mut().enumerate() {
+                    let o = obase + (i0 + r) * c;
+                    *d = row_dot(fma, &dout[o..o + hs], &out[o..o + hs]);
+                }
+                softmax_backward_tile::<DROP>(
+                    (&mut p, &mut ds),
+                    &lse[i0..i0 + nr],
+                    &dd,
+                    (i0, j0),
+                    (scale, fma),
+                    mask,
+                    mask_base,
+                    t,
+                );
+                let (dk_dst, dv_dst) = if resident {
+                    let dk = Dst {
+                        ptr: dk.as_mut_ptr().cast(),
+                        rs: DT,
+                    };
+                    let dv = Dst {
+                        ptr: dv.as_mut_ptr().cast(),
+                        rs: DT,
+                    };
+                    (dk, dv)
+                } else {
+                    let dk = dqkv_rows.at(0, kj);
+                    (dk, dk.at(0, vofs))
+                };
+                let dout_i = dout_rows.at(0, obase + i0 * c);
+                let q_i = qkv_rows.at(0, qbase + i0 * row3);
+                let k_j = qkv_rows.at(0, kj);
+                let dq_i = dqkv_rows.at(0, qbase + i0 * row3);
+                // SAFETY: p/ds hold BQ >= nr rows of BK >= nc; the q/k rows read lie in
+                // `qkv` and the dout rows in `dout` (asserted by TaskHeads::new); dk/dv
+                // have BK rows of DT >= HS; the dq/dk/dv rows written are this task's
+                // own (`SharedMut`).
                 unsafe {
+                    // dV_j (+)= (P∘M)ᵀ · dO_i
                     K::gemm(Gemm {
-                        m: nr,
-                        n: BK,
-                        kn: dn,
-                        a: qkv_rows.at(0, qbase + i0 * row3 + d0),
-                        b: Src::rows(kt.as_ptr().cast(), BK),
-                        c: Dst {
-                            ptr: p.as_mut_ptr().cast(),
-                            rs: BK,
-                        },
-                        add: d0 > 0,
+                        m: nc,
+                        n: hs,
+                        kn: nr,
+                        a: Src::cols(p.as_ptr().cast(), BK),
+                        b: dout_i,
+                        c: dv_dst,
+                        add: !first,
                     });
+                    // dK_j (+)= scale · dSᵀ · Q_i
+                    K::gemm(Gemm {
+                        m: nc,
+                        n: hs,
+                        kn: nr,
+                        a: Src::cols(ds.as_ptr().cast(), BK),
+                        b: q_i,
+                        c: dk_dst,
+                        add: !first,
+                    });
+                    // dQ_i (+)= scale · dS · K_j
                     K::gemm(Gemm {
                         m: nr,
-                        n: BK,
-                        kn: dn,
-                        a: dout_rows.at(0, obase + i0 * c + d0),
-                        b: Src::rows(vt.as_ptr().cast(), BK),
-                        c: Dst {
-                            ptr: ds.as_mut_ptr().cast(),
-                            rs: BK,
-                        },
-                        add: d0 > 0,
+                        n: hs,
+                        kn: nc,
+                        a: Src::rows(ds.as_ptr().cast(), BK),
+                        b: k_j,
+                        c: dq_i,
+                        add: j0 > 0,
                     });
                 }
-            }
-            // D_r = dO_r · O_r (cheap next to the tile: recomputed rather than stored).
-            for (r, d) in dd[..nr].iter_mut().enumerate() {
-                let o = obase + (i0 + r) * c;
-                *d = row_dot(fma, &dout[o..o + hs], &out[o..o + hs]);
-            }
-            softmax_backward_tile::<DROP>(
-                (&mut p, &mut ds),
-                &lse[i0..i0 + nr],
-                &dd,
-                (i0, j0),
-                (scale, fma),
-                mask,
-                mask_base,
-                t,
-            );
-            let (dk_dst, dv_dst) = if resident {
-                let dk = Dst {
-                    ptr: dk.as_mut_ptr().cast(),
-                    rs: DT,
-                };
-                let dv = Dst {
-                    ptr: dv.as_mut_ptr().cast(),
-                    rs: DT,
-                };
-                (dk, dv)
-            } else {
-                let dk = dqkv_rows.at(0, qbase + j0 * row3 + c);
-                (dk, dk.at(0, c))
-            };
-            let dout_i = dout_rows.at(0, obase + i0 * c);
-            let q_i = qkv_rows.at(0, qbase + i0 * row3);
-            let k_j = qkv_rows.at(0, qbase + j0 * row3 + c);
-            let dq_i = dqkv_rows.at(0, qbase + i0 * row3);
-            // SAFETY: p/ds hold BQ >= nr rows of BK >= nc; the q/k rows read lie in
-            // `qkv` and the dout rows in `dout` (asserted above); dk/dv have BK rows of
-            // DT >= HS; the dq/dk/dv rows written are this task's own (`SharedMut`).
-            unsafe {
-                // dV_j (+)= (P∘M)ᵀ · dO_i
-                K::gemm(Gemm {
-                    m: nc,
-                    n: hs,
-                    kn: nr,
-                    a: Src::cols(p.as_ptr().cast(), BK),
-                    b: dout_i,
-                    c: dv_dst,
-                    add: i0 > j0,
-                });
-                // dK_j (+)= scale · dSᵀ · Q_i
-                K::gemm(Gemm {
-                    m: nc,
-                    n: hs,
-                    kn: nr,
-                    a: Src::cols(ds.as_ptr().cast(), BK),
-                    b: q_i,
-                    c: dk_dst,
-                    add: i0 > j0,
-                });
-                // dQ_i (+)= scale · dS · K_j
-                K::gemm(Gemm {
-                    m: nr,
-                    n: hs,
-                    kn: nc,
-                    a: Src::rows(ds.as_ptr().cast(), BK),
-                    b: k_j,
-                    c: dq_i,
-                    add: j0 > 0,
-                });
             }
         }
         let tiles = (&dk, &dv);
-        finish_key_block(dqkv, resident.then_some(tiles), (d, qbase), (j0, nc), round);
+        finish_key_block(dqkv, resident.then_some(tiles), (d, heads), (j0, nc), round);
     }
 }
 
 /// dK or dV of one key block: BK rows of up to DT head channels.
 type KeyTile = [[f32; DT]; BK];
 
-/// Ends key block `j0` (`nc` rows) of the head at `qbase`: stores its dK and dV from
-/// the stack `tiles` if given, and with `round` rounds the block's rows of dq, dk and
-/// dv to bf16.
+/// Ends key block `j0` (`nc` rows) of the task's `heads`: stores its dK and dV from
+/// the stack `tiles` if given, and with `round` rounds the block's rows of dk and dv,
+/// and of every query head's dq, to bf16.
 #[inline(always)]
 fn finish_key_block(
     dqkv: SharedMut,
     tiles: Option<(&KeyTile, &KeyTile)>,
-    (d, qbase): (Dims, usize),
+    (d, heads): (Dims, TaskHeads),
     (j0, nc): (usize, usize),
     round: bool,
 ) {
-    let (c, hs, row3) = (d.c, d.hs(), 3 * d.c);
+    let (hs, row3, kbase, vofs) = (d.hs, d.qkv_width(), heads.kbase, heads.vofs);
     if let Some((dk, dv)) = tiles {
         for (cc, (dkr, dvr)) in dk[..nc].iter().zip(&dv[..nc]).enumerate() {
-            let row = qbase + (j0 + cc) * row3;
+            let row = kbase + (j0 + cc) * row3;
             // SAFETY: this task's own rows and head channels of `dqkv`.
-            unsafe { dqkv.slice(row + c, hs) }.copy_from_slice(&dkr[..hs]);
+            unsafe { dqkv.slice(row, hs) }.copy_from_slice(&dkr[..hs]);
             // SAFETY: as above.
-            unsafe { dqkv.slice(row + 2 * c, hs) }.copy_from_slice(&dvr[..hs]);
+            unsafe { dqkv.slice(row + vofs, hs) }.copy_from_slice(&dvr[..hs]);
         }
     }
     if round {
         // Rows j0..j0 + nc are final: later key blocks touch only later query rows
         // (dq), and their dk and dv were completed above. Round them in cache.
-        for cc in 0..nc {
-            let row = qbase + (j0 + cc) * row3;
-            for part in 0..3 {
+        let queries = (heads.bh0..heads.bh0 + heads.group).map(|bh| qkv_base(d, bh));
+        for base in queries.chain([kbase, kbase + vofs]) {
+            for cc in 0..nc {
                 // SAFETY: this task's own rows and head channels of `dqkv`.
-                let seg = unsafe { dqkv.slice(row + part * c, hs) };
+                let seg = unsafe { dqkv.slice(base + (j0 + cc) * row3, hs) };
                 seg.iter_mut().for_each(|v| *v = bf16::round(*v));
             }
         }
@@ -338,43 +385,48 @@ pub(super) unsafe fn backward_head_bf16<const DROP: bool>(task: BwdTask) {
         qkv,
         out,
         lse,
-        bh,
+        bg,
         mask,
         round,
     } = task;
-    let (t, c, hs, scale) = (d.t, d.c, d.hs(), score_scale(d));
-    let row3 = 3 * c;
-    let qbase = qkv_base(d, bh);
-    let obase = out_base(d, bh);
-    let mask_base = (bh * t) as u64 * t as u64;
-    assert!(hs <= DT && lse.len() == t && qbase + (t - 1) * row3 + 2 * c + hs <= qkv.len());
-    assert!(obase + (t - 1) * c + hs <= dout.len().min(out.len()));
+    let (t, c, hs, scale) = (d.t, d.q_width(), d.hs, score_scale(d));
+    let row3 = d.qkv_width();
+    let heads = TaskHeads::new(d, bg, (qkv.len(), out.len().min(dout.len()), lse.len()));
+    let (kbase, vofs, group) = (heads.kbase, heads.vofs, heads.group);
+    assert!(hs <= DT);
     let (hp, hw) = (pairs(hs), hs.div_ceil(16) * 16);
-    let q_at = |row: usize, part: usize| qkv[qbase + row * row3 + part * c..].as_ptr();
-    let do_at = |row: usize| dout[obase + row * c..].as_ptr();
+    let kv_at = |row: usize, ofs: usize| qkv[kbase + row * row3 + ofs..].as_ptr();
 
     // Per key block: Kᵀ and Vᵀ as pair rows over channels (B of S and dP̃), K as pair
     // rows over keys (B of dQ).
     let mut ktp = [[0u32; BK]; DT / 2];
     let mut vtp = [[0u32; BK]; DT / 2];
     let mut kb = [[0u32; DT]; BK / 2];
-    // The head's Q and dO rows as pairs along channels (A of S and dP̃) and as pair
-    // rows over queries (B of dK and dV), packed once (the worker's buffer); per tile,
-    // P∘M and dS as pairs along queries (A of dV, dK) and dS along keys (A of dQ).
-    let mut head = QO_PACKS.take();
+    // Each query head's Q and dO rows as pairs along channels (A of S and dP̃) and as
+    // pair rows over queries (B of dK and dV), packed once (the worker's buffer); per
+    // tile, P∘M and dS as pairs along queries (A of dV, dK) and dS along keys (A of dQ).
+    let mut packs = QO_PACKS.take();
     let (al, bl) = (t * hp, t.div_ceil(2) * hw);
-    head.resize(2 * (al + bl), 0);
-    let (qa, rest) = head.split_at_mut(al);
-    let (doa, rest) = rest.split_at_mut(al);
-    let (qb, dob) = rest.split_at_mut(bl);
-    // SAFETY: the head's T query rows lie in `qkv` and its T dout rows in `dout`
-    // (asserted); qa/doa hold T rows of ⌈HS / 2⌉ pairs, qb/dob ⌈T / 2⌉ pair rows of
-    // hw >= HS.
-    unsafe {
-        pack_along(qa.as_mut_ptr(), (hp, 1), q_at(0, 0), row3, (t, hs));
-        pack_along(doa.as_mut_ptr(), (hp, 1), do_at(0), c, (t, hs));
-        pack_across(qb.as_mut_ptr(), hw, q_at(0, 0), row3, (t, hs));
-        pack_across(dob.as_mut_ptr(), hw, do_at(0), c, (t, hs));
+    let per_head = 2 * (al + bl);
+    packs.resize(group * per_head, 0);
+    for (hi, head) in packs.chunks_exact_mut(per_head).enumerate() {
+        let bh = heads.bh0 + hi;
+        let (q, o) = (
+            qkv[qkv_base(d, bh)..].as_ptr(),
+            dout[out_base(d, bh)..].as_ptr(),
+        );
+        let (qa, rest) = head.split_at_mut(al);
+        let (doa, rest) = rest.split_at_mut(al);
+        let (qb, dob) = rest.split_at_mut(bl);
+        // SAFETY: the head's T query rows lie in `qkv` and its T dout rows in `dout`
+        // (asserted by TaskHeads::new); qa/doa hold T rows of ⌈HS / 2⌉ pairs, qb/dob
+        // ⌈T / 2⌉ pair rows of hw >= HS.
+        unsafe {
+            pack_along(qa.as_mut_ptr(), (hp, 1), q, row3, (t, hs));
+            pack_along(doa.as_mut_ptr(), (hp, 1), o, c, (t, hs));
+            pack_across(qb.as_mut_ptr(), hw, q, row3, (t, hs));
+            pack_across(dob.as_mut_ptr(), hw, o, c, (t, hs));
+        }
     }
     let mut pt = [[0u32; BK]; BQ / 2];
     let mut dst = [[0u32; BK]; BQ / 2];
@@ -408,98 +460,113 @@ pub(super) unsafe fn backward_head_bf16<const DROP: bool>(task: BwdTask) {
             pack_along(
                 ktp.as_mut_ptr().cast(),
                 (1, BK),
-                q_at(j0, 1),
+                kv_at(j0, 0),
                 row3,
                 (nc, hs),
             );
             pack_along(
                 vtp.as_mut_ptr().cast(),
                 (1, BK),
-                q_at(j0, 2),
+                kv_at(j0, vofs),
                 row3,
                 (nc, hs),
             );
-            pack_across(kb.as_mut_ptr().cast(), DT, q_at(j0, 1), row3, (nc, hs));
+            pack_across(kb.as_mut_ptr().cast(), DT, kv_at(j0, 0), row3, (nc, hs));
         }
-        // As in `backward_head`: query blocks start on the diagonal tile, the first to
-        // touch dK_j and dV_j; j0 = 0 is the first key block to touch each dQ_i.
-        for i0 in (j0..t).step_by(BQ) {
-            let nr = BQ.min(t - i0);
-            // SAFETY: rows i0..i0 + nr <= T of the head's packed Q and dO hold ⌈HS / 2⌉
-            // pairs each; ktp/vtp ⌈HS / 2⌉ pair rows of BK columns; p/ds BQ >= nr rows
-            // of BK.
-            unsafe {
-                let (qa, doa) = (qa[i0 * hp..].as_ptr(), doa[i0 * hp..].as_ptr());
-                let (ktp, vtp) = (ktp.as_ptr().cast(), vtp.as_ptr().cast());
-                let (p, ds) = (p.as_mut_ptr().cast(), ds.as_mut_ptr().cast());
-                pair_gemm(gemm(nr, BK, hp, (qa, hp, 1), (ktp, BK), (p, BK), false));
-                pair_gemm(gemm(nr, BK, hp, (doa, hp, 1), (vtp, BK), (ds, BK), false));
-            }
-            // D_r = dO_r · O_r, in f32.
-            for (r, d) in dd[..nr].iter_mut().enumerate() {
-                let o = obase + (i0 + r) * c;
-                *d = row_dot(true, &dout[o..o + hs], &out[o..o + hs]);
-            }
-            softmax_backward_tile::<DROP>(
-                (&mut p, &mut ds),
-                &lse[i0..i0 + nr],
-                &dd,
-                (i0, j0),
-                (scale, true),
-                mask,
-                mask_base,
-                t,
-            );
-            let dq_i = dqkv.ptr().wrapping_add(qbase + i0 * row3);
-            // SAFETY: p/ds hold nr rows of BK >= nc; pt/dst ⌈nr / 2⌉ <= BQ / 2 pair rows
-            // of BK, dsa nr rows of ⌈nc / 2⌉ <= BK / 2 pairs; the packed Q and dO pair
-            // rows i0 / 2.. and kb ⌈·⌉ pair rows of hw / DT >= 16·⌈HS / 16⌉ columns;
-            // dk/dv BK >= nc rows of DT >= HS; the dq rows written are this task's own.
-            unsafe {
-                pack_across(pt.as_mut_ptr().cast(), BK, p.as_ptr().cast(), BK, (nr, nc));
-                pack_across(
-                    dst.as_mut_ptr().cast(),
-                    BK,
-                    ds.as_ptr().cast(),
-                    BK,
-                    (nr, nc),
+        for (hi, head) in packs.chunks_exact(per_head).enumerate() {
+            let bh = heads.bh0 + hi;
+            let (qbase, obase) = (qkv_base(d, bh), out_base(d, bh));
+            let mask_base = (bh * t) as u64 * t as u64;
+            let lse = &lse[hi * t..(hi + 1) * t];
+            let (qa, rest) = head.split_at(al);
+            let (doa, rest) = rest.split_at(al);
+            let (qb, dob) = rest.split_at(bl);
+            // As in `backward_head`: query blocks start on the diagonal tile, for the
+            // first query head the first to touch dK_j and dV_j; j0 = 0 is the first key
+            // block to touch each dQ_i.
+            for i0 in (j0..t).step_by(BQ) {
+                let nr = BQ.min(t - i0);
+                let first = hi == 0 && i0 == j0;
+                // SAFETY: rows i0..i0 + nr <= T of the head's packed Q and dO hold
+                // ⌈HS / 2⌉ pairs each; ktp/vtp ⌈HS / 2⌉ pair rows of BK columns; p/ds
+                // BQ >= nr rows of BK.
+                unsafe {
+                    let (qa, doa) = (qa[i0 * hp..].as_ptr(), doa[i0 * hp..].as_ptr());
+                    let (ktp, vtp) = (ktp.as_ptr().cast(), vtp.as_ptr().cast());
+                    let (p, ds) = (p.as_mut_ptr().cast(), ds.as_mut_ptr().cast());
+                    pair_gemm(gemm(nr, BK, hp, (qa, hp, 1), (ktp, BK), (p, BK), false));
+                    pair_gemm(gemm(nr, BK, hp, (doa, hp, 1), (vtp, BK), (ds, BK), false));
+                }
+                // D_r = dO_r · O_r, in f32.
+                for (r, d) in dd[..nr].iter_mut().enumerate() {
+                    let o = obase + (i0 + r) * c;
+                    *d = row_dot(true, &dout[o..o + hs], &out[o..o + hs]);
+                }
+                softmax_backward_tile::<DROP>(
+                    (&mut p, &mut ds),
+                    &lse[i0..i0 + nr],
+                    &dd,
+                    (i0, j0),
+                    (scale, true),
+                    mask,
+                    mask_base,
+                    t,
                 );
-                pack_along(
-                    dsa.as_mut_ptr().cast(),
-                    (BK / 2, 1),
-                    ds.as_ptr().cast(),
-                    BK,
-                    (nr, nc),
-                );
-                // Pair rows i0 / 2.. (i0 is even); a ragged T's last is padded with zero.
-                let (qb, dob) = (qb[i0 / 2 * hw..].as_ptr(), dob[i0 / 2 * hw..].as_ptr());
-                let kb = kb.as_ptr().cast();
-                let (pt, dst, dsa) = (pt.as_ptr().cast(), dst.as_ptr().cast(), dsa.as_ptr().cast());
-                let (dk, dv) = (dk.as_mut_ptr().cast(), dv.as_mut_ptr().cast());
-                let (kr, kq) = (pairs(nr), pairs(nc));
-                // dV_j (+)= (P∘M)ᵀ · dO_i, dK_j (+)= scale · dSᵀ · Q_i
-                pair_gemm(gemm(nc, hs, kr, (pt, 1, BK), (dob, hw), (dv, DT), i0 > j0));
-                pair_gemm(gemm(nc, hs, kr, (dst, 1, BK), (qb, hw), (dk, DT), i0 > j0));
-                // dQ_i (+)= scale · dS · K_j
-                pair_gemm(gemm(
-                    nr,
-                    hs,
-                    kq,
-                    (dsa, BK / 2, 1),
-                    (kb, DT),
-                    (dq_i, row3),
-                    j0 > 0,
-                ));
+                let dq_i = dqkv.ptr().wrapping_add(qbase + i0 * row3);
+                // SAFETY: p/ds hold nr rows of BK >= nc; pt/dst ⌈nr / 2⌉ <= BQ / 2 pair
+                // rows of BK, dsa nr rows of ⌈nc / 2⌉ <= BK / 2 pairs; the packed Q and
+                // dO pair rows i0 / 2.. and kb ⌈·⌉ pair rows of hw / DT >= 16·⌈HS / 16⌉
+                // columns; dk/dv BK >= nc rows of DT >= HS; the dq rows written are this
+                // task's own.
+                unsafe {
+                    pack_across(pt.as_mut_ptr().cast(), BK, p.as_ptr().cast(), BK, (nr, nc));
+                    pack_across(
+                        dst.as_mut_ptr().cast(),
+                        BK,
+                        ds.as_ptr().cast(),
+                        BK,
+                        (nr, nc),
+                    );
+                    pack_along(
+                        dsa.as_mut_ptr().cast(),
+                        (BK / 2, 1),
+                        ds.as_ptr().cast(),
+                        BK,
+                        (nr, nc),
+                    );
+                    // Pair rows i0 / 2.. (i0 is even); a ragged T's last is padded with
+                    // zero.
+                    let (qb, dob) = (qb[i0 / 2 * hw..].as_ptr(), dob[i0 / 2 * hw..].as_ptr());
+                    let kb = kb.as_ptr().cast();
+                    let (pt, dst) = (pt.as_ptr().cast(), dst.as_ptr().cast());
+                    let dsa = dsa.as_ptr().cast();
+                    let (dk, dv) = (dk.as_mut_ptr().cast(), dv.as_mut_ptr().cast());
+                    let (kr, kq) = (pairs(nr), pairs(nc));
+                    // dV_j (+)= (P∘M)ᵀ · dO_i, dK_j (+)= scale · dSᵀ · Q_i
+                    pair_gemm(gemm(nc, hs, kr, (pt, 1, BK), (dob, hw), (dv, DT), !first));
+                    pair_gemm(gemm(nc, hs, kr, (dst, 1, BK), (qb, hw), (dk, DT), !first));
+                    // dQ_i (+)= scale · dS · K_j
+                    pair_gemm(gemm(
+                        nr,
+                        hs,
+                        kq,
+                        (dsa, BK / 2, 1),
+                        (kb, DT),
+                        (dq_i, row3),
+                        j0 > 0,
+                    ));
+                }
             }
         }
-        finish_key_block(dqkv, Some((&dk, &dv)), (d, qbase), (j0, nc), round);
+        finish_key_block(dqkv, Some((&dk, &dv)), (d, heads), (j0, nc), round);
     }
-    QO_PACKS.set(head);
+    QO_PACKS.set(packs);
 }
 
 #[cfg(target_arch = "x86_64")]
 thread_local! {
-    /// A worker's packed Q and dO of the head it is on ([`backward_head_bf16`]), grown
-    /// to the largest head and reused, so a training step allocates nothing once warm.
+    /// A worker's packed Q and dO of the query heads it is on ([`backward_head_bf16`]),
+    /// grown to the largest call and reused, so a training step allocates nothing once
+    /// warm.
     static QO_PACKS: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
 }

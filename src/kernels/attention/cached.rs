@@ -6,7 +6,7 @@ use rayon::prelude::*;
 
 use super::forward::{for_each_query_block, FwdTask, KeyRows};
 use super::isa::Isa;
-use super::{check_heads, score_scale, SharedMut, NO_MASK};
+use super::{check_heads, kv_head, score_scale, SharedMut, NO_MASK};
 use crate::kernels::fastmath::{exp_fast, simd_fn, Simd};
 use crate::kernels::Dims;
 
@@ -16,8 +16,8 @@ use crate::kernels::Dims;
 /// [`BQ`](super::BQ) rows would be mostly padding for a few rows.
 const ROWWISE_MAX_T: usize = 8;
 
-/// One layer's key and value caches, each `(B, NH, max_len, HS)`: head `h` of
-/// sequence `b` keeps the key of position `pos` at `((b·NH + h)·max_len + pos)·HS`,
+/// One layer's key and value caches, each `(B, KV, max_len, HS)`: key/value head `g`
+/// of sequence `b` keeps the key of position `pos` at `((b·KV + g)·max_len + pos)·HS`,
 /// so each head's keys (and values) are contiguous.
 pub struct KvCache<'a> {
     pub keys: &'a mut [f32],
@@ -29,12 +29,12 @@ pub struct KvCache<'a> {
 /// Causal attention of `T = d.t` new rows per sequence, at absolute positions
 /// `start..start + T`, against one layer's cache (no dropout: this is inference).
 ///
-/// - `qkv`: `(B, T, 3C)` the new rows' queries, keys and values (head `h` in channels
-///   `h·HS..(h+1)·HS` of each third); the keys and values are first copied into
-///   `cache` at positions `start..start + T`.
-/// - `out`: `(B, T, C)` written: the row at absolute position `pos` is the softmax
-///   (scale 1/√HS, max-subtracted) of its scores against cached keys `0..=pos`,
-///   applied to the matching values.
+/// - `qkv`: `(B, T, (NH + 2·KV)·HS)` the new rows' queries, keys and values, laid out
+///   as for [`attention_forward`](super::attention_forward); the keys and values are
+///   first copied into `cache` at positions `start..start + T`.
+/// - `out`: `(B, T, NH·HS)` written: the row at absolute position `pos` is the softmax
+///   (scale 1/√HS, max-subtracted) of its scores against its key/value head's cached
+///   keys `0..=pos`, applied to the matching values.
 /// - `scores`: `(B, NH, max_len)` scratch.
 ///
 /// Up to 8 new rows (`ROWWISE_MAX_T`), parallel over (sequence, head), each query on its
@@ -50,7 +50,7 @@ pub fn cached_attention(
 ) {
     let _t = crate::profile::scope(crate::profile::Section::Attention);
     check_shapes(out, qkv, &cache, scores, d, start);
-    let span = cache.max_len * d.hs();
+    let span = cache.max_len * d.hs;
     append(qkv, &mut *cache.keys, &mut *cache.values, span, d, start);
     let (keys, values) = (&*cache.keys, &*cache.values);
     if d.t <= ROWWISE_MAX_T {
@@ -61,19 +61,20 @@ pub fn cached_attention(
 }
 
 /// Copies the new rows' keys and values into the caches at positions
-/// `start..start + T`, in parallel over (sequence, head).
+/// `start..start + T`, in parallel over (sequence, key/value head).
 fn append(qkv: &[f32], keys: &mut [f32], values: &mut [f32], span: usize, d: Dims, start: usize) {
-    let (new, c, hs) = (d.t, d.c, d.hs());
+    let (new, w, hs) = (d.t, d.qkv_width(), d.hs);
     keys.par_chunks_exact_mut(span)
         .zip(values.par_chunks_exact_mut(span))
         .enumerate()
-        .for_each(|(bh, (keys, values))| {
-            let (b, h) = (bh / d.nh, bh % d.nh);
-            let rows = &qkv[b * new * 3 * c..(b + 1) * new * 3 * c];
-            for (i, row) in rows.chunks_exact(3 * c).enumerate() {
+        .for_each(|(bg, (keys, values))| {
+            let (b, g) = (bg / d.kv, bg % d.kv);
+            let (k, v) = ((d.nh + g) * hs, (d.nh + d.kv + g) * hs);
+            let rows = &qkv[b * new * w..(b + 1) * new * w];
+            for (i, row) in rows.chunks_exact(w).enumerate() {
                 let at = (start + i) * hs..(start + i + 1) * hs;
-                keys[at.clone()].copy_from_slice(&row[c + h * hs..c + (h + 1) * hs]);
-                values[at].copy_from_slice(&row[2 * c + h * hs..2 * c + (h + 1) * hs]);
+                keys[at.clone()].copy_from_slice(&row[k..k + hs]);
+                values[at].copy_from_slice(&row[v..v + hs]);
             }
         });
 }
@@ -81,20 +82,21 @@ fn append(qkv: &[f32], keys: &mut [f32], values: &mut [f32], span: usize, d: Dim
 /// The caches after [`append`], and the floats of one head's part of each.
 type Cached<'a> = (&'a [f32], &'a [f32], usize);
 
-/// Each new query on its own ([`attend_one`]): one task per (sequence, head).
+/// Each new query on its own ([`attend_one`]): one task per (sequence, query head).
 fn rowwise(out: &mut [f32], qkv: &[f32], cache: Cached, scores: &mut [f32], d: Dims, start: usize) {
     let (keys, values, span) = cache;
-    let (new, c, hs, max_len) = (d.t, d.c, d.hs(), span / d.hs());
+    let (new, c, w, hs, max_len) = (d.t, d.q_width(), d.qkv_width(), d.hs, span / d.hs);
     let out_ptr = SharedMut::new(out);
     let (scale, simd) = (score_scale(d), Simd::detect());
-    keys.par_chunks_exact(span)
-        .zip(values.par_chunks_exact(span))
-        .zip(scores.par_chunks_exact_mut(max_len))
+    scores
+        .par_chunks_exact_mut(max_len)
         .enumerate()
-        .for_each(|(bh, ((keys, values), scores))| {
+        .for_each(|(bh, scores)| {
             let (b, h) = (bh / d.nh, bh % d.nh);
-            let rows = &qkv[b * new * 3 * c..(b + 1) * new * 3 * c];
-            for (i, row) in rows.chunks_exact(3 * c).enumerate() {
+            let head = kv_head(d, bh) * span..(kv_head(d, bh) + 1) * span;
+            let (keys, values) = (&keys[head.clone()], &values[head]);
+            let rows = &qkv[b * new * w..(b + 1) * new * w];
+            for (i, row) in rows.chunks_exact(w).enumerate() {
                 let q = &row[h * hs..(h + 1) * hs];
                 let n_keys = start + i + 1;
                 // SAFETY: this task alone writes channels h·HS..(h+1)·HS of its
@@ -116,7 +118,7 @@ fn blocked(out: &mut [f32], qkv: &[f32], cache: Cached, scores: &mut [f32], d: D
     let lse = &mut scores[..d.b * d.nh * d.t];
     let out = SharedMut::new(out);
     for_each_query_block(lse, d.t, |bh, i0, lse_blk| {
-        let head = bh * span..(bh + 1) * span;
+        let head = kv_head(d, bh) * span..(kv_head(d, bh) + 1) * span;
         isa.forward::<false>(FwdTask {
             d,
             qkv,
@@ -129,7 +131,7 @@ fn blocked(out: &mut [f32], qkv: &[f32], cache: Cached, scores: &mut [f32], d: D
             keys: KeyRows {
                 keys: &keys[head.clone()],
                 values: &values[head],
-                rs: d.hs(),
+                rs: d.hs,
                 pos0: start,
             },
         })
@@ -139,17 +141,18 @@ fn blocked(out: &mut [f32], qkv: &[f32], cache: Cached, scores: &mut [f32], d: D
 /// Panics unless the buffers have the shapes [`cached_attention`] documents.
 fn check_shapes(out: &[f32], qkv: &[f32], cache: &KvCache, scores: &[f32], d: Dims, start: usize) {
     check_heads(d);
-    assert_eq!(qkv.len(), d.bt() * 3 * d.c, "qkv must be (B, T, 3C)");
-    assert_eq!(out.len(), d.bt() * d.c, "out must be (B, T, C)");
-    let (heads, max_len) = (d.b * d.nh, cache.max_len);
-    let floats = heads * max_len * d.hs();
+    let w = d.qkv_width();
+    assert_eq!(qkv.len(), d.bt() * w, "qkv must be (B, T, (NH + 2·KV)·HS)");
+    assert_eq!(out.len(), d.bt() * d.q_width(), "out must be (B, T, NH·HS)");
+    let max_len = cache.max_len;
+    let floats = d.b * d.kv * max_len * d.hs;
     assert!(
         cache.keys.len() == floats && cache.values.len() == floats,
-        "the caches must be (B, NH, max_len, HS)"
+        "the caches must be (B, KV, max_len, HS)"
     );
     assert_eq!(
         scores.len(),
-        heads * max_len,
+        d.b * d.nh * max_len,
         "scores must be (B, NH, max_len)"
     );
     assert!(start + d.t <= max_len, "positions beyond the cache");
@@ -245,18 +248,18 @@ mod tests {
             .collect()
     }
 
-    /// Feeds the `T` positions of `qkv` (`(B, T, 3C)`) through a cache of
+    /// Feeds the `T` positions of `qkv` (`(B, T, (NH + 2·KV)·HS)`) through a cache of
     /// `max_len` positions in the given chunks of new positions; returns every
-    /// position's output, `(B, T, C)`.
+    /// position's output, `(B, T, NH·HS)`.
     fn feed(qkv: &[f32], d: Dims, max_len: usize, chunks: &[usize]) -> Vec<f32> {
-        let (c, heads) = (d.c, d.b * d.nh);
-        let mut keys = vec![f32::NAN; heads * max_len * d.hs()];
+        let c = d.q_width();
+        let mut keys = vec![f32::NAN; d.b * d.kv * max_len * d.hs];
         let mut values = keys.clone();
-        let mut scores = vec![f32::NAN; heads * max_len];
+        let mut scores = vec![f32::NAN; d.b * d.nh * max_len];
         let mut got = vec![f32::NAN; d.bt() * c];
         let mut start = 0;
         for &new in chunks {
-            let qkv_new = rows(qkv, (d.t, 3 * c), start..start + new);
+            let qkv_new = rows(qkv, (d.t, d.qkv_width()), start..start + new);
             let mut out = vec![f32::NAN; d.b * new * c];
             let cache = KvCache {
                 keys: &mut keys,
@@ -275,10 +278,10 @@ mod tests {
         got
     }
 
-    /// Random `(B, T, 3C)` rows, with scores large enough for the softmax to matter,
-    /// and their attention by the f64 reference, `(B, T, C)`.
+    /// Random `(B, T, (NH + 2·KV)·HS)` rows, with scores large enough for the softmax
+    /// to matter, and their attention by the f64 reference, `(B, T, NH·HS)`.
     fn case(d: Dims, salt: u64) -> (Vec<f32>, Vec<f64>) {
-        let qkv: Vec<f32> = rand_vec(d.bt() * 3 * d.c, salt)
+        let qkv: Vec<f32> = rand_vec(d.bt() * d.qkv_width(), salt)
             .iter()
             .map(|v| 2.0 * v)
             .collect();
@@ -288,45 +291,58 @@ mod tests {
 
     #[test]
     fn prefill_then_steps_equal_full_causal_attention() {
-        // HS = 12: one 8-lane chunk plus a tail in the dot product.
-        let d = Dims {
-            b: 2,
-            t: 9,
-            c: 36,
-            nh: 3,
-        };
-        let (qkv, want) = case(d, 1);
-        let max_len = d.t + 3;
-        let stepped = feed(&qkv, d, max_len, &[4, 1, 1, 1, 1, 1]);
-        assert_close("prefill 4, then steps", &stepped, &want, 1e-5, 1e-6);
-        // Each row's arithmetic does not depend on how the positions arrived.
-        let whole = feed(&qkv, d, max_len, &[3, 6]);
-        assert_eq!(
-            whole, stepped,
-            "one prefill and prefill + steps agree bit for bit"
-        );
+        // HS = 12: one 8-lane chunk plus a tail in the dot product. Multi-head, then
+        // grouped-query (3:1), one key/value head, and a head size of 20 != C / NH.
+        let mha = Dims::new(2, 9, 36, 3);
+        let gqa = Dims::new(2, 9, 36, 6).with_heads(2, 6);
+        let mqa = mha.with_heads(1, 12);
+        let wide = Dims::new(2, 9, 16, 4).with_heads(2, 20);
+        for d in [mha, gqa, mqa, wide] {
+            let (qkv, want) = case(d, 1);
+            let max_len = d.t + 3;
+            let stepped = feed(&qkv, d, max_len, &[4, 1, 1, 1, 1, 1]);
+            assert_close(
+                &format!("{d:?}: prefill 4, then steps"),
+                &stepped,
+                &want,
+                1e-5,
+                1e-6,
+            );
+            // Each row's arithmetic does not depend on how the positions arrived.
+            let whole = feed(&qkv, d, max_len, &[3, 6]);
+            assert_eq!(
+                whole, stepped,
+                "{d:?}: one prefill and prefill + steps agree bit for bit"
+            );
+        }
     }
 
     #[test]
     fn prompts_run_blocked_at_any_position() {
         // Chunks of more than ROWWISE_MAX_T rows take the blocked pass, here starting
         // at positions that are not multiples of its BQ-row blocks, over several
-        // blocks, and mixed with single steps. HS = 12.
-        let d = Dims {
-            b: 2,
-            t: 83,
-            c: 36,
-            nh: 3,
-        };
-        let (qkv, want) = case(d, 2);
-        let whole = feed(&qkv, d, d.t + 5, &[83]);
-        assert_close("one prompt of 83", &whole, &want, 1e-5, 1e-6);
-        for chunks in [&[9, 40, 1, 33][..], &[37, 46], &[1, 1, 10, 1, 70]] {
-            let got = feed(&qkv, d, d.t + 5, chunks);
-            assert_close(&format!("chunks {chunks:?}"), &got, &want, 1e-5, 1e-6);
+        // blocks, and mixed with single steps. HS = 12; multi-head, then 3 query heads
+        // per key/value head.
+        for d in [
+            Dims::new(2, 83, 36, 3),
+            Dims::new(2, 83, 36, 3).with_heads(1, 12),
+        ] {
+            let (qkv, want) = case(d, 2);
+            let whole = feed(&qkv, d, d.t + 5, &[83]);
+            assert_close("one prompt of 83", &whole, &want, 1e-5, 1e-6);
+            for chunks in [&[9, 40, 1, 33][..], &[37, 46], &[1, 1, 10, 1, 70]] {
+                let got = feed(&qkv, d, d.t + 5, chunks);
+                assert_close(
+                    &format!("{d:?}: chunks {chunks:?}"),
+                    &got,
+                    &want,
+                    1e-5,
+                    1e-6,
+                );
+            }
+            // A blocked row's arithmetic does not depend on where its block started.
+            assert_eq!(feed(&qkv, d, d.t, &[37, 46]), whole, "37 + 46 rows vs 83");
         }
-        // A blocked row's arithmetic does not depend on where its block started.
-        assert_eq!(feed(&qkv, d, d.t, &[37, 46]), whole, "37 + 46 rows vs 83");
     }
 
     #[test]
@@ -334,12 +350,7 @@ mod tests {
         // A head of 64 channels and one of 80, the last of n rows of one head attending
         // to all n keys, against the f64 reference on the same rows.
         for (hs, n) in [(64, 45), (80, 33)] {
-            let d = Dims {
-                b: 1,
-                t: n,
-                c: hs,
-                nh: 1,
-            };
+            let d = Dims::new(1, n, hs, 1);
             let (qkv, want) = case(d, 4);
             let rows = |part: usize| -> Vec<f32> {
                 let rows = qkv.chunks_exact(3 * hs);
@@ -371,12 +382,7 @@ mod tests {
     #[test]
     fn prompts_with_heads_wider_than_a_tile() {
         // HS = 136 > DT: the blocked pass walks the head's channels in pieces.
-        let d = Dims {
-            b: 1,
-            t: 45,
-            c: 272,
-            nh: 2,
-        };
+        let d = Dims::new(1, 45, 272, 2);
         let (qkv, want) = case(d, 3);
         let got = feed(&qkv, d, d.t, &[13, 32]);
         assert_close("13 + 32 rows, HS 136", &got, &want, 1e-5, 1e-6);

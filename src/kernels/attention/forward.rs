@@ -4,8 +4,9 @@ use rayon::prelude::*;
 use std::cell::Cell;
 
 use super::isa::{self, Isa, Variant};
+use super::score_scale;
 use super::tiles::{transpose_into, Dst, Gemm, Src};
-use super::{check_heads, effective, mask_factor, out_base, qkv_base, score_scale};
+use super::{check_heads, effective, key_base, kv_head, mask_factor, out_base, qkv_base};
 use super::{SharedMut, BK, BQ, DT, NO_MASK};
 use crate::kernels::dropout::Dropout;
 use crate::kernels::fastmath::exp_fast;
@@ -24,15 +25,16 @@ pub(super) fn forward_impl(
     bf16: bool,
 ) {
     check_heads(d);
-    assert_eq!(qkv.len(), d.bt() * 3 * d.c, "qkv must be (B, T, 3C)");
-    assert_eq!(out.len(), d.bt() * d.c, "out must be (B, T, C)");
+    let w = d.qkv_width();
+    assert_eq!(qkv.len(), d.bt() * w, "qkv must be (B, T, (NH + 2·KV)·HS)");
+    assert_eq!(out.len(), d.bt() * d.q_width(), "out must be (B, T, NH·HS)");
     assert_eq!(lse.len(), d.b * d.nh * d.t, "lse must be (B, NH, T)");
     if lse.is_empty() {
         return;
     }
     let mask = effective(dropout);
-    // With `bf16`, every head's keys and values are packed once, before the tasks that
-    // read them; the buffer is the calling thread's, kept for the next call.
+    // With `bf16`, every key/value head's keys and values are packed once, before the
+    // tasks that read them; the buffer is the calling thread's, kept for the next call.
     let mut kv_owned = if bf16 { KV_PACKS.take() } else { Vec::new() };
     let per_head = kv_pack_len(d).iter().sum::<usize>();
     if bf16 {
@@ -43,7 +45,8 @@ pub(super) fn forward_impl(
     // h·HS..(h+1)·HS of its own rows of `out`: the tasks' pieces are disjoint.
     let out = SharedMut::new(out);
     for_each_query_block(lse, d.t, |bh, i0, lse_blk| {
-        let base = qkv_base(d, bh);
+        let bg = kv_head(d, bh);
+        let base = key_base(d, bg);
         let task = FwdTask {
             d,
             qkv,
@@ -52,11 +55,11 @@ pub(super) fn forward_impl(
             bh,
             i0,
             mask: mask.unwrap_or(NO_MASK),
-            kv: kv.get(bh * per_head..(bh + 1) * per_head).unwrap_or(&[]),
+            kv: kv.get(bg * per_head..(bg + 1) * per_head).unwrap_or(&[]),
             keys: KeyRows {
-                keys: &qkv[base + d.c..],
-                values: &qkv[base + 2 * d.c..],
-                rs: 3 * d.c,
+                keys: &qkv[base..],
+                values: &qkv[base + d.kv * d.hs..],
+                rs: w,
                 pos0: 0,
             },
         };
@@ -95,26 +98,27 @@ thread_local! {
     static KV_PACKS: Cell<Vec<u32>> = const { Cell::new(Vec::new()) };
 }
 
-/// The lengths, in pairs, of one head's packed keys (T rows of ⌈HS / 2⌉ pairs along
-/// the channels: the A operand of S = Q·Kᵀ, computed as K·Qᵀ) and packed values
-/// (⌈T / 2⌉ pair rows over keys of 16·⌈HS / 16⌉ columns: the B operand of P̃·V).
+/// The lengths, in pairs, of one key/value head's packed keys (T rows of ⌈HS / 2⌉
+/// pairs along the channels: the A operand of S = Q·Kᵀ, computed as K·Qᵀ) and packed
+/// values (⌈T / 2⌉ pair rows over keys of 16·⌈HS / 16⌉ columns: the B operand of P̃·V).
 fn kv_pack_len(d: Dims) -> [usize; 2] {
-    let hs = d.hs();
+    let hs = d.hs;
     [d.t * hs.div_ceil(2), d.t.div_ceil(2) * hs.div_ceil(16) * 16]
 }
 
-/// Packs every head's keys and values into `kv`, heads one after another
-/// ([`kv_pack_len`]), in parallel over heads. Panics without AVX512-BF16.
+/// Packs every key/value head's keys and values into `kv`, heads (`b·KV + g`) one
+/// after another ([`kv_pack_len`]), in parallel over heads. Panics without
+/// AVX512-BF16.
 fn pack_keys_values(kv: &mut Vec<u32>, qkv: &[f32], d: Dims) {
     assert!(isa::bf16_usable(), "bf16 attention needs AVX512-BF16");
     let [kl, vl] = kv_pack_len(d);
-    kv.resize(d.b * d.nh * (kl + vl), 0);
+    kv.resize(d.b * d.kv * (kl + vl), 0);
     kv.par_chunks_mut(kl + vl)
         .enumerate()
-        .for_each(|(bh, dst)| {
+        .for_each(|(bg, dst)| {
             let (k, v) = dst.split_at_mut(kl);
-            let (c, hs, row3, base) = (d.c, d.hs(), 3 * d.c, qkv_base(d, bh));
-            assert!(base + (d.t - 1) * row3 + 2 * c + hs <= qkv.len());
+            let (vo, hs, row, base) = (d.kv * d.hs, d.hs, d.qkv_width(), key_base(d, bg));
+            assert!(base + (d.t - 1) * row + vo + hs <= qkv.len());
             // SAFETY: AVX512-BF16 and AVX-512 F (asserted); the head's T key and value
             // rows lie in `qkv` (asserted), `k` holds T rows of ⌈HS / 2⌉ pairs and `v`
             // ⌈T / 2⌉ pair rows of 16·⌈HS / 16⌉ >= HS.
@@ -125,11 +129,11 @@ fn pack_keys_values(kv: &mut Vec<u32>, qkv: &[f32], d: Dims) {
                 pack_along(
                     k.as_mut_ptr(),
                     (hs.div_ceil(2), 1),
-                    &qkv[base + c],
-                    row3,
+                    &qkv[base],
+                    row,
                     (d.t, hs),
                 );
-                pack_across(v.as_mut_ptr(), hw, &qkv[base + 2 * c], row3, (d.t, hs));
+                pack_across(v.as_mut_ptr(), hw, &qkv[base + vo], row, (d.t, hs));
             }
             let _ = (k, v);
         });
@@ -153,16 +157,16 @@ pub(super) struct FwdTask<'a> {
     pub(super) bh: usize,
     pub(super) i0: usize,
     pub(super) mask: Dropout,
-    /// The head's keys and values packed for `vdpbf16ps` ([`pack_keys_values`]), or
-    /// empty.
+    /// The key/value head's keys and values packed for `vdpbf16ps`
+    /// ([`pack_keys_values`]), or empty.
     pub(super) kv: &'a [u32],
-    /// The head's keys and values in f32, which the f32 pass reads.
+    /// The key/value head's keys and values in f32, which the f32 pass reads.
     pub(super) keys: KeyRows<'a>,
 }
 
 /// One head's keys and values as the f32 forward pass reads them: the key of
 /// absolute position `s` at `keys[s·rs..s·rs + HS]`, its value likewise in `values`.
-/// Training reads them from `qkv` itself (`rs = 3C`, `pos0 = 0`); generation from a
+/// Training reads them from `qkv` itself (`rs = (NH + 2·KV)·HS`, `pos0 = 0`); generation from a
 /// cache of earlier positions ([`cached_attention`](super::cached_attention)).
 #[derive(Clone, Copy)]
 pub(super) struct KeyRows<'a> {
@@ -187,13 +191,14 @@ pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
         kv: _,
         keys: kr,
     } = task;
-    let (t, c, hs, scale, fma) = (d.t, d.c, d.hs(), score_scale(d), K::FMA);
-    let row3 = 3 * c;
+    // Rows of `qkv` are `row3` apart, rows of `out` `c` (GPT-2: 3C and C).
+    let (t, c, hs, scale, fma) = (d.t, d.q_width(), d.hs, score_scale(d), K::FMA);
+    let row3 = d.qkv_width();
     let nr = lse.len();
     let qbase = qkv_base(d, bh);
     let obase = out_base(d, bh) + i0 * c;
     let mask_base = (bh * t) as u64 * t as u64;
-    assert!(nr > 0 && i0 + nr <= t && qbase + (t - 1) * row3 + 2 * c + hs <= qkv.len());
+    assert!(nr > 0 && i0 + nr <= t && qbase + (t - 1) * row3 + hs <= qkv.len());
     // The absolute position of query row i0 (the rows of this block attend to keys
     // 0..=q0 + r), and the keys of the block's last row.
     let q0 = kr.pos0 + i0;
@@ -407,17 +412,21 @@ pub(super) unsafe fn forward_block_bf16<const DROP: bool>(task: FwdTask) {
         keys,
     } = task;
     assert_eq!(keys.pos0, 0, "the bf16 pass reads the keys of `qkv` itself");
-    let (t, c, hs, scale) = (d.t, d.c, d.hs(), score_scale(d));
-    let row3 = 3 * c;
+    let (t, c, hs, scale) = (d.t, d.q_width(), d.hs, score_scale(d));
+    let row3 = d.qkv_width();
     let nr = lse.len();
     let qbase = qkv_base(d, bh);
     let obase = out_base(d, bh) + i0 * c;
     let mask_base = (bh * t) as u64 * t as u64;
     assert!(hs <= DT && nr > 0 && i0 + nr <= t);
-    assert!(qbase + (t - 1) * row3 + 2 * c + hs <= qkv.len());
+    assert!(qbase + (t - 1) * row3 + hs <= qkv.len());
     let (hp, hw) = (pairs(hs), hs.div_ceil(16) * 16);
     let [kl, vl] = kv_pack_len(d);
-    assert_eq!(kv.len(), kl + vl, "the head's packed keys and values");
+    assert_eq!(
+        kv.len(),
+        kl + vl,
+        "the key/value head's packed keys and values"
+    );
     let (kpk, vpk) = kv.split_at(kl);
     assert!(kpk.len() == t * hp && vpk.len() == t.div_ceil(2) * hw);
 
@@ -429,10 +438,10 @@ pub(super) unsafe fn forward_block_bf16<const DROP: bool>(task: FwdTask) {
     let mut st = [[0.0f32; BQ]; BK];
     let mut m = [f32::NEG_INFINITY; BQ];
     let mut l = [0.0f32; BQ];
-    let at = |row: usize, part: usize| qkv[qbase + row * row3 + part * c..].as_ptr();
+    let q = qkv[qbase + i0 * row3..].as_ptr();
     // SAFETY: rows i0..i0 + nr of this head's q lie in `qkv` (asserted); qp has
     // ⌈HS / 2⌉ <= DT / 2 rows of BQ >= nr pairs.
-    unsafe { pack_along(qp.as_mut_ptr().cast(), (1, BQ), at(i0, 0), row3, (nr, hs)) };
+    unsafe { pack_along(qp.as_mut_ptr().cast(), (1, BQ), q, row3, (nr, hs)) };
 
     let kend = i0 + nr;
     for j0 in (0..kend).step_by(BK) {

@@ -1,7 +1,14 @@
-//! Causal multi-head self-attention.
+//! Causal multi-head self-attention, and its grouped-query form.
 //!
-//! For each sequence `b`, head `h` and position `t`, with `q_t`, `k_s`, `v_s` the
-//! head's `HS` channels of the query, key and value of positions `t` and `s`:
+//! Query head `h` reads key/value head `g = h / (NH / KV)`: with `KV = NH` this is
+//! GPT-2's multi-head attention, with fewer key/value heads grouped-query attention
+//! (Llama, Qwen; `KV = 1` is multi-query). A row of `qkv` holds the `NH` query heads,
+//! then the `KV` key heads, then the `KV` value heads, `HS` channels each (width
+//! `(NH + 2·KV)·HS`, GPT-2's `3C`); the output holds the `NH` heads (width `QW`).
+//!
+//! For each sequence `b`, head `h` and position `t`, with `q_t` the head's `HS`
+//! channels of the query of position `t`, `k_s` and `v_s` its key/value head's key and
+//! value of position `s`:
 //!
 //! ```text
 //! x_s   = q_t · k_s / √HS           for the causal keys s <= t
@@ -18,7 +25,8 @@
 //! without any `T × T` matrix. The forward pass walks each head's queries in blocks
 //! of `BQ` rows and its keys in blocks of `BK` rows with an online (running-max)
 //! softmax; it keeps only the per-row log-sum-exp. The backward pass recomputes the
-//! probabilities of each (query block, key block) tile from that log-sum-exp.
+//! probabilities of each (query block, key block) tile from that log-sum-exp, one task
+//! per key/value head, which sums the key and value gradients of its query heads.
 //!
 //! Both passes are built from one register-tiled matrix kernel, `gemm_acc`, over
 //! fixed-size stack tiles, so nothing is allocated on the heap. On x86-64 everything is
@@ -83,14 +91,14 @@ pub use cached::{cached_attention, KvCache};
 /// A reference for reading and for tests: it allocates, and takes `O(T²·HS)` time
 /// per head.
 pub fn naive_forward(qkv: &[f64], d: Dims, dropout: Option<Dropout>) -> (Vec<f64>, Vec<f64>) {
-    let hs = d.hs();
-    let mut out = vec![0.0; d.bt() * d.c];
+    let (hs, qw) = (d.hs, d.q_width());
+    let mut out = vec![0.0; d.bt() * qw];
     let mut lse = vec![0.0; d.b * d.nh * d.t];
     for query in naive_queries(d) {
         let (b, h, t) = query;
         let (p, l) = naive_probs(qkv, d, query);
         lse[(b * d.nh + h) * d.t + t] = l;
-        let o = &mut out[(b * d.t + t) * d.c + h * hs..][..hs];
+        let o = &mut out[(b * d.t + t) * qw + h * hs..][..hs];
         for (s, &ps) in p.iter().enumerate() {
             let pm = ps * naive_mask(dropout, d, query, s);
             let v = &qkv[naive_at(d, (b, h, s), 2)..][..hs];
@@ -113,13 +121,13 @@ pub fn naive_forward(qkv: &[f64], d: Dims, dropout: Option<Dropout>) -> (Vec<f64
 /// dk_s += dx_s · q_t / √HS
 /// ```
 pub fn naive_backward(dout: &[f64], qkv: &[f64], d: Dims, dropout: Option<Dropout>) -> Vec<f64> {
-    let hs = d.hs();
+    let (hs, qw) = (d.hs, d.q_width());
     let scale = 1.0 / (hs as f64).sqrt();
     let mut dqkv = vec![0.0; qkv.len()];
     for query in naive_queries(d) {
         let (b, h, t) = query;
         let (p, _) = naive_probs(qkv, d, query);
-        let dy = &dout[(b * d.t + t) * d.c + h * hs..][..hs];
+        let dy = &dout[(b * d.t + t) * qw + h * hs..][..hs];
         let mut dp = vec![0.0; p.len()];
         for (s, &ps) in p.iter().enumerate() {
             let m = naive_mask(dropout, d, query, s);
@@ -151,15 +159,19 @@ fn naive_queries(d: Dims) -> impl Iterator<Item = Query> {
     (0..d.b).flat_map(move |b| (0..d.nh).flat_map(move |h| (0..d.t).map(move |t| (b, h, t))))
 }
 
-/// Index in a `(B, T, 3C)` tensor of channel 0 of head `h` at token `(b, s)`, in the
-/// query (`part` 0), key (1) or value (2) third.
+/// Index in a `(B, T, (NH + 2·KV)·HS)` tensor of channel 0 at token `(b, s)` of query
+/// head `h` (`part` 0), or of its key/value head's key (1) or value (2).
 fn naive_at(d: Dims, (b, h, s): Query, part: usize) -> usize {
-    (b * d.t + s) * 3 * d.c + part * d.c + h * d.hs()
+    let head = match part {
+        0 => h,
+        _ => d.nh + (part - 1) * d.kv + h / d.group(),
+    };
+    (b * d.t + s) * d.qkv_width() + head * d.hs
 }
 
 /// The probabilities `p_s`, `s <= t`, of query `(b, h, t)`, and their `lse_t`.
 fn naive_probs(qkv: &[f64], d: Dims, (b, h, t): Query) -> (Vec<f64>, f64) {
-    let hs = d.hs();
+    let hs = d.hs;
     let scale = 1.0 / (hs as f64).sqrt();
     let q = &qkv[naive_at(d, (b, h, t), 0)..][..hs];
     let x: Vec<f64> = (0..=t)
@@ -196,9 +208,11 @@ const DT: usize = 128;
 
 /// Causal self-attention forward (flash-style; no `T × T` buffer).
 ///
-/// - `qkv`: `(B, T, 3C)`; token `(b, t)` holds q in channels `[0, C)`, k in `[C, 2C)`,
-///   v in `[2C, 3C)`, and head `h` uses channels `h·HS..(h+1)·HS` of each (`HS = C/NH`).
-/// - `out`: `(B, T, C)`, heads concatenated the same way; overwritten.
+/// - `qkv`: `(B, T, (NH + 2·KV)·HS)`; token `(b, t)` holds the queries in channels
+///   `[0, QW)` (head `h` in `h·HS..(h+1)·HS`), then the keys of the `KV` key/value
+///   heads, then their values. GPT-2 (`KV = NH`, `QW = C`): q in `[0, C)`, k in
+///   `[C, 2C)`, v in `[2C, 3C)`.
+/// - `out`: `(B, T, QW)`, heads concatenated the same way; overwritten.
 /// - `lse`: `(B, NH, T)`, the log-sum-exp of the scaled scores `q_t·k_s / √HS` over
 ///   the causal keys `s <= t` (without dropout); overwritten, and needed by backward.
 /// - `dropout`: applied to the attention probabilities; element `(b, h, t, s)` uses
@@ -222,14 +236,16 @@ pub fn attention_forward<const BF16: bool>(
 
 /// Causal self-attention backward, recomputing the probabilities from `lse`.
 ///
-/// `dout`: `(B, T, C)`; `qkv`, `out`, `lse` and `dropout` exactly as given to and
-/// produced by [`attention_forward`]; `dqkv`: `(B, T, 3C)`, **overwritten**. With
+/// `dout`: `(B, T, QW)`; `qkv`, `out`, `lse` and `dropout` exactly as given to and
+/// produced by [`attention_forward`]; `dqkv`: like `qkv`, **overwritten** (a key/value
+/// head's gradients sum over its query heads). With
 /// `BF16`, `dqkv` is rounded to bf16 (the operand of the bf16 matmuls that follow
 /// under autocast) by each task as its rows are final and still in cache, instead
 /// of in a pass of its own: the same bits; and the products run on `vdpbf16ps` where
 /// [`bf16_backward_products`] says so.
 ///
-/// Parallel over `(b, h)`; results do not depend on the thread count.
+/// Parallel over `(b, g)` for the key/value heads `g`; results do not depend on the
+/// thread count.
 pub fn attention_backward<const BF16: bool>(
     dqkv: &mut [f32],
     dout: &[f32],
@@ -259,7 +275,7 @@ pub fn attention_backward<const BF16: bool>(
 /// AVX512-BF16, heads of at most [`DT`] channels, and `NANOGPT_BF16_GEMM=f32` not
 /// forcing the f32 products (for the bf16 matmuls and then the attention's too).
 fn bf16_capable(d: Dims) -> bool {
-    d.hs() <= DT && isa::bf16_usable() && gemm::kernel() != Kernel::F32
+    d.hs <= DT && isa::bf16_usable() && gemm::kernel() != Kernel::F32
 }
 
 /// From this T on, bf16 attention's forward pass runs its products on `vdpbf16ps`.
@@ -285,32 +301,46 @@ pub fn bf16_backward_products<const BF16: bool>(d: Dims) -> bool {
     BF16 && d.t >= BF16_BACKWARD_MIN_T && bf16_capable(d)
 }
 
-/// Panics unless `C` splits into `NH` heads.
+/// Panics unless the query heads split evenly over the key/value heads, of a
+/// positive size.
 fn check_heads(d: Dims) {
-    let (c, nh) = (d.c, d.nh);
+    let (nh, kv, hs) = (d.nh, d.kv, d.hs);
     assert!(
-        nh > 0 && c > 0 && c.is_multiple_of(nh),
-        "C = {c} must be a positive multiple of NH = {nh}"
+        nh > 0 && kv > 0 && hs > 0 && nh.is_multiple_of(kv),
+        "NH = {nh} query heads must be a positive multiple of KV = {kv} key/value heads \
+         of HS = {hs} > 0 channels"
     );
 }
 
 /// The factor of the scores, `1 / √HS`.
 fn score_scale(d: Dims) -> f32 {
-    1.0 / (d.hs() as f32).sqrt()
+    1.0 / (d.hs as f32).sqrt()
 }
 
-/// Index in `qkv`/`dqkv` of channel 0 of head `h`'s query at token `(b, 0)`, where
-/// `bh = b·NH + h`; keys are `C` further on, values `2C`, and token `s` is `s·3C`
-/// further on.
+/// Index in `qkv`/`dqkv` of channel 0 of query head `h` at token `(b, 0)`, where
+/// `bh = b·NH + h`; token `s` is `s·(NH + 2·KV)·HS` further on.
 fn qkv_base(d: Dims, bh: usize) -> usize {
     let (b, h) = (bh / d.nh, bh % d.nh);
-    b * d.t * 3 * d.c + h * d.hs()
+    b * d.t * d.qkv_width() + h * d.hs
+}
+
+/// Index in `qkv`/`dqkv` of channel 0 of key/value head `g`'s key at token `(b, 0)`,
+/// where `bg = b·KV + g`; its value is `KV·HS` further on.
+fn key_base(d: Dims, bg: usize) -> usize {
+    let (b, g) = (bg / d.kv, bg % d.kv);
+    b * d.t * d.qkv_width() + (d.nh + g) * d.hs
 }
 
 /// Index in `out`/`dout` of channel 0 of head `h` at token `(b, 0)`, `bh = b·NH + h`.
 fn out_base(d: Dims, bh: usize) -> usize {
     let (b, h) = (bh / d.nh, bh % d.nh);
-    b * d.t * d.c + h * d.hs()
+    b * d.t * d.q_width() + h * d.hs
+}
+
+/// The key/value head `b·KV + g` that query head `bh = b·NH + h` reads.
+fn kv_head(d: Dims, bh: usize) -> usize {
+    let (b, h) = (bh / d.nh, bh % d.nh);
+    b * d.kv + h / d.group()
 }
 
 /// The mask to apply, or `None` where it would be the identity.

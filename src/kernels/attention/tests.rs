@@ -6,26 +6,39 @@ use super::*;
 use crate::kernels::testutil::{assert_close, dot, numeric_grad, rand_vec, to_f64};
 use crate::kernels::Dims;
 
-fn inputs(b: usize, t: usize, c: usize, seed: u64) -> (Vec<f32>, Vec<f32>) {
+/// Random `qkv` `(B, T, (NH + 2·KV)·HS)` and an output gradient `(B, T, NH·HS)`.
+fn inputs_of(d: Dims, seed: u64) -> (Vec<f32>, Vec<f32>) {
     // Scaled up so that attention is far from uniform.
-    let qkv: Vec<f32> = rand_vec(b * t * 3 * c, seed)
+    let qkv: Vec<f32> = rand_vec(d.bt() * d.qkv_width(), seed)
         .iter()
         .map(|v| 2.0 * v)
         .collect();
-    (qkv, rand_vec(b * t * c, seed + 1))
+    (qkv, rand_vec(d.bt() * d.q_width(), seed + 1))
 }
 
-/// Checks forward against [`naive_forward`], and backward against central differences
-/// of `L = Σ out · w` (on every coordinate, or on `subset` of them if given) and
-/// against [`naive_backward`] (on every coordinate).
+/// [`inputs_of`] multi-head attention over `C` in `NH` heads.
+fn inputs(b: usize, t: usize, c: usize, seed: u64) -> (Vec<f32>, Vec<f32>) {
+    inputs_of(Dims::new(b, t, c, 1), seed)
+}
+
+/// [`check_dims`] for multi-head attention, `(B, T, C, NH)`.
 fn check(
     (b, t, c, nh): (usize, usize, usize, usize),
     mask: Option<Dropout>,
     seed: u64,
     subset: Option<usize>,
 ) {
-    let d = Dims { b, t, c, nh };
-    let (qkv, w) = inputs(b, t, c, seed);
+    check_dims(Dims::new(b, t, c, nh), mask, seed, subset)
+}
+
+/// Checks forward against [`naive_forward`], and backward against central differences
+/// of `L = Σ out · w` (on every coordinate, or on `subset` of them if given) and
+/// against [`naive_backward`] (on every coordinate).
+fn check_dims(d: Dims, mask: Option<Dropout>, seed: u64, subset: Option<usize>) {
+    let Dims {
+        b, t, nh, kv, hs, ..
+    } = d;
+    let (qkv, w) = inputs_of(d, seed);
     let qkv64 = to_f64(&qkv);
     let (want_out, want_lse) = naive_forward(&qkv64, d, mask);
     let loss = |x: &[f64]| dot(&naive_forward(x, d, mask).0, &w);
@@ -53,8 +66,8 @@ fn check(
     };
     let want_dqkv = naive_backward(&to_f64(&w), &qkv64, d, mask);
     for isa in Isa::available() {
-        let what = format!("B={b} T={t} C={c} NH={nh} mask={mask:?} {isa:?}");
-        let mut out = vec![f32::NAN; b * t * c];
+        let what = format!("B={b} T={t} NH={nh} KV={kv} HS={hs} mask={mask:?} {isa:?}");
+        let mut out = vec![f32::NAN; d.bt() * d.q_width()];
         let mut lse = vec![f32::NAN; b * nh * t];
         forward_impl(isa, &mut out, &mut lse, &qkv, d, mask, false);
         assert_close(&format!("{what}: out"), &out, &want_out, 1e-5, 1e-6);
@@ -98,22 +111,22 @@ const DROP: Option<Dropout> = Some(Dropout { p: 0.25, seed: 99 });
 #[test]
 fn naive_backward_is_the_gradient_of_naive_forward() {
     for (mask, seed) in [(None, 19), (DROP, 20)] {
-        let d = Dims {
-            b: 2,
-            t: 6,
-            c: 12,
-            nh: 2,
-        };
-        let (qkv, w) = inputs(d.b, d.t, d.c, seed);
-        let qkv = to_f64(&qkv);
-        let loss = |x: &[f64]| dot(&naive_forward(x, d, mask).0, &w);
-        let want = numeric_grad(loss, &qkv, 1e-5);
-        let got = naive_backward(&to_f64(&w), &qkv, d, mask);
-        for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
-            assert!(
-                (g - w).abs() <= 1e-8 * (1.0 + w.abs()),
-                "{mask:?}: {i}: {g} vs {w}"
-            );
+        // Multi-head, and grouped-query with HS != C / NH.
+        for d in [
+            Dims::new(2, 6, 12, 2),
+            Dims::new(2, 6, 12, 4).with_heads(2, 5),
+        ] {
+            let (qkv, w) = inputs_of(d, seed);
+            let qkv = to_f64(&qkv);
+            let loss = |x: &[f64]| dot(&naive_forward(x, d, mask).0, &w);
+            let want = numeric_grad(loss, &qkv, 1e-5);
+            let got = naive_backward(&to_f64(&w), &qkv, d, mask);
+            for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (g - w).abs() <= 1e-8 * (1.0 + w.abs()),
+                    "{d:?} {mask:?}: {i}: {g} vs {w}"
+                );
+            }
         }
     }
 }
@@ -171,9 +184,103 @@ fn head_larger_than_tile() {
 }
 
 #[test]
+fn grouped_query_three_to_one() {
+    // 6 query heads over 2 key/value heads, HS = 8; more than one key block.
+    let d = Dims::new(2, 37, 48, 6).with_heads(2, 8);
+    check_dims(d, None, 41, None);
+    check_dims(d, DROP, 42, Some(600));
+}
+
+#[test]
+fn one_key_value_head() {
+    // Multi-query: every query head reads the one key/value head; HS = 12.
+    let d = Dims::new(2, 20, 48, 4).with_heads(1, 12);
+    check_dims(d, None, 43, None);
+    check_dims(d, DROP, 44, None);
+}
+
+#[test]
+fn head_size_independent_of_channels() {
+    // Qwen3's shape: HS = 128 > C / NH (here C = 64 in 4 heads), 2:1 groups; and a
+    // head wider than a tile with one key/value head.
+    let qwen3 = Dims::new(1, 35, 64, 4).with_heads(2, 128);
+    check_dims(qwen3, None, 45, Some(500));
+    check_dims(qwen3, DROP, 46, Some(500));
+    let wide = Dims::new(1, 35, 64, 2).with_heads(1, 136);
+    check_dims(wide, None, 47, Some(400));
+}
+
+#[test]
+fn grouped_query_does_not_depend_on_the_thread_count() {
+    let d = Dims::new(2, 70, 64, 6).with_heads(2, 16);
+    let (qkv, dout) = inputs_of(d, 48);
+    let run = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            let mut out = vec![0.0; d.bt() * d.q_width()];
+            let mut lse = vec![0.0; d.b * d.nh * d.t];
+            attention_forward::<false>(&mut out, &mut lse, &qkv, d, DROP);
+            let mut dqkv = vec![0.0; qkv.len()];
+            attention_backward::<false>(&mut dqkv, &dout, &qkv, &out, &lse, d, DROP);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            (bits(&out), bits(&lse), bits(&dqkv))
+        })
+    };
+    let one = run(1);
+    assert_eq!(one, run(2));
+    assert_eq!(one, run(3));
+}
+
+#[test]
+fn multi_head_is_grouped_query_with_groups_of_one() {
+    // Dims::new's heads and the same heads spelled out agree bit for bit.
+    let d = Dims::new(2, 40, 48, 3);
+    let spelled = Dims::new(2, 40, 0, 3).with_heads(3, 16);
+    let (qkv, dout) = inputs_of(d, 49);
+    let run = |d: Dims| {
+        let mut out = vec![0.0; d.bt() * d.q_width()];
+        let mut lse = vec![0.0; d.b * d.nh * d.t];
+        attention_forward::<false>(&mut out, &mut lse, &qkv, d, DROP);
+        let mut dqkv = vec![0.0; qkv.len()];
+        attention_backward::<false>(&mut dqkv, &dout, &qkv, &out, &lse, d, DROP);
+        (out, lse, dqkv)
+    };
+    assert_eq!(run(d), run(spelled));
+}
+
+#[test]
+fn grouped_query_matches_transformers() {
+    // transformers' eager attention (repeat_kv, causal mask) on 3:1 groups, one
+    // key/value head, and Qwen3's head_dim 128.
+    let f = crate::kernels::testutil::LlamaFixture::load();
+    for name in ["gqa3", "mqa", "qwen3"] {
+        let d = f.dims(&format!("attn.{name}.dims"));
+        let qkv = f.f32(&format!("attn.{name}.qkv"));
+        let dout = f.f32(&format!("attn.{name}.dout"));
+        for isa in Isa::available() {
+            let what = format!("{name} {isa:?}");
+            let mut out = vec![f32::NAN; d.bt() * d.q_width()];
+            let mut lse = vec![f32::NAN; d.b * d.nh * d.t];
+            forward_impl(isa, &mut out, &mut lse, &qkv, d, None, false);
+            let want = f.f64(&format!("attn.{name}.out"));
+            assert_close(&format!("{what}: out"), &out, &want, 1e-5, 1e-6);
+            let mut dqkv = vec![f32::NAN; qkv.len()];
+            backward_impl(
+                isa, &mut dqkv, &dout, &qkv, &out, &lse, d, None, false, false,
+            );
+            let want = f.f64(&format!("attn.{name}.dqkv"));
+            assert_close(&format!("{what}: dqkv"), &dqkv, &want, 1e-4, 1e-6);
+        }
+    }
+}
+
+#[test]
 fn dropout_changes_output() {
     let (b, t, c, nh) = (1, 20, 16, 2);
-    let d = Dims { b, t, c, nh };
+    let d = Dims::new(b, t, c, nh);
     let (qkv, _) = inputs(b, t, c, 17);
     let run = |mask| {
         let mut out = vec![0.0; b * t * c];
@@ -191,7 +298,7 @@ fn dropout_changes_output() {
 #[test]
 fn deterministic_across_thread_counts() {
     let (b, t, c, nh) = (2, 100, 64, 4);
-    let d = Dims { b, t, c, nh };
+    let d = Dims::new(b, t, c, nh);
     let (qkv, dout) = inputs(b, t, c, 18);
     let run = |threads: usize| {
         let pool = rayon::ThreadPoolBuilder::new()
@@ -225,14 +332,14 @@ const BF16_U: f64 = 1.0 / 256.0;
 ///   `U·p_s·m_s·|v_s|`; the running-max factor of P̃ and `1 / l` are exact scalings);
 /// - `dv_s`: `Σ_t p_s·m_s·|dout_t|`, `dq_t`: `Σ_s |dx_s|·|k_s|`, `dk_s`: `Σ_t |dx_s|·|q_t|`.
 fn bf16_bounds(dout: &[f64], qkv: &[f64], d: Dims, dropout: Option<Dropout>) -> [Vec<f64>; 2] {
-    let hs = d.hs();
+    let (hs, qw) = (d.hs, d.q_width());
     let scale = 1.0 / (hs as f64).sqrt();
     let mut out = vec![0.0; dout.len()];
     let mut dqkv = vec![0.0; qkv.len()];
     for query in naive_queries(d) {
         let (b, h, t) = query;
         let (p, _) = naive_probs(qkv, d, query);
-        let o = (b * d.t + t) * d.c + h * hs;
+        let o = (b * d.t + t) * qw + h * hs;
         let q = naive_at(d, query, 0);
         let m: Vec<f64> = (0..p.len())
             .map(|s| naive_mask(dropout, d, query, s))
@@ -286,16 +393,23 @@ fn within_bound(
 /// beyond f32 noise); elsewhere, or with `NANOGPT_BF16_GEMM=f32`, the f32 passes run
 /// and must be as close as in [`check`].
 fn check_bf16((b, t, c, nh): (usize, usize, usize, usize), mask: Option<Dropout>, seed: u64) {
-    let d = Dims { b, t, c, nh };
-    let (qkv, dout) = inputs(b, t, c, seed);
+    check_bf16_dims(Dims::new(b, t, c, nh), mask, seed)
+}
+
+/// [`check_bf16`] for any heads.
+fn check_bf16_dims(d: Dims, mask: Option<Dropout>, seed: u64) {
+    let Dims {
+        b, t, nh, kv, hs, ..
+    } = d;
+    let (qkv, dout) = inputs_of(d, seed);
     let (qkv, dout) = (bf16_values(&qkv), bf16_values(&dout));
     let (qkv64, dout64) = (to_f64(&qkv), to_f64(&dout));
     let (want_out, want_lse) = naive_forward(&qkv64, d, mask);
     let want_dqkv = naive_backward(&dout64, &qkv64, d, mask);
     let [out_bound, dqkv_bound] = bf16_bounds(&dout64, &qkv64, d, mask);
     let bf16 = bf16_capable(d);
-    let what = format!("bf16 products {bf16}: B={b} T={t} C={c} NH={nh} mask={mask:?}");
-    let mut out = vec![f32::NAN; b * t * c];
+    let what = format!("bf16 products {bf16}: B={b} T={t} NH={nh} KV={kv} HS={hs} mask={mask:?}");
+    let mut out = vec![f32::NAN; d.bt() * d.q_width()];
     let mut lse = vec![f32::NAN; b * nh * t];
     forward_impl(Isa::detect(), &mut out, &mut lse, &qkv, d, mask, bf16);
     assert_close(&format!("{what}: lse"), &lse, &want_lse, 1e-5, 1e-6);
@@ -368,9 +482,22 @@ fn bf16_products_odd_head_sizes() {
 }
 
 #[test]
+fn bf16_products_grouped_query() {
+    // 3:1 groups and one key/value head; HS = 128 (Qwen3) with a ragged T.
+    for (d, t) in [
+        (Dims::new(2, 0, 48, 6).with_heads(2, 8), 65),
+        (Dims::new(1, 0, 48, 4).with_heads(1, 12), 40),
+        (Dims::new(1, 0, 64, 4).with_heads(2, 128), 33),
+    ] {
+        check_bf16_dims(Dims { t, ..d }, None, 51);
+        check_bf16_dims(Dims { t, ..d }, DROP, 52);
+    }
+}
+
+#[test]
 fn bf16_products_do_not_depend_on_the_thread_count() {
     let (b, t, c, nh) = (2, 100, 64, 4);
-    let d = Dims { b, t, c, nh };
+    let d = Dims::new(b, t, c, nh);
     let (qkv, dout) = inputs(b, t, c, 24);
     let (qkv, dout) = (bf16_values(&qkv), bf16_values(&dout));
     let bf16 = bf16_capable(d);
@@ -398,12 +525,7 @@ fn bf16_products_do_not_depend_on_the_thread_count() {
 
 #[test]
 fn bf16_products_run_from_the_measured_lengths_on() {
-    let d = |t| Dims {
-        b: 1,
-        t,
-        c: 128,
-        nh: 2,
-    };
+    let d = |t| Dims::new(1, t, 128, 2);
     let capable = bf16_capable(d(1));
     for t in [1, 256, 511, 512, 1024, 2047, 2048, 4096] {
         assert_eq!(bf16_forward_products::<true>(d(t)), capable && t >= 2048);
@@ -411,11 +533,7 @@ fn bf16_products_run_from_the_measured_lengths_on() {
         assert!(!bf16_forward_products::<false>(d(t)) && !bf16_backward_products::<false>(d(t)));
     }
     // Heads wider than a tile keep the f32 passes.
-    let wide = Dims {
-        c: 136,
-        nh: 1,
-        ..d(4096)
-    };
+    let wide = Dims::new(1, 4096, 136, 1);
     assert!(!bf16_forward_products::<true>(wide) && !bf16_backward_products::<true>(wide));
 }
 
@@ -424,12 +542,7 @@ fn bf16_falls_back_to_the_f32_products_when_forced() {
     // `NANOGPT_BF16_GEMM=f32` (here: the f32 kernel forced for this thread) runs bf16
     // attention on the f32 products: the f32 pass's bits, plus dqkv's rounding. T 512:
     // long enough for the backward's products to run on `vdpbf16ps` otherwise.
-    let d = Dims {
-        b: 1,
-        t: 512,
-        c: 64,
-        nh: 2,
-    };
+    let d = Dims::new(1, 512, 64, 2);
     let (qkv, dout) = inputs(d.b, d.t, d.c, 25);
     let qkv = bf16_values(&qkv);
     let run = |bf16: bool| {
@@ -489,12 +602,7 @@ fn bf16_attention_speed() {
     // ATTN_T=256,512 picks the sequence lengths.
     let ts = std::env::var("ATTN_T").unwrap_or("256,1024".into());
     for t in ts.split(',').map(|t| t.parse::<usize>().unwrap()) {
-        let d = Dims {
-            b: 1,
-            t,
-            c: 768,
-            nh: 12,
-        };
+        let d = Dims::new(1, t, 768, 12);
         let (qkv, dout) = inputs(d.b, t, d.c, 40);
         let (qkv, dout) = (bf16_values(&qkv), bf16_values(&dout));
         let mut out = vec![0.0; d.bt() * d.c];
