@@ -17,10 +17,11 @@
 //! `BF16_BENCH_REPS` (default 7) sets the repetitions, `BF16_BENCH_SHAPES=qkv,cls`
 //! keeps the products whose names contain one of the words.
 
-use nanogpt::kernels::bf16::amx::{self, PackedB};
 use nanogpt::kernels::bf16::gemm::{self, Kernel};
+use nanogpt::kernels::bf16::pack::PackedB;
 use nanogpt::kernels::bf16::products::{CLS_DWTE_BLOCK, GPT2_PRODUCTS};
-use nanogpt::kernels::matmul::{matmul, Mat};
+use nanogpt::kernels::cpu;
+use nanogpt::kernels::mat::{matmul, Mat};
 use std::time::Instant;
 
 /// How many times one step (12 layers; the classifier in 4 chunks of 256 rows, each
@@ -88,7 +89,7 @@ fn main() {
     // Ours, even in a build where oneDNN would be the default (its column calls it
     // directly).
     if std::env::var_os("NANOGPT_BF16_GEMM").is_none() {
-        let k = if amx::permitted() {
+        let k = if cpu::amx_permitted() {
             "amx"
         } else {
             "avx512bf16"

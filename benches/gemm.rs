@@ -5,7 +5,7 @@
 //!
 //!     cargo bench --bench gemm            # RAYON_NUM_THREADS / MATMUL_NUM_THREADS = cores
 
-use nanogpt::kernels::matmul::{matmul, Mat};
+use nanogpt::kernels::mat::{matmul, Mat};
 use std::time::Instant;
 
 /// How an operand is stored: `N` dense row-major as used, `T` stored transposed

@@ -3,7 +3,7 @@
 
 use crate::dist::{clip_and_step, Single, StepSettings};
 use crate::kernels::bf16::gemm::matmul_bf16;
-use crate::kernels::matmul::{matmul, Mat};
+use crate::kernels::mat::{matmul, Mat};
 use crate::model::decode::Decoder;
 use crate::model::lora::LoraConfig;
 use crate::model::Dtype;
@@ -83,7 +83,7 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     // One micro-step per optimizer step, as timed (`Gpt::set_micro_steps`).
     gpt.set_micro_steps(1);
     gpt.set_dtype(opts.dtype);
-    let mut opt = AdamW::new(&gpt.layout, AdamWConfig::default());
+    let mut opt = AdamW::new(&gpt.layout.decay_ranges(), AdamWConfig::default());
     let v = opts.model.vocab_size;
     let inputs: Vec<u32> = (0..b * t).map(|i| (i * 7919 % v) as u32).collect();
     let targets: Vec<i32> = (0..b * t).map(|i| ((i + 1) * 7919 % v) as i32).collect();

@@ -4,7 +4,6 @@
 use crate::kernels::bf16;
 use crate::kernels::fastmath::{simd_fn, Simd};
 use crate::kernels::SharedMut;
-use crate::model::ParamLayout;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
@@ -28,6 +27,16 @@ impl Default for AdamWConfig {
             weight_decay: 0.1,
         }
     }
+}
+
+/// The parameter arena as AdamW sees it: its length and, in arena order, each
+/// tensor's range and whether weight decay applies to it (nanoGPT decays the tensors
+/// of rank ≥ 2 only: `ParamLayout::decay_ranges`). Elements in no range (alignment
+/// gaps) are never touched.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DecayRanges {
+    pub len: usize,
+    pub tensors: Vec<(Range<usize>, bool)>,
 }
 
 /// Floats per parallel task of the update.
@@ -58,8 +67,9 @@ pub struct AdamW {
 }
 
 impl AdamW {
-    pub fn new(layout: &ParamLayout, config: AdamWConfig) -> AdamW {
-        let mut opt = AdamW::for_shard(layout, config, &[(0..layout.len, 0)], layout.len);
+    /// AdamW over the whole arena `arena`.
+    pub fn new(arena: &DecayRanges, config: AdamWConfig) -> AdamW {
+        let mut opt = AdamW::for_shard(arena, config, &[(0..arena.len, 0)], arena.len);
         opt.whole = true;
         opt
     }
@@ -69,7 +79,7 @@ impl AdamW {
     /// and `v` then cover only the shard; update it with [`AdamW::step_shard`].
     /// Parameters outside every tensor (alignment gaps) are never touched.
     pub fn for_shard(
-        layout: &ParamLayout,
+        arena: &DecayRanges,
         config: AdamWConfig,
         shard: &[(Range<usize>, usize)],
         state_len: usize,
@@ -77,14 +87,13 @@ impl AdamW {
         let mut pieces = Vec::new();
         for (part, slot) in shard {
             assert!(slot + part.len() <= state_len, "shard slot out of range");
-            for tensor in &layout.tensors {
-                let t = tensor.range();
+            for (t, decay) in &arena.tensors {
                 let range = t.start.max(part.start)..t.end.min(part.end);
                 for start in range.clone().step_by(PIECE) {
                     pieces.push(Piece {
                         range: start..(start + PIECE).min(range.end),
                         slot: slot + start - part.start,
-                        decay: tensor.decays(),
+                        decay: *decay,
                     });
                 }
             }
@@ -411,19 +420,18 @@ impl LrSchedule {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::ModelConfig;
 
-    /// A model small enough to check updates by hand: 4 wide, vocabulary 8.
-    fn tiny_config(n_layer: usize) -> ModelConfig {
-        ModelConfig {
-            vocab_size: 8,
-            block_size: 4,
-            n_layer,
-            n_head: 1,
-            n_embd: 4,
-            bias: true,
-            dropout: 0.0,
+    /// An arena of `blocks` pairs of tensors: a matrix (decayed) of 4·(3 + b) floats,
+    /// then a vector of 4 and a gap of 3, as a model ranges's alignment leaves them.
+    fn arena(blocks: usize) -> DecayRanges {
+        let (mut tensors, mut at) = (Vec::new(), 0);
+        for b in 0..blocks {
+            let m = 4 * (3 + b);
+            tensors.push((at..at + m, true));
+            tensors.push((at + m..at + m + 4, false));
+            at += m + 4 + 3;
         }
+        DecayRanges { len: at, tensors }
     }
 
     fn schedule() -> LrSchedule {
@@ -474,12 +482,12 @@ mod tests {
     /// Clipping inside the update gives the same bits as clipping the gradients first.
     #[test]
     fn scaled_step_equals_clipping_then_stepping() {
-        let layout = ParamLayout::new(&tiny_config(1));
-        let n = layout.len;
+        let ranges = arena(6);
+        let n = ranges.len;
         let init: Vec<f32> = (0..n).map(|i| (i % 13) as f32 * 0.1 - 0.6).collect();
         let (mut clipped, mut fused) = (init.clone(), init);
-        let mut first = AdamW::new(&layout, AdamWConfig::default());
-        let mut second = AdamW::new(&layout, AdamWConfig::default());
+        let mut first = AdamW::new(&ranges, AdamWConfig::default());
+        let mut second = AdamW::new(&ranges, AdamWConfig::default());
         for s in 0..3 {
             let g: Vec<f32> = (0..n)
                 .map(|i| ((i * 7 + s) % 11) as f32 * 0.3 - 1.5)
@@ -501,13 +509,13 @@ mod tests {
 
     #[test]
     fn fused_step_is_the_step_then_the_copy_then_zeroing() {
-        let layout = ParamLayout::new(&tiny_config(2));
-        let n = layout.len;
+        let ranges = arena(12);
+        let n = ranges.len;
         let init: Vec<f32> = (0..n).map(|i| (i % 13) as f32 * 0.1013 - 0.6).collect();
         for with_copy in [false, true] {
             let (mut plain, mut fused) = (init.clone(), init.clone());
-            let mut first = AdamW::new(&layout, AdamWConfig::default());
-            let mut second = AdamW::new(&layout, AdamWConfig::default());
+            let mut first = AdamW::new(&ranges, AdamWConfig::default());
+            let mut second = AdamW::new(&ranges, AdamWConfig::default());
             let mut copy = vec![f32::NAN; n];
             for s in 0..3 {
                 let g: Vec<f32> = (0..n)
@@ -522,7 +530,7 @@ mod tests {
                 assert_eq!((&first.m, &first.v), (&second.m, &second.v));
                 // Zeroed where the step read them; the gaps between tensors untouched.
                 let read: Vec<bool> = (0..n)
-                    .map(|i| layout.tensors.iter().any(|t| t.range().contains(&i)))
+                    .map(|i| ranges.tensors.iter().any(|(t, _)| t.contains(&i)))
                     .collect();
                 for i in 0..n {
                     let want = if read[i] { 0.0 } else { g[i] };
@@ -567,8 +575,8 @@ mod tests {
 
     #[test]
     fn sharded_steps_equal_the_full_step() {
-        let layout = ParamLayout::new(&tiny_config(2));
-        let n = layout.len;
+        let ranges = arena(12);
+        let n = ranges.len;
         let init: Vec<f32> = (0..n).map(|i| (i % 13) as f32 * 0.1 - 0.6).collect();
         let grads: Vec<Vec<f32>> = (0..3)
             .map(|s| {
@@ -577,7 +585,7 @@ mod tests {
                     .collect()
             })
             .collect();
-        let mut full = AdamW::new(&layout, AdamWConfig::default());
+        let mut full = AdamW::new(&ranges, AdamWConfig::default());
         let mut want = init.clone();
         for g in &grads {
             full.step(&mut want, g, 1e-2);
@@ -592,7 +600,7 @@ mod tests {
             );
             let shard = [(b.clone(), 1), (a.clone(), 1 + b.len())];
             let len = 1 + a.len() + b.len();
-            let mut opt = AdamW::for_shard(&layout, AdamWConfig::default(), &shard, len);
+            let mut opt = AdamW::for_shard(&ranges, AdamWConfig::default(), &shard, len);
             let mut p = init.clone();
             for g in &grads {
                 let mut sg = vec![0.0; len];
@@ -609,39 +617,36 @@ mod tests {
     }
 
     #[test]
-    fn adamw_matches_a_hand_computed_step_and_decays_only_matrices() {
-        let layout = ParamLayout::new(&tiny_config(1));
+    fn adamw_matches_a_hand_computed_step_and_decays_only_what_it_is_told() {
+        let ranges = arena(6);
         let c = AdamWConfig {
             beta1: 0.9,
             beta2: 0.99,
             eps: 1e-8,
             weight_decay: 0.5,
         };
-        let mut opt = AdamW::new(&layout, c);
-        let mut params = vec![1.0f32; layout.len];
-        let grads = vec![0.1f32; layout.len];
+        let mut opt = AdamW::new(&ranges, c);
+        let mut params = vec![1.0f32; ranges.len];
+        let grads = vec![0.1f32; ranges.len];
         let lr = 0.01;
         opt.step(&mut params, &grads, lr);
         // Step 1: m̂ = g, v̂ = g², so the Adam part moves by lr·g/(|g| + eps) ≈ lr.
         let adam = lr * 0.1 / (0.1 + 1e-8);
-        let bias = layout.get("transformer.h.0.attn.c_attn.bias").unwrap();
-        let weight = layout.get("transformer.h.0.attn.c_attn.weight").unwrap();
+        let (weight, bias) = (ranges.tensors[2].0.clone(), ranges.tensors[3].0.clone());
         let want_bias = 1.0 - adam;
         let want_weight = 1.0 * (1.0 - lr * 0.5) - adam;
-        assert!(params[bias.range()]
-            .iter()
-            .all(|&p| (p - want_bias).abs() < 1e-6));
-        assert!(params[weight.range()]
+        assert!(params[bias].iter().all(|&p| (p - want_bias).abs() < 1e-6));
+        assert!(params[weight.clone()]
             .iter()
             .all(|&p| (p - want_weight).abs() < 1e-6));
         // Step 2 with a different gradient, against the formula in f64.
-        let grads2 = vec![-0.3f32; layout.len];
-        let before = params[weight.offset] as f64;
+        let grads2 = vec![-0.3f32; ranges.len];
+        let before = params[weight.start] as f64;
         opt.step(&mut params, &grads2, lr);
         let m = 0.9 * (0.1 * 0.1) + 0.1 * -0.3;
         let v = 0.99 * (0.01 * 0.01) + 0.01 * 0.09;
         let (mhat, vhat) = (m / (1.0 - 0.81), v / (1.0 - 0.99f64.powi(2)));
         let want = before * (1.0 - 0.01 * 0.5) - 0.01 * mhat / (vhat.sqrt() + 1e-8);
-        assert!((params[weight.offset] as f64 - want).abs() < 1e-6);
+        assert!((params[weight.start] as f64 - want).abs() < 1e-6);
     }
 }

@@ -806,7 +806,7 @@ mod tests {
                 let mut gpt = Gpt::new(tiny(), 3, 8).unwrap();
                 gpt.set_activation_checkpointing(ckpt);
                 gpt.set_dtype(dtype);
-                let opt = AdamW::new(&gpt.layout, Default::default());
+                let opt = AdamW::new(&gpt.layout.decay_ranges(), Default::default());
                 let bytes = |n: usize| n as u64 * 4;
                 assert_eq!(plan.part(WEIGHTS), bytes(gpt.params.len()));
                 assert_eq!(plan.part(GRADIENTS), bytes(gpt.grads.len()));
@@ -834,7 +834,7 @@ mod tests {
                     gpt.set_activation_checkpointing(ckpt);
                     gpt.set_dtype(dtype);
                     let gpt = gpt.with_lora(lora, ("test", 0), 1);
-                    let opt = AdamW::new(&gpt.layout, Default::default());
+                    let opt = AdamW::new(&gpt.layout.decay_ranges(), Default::default());
                     let frozen = gpt.frozen().unwrap();
                     let bytes = |n: usize| n as u64 * 4;
                     let case = format!("{dtype:?} checkpointing {ckpt} dropout {dropout}");

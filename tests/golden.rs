@@ -378,7 +378,7 @@ fn train(fx: &Fixture) -> (Run, Gpt) {
         eps: h.eps,
         weight_decay: h.weight_decay,
     };
-    let mut opt = AdamW::new(&gpt.layout, config);
+    let mut opt = AdamW::new(&gpt.layout.decay_ranges(), config);
     let mut run = Run {
         losses: vec![],
         norms: vec![],

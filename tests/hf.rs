@@ -10,7 +10,8 @@
 use nanogpt::checkpoint::{self, CheckpointState};
 use nanogpt::data::{Meta, TokenizerKind};
 use nanogpt::eval::evaluate_tokens;
-use nanogpt::hf::{HubEnv, Located, Pretrained};
+use nanogpt::hf::{Located, Pretrained};
+use nanogpt::hub::HubEnv;
 use nanogpt::model::{Gpt, ModelConfig};
 use nanogpt::optim::{AdamW, AdamWConfig};
 use safetensors::tensor::TensorView;
@@ -439,7 +440,7 @@ fn export_for_python_check() {
     let mut model = Gpt::from_params(cfg, params, b, t).unwrap();
     let targets = shifted_targets(&want.ids, b, t);
     let mut opt = AdamW::new(
-        &model.layout,
+        &model.layout.decay_ranges(),
         AdamWConfig {
             beta1: 0.9,
             beta2: 0.95,

@@ -77,7 +77,7 @@ fn check(dtype: Dtype) {
     let mut gpt = Gpt::new(cfg, b, t).unwrap();
     gpt.init_gpt2(1);
     gpt.set_dtype(dtype);
-    let mut opt = AdamW::new(&gpt.layout, Default::default());
+    let mut opt = AdamW::new(&gpt.layout.decay_ranges(), Default::default());
     let inputs: Vec<u32> = (0..b * t).map(|i| (i * 37 % 500) as u32).collect();
     let targets: Vec<i32> = (0..b * t).map(|i| (i * 53 % 500) as i32).collect();
     let mut step = |gpt: &mut Gpt| {

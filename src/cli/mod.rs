@@ -70,7 +70,7 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
 /// How this run's bf16 matmuls are computed, for the `bf16 matmuls:` line that
 /// `train` and `bench` print at the start of a bfloat16 run.
 pub fn bf16_matmuls() -> std::borrow::Cow<'static, str> {
-    use crate::kernels::bf16::{amx, gemm};
+    use crate::kernels::{bf16::gemm, cpu};
     let line: std::borrow::Cow<'static, str> = match gemm::kernel() {
         #[cfg(feature = "onednn")]
         gemm::Kernel::OneDnn => {
@@ -92,7 +92,7 @@ pub fn bf16_matmuls() -> std::borrow::Cow<'static, str> {
             "emulated via f32 GEMM (bf16 operands, f32 accumulation), as NANOGPT_BF16_GEMM=f32 asks"
             .into()
         }
-        gemm::Kernel::F32 if amx::cpu_has_amx() => {
+        gemm::Kernel::F32 if cpu::has_amx() => {
             "emulated via f32 GEMM (bf16 operands, f32 accumulation); the CPU has AMX but the OS refused the tile permission"
             .into()
         }

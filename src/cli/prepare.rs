@@ -45,7 +45,7 @@ pub fn run(args: PrepareArgs) -> Result<()> {
     };
     let summary = match opts.source.starts_with(hub::PREFIX) {
         true => {
-            let env = crate::hf::resolve::HubEnv::from_process_env();
+            let env = crate::hub::HubEnv::from_process_env();
             let files = hub::parquet_files(&opts.source, &args.split, &env)?;
             let column = opts.text_column.clone();
             prepare_source(&Source::Parquet { files, column }, &opts)?

@@ -8,13 +8,11 @@ use anyhow::{bail, Context, Result};
 
 use super::meta::{Meta, TokenizerKind};
 use super::prepare::{prepare_source, PrepareOptions};
+#[cfg(test)]
+use super::readers::SHAKESPEARE_TEXT;
 use super::readers::{Source, BUNDLED_SHAKESPEARE};
 use super::Split;
 use crate::fsutil::DirLock;
-
-/// Karpathy's tiny Shakespeare (1,115,394 characters), embedded so that the quick
-/// start works from any directory.
-pub const SHAKESPEARE_TEXT: &str = include_str!("../../data/shakespeare/input.txt");
 
 /// Built-in dataset names, as in nanoGPT: the bundled text as characters or as
 /// GPT-2 tokens.

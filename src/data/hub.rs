@@ -1,11 +1,11 @@
 //! `nanogpt prepare hf:OWNER/NAME`: a dataset's parquet files from the Hugging Face
 //! Hub. First the local cache (the layout `huggingface_hub` writes:
 //! `$HF_HUB_CACHE/datasets--OWNER--NAME/snapshots/REV/...`, the same cache folder as
-//! model weights, see [`crate::hf::resolve::HubEnv`]); then, unless
+//! model weights, see [`crate::hub::HubEnv`]); then, unless
 //! `HF_HUB_OFFLINE=1`, a download into that cache (cargo feature `download`).
 //! Short names users type (`hf:openwebtext`) map to their repositories.
 
-use crate::hf::resolve::{is_hub_id, HubEnv};
+use crate::hub::{self, HubEnv, RepoKind};
 use anyhow::{bail, Result};
 use std::path::{Path, PathBuf};
 
@@ -28,7 +28,7 @@ pub fn repo_id(spec: &str) -> Result<String> {
     {
         return Ok(id.to_string());
     }
-    if !name.contains('/') || !is_hub_id(name) {
+    if !hub::is_repo_id(name) {
         let shorts: Vec<&str> = SHORT_NAMES.iter().map(|(s, _)| *s).collect();
         bail!(
             "`{spec}` names no Hub dataset: write hf:OWNER/NAME (e.g. hf:Skylion007/openwebtext) \
@@ -41,7 +41,7 @@ pub fn repo_id(spec: &str) -> Result<String> {
 
 /// The cache folder of dataset repository `id`: `datasets--owner--name`.
 pub fn cache_folder(cache: &Path, id: &str) -> PathBuf {
-    cache.join(format!("datasets--{}", id.replace('/', "--")))
+    hub::cache_folder(cache, RepoKind::Dataset, id)
 }
 
 /// Whether a parquet file's path inside the repository belongs to `split`: a folder
@@ -62,24 +62,7 @@ pub fn in_split(rel: &str, split: &str) -> bool {
 /// The parquet files of `split` in the newest snapshot of a cached dataset (the one
 /// `refs/main` names, else the most recently modified), sorted by path.
 fn cached_files(folder: &Path, split: &str) -> Vec<PathBuf> {
-    let snapshots = folder.join("snapshots");
-    let mut revs: Vec<PathBuf> = std::fs::read_dir(&snapshots)
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .map(|e| e.path())
-                .filter(|p| p.is_dir())
-                .collect()
-        })
-        .unwrap_or_default();
-    revs.sort_by_key(|p| std::cmp::Reverse(p.metadata().and_then(|m| m.modified()).ok()));
-    if let Ok(main) = std::fs::read_to_string(folder.join("refs").join("main")) {
-        let main = snapshots.join(main.trim());
-        if let Some(i) = revs.iter().position(|p| *p == main) {
-            let r = revs.remove(i);
-            revs.insert(0, r);
-        }
-    }
-    for rev in revs {
+    for rev in hub::snapshots_newest_first(folder) {
         let mut files = Vec::new();
         collect(&rev, &rev, split, &mut files);
         if !files.is_empty() {
@@ -146,14 +129,7 @@ fn download(
     cache: &Path,
     endpoint: Option<&str>,
 ) -> std::result::Result<Vec<PathBuf>, String> {
-    use hf_hub::api::sync::ApiBuilder;
-    use hf_hub::Cache;
-    let mut builder = ApiBuilder::from_cache(Cache::new(cache.to_path_buf())).with_progress(true);
-    if let Some(endpoint) = endpoint {
-        builder = builder.with_endpoint(endpoint.to_string());
-    }
-    let api = builder.build().map_err(|e| e.to_string())?;
-    let repo = api.dataset(id.to_string());
+    let repo = hub::api(cache, endpoint)?.dataset(id.to_string());
     let info = repo
         .info()
         .map_err(|e| format!("the Hub did not answer ({e})"))?;

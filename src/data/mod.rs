@@ -24,7 +24,7 @@ mod testutil;
 mod token_writer;
 mod tokenizer;
 
-pub use bundled::{find_or_prepare_dataset, SHAKESPEARE_TEXT};
+pub use bundled::find_or_prepare_dataset;
 pub use instruct::DataFormat;
 pub use loader::{
     batch_offsets, eval_window_count, eval_window_offsets, fill_batch, Draw, TokenFile,
@@ -32,6 +32,7 @@ pub use loader::{
 pub use mask::TokenMask;
 pub use meta::{Meta, TokenizerKind};
 pub use prepare::{prepare, prepare_source, PrepareOptions, PrepareSummary};
+pub use readers::SHAKESPEARE_TEXT;
 pub use tokenizer::{StreamDecoder, Tokenizer, GPT2_EOT, GPT2_VOCAB_SIZE};
 
 /// The two token files of a prepared dataset.

@@ -9,8 +9,6 @@ use parquet::file::properties::WriterProperties;
 use parquet::file::writer::SerializedFileWriter;
 use parquet::schema::parser::parse_message_type;
 
-use super::readers::Source;
-
 /// A fresh directory `nanogpt-test-<label>-…` under the system temp dir, removed
 /// on drop.
 pub(crate) struct TempDir(tempfile::TempDir);
@@ -70,23 +68,4 @@ pub(crate) fn write_parquet(path: &Path, bodies: &[&str], compression: Compressi
     col.close().expect("close bodies");
     group.close().expect("close row group");
     writer.close().expect("close parquet file");
-}
-
-/// Every piece of `source`'s text, unwrapped.
-pub(crate) fn texts(source: &Source) -> Vec<String> {
-    source
-        .pieces()
-        .expect("open source")
-        .map(|p| p.expect("read piece").text)
-        .collect()
-}
-
-/// The first error `source` yields while reading.
-pub(crate) fn texts_err(source: &Source) -> String {
-    source
-        .pieces()
-        .expect("open source")
-        .find_map(|p| p.err())
-        .expect("an error")
-        .to_string()
 }

@@ -16,7 +16,6 @@ mod parallel;
 mod plan;
 pub mod preflight;
 mod reduce_check;
-pub mod resident;
 pub mod route;
 mod update;
 mod watchdog;

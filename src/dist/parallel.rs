@@ -4,10 +4,10 @@
 //! ZeRO-3's gathers and releases of the weights around each layer ([`Sharded`]); the
 //! start-up broadcast and the checks that every rank holds the same weights.
 
-use super::resident::release;
 use super::{Collective, GatherPart, GradPlan, Pending, Reduce, Reported};
 use crate::model::{add_encoder_rows, Dtype, EncoderGrad, Gpt, ParamLayout, PassHooks};
 use crate::optim::{AdamW, AdamWConfig};
+use crate::resident::release;
 use crate::shutdown::{self, StopSignal};
 use anyhow::{bail, Result};
 use rayon::prelude::*;
@@ -242,7 +242,8 @@ impl DataParallel {
         // ZeRO-3: the passes lend the model each bucket's weights (and bf16 copy).
         model.set_weights_lent(self.shards_weights());
         let mut opt = if self.plan.zero_stage == 0 {
-            let mut opt = root_opt.unwrap_or_else(|| AdamW::new(&model.layout, config));
+            let mut opt =
+                root_opt.unwrap_or_else(|| AdamW::new(&model.layout.decay_ranges(), config));
             if moments {
                 comm.broadcast(&mut opt.m, 0);
                 comm.broadcast(&mut opt.v, 0);
@@ -250,7 +251,12 @@ impl DataParallel {
             opt
         } else {
             let plan = &self.plan;
-            let mut opt = AdamW::for_shard(&model.layout, config, &plan.shard(), plan.shard_len);
+            let mut opt = AdamW::for_shard(
+                &model.layout.decay_ranges(),
+                config,
+                &plan.shard(),
+                plan.shard_len,
+            );
             if moments && plan.zero_stage >= 2 {
                 let root = root_opt.as_ref();
                 scatter_shard(comm, plan, root.map(|o| &o.m[..]), &mut opt.m);

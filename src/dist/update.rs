@@ -123,8 +123,8 @@ mod tests {
     #[test]
     fn one_process_is_norm_then_clipped_step() {
         let mut model = model_with_grads();
-        let mut opt = AdamW::new(&model.layout, AdamWConfig::default());
-        let mut want_opt = AdamW::new(&model.layout, AdamWConfig::default());
+        let mut opt = AdamW::new(&model.layout.decay_ranges(), AdamWConfig::default());
+        let mut want_opt = AdamW::new(&model.layout.decay_ranges(), AdamWConfig::default());
         let mut want = model.params.clone();
         let norm = grad_norm(&model.grads);
         assert!(norm > SETTINGS.grad_clip, "the test must clip");
@@ -139,7 +139,7 @@ mod tests {
     #[test]
     fn a_non_finite_loss_or_norm_skips_the_step() {
         let mut model = model_with_grads();
-        let mut opt = AdamW::new(&model.layout, AdamWConfig::default());
+        let mut opt = AdamW::new(&model.layout.decay_ranges(), AdamWConfig::default());
         let before = model.params.clone();
         let update = clip_and_step(None, &Single, &mut model, &mut opt, SETTINGS, false);
         assert!(update.grad_norm.is_finite() && !update.applied);

@@ -28,8 +28,9 @@ pub mod weights;
 
 pub use config::HfConfig;
 pub use export::{export, ExportSummary};
-pub use resolve::{HubEnv, Located};
+pub use resolve::Located;
 
+use crate::hub::HubEnv;
 use crate::model::{ModelConfig, ParamLayout};
 use anyhow::Result;
 use std::path::{Path, PathBuf};

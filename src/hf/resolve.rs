@@ -7,6 +7,7 @@
 //! default), unless `HF_HUB_OFFLINE=1`. When nothing works the error says where it
 //! looked and how to get the files.
 
+use crate::hub::{self, HubEnv, RepoKind};
 use crate::model::config::PRESETS;
 use anyhow::{bail, Result};
 use std::path::{Path, PathBuf};
@@ -20,65 +21,10 @@ pub enum Located {
     File(PathBuf),
 }
 
-/// Hugging Face Hub settings: where the cache is, and whether to go online.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct HubEnv {
-    /// The hub cache (the folder holding `models--*`), if one can be named.
-    pub cache: Option<PathBuf>,
-    /// `HF_HUB_OFFLINE`: use the cache only.
-    pub offline: bool,
-    /// `HF_ENDPOINT`: another Hub (a mirror).
-    pub endpoint: Option<String>,
-}
-
-impl HubEnv {
-    /// The settings `huggingface_hub` reads: `HF_HUB_CACHE` (or the older
-    /// `HUGGINGFACE_HUB_CACHE`), `HF_HOME`, `XDG_CACHE_HOME`, `HOME`;
-    /// `HF_HUB_OFFLINE`; `HF_ENDPOINT`.
-    pub fn from_process_env() -> HubEnv {
-        let var = |k: &str| {
-            std::env::var_os(k)
-                .filter(|v| !v.is_empty())
-                .map(PathBuf::from)
-        };
-        let cache = var("HF_HUB_CACHE")
-            .or_else(|| var("HUGGINGFACE_HUB_CACHE"))
-            .or_else(|| var("HF_HOME").map(|h| h.join("hub")))
-            .or_else(|| var("XDG_CACHE_HOME").map(|x| x.join("huggingface").join("hub")))
-            .or_else(|| var("HOME").map(|h| h.join(".cache").join("huggingface").join("hub")));
-        let offline = std::env::var("HF_HUB_OFFLINE")
-            .map(|v| {
-                matches!(
-                    v.trim().to_ascii_lowercase().as_str(),
-                    "1" | "on" | "yes" | "true"
-                )
-            })
-            .unwrap_or(false);
-        let endpoint = std::env::var("HF_ENDPOINT").ok().filter(|e| !e.is_empty());
-        HubEnv {
-            cache,
-            offline,
-            endpoint,
-        }
-    }
-}
-
 /// Whether `spec` can name a model on the Hub: one of the GPT-2 presets or an
 /// `owner/name` id.
 pub fn is_hub_id(spec: &str) -> bool {
-    if PRESETS.contains(&spec) {
-        return true;
-    }
-    let ok = |part: &str| {
-        !part.is_empty()
-            && !part.starts_with('.')
-            && !part.starts_with('-')
-            && part
-                .chars()
-                .all(|ch| ch.is_ascii_alphanumeric() || "-_.".contains(ch))
-    };
-    matches!(spec.split_once('/'), Some((owner, name)) if ok(owner) && ok(name) && !name.contains('/'))
-        && !spec.ends_with(".safetensors")
+    PRESETS.contains(&spec) || hub::is_repo_id(spec)
 }
 
 /// Repository ids to look for in the cache: the name as given and, for the GPT-2
@@ -91,9 +37,9 @@ fn cache_ids(spec: &str) -> Vec<String> {
     ids
 }
 
-/// The cache folder of repository `id`: `models--owner--name`.
+/// The cache folder of model repository `id`: `models--owner--name`.
 pub fn cache_folder(cache: &Path, id: &str) -> PathBuf {
-    cache.join(format!("models--{}", id.replace('/', "--")))
+    hub::cache_folder(cache, RepoKind::Model, id)
 }
 
 /// Resolves `spec` to files (see the module docs for the order).
@@ -174,32 +120,8 @@ enum Snapshot {
 /// A usable snapshot of a cached repository: the one `refs/main` names if it is
 /// complete, else the most recently modified complete one.
 fn find_snapshot(folder: &Path) -> Snapshot {
-    let snapshots = folder.join("snapshots");
-    let mut candidates: Vec<(std::time::SystemTime, PathBuf)> = std::fs::read_dir(&snapshots)
-        .map(|entries| {
-            entries
-                .filter_map(|e| e.ok())
-                .filter(|e| e.path().is_dir())
-                .map(|e| {
-                    let modified = e
-                        .metadata()
-                        .and_then(|m| m.modified())
-                        .unwrap_or(std::time::UNIX_EPOCH);
-                    (modified, e.path())
-                })
-                .collect()
-        })
-        .unwrap_or_default();
-    candidates.sort_by_key(|c| std::cmp::Reverse(c.0));
-    if let Ok(main) = std::fs::read_to_string(folder.join("refs").join("main")) {
-        let main = snapshots.join(main.trim());
-        if let Some(pos) = candidates.iter().position(|(_, p)| *p == main) {
-            let entry = candidates.remove(pos);
-            candidates.insert(0, entry);
-        }
-    }
     let mut incomplete = None;
-    for (_, dir) in candidates {
+    for dir in hub::snapshots_newest_first(folder) {
         if is_complete(&dir) {
             return Snapshot::Complete(dir);
         }
@@ -246,14 +168,7 @@ fn download(
     cache: &Path,
     endpoint: Option<&str>,
 ) -> std::result::Result<PathBuf, String> {
-    use hf_hub::api::sync::ApiBuilder;
-    use hf_hub::Cache;
-    let mut builder = ApiBuilder::from_cache(Cache::new(cache.to_path_buf())).with_progress(true);
-    if let Some(endpoint) = endpoint {
-        builder = builder.with_endpoint(endpoint.to_string());
-    }
-    let api = builder.build().map_err(|e| e.to_string())?;
-    let repo = api.model(id.to_string());
+    let repo = hub::api(cache, endpoint)?.model(id.to_string());
     crate::errln!(
         "downloading {id} from the Hugging Face Hub into {}",
         cache.display()

@@ -7,7 +7,7 @@
 
 use super::bf16::gemm::{kernel, matmul_bf16, matmul_bf16_packed, reads_packs, Kernel};
 use super::fastmath::{exp_fast, has_avx2_fma};
-use super::matmul::{matmul, Mat};
+use super::mat::{matmul, Mat};
 use rayon::prelude::*;
 
 /// Where the classifier's gradients go when training.

@@ -366,7 +366,7 @@ mod tests {
 #[cfg(test)]
 mod speed {
     use super::*;
-    use crate::kernels::matmul::{matmul, Mat};
+    use crate::kernels::mat::{matmul, Mat};
     use std::time::Instant;
 
     /// GB/s of weights streamed: this kernel (f32 and bf16 weights) against the f32

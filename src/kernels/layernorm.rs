@@ -3,14 +3,15 @@
 use super::bf16;
 use super::fastmath::{simd_fn, Simd};
 use super::SharedMut;
-use crate::model::config::LAYER_NORM_EPS;
 use rayon::prelude::*;
 
-/// A layer norm's parameters: `weight` (C) and `bias` (C), or no bias (empty).
+/// A layer norm's parameters: `weight` (C) and `bias` (C), or no bias (empty), and
+/// the `eps` added to the variance (the model's: GPT-2's 1e-5).
 #[derive(Clone, Copy)]
 pub struct Norm<'a> {
     pub weight: &'a [f32],
     pub bias: &'a [f32],
+    pub eps: f32,
 }
 
 /// Where a layer norm's parameter gradients accumulate: `dweight` (C) and `dbias` (C),
@@ -48,7 +49,7 @@ simd_fn! {
         let c = x.len();
         let mu = lane_sum(x, |v| v) / c as f32;
         let var = lane_sum(x, |v| (v - mu) * (v - mu)) / c as f32;
-        let rs = 1.0 / (var + LAYER_NORM_EPS).sqrt();
+        let rs = 1.0 / (var + w.eps).sqrt();
         apply_row(o, x, mu, rs, w, round);
         (mu, rs)
     }
@@ -240,12 +241,15 @@ mod tests {
     use super::*;
     use crate::kernels::testutil::*;
 
+    /// GPT-2's eps; [`reference`] and the kernel both read it from here.
+    const EPS: f32 = 1e-5;
+
     fn reference(x: &[f64], w: &[f64], b: &[f64], c: usize) -> Vec<f64> {
         let mut out = vec![0.0; x.len()];
         for (o, x) in out.chunks_mut(c).zip(x.chunks(c)) {
             let mu = x.iter().sum::<f64>() / c as f64;
             let var = x.iter().map(|v| (v - mu) * (v - mu)).sum::<f64>() / c as f64;
-            let rs = 1.0 / (var + LAYER_NORM_EPS as f64).sqrt();
+            let rs = 1.0 / (var + EPS as f64).sqrt();
             for i in 0..c {
                 o[i] = (x[i] - mu) * rs * w[i] + b.get(i).copied().unwrap_or(0.0);
             }
@@ -263,6 +267,7 @@ mod tests {
         let norm = Norm {
             weight: &w,
             bias: &b,
+            eps: EPS,
         };
         let mut out = vec![0.0; n * c];
         let (mut mean, mut rstd) = (vec![0.0; n], vec![0.0; n]);
@@ -314,6 +319,7 @@ mod tests {
         let norm = Norm {
             weight: &w,
             bias: &b,
+            eps: EPS,
         };
         let run = |simd: Simd| {
             let mut bits = Vec::new();

@@ -20,12 +20,14 @@
 pub mod attention;
 pub mod bf16;
 pub mod classifier;
+pub mod cpu;
 pub mod dropout;
 pub mod encoder;
 pub(crate) mod fastmath;
 pub mod gelu;
 pub mod gemv;
 pub mod layernorm;
+pub mod mat;
 pub mod matmul;
 pub mod residual;
 pub mod rmsnorm;

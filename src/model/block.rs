@@ -13,6 +13,7 @@
 //! Accumulation, layer norm, softmax, GELU and the residual stream stay f32.
 
 use super::activations::{BlockActs, Saved, Scratch};
+use super::config::LAYER_NORM_EPS;
 use super::layout::{BlockLayout, LinearSpans, NormSpans, Span};
 use super::lora::{u_segment, u_segment_mut, BlockLora, LoraBufs, Target};
 use super::packs::LayerPacks;
@@ -105,6 +106,7 @@ pub fn norm_of(params: &[f32], n: NormSpans) -> Norm<'_> {
     Norm {
         weight: &params[n.weight],
         bias: &params[n.bias],
+        eps: LAYER_NORM_EPS,
     }
 }
 

@@ -159,7 +159,7 @@ impl Decoder {
         // the kernel allows, instead of per 4 KiB (decoding steps read the copy
         // 0.4–1.4 ms faster per 124M token), so the advice comes before any write.
         let mut w = Vec::with_capacity(params.len());
-        crate::dist::resident::prefer_huge_pages(w.spare_capacity_mut());
+        crate::resident::prefer_huge_pages(w.spare_capacity_mut());
         // The first writes, and so the faults, on every thread.
         w.par_extend(rayon::iter::repeat_n(Bf16::default(), params.len()));
         bf16::store(&mut w, params);

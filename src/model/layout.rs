@@ -9,6 +9,7 @@
 //! are one contiguous range, ready for bucketed all-reduce), then `ln_f`.
 
 use super::config::ModelConfig;
+use crate::optim::DecayRanges;
 use std::ops::{Index, IndexMut, Range};
 
 /// One named tensor of the arena.
@@ -232,6 +233,19 @@ impl ParamLayout {
     pub fn get(&self, name: &str) -> Option<&TensorInfo> {
         self.tensors.iter().find(|t| t.name == name)
     }
+
+    /// The arena as AdamW sees it: each tensor's range and whether it decays
+    /// ([`TensorInfo::decays`]).
+    pub fn decay_ranges(&self) -> DecayRanges {
+        DecayRanges {
+            len: self.len,
+            tensors: self
+                .tensors
+                .iter()
+                .map(|t| (t.range(), t.decays()))
+                .collect(),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -288,5 +302,13 @@ mod tests {
             .unwrap());
         assert!(layout.get("transformer.wte.weight").unwrap().decays());
         assert_eq!(decayed.len(), 2 + 2 * 4);
+        let ranges = layout.decay_ranges();
+        assert_eq!(ranges.len, layout.len);
+        let want: Vec<_> = layout
+            .tensors
+            .iter()
+            .map(|t| (t.range(), t.decays()))
+            .collect();
+        assert_eq!(ranges.tensors, want);
     }
 }

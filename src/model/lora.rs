@@ -25,7 +25,7 @@ use super::config::{Dtype, ModelConfig};
 use super::layout::{BlockLayout, LinearSpans, ParamLayout, Span, TensorInfo};
 use crate::kernels::bf16::{self, gemm::matmul_bf16};
 use crate::kernels::dropout::{self, Dropout};
-use crate::kernels::matmul::{matmul, Mat};
+use crate::kernels::mat::{matmul, Mat};
 use anyhow::{bail, Result};
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};

@@ -25,7 +25,6 @@ pub use activations::Activations;
 pub use config::{Dtype, ModelConfig};
 pub use layout::{ParamLayout, Span, TensorInfo};
 
-use crate::dist::resident::release;
 use crate::kernels::bf16;
 use crate::kernels::classifier::{
     classifier_forward, classifier_logits, Classifier, ClassifierGrads,
@@ -35,6 +34,7 @@ use crate::kernels::encoder::{encoder_backward, encoder_forward};
 use crate::kernels::layernorm::{layernorm_backward, layernorm_forward};
 use crate::kernels::Dims;
 use crate::optim::AdamW;
+use crate::resident::release;
 use anyhow::{bail, Context, Result};
 use block::{attention_branch_backward, block_forward, mlp_backward};
 use block::{norm_grads, norm_of, split_two};
@@ -489,7 +489,7 @@ impl Gpt {
         if on {
             // Every pass releases and refills most of these.
             for buf in [&self.params, &self.grads, &self.params_bf16] {
-                crate::dist::resident::prefer_huge_pages(buf);
+                crate::resident::prefer_huge_pages(buf);
             }
         }
     }
@@ -1426,7 +1426,7 @@ mod tests {
         gpt.set_dtype(dtype);
         gpt.set_dropout_seed(5);
         let (x, y) = batch(b, t, gpt.config().vocab_size);
-        let mut opt = crate::optim::AdamW::new(&gpt.layout, Default::default());
+        let mut opt = crate::optim::AdamW::new(&gpt.layout.decay_ranges(), Default::default());
         let losses = (0..steps)
             .map(|_| {
                 gpt.zero_grad();
@@ -1450,7 +1450,8 @@ mod tests {
                 let mut gpt = model(tiny(true, 0.1), b, t);
                 gpt.set_dtype(dtype);
                 gpt.set_dropout_seed(5);
-                let mut opt = crate::optim::AdamW::new(&gpt.layout, Default::default());
+                let mut opt =
+                    crate::optim::AdamW::new(&gpt.layout.decay_ranges(), Default::default());
                 gpt.zero_grad();
                 let mut losses = Vec::new();
                 for _ in 0..4 {

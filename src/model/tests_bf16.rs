@@ -311,7 +311,7 @@ fn packing_weights_once_per_step_changes_no_bit() {
         if !packed {
             gpt.packs = None;
         }
-        let mut opt = crate::optim::AdamW::new(&gpt.layout, Default::default());
+        let mut opt = crate::optim::AdamW::new(&gpt.layout.decay_ranges(), Default::default());
         let mut out = Vec::new();
         let mut pass = |gpt: &mut Gpt| {
             let loss = gpt.forward(&x, &y, b, t);

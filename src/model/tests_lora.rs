@@ -121,7 +121,7 @@ fn only_the_adapters_train_and_the_buckets_tile_them() {
     );
     assert!(buckets.windows(2).all(|w| w[1].end == w[0].start), "tiles");
     let (x, y) = batch(b, t, gpt.config().vocab_size);
-    let mut opt = crate::optim::AdamW::new(&gpt.layout, Default::default());
+    let mut opt = crate::optim::AdamW::new(&gpt.layout.decay_ranges(), Default::default());
     let mut losses = Vec::new();
     for _ in 0..8 {
         gpt.zero_grad();

@@ -371,7 +371,7 @@ impl TrainState {
             None => model,
             Some(lora) => model.with_lora(lora, (&base, cfg.seed), cfg.seed),
         };
-        let opt = AdamW::new(&model.layout, adam_cfg);
+        let opt = AdamW::new(&model.layout.decay_ranges(), adam_cfg);
         Ok(TrainState {
             model,
             opt,
@@ -447,7 +447,7 @@ fn resume(cfg: &TrainConfig, data: &Dataset, adam_cfg: AdamWConfig) -> Result<Tr
         model = model.with_lora(lora.config.clone(), (&lora.base, lora.base_seed), cfg.seed);
     }
     ckpt.load_params(&model.layout, &mut model.params)?;
-    let mut opt = AdamW::new(&model.layout, adam_cfg);
+    let mut opt = AdamW::new(&model.layout.decay_ranges(), adam_cfg);
     if ckpt.load_moments(&model.layout, &mut opt.m, &mut opt.v)? {
         opt.step = state.adam_step;
     }

@@ -221,8 +221,9 @@ impl Iterator for JsonlDocs {
 
 #[cfg(test)]
 mod tests {
+    use super::super::{texts, texts_err};
     use crate::data::readers::Source;
-    use crate::data::testutil::{texts, texts_err, TempDir};
+    use crate::data::testutil::TempDir;
 
     #[test]
     fn jsonl_reads_text_field_per_line() {

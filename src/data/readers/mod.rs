@@ -17,10 +17,13 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
-use super::bundled::SHAKESPEARE_TEXT;
 use super::instruct::{DataFormat, Example};
 use jsonl::{JsonlDocs, JsonlExamples};
 use text::TextChunks;
+
+/// Karpathy's tiny Shakespeare (1,115,394 characters), embedded so that the quick
+/// start works from any directory.
+pub const SHAKESPEARE_TEXT: &str = include_str!("../../../data/shakespeare/input.txt");
 
 /// Name that selects the bundled tiny Shakespeare text.
 pub const BUNDLED_SHAKESPEARE: &str = "shakespeare";
@@ -333,10 +336,31 @@ fn not_utf8(name: &str, offset: u64) -> anyhow::Error {
     )
 }
 
+/// Every piece of `source`'s text, unwrapped (tests).
+#[cfg(test)]
+fn texts(source: &Source) -> Vec<String> {
+    source
+        .pieces()
+        .expect("open source")
+        .map(|p| p.expect("read piece").text)
+        .collect()
+}
+
+/// The first error `source` yields while reading (tests).
+#[cfg(test)]
+fn texts_err(source: &Source) -> String {
+    source
+        .pieces()
+        .expect("open source")
+        .find_map(|p| p.err())
+        .expect("an error")
+        .to_string()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::data::testutil::{texts, TempDir};
+    use crate::data::testutil::TempDir;
 
     #[test]
     fn txt_directory_reads_files_in_name_order() {

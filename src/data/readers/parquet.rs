@@ -160,8 +160,9 @@ fn short(message: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::super::{texts, texts_err};
     use crate::data::readers::{ProgressUnit, Source};
-    use crate::data::testutil::{texts, texts_err, write_parquet, TempDir};
+    use crate::data::testutil::{write_parquet, TempDir};
 
     #[test]
     fn parquet_reads_text_column_for_each_codec() {

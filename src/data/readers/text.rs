@@ -131,10 +131,11 @@ fn char_split(buf: &[u8]) -> usize {
 
 #[cfg(test)]
 mod tests {
+    use super::super::texts;
+    use super::super::SHAKESPEARE_TEXT;
     use super::*;
     use crate::data::readers::{ProgressUnit, Source};
-    use crate::data::testutil::{texts, TempDir};
-    use crate::data::SHAKESPEARE_TEXT;
+    use crate::data::testutil::TempDir;
     use std::io::Cursor;
 
     #[test]

@@ -62,8 +62,8 @@ pub(super) fn backward_impl(
             match (mask, bf16) {
                 (Some(_), false) => isa.backward::<true>(task),
                 (None, false) => isa.backward::<false>(task),
-                (Some(_), true) => isa::backward_bf16::<true>(task),
-                (None, true) => isa::backward_bf16::<false>(task),
+                (Some(_), true) => backward_bf16::<true>(task),
+                (None, true) => backward_bf16::<false>(task),
             }
         });
 }
@@ -569,4 +569,55 @@ thread_local! {
     /// grown to the largest call and reused, so a training step allocates nothing once
     /// warm.
     static QO_PACKS: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+impl Isa {
+    /// One backward task ([`backward_head`]) compiled for this variant.
+    pub(super) fn backward<const DROP: bool>(self, task: BwdTask) {
+        match self {
+            Isa::Base => backward_head::<isa::Base, DROP>(task),
+            // SAFETY: `Isa::detect` found these features on this CPU.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { x86::backward_avx2::<DROP>(task) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { x86::backward_avx512::<DROP>(task) },
+        }
+    }
+}
+
+/// One backward task of bf16 attention on `vdpbf16ps`. Panics without AVX512-BF16.
+fn backward_bf16<const DROP: bool>(task: BwdTask) {
+    assert!(isa::bf16_usable(), "bf16 attention needs AVX512-BF16");
+    // SAFETY: AVX-512 F, AVX2, FMA and AVX512-BF16 were checked just above.
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        x86::backward_bf16::<DROP>(task)
+    }
+}
+
+/// The backward task compiled with AVX2 + FMA, with AVX-512, and with AVX512-BF16.
+/// Every `#[inline(always)]` helper it calls is compiled into it with these features.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::super::isa::{Avx2, Avx512};
+    use super::{backward_head, backward_head_bf16, BwdTask};
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn backward_avx2<const DROP: bool>(task: BwdTask) {
+        backward_head::<Avx2, DROP>(task)
+    }
+
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) fn backward_avx512<const DROP: bool>(task: BwdTask) {
+        backward_head::<Avx512, DROP>(task)
+    }
+
+    /// # Safety
+    /// The CPU must have AVX-512 F, AVX512-BF16, AVX2 and FMA.
+    #[target_feature(enable = "avx512f,avx512bf16,avx2,fma")]
+    pub(super) unsafe fn backward_bf16<const DROP: bool>(task: BwdTask) {
+        // SAFETY: the features are enabled here (caller).
+        unsafe { backward_head_bf16::<DROP>(task) }
+    }
 }

@@ -66,8 +66,8 @@ pub(super) fn forward_impl(
         match (mask, bf16) {
             (Some(_), false) => isa.forward::<true>(task),
             (None, false) => isa.forward::<false>(task),
-            (Some(_), true) => isa::forward_bf16::<true>(task),
-            (None, true) => isa::forward_bf16::<false>(task),
+            (Some(_), true) => forward_bf16::<true>(task),
+            (None, true) => forward_bf16::<false>(task),
         }
     });
     if bf16 {
@@ -514,5 +514,56 @@ pub(super) unsafe fn forward_block_bf16<const DROP: bool>(task: FwdTask) {
             *d = v * inv;
         }
         lse[r] = m[r] + l[r].ln();
+    }
+}
+
+impl Isa {
+    /// One forward task ([`forward_block`]) compiled for this variant.
+    pub(super) fn forward<const DROP: bool>(self, task: FwdTask) {
+        match self {
+            Isa::Base => forward_block::<isa::Base, DROP>(task),
+            // SAFETY: `Isa::detect` found these features on this CPU.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { x86::forward_avx2::<DROP>(task) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { x86::forward_avx512::<DROP>(task) },
+        }
+    }
+}
+
+/// One forward task of bf16 attention on `vdpbf16ps`. Panics without AVX512-BF16.
+fn forward_bf16<const DROP: bool>(task: FwdTask) {
+    assert!(isa::bf16_usable(), "bf16 attention needs AVX512-BF16");
+    // SAFETY: AVX-512 F, AVX2, FMA and AVX512-BF16 were checked just above.
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        x86::forward_bf16::<DROP>(task)
+    }
+}
+
+/// The forward task compiled with AVX2 + FMA, with AVX-512, and with AVX512-BF16.
+/// Every `#[inline(always)]` helper it calls is compiled into it with these features.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::super::isa::{Avx2, Avx512};
+    use super::{forward_block, forward_block_bf16, FwdTask};
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn forward_avx2<const DROP: bool>(task: FwdTask) {
+        forward_block::<Avx2, DROP>(task)
+    }
+
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) fn forward_avx512<const DROP: bool>(task: FwdTask) {
+        forward_block::<Avx512, DROP>(task)
+    }
+
+    /// # Safety
+    /// The CPU must have AVX-512 F, AVX512-BF16, AVX2 and FMA.
+    #[target_feature(enable = "avx512f,avx512bf16,avx2,fma")]
+    pub(super) unsafe fn forward_bf16<const DROP: bool>(task: FwdTask) {
+        // SAFETY: the features are enabled here (caller).
+        unsafe { forward_block_bf16::<DROP>(task) }
     }
 }

@@ -1,10 +1,12 @@
 //! The instruction-set variants: the passes and the matrix kernel are generic over a
-//! [`Variant`], compiled once per variant, and [`Isa`] picks one at run time.
+//! [`Variant`], compiled once per variant, and [`Isa`] picks one at run time (each
+//! pass compiles itself for the variants: `Isa::forward` in forward.rs,
+//! `Isa::backward` in backward.rs).
 
-use super::backward::{backward_head, BwdTask};
-use super::forward::{forward_block, FwdTask};
 use super::tiles::{gemm_acc, Gemm};
-use crate::kernels::bf16::dpbf16;
+use crate::kernels::cpu;
+#[cfg(target_arch = "x86_64")]
+pub(super) use x86::{Avx2, Avx512};
 
 /// An instruction-set variant: the code of the passes is generic over it.
 pub(super) trait Variant {
@@ -23,7 +25,7 @@ pub(super) trait Variant {
 
 /// Baseline x86-64 (SSE2), or any other architecture. AArch64 always has NEON with
 /// fused multiply-adds and 32 vector registers, so it gets those and a wider tile.
-struct Base;
+pub(super) struct Base;
 
 impl Variant for Base {
     const FMA: bool = cfg!(target_arch = "aarch64");
@@ -76,72 +78,26 @@ impl Isa {
         }
         v
     }
-
-    pub(super) fn forward<const DROP: bool>(self, task: FwdTask) {
-        match self {
-            Isa::Base => forward_block::<Base, DROP>(task),
-            // SAFETY: `Isa::detect` found these features on this CPU.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { x86::forward_avx2::<DROP>(task) },
-            // SAFETY: as above.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { x86::forward_avx512::<DROP>(task) },
-        }
-    }
-
-    pub(super) fn backward<const DROP: bool>(self, task: BwdTask) {
-        match self {
-            Isa::Base => backward_head::<Base, DROP>(task),
-            // SAFETY: `Isa::detect` found these features on this CPU.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { x86::backward_avx2::<DROP>(task) },
-            // SAFETY: as above.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { x86::backward_avx512::<DROP>(task) },
-        }
-    }
-}
-
-/// One forward task of bf16 attention on `vdpbf16ps`. Panics without AVX512-BF16.
-pub(super) fn forward_bf16<const DROP: bool>(task: FwdTask) {
-    assert!(bf16_usable(), "bf16 attention needs AVX512-BF16");
-    // SAFETY: AVX-512 F, AVX2, FMA and AVX512-BF16 were checked just above.
-    #[cfg(target_arch = "x86_64")]
-    unsafe {
-        x86::forward_bf16::<DROP>(task)
-    }
-}
-
-/// One backward task of bf16 attention on `vdpbf16ps`. Panics without AVX512-BF16.
-pub(super) fn backward_bf16<const DROP: bool>(task: BwdTask) {
-    assert!(bf16_usable(), "bf16 attention needs AVX512-BF16");
-    // SAFETY: AVX-512 F, AVX2, FMA and AVX512-BF16 were checked just above.
-    #[cfg(target_arch = "x86_64")]
-    unsafe {
-        x86::backward_bf16::<DROP>(task)
-    }
 }
 
 /// Whether this CPU runs the bf16 variants: AVX512-BF16 on top of the AVX-512 one.
 pub(super) fn bf16_usable() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        Isa::detect() == Isa::Avx512 && dpbf16::available()
+        Isa::detect() == Isa::Avx512 && cpu::avx512_bf16()
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
 }
 
-/// The passes and the matrix kernel compiled with AVX2 + FMA and with AVX-512. Every
-/// `#[inline(always)]` helper they call is compiled into them with these features.
+/// The matrix kernel compiled with AVX2 + FMA and with AVX-512. Every
+/// `#[inline(always)]` helper it calls is compiled into it with these features.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::backward::backward_head_bf16;
-    use super::super::forward::forward_block_bf16;
-    use super::{backward_head, forward_block, gemm_acc, BwdTask, FwdTask, Gemm, Variant};
+    use super::{gemm_acc, Gemm, Variant};
 
-    pub(super) struct Avx2;
-    pub(super) struct Avx512;
+    pub(crate) struct Avx2;
+    pub(crate) struct Avx512;
 
     impl Variant for Avx2 {
         const FMA: bool = true;
@@ -176,41 +132,5 @@ mod x86 {
     #[inline(never)]
     unsafe fn gemm_avx512(g: Gemm) {
         gemm_acc::<true, 4, 32>(g)
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) fn forward_avx2<const DROP: bool>(task: FwdTask) {
-        forward_block::<Avx2, DROP>(task)
-    }
-
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub(super) fn forward_avx512<const DROP: bool>(task: FwdTask) {
-        forward_block::<Avx512, DROP>(task)
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) fn backward_avx2<const DROP: bool>(task: BwdTask) {
-        backward_head::<Avx2, DROP>(task)
-    }
-
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub(super) fn backward_avx512<const DROP: bool>(task: BwdTask) {
-        backward_head::<Avx512, DROP>(task)
-    }
-
-    /// # Safety
-    /// The CPU must have AVX-512 F, AVX512-BF16, AVX2 and FMA.
-    #[target_feature(enable = "avx512f,avx512bf16,avx2,fma")]
-    pub(super) unsafe fn forward_bf16<const DROP: bool>(task: FwdTask) {
-        // SAFETY: the features are enabled here (caller).
-        unsafe { forward_block_bf16::<DROP>(task) }
-    }
-
-    /// # Safety
-    /// The CPU must have AVX-512 F, AVX512-BF16, AVX2 and FMA.
-    #[target_feature(enable = "avx512f,avx512bf16,avx2,fma")]
-    pub(super) unsafe fn backward_bf16<const DROP: bool>(task: BwdTask) {
-        // SAFETY: the features are enabled here (caller).
-        unsafe { backward_head_bf16::<DROP>(task) }
     }
 }

@@ -228,14 +228,15 @@ pub(super) unsafe fn pack_across(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::bf16::{dpbf16, round};
+    use crate::kernels::bf16::round;
+    use crate::kernels::cpu;
     use crate::kernels::testutil::rand_vec;
 
     /// A product through both packings against an f64 sum of the rounded operands,
     /// on ragged shapes: odd k, n not a multiple of 16, row tails.
     #[test]
     fn packed_products_match_an_f64_reference() {
-        if !dpbf16::available() {
+        if !cpu::avx512_bf16() {
             eprintln!("not tested: no AVX512-BF16 on this CPU");
             return;
         }
@@ -302,7 +303,7 @@ mod tests {
     /// one.
     #[test]
     fn spread_pairs_equal_contiguous_ones() {
-        if !dpbf16::available() {
+        if !cpu::avx512_bf16() {
             return;
         }
         let (ni, nj) = (3, 45);
@@ -327,13 +328,13 @@ mod tests {
 #[cfg(test)]
 mod speed {
     use super::*;
-    use crate::kernels::bf16::dpbf16;
+    use crate::kernels::cpu;
 
     /// Timing only: `cargo test --release --lib pair_gemm_speed -- --ignored --nocapture`.
     #[test]
     #[ignore]
     fn pair_gemm_speed() {
-        if !dpbf16::available() {
+        if !cpu::avx512_bf16() {
             return;
         }
         for (m, n, kp) in [(32, 32, 32), (32, 64, 16)] {

@@ -21,20 +21,14 @@
 //! tile configuration, which is per thread: every task loads it and releases the
 //! tiles when done.
 
-use super::Bf16;
-use crate::kernels::matmul::Mat;
+use super::pack::{pack_b, pack_len, pack_tile, tasks, PackedB, KT, T, TILE};
+use crate::kernels::cpu;
+use crate::kernels::mat::Mat;
 use crate::kernels::SharedMut;
 use rayon::prelude::*;
 use std::cell::RefCell;
 use std::ops::Range;
-use std::sync::OnceLock;
 
-/// Rows and columns of one tile (16 f32 accumulators or 16 bf16 pairs per row).
-pub(super) const T: usize = 16;
-/// bf16 values of `k` per tile (16 pairs).
-pub(super) const KT: usize = 32;
-/// u32 pairs per packed tile.
-pub(super) const TILE: usize = T * T;
 /// Tiles of `k` per cache block (384 values): the task's A block (up to 8 × 24 KiB)
 /// stays in L2 and one block's two A tile rows in L1 while B's panels stream past,
 /// prefetched two tiles ahead. C is loaded and stored once per `k` block.
@@ -42,126 +36,6 @@ const KB: usize = 12;
 /// Most output blocks (32 × 32) of one parallel task, down and across.
 const TASK_M: usize = 8;
 const TASK_N: usize = 8;
-
-/// Whether this CPU has AMX-TILE and AMX-BF16 and the process may use the tiles
-/// (asked of the kernel once, the first time this is called).
-pub fn permitted() -> bool {
-    static OK: OnceLock<bool> = OnceLock::new();
-    *OK.get_or_init(|| cpu_has_amx() && request_permission())
-}
-
-/// CPUID leaf 7: EDX bit 22 is AMX-BF16, bit 24 AMX-TILE.
-pub fn cpu_has_amx() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        // Leaf 7 exists when the maximum basic leaf (leaf 0's EAX) is at least 7.
-        if std::arch::x86_64::__cpuid(0).eax < 7 {
-            return false;
-        }
-        let edx = std::arch::x86_64::__cpuid_count(7, 0).edx;
-        edx & (1 << 22) != 0 && edx & (1 << 24) != 0
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
-}
-
-/// Asks Linux for the tile-data state component for this process.
-fn request_permission() -> bool {
-    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-    {
-        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
-        const XFEATURE_XTILEDATA: libc::c_long = 18;
-        // SAFETY: arch_prctl with these arguments only changes which xsave features the
-        // process may use; it reads and writes no memory of ours.
-        let r = unsafe {
-            libc::syscall(
-                libc::SYS_arch_prctl,
-                ARCH_REQ_XCOMP_PERM,
-                XFEATURE_XTILEDATA,
-            )
-        };
-        r == 0
-    }
-    #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
-    false
-}
-
-/// Two bf16 values in one 32-bit lane: `lo` is element `2p`, `hi` element `2p + 1`
-/// (the pair layout of the packed tiles).
-#[inline]
-pub(super) fn pair(lo: f32, hi: f32) -> u32 {
-    Bf16::from_f32(lo).0 as u32 | (Bf16::from_f32(hi).0 as u32) << 16
-}
-
-/// Element `(i, j)` of `m`, or 0 outside it (the zero padding of the packs).
-#[inline]
-fn at(m: &Mat, i: usize, j: usize) -> f32 {
-    if i < m.rows && j < m.cols {
-        m.data[i * m.rs + j * m.cs]
-    } else {
-        0.0
-    }
-}
-
-/// Pairs in a pack of `blocks16` tile rows (or columns) of `kc` tiles each.
-fn pack_len(blocks16: usize, kc: usize) -> usize {
-    blocks16 * kc * TILE
-}
-
-/// One tile of pairs along `k` of `x` (rows `i`, columns `k`):
-/// `dst[r·SI + p·SP] = (x(i0 + r, k0 + 2p), x(i0 + r, k0 + 2p + 1))` for r, p < 16.
-/// An A tile is `x = a` with (SI, SP) = (16, 1); a B tile is `x = bᵀ` with (1, 16).
-/// Whole tiles read runs of the operand directly (along `k` when its column stride
-/// is 1, along `i` when its row stride is 1), 16 pairs per AVX512-BF16 instruction
-/// when `vector` (then subnormals become zero, which both kernels' multiplications
-/// do anyway); edge tiles pad with zeros.
-fn pack_tile<const SI: usize, const SP: usize>(
-    dst: &mut [u32],
-    x: &Mat,
-    i0: usize,
-    k0: usize,
-    vector: bool,
-) {
-    let dst = &mut dst[..TILE];
-    let whole = i0 + T <= x.rows && k0 + KT <= x.cols;
-    if whole && x.cs == 1 {
-        for r in 0..T {
-            let run = &x.data[(i0 + r) * x.rs + k0..][..KT];
-            if vector {
-                let pairs = super::dpbf16::pairs_along(run);
-                for (p, &v) in pairs.iter().enumerate() {
-                    dst[r * SI + p * SP] = v;
-                }
-                continue;
-            }
-            for p in 0..T {
-                dst[r * SI + p * SP] = pair(run[2 * p], run[2 * p + 1]);
-            }
-        }
-    } else if whole && x.rs == 1 {
-        for p in 0..T {
-            let lo = &x.data[(k0 + 2 * p) * x.cs + i0..][..T];
-            let hi = &x.data[(k0 + 2 * p + 1) * x.cs + i0..][..T];
-            if vector {
-                let pairs = super::dpbf16::pairs_across(lo, hi);
-                for (r, &v) in pairs.iter().enumerate() {
-                    dst[r * SI + p * SP] = v;
-                }
-                continue;
-            }
-            for r in 0..T {
-                dst[r * SI + p * SP] = pair(lo[r], hi[r]);
-            }
-        }
-    } else {
-        for r in 0..T {
-            for p in 0..T {
-                let (i, j) = (i0 + r, k0 + 2 * p);
-                dst[r * SI + p * SP] = pair(at(x, i, j), at(x, i, j + 1));
-            }
-        }
-    }
-}
 
 thread_local! {
     /// Packing buffers (A, B) of the calling thread, grown to its largest product and
@@ -172,7 +46,7 @@ thread_local! {
 }
 
 /// `dst = a · b` (or `+=` when `accumulate`) on the AMX tiles, packing into this
-/// thread's buffers. The caller checked [`permitted`].
+/// thread's buffers. The caller checked [`cpu::amx_permitted`].
 pub(crate) fn matmul(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
     assert_eq!(b.rows, a.cols, "inner dimensions differ");
     if trivial(dst, a.rows, b.cols, a.cols, accumulate) {
@@ -182,65 +56,6 @@ pub(crate) fn matmul(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
         pack_b(pb, b);
         multiply(dst, a, pb, b.cols, accumulate, pa);
     });
-}
-
-/// A `k × n` right-hand operand packed for the tiles once and reused by many
-/// products (the classifier's `wte`, shared by every chunk of rows of a step).
-#[derive(Default)]
-pub struct PackedB {
-    pub(super) tiles: Vec<u32>,
-    pub(super) k: usize,
-    pub(super) n: usize,
-}
-
-impl PackedB {
-    /// Packs `b` (its bf16 values; others are rounded), reusing the allocation.
-    pub fn pack(&mut self, b: Mat) {
-        pack_b(&mut self.tiles, b);
-        (self.k, self.n) = (b.rows, b.cols);
-    }
-
-    /// Packs `wᵀ` for a weight `w` stored in bf16 (`n × k`, row-major: a linear
-    /// layer's (OC, C)), the right operand of `x · wᵀ`: the pack [`PackedB::pack`]
-    /// makes of the widened `w`'s transpose, bit for bit (bar subnormals, which the
-    /// kernels read as zero either way), without an f32 copy or any rounding. Column
-    /// `j` of `wᵀ` is row `j` of `w`, so each pair is two neighbouring bf16 values
-    /// of one row. Reuses the allocation.
-    pub fn pack_t_bf16(&mut self, w: &[Bf16], n: usize, k: usize) {
-        assert_eq!(w.len(), n * k, "w must be n × k");
-        let (nb, kc) = (n.div_ceil(2 * T), k.div_ceil(KT));
-        self.tiles.resize(pack_len(2 * nb, kc), 0);
-        // One 16-column panel per task: `[kc · 16 pairs][16 columns]`, zero beyond
-        // the last row of `w` (column of wᵀ) and its last value.
-        self.tiles
-            .par_chunks_mut(kc * TILE)
-            .enumerate()
-            .for_each(|(panel, d)| {
-                let rows: [&[Bf16]; T] = std::array::from_fn(|r| {
-                    let i = panel * T + r;
-                    w.get(i * k..(i + 1) * k).unwrap_or(&[])
-                });
-                for (p, out) in d.chunks_exact_mut(T).enumerate() {
-                    for (o, row) in out.iter_mut().zip(&rows) {
-                        let lo = row.get(2 * p).map_or(0, |b| b.0 as u32);
-                        let hi = row.get(2 * p + 1).map_or(0, |b| b.0 as u32);
-                        *o = lo | hi << 16;
-                    }
-                }
-            });
-        (self.k, self.n) = (k, n);
-    }
-
-    /// Bytes the pack of a `k × n` operand holds (16 × 32 tiles, zero-padded): what
-    /// [`PackedB::pack`] allocates, for the memory plan.
-    pub fn bytes_for(k: usize, n: usize) -> usize {
-        4 * pack_len(2 * n.div_ceil(2 * T), k.div_ceil(KT))
-    }
-
-    /// Bytes this pack holds.
-    pub fn bytes(&self) -> usize {
-        4 * self.tiles.len()
-    }
 }
 
 /// [`matmul`] with a right-hand operand packed beforehand.
@@ -256,34 +71,13 @@ pub(crate) fn matmul_packed(dst: &mut [f32], a: Mat, b: &PackedB, accumulate: bo
 fn trivial(dst: &mut [f32], m: usize, n: usize, k: usize, accumulate: bool) -> bool {
     assert_eq!(dst.len(), m * n, "destination does not match m × n");
     assert!(
-        permitted(),
+        cpu::amx_permitted(),
         "the AMX kernel needs AMX-BF16 and the tile permission"
     );
     if k == 0 && !accumulate {
         dst.fill(0.0);
     }
     m == 0 || n == 0 || k == 0
-}
-
-/// Packs B (`k × n`) as `[n / 16][k / 32][16 pairs][16 columns]` tiles into `pb`.
-/// Along `k` a column panel of 16 is `[k / 2 pairs][16 columns]`, row after row: the
-/// AVX512-BF16 kernel ([`super::dpbf16`]) reads the same pack.
-pub(super) fn pack_b(pb: &mut Vec<u32>, b: Mat) {
-    pack_b_with(pb, b, super::dpbf16::available());
-}
-
-/// [`pack_b`], with the AVX512-BF16 conversions when `vector`.
-fn pack_b_with(pb: &mut Vec<u32>, b: Mat, vector: bool) {
-    let (nb, kc) = (b.cols.div_ceil(2 * T), b.rows.div_ceil(KT));
-    pb.resize(pack_len(2 * nb, kc), 0);
-    let bt = b.t();
-    pb.par_chunks_mut(kc * TILE)
-        .enumerate()
-        .for_each(|(blk, d)| {
-            for (c, tile) in d.chunks_exact_mut(TILE).enumerate() {
-                pack_tile::<1, T>(tile, &bt, blk * T, c * KT, vector);
-            }
-        });
 }
 
 /// Packs A (`m × k`) into `pa`, then `dst (=|+=) a · b` over the packed B `pb` of `n`
@@ -306,7 +100,7 @@ fn multiply_in(
     let (mb, nb, kc) = (m.div_ceil(2 * T), n.div_ceil(2 * T), k.div_ceil(KT));
     assert!(pb.len() >= pack_len(2 * nb, kc), "B pack too short");
     pa.resize(pack_len(2 * mb, kc), 0);
-    let vector = super::dpbf16::available();
+    let vector = cpu::avx512_bf16();
     pa.par_chunks_mut(kc * TILE)
         .enumerate()
         .for_each(|(blk, d)| {
@@ -319,7 +113,7 @@ fn multiply_in(
     let tasks = tasks(mb, nb, TASK_M, TASK_N);
     tasks.into_par_iter().for_each(|(rows, cols)| {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: permitted() confirmed AMX-BF16 and the tile permission; the config
+        // SAFETY: cpu::amx_permitted() confirmed AMX-BF16 and the tile permission; the config
         // is 64 valid bytes.
         unsafe {
             x86::configure()
@@ -345,27 +139,6 @@ fn multiply_in(
             x86::release()
         };
     });
-}
-
-/// The tasks of a product blocked `mb × nb` (row blocks by column blocks): up to
-/// `most_rows` row blocks each, by enough column blocks (up to `most_cols`) that
-/// every thread gets about four tasks, so a product with few rows (the
-/// classifier's) still splits. Each task's blocks: (rows, columns).
-pub(super) fn tasks(
-    mb: usize,
-    nb: usize,
-    most_rows: usize,
-    most_cols: usize,
-) -> Vec<(Range<usize>, Range<usize>)> {
-    let tp = most_rows.min(mb);
-    let tm = mb.div_ceil(tp);
-    let want = 4 * rayon::current_num_threads();
-    let tc = (nb * tm / want).clamp(1, most_cols);
-    let tn = nb.div_ceil(tc);
-    let span = |t: usize, w: usize, end: usize| t * w..((t + 1) * w).min(end);
-    (0..tm * tn)
-        .map(|t| (span(t / tn, tp, mb), span(t % tn, tc, nb)))
-        .collect()
 }
 
 /// Tiles `ks` of tile rows (or columns) `i` and `i + 1` of a pack of `kc` tiles each.
@@ -416,7 +189,7 @@ unsafe fn block(
         (0..rows).for_each(|r| row(r).copy_from_slice(&tmp[r][..cols]));
     }
     #[cfg(not(target_arch = "x86_64"))]
-    unreachable!("permitted() is false off x86-64: {a:?}{b:?}{rows}{cols}{n}{load}{i0}{j0}");
+    unreachable!("amx_permitted() is false off x86-64: {a:?}{b:?}{rows}{cols}{n}{load}{i0}{j0}");
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -566,97 +339,20 @@ mod tests {
     use super::*;
     use crate::kernels::bf16::round;
     use crate::kernels::bf16::testcases::{rounded, same_bits_on_any_thread_count, views};
-    use crate::kernels::matmul::matmul as f32_gemm;
+    use crate::kernels::mat::matmul as f32_gemm;
     use crate::kernels::testutil::*;
 
-    /// Timing, not correctness: `cargo test --release --lib pack_speed -- --ignored
-    /// --nocapture`. Packs GPT-2's fc weight (768 × 3,072) in both orientations with
-    /// and without the AVX512-BF16 conversions, alternating, on the process's CPU
-    /// time (wall time on a shared machine is mostly waiting for a core).
-    #[test]
-    #[ignore]
-    fn pack_speed() {
-        if !super::super::dpbf16::available() {
-            return;
-        }
-        let (c, oc) = (768, 3072);
-        let w = rand_vec(c * oc, 1);
-        let mut pb = Vec::new();
-        let cpu = || crate::kernels::testutil::cpu_seconds(libc::CLOCK_PROCESS_CPUTIME_ID);
-        for (name, b) in [
-            ("x·Wᵀ", Mat::new(&w, oc, c).t()),
-            ("dy·W", Mat::new(&w, oc, c)),
-        ] {
-            let mut t = [f64::INFINITY; 2];
-            for _ in 0..15 {
-                for (vector, t) in [true, false].into_iter().zip(&mut t) {
-                    let s = cpu();
-                    pack_b_with(&mut pb, b, vector);
-                    *t = t.min(cpu() - s);
-                }
-            }
-            let ms = t.map(|t| t * 1e3);
-            println!(
-                "pack {name}: vector {:.2} ms, scalar {:.2} ms of CPU time (best of 15)",
-                ms[0], ms[1]
-            );
-        }
-        // The decoder's prompt packs wᵀ straight from the bf16 weight.
-        let mut w16 = vec![Bf16::default(); c * oc];
-        super::super::store(&mut w16, &w);
-        let mut packed = PackedB::default();
-        let mut best = f64::INFINITY;
-        for _ in 0..15 {
-            let s = cpu();
-            packed.pack_t_bf16(&w16, oc, c);
-            best = best.min(cpu() - s);
-        }
-        println!(
-            "pack_t_bf16 x·Wᵀ: {:.2} ms of CPU time (best of 15)",
-            best * 1e3
-        );
-    }
-
-    #[test]
-    fn vector_packing_gives_the_scalar_packs_bits() {
-        // Needs only AVX512-BF16 (no tiles): the packs both kernels read.
-        if !super::super::dpbf16::available() {
-            eprintln!("vector packing not tested: no AVX512-BF16 on this CPU");
-            return;
-        }
-        // Whole tiles and ragged edges; values that are not bf16 (rounded alike).
-        let (k, n) = (75, 53);
-        let data = rand_vec(k * n, 3);
-        for tb in [false, true] {
-            let b = match tb {
-                true => Mat::new(&data, n, k).t(),
-                false => Mat::new(&data, k, n),
-            };
-            let (mut fast, mut slow) = (Vec::new(), Vec::new());
-            pack_b_with(&mut fast, b, true);
-            pack_b_with(&mut slow, b, false);
-            assert_eq!(fast, slow, "B stored transposed: {tb}");
-            // The A-tile orientation of the same conversions.
-            let a = b.t();
-            let (mut fast, mut slow) = ([0u32; TILE], [0u32; TILE]);
-            pack_tile::<T, 1>(&mut fast, &a, 16, 32, true);
-            pack_tile::<T, 1>(&mut slow, &a, 16, 32, false);
-            assert_eq!(fast, slow, "A tile, transposed: {}", !tb);
-            assert!(fast.iter().all(|&p| p != 0), "a whole tile");
-        }
-    }
-
     fn usable() -> bool {
-        if !permitted() {
+        if !cpu::amx_permitted() {
             eprintln!(
                 "AMX kernel not tested: {}",
-                match cpu_has_amx() {
+                match cpu::has_amx() {
                     true => "the OS refused the tile permission",
                     false => "no AMX-BF16 on this CPU",
                 }
             );
         }
-        permitted()
+        cpu::amx_permitted()
     }
 
     /// The AMX kernel against the f32 GEMM on the same bf16 values: equal up to
@@ -727,24 +423,6 @@ mod tests {
         assert_close("rounded on packing", &got, &want64, 0.0, 1e-5);
     }
 
-    /// Packing runs on any CPU (only the product needs AMX), so this runs everywhere.
-    #[test]
-    fn a_bf16_weight_packs_like_its_widened_transpose() {
-        let mut got = PackedB::default();
-        // Large first: the smaller packs reuse an allocation holding other values.
-        for (n, k) in [(100, 130), (1, 1), (37, 75), (33, 64), (64, 32), (16, 31)] {
-            let w = rand_vec(n * k, (n * k) as u64);
-            let mut w16 = vec![Bf16::default(); n * k];
-            super::super::store(&mut w16, &w);
-            let wide: Vec<f32> = w16.iter().map(|b| b.to_f32()).collect();
-            let mut want = PackedB::default();
-            want.pack(Mat::new(&wide, n, k).t());
-            got.pack_t_bf16(&w16, n, k);
-            assert_eq!((got.k, got.n), (k, n));
-            assert!(got.tiles == want.tiles, "{n} × {k}: the packs differ");
-        }
-    }
-
     #[test]
     fn the_k_blocking_changes_no_bit() {
         // C goes to memory between k blocks and comes back exactly.
@@ -783,7 +461,7 @@ mod tests {
     #[ignore]
     #[cfg(target_arch = "x86_64")]
     fn amx_kernel_speed() {
-        if !permitted() {
+        if !cpu::amx_permitted() {
             eprintln!("no usable AMX here: nothing to time");
             return;
         }
@@ -793,7 +471,7 @@ mod tests {
             let p = vec![0x3F80_3F80u32; 2 * kc * 256];
             let mut c = [[0.0f32; 32]; 32];
             let reps = 20_000;
-            // SAFETY: permitted() checked; the config is loaded on this thread before
+            // SAFETY: amx_permitted() checked; the config is loaded on this thread before
             // the blocks and released after.
             let t = unsafe {
                 x86::configure();

@@ -5,7 +5,7 @@
 //! twice an f32 FMA's 16 on the same register width.
 //!
 //! Operands are packed into bf16 pairs along `k`, zero-padded at the edges:
-//! - B in AMX's layout (`super::amx::pack_b`, or a [`PackedB`] made once for many
+//! - B in AMX's layout (`super::pack::pack_b`, or a [`PackedB`] made once for many
 //!   products): 16-column panels of `[k / 2 pairs][16 columns]`, so one packed
 //!   weight serves either kernel;
 //! - A in row panels of `MR` rows, `[k / 2 pairs][MR rows]`, so a pair of one row is
@@ -22,12 +22,12 @@
 //! subnormal inputs and results as zero (bf16 subnormals are below 1.2e-38, far under
 //! anything a model holds) and rounds each step to nearest even.
 
-use super::amx::{self, pack_b, pair, PackedB, TILE};
-use crate::kernels::matmul::{shapes_checked_and_trivial, Mat};
+use super::pack::{self, pack_b, pair, pairs_along, PackedB, TILE};
+use crate::kernels::cpu;
+use crate::kernels::mat::{shapes_checked_and_trivial, Mat};
 use crate::kernels::SharedMut;
 use rayon::prelude::*;
 use std::cell::RefCell;
-use std::sync::OnceLock;
 
 /// Rows of C per microkernel (one A panel).
 const MR: usize = 12;
@@ -44,19 +44,6 @@ const TASK_PANELS: usize = 8;
 /// Most 32-column panels per task.
 const TASK_COLS: usize = 8;
 
-/// Whether this CPU has AVX512-BF16 (and AVX-512 F), checked once.
-pub fn available() -> bool {
-    static OK: OnceLock<bool> = OnceLock::new();
-    *OK.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        false
-    })
-}
-
 thread_local! {
     /// Packing buffers (A, B) of the calling thread, grown to its largest product and
     /// reused, so a training step allocates nothing once warm. The bf16 matmuls are
@@ -65,7 +52,7 @@ thread_local! {
 }
 
 /// `dst = a · b` (or `+=` when `accumulate`) for operands holding bf16 values (others
-/// are rounded to nearest even while packing). Panics if [`available`] is false.
+/// are rounded to nearest even while packing). Panics if [`cpu::avx512_bf16`] is false.
 pub fn matmul(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
     if shapes_checked_and_trivial(dst, a, b, accumulate) {
         return;
@@ -90,27 +77,6 @@ pub fn matmul_packed(dst: &mut [f32], a: Mat, b: &PackedB, accumulate: bool) {
         return;
     }
     PACKS.with_borrow_mut(|(pa, _)| multiply(dst, a, &b.tiles, b.n, accumulate, pa));
-}
-
-/// `[pair(x[0], x[1]), pair(x[2], x[3]), …]` for 32 values, in one instruction:
-/// [`pair`]'s rounding, except that subnormals become zero (as `vdpbf16ps` and
-/// `tdpbf16ps` read them anyway). Needs [`available`].
-pub(super) fn pairs_along(x: &[f32]) -> [u32; 16] {
-    assert!(x.len() == 32 && available());
-    let mut out = [0; 16];
-    // SAFETY: the CPU has AVX512-BF16 (asserted); 32 floats in, 16 pairs out.
-    unsafe { x86::pairs16(x.as_ptr(), out.as_mut_ptr()) };
-    out
-}
-
-/// `[pair(lo[0], hi[0]), pair(lo[1], hi[1]), …]` for 16 values of each, rounded as
-/// [`pairs_along`]. Needs [`available`].
-pub(super) fn pairs_across(lo: &[f32], hi: &[f32]) -> [u32; 16] {
-    assert!(lo.len() == 16 && hi.len() == 16 && available());
-    let mut out = [0; 16];
-    // SAFETY: the CPU has AVX512-BF16 (asserted); 16 floats in each, 16 pairs out.
-    unsafe { x86::interleave16(lo.as_ptr(), hi.as_ptr(), out.as_mut_ptr()) };
-    out
 }
 
 /// Pairs per vectorised run when packing a row-major A.
@@ -208,24 +174,27 @@ fn multiply_in(
     pa: &mut Vec<u32>,
     kb_pairs: usize,
 ) {
-    assert!(available(), "the AVX512-BF16 kernel needs AVX512-BF16");
+    assert!(
+        cpu::avx512_bf16(),
+        "the AVX512-BF16 kernel needs AVX512-BF16"
+    );
     let (m, k) = (a.rows, a.cols);
     let kp = k.div_ceil(2);
     // Pairs per 16-column panel of the B pack (k rounded up to whole AMX tiles).
-    let b_panel = k.div_ceil(amx::KT) * TILE;
+    let b_panel = k.div_ceil(pack::KT) * TILE;
     let (mp, np) = (m.div_ceil(MR), n.div_ceil(NR));
     assert!(pb.len() >= 2 * np * b_panel, "B pack too short");
     pack_a(pa, a);
     let pa = &pa[..];
     let out = SharedMut::new(dst);
-    let tasks = amx::tasks(mp, np, TASK_PANELS, TASK_COLS);
+    let tasks = pack::tasks(mp, np, TASK_PANELS, TASK_COLS);
     tasks.into_par_iter().for_each(|(panels, cols)| {
         for kb in (0..kp).step_by(kb_pairs) {
             let kl = kb_pairs.min(kp - kb);
             let load = accumulate || kb > 0;
             for j in cols.clone() {
-                let b0 = &pb[2 * j * b_panel + kb * amx::T..][..kl * amx::T];
-                let b1 = &pb[(2 * j + 1) * b_panel + kb * amx::T..][..kl * amx::T];
+                let b0 = &pb[2 * j * b_panel + kb * pack::T..][..kl * pack::T];
+                let b1 = &pb[(2 * j + 1) * b_panel + kb * pack::T..][..kl * pack::T];
                 for i in panels.clone() {
                     let ap = &pa[i * kp * MR + kb * MR..][..kl * MR];
                     let rows = MR.min(m - i * MR);
@@ -256,10 +225,10 @@ fn tile(
     load: bool,
 ) {
     let kl = a.len() / MR;
-    assert!(b0.len() == kl * amx::T && b1.len() == kl * amx::T);
+    assert!(b0.len() == kl * pack::T && b1.len() == kl * pack::T);
     if rows == MR && width == NR {
         assert!(c.len() > (MR - 1) * ldc + NR - 1);
-        // SAFETY: available() was checked by multiply; a holds kl·MR pairs, b0 and b1
+        // SAFETY: cpu::avx512_bf16() was checked by multiply; a holds kl·MR pairs, b0 and b1
         // kl·16 each (asserted), and c holds MR rows of NR at stride ldc (asserted).
         unsafe {
             x86::micro(
@@ -301,42 +270,6 @@ fn tile(
 mod x86 {
     use super::MR;
     use std::arch::x86_64::*;
-
-    /// `out[q] = pair(x[2q], x[2q + 1])` for q < 16 (subnormals flushed to zero).
-    ///
-    /// # Safety
-    /// The CPU has AVX-512 F and AVX512-BF16; `x` holds 32 floats, `out` 16 pairs.
-    #[target_feature(enable = "avx512f,avx512bf16")]
-    pub(super) unsafe fn pairs16(x: *const f32, out: *mut u32) {
-        // SAFETY: 32 floats at x and 16 u32 at out (caller). The low half of the
-        // result is the second operand's 16 values, in order: pairs (2q, 2q + 1).
-        unsafe {
-            let lo = _mm512_loadu_ps(x);
-            let hi = _mm512_loadu_ps(x.add(16));
-            let packed: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
-            _mm512_storeu_si512(out.cast(), packed);
-        }
-    }
-
-    /// `out[q] = pair(lo[q], hi[q])` for q < 16 (subnormals flushed to zero).
-    ///
-    /// # Safety
-    /// The CPU has AVX-512 F and AVX512-BF16; `lo` and `hi` hold 16 floats, `out` 16
-    /// pairs.
-    #[target_feature(enable = "avx512f,avx512bf16")]
-    pub(super) unsafe fn interleave16(lo: *const f32, hi: *const f32, out: *mut u32) {
-        // SAFETY: 16 floats at lo and hi, 16 u32 at out (caller). Each value's bf16
-        // widened to 32 bits: lo's in the low half of the lane, hi's in the high half.
-        unsafe {
-            let lo16: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(lo)));
-            let hi16: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(hi)));
-            let pairs = _mm512_or_si512(
-                _mm512_cvtepu16_epi32(lo16),
-                _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(hi16)),
-            );
-            _mm512_storeu_si512(out.cast(), pairs);
-        }
-    }
 
     /// The register block: `c[r][0..32] (=|+=) Σ_p a[p][r] · (b0[p] | b1[p])` over `kl`
     /// pairs, 24 accumulators (MR rows × two 16-lane halves).
@@ -389,23 +322,7 @@ mod x86 {
 
 #[cfg(not(target_arch = "x86_64"))]
 mod x86 {
-    /// Never called: [`super::available`] is false off x86-64.
-    ///
-    /// # Safety
-    /// None needed; it panics.
-    pub(super) unsafe fn pairs16(_: *const f32, _: *mut u32) {
-        unreachable!("AVX512-BF16 is x86-64 only")
-    }
-
-    /// Never called: [`super::available`] is false off x86-64.
-    ///
-    /// # Safety
-    /// None needed; it panics.
-    pub(super) unsafe fn interleave16(_: *const f32, _: *const f32, _: *mut u32) {
-        unreachable!("AVX512-BF16 is x86-64 only")
-    }
-
-    /// Never called: [`super::available`] is false off x86-64.
+    /// Never called: `cpu::avx512_bf16` is false off x86-64.
     ///
     /// # Safety
     /// None needed; it panics.
@@ -426,14 +343,14 @@ mod x86 {
 mod tests {
     use super::*;
     use crate::kernels::bf16::testcases::*;
-    use crate::kernels::matmul::matmul as f32_gemm;
+    use crate::kernels::mat::matmul as f32_gemm;
     use crate::kernels::testutil::*;
 
     fn usable() -> bool {
-        if !available() {
+        if !cpu::avx512_bf16() {
             eprintln!("AVX512-BF16 kernel not tested: no AVX512-BF16 on this CPU");
         }
-        available()
+        cpu::avx512_bf16()
     }
 
     #[test]
@@ -471,45 +388,6 @@ mod tests {
         assert_close("A strided", &got, &reference(&got, a, b, false), 0.0, 1e-4);
         non_bf16_inputs_round(matmul);
         empty_inner_dimension(matmul);
-    }
-
-    #[test]
-    fn the_vector_pairing_rounds_like_the_scalar_one() {
-        if !usable() {
-            return;
-        }
-        // Ties both ways, a carry into the exponent, overflow to infinity, NaN,
-        // infinity, zeros, then random values; subnormals are flushed to zero.
-        let awkward = [
-            0x3F80_8000u32,
-            0x3F81_8000,
-            0x3F80_7FFF,
-            0x3FFF_FFFF,
-            0x7F7F_FFFF,
-            0xFF80_0000,
-            0x7FC0_0001,
-            0x8000_0000,
-        ];
-        let mut x: Vec<f32> = awkward.into_iter().map(f32::from_bits).collect();
-        x.extend(rand_vec(32 * 8 - x.len(), 9).iter().map(|v| v * 1e3));
-        x.extend([1e-39f32, -3e-40].iter().cycle().take(32));
-        for run in x.chunks_exact(32) {
-            let mut got = [0u32; RUN];
-            // SAFETY: the CPU has AVX512-BF16 (usable); 32 floats in, 16 pairs out.
-            unsafe { x86::pairs16(run.as_ptr(), got.as_mut_ptr()) };
-            let flush = |v: f32| {
-                if v.is_subnormal() {
-                    0.0 * v.signum()
-                } else {
-                    v
-                }
-            };
-            let want: Vec<u32> = run
-                .chunks_exact(2)
-                .map(|p| pair(flush(p[0]), flush(p[1])))
-                .collect();
-            assert_eq!(got[..], want[..], "{run:?}");
-        }
     }
 
     #[test]

@@ -40,9 +40,10 @@
 //! usable here (not built, no AMX, no AVX512-BF16) falls back to the default order,
 //! and `bench`/`train` print which kernel ran.
 
-use super::amx::{self, PackedB};
-use super::{dpbf16, Bf16};
-use crate::kernels::matmul::{matmul, Mat};
+use super::pack::PackedB;
+use super::{amx, dpbf16, Bf16};
+use crate::kernels::cpu;
+use crate::kernels::mat::{matmul, Mat};
 use std::cell::{Cell, RefCell};
 use std::sync::OnceLock;
 
@@ -108,8 +109,8 @@ pub fn request_refused() -> Option<String> {
 pub fn usable(k: Kernel) -> bool {
     match k {
         Kernel::F32 => true,
-        Kernel::Amx => amx::permitted(),
-        Kernel::Avx512Bf16 => dpbf16::available(),
+        Kernel::Amx => cpu::amx_permitted(),
+        Kernel::Avx512Bf16 => cpu::avx512_bf16(),
         #[cfg(feature = "onednn")]
         Kernel::OneDnn => super::onednn::available(),
         #[cfg(not(feature = "onednn"))]
@@ -124,22 +125,7 @@ pub fn kernel() -> Kernel {
         return k;
     }
     static K: OnceLock<Kernel> = OnceLock::new();
-    *K.get_or_init(|| choose(requested(), usable, default_order(intel_cpu())))
-}
-
-/// Whether this is an Intel CPU (CPUID's vendor string), where the f32 GEMM beats
-/// the AVX512-BF16 kernel (see the module comment).
-fn intel_cpu() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        // SAFETY: CPUID leaf 0 exists on every x86-64 CPU and only reads registers.
-        #[allow(unused_unsafe)]
-        let id = unsafe { std::arch::x86_64::__cpuid(0) };
-        let bytes = [id.ebx, id.edx, id.ecx].map(u32::to_le_bytes).concat();
-        bytes == *b"GenuineIntel"
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    *K.get_or_init(|| choose(requested(), usable, default_order(cpu::intel())))
 }
 
 /// The kernels, fastest first as measured: the AVX512-BF16 kernel after the f32
@@ -383,16 +369,6 @@ mod tests {
             assert_eq!(choose(None, |k: Kernel| k != Amx, order), OneDnn);
             assert_eq!(choose(Some(OneDnn), all, order), OneDnn);
             assert_eq!(choose(Some(Avx512Bf16), all, order), Avx512Bf16);
-        }
-    }
-
-    /// The vendor string is read as CPUID gives it: this machine's `/proc/cpuinfo`
-    /// says the same.
-    #[test]
-    fn the_vendor_is_cpuids() {
-        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-        if cpuinfo.contains("vendor_id") {
-            assert_eq!(intel_cpu(), cpuinfo.contains("GenuineIntel"));
         }
     }
 

@@ -1,7 +1,8 @@
 //! bfloat16 for `dtype = "bfloat16"` training: the [`Bf16`] type and the rounding and
 //! widening passes (here), the bf16 matmuls and the choice of their kernel
-//! ([`gemm`]), the AMX-BF16 kernel ([`amx`]) and, with the `onednn` feature, oneDNN's
-//! bf16 matmul (`onednn`).
+//! ([`gemm`]), the packed operand layout ([`pack`]) that the AMX-BF16 kernel ([`amx`])
+//! and the AVX512-BF16 kernel ([`dpbf16`]) read, and, with the `onednn` feature,
+//! oneDNN's bf16 matmul (`onednn`).
 //!
 //! bf16 is the top half of an IEEE f32: sign, 8 exponent bits, 7 mantissa bits. Every
 //! bf16 value is exactly an f32, and the product of two bf16 values is exact in f32
@@ -20,6 +21,7 @@ pub mod dpbf16;
 pub mod gemm;
 #[cfg(feature = "onednn")]
 pub mod onednn;
+pub mod pack;
 pub mod products;
 #[cfg(test)]
 mod testcases;

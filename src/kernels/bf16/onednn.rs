@@ -29,7 +29,7 @@
 //! (on the other kernels; `bench` and `train` print which ran).
 
 use super::Bf16;
-use crate::kernels::matmul::{shapes_checked_and_trivial, Mat};
+use crate::kernels::mat::{shapes_checked_and_trivial, Mat};
 use rayon::prelude::*;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
@@ -558,7 +558,7 @@ pub(crate) fn testable() -> bool {
 mod tests {
     use super::*;
     use crate::kernels::bf16::testcases::*;
-    use crate::kernels::matmul::matmul as f32_gemm;
+    use crate::kernels::mat::matmul as f32_gemm;
     use crate::kernels::testutil::*;
 
     #[test]

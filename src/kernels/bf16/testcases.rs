@@ -2,7 +2,7 @@
 //! against an f64 reference, strided views, rounding of non-bf16 inputs (tests only).
 
 use super::round;
-use crate::kernels::matmul::Mat;
+use crate::kernels::mat::Mat;
 use crate::kernels::testutil::*;
 
 pub use super::products::GPT2_PRODUCTS;

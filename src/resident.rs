@@ -1,5 +1,7 @@
-//! Giving memory back while keeping the buffer: ZeRO-3 holds parameters and
-//! gradients in full-size arenas of which only the pieces in use are resident.
+//! Which pages of a buffer are resident: memory given back while keeping the buffer
+//! (ZeRO-3 holds parameters and gradients in full-size arenas of which only the
+//! pieces in use are resident), and huge pages asked for where buffers are filled
+//! whole. The model and the data-parallel code both use it; it uses neither.
 
 use std::ops::Range;
 
