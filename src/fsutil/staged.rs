@@ -404,9 +404,14 @@ fn commit_path(dest: &Path) -> Result<PathBuf> {
     Ok(dest.with_file_name(name))
 }
 
-/// `dest` with a last component to name siblings after (`.` and `..` resolved).
+/// `dest` with a last component to name siblings after (`.` and `..` resolved), and
+/// a symbolic link to a folder resolved to that folder (the output goes there; the
+/// link stays a link).
 fn normalize(dest: &Path) -> Result<PathBuf> {
-    if dest.file_name().is_some() {
+    let is_link = dest
+        .symlink_metadata()
+        .is_ok_and(|m| m.file_type().is_symlink());
+    if dest.file_name().is_some() && !(is_link && dest.is_dir()) {
         return Ok(dest.to_path_buf());
     }
     let real = dest
@@ -579,6 +584,21 @@ mod tests {
         drop(staged);
         assert_eq!(names(tmp.path()), ["out"]);
         assert_eq!(read(&dest, "a.bin"), "new");
+    }
+
+    #[test]
+    fn a_link_to_a_folder_gets_the_output_and_stays_a_link() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (real, link) = (tmp.path().join("real"), tmp.path().join("link"));
+        std::fs::create_dir(&real).unwrap();
+        std::fs::write(real.join("meta.json"), "old").unwrap();
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        let staged = Staged::begin(&link, &KIND).unwrap();
+        write(&staged, &[("meta.json", "new")]);
+        staged.commit().unwrap();
+        assert!(link.symlink_metadata().unwrap().file_type().is_symlink());
+        assert_eq!(read(&real, "meta.json"), "new");
+        assert_eq!(names(tmp.path()), ["link", "real"]);
     }
 
     #[test]
