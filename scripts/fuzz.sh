@@ -20,7 +20,8 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 SECONDS_PER_TARGET=${1:-60}
 shift || true
-ALL_TARGETS=(checkpoint safetensors_weights meta_json config_toml hf_config token_file prepare_readers)
+ALL_TARGETS=(checkpoint safetensors_weights meta_json config_toml hf_config token_file prepare_readers
+    adapter_config instruct_jsonl)
 TARGETS=("$@")
 [ ${#TARGETS[@]} -eq 0 ] && TARGETS=("${ALL_TARGETS[@]}")
 
@@ -72,6 +73,17 @@ make_seeds() {
     { printf '\x01'; printf '{"text": "one doc"}\n{"text": "two\\n", "id": 2}\n'; } |
         seed prepare_readers jsonl
     { printf '\x02'; cat tests/fixtures/docs.parquet; } | seed prepare_readers parquet
+    seed adapter_config peft <tests/fixtures/lora/adapter/adapter_config.json
+    printf '{"peft_type": "LORA", "r": 4, "lora_alpha": 12, "target_modules": ["c_attn"], "layers_to_transform": [1], "layers_pattern": "h"}' |
+        seed adapter_config layers
+    printf '{"peft_type": "LORA", "r": 4, "target_modules": ".*\\\\.0\\\\.attn\\\\.c_attn", "exclude_modules": ["c_fc"]}' |
+        seed adapter_config pattern
+    { cat tests/fixtures/lora/adapter/adapter_config.json; printf '\0'; \
+        cat tests/fixtures/lora/adapter/adapter_model.safetensors; } | seed adapter_config with_weights
+    { printf '\x00'; cat tests/fixtures/instruct/alpaca.jsonl; } | seed instruct_jsonl alpaca
+    { printf '\x00'; cat tests/fixtures/instruct/chat.jsonl; } | seed instruct_jsonl chat
+    { printf '\x02'; printf '\xef\xbb\xbf{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]}\n'; } |
+        seed instruct_jsonl bom
 }
 
 artifacts() { # crash/timeout/oom inputs saved for TARGET so far

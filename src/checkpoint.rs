@@ -408,8 +408,44 @@ pub struct Checkpoint {
 /// The checkpoint [`Checkpoint::open_latest`] chose, with what it noticed.
 pub struct Latest {
     pub checkpoint: Checkpoint,
-    /// Lines for the user: leftover temporary files, damaged checkpoints skipped.
+    /// Lines for the user: leftover temporary files.
     pub notes: Vec<String>,
+    /// Checkpoints skipped as damaged, with what is wrong with each.
+    pub damaged: Vec<(PathBuf, String)>,
+}
+
+/// Moves the damaged checkpoint `path` (and its `.json`) aside, to
+/// `NAME.damaged.safetensors` (`-2`, `-3`, ... if taken): a name no run reads or
+/// writes, so that the run that skipped it does not replace it. Returns the new path.
+pub fn move_aside(path: &Path) -> Result<PathBuf> {
+    let stem = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let free = |ext: &str| {
+        (1..)
+            .map(|k| match k {
+                1 => path.with_file_name(format!("{stem}.damaged.{ext}")),
+                k => path.with_file_name(format!("{stem}.damaged-{k}.{ext}")),
+            })
+            .find(|p| p.symlink_metadata().is_err())
+            .expect("some name is free")
+    };
+    let aside = free("safetensors");
+    std::fs::rename(path, &aside).with_context(|| {
+        format!(
+            "cannot move the damaged checkpoint {} aside to {}; move it yourself (or delete it) \
+             and run again",
+            path.display(),
+            aside.display()
+        )
+    })?;
+    let json = path.with_extension("json");
+    if json.exists() {
+        let json_aside = aside.with_extension("json");
+        let _ = std::fs::rename(&json, json_aside);
+    }
+    Ok(aside)
 }
 
 /// The bytes of a checkpoint file: mapped from disk, or held (for tests and fuzzing).
@@ -455,7 +491,7 @@ impl Checkpoint {
         if best.exists() {
             candidates.push(best);
         }
-        let mut notes: Vec<String> = leftover_temp_files(out_dir)
+        let notes: Vec<String> = leftover_temp_files(out_dir)
             .iter()
             .map(|p| {
                 format!(
@@ -467,7 +503,7 @@ impl Checkpoint {
         let mut chosen: Option<Checkpoint> = None;
         let mut damaged = Vec::new();
         for path in candidates {
-            match Checkpoint::open_file(&path) {
+            match Checkpoint::open_file(&path).map_err(|e| (path.clone(), format!("{e:#}"))) {
                 // Ties: the interval checkpoint (listed first) is kept.
                 Ok(c)
                     if chosen
@@ -477,31 +513,33 @@ impl Checkpoint {
                     chosen = Some(c)
                 }
                 Ok(_) => {}
-                Err(e) => damaged.push(format!("{e:#}")),
+                Err(e) => damaged.push(e),
             }
         }
         let Some(checkpoint) = chosen else {
             match damaged.is_empty() {
                 true => return Err(no_checkpoint(out_dir)),
-                false => bail!(
-                    "no usable checkpoint in {}: {}",
-                    out_dir.display(),
-                    damaged.join("; ")
-                ),
+                false => {
+                    let errors: Vec<String> = damaged.into_iter().map(|(_, e)| e).collect();
+                    bail!(
+                        "no usable checkpoint in {}: {}",
+                        out_dir.display(),
+                        errors.join("; ")
+                    )
+                }
             }
         };
-        notes.extend(
-            damaged
-                .into_iter()
-                .map(|e| format!("skipping a checkpoint: {e}")),
-        );
-        Ok(Latest { checkpoint, notes })
+        Ok(Latest {
+            checkpoint,
+            notes,
+            damaged,
+        })
     }
 
     /// Opens one checkpoint file and reads its state.
     pub fn open_file(path: &Path) -> Result<Checkpoint> {
         let path = path.to_path_buf();
-        let file = File::open(&path).with_context(|| format!("cannot open {}", path.display()))?;
+        let file = crate::fsutil::open_regular(&path, "checkpoint")?;
         // SAFETY: the map is read-only and private to this process; checkpoints are
         // replaced by rename, never rewritten in place, so the mapped file does not
         // change under us.
@@ -920,11 +958,20 @@ mod tests {
         let latest = Checkpoint::open_latest(dir).unwrap();
         assert_eq!(latest.checkpoint.state.iter_num, 250);
         assert_eq!(latest.checkpoint.path(), checkpoint_path(dir));
-        assert_eq!(latest.notes.len(), 2, "{:?}", latest.notes);
+        assert_eq!(latest.notes.len(), 1, "{:?}", latest.notes);
         assert!(latest.notes[0].contains(".ckpt-000400.safetensors.tmp-1"));
-        assert!(latest.notes[1].contains("damaged or truncated"));
+        assert_eq!(latest.damaged.len(), 1);
+        assert_eq!(latest.damaged[0].0, newest);
+        assert!(latest.damaged[0].1.contains("damaged or truncated"));
+        // Moved aside, under a name no run reads or writes.
+        let aside = move_aside(&newest).unwrap();
+        assert_eq!(aside, dir.join("ckpt-000300.damaged.safetensors"));
+        assert!(dir.join("ckpt-000300.damaged.json").exists() && !newest.exists());
+        std::fs::write(&newest, b"damaged again").unwrap();
+        let again = move_aside(&newest).unwrap();
+        assert_eq!(again, dir.join("ckpt-000300.damaged-2.safetensors"));
+        assert!(Checkpoint::open_latest(dir).unwrap().damaged.is_empty());
         std::fs::remove_file(checkpoint_path(dir)).unwrap();
-        std::fs::remove_file(&newest).unwrap();
         let latest = Checkpoint::open_latest(dir).unwrap();
         assert_eq!(latest.checkpoint.path(), interval_path(dir, 200));
 

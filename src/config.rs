@@ -191,8 +191,8 @@ impl TrainConfig {
         match path {
             None => Self::parse("", "defaults", overrides),
             Some(path) => {
-                let bytes = std::fs::read(path)
-                    .with_context(|| format!("cannot read config file {}", path.display()))?;
+                let bytes =
+                    crate::fsutil::read_limited(path, "config file", crate::fsutil::JSON_LIMIT)?;
                 let text = String::from_utf8(bytes).map_err(|e| {
                     anyhow!(
                         "config file {} is not UTF-8 text (invalid byte at offset {}); save it \

@@ -25,6 +25,21 @@ pub fn evaluate_tokens(
     tokens: &[u16],
     block_size: usize,
     batch_size: usize,
+    on_batch: impl FnMut(usize, usize),
+) -> Result<EvalReport> {
+    evaluate_masked_tokens(model, tokens, None, block_size, batch_size, on_batch)
+}
+
+/// [`evaluate_tokens`] with a loss mask (one byte per token, 1 = scored, as
+/// `train.mask` / `val.mask` hold): the mean over the scored targets only, as
+/// training's val loss of instruction data is. Windows without a scored target are
+/// skipped; none at all is an error.
+pub fn evaluate_masked_tokens(
+    model: &mut Gpt,
+    tokens: &[u16],
+    mask: Option<&[u8]>,
+    block_size: usize,
+    batch_size: usize,
     mut on_batch: impl FnMut(usize, usize),
 ) -> Result<EvalReport> {
     let windows = eval_window_count(tokens.len(), block_size);
@@ -34,10 +49,13 @@ pub fn evaluate_tokens(
             tokens.len()
         );
     }
+    if let Some(mask) = mask {
+        assert_eq!(mask.len(), tokens.len(), "one mask byte per token");
+    }
     model.set_training(false);
     let mut inputs = vec![0u32; batch_size * block_size];
     let mut targets = vec![0i32; batch_size * block_size];
-    let mut total = 0.0f64;
+    let (mut total, mut count) = (0.0f64, 0usize);
     for start in (0..windows).step_by(batch_size) {
         let b = batch_size.min(windows - start);
         let offsets = eval_window_offsets(start..start + b, block_size);
@@ -46,11 +64,31 @@ pub fn evaluate_tokens(
             &mut targets[..b * block_size],
         );
         fill_batch(tokens, &offsets, block_size, x, y)?;
-        // Every target is valid, so the batch mean times its size is its sum.
-        total += model.forward(x, y, b, block_size) as f64 * (b * block_size) as f64;
+        let mut kept = b * block_size;
+        if let Some(mask) = mask {
+            kept = 0;
+            for (&offset, row) in offsets.iter().zip(y.chunks_exact_mut(block_size)) {
+                for (j, target) in row.iter_mut().enumerate() {
+                    match mask[offset + 1 + j] {
+                        0 => *target = -1,
+                        _ => kept += 1,
+                    }
+                }
+            }
+        }
+        if kept > 0 {
+            // The batch mean over its scored targets, times their number: their sum.
+            total += model.forward(x, y, b, block_size) as f64 * kept as f64;
+            count += kept;
+        }
         on_batch(start + b, windows);
     }
-    let count = windows * block_size;
+    if count == 0 {
+        bail!(
+            "no window of {block_size} tokens holds a trained token (the mask is 0 \
+             everywhere they predict); nothing to evaluate"
+        );
+    }
     let loss = total / count as f64;
     Ok(EvalReport {
         loss,

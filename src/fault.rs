@@ -15,6 +15,14 @@
 //! | `kill-during-gather:N:RANK`  | ZeRO-3: SIGKILL rank RANK as it starts its N-th gather of a layer's weights (the other ranks wait in that gather) |
 //! | `stop-during-gather:N:RANK`  | the same with SIGSTOP (a hung rank: only the watchdog can tell) |
 //! | `late-gathers`               | ZeRO-1/2, every update: the weights' all-gathers left in flight start only when waited for (a network slower than any computation), so a reader that does not wait sees the other ranks' pieces from before the update |
+//! | `eio-write:N`                | the N-th output file finished by [`crate::fsutil`] fails to write with EIO (an I/O error of the disk) |
+//! | `eio-rename:N`               | the N-th rename by [`crate::fsutil`] that moves an output into place fails with EIO |
+//! | `kill-at-write:N`            | SIGKILL with the N-th output file half written |
+//! | `kill-at-rename:N`           | SIGKILL just before the N-th rename that moves an output into place |
+//!
+//! The last four count the output files and renames of any command (`export`,
+//! `prepare`, checkpoints), from 1, so that a test can stop a multi-file output at
+//! every step of its way (`scripts/fault_outputs.sh` tries them at random).
 //!
 //! For checkpoints, ITER is the iteration the checkpoint resumes at. With several
 //! ranks every rank applies the fault, except `nan-grad`, which poisons this rank's
@@ -53,6 +61,21 @@ pub enum Fault {
         rank: u64,
         stop: bool,
     },
+    /// The `nth` output write or rename fails with EIO, or (with `kill`) dies.
+    Io {
+        op: IoOp,
+        nth: u64,
+        kill: bool,
+    },
+}
+
+/// The file operations of [`crate::fsutil`] that [`Fault::Io`] fails.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IoOp {
+    /// An output file's contents, written and about to be synced.
+    Write,
+    /// A rename that moves an output (a file or a folder) into place.
+    Rename,
 }
 
 static FAULT: OnceLock<Option<Fault>> = OnceLock::new();
@@ -101,11 +124,21 @@ pub fn parse(spec: &str) -> Result<Fault> {
             rank: num(2)?,
             stop: kind.starts_with("stop"),
         },
+        (kind @ ("eio-write" | "eio-rename" | "kill-at-write" | "kill-at-rename"), 2) => {
+            Fault::Io {
+                op: match kind.ends_with("write") {
+                    true => IoOp::Write,
+                    false => IoOp::Rename,
+                },
+                nth: num(1)?,
+                kill: kind.starts_with("kill"),
+            }
+        }
         _ => bail!(
             "expected kill-during-step:ITER, kill-during-eval:ITER, kill-during-checkpoint:ITER, \
              pause-during-step:ITER:MS, nan-grad:ITER:COUNT, nan-param:ITER, \
-             pause-during-export:MS, kill-during-gather:N:RANK, stop-during-gather:N:RANK or \
-             late-gathers"
+             pause-during-export:MS, kill-during-gather:N:RANK, stop-during-gather:N:RANK, \
+             late-gathers, eio-write:N, eio-rename:N, kill-at-write:N or kill-at-rename:N"
         ),
     };
     Ok(fault)
@@ -176,6 +209,34 @@ pub fn during_gather(rank: usize) {
     let _ = signal_hook::low_level::raise(signal_hook::consts::SIGSTOP);
 }
 
+/// Before [`crate::fsutil`] syncs an output file it wrote (`op` [`IoOp::Write`], `path`
+/// the file) or renames an output into place ([`IoOp::Rename`], `path` the source):
+/// the injected EIO, or SIGKILL (a file to be written is cut to half its length first).
+pub fn io(op: IoOp, path: &std::path::Path) -> std::io::Result<()> {
+    static COUNTS: [AtomicU64; 2] = [AtomicU64::new(0), AtomicU64::new(0)];
+    let Some(Fault::Io { op: o, nth, kill }) = get() else {
+        return Ok(());
+    };
+    if o != op || COUNTS[op as usize].fetch_add(1, Ordering::Relaxed) + 1 != nth {
+        return Ok(());
+    }
+    let what = match op {
+        IoOp::Write => "write",
+        IoOp::Rename => "rename",
+    };
+    if !kill {
+        eprintln!("fault injection: EIO at {what} {nth} ({})", path.display());
+        return Err(std::io::Error::from_raw_os_error(5));
+    }
+    if op == IoOp::Write {
+        if let Ok(f) = std::fs::OpenOptions::new().write(true).open(path) {
+            let half = f.metadata().map_or(0, |m| m.len() / 2);
+            let _ = f.set_len(half).and_then(|()| f.sync_all());
+        }
+    }
+    kill_self(&format!("at {what} {nth} ({})", path.display()))
+}
+
 /// Whether ZeRO-1/2's all-gathers of the updated weights start only when waited for.
 pub fn late_gathers() -> bool {
     get() == Some(Fault::LateGathers)
@@ -226,11 +287,29 @@ mod tests {
             }
         );
         assert_eq!(parse("late-gathers").unwrap(), Fault::LateGathers);
+        assert_eq!(
+            parse("kill-at-rename:3").unwrap(),
+            Fault::Io {
+                op: IoOp::Rename,
+                nth: 3,
+                kill: true
+            }
+        );
+        assert_eq!(
+            parse("eio-write:1").unwrap(),
+            Fault::Io {
+                op: IoOp::Write,
+                nth: 1,
+                kill: false
+            }
+        );
         let typos = [
             "late-gathers:1",
             "kill-during-gather:40",
             "kill-during-stp:7",
             "kill-during-step",
+            "eio-rename",
+            "kill-at-write:1:2",
         ];
         for bad in typos.into_iter().chain(["nan-grad:x:1", ""]) {
             assert!(parse(bad).is_err(), "{bad}");

@@ -16,6 +16,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
+use crate::fault::{self, IoOp};
+
+mod read;
+mod staged;
+pub use read::{check_regular_file, open_regular, read_json, read_limited, BOM, JSON_LIMIT};
+pub use staged::{check_destination, finish_interrupted, OutputKind, Staged};
+
 /// What a temporary file's name carries after the destination's name.
 const TEMP_MARK: &str = ".tmp-";
 
@@ -26,6 +33,7 @@ const TEMP_MARK: &str = ".tmp-";
 pub fn write_atomic(dest: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let tmp = temp_path(dest)?;
     let result = write(&tmp).and_then(|()| {
+        fault::io(IoOp::Write, &tmp).with_context(|| format!("cannot write {}", tmp.display()))?;
         let file =
             File::open(&tmp).with_context(|| format!("cannot sync {} to disk", tmp.display()))?;
         commit(file, &tmp, dest)
@@ -85,6 +93,7 @@ impl AtomicFile {
         let result = writer
             .into_inner()
             .map_err(|e| e.into_error())
+            .and_then(|file| fault::io(IoOp::Write, &self.tmp).map(|()| file))
             .with_context(|| format!("cannot write {}", self.tmp.display()))
             .and_then(|file| commit(file, &self.tmp, &self.dest));
         if result.is_err() {
@@ -101,24 +110,6 @@ impl Drop for AtomicFile {
             let _ = std::fs::remove_file(&self.tmp);
         }
     }
-}
-
-/// Refuses a `path` to read that exists and is not a regular file (a device such as
-/// `/dev/zero`, a named pipe, a folder): opening or reading one could block or never
-/// end, so call it before opening. A path that cannot be inspected (missing, say) is
-/// left to the caller's open, whose message names the fix. `what` names the path
-/// for the message (e.g. "--data").
-pub fn check_regular_file(path: &Path, what: &str) -> Result<()> {
-    let Ok(meta) = std::fs::metadata(path) else {
-        return Ok(());
-    };
-    if !meta.is_file() {
-        bail!(
-            "{what} {} is not a regular file (a device, a pipe or a folder); give a file",
-            path.display()
-        );
-    }
-    Ok(())
 }
 
 /// The lock file a writer holds in the folder it writes (see [`DirLock`]).
@@ -325,14 +316,20 @@ fn commit(file: File, tmp: &Path, dest: &Path) -> Result<()> {
     file.sync_all()
         .with_context(|| format!("cannot sync {} to disk", tmp.display()))?;
     drop(file);
-    std::fs::rename(tmp, dest)
-        .with_context(|| format!("cannot move {} into place", tmp.display()))?;
+    rename(tmp, dest).with_context(|| format!("cannot move {} into place", tmp.display()))?;
     // The rename is durable only once the directory entry is on disk. Some file
     // systems cannot sync a directory; the file itself is complete either way.
     if let Ok(dir) = File::open(parent_dir(dest)) {
         let _ = dir.sync_all();
     }
     Ok(())
+}
+
+/// Renames `from` to `to` (a file or a folder moving into place), through the
+/// fault-injection hook of the tests.
+fn rename(from: &Path, to: &Path) -> std::io::Result<()> {
+    fault::io(IoOp::Rename, from)?;
+    std::fs::rename(from, to)
 }
 
 /// The directory holding `path` (`.` for a bare file name).

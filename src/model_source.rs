@@ -57,7 +57,11 @@ pub fn load_model_with_adapter(src: &str, adapter: Option<&Path>) -> Result<Load
     let mut loaded = load_model(src)?;
     if let Some(dir) = adapter {
         let peft = crate::hf::adapter::read_adapter(dir, &loaded.config)?;
+        for note in &peft.notes {
+            crate::errln!("note: {note}");
+        }
         let base = ParamLayout::new(&loaded.config);
+        crate::hf::adapter::check_base(&peft, dir, src, &loaded.params, &base)?;
         let (layout, weights) = (&peft.layout, &peft.weights);
         lora::merge_into(&mut loaded.params, &base, layout, weights, &peft.config);
     }
@@ -157,6 +161,22 @@ pub fn load_lora_base(state: &LoraState, config: &ModelConfig) -> Result<Vec<f32
             state.base
         )
     })?;
+    let found = pretrained.model_config(Some(config.block_size), 0.0)?;
+    let shape = |c: &ModelConfig| {
+        format!(
+            "n_layer {}, n_head {}, n_embd {}, vocabulary {}, biases {}",
+            c.n_layer, c.n_head, c.n_embd, c.vocab_size, c.bias
+        )
+    };
+    if shape(&found) != shape(config) {
+        bail!(
+            "the LoRA base {} now holds another model ({}) than the one the adapters were \
+             trained on ({}); restore the base they were trained on",
+            state.base,
+            shape(&found),
+            shape(config)
+        );
+    }
     pretrained.load_params(&layout, config, &mut params)?;
     Ok(params)
 }

@@ -659,18 +659,28 @@ fn checkpoint_with_an_impossible_run_state() {
     }
 }
 
-/// Resuming a run that already reached `max_iters` is refused (it used to train one
-/// more iteration past the end); `eval_only` still evaluates it.
+/// Resuming a run that already reached `max_iters` says the run is complete and exits
+/// 0 without training or writing anything, so that a scheduler's requeue loop
+/// (`until nanogpt train init_from=resume ...; do ...; done`) ends (it used to exit 1;
+/// before that, it trained one more iteration past the end); `eval_only` still
+/// evaluates it.
 #[test]
-fn resume_past_max_iters() {
+fn resume_of_a_complete_run_exits_0() {
     let s = Scene::new("resume-finished");
     s.add_run("run");
-    s.train_refused(
-        &["init_from=resume"],
-        &[
-            "resumes at iteration 3, past max_iters = 2",
-            "raise max_iters",
-        ],
+    let before = snapshot(s.path());
+    let (stdout, stderr) = succeeds(&mut command(s.path(), train_args(&["init_from=resume"])));
+    assert!(
+        stdout.contains(
+            "run/ckpt-000003.safetensors resumes at iteration 3, past max_iters = 2: the run \
+             is complete, nothing to train (raise max_iters to train it further"
+        ),
+        "{stdout}\n{stderr}"
+    );
+    assert!(!stdout.contains("step "), "{stdout}");
+    assert!(
+        snapshot(s.path()) == before,
+        "a complete run changed its files"
     );
     succeeds(&mut command(
         s.path(),
@@ -1177,6 +1187,206 @@ fn a_shard_index_cannot_reach_outside_the_model_folder() {
             "model.safetensors.index.json",
             "\"../outside.safetensors\"",
             "not a plain file name",
+        ],
+    );
+}
+
+// ---- files that are not files, or too large (issue 38) ---------------------------
+
+/// Makes a named pipe at `path`: opened for reading, it blocks until a writer comes.
+fn mkfifo(path: &Path) {
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    let status = std::process::Command::new("mkfifo")
+        .arg(path)
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// [`Scene::refused`] of a command that must end within 20 s (a pipe opened for
+/// reading used to block it forever; `/dev/zero` read until memory ran out).
+fn refused_at_once(s: &Scene, args: &[&str], phrases: &[&str]) {
+    let mut child = command(s.path(), args)
+        .env("HF_HUB_OFFLINE", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > std::time::Duration::from_secs(20) {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            panic!("{args:?} still runs after 20 s (blocked on a pipe or reading forever)");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = refused(&out);
+    for phrase in phrases {
+        assert!(stderr.contains(phrase), "missing {phrase:?} in:\n{stderr}");
+    }
+}
+
+/// The LoRA fixture's base, and a copy of its adapter in `s/ad` with `broken`
+/// replaced by a named pipe.
+fn adapter_with_a_pipe(s: &Scene, broken: &str) -> (PathBuf, PathBuf) {
+    for f in ["adapter_config.json", "adapter_model.safetensors"] {
+        s.write(
+            &format!("ad/{f}"),
+            std::fs::read(fixture("lora/adapter").join(f)).unwrap(),
+        );
+    }
+    std::fs::remove_file(s.file("ad").join(broken)).unwrap();
+    mkfifo(&s.file("ad").join(broken));
+    (fixture("lora/base"), fixture("lora/tokens.bin"))
+}
+
+#[test]
+fn an_adapter_config_that_is_a_pipe() {
+    let s = Scene::new("fifo-adapter-config");
+    let (base, tokens) = adapter_with_a_pipe(&s, "adapter_config.json");
+    let args = [
+        "eval",
+        "--init-from",
+        base.to_str().unwrap(),
+        "--adapter",
+        "ad",
+        "--data",
+        tokens.to_str().unwrap(),
+    ];
+    refused_at_once(&s, &args, &["ad/adapter_config.json is not a regular file"]);
+}
+
+#[test]
+fn adapter_weights_that_are_a_pipe() {
+    let s = Scene::new("fifo-adapter-weights");
+    let (base, tokens) = adapter_with_a_pipe(&s, "adapter_model.safetensors");
+    let args = [
+        "eval",
+        "--init-from",
+        base.to_str().unwrap(),
+        "--adapter",
+        "ad",
+        "--data",
+        tokens.to_str().unwrap(),
+    ];
+    refused_at_once(
+        &s,
+        &args,
+        &["ad/adapter_model.safetensors is not a regular file"],
+    );
+}
+
+#[test]
+fn a_meta_json_that_is_a_pipe() {
+    let s = Scene::new("fifo-meta");
+    std::fs::remove_file(s.file("ds/meta.json")).unwrap();
+    mkfifo(&s.file("ds/meta.json"));
+    refused_at_once(
+        &s,
+        &train_args(&[]),
+        &["ds/meta.json is not a regular file"],
+    );
+}
+
+#[test]
+fn a_model_config_json_that_is_a_pipe_or_dev_zero() {
+    let s = Scene::new("fifo-hf-config");
+    let weights = std::fs::read(tiny_hf_model().join("model.safetensors")).unwrap();
+    s.write("m/model.safetensors", &weights);
+    mkfifo(&s.file("m/config.json"));
+    let args = ["eval", "--init-from", "m", "--data", "ds/val.bin"];
+    refused_at_once(&s, &args, &["m/config.json is not a regular file"]);
+    s.write("z/model.safetensors", &weights);
+    std::os::unix::fs::symlink("/dev/zero", s.file("z/config.json")).unwrap();
+    let args = ["eval", "--init-from", "z", "--data", "ds/val.bin"];
+    refused_at_once(&s, &args, &["z/config.json is not a regular file"]);
+}
+
+/// A JSON file larger than any real one (a sparse file of 65 MiB here) is refused
+/// before it is read.
+#[test]
+fn a_json_file_beyond_the_size_limit() {
+    let s = Scene::new("json-size");
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(s.file("ds/meta.json"))
+        .unwrap();
+    file.set_len(65 << 20).unwrap();
+    refused_at_once(
+        &s,
+        &train_args(&[]),
+        &["ds/meta.json holds 68157440 bytes, more than the 67108864"],
+    );
+}
+
+// ---- settings that are ignored or wrong, and links (issue 38) --------------------
+
+/// `out_dir` (or `prepare --out`) that is a symbolic link to nothing is named as such
+/// (it used to fail with a bare "File exists (os error 17)").
+#[test]
+fn out_dir_is_a_dangling_symbolic_link() {
+    let s = Scene::new("out-dangling");
+    std::os::unix::fs::symlink(s.file("gone"), s.file("run")).unwrap();
+    let phrases = [
+        "out_dir run is a symbolic link to",
+        "gone, which does not exist",
+        "remove the link",
+    ];
+    refused_at_once(&s, &train_args(&[]), &phrases);
+    s.write("t.txt", "some text to prepare\n".repeat(20));
+    std::os::unix::fs::symlink(s.file("gone"), s.file("out")).unwrap();
+    refused_at_once(
+        &s,
+        &["prepare", "t.txt", "--out", "out"],
+        &[
+            "--out out is a symbolic link to nothing",
+            "choose another --out",
+        ],
+    );
+    assert!(
+        !s.file("gone").exists(),
+        "nothing made where the links point"
+    );
+}
+
+/// `sample --num-samples 0`, and negative `--top-p` / `--repetition-penalty` (read as
+/// unknown flags before), name the flag and the range.
+#[test]
+fn sample_flags_out_of_range() {
+    let s = Scene::new("sample-flags");
+    s.add_run("run");
+    let base = ["sample", "--out-dir", "run", "--max-new-tokens", "2"];
+    s.refused(
+        &[&base[..], &["--num-samples", "0"]].concat(),
+        &["--num-samples must be at least 1"],
+    );
+    s.refused(
+        &[&base[..], &["--top-p", "-1"]].concat(),
+        &["--top-p must be above 0 and at most 1", "got -1"],
+    );
+    s.refused(
+        &[&base[..], &["--repetition-penalty", "-1"]].concat(),
+        &["--repetition-penalty must be above 0", "got -1"],
+    );
+}
+
+/// `plan` refuses what it used to plan silently otherwise: more ranks per host than
+/// ranks, and an `adapter` it cannot read (planned as a full fine-tune).
+#[test]
+fn plan_refuses_impossible_placements_and_missing_adapters() {
+    let s = Scene::new("plan-args");
+    s.refused(
+        &["plan", "--world-size", "2", "--ranks-per-host", "8"],
+        &["--ranks-per-host 8 is more than the 2 ranks of the job"],
+    );
+    let init = format!("init_from={}", fixture("lora/base").display());
+    s.refused(
+        &["plan", &init, "adapter=missing", "block_size=16"],
+        &[
+            "adapter=missing: cannot load the LoRA adapter",
+            "missing/adapter_config.json",
         ],
     );
 }

@@ -408,8 +408,15 @@ fn export_refuses_a_directory_with_other_files() {
         std::fs::read_to_string(dir.path().join("config.json")).unwrap(),
         "{}"
     );
-    // Only files an export writes: replaced.
+    // Only files with the names an export writes, but not an export (a Hugging Face
+    // model of the user's): refused too (it used to be overwritten).
     std::fs::remove_file(dir.path().join("notes.txt")).unwrap();
+    let err = format!(
+        "{:#}",
+        nanogpt::hf::export(&params, &cfg, None, dir.path()).unwrap_err()
+    );
+    assert!(err.contains("did not write (config.json)"), "{err}");
+    std::fs::remove_file(dir.path().join("config.json")).unwrap();
     nanogpt::hf::export(&params, &cfg, None, dir.path()).unwrap();
     // A previous export with the user's own files beside it: replaced, theirs kept.
     std::fs::write(dir.path().join("README.md"), "model card").unwrap();

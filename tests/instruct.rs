@@ -306,3 +306,314 @@ fn bad_instruction_lines_are_refused_with_file_line_and_field() {
     let err = fails(d, &["eval", "--init-from", model, "--data", "a.jsonl"]);
     assert!(err.contains("a.jsonl line 2"), "{err}");
 }
+
+// ---------------------------------------------------------------------------------
+// Numbers that must not be silently wrong, and lines chat must survive (issue 38)
+
+/// The toy dataset with its masks rewritten: `train` trains everything, `val` only
+/// the tokens at the positions `trained`.
+fn toy_with_val_mask(d: &Path, trained: impl Fn(usize) -> bool) {
+    prepare_toy(d, 200);
+    let dir = d.join("data/toy");
+    let len = std::fs::metadata(dir.join("train.mask")).unwrap().len() as usize;
+    std::fs::write(dir.join("train.mask"), vec![1u8; len]).unwrap();
+    let len = std::fs::metadata(dir.join("val.mask")).unwrap().len() as usize;
+    let mask: Vec<u8> = (0..len).map(|i| trained(i) as u8).collect();
+    std::fs::write(dir.join("val.mask"), mask).unwrap();
+}
+
+fn train_toy(d: &Path, extra: &[&str]) -> (String, String) {
+    let args = [
+        &["train", "dataset=data/toy", "out_dir=run"] as &[&str],
+        &TINY_MODEL,
+        &[
+            "block_size=16",
+            "batch_size=4",
+            "max_iters=2",
+            "eval_interval=2",
+            "eval_iters=2",
+            "always_save_checkpoint=False",
+            "threads=1",
+        ],
+        extra,
+    ]
+    .concat();
+    common::succeeds(&mut common::command(d, args))
+}
+
+/// Evaluation windows whose targets the val mask trains nowhere are skipped and
+/// counted; an evaluation where no window holds one has no val loss (it is not the
+/// best, so it writes no best checkpoint) and says so. It used to report `val loss
+/// 0.0000`, which no later evaluation could beat.
+#[test]
+fn evaluation_windows_without_a_trained_token_are_skipped_and_counted() {
+    let tmp = temp_dir("inst-empty-windows");
+    let d = tmp.path();
+    // Only the first token is "trained": it is never a target, so no window has one.
+    toy_with_val_mask(d, |i| i == 0);
+    let (stdout, _) = train_toy(d, &[]);
+    assert!(
+        stdout.contains("step 0: train loss ")
+            && stdout
+                .contains(", val loss n/a (8 of 8 val windows hold no trained token: skipped)"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("done: train loss ") && stdout.contains("val loss n/a"),
+        "{stdout}"
+    );
+    assert!(metric(&d.join("run"), "val_loss")
+        .iter()
+        .all(|(_, v)| v.is_nan()));
+    assert!(
+        !d.join("run/ckpt.safetensors").exists(),
+        "an evaluation with no loss is no best"
+    );
+    // Half the val tokens trained: some windows skipped, the loss over the others.
+    let tmp = temp_dir("inst-some-windows");
+    let d = tmp.path();
+    toy_with_val_mask(d, |i| (i / 200) % 2 == 0);
+    let (stdout, _) = train_toy(d, &["seed=3"]);
+    let line = stdout.lines().find(|l| l.starts_with("step 0:")).unwrap();
+    assert!(
+        line.contains("val windows hold no trained token: skipped)"),
+        "{line}"
+    );
+    assert!(!line.contains("val loss n/a"), "{line}");
+    assert!(metric(&d.join("run"), "val_loss")
+        .iter()
+        .all(|(_, v)| v.is_finite()));
+}
+
+/// A dataset whose mask trains no token at all is refused (an all-zero mask used to
+/// "train" to loss 0.0 with exit 0).
+#[test]
+fn a_dataset_that_trains_no_token_is_refused() {
+    let tmp = temp_dir("inst-zero-mask");
+    let d = tmp.path();
+    prepare_toy(d, 60);
+    let len = std::fs::metadata(d.join("data/toy/train.mask"))
+        .unwrap()
+        .len() as usize;
+    std::fs::write(d.join("data/toy/train.mask"), vec![0u8; len]).unwrap();
+    let err = fails(
+        d,
+        &["train", "dataset=data/toy", "block_size=16", "max_iters=2"],
+    );
+    assert!(
+        err.contains(
+            "data/toy/train.mask trains no token (every byte is 0), so nothing would be trained"
+        ),
+        "{err}"
+    );
+}
+
+/// `eval --data FILE.jsonl` of plain text reads each line's `text` field, as `prepare`
+/// does (it used to score the raw JSON, braces and keys); an empty one, or one whose
+/// lines have no text, says so (it used to advise a smaller --block-size); a
+/// byte-order mark at its start is read past.
+#[test]
+fn eval_reads_the_text_field_of_a_plain_jsonl() {
+    let d = toy_model();
+    let tmp = temp_dir("inst-eval-jsonl");
+    let t = tmp.path();
+    let docs = ["abcdefghyes", "hgfedcbano", "badcabfed"];
+    let jsonl: String = docs
+        .iter()
+        .map(|s| format!("{{\"text\": \"{s}\"}}\n"))
+        .collect();
+    std::fs::write(t.join("docs.jsonl"), format!("\u{feff}{jsonl}")).unwrap();
+    std::fs::write(t.join("docs.txt"), docs.concat()).unwrap();
+    let run = d.join("run");
+    let eval = |file: &str| {
+        let data = t.join(file);
+        let args = [
+            "eval",
+            "--init-from",
+            run.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--json",
+            "--block-size",
+            "8",
+        ];
+        let out = ok(d, &args);
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()
+    };
+    // Char tokens have no end-of-text: the documents' tokens are the text's, in order.
+    assert_eq!(eval("docs.jsonl"), eval("docs.txt"));
+    std::fs::write(t.join("empty.jsonl"), "").unwrap();
+    std::fs::write(
+        t.join("untitled.jsonl"),
+        "{\"text\": \"\"}\n{\"body\": null, \"text\": null}\n",
+    )
+    .unwrap();
+    for file in ["empty.jsonl", "untitled.jsonl"] {
+        let data = t.join(file);
+        let err = fails(
+            d,
+            &[
+                "eval",
+                "--init-from",
+                run.to_str().unwrap(),
+                "--data",
+                data.to_str().unwrap(),
+            ],
+        );
+        assert!(
+            err.contains("holds no text (no line with a non-empty `text` field)"),
+            "{file}: {err}"
+        );
+        assert!(!err.contains("--block-size"), "{err}");
+    }
+}
+
+/// `eval --data val.bin` of instruction data reads the `val.mask` beside it, says so,
+/// and scores the masked tokens only, as training's val loss does (it used to score
+/// every token).
+#[test]
+fn eval_of_an_instruction_val_bin_uses_its_mask() {
+    let d = toy_model();
+    let run = d.join("run");
+    let args = [
+        "eval",
+        "--init-from",
+        run.to_str().unwrap(),
+        "--data",
+        "data/toy/val.bin",
+        "--json",
+        "--block-size",
+        "16",
+    ];
+    let (stdout, stderr) = common::succeeds(&mut common::command(d, args));
+    assert!(
+        stderr.contains(
+            "note: using data/toy/val.mask beside data/toy/val.bin: the loss is over the"
+        ),
+        "{stderr}"
+    );
+    let masked: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    // Exactly the trained targets of the windows of 16 are scored.
+    let mask = std::fs::read(d.join("data/toy/val.mask")).unwrap();
+    let windows = (mask.len() - 1) / 16;
+    let trained: u64 = (0..windows)
+        .map(|k| {
+            mask[k * 16 + 1..k * 16 + 17]
+                .iter()
+                .map(|&b| b as u64)
+                .sum::<u64>()
+        })
+        .sum();
+    assert_eq!(masked["tokens"].as_u64(), Some(trained));
+    assert!(trained < (windows * 16) as u64);
+}
+
+/// `--text-column` with instruction examples is not used, and says so; so is
+/// `chat --template alpaca --system`.
+#[test]
+fn settings_that_do_nothing_say_so() {
+    let tmp = temp_dir("inst-ignored");
+    let d = tmp.path();
+    std::fs::write(
+        d.join("a.jsonl"),
+        "{\"instruction\": \"i\", \"output\": \"o\"}\n".repeat(4),
+    )
+    .unwrap();
+    let args = [
+        "prepare",
+        "a.jsonl",
+        "--out",
+        "ds",
+        "--format",
+        "alpaca",
+        "--text-column",
+        "body",
+    ];
+    let (_, stderr) = common::succeeds(&mut common::command(d, args));
+    assert!(stderr.contains("note: --text-column body is not used: instruction examples are read from their own fields"), "{stderr}");
+    let toy = toy_model();
+    let args = [
+        "chat",
+        "--out-dir",
+        "run",
+        "--template",
+        "alpaca",
+        "--system",
+        "Be brief.",
+    ];
+    let out = common::command(toy, args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = common::text(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("note: ignoring --system: Stanford Alpaca's prompt has no system message"),
+        "{stderr}"
+    );
+}
+
+/// `chat` with lines the vocabulary cannot encode and bytes that are not UTF-8 skips
+/// those lines with a word and answers the rest (one of them used to end the whole
+/// conversation); a message longer than the context is cut, with a note; `--json`
+/// prints each reply as one JSON line.
+#[test]
+fn chat_survives_bad_lines_and_cuts_long_ones() {
+    use std::io::Write;
+    let d = toy_model();
+    let chat = |input: &[u8], extra: &[&str]| {
+        let args = [
+            &[
+                "chat",
+                "--out-dir",
+                "run",
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "8",
+            ][..],
+            extra,
+        ]
+        .concat();
+        let mut child = common::command(d, args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(input).unwrap();
+        let out = child.wait_with_output().unwrap();
+        let stderr = common::text(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        (common::text(&out.stdout), stderr)
+    };
+    let (stdout, stderr) = chat(b"abc\nZZZ \xc3\xa9\n\xff\xfe\nfghe\n", &[]);
+    assert_eq!(stdout, "yes\nno\n", "{stderr}");
+    assert!(
+        stderr.contains("(the model's vocabulary cannot encode that line"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("(that line is not UTF-8 text: skipped)"),
+        "{stderr}"
+    );
+    let long = format!("{}\n", "abcdefgh".repeat(20));
+    let (stdout, stderr) = chat(long.as_bytes(), &[]);
+    assert_eq!(stdout.lines().count(), 1, "{stdout}");
+    assert!(
+        stderr.contains("only its last 56 tokens are read"),
+        "{stderr}"
+    );
+    let (stdout, _) = chat(b"abc\nfghe\n", &["--json"]);
+    let replies: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(
+        replies,
+        [
+            serde_json::json!({"reply": "yes"}),
+            serde_json::json!({"reply": "no"})
+        ]
+    );
+}

@@ -422,3 +422,368 @@ fn chat_takes_a_peft_adapter() {
     let (code, err) = chat(fixture("lora/adapter").to_str().unwrap());
     assert_eq!(code, Some(0), "{err}");
 }
+
+// ---------------------------------------------------------------------------------
+// Adapters and their bases (issue 38)
+
+/// A tiny GPT-2-vocabulary model (2 layers, width `n_embd`, initialised from `seed`)
+/// exported as a Hugging Face directory `d/name`.
+fn gpt2_base(d: &Path, name: &str, seed: u64, n_embd: usize) {
+    let cfg = nanogpt::model::ModelConfig {
+        vocab_size: 50257,
+        block_size: 16,
+        n_layer: 2,
+        n_head: 2,
+        n_embd,
+        bias: true,
+        dropout: 0.0,
+    };
+    let mut model = nanogpt::model::Gpt::new(cfg, 1, 1).unwrap();
+    model.init_gpt2(seed);
+    let kind = Some(nanogpt::data::TokenizerKind::Gpt2);
+    let dir = d.join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    nanogpt::hf::export(&model.params, model.config(), kind, &dir).unwrap();
+}
+
+/// `train init_from=BASE dataset=data out_dir=OUT` with tiny LoRA settings, then `extra`.
+fn lora_args<'a>(base: &'a str, out: &'a str, extra: &[&'a str]) -> Vec<String> {
+    let fixed = [
+        format!("init_from={base}"),
+        "dataset=data".into(),
+        format!("out_dir={out}"),
+        "block_size=8".into(),
+        "batch_size=2".into(),
+        "max_iters=2".into(),
+        "eval_interval=2".into(),
+        "eval_iters=1".into(),
+        "lora_rank=2".into(),
+        "threads=1".into(),
+    ];
+    let mut args = vec!["train".to_string()];
+    args.extend(fixed);
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+/// A copy of PEFT's fixture adapter in `dir`, its config changed by `edit`.
+fn fixture_adapter(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    std::fs::create_dir_all(dir).unwrap();
+    let src = fixture("lora/adapter");
+    std::fs::copy(
+        src.join("adapter_model.safetensors"),
+        dir.join("adapter_model.safetensors"),
+    )
+    .unwrap();
+    let mut config = read_json(&src.join("adapter_config.json"));
+    edit(&mut config);
+    std::fs::write(dir.join("adapter_config.json"), config.to_string()).unwrap();
+}
+
+/// `nanogpt eval --json` of the fixture base with `adapter` over the fixture tokens.
+fn fixture_eval(d: &Path, adapter: &str) -> std::process::Output {
+    let (base, tokens) = (fixture("lora/base"), fixture("lora/tokens.bin"));
+    let args = [
+        "eval",
+        "--init-from",
+        base.to_str().unwrap(),
+        "--adapter",
+        adapter,
+        "--data",
+        tokens.to_str().unwrap(),
+        "--block-size",
+        "16",
+        "--json",
+    ];
+    run(&mut command(d, args))
+}
+
+/// An adapter whose config selects fewer modules or layers than its file holds is
+/// applied exactly where PEFT applies it: the losses of `eval --adapter` match PEFT's
+/// for each selection (tests/fixtures/lora/selection.json, made by
+/// scripts/reference/peft_selection.py). It used to apply every tensor of the file.
+/// Such an adapter is refused for further training (adapters here span every layer).
+#[test]
+fn peft_applies_an_adapter_where_its_config_says() {
+    let dir = temp_dir("lora-selection");
+    let d = dir.path();
+    let want = read_json(&fixture("lora/selection.json"));
+    for variant in want["variants"].as_array().unwrap() {
+        let name = variant["name"].as_str().unwrap();
+        let adapter = d.join("ad");
+        let _ = std::fs::remove_dir_all(&adapter);
+        fixture_adapter(&adapter, |c| {
+            for (k, v) in variant["config"].as_object().unwrap() {
+                c[k] = v.clone();
+            }
+        });
+        let out = fixture_eval(d, "ad");
+        let stderr = common::text(&out.stderr);
+        assert!(out.status.success(), "{name}: {stderr}");
+        let got = serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()["loss"]
+            .as_f64()
+            .unwrap();
+        let peft = variant["eval_loss"].as_f64().unwrap();
+        assert!(
+            ((got - peft) / peft).abs() < 1e-5,
+            "{name}: {got} vs PEFT's {peft}"
+        );
+    }
+    // Training continues only adapters that cover every layer.
+    gpt2_base(d, "base", 1, 8);
+    prepare_gpt2_text(d, 40);
+    succeeds(&mut command(d, lora_args("base", "out", &[])));
+    ok(
+        d,
+        &["export", "--from", "out", "--to", "peft", "--adapter-only"],
+    );
+    let config = d.join("peft/adapter_config.json");
+    let mut json = read_json(&config);
+    json["layers_to_transform"] = serde_json::json!([1]);
+    std::fs::write(&config, json.to_string()).unwrap();
+    let args = lora_args("base", "cont", &["adapter=peft"]);
+    let err = refused(&run(&mut command(d, args)));
+    assert!(
+        err.contains("adapter=peft: its config puts adapters on some layers only"),
+        "{err}"
+    );
+}
+
+/// Sets the first value of the first tensor of the safetensors file `path` to `value`.
+fn poison(path: &Path, value: f32) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let at = {
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut names = st.names();
+        names.sort();
+        let view = st.tensor(names[0]).unwrap();
+        view.data().as_ptr() as usize - bytes.as_ptr() as usize
+    };
+    bytes[at..at + 4].copy_from_slice(&value.to_le_bytes());
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// Adapters holding NaN or infinity are refused on load by eval, sample, export and
+/// train, as damaged checkpoints are (eval used to report loss NaN with exit 0, export
+/// to write NaN weights).
+#[test]
+fn adapters_holding_nan_are_refused() {
+    let dir = temp_dir("lora-nan");
+    let d = dir.path();
+    fixture_adapter(&d.join("ad"), |_| {});
+    poison(&d.join("ad/adapter_model.safetensors"), f32::NAN);
+    let base = fixture("lora/base");
+    let base = base.to_str().unwrap();
+    let phrase = "holds NaN or infinite values; the adapter is damaged";
+    let err = refused(&fixture_eval(d, "ad"));
+    assert!(err.contains(phrase), "eval: {err}");
+    let sample = [
+        "sample",
+        "--init-from",
+        base,
+        "--adapter",
+        "ad",
+        "--max-new-tokens",
+        "2",
+    ];
+    let err = refused(&run(&mut command(d, sample)));
+    assert!(err.contains(phrase), "sample: {err}");
+    let export = [
+        "export",
+        "--from",
+        base,
+        "--adapter",
+        "ad",
+        "--to",
+        "merged",
+    ];
+    let err = refused(&run(&mut command(d, export)));
+    assert!(err.contains(phrase), "export: {err}");
+    assert!(!d.join("merged").exists());
+    gpt2_base(d, "base", 1, 8);
+    prepare_gpt2_text(d, 40);
+    succeeds(&mut command(d, lora_args("base", "out", &[])));
+    ok(
+        d,
+        &["export", "--from", "out", "--to", "peft", "--adapter-only"],
+    );
+    poison(&d.join("peft/adapter_model.safetensors"), f32::INFINITY);
+    let err = refused(&run(&mut command(
+        d,
+        lora_args("base", "cont", &["adapter=peft"]),
+    )));
+    assert!(err.contains(phrase), "train: {err}");
+}
+
+/// An adapter nanogpt exported names its base by a fingerprint of the base's blocks:
+/// on another model of the same shapes it is refused (it used to be applied without
+/// a word). A PEFT adapter whose `base_model_name_or_path` names another model gets
+/// a warning. A run on a scratch base has no PEFT base to name: `--adapter-only`
+/// refuses it (it wrote `base_model_name_or_path: null`).
+#[test]
+fn an_adapter_is_checked_against_its_base() {
+    let dir = temp_dir("lora-identity");
+    let d = dir.path();
+    gpt2_base(d, "base", 1, 8);
+    gpt2_base(d, "other", 2, 8);
+    prepare_gpt2_text(d, 40);
+    succeeds(&mut command(d, lora_args("base", "out", &[])));
+    ok(
+        d,
+        &["export", "--from", "out", "--to", "peft", "--adapter-only"],
+    );
+    let eval = |base: &str| {
+        let args = [
+            "eval",
+            "--init-from",
+            base,
+            "--adapter",
+            "peft",
+            "--data",
+            "data/val.bin",
+        ];
+        run(&mut command(d, args))
+    };
+    let (stdout, stderr) = succeeds(&mut command(
+        d,
+        [
+            "eval",
+            "--init-from",
+            "base",
+            "--adapter",
+            "peft",
+            "--data",
+            "data/val.bin",
+        ],
+    ));
+    assert!(
+        stdout.contains("loss") && !stderr.contains("warning"),
+        "{stderr}"
+    );
+    let err = refused(&eval("other"));
+    assert!(
+        err.contains("peft holds LoRA adapters trained on another base than other")
+            && err.contains("named base"),
+        "{err}"
+    );
+    let err = refused(&run(&mut command(
+        d,
+        lora_args("other", "cont", &["adapter=peft"]),
+    )));
+    assert!(err.contains("trained on another base than other"), "{err}");
+    // A PEFT adapter naming its base: a warning when the name is another model's.
+    fixture_adapter(&d.join("named"), |c| {
+        c["base_model_name_or_path"] = "gpt2-xl".into()
+    });
+    let out = fixture_eval(d, "named");
+    let stderr = common::text(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("warning: named was trained on gpt2-xl (its base_model_name_or_path)"),
+        "{stderr}"
+    );
+    // Adapters on a scratch base (the bundled data, in a folder of its own).
+    let elsewhere = temp_dir("lora-identity-scratch");
+    let e = elsewhere.path();
+    let scratch = [
+        &[
+            "train",
+            "out_dir=scratch",
+            "max_iters=1",
+            "eval_interval=1",
+            "lora_rank=2",
+        ][..],
+        &TINY_MODEL,
+        &TINY_BATCH,
+    ]
+    .concat();
+    succeeds(&mut command(e, scratch));
+    let err = fails(
+        e,
+        &["export", "--from", "scratch", "--to", "x", "--adapter-only"],
+    );
+    assert!(
+        err.contains("randomly initialised base") && err.contains("export the whole model instead"),
+        "{err}"
+    );
+    assert!(!e.join("x").exists());
+}
+
+/// Bad values in adapter_config.json name the file and the key (`"r": -4` used to say
+/// only "missing r").
+#[test]
+fn adapter_config_errors_name_the_file_and_the_key() {
+    let dir = temp_dir("lora-config-errors");
+    let d = dir.path();
+    let cases: [(serde_json::Value, &str); 4] = [
+        (
+            (-4).into(),
+            "ad/adapter_config.json: r must be the adapters' rank, a whole number from 1, got -4",
+        ),
+        (
+            "4".into(),
+            "r must be the adapters' rank, a whole number from 1, got \"4\"",
+        ),
+        (
+            serde_json::Value::Null,
+            "ad/adapter_config.json: r (the adapters' rank) is missing",
+        ),
+        (0.into(), "got 0"),
+    ];
+    for (r, phrase) in cases {
+        let _ = std::fs::remove_dir_all(d.join("ad"));
+        fixture_adapter(&d.join("ad"), |c| c["r"] = r.clone());
+        let err = refused(&fixture_eval(d, "ad"));
+        assert!(err.contains(phrase), "{r}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(d.join("ad"));
+    fixture_adapter(&d.join("ad"), |c| c["lora_alpha"] = "x".into());
+    let err = refused(&fixture_eval(d, "ad"));
+    assert!(
+        err.contains("ad/adapter_config.json: lora_alpha must be a number, got \"x\""),
+        "{err}"
+    );
+}
+
+/// Resuming a LoRA run whose base folder now holds a model of other shapes says that
+/// the base is not the one the adapters were trained on (it used to report a tensor
+/// shape against "config.json", contradicting itself).
+#[test]
+fn a_lora_base_replaced_by_another_model_is_named_as_such() {
+    let dir = temp_dir("lora-base-shape");
+    let d = dir.path();
+    gpt2_base(d, "base", 1, 8);
+    prepare_gpt2_text(d, 40);
+    succeeds(&mut command(
+        d,
+        lora_args("base", "out", &["ckpt_interval=1"]),
+    ));
+    gpt2_base(d, "base", 1, 16);
+    let resume = lora_args("base", "out", &["init_from=resume", "max_iters=4"]);
+    let err = refused(&run(&mut command(d, resume)));
+    assert!(
+        err.contains("the LoRA base base now holds another model (n_layer 2, n_head 2, n_embd 16")
+            && err.contains(
+                "than the one the adapters were trained on (n_layer 2, n_head 2, n_embd 8"
+            ),
+        "{err}"
+    );
+}
+
+/// A `lora_rank` above the width of the layers it adapts is refused, naming the limit.
+#[test]
+fn a_lora_rank_wider_than_its_layers_is_refused() {
+    let dir = temp_dir("lora-rank-wide");
+    let args = [
+        &["train", "max_iters=1", "lora_rank=64"][..],
+        &TINY_MODEL,
+        &TINY_BATCH,
+    ]
+    .concat();
+    let err = refused(&run(&mut command(dir.path(), args)));
+    assert!(
+        err.contains("`lora_rank` = 64 is more than the 32 features of the layers it adapts")
+            && err.contains("lora_rank <= 32"),
+        "{err}"
+    );
+}

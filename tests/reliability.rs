@@ -1080,3 +1080,70 @@ fn an_export_keeps_the_temporary_folder_of_a_running_export() {
     first.kill().unwrap();
     first.wait().unwrap();
 }
+
+/// A checkpoint that resume skips as damaged is moved aside, kept and named, before
+/// the run that skipped it writes checkpoints: it used to say "restore it" and then
+/// replace it with its own `ckpt.safetensors`.
+#[test]
+fn a_damaged_checkpoint_skipped_on_resume_is_moved_aside() {
+    let dir = temp_dir("damaged-aside");
+    let d = dir.path();
+    train(d, &["max_iters=4"]);
+    let best = d.join("run/ckpt.safetensors");
+    let bytes = std::fs::read(&best).unwrap();
+    std::fs::write(&best, &bytes[..bytes.len() - 100]).unwrap();
+    let damaged = std::fs::read(&best).unwrap();
+    let (stdout, stderr) = resume(d, 8);
+    assert!(stdout.contains("resuming from run/ckpt-0000"), "{stdout}");
+    assert!(
+        stderr.contains(
+            "note: skipping a damaged checkpoint, moved aside to run/ckpt.damaged.safetensors \
+             (kept for you to inspect or restore): run/ckpt.safetensors is damaged or truncated"
+        ),
+        "{stderr}"
+    );
+    assert_eq!(
+        std::fs::read(d.join("run/ckpt.damaged.safetensors")).unwrap(),
+        damaged
+    );
+    assert!(d.join("run/ckpt.damaged.json").exists());
+    // The resumed run wrote its own best checkpoint beside it.
+    assert!(read_json(&d.join("run/ckpt.json"))["iter_num"].as_u64() >= Some(8));
+}
+
+/// Settings a resumed run ignores, or that make it differ from the run it continues,
+/// say so: `adapter=` (the checkpoint's adapters continue), another `dtype` (the
+/// losses then differ); and `lora_*` keys without `lora_rank` on a fresh run.
+#[test]
+fn ignored_and_changed_settings_on_resume_say_so() {
+    let dir = temp_dir("resume-settings");
+    let d = dir.path();
+    let (_, stderr) = succeeds(&mut train_command(
+        d,
+        &["max_iters=2", "lora_targets=c_fc", "lora_alpha=16"],
+        None,
+    ));
+    assert!(
+        stderr.contains(
+            "note: ignoring lora_alpha, lora_targets: lora_rank = 0 trains the whole model"
+        ),
+        "{stderr}"
+    );
+    let args = [
+        "max_iters=3",
+        "init_from=resume",
+        "dtype=bfloat16",
+        "adapter=somewhere",
+    ];
+    let (_, stderr) = succeeds(&mut train_command(d, &args, None));
+    assert!(
+        stderr
+            .contains("note: ignoring adapter=somewhere: resuming continues the training in run/"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("note: dtype = bfloat16 here, float32 in the run run/")
+            && stderr.contains("the losses from here on differ from an uninterrupted run's"),
+        "{stderr}"
+    );
+}

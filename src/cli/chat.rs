@@ -26,6 +26,11 @@ pub struct ChatArgs {
     /// Most tokens per reply.
     #[arg(long, default_value_t = 256)]
     pub max_new_tokens: usize,
+    /// Print each reply as one line of JSON, `{"reply": TEXT}`, once it is complete
+    /// (for scripts: a reply may itself hold newlines, which plain output cannot tell
+    /// from the end of the reply).
+    #[arg(long)]
+    pub json: bool,
     #[command(flatten)]
     pub sampling: Sampling,
 }
@@ -41,6 +46,12 @@ pub fn run(args: ChatArgs) -> Result<()> {
     args.sampling.check()?;
     if args.max_new_tokens == 0 {
         bail!("--max-new-tokens must be at least 1");
+    }
+    if args.system.is_some() && args.template == TemplateArg::Alpaca {
+        crate::errln!(
+            "note: ignoring --system: Stanford Alpaca's prompt has no system message (use \
+             --template chat for one)"
+        );
     }
     let src = args.model.source();
     let loaded = args.model.load()?;
@@ -87,21 +98,46 @@ fn converse(
     if args.sampling.options(1, 1, 0).bf16_weights {
         decoder = decoder.with_bf16_weights(&loaded.params);
     }
-    let mut lines = input.lines();
+    let mut input = input;
+    let mut bytes = Vec::new();
     loop {
         if interactive {
             let _ = write!(std::io::stderr(), "> ");
         }
-        let Some(line) = lines.next() else { break };
-        let line = line.context("cannot read stdin (must be UTF-8 text)")?;
-        let message = line.trim_end_matches('\r');
+        bytes.clear();
+        let read = input
+            .read_until(b'\n', &mut bytes)
+            .context("cannot read stdin")?;
+        if read == 0 {
+            break;
+        }
+        // A line that cannot be a message is skipped with a word; the conversation goes on.
+        let Ok(line) = std::str::from_utf8(&bytes) else {
+            crate::errln!("(that line is not UTF-8 text: skipped)");
+            continue;
+        };
+        let message = line.trim_end_matches(['\n', '\r']);
         if message.trim() == "/exit" {
             break;
         }
         if message.trim().is_empty() {
             continue;
         }
-        let context = conversation.context(message, &tokenizer, eot, budget)?;
+        let mut context = match conversation.context(message, &tokenizer, eot, budget) {
+            Ok(context) => context,
+            Err(e) => {
+                crate::errln!("(the model's vocabulary cannot encode that line: {e:#}; skipped)");
+                continue;
+            }
+        };
+        let vocab = loaded.config.vocab_size;
+        if let Some(&id) = context.ids.iter().find(|&&id| id as usize >= vocab) {
+            crate::errln!(
+                "(that line encodes to token {id}, beyond the model's vocabulary of {vocab}: \
+                 skipped)"
+            );
+            continue;
+        }
         if context.dropped > 0 {
             conversation.forget(context.dropped);
             crate::errln!(
@@ -110,12 +146,16 @@ fn converse(
                 context.dropped
             );
         }
-        if let Some(&id) = context
-            .ids
-            .iter()
-            .find(|&&id| id as usize >= loaded.config.vocab_size)
-        {
-            bail!("the message encodes to token {id}, beyond the model's vocabulary");
+        if context.ids.len() > budget {
+            let cut = context.ids.len() - budget;
+            context.ids.drain(..cut);
+            crate::errln!(
+                "(that message is {} tokens, more than the {budget} the model's block of \
+                 {block} leaves beside a reply of --max-new-tokens {}: only its last {budget} \
+                 tokens are read)",
+                cut + budget,
+                args.max_new_tokens
+            );
         }
         let seed = args.sampling.seed.wrapping_add(conversation.turns() as u64);
         let opts = args.sampling.options(1, args.max_new_tokens, seed);
@@ -124,15 +164,32 @@ fn converse(
             layout: &layout,
             config: &loaded.config,
         };
-        let reply = reply(
-            model,
-            &mut decoder,
-            &context.ids,
-            &opts,
-            &tokenizer,
-            &stops,
-            out,
-        )?;
+        let reply = match args.json {
+            false => reply(
+                model,
+                &mut decoder,
+                &context.ids,
+                &opts,
+                &tokenizer,
+                &stops,
+                out,
+            )?,
+            true => {
+                let mut text = Vec::new();
+                let whole = reply(
+                    model,
+                    &mut decoder,
+                    &context.ids,
+                    &opts,
+                    &tokenizer,
+                    &stops,
+                    &mut text,
+                )?;
+                let line = serde_json::json!({ "reply": whole });
+                exit_if_closed(writeln!(out, "{line}").and_then(|()| out.flush()))?;
+                whole
+            }
+        };
         conversation.push(message.to_string(), reply);
     }
     Ok(())
@@ -217,6 +274,7 @@ mod tests {
             template: TemplateArg::Chat,
             system: None,
             max_new_tokens: 6,
+            json: false,
             sampling: Sampling {
                 temperature: 1.0,
                 top_k: 0,

@@ -2,8 +2,8 @@
 
 use crate::data::instruct::instruct_eot;
 use crate::data::readers::Source;
-use crate::data::{eval_window_count, DataFormat, TokenFile, Tokenizer};
-use crate::eval::{evaluate_examples, evaluate_tokens, EvalReport};
+use crate::data::{eval_window_count, DataFormat, TokenFile, TokenMask, Tokenizer};
+use crate::eval::{evaluate_examples, evaluate_masked_tokens, EvalReport};
 use crate::model::Gpt;
 use crate::model_source::load_model_with_adapter;
 use anyhow::{bail, Context, Result};
@@ -19,14 +19,20 @@ pub struct EvalArgs {
     /// A PEFT LoRA adapter directory to merge into the model (its base).
     #[arg(long)]
     pub adapter: Option<PathBuf>,
-    /// A .bin token file (uint16, nanoGPT's format) or a .txt file, tokenised with
-    /// the model's tokenizer; or a .jsonl of instruction examples (Alpaca or chat),
-    /// each evaluated on its own, the loss over its response tokens only.
+    /// A .bin token file (uint16, nanoGPT's format; with the .mask beside it, the loss
+    /// is over the masked tokens, as training's), a .txt file, tokenised with the
+    /// model's tokenizer; a .jsonl of documents (their --text-column field, each
+    /// followed by end-of-text, as `prepare` writes them), or of instruction examples
+    /// (Alpaca or chat), each evaluated on its own, the loss over its response tokens
+    /// only.
     #[arg(long)]
     pub data: PathBuf,
     /// How a .jsonl is read (alpaca, chat or text); default: detected from its first line.
     #[arg(long)]
     pub format: Option<DataFormat>,
+    /// The field of a plain-text .jsonl that holds the text (as `prepare` reads it).
+    #[arg(long, default_value = "text")]
+    pub text_column: String,
     /// Window length (default: the model's block size).
     #[arg(long)]
     pub block_size: Option<usize>,
@@ -50,19 +56,23 @@ pub fn run(args: EvalArgs) -> Result<()> {
             loaded.config.block_size
         );
     }
-    if let Some(source) = instruct_source(&args)? {
-        let examples = read_examples(&source, &loaded.meta, loaded.config.vocab_size)?;
-        let mut model = Gpt::from_params(loaded.config, loaded.params, 1, t)?;
-        let report = evaluate_examples(&mut model, &examples, t, |_, _| {})?;
-        return print_report(&args, &report, &format!(" of {} examples", examples.len()));
-    }
-    let tokens = read_tokens(&args, &loaded.meta, loaded.config.vocab_size)?;
+    let vocab = loaded.config.vocab_size;
+    let (tokens, mask) = match jsonl_source(&args)? {
+        Some(source) if source.is_instruct() => {
+            let examples = read_examples(&source, &loaded.meta, vocab)?;
+            let mut model = Gpt::from_params(loaded.config, loaded.params, 1, t)?;
+            let report = evaluate_examples(&mut model, &examples, t, |_, _| {})?;
+            return print_report(&args, &report, &format!(" of {} examples", examples.len()));
+        }
+        Some(source) => (read_documents(&source, &loaded.meta, vocab)?, None),
+        None => read_tokens(&args, &loaded.meta, vocab)?,
+    };
     // No batch larger than the file's windows (a larger one would only allocate more).
     let batch = args
         .batch_size
         .min(eval_window_count(tokens.len(), t).max(1));
     let mut model = Gpt::from_params(loaded.config, loaded.params, batch, t)?;
-    let report = evaluate_tokens(&mut model, &tokens, t, batch, |_, _| {})?;
+    let report = evaluate_masked_tokens(&mut model, &tokens, mask.as_deref(), t, batch, |_, _| {})?;
     print_report(&args, &report, "")
 }
 
@@ -80,9 +90,9 @@ fn print_report(args: &EvalArgs, report: &EvalReport, of: &str) -> Result<()> {
     Ok(())
 }
 
-/// The instruction examples of a `.jsonl` `--data` (`None` for any other file, and
-/// for a `.jsonl` of plain text, which is read as text as before).
-fn instruct_source(args: &EvalArgs) -> Result<Option<Source>> {
+/// The source of a `.jsonl` `--data`: instruction examples, or plain-text documents
+/// in the `--text-column` field; `None` for any other file.
+fn jsonl_source(args: &EvalArgs) -> Result<Option<Source>> {
     let path = &args.data;
     if path.extension().is_none_or(|e| e != "jsonl") {
         if let Some(f) = args.format.filter(|&f| f != DataFormat::Text) {
@@ -94,8 +104,47 @@ fn instruct_source(args: &EvalArgs) -> Result<Option<Source>> {
         return Ok(None);
     }
     crate::fsutil::check_regular_file(path, "--data")?;
-    let source = Source::resolve_as(&path.to_string_lossy(), "text", args.format)?;
-    Ok(source.is_instruct().then_some(source))
+    let source = Source::resolve_as(&path.to_string_lossy(), &args.text_column, args.format)?;
+    Ok(Some(source))
+}
+
+/// The tokens of plain-text documents, each followed by end-of-text where the
+/// tokenizer has one: what `prepare` writes for them.
+fn read_documents(source: &Source, meta: &crate::data::Meta, vocab: usize) -> Result<Vec<u16>> {
+    let tokenizer = Tokenizer::from_meta(meta)?;
+    let mut tokens = Vec::new();
+    for piece in source.pieces()? {
+        let ids = tokenizer
+            .encode(&piece?.text)
+            .with_context(|| format!("cannot tokenise {}", source.describe()))?;
+        if ids.is_empty() {
+            continue;
+        }
+        tokens.extend(ids.into_iter().chain(tokenizer.eot()));
+    }
+    if tokens.is_empty() {
+        bail!(
+            "{} holds no text (no line with a non-empty `{}` field); check the file, or name \
+             the text field with --text-column",
+            source.describe(),
+            match source {
+                Source::Jsonl { field, .. } => field.as_str(),
+                _ => "text",
+            }
+        );
+    }
+    to_u16(tokens, &source.describe(), vocab)
+}
+
+/// Token ids as the uint16 tokens the model reads, each below its vocabulary.
+fn to_u16(ids: Vec<u32>, what: &str, vocab: usize) -> Result<Vec<u16>> {
+    if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
+        bail!(
+            "{what} encodes to token {id}, beyond the model's vocabulary of {vocab}; evaluate \
+             text the model's tokenizer covers"
+        );
+    }
+    Ok(ids.into_iter().map(|id| id as u16).collect())
 }
 
 /// Every example's tokens and mask, with the model's tokenizer.
@@ -126,16 +175,38 @@ fn read_examples(
     Ok(examples)
 }
 
-/// The tokens of `--data`: a .bin file as is, anything else read as UTF-8 text.
-fn read_tokens(args: &EvalArgs, meta: &crate::data::Meta, vocab: usize) -> Result<Vec<u16>> {
+/// The tokens of `--data`: a .bin file as is (with the loss mask beside it, if any:
+/// instruction data), anything else read as UTF-8 text.
+fn read_tokens(
+    args: &EvalArgs,
+    meta: &crate::data::Meta,
+    vocab: usize,
+) -> Result<(Vec<u16>, Option<Vec<u8>>)> {
     let path = &args.data;
-    crate::fsutil::check_regular_file(path, "--data")?;
     if path.extension().is_some_and(|e| e == "bin") {
         let file = TokenFile::open(path)?;
         file.check_vocab(vocab)?;
-        return file.read_all();
+        let mask = match TokenMask::open_beside(path, file.len())? {
+            None => None,
+            Some(mask) => {
+                crate::errln!(
+                    "note: using {} beside {}: the loss is over the {} tokens it trains (the \
+                     responses), as training's val loss is",
+                    mask.path().display(),
+                    path.display(),
+                    mask.trained()
+                );
+                Some(mask.read_all()?)
+            }
+        };
+        return Ok((file.read_all()?, mask));
     }
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(
+        &mut crate::fsutil::open_regular(path, "--data")?,
+        &mut bytes,
+    )
+    .with_context(|| format!("cannot read {}", path.display()))?;
     let text = String::from_utf8(bytes).map_err(|e| {
         anyhow::anyhow!(
             "{} is not UTF-8 text (invalid byte at offset {}); convert it, e.g. with iconv -t UTF-8",
@@ -146,11 +217,5 @@ fn read_tokens(args: &EvalArgs, meta: &crate::data::Meta, vocab: usize) -> Resul
     let ids = Tokenizer::from_meta(meta)?
         .encode(&text)
         .with_context(|| format!("cannot tokenise {}", path.display()))?;
-    if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
-        bail!(
-            "{} encodes to token {id}, beyond the model's vocabulary of {vocab}; evaluate text the model's tokenizer covers",
-            path.display()
-        );
-    }
-    Ok(ids.into_iter().map(|id| id as u16).collect())
+    Ok((to_u16(ids, &path.display().to_string(), vocab)?, None))
 }

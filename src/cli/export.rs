@@ -3,7 +3,7 @@
 
 use crate::hf::export;
 use crate::model_source::{load_adapters, load_model_with_adapter};
-use anyhow::Result;
+use anyhow::{bail, Result};
 use clap::Args;
 use std::path::PathBuf;
 
@@ -67,6 +67,15 @@ pub fn run(args: ExportArgs) -> Result<()> {
 /// `--adapter-only`: a LoRA run's adapters as a PEFT adapter directory.
 fn export_adapter(args: &ExportArgs) -> Result<()> {
     let (state, _, layout, weights) = load_adapters(&args.from)?;
+    if state.base == "scratch" {
+        bail!(
+            "the LoRA adapters of {} were trained on a randomly initialised base \
+             (init_from=scratch), which PEFT cannot rebuild, so no PEFT model could load them; \
+             export the whole model instead: nanogpt export --from {} --to DIR",
+            args.from,
+            args.from
+        );
+    }
     let files = crate::hf::adapter::write_adapter(&args.to, &state, &layout, &weights)?;
     crate::outln!(
         "exported the LoRA adapters of {} (rank {}, alpha {}, on {}) to {}: {}",
@@ -77,12 +86,9 @@ fn export_adapter(args: &ExportArgs) -> Result<()> {
         args.to.display(),
         files.join(", ")
     );
-    let base = match state.base.as_str() {
-        "scratch" => "BASE".to_string(),
-        name => format!("\"{name}\""),
-    };
     crate::outln!(
-        "load it with: PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained({base}), \"{}\")",
+        "load it with: PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(\"{}\"), \"{}\")",
+        state.base,
         args.to.display()
     );
     Ok(())

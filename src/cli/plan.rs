@@ -2,7 +2,7 @@
 
 use crate::config::TrainConfig;
 use crate::plan::{self, MemoryPlan, PlanInput};
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::path::Path;
 
@@ -27,6 +27,14 @@ pub fn run(args: PlanArgs) -> Result<()> {
     if args.world_size == 0 || args.ranks_per_host == 0 {
         bail!("--world-size and --ranks-per-host must be at least 1");
     }
+    if args.ranks_per_host > args.world_size {
+        bail!(
+            "--ranks-per-host {} is more than the {} ranks of the job (--world-size); give \
+             the ranks that share one host, at most --world-size",
+            args.ranks_per_host,
+            args.world_size
+        );
+    }
     let (config_path, overrides) = match args.args.first() {
         Some(first) if !first.contains('=') => (Some(first.as_str()), &args.args[1..]),
         _ => (None, &args.args[..]),
@@ -37,8 +45,13 @@ pub fn run(args: PlanArgs) -> Result<()> {
     };
     cfg.check_world_size(args.world_size)?;
     let model = plan::model_of(&cfg)?;
-    let ranks_per_host = args.ranks_per_host.min(args.world_size);
-    let input = PlanInput::of(&cfg, model, args.world_size, ranks_per_host);
+    if !cfg.adapter.is_empty() && cfg.init() != crate::config::InitFrom::Resume {
+        // The adapter's own settings decide what is trained: one that cannot be read
+        // would be planned as a full fine-tune.
+        crate::hf::adapter::read_adapter(Path::new(&cfg.adapter), &model)
+            .with_context(|| format!("adapter={}: cannot load the LoRA adapter", cfg.adapter))?;
+    }
+    let input = PlanInput::of(&cfg, model, args.world_size, args.ranks_per_host);
     let memory = MemoryPlan::new(&input, plan::available()?);
     let refusal = plan::refusal(&memory, &input, cfg.gradient_accumulation_steps);
     if args.json {

@@ -36,6 +36,7 @@ pub struct PrepareArgs {
 }
 
 pub fn run(args: PrepareArgs) -> Result<()> {
+    crate::fault::init()?;
     let opts = PrepareOptions {
         tokenizer: args.tokenizer,
         val_fraction: args.val_fraction,

@@ -10,7 +10,7 @@ use crate::train::Trainer;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// nanoGPT sample.py's defaults.
 #[derive(Args, Debug)]
@@ -76,11 +76,11 @@ pub struct Sampling {
     pub threads: usize,
     /// Nucleus sampling: keep the most likely tokens whose probabilities add up to P
     /// (0 < P ≤ 1; 1 keeps all), after top-k.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub top_p: Option<f32>,
     /// Divide the logit of every token already in the text by this when positive,
     /// multiply when negative (Hugging Face's repetition_penalty; 1 is off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub repetition_penalty: f32,
     /// Stop a sample when its text contains this string, which is not printed
     /// (repeatable).
@@ -167,6 +167,9 @@ pub fn run(args: SampleArgs) -> Result<()> {
     let sampling = &args.sampling;
     crate::threads::init_pool(sampling.threads, 1)?;
     sampling.check()?;
+    if args.num_samples == 0 {
+        bail!("--num-samples must be at least 1");
+    }
     let loaded = args.model.load()?;
     let prompt = args.template.wrap(&read_prompt(&args.start)?);
     let opts = sampling.options(args.num_samples, args.max_new_tokens, sampling.seed);
@@ -376,8 +379,16 @@ fn floor_char_boundary(s: &str, mut i: usize) -> usize {
 /// The `--start` text, or the contents of the file it names as `FILE:path`.
 fn read_prompt(start: &str) -> Result<String> {
     match start.strip_prefix("FILE:") {
-        Some(path) => std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read the prompt file {path} (must be UTF-8 text)")),
+        Some(path) => {
+            let bytes = crate::fsutil::read_limited(Path::new(path), "prompt file", 1 << 30)?;
+            String::from_utf8(bytes).map_err(|e| {
+                anyhow::anyhow!(
+                    "the prompt file {path} is not UTF-8 text (invalid byte at offset {}); save \
+                     it as UTF-8",
+                    e.utf8_error().valid_up_to()
+                )
+            })
+        }
         None => Ok(start.to_string()),
     }
 }

@@ -80,6 +80,11 @@ pub fn run(args: TrainArgs) -> Result<i32> {
         crate::shutdown::install()?;
     }
     let outcome = trainer.run()?;
+    if outcome.already_complete {
+        // Said when the checkpoint was opened; exit 0, so that a requeue loop ends.
+        trainer.wait_for_root();
+        return Ok(0);
+    }
     if let Some((signal, path)) = &outcome.stopped {
         if root {
             crate::outln!(
@@ -107,7 +112,15 @@ pub fn run(args: TrainArgs) -> Result<i32> {
 /// Rank 0's closing lines: the last evaluation, the quick start's sample, a hint.
 fn report_outcome(trainer: &mut Trainer, outcome: &TrainOutcome, quick_start: bool) -> Result<()> {
     if let Some((train_loss, val_loss)) = outcome.last_eval {
-        crate::outln!("done: train loss {train_loss:.4}, val loss {val_loss:.4}");
+        let loss = |x: f32| match x.is_nan() {
+            true => "n/a".to_string(),
+            false => format!("{x:.4}"),
+        };
+        crate::outln!(
+            "done: train loss {}, val loss {}",
+            loss(train_loss),
+            loss(val_loss)
+        );
     }
     if quick_start && !trainer.cfg.eval_only {
         crate::outln!("\nA sample from the trained model:\n");

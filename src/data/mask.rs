@@ -61,6 +61,8 @@ pub struct TokenMask {
     path: PathBuf,
     /// Bytes (= tokens) when opened.
     len: u64,
+    /// Bytes that are 1 (trained targets), counted when opened.
+    trained: u64,
 }
 
 impl std::fmt::Debug for TokenMask {
@@ -96,7 +98,12 @@ impl TokenMask {
         if len == 0 {
             bail!("{} is empty; prepare the dataset again", path.display());
         }
-        let mask = TokenMask { file, path, len };
+        let mut mask = TokenMask {
+            file,
+            path,
+            len,
+            trained: 0,
+        };
         let mut chunk = vec![0u8; CHECK_CHUNK];
         for start in (0..tokens).step_by(CHECK_CHUNK) {
             let bytes = &mut chunk[..CHECK_CHUNK.min(tokens - start)];
@@ -110,8 +117,26 @@ impl TokenMask {
                     start + i
                 );
             }
+            mask.trained += bytes.iter().filter(|&&b| b == 1).count() as u64;
         }
         Ok(Some(mask))
+    }
+
+    /// The file this mask was read from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// How many tokens the mask trains (bytes that are 1).
+    pub fn trained(&self) -> u64 {
+        self.trained
+    }
+
+    /// The whole mask.
+    pub fn read_all(&self) -> Result<Vec<u8>> {
+        let mut all = vec![0u8; self.len as usize];
+        self.read_at(0, &mut all)?;
+        Ok(all)
     }
 
     /// Fills `out` with the mask bytes from `start`, checking the file still has the

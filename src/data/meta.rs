@@ -79,9 +79,8 @@ impl Meta {
         if !path.exists() {
             return Self::without_meta_file(dir);
         }
-        let bytes =
-            std::fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?;
-        Self::parse(&bytes).with_context(|| {
+        let text = crate::fsutil::read_json(&path, "dataset description")?;
+        Self::parse(text.as_bytes()).with_context(|| {
             format!(
                 "{} is not a valid dataset description; prepare the data again with \
                  `nanogpt prepare SOURCE --out {}`",

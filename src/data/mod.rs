@@ -31,7 +31,7 @@ pub use loader::{
 };
 pub use mask::TokenMask;
 pub use meta::{Meta, TokenizerKind};
-pub use prepare::{prepare, prepare_source, PrepareOptions, PrepareSummary};
+pub use prepare::{prepare, prepare_source, PrepareOptions, PrepareSummary, DATASET};
 pub use readers::SHAKESPEARE_TEXT;
 pub use tokenizer::{StreamDecoder, Tokenizer, GPT2_EOT, GPT2_VOCAB_SIZE};
 

@@ -1,8 +1,9 @@
 //! `nanogpt prepare`: text → `train.bin`, `val.bin`, `meta.json`.
 //!
 //! The source is streamed in batches of pieces; each batch is tokenized in parallel
-//! (rayon) and appended, in order, to the `.bin` files. Outputs are written under
-//! temporary names and renamed into place only when complete.
+//! (rayon) and appended, in order, to the `.bin` files. The files are written into a
+//! temporary folder beside `--out` and moved into place together only when complete
+//! ([`Staged`]): a dataset never mixes files of two runs.
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -12,6 +13,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
+
+use crate::fsutil::{OutputKind, Staged};
 
 use super::instruct::{instruct_eot, DataFormat, Example, CHAR_EOT};
 use super::mask::{mask_path, MaskWriter};
@@ -50,6 +53,9 @@ pub struct PrepareOptions {
 }
 
 impl PrepareOptions {
+    /// The JSONL field / parquet column read unless `--text-column` says otherwise.
+    pub const DEFAULT_TEXT_COLUMN: &'static str = "text";
+
     /// Options with the defaults: GPT-2 tokens, default split, column `text`.
     pub fn new(source: impl Into<String>, out_dir: impl Into<PathBuf>) -> PrepareOptions {
         PrepareOptions {
@@ -57,7 +63,7 @@ impl PrepareOptions {
             out_dir: out_dir.into(),
             tokenizer: TokenizerKind::Gpt2,
             val_fraction: None,
-            text_column: "text".to_string(),
+            text_column: Self::DEFAULT_TEXT_COLUMN.to_string(),
             show_progress: true,
             format: None,
         }
@@ -92,9 +98,31 @@ impl fmt::Display for PrepareSummary {
     }
 }
 
+/// A prepared dataset's folder: the token files, the masks of instruction data, and
+/// `meta.json` (what marks a dataset) last. A new dataset replaces the previous one
+/// whole: the masks of an earlier instruction dataset go with it.
+pub const DATASET: OutputKind = OutputKind {
+    what: "prepare",
+    files: &[
+        "train.bin",
+        "val.bin",
+        "train.mask",
+        "val.mask",
+        "meta.json",
+    ],
+    last: "meta.json",
+};
+
 /// Tokenizes a text source into `train.bin`, `val.bin` and `meta.json`.
 pub fn prepare(opts: &PrepareOptions) -> Result<PrepareSummary> {
     let source = Source::resolve_as(&opts.source, &opts.text_column, opts.format)?;
+    if source.is_instruct() && opts.text_column != PrepareOptions::DEFAULT_TEXT_COLUMN {
+        crate::errln!(
+            "note: --text-column {} is not used: instruction examples are read from their \
+             own fields (instruction, input, output; or messages), not from a text field",
+            opts.text_column
+        );
+    }
     prepare_source(&source, opts)
 }
 
@@ -128,65 +156,100 @@ pub fn prepare_source(source: &Source, opts: &PrepareOptions) -> Result<PrepareS
         )?,
     };
     let out_dir = &opts.out_dir;
+    if out_dir.symlink_metadata().is_ok() && !out_dir.exists() {
+        bail!(
+            "--out {} is a symbolic link to nothing; remove the link or choose another --out",
+            out_dir.display()
+        );
+    }
     if out_dir.exists() && !out_dir.is_dir() {
         bail!(
             "--out {} is a file, not a folder; choose another --out",
             out_dir.display()
         );
     }
+    let created = !out_dir.exists();
     std::fs::create_dir_all(out_dir).with_context(|| {
         format!(
             "cannot create output folder {}; check permissions or choose another --out",
             out_dir.display()
         )
     })?;
-    let _lock = crate::fsutil::DirLock::acquire(out_dir, "--out", "a prepare run")?;
-    let outputs = [
-        Split::Train.file_name(),
-        Split::Val.file_name(),
-        Meta::FILE_NAME,
-        "train.mask",
-        "val.mask",
-    ];
-    // Every writer of these files holds the lock we hold: any temporary one is a leftover.
-    let stale = crate::fsutil::Stale::AllButOurs;
-    for path in crate::fsutil::remove_stale_temps(out_dir, &outputs, stale) {
-        crate::errln!(
-            "note: removed {}, left by an interrupted prepare",
-            path.display()
-        );
+    let lock = crate::fsutil::DirLock::acquire(out_dir, "--out", "a prepare run")?;
+    let run = Run {
+        source,
+        opts,
+        tokenizer: &tokenizer,
+        fraction,
+        train_chars: (scan.char_count as f64 * (1.0 - fraction)) as u64,
+    };
+    let written = run.write();
+    if written.is_err() && created {
+        // Nothing was prepared: the folder this run created goes too.
+        drop(lock);
+        let _ = std::fs::remove_file(out_dir.join(crate::fsutil::LOCK_FILE));
+        let _ = std::fs::remove_dir(out_dir);
     }
-    let mut out = Outputs::create(&opts.out_dir, source.is_instruct())?;
-    let bar = progress_bar(source, "tokenizing", opts.show_progress)?;
-    let docs = if source.is_instruct() {
-        write_examples(source, &tokenizer, fraction, &mut out, &bar)?
-    } else if single {
-        let train_chars = (scan.char_count as f64 * (1.0 - fraction)) as u64;
-        write_single_document(source, &tokenizer, train_chars, &mut out, &bar)?
-    } else {
-        write_documents(source, &tokenizer, fraction, &mut out, &bar)?
-    };
-    bar.finish_and_clear();
-    check_outputs(source, &out, &docs)?;
-    let meta = Meta {
-        tokenizer: opts.tokenizer,
-        vocab_size: tokenizer.vocab_size(),
-        train_tokens: out.train.tokens(),
-        val_tokens: out.val.tokens(),
-        chars: match &tokenizer {
-            Tokenizer::Char { chars } => Some(chars.iter().collect()),
-            Tokenizer::Gpt2(_) => None,
-        },
-        source: source.describe(),
-    };
-    out.commit()?;
-    meta.save(&opts.out_dir)?;
-    Ok(PrepareSummary {
-        out_dir: opts.out_dir.clone(),
-        meta,
-        documents: docs.train + docs.val,
-        val_documents: docs.val,
-    })
+    written
+}
+
+/// What one `prepare` writes, and from what.
+struct Run<'a> {
+    source: &'a Source,
+    opts: &'a PrepareOptions,
+    tokenizer: &'a Tokenizer,
+    fraction: f64,
+    /// One document: the characters that go to train.
+    train_chars: u64,
+}
+
+impl Run<'_> {
+    /// Writes the dataset into `--out` (whose lock the caller holds), whole.
+    fn write(&self) -> Result<PrepareSummary> {
+        let (source, opts, tokenizer) = (self.source, self.opts, self.tokenizer);
+        let out_dir = &opts.out_dir;
+        // Temporary files an older version wrote inside --out: every writer of these
+        // files held the lock we hold, so any of them is a leftover.
+        let stale = crate::fsutil::Stale::AllButOurs;
+        for path in crate::fsutil::remove_stale_temps(out_dir, DATASET.files, stale) {
+            crate::errln!(
+                "note: removed {}, left by an interrupted prepare",
+                path.display()
+            );
+        }
+        let staged = Staged::begin(out_dir, &DATASET)?;
+        let mut out = Outputs::create(staged.dir(), source.is_instruct())?;
+        let bar = progress_bar(source, "tokenizing", opts.show_progress)?;
+        let docs = if source.is_instruct() {
+            write_examples(source, tokenizer, self.fraction, &mut out, &bar)?
+        } else if source.is_single_document() {
+            write_single_document(source, tokenizer, self.train_chars, &mut out, &bar)?
+        } else {
+            write_documents(source, tokenizer, self.fraction, &mut out, &bar)?
+        };
+        bar.finish_and_clear();
+        check_outputs(source, &out, &docs)?;
+        let meta = Meta {
+            tokenizer: opts.tokenizer,
+            vocab_size: tokenizer.vocab_size(),
+            train_tokens: out.train.tokens(),
+            val_tokens: out.val.tokens(),
+            chars: match tokenizer {
+                Tokenizer::Char { chars } => Some(chars.iter().collect()),
+                Tokenizer::Gpt2(_) => None,
+            },
+            source: source.describe(),
+        };
+        out.commit()?;
+        meta.save(staged.dir())?;
+        staged.commit()?;
+        Ok(PrepareSummary {
+            out_dir: opts.out_dir.clone(),
+            meta,
+            documents: docs.train + docs.val,
+            val_documents: docs.val,
+        })
+    }
 }
 
 fn check_fraction(fraction: f64) -> Result<()> {
@@ -342,7 +405,6 @@ fn encode_all(tokenizer: &Tokenizer, texts: &[&str]) -> Result<Vec<Vec<u16>>> {
 }
 
 struct Outputs {
-    dir: PathBuf,
     train: TokenWriter,
     val: TokenWriter,
     /// The `.mask` files of instruction data (train, val).
@@ -360,7 +422,6 @@ impl Outputs {
             false => None,
         };
         Ok(Outputs {
-            dir: dir.to_path_buf(),
             train: TokenWriter::create(&bin(Split::Train))?,
             val: TokenWriter::create(&bin(Split::Val))?,
             masks,
@@ -383,29 +444,12 @@ impl Outputs {
         Ok(())
     }
 
-    /// Renames everything into place. Plain text removes the masks of an earlier
-    /// instruction dataset in the same folder first, so they cannot apply to it.
+    /// Renames every file into place in the temporary folder.
     fn commit(self) -> Result<()> {
-        match self.masks {
-            Some((train, val)) => {
-                debug_assert_eq!(train.len(), self.train.tokens());
-                train.commit()?;
-                val.commit()?;
-            }
-            None => {
-                for split in [Split::Train, Split::Val] {
-                    let stale = mask_path(&self.dir.join(split.file_name()));
-                    if stale.exists() {
-                        std::fs::remove_file(&stale).with_context(|| {
-                            format!(
-                                "cannot remove {}, the mask of an earlier instruction \
-                                 dataset; remove it by hand or choose another --out",
-                                stale.display()
-                            )
-                        })?;
-                    }
-                }
-            }
+        if let Some((train, val)) = self.masks {
+            debug_assert_eq!(train.len(), self.train.tokens());
+            train.commit()?;
+            val.commit()?;
         }
         self.train.commit()?;
         self.val.commit()

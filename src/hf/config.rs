@@ -74,7 +74,7 @@ fn d_true() -> bool {
 impl HfConfig {
     /// Reads `config.json` (does not check it: see [`HfConfig::check`]).
     pub fn load(path: &Path) -> Result<HfConfig> {
-        let text = std::fs::read_to_string(path).with_context(|| {
+        let text = crate::fsutil::read_json(path, "config.json").with_context(|| {
             format!(
                 "cannot read {}: a Hugging Face model directory needs its config.json",
                 path.display()

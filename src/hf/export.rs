@@ -5,20 +5,16 @@
 //! opens the directory and computes the same logits.
 //!
 //! The files are written into a temporary folder `.DIR.tmp-PID` beside `DIR` and
-//! moved into place at the end: a new `DIR` appears whole, by one rename, and a
-//! previous export's files are replaced by a rename each (`config.json` last). An
-//! export stopped on the way (SIGTERM, SIGKILL) leaves only its temporary folder,
-//! which the next export recognises as ours (its process has ended) and removes. A
-//! directory that already holds other files is refused unless it is a previous
-//! export (whose files are replaced, others kept).
+//! moved into place at once ([`Staged`]): a new `DIR` appears whole, a previous
+//! export is replaced whole. An export stopped on the way (SIGTERM, SIGKILL) leaves
+//! only its temporary folder, which the next export recognises as ours (its process
+//! has ended) and removes. A folder that already holds files is refused unless it
+//! is a previous export (whose files are replaced, others kept).
 
 use super::tokenizer_files;
 use super::weights::transpose;
 use crate::data::{TokenizerKind, GPT2_EOT, GPT2_VOCAB_SIZE};
-use crate::fsutil::{
-    lock_folder, remove_stale_temps, temp_sibling, temp_target, write_atomic, write_bytes_atomic,
-    Stale,
-};
+use crate::fsutil::{check_destination, write_atomic, write_bytes_atomic, OutputKind, Staged};
 use crate::model::{ModelConfig, ParamLayout};
 use anyhow::{bail, Context, Result};
 use safetensors::tensor::{Dtype, View};
@@ -29,6 +25,21 @@ use std::path::{Path, PathBuf};
 
 /// The files an export writes (besides the tokenizer's).
 pub const MODEL_FILES: [&str; 3] = ["config.json", "model.safetensors", "generation_config.json"];
+
+/// An export's folder: [`MODEL_FILES`] and GPT-2's tokenizer files, `config.json`
+/// (what marks a model folder for Hugging Face) last.
+pub const EXPORT: OutputKind = OutputKind {
+    what: "export",
+    files: &[
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "vocab.json",
+        "merges.txt",
+        "tokenizer_config.json",
+    ],
+    last: "config.json",
+};
 /// Marks our `model.safetensors` (metadata key `producer`).
 const PRODUCER: &str = "nanogpt";
 
@@ -110,29 +121,11 @@ pub fn export(
     if gpt2_tokens {
         names.extend(tokenizer_files::FILE_NAMES);
     }
-    check_destination(dir)?;
-    remove_leftovers(dir);
-    let staging = temp_sibling(dir)?;
-    let parent = staging.parent().unwrap_or(Path::new("."));
-    let _ = std::fs::remove_dir_all(&staging);
-    std::fs::create_dir_all(&staging).with_context(|| {
-        format!(
-            "cannot create {}; check the path and permissions of {}",
-            staging.display(),
-            parent.display()
-        )
-    })?;
-    // Held until the export ends: the next export tells a live one's folder from a
-    // stopped one's by this lock.
-    let _held = lock_folder(&staging)?;
-    let written = write_files(params, &layout, cfg, gpt2_tokens, &staging).and_then(|()| {
-        crate::fault::during_export();
-        install(&staging, dir, &names)
-    });
-    if written.is_err() {
-        let _ = std::fs::remove_dir_all(&staging);
-    }
-    written?;
+    check_destination(dir, &EXPORT, "--to", is_previous_export)?;
+    let staged = Staged::begin(dir, &EXPORT)?;
+    write_files(params, &layout, cfg, gpt2_tokens, staged.dir())?;
+    crate::fault::during_export();
+    staged.commit()?;
     Ok(ExportSummary {
         dir: dir.to_path_buf(),
         files: names.iter().map(|s| s.to_string()).collect(),
@@ -149,13 +142,7 @@ fn write_files(
     dir: &Path,
 ) -> Result<()> {
     let tensors = hf_tensors(params, layout, cfg);
-    let metadata = BTreeMap::from([
-        ("format".to_string(), "pt".to_string()),
-        (
-            "producer".to_string(),
-            format!("{PRODUCER} {}", env!("CARGO_PKG_VERSION")),
-        ),
-    ]);
+    let metadata = producer_metadata();
     write_atomic(&dir.join("model.safetensors"), |tmp| {
         crate::tensor_file::write(tensors, &metadata, tmp)
             .with_context(|| format!("cannot write {}", tmp.display()))
@@ -168,74 +155,6 @@ fn write_files(
         }
     }
     write_bytes_atomic(&dir.join("config.json"), config_json(cfg, eot))
-}
-
-/// Moves the finished export from `staging` to `dir`: the whole folder when `dir`
-/// does not exist or is empty, else file by file with `config.json` (what marks a
-/// model folder for Hugging Face) last.
-fn install(staging: &Path, dir: &Path, names: &[&str]) -> Result<()> {
-    let empty = std::fs::read_dir(dir).map(|mut d| d.next().is_none());
-    let moved = |from: &Path, to: &Path| {
-        std::fs::rename(from, to).with_context(|| {
-            format!(
-                "cannot move {} to {}; check the permissions",
-                from.display(),
-                to.display()
-            )
-        })
-    };
-    match empty {
-        // Missing (or empty, which rename replaces): one rename.
-        Err(_) | Ok(true) => moved(staging, dir)?,
-        Ok(false) => {
-            let mut order: Vec<&str> = names
-                .iter()
-                .copied()
-                .filter(|n| *n != "config.json")
-                .collect();
-            order.push("config.json");
-            for name in order {
-                moved(&staging.join(name), &dir.join(name))?;
-            }
-            std::fs::remove_dir_all(staging)
-                .with_context(|| format!("cannot remove {}", staging.display()))?;
-        }
-    }
-    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-        // Durable once the directory entries are on disk (where the file system can).
-        let _ = std::fs::File::open(parent).and_then(|f| f.sync_all());
-    }
-    Ok(())
-}
-
-/// Leftovers of exports into `dir` that were stopped (their processes ended): the
-/// temporary folder beside it, and temporary files inside it (older versions wrote
-/// there). Each removal is said.
-fn remove_leftovers(dir: &Path) {
-    let mut gone = Vec::new();
-    if let (Some(name), Some(parent)) = (dir.file_name(), dir.parent()) {
-        let parent = if parent.as_os_str().is_empty() {
-            Path::new(".")
-        } else {
-            parent
-        };
-        gone.extend(remove_stale_temps(
-            parent,
-            &[&name.to_string_lossy()],
-            Stale::Unlocked,
-        ));
-    }
-    let mut ours: Vec<&str> = MODEL_FILES.to_vec();
-    ours.extend(tokenizer_files::FILE_NAMES);
-    // (Files of an older version's export, which took no lock: if one still ran, its
-    // export would be broken by this one anyway.)
-    gone.extend(remove_stale_temps(dir, &ours, Stale::AllButOurs));
-    for path in gone {
-        crate::errln!(
-            "note: removed {}, left by an interrupted export",
-            path.display()
-        );
-    }
 }
 
 /// The tensors in Hugging Face's names and layout.
@@ -338,45 +257,18 @@ fn generation_config(eot: Option<u32>) -> String {
     serde_json::to_string_pretty(&json).expect("JSON values serialise") + "\n"
 }
 
-/// A new or empty directory, one holding only files an export writes, or a
-/// previous export; anything else is refused.
-fn check_destination(dir: &Path) -> Result<()> {
-    if !dir.exists() {
-        return Ok(());
-    }
-    if !dir.is_dir() {
-        bail!("{} is a file; export needs a directory path", dir.display());
-    }
-    let file_of_ours =
-        |name: &str| MODEL_FILES.contains(&name) || tokenizer_files::FILE_NAMES.contains(&name);
-    // Its files, and the temporary files of an interrupted export of an older version.
-    let ours = |name: &str| file_of_ours(name) || temp_target(name).is_some_and(file_of_ours);
-    let mut foreign: Vec<String> = std::fs::read_dir(dir)
-        .with_context(|| format!("cannot read {}", dir.display()))?
-        .filter_map(|e| e.ok())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|name| !ours(name))
-        .collect();
-    if foreign.is_empty() || is_previous_export(dir) {
-        return Ok(());
-    }
-    foreign.sort();
-    let shown: Vec<_> = foreign.iter().take(5).cloned().collect();
-    bail!(
-        "{} already holds files that a nanogpt export did not write ({}{}); export into a new or \
-         empty directory (nothing was written)",
-        dir.display(),
-        shown.join(", "),
-        if foreign.len() > 5 { ", ..." } else { "" }
-    )
-}
-
 /// `dir/model.safetensors` carries our producer mark.
 fn is_previous_export(dir: &Path) -> bool {
-    let Ok(file) = std::fs::File::open(dir.join("model.safetensors")) else {
+    has_producer_mark(&dir.join("model.safetensors"))
+}
+
+/// Whether the safetensors file `path` carries our producer mark (metadata key
+/// `producer`), as exports and adapter exports write it.
+pub fn has_producer_mark(path: &Path) -> bool {
+    let Ok(file) = crate::fsutil::open_regular(path, "safetensors file") else {
         return false;
     };
-    // SAFETY: read-only private map, dropped before we replace the file.
+    // SAFETY: read-only private map, dropped before the file is replaced (by rename).
     let Ok(map) = (unsafe { memmap2::Mmap::map(&file) }) else {
         return false;
     };
@@ -385,4 +277,16 @@ fn is_previous_export(dir: &Path) -> bool {
         .and_then(|(_, m)| m.metadata().clone())
         .and_then(|m| m.get("producer").cloned())
         .is_some_and(|p| p.starts_with(PRODUCER))
+}
+
+/// The metadata of the safetensors files nanogpt writes for others: the format
+/// PyTorch readers expect, and our producer mark.
+pub fn producer_metadata() -> BTreeMap<String, String> {
+    BTreeMap::from([
+        ("format".to_string(), "pt".to_string()),
+        (
+            "producer".to_string(),
+            format!("{PRODUCER} {}", env!("CARGO_PKG_VERSION")),
+        ),
+    ])
 }

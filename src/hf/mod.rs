@@ -22,6 +22,7 @@
 pub mod adapter;
 pub mod config;
 pub mod export;
+pub mod peft_select;
 pub mod resolve;
 pub mod tokenizer_files;
 pub mod weights;

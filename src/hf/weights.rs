@@ -17,7 +17,6 @@ use rayon::prelude::*;
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 use std::collections::{BTreeMap, HashMap};
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 /// The single-file weights of a model directory.
@@ -196,8 +195,7 @@ impl WeightFiles {
         struct Index {
             weight_map: BTreeMap<String, String>,
         }
-        let text = std::fs::read_to_string(index)
-            .with_context(|| format!("cannot read {}", index.display()))?;
+        let text = crate::fsutil::read_json(index, "safetensors index")?;
         let parsed: Index = serde_json::from_str(&text).with_context(|| {
             format!(
                 "{} is not a valid safetensors index (no weight_map)",
@@ -240,7 +238,7 @@ impl WeightFiles {
     }
 
     fn add_file(&mut self, path: &Path) -> Result<()> {
-        let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+        let file = crate::fsutil::open_regular(path, "weights file")?;
         // SAFETY: the map is read-only and private; pretrained weights are not
         // rewritten while a run reads them (the same assumption every safetensors
         // loader makes).

@@ -143,7 +143,7 @@ fn opt_f64(obj: &Map<String, Value>, key: &str) -> Result<Option<f64>> {
 /// blank lines are skipped; anything else that does not parse is an error naming the file
 /// and the 1-based line number.
 pub fn read_rows(path: &Path) -> Result<Vec<Row>> {
-    let file = File::open(path).with_context(|| format!("reading {}", path.display()))?;
+    let file = crate::fsutil::open_regular(path, "metrics log")?;
     parse_rows(BufReader::new(file), path)
 }
 

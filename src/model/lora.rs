@@ -129,6 +129,23 @@ impl LoraConfig {
         })
     }
 
+    /// Refuses a rank above the features of the layers it adapts (`n_embd`: every
+    /// target maps C features to a multiple of C or back), where a low-rank update
+    /// is no longer low-rank.
+    pub fn check_fits(&self, model: &ModelConfig) -> Result<()> {
+        if self.rank > model.n_embd {
+            bail!(
+                "`lora_rank` = {} is more than the {} features of the layers it adapts \
+                 (n_embd = {}): a rank above that only costs memory; use lora_rank <= {}",
+                self.rank,
+                model.n_embd,
+                model.n_embd,
+                model.n_embd
+            );
+        }
+        Ok(())
+    }
+
     /// `alpha / rank`, the factor of the adapter's output.
     pub fn scale(&self) -> f32 {
         self.alpha / self.rank as f32
@@ -151,6 +168,10 @@ pub struct LoraState {
     pub base_seed: u64,
     /// [`fingerprint`] of the base weights as the model holds them.
     pub base_fingerprint: String,
+    /// [`blocks_fingerprint`] of the base (absent in checkpoints of older versions):
+    /// what an exported adapter records to name its base.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_blocks: Option<String>,
 }
 
 /// Where one adapter's `A` (r, in) and `B` (out, r) live in the adapter arena.
@@ -354,6 +375,16 @@ pub fn fingerprint(params: &[f32]) -> String {
         (h ^ p).wrapping_mul(0x0000_0100_0000_01b3)
     });
     format!("fnv64:{h:016x}")
+}
+
+/// [`fingerprint`] of the base's transformer blocks alone (what the adapters sit
+/// on): unlike the whole arena's, it does not depend on the context length a run
+/// cropped the position table to, so an exported adapter can name its base by it.
+pub fn blocks_fingerprint(params: &[f32], layout: &ParamLayout) -> String {
+    match (layout.layers.first(), layout.layers.last()) {
+        (Some(first), Some(last)) => fingerprint(&params[first.span.start..last.span.end]),
+        _ => fingerprint(&[]),
+    }
 }
 
 /// One block's adapters as its forward and backward read them.

@@ -280,6 +280,7 @@ impl Gpt {
             base: base.0.to_string(),
             base_seed: base.1,
             base_fingerprint: lora::fingerprint(&self.params),
+            base_blocks: Some(lora::blocks_fingerprint(&self.params, &self.layout)),
         };
         let mut frozen = Frozen {
             layout: std::mem::replace(&mut self.layout, adapters.params.clone()),

@@ -10,21 +10,67 @@ use crate::metrics::{plot_loss, Row};
 use crate::progress::Progress;
 use anyhow::Result;
 
+/// What one evaluation measured: the mean loss of each split, NaN when no window of
+/// the split holds a trained target (instruction data whose masks train nothing
+/// there), and with masks, how many of the split's windows held none and were skipped.
+#[derive(Clone, Copy, Debug)]
+pub struct EvalLosses {
+    pub train: f32,
+    pub val: f32,
+    /// Windows without a trained target, then windows evaluated, of (train, val).
+    pub empty: [u64; 2],
+    pub windows: [u64; 2],
+}
+
+impl EvalLosses {
+    /// `train loss 1.2345, val loss 1.3456`, a split that had nothing to score as
+    /// `n/a`, with the skipped windows counted.
+    pub fn describe(&self) -> String {
+        let mut line = String::new();
+        for (i, (name, loss)) in [("train", self.train), ("val", self.val)]
+            .into_iter()
+            .enumerate()
+        {
+            if i > 0 {
+                line.push_str(", ");
+            }
+            match loss.is_nan() {
+                true => line.push_str(&format!("{name} loss n/a")),
+                false => line.push_str(&format!("{name} loss {loss:.4}")),
+            }
+        }
+        let skipped: Vec<String> = ["train", "val"]
+            .iter()
+            .zip(self.empty.iter().zip(self.windows))
+            .filter(|(_, (&empty, _))| empty > 0)
+            .map(|(name, (empty, windows))| {
+                format!("{empty} of {windows} {name} windows hold no trained token: skipped")
+            })
+            .collect();
+        if !skipped.is_empty() {
+            line.push_str(&format!(" ({})", skipped.join("; ")));
+        }
+        line
+    }
+}
+
 impl Trainer {
     /// nanoGPT's `estimate_loss`: the mean loss of `eval_iters` batches of each split,
     /// without dropout. The batches are the same at every evaluation; with several
     /// ranks, each evaluates every W-th of them and the sums are added up. With loss
-    /// masks (instruction data), the mean is over the trained targets of all batches.
-    pub fn evaluate(&mut self) -> Result<(f32, f32)> {
+    /// masks (instruction data), the mean is over the trained targets of all batches;
+    /// windows without one are skipped and counted, and a split with none at all has
+    /// no loss (NaN), which is never the best.
+    pub fn evaluate(&mut self) -> Result<EvalLosses> {
         let (b, t) = (self.cfg.batch_size, self.cfg.block_size);
         let (rank, world) = (self.rank() as u64, self.world_size());
         self.params_whole();
         self.model.set_training(false);
-        // Loss sums, then (with masks) the trained targets they are over.
-        let mut totals = [0.0f64; 4];
-        let (sums, counts) = totals.split_at_mut(2);
+        // Per split: loss sums, then (with masks) the trained targets they are over,
+        // the windows without one, and the windows evaluated.
+        let mut totals = [0.0f64; 8];
         let draws = [Draw::EvalTrain, Draw::EvalVal];
-        for ((total, count), draw) in sums.iter_mut().zip(counts).zip(draws) {
+        for (split, draw) in draws.into_iter().enumerate() {
             let (file, mask) = match draw {
                 Draw::EvalVal => (&self.val, &self.masks.val),
                 _ => (&self.train, &self.masks.train),
@@ -55,10 +101,14 @@ impl Trainer {
                     _ if !counted => {}
                     // Weighted by the batch's trained targets: a mean over all of them.
                     Some(kept) => {
-                        *total += mean * kept as f64;
-                        *count += kept as f64;
+                        totals[split] += mean * kept as f64;
+                        totals[2 + split] += kept as f64;
+                        let rows = self.targets[..b * t].chunks_exact(t);
+                        let empty = rows.filter(|r| r.iter().all(|&x| x < 0)).count();
+                        totals[4 + split] += empty as f64;
+                        totals[6 + split] += b as f64;
                     }
-                    None => *total += mean,
+                    None => totals[split] += mean,
                 }
                 fault::during_eval(self.iter_num);
             }
@@ -68,12 +118,26 @@ impl Trainer {
         if let Some(dp) = &mut self.dp {
             dp.check_replicas(&*self.comm, &self.model.params, self.iter_num)?;
         }
+        let counts = |i: usize| [totals[i] as u64, totals[i + 1] as u64];
         if self.masks.train.is_some() {
-            let mean = |sum: f64, count: f64| (sum / count.max(1.0)) as f32;
-            return Ok((mean(totals[0], totals[2]), mean(totals[1], totals[3])));
+            let mean = |sum: f64, count: f64| match count > 0.0 {
+                true => (sum / count) as f32,
+                false => f32::NAN,
+            };
+            return Ok(EvalLosses {
+                train: mean(totals[0], totals[2]),
+                val: mean(totals[1], totals[3]),
+                empty: counts(4),
+                windows: counts(6),
+            });
         }
         let n = self.cfg.eval_iters.max(1) as f64;
-        Ok(((totals[0] / n) as f32, (totals[1] / n) as f32))
+        Ok(EvalLosses {
+            train: (totals[0] / n) as f32,
+            val: (totals[1] / n) as f32,
+            empty: [0; 2],
+            windows: counts(6),
+        })
     }
 
     /// Evaluates the model as it is at iteration `iter` (not yet trained), says so,
@@ -84,11 +148,9 @@ impl Trainer {
         iter: u64,
         progress: &mut Option<Progress>,
     ) -> Result<(u64, f32, f32)> {
-        let (train_loss, val_loss) = self.evaluate()?;
-        say(
-            progress,
-            &format!("step {iter}: train loss {train_loss:.4}, val loss {val_loss:.4}"),
-        );
+        let losses = self.evaluate()?;
+        say(progress, &format!("step {iter}: {}", losses.describe()));
+        let (train_loss, val_loss) = (losses.train, losses.val);
         self.after_eval(iter, train_loss, val_loss, progress)?;
         Ok((iter, train_loss, val_loss))
     }

@@ -60,6 +60,9 @@ pub struct TrainOutcome {
     pub final_train_loss: Option<f32>,
     /// Set when a signal stopped the run: the signal and the checkpoint written.
     pub stopped: Option<(StopSignal, PathBuf)>,
+    /// A resumed run that had already reached `max_iters`: nothing was trained or
+    /// written.
+    pub already_complete: bool,
 }
 
 /// What one optimizer step did.
@@ -228,6 +231,18 @@ impl Trainer {
     /// Runs to `max_iters` (nanoGPT trains iterations `start..=max_iters`, evaluating
     /// at every multiple of `eval_interval`, the last one included).
     pub fn run(&mut self) -> Result<TrainOutcome> {
+        if self.iter_num > self.cfg.max_iters && !self.cfg.eval_only {
+            // A finished run resumed again (a scheduler's requeue loop): nothing to do.
+            return Ok(TrainOutcome {
+                out_dir: self.cfg.out_dir.clone(),
+                iter_num: self.iter_num,
+                best_val_loss: self.best_val_loss,
+                last_eval: None,
+                final_train_loss: None,
+                stopped: None,
+                already_complete: true,
+            });
+        }
         let root = self.rank() == 0;
         let mut progress = root.then(|| Progress::new(self.iter_num, self.cfg.max_iters + 1));
         // The iteration and losses of the last evaluation.
@@ -290,6 +305,7 @@ impl Trainer {
             last_eval: last_eval.map(|(_, train, val)| (train, val)),
             final_train_loss,
             stopped,
+            already_complete: false,
         })
     }
 

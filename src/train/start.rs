@@ -129,6 +129,9 @@ impl Dataset {
     /// The dataset of `cfg` and its two splits, checked against the config.
     fn open(cfg: &TrainConfig) -> Result<Dataset> {
         let data_dir = data::find_or_prepare_dataset(&cfg.dataset)?;
+        for note in crate::fsutil::finish_interrupted(&data_dir, &data::DATASET)? {
+            crate::errln!("note: {note}");
+        }
         let meta = Meta::load(&data_dir)?;
         let train = TokenFile::open_split(&data_dir, Split::Train, &meta)?;
         let val = TokenFile::open_split(&data_dir, Split::Val, &meta)?;
@@ -169,6 +172,18 @@ fn open_masks(dir: &Path, train: &TokenFile, val: &TokenFile) -> Result<Masks> {
             "{} has a mask for only one of train.bin and val.bin; prepare the dataset again",
             dir.display()
         );
+    }
+    for (mask, what) in [
+        (&masks.train, "nothing would be trained"),
+        (&masks.val, "no val loss could be computed"),
+    ] {
+        if let Some(mask) = mask.as_ref().filter(|m| m.trained() == 0) {
+            bail!(
+                "{} trains no token (every byte is 0), so {what}; prepare the dataset \
+                 again from examples with responses",
+                mask.path().display()
+            );
+        }
     }
     Ok(masks)
 }
@@ -277,6 +292,15 @@ fn share_lora_base(
 /// checkpoints of finished earlier runs that it replaces.
 fn prepare_out_dir(cfg: &TrainConfig) -> Result<(DirLock, Vec<PathBuf>)> {
     let dir = &cfg.out_dir;
+    if dir.symlink_metadata().is_ok() && !dir.exists() {
+        let target = std::fs::read_link(dir).unwrap_or_default();
+        bail!(
+            "out_dir {} is a symbolic link to {}, which does not exist; create that folder, \
+             remove the link, or choose another out_dir",
+            dir.display(),
+            target.display()
+        );
+    }
     if dir.exists() && !dir.is_dir() {
         bail!(
             "out_dir {} is a file, not a directory; choose another out_dir",
@@ -364,12 +388,16 @@ impl TrainState {
             InitFrom::Resume => return resume(cfg, data, adam_cfg),
             InitFrom::Pretrained(name) => (load_pretrained(cfg, meta, &name)?, name),
         };
+        note_unused_lora_keys(cfg);
         // LoRA: the loaded model becomes the frozen base of new adapters, or of a
         // PEFT adapter's.
         let model = match cfg.lora()? {
             _ if !cfg.adapter.is_empty() => with_peft_adapter(cfg, model, &base)?,
             None => model,
-            Some(lora) => model.with_lora(lora, (&base, cfg.seed), cfg.seed),
+            Some(lora) => {
+                lora.check_fits(model.config())?;
+                model.with_lora(lora, (&base, cfg.seed), cfg.seed)
+            }
         };
         let opt = AdamW::new(&model.layout.decay_ranges(), adam_cfg);
         Ok(TrainState {
@@ -381,12 +409,49 @@ impl TrainState {
     }
 }
 
+/// `lora_alpha`, `lora_dropout` and `lora_targets` set without `lora_rank` (or an
+/// `adapter`) do nothing: one note says so.
+fn note_unused_lora_keys(cfg: &TrainConfig) {
+    if cfg.lora_rank > 0 || !cfg.adapter.is_empty() {
+        return;
+    }
+    let d = TrainConfig::default();
+    let set: Vec<&str> = [
+        ("lora_alpha", cfg.lora_alpha != d.lora_alpha),
+        ("lora_dropout", cfg.lora_dropout != d.lora_dropout),
+        ("lora_targets", cfg.lora_targets != d.lora_targets),
+    ]
+    .into_iter()
+    .filter(|(_, set)| *set)
+    .map(|(key, _)| key)
+    .collect();
+    if !set.is_empty() {
+        crate::errln!(
+            "note: ignoring {}: lora_rank = 0 trains the whole model (set lora_rank to train \
+             adapters)",
+            set.join(", ")
+        );
+    }
+}
+
 /// `model` as the base of the PEFT adapter `cfg.adapter`, whose settings win over
 /// the config's `lora_*` keys (a note says so).
 fn with_peft_adapter(cfg: &TrainConfig, model: Gpt, base: &str) -> Result<Gpt> {
     let dir = Path::new(&cfg.adapter);
     let peft = crate::hf::adapter::read_adapter(dir, model.config())
         .with_context(|| format!("adapter={}: cannot load the LoRA adapter", cfg.adapter))?;
+    for note in &peft.notes {
+        crate::errln!("note: {note}");
+    }
+    crate::hf::adapter::check_base(&peft, dir, base, &model.params, &model.layout)?;
+    if peft.partial {
+        bail!(
+            "adapter={}: its config puts adapters on some layers only (layers_to_transform \
+             or per-layer target_modules); nanogpt trains the same adapters on every layer, so \
+             it can evaluate, sample and export this adapter, but not train it further",
+            cfg.adapter
+        );
+    }
     if cfg.lora()?.is_some_and(|ours| ours != peft.config) {
         crate::errln!(
             "note: the adapter's settings come from {}: ignoring the config's lora_* keys",
@@ -413,6 +478,15 @@ fn resume(cfg: &TrainConfig, data: &Dataset, adam_cfg: AdamWConfig) -> Result<Tr
     for note in &latest.notes {
         crate::errln!("note: {note}");
     }
+    // Kept, under a name this run never writes: the run would replace it otherwise.
+    for (path, error) in &latest.damaged {
+        let aside = checkpoint::move_aside(path)?;
+        crate::errln!(
+            "note: skipping a damaged checkpoint, moved aside to {} (kept for you to inspect or \
+             restore): {error}",
+            aside.display()
+        );
+    }
     let ckpt = latest.checkpoint;
     let state = &ckpt.state;
     crate::outln!(
@@ -424,15 +498,17 @@ fn resume(cfg: &TrainConfig, data: &Dataset, adam_cfg: AdamWConfig) -> Result<Tr
     check_same_tokenizer(ckpt.path(), cfg, meta, state)?;
     note_other_data(ckpt.path(), &data.record, state);
     if state.iter_num > cfg.max_iters && !cfg.eval_only {
-        bail!(
-            "{} resumes at iteration {}, past max_iters = {}: that run is finished; raise \
-             max_iters to train it further (or set eval_only=True to evaluate it)",
+        crate::outln!(
+            "{} resumes at iteration {}, past max_iters = {}: the run is complete, nothing \
+             to train (raise max_iters to train it further, or set eval_only=True to \
+             evaluate it)",
             ckpt.path().display(),
             state.iter_num,
             cfg.max_iters
         );
     }
     note_ignored_architecture(cfg, &ckpt.path().display(), &state.model);
+    note_resume_settings(cfg, ckpt.path(), state);
     let model_cfg = ModelConfig {
         dropout: cfg.dropout,
         ..state.model.clone()
@@ -457,6 +533,30 @@ fn resume(cfg: &TrainConfig, data: &Dataset, adam_cfg: AdamWConfig) -> Result<Tr
         iter_num: state.iter_num,
         best_val_loss: state.best_val_loss,
     })
+}
+
+/// Settings a resumed run ignores or that make it differ from the run it continues:
+/// `adapter` (the checkpoint's adapters continue), and a `dtype` other than the
+/// checkpoint's run's (training goes on in the new one, so the losses from here on
+/// differ from an uninterrupted run's).
+fn note_resume_settings(cfg: &TrainConfig, path: &Path, state: &CheckpointState) {
+    if !cfg.adapter.is_empty() {
+        crate::errln!(
+            "note: ignoring adapter={}: resuming continues the training in {}",
+            cfg.adapter,
+            path.display()
+        );
+    }
+    let then = state.train_config.get("dtype").and_then(|d| d.as_str());
+    if let Some(then) = then.filter(|&d| d != cfg.dtype.as_str()) {
+        crate::errln!(
+            "note: dtype = {} here, {then} in the run {} continues: training goes on in {}, \
+             so the losses from here on differ from an uninterrupted run's",
+            cfg.dtype.as_str(),
+            path.display(),
+            cfg.dtype.as_str()
+        );
+    }
 }
 
 /// A resumed run continues the checkpoint's training, LoRA or full: one note names

@@ -88,8 +88,13 @@ impl JsonlFile {
             }
             self.line += 1;
             progress += read as u64;
-            let start = self.offset;
+            let mut start = self.offset;
             self.offset += read as u64;
+            // A byte-order mark, which some editors write at the start of a file.
+            if start == 0 && bytes.starts_with(crate::fsutil::BOM) {
+                bytes.drain(..crate::fsutil::BOM.len());
+                start = crate::fsutil::BOM.len() as u64;
+            }
             let line = std::str::from_utf8(&bytes).map_err(|e| {
                 not_utf8(
                     &self.path.display().to_string(),

@@ -325,7 +325,7 @@ fn file_len(path: &Path) -> Result<u64> {
 }
 
 fn open(path: &Path) -> Result<File> {
-    File::open(path).with_context(|| format!("cannot open {}", path.display()))
+    crate::fsutil::open_regular(path, "source")
 }
 
 /// The error for bytes that are not UTF-8, naming where and how to fix it.

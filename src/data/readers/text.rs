@@ -14,7 +14,9 @@ const CHUNK_BYTES: usize = 256 << 10;
 const MAX_CHUNK_BYTES: usize = 16 << 20;
 
 pub(super) fn read_text_file(path: &Path) -> Result<Piece> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut super::open(path)?, &mut bytes)
+        .with_context(|| format!("cannot read {}", path.display()))?;
     let progress = bytes.len() as u64;
     let text = String::from_utf8(bytes).map_err(|e| {
         not_utf8(
