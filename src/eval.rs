@@ -22,7 +22,7 @@ pub struct EvalReport {
 /// Evaluates `model` (built for batches up to `batch_size × block_size`) on `tokens`.
 pub fn evaluate_tokens(
     model: &mut Gpt,
-    tokens: &[u16],
+    tokens: &[u32],
     block_size: usize,
     batch_size: usize,
     mut on_batch: impl FnMut(usize, usize),

@@ -3,7 +3,7 @@
 //! a model directory, a `.safetensors` file, or a Hub id; see [`crate::hf`]).
 
 use crate::checkpoint::{checkpoint_path, interval_checkpoints, is_checkpoint_name, Checkpoint};
-use crate::data::{Meta, TokenizerKind, GPT2_VOCAB_SIZE};
+use crate::data::{Meta, TokenDtype, TokenizerKind, GPT2_VOCAB_SIZE};
 use crate::hf::Pretrained;
 use crate::model::lora::{self, LoraLayout, LoraState};
 use crate::model::{ModelConfig, ParamLayout};
@@ -192,6 +192,7 @@ pub fn gpt2_meta(location: &Path) -> Meta {
     Meta {
         tokenizer: TokenizerKind::Gpt2,
         vocab_size: GPT2_VOCAB_SIZE,
+        dtype: TokenDtype::Uint16,
         train_tokens: 0,
         val_tokens: 0,
         chars: None,

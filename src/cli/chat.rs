@@ -178,7 +178,7 @@ fn reply(
 mod tests {
     use super::*;
     use crate::cli::sample::Sampling;
-    use crate::data::{Meta, TokenizerKind};
+    use crate::data::{Meta, TokenDtype, TokenizerKind};
     use crate::model::decode::bf16_copies_on_this_thread;
     use crate::model::decode::tests::{random_gpt, small};
 
@@ -195,6 +195,7 @@ mod tests {
         let meta = Meta {
             tokenizer: TokenizerKind::Char,
             vocab_size: chars.chars().count(),
+            dtype: TokenDtype::Uint16,
             train_tokens: 0,
             val_tokens: 0,
             chars: Some(chars),

@@ -2,13 +2,13 @@
 
 use crate::data::instruct::instruct_eot;
 use crate::data::readers::Source;
-use crate::data::{eval_window_count, DataFormat, TokenFile, Tokenizer};
+use crate::data::{eval_window_count, DataFormat, Meta, TokenDtype, TokenFile, Tokenizer};
 use crate::eval::{evaluate_examples, evaluate_tokens, EvalReport};
 use crate::model::Gpt;
 use crate::model_source::load_model_with_adapter;
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 #[derive(Args, Debug)]
 pub struct EvalArgs {
@@ -19,7 +19,8 @@ pub struct EvalArgs {
     /// A PEFT LoRA adapter directory to merge into the model (its base).
     #[arg(long)]
     pub adapter: Option<PathBuf>,
-    /// A .bin token file (uint16, nanoGPT's format) or a .txt file, tokenised with
+    /// A .bin token file (nanoGPT's format: uint16, or uint32 where the meta.json
+    /// beside it or the model's own data says so) or a .txt file, tokenised with
     /// the model's tokenizer; or a .jsonl of instruction examples (Alpaca or chat),
     /// each evaluated on its own, the loss over its response tokens only.
     #[arg(long)]
@@ -127,11 +128,11 @@ fn read_examples(
 }
 
 /// The tokens of `--data`: a .bin file as is, anything else read as UTF-8 text.
-fn read_tokens(args: &EvalArgs, meta: &crate::data::Meta, vocab: usize) -> Result<Vec<u16>> {
+fn read_tokens(args: &EvalArgs, meta: &crate::data::Meta, vocab: usize) -> Result<Vec<u32>> {
     let path = &args.data;
     crate::fsutil::check_regular_file(path, "--data")?;
     if path.extension().is_some_and(|e| e == "bin") {
-        let file = TokenFile::open(path)?;
+        let file = TokenFile::open(path, bin_dtype(path, meta)?)?;
         file.check_vocab(vocab)?;
         return file.read_all();
     }
@@ -152,5 +153,16 @@ fn read_tokens(args: &EvalArgs, meta: &crate::data::Meta, vocab: usize) -> Resul
             path.display()
         );
     }
-    Ok(ids.into_iter().map(|id| id as u16).collect())
+    Ok(ids)
+}
+
+/// The width of the ids in a `.bin` `--data`: what the `meta.json` beside it says
+/// (a prepared dataset's split), else that of the model's own data (uint16 for
+/// GPT-2 and nanoGPT's files).
+fn bin_dtype(path: &Path, model_meta: &Meta) -> Result<TokenDtype> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    if dir.join(Meta::FILE_NAME).is_file() {
+        return Ok(Meta::load(dir)?.dtype);
+    }
+    Ok(model_meta.dtype)
 }

@@ -7,9 +7,13 @@ use std::str::FromStr;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
-use super::tokenizer::GPT2_VOCAB_SIZE;
-use super::{Split, MAX_VOCAB_SIZE};
+use super::Split;
 use crate::fsutil::AtomicFile;
+
+/// GPT-2's vocabulary size (ids 0..=50256).
+pub const GPT2_VOCAB_SIZE: usize = 50257;
+/// GPT-2's `<|endoftext|>` token, appended after every document.
+pub const GPT2_EOT: u32 = 50256;
 
 /// How text was turned into token ids.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -43,20 +47,80 @@ impl FromStr for TokenizerKind {
         match s {
             "gpt2" => Ok(TokenizerKind::Gpt2),
             "char" => Ok(TokenizerKind::Char),
-            other => bail!("unknown tokenizer `{other}`: use `gpt2` (BPE) or `char`"),
+            other => bail!(
+                "unknown tokenizer `{other}`: use `gpt2` (BPE), `char`, or a model folder \
+                 holding tokenizer.json (or the path of a tokenizer.json)"
+            ),
         }
+    }
+}
+
+/// The width of the token ids in `train.bin` / `val.bin` (little-endian).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenDtype {
+    /// nanoGPT's format: vocabularies of up to 65,536 ids.
+    #[default]
+    Uint16,
+    /// Larger vocabularies (Llama 3's 128,256, Qwen's 151,669).
+    Uint32,
+}
+
+impl TokenDtype {
+    /// The largest vocabulary whose ids fit uint16 (ids 0..=65535).
+    pub const UINT16_VOCAB: usize = u16::MAX as usize + 1;
+
+    /// uint16 where the vocabulary fits it (so nanoGPT reads the files), else uint32.
+    pub fn for_vocab(vocab_size: usize) -> TokenDtype {
+        match vocab_size <= Self::UINT16_VOCAB {
+            true => TokenDtype::Uint16,
+            false => TokenDtype::Uint32,
+        }
+    }
+
+    /// Bytes per token id.
+    pub fn width(self) -> usize {
+        match self {
+            TokenDtype::Uint16 => 2,
+            TokenDtype::Uint32 => 4,
+        }
+    }
+
+    /// The largest vocabulary this width holds (uint32: ids below 2^31, since training
+    /// targets are `i32`s with -1 for "not trained").
+    pub fn max_vocab(self) -> usize {
+        match self {
+            TokenDtype::Uint16 => Self::UINT16_VOCAB,
+            TokenDtype::Uint32 => i32::MAX as usize,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TokenDtype::Uint16 => "uint16",
+            TokenDtype::Uint32 => "uint32",
+        }
+    }
+}
+
+impl fmt::Display for TokenDtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
 /// The contents of `meta.json` next to `train.bin` and `val.bin`. Unknown fields
 /// are refused: a file from another tool that means something else by its data
-/// (`"dtype": "uint32"`, say) must not be read as if it were ours.
+/// must not be read as if it were ours.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Meta {
     pub tokenizer: TokenizerKind,
     /// Number of distinct token ids; every id in the `.bin` files is below it.
     pub vocab_size: usize,
+    /// The width of the ids in the `.bin` files (absent in older files: uint16).
+    #[serde(default)]
+    pub dtype: TokenDtype,
     pub train_tokens: u64,
     pub val_tokens: u64,
     /// The vocabulary of a char-level dataset, in id order.
@@ -94,14 +158,7 @@ impl Meta {
     /// Reads and checks the bytes of a `meta.json` (the error says what is wrong,
     /// the caller adds which file).
     pub fn parse(bytes: &[u8]) -> Result<Meta> {
-        let mut value: serde_json::Value = serde_json::from_slice(bytes)?;
-        // nanoGPT-style tools sometimes record the token type; ours is always uint16.
-        if let Some(dtype) = value.as_object_mut().and_then(|o| o.remove("dtype")) {
-            if dtype != "uint16" {
-                bail!("it says dtype {dtype}, but nanogpt token files are uint16");
-            }
-        }
-        let meta: Meta = serde_json::from_value(value)?;
+        let meta: Meta = serde_json::from_slice(bytes)?;
         meta.check()?;
         Ok(meta)
     }
@@ -124,10 +181,12 @@ impl Meta {
 
     /// Checks that the fields agree with each other; the message says which one is off.
     pub fn check(&self) -> Result<()> {
-        if self.vocab_size == 0 || self.vocab_size > MAX_VOCAB_SIZE {
+        let max = self.dtype.max_vocab();
+        if self.vocab_size == 0 || self.vocab_size > max {
             bail!(
-                "vocab_size {} must be between 1 and {MAX_VOCAB_SIZE} (uint16 token ids)",
-                self.vocab_size
+                "vocab_size {} must be between 1 and {max} ({} token ids)",
+                self.vocab_size,
+                self.dtype
             );
         }
         match (self.tokenizer, &self.chars) {
@@ -173,6 +232,7 @@ impl Meta {
         Ok(Meta {
             tokenizer: TokenizerKind::Gpt2,
             vocab_size: GPT2_VOCAB_SIZE,
+            dtype: TokenDtype::Uint16,
             train_tokens: token_count(&train)?,
             val_tokens: token_count(&val)?,
             chars: None,
@@ -211,6 +271,7 @@ mod tests {
         Meta {
             tokenizer: TokenizerKind::Char,
             vocab_size: 3,
+            dtype: TokenDtype::Uint16,
             train_tokens: 10,
             val_tokens: 2,
             chars: Some("\nab".into()),

@@ -15,7 +15,7 @@ use rayon::prelude::*;
 
 use super::instruct::{instruct_eot, DataFormat, Example, CHAR_EOT};
 use super::mask::{mask_path, MaskWriter};
-use super::meta::{Meta, TokenizerKind};
+use super::meta::{Meta, TokenDtype, TokenizerKind};
 use super::readers::{ProgressUnit, Source};
 use super::token_writer::TokenWriter;
 use super::tokenizer::Tokenizer;
@@ -156,7 +156,8 @@ pub fn prepare_source(source: &Source, opts: &PrepareOptions) -> Result<PrepareS
             path.display()
         );
     }
-    let mut out = Outputs::create(&opts.out_dir, source.is_instruct())?;
+    let dtype = TokenDtype::for_vocab(tokenizer.vocab_size());
+    let mut out = Outputs::create(&opts.out_dir, source.is_instruct(), dtype)?;
     let bar = progress_bar(source, "tokenizing", opts.show_progress)?;
     let docs = if source.is_instruct() {
         write_examples(source, &tokenizer, fraction, &mut out, &bar)?
@@ -171,6 +172,7 @@ pub fn prepare_source(source: &Source, opts: &PrepareOptions) -> Result<PrepareS
     let meta = Meta {
         tokenizer: opts.tokenizer,
         vocab_size: tokenizer.vocab_size(),
+        dtype,
         train_tokens: out.train.tokens(),
         val_tokens: out.val.tokens(),
         chars: match &tokenizer {
@@ -327,17 +329,10 @@ fn distinct_chars(text: &str) -> BTreeSet<char> {
 }
 
 /// Tokenizes texts in parallel, keeping their order.
-fn encode_all(tokenizer: &Tokenizer, texts: &[&str]) -> Result<Vec<Vec<u16>>> {
+fn encode_all(tokenizer: &Tokenizer, texts: &[&str]) -> Result<Vec<Vec<u32>>> {
     texts
         .par_iter()
-        .map(|text| {
-            let ids = tokenizer.encode(text)?;
-            ids.into_iter()
-                .map(|id| {
-                    u16::try_from(id).with_context(|| format!("token id {id} does not fit uint16"))
-                })
-                .collect()
-        })
+        .map(|text| tokenizer.encode(text))
         .collect()
 }
 
@@ -350,7 +345,7 @@ struct Outputs {
 }
 
 impl Outputs {
-    fn create(dir: &Path, masked: bool) -> Result<Outputs> {
+    fn create(dir: &Path, masked: bool, dtype: TokenDtype) -> Result<Outputs> {
         let bin = |split: Split| dir.join(split.file_name());
         let masks = match masked {
             true => Some((
@@ -361,14 +356,14 @@ impl Outputs {
         };
         Ok(Outputs {
             dir: dir.to_path_buf(),
-            train: TokenWriter::create(&bin(Split::Train))?,
-            val: TokenWriter::create(&bin(Split::Val))?,
+            train: TokenWriter::create(&bin(Split::Train), dtype)?,
+            val: TokenWriter::create(&bin(Split::Val), dtype)?,
             masks,
         })
     }
 
     /// Appends `tokens` to a split, and with masks, their `mask` (one byte each).
-    fn write(&mut self, split: Split, tokens: &[u16], mask: &[u8]) -> Result<()> {
+    fn write(&mut self, split: Split, tokens: &[u32], mask: &[u8]) -> Result<()> {
         match split {
             Split::Train => self.train.write(tokens)?,
             Split::Val => self.val.write(tokens)?,
@@ -466,7 +461,7 @@ fn write_documents(
     out: &mut Outputs,
     bar: &ProgressBar,
 ) -> Result<DocCounts> {
-    let eot = tokenizer.eot().map(|id| id as u16);
+    let eot = tokenizer.eot();
     let mut router = DocRouter::new(fraction);
     let mut index = 0u64;
     for_each_batch(source, bar, |batch| {
@@ -526,18 +521,13 @@ fn write_examples(
     router.finish(out)
 }
 
-/// An example's tokens (uint16) and mask.
+/// An example's tokens and mask.
 fn encode_example(example: &Example, tokenizer: &Tokenizer, eot: u32) -> Result<Doc> {
-    let (ids, mask) = example.encode(tokenizer, eot)?;
-    let tokens = ids
-        .into_iter()
-        .map(|id| u16::try_from(id).with_context(|| format!("token id {id} does not fit uint16")))
-        .collect::<Result<Vec<u16>>>()?;
-    Ok((tokens, mask))
+    example.encode(tokenizer, eot)
 }
 
 /// A document's tokens and its mask (empty without masks).
-type Doc = (Vec<u16>, Vec<u8>);
+type Doc = (Vec<u32>, Vec<u8>);
 
 /// Whether document `index` belongs to val: a fixed hash of the index, so the
 /// split does not depend on batching, threads or the number of documents.
@@ -624,8 +614,12 @@ mod tests {
         }
     }
 
-    fn read_bin(path: &Path) -> Vec<u16> {
-        TokenFile::open(path).unwrap().read_all().unwrap()
+    fn read_bin(path: &Path) -> Vec<u32> {
+        let meta = Meta::load(path.parent().unwrap()).unwrap();
+        TokenFile::open(path, meta.dtype)
+            .unwrap()
+            .read_all()
+            .unwrap()
     }
 
     #[test]
@@ -645,10 +639,7 @@ mod tests {
         assert!(chars.starts_with("\n !$&',-.3:;?ABC"), "{chars:?}");
         let train = read_bin(&dir.path().join("train.bin"));
         let t = Tokenizer::from_meta(&Meta::load(dir.path()).unwrap()).unwrap();
-        assert_eq!(
-            t.decode(&train[..14].iter().map(|&x| x as u32).collect::<Vec<_>>()),
-            "First Citizen:"
-        );
+        assert_eq!(t.decode(&train[..14]), "First Citizen:");
         assert_eq!(&train[..5], &[18, 47, 56, 57, 58]);
     }
 
@@ -820,9 +811,8 @@ mod tests {
             read_mask(&out.join("val.mask")),
         );
         assert_eq!((train.len(), val.len()), (tm.len(), vm.len()));
-        let all: Vec<u16> = [train, val].concat();
+        let got: Vec<u32> = [train, val].concat();
         let mut sorted_want: Vec<Vec<u32>> = want_tokens.clone();
-        let got: Vec<u32> = all.iter().map(|&x| x as u32).collect();
         // One example per split; which one goes where is the hash's choice.
         if got[..sorted_want[0].len()] != sorted_want[0][..] {
             sorted_want.swap(0, 1);
@@ -845,7 +835,7 @@ mod tests {
         let t = Tokenizer::from_meta(&meta).unwrap();
         assert!(meta.chars.as_deref().unwrap().starts_with('\u{3}'));
         let train = read_bin(&out.join("train.bin"));
-        let text = t.decode(&train.iter().map(|&x| x as u32).collect::<Vec<_>>());
+        let text = t.decode(&train);
         assert_eq!(text, "<|user|>\nab\n<|assistant|>\nba\u{3}");
         let mask = read_mask(&out.join("train.mask"));
         let trained: String = text
@@ -912,13 +902,37 @@ mod tests {
     }
 
     #[test]
-    fn vocab_beyond_uint16_is_refused() {
+    fn vocab_beyond_uint16_writes_uint32() {
         let dir = TempDir::new("prep-vocab");
+        // 67,952 distinct characters (the surrogates are no characters).
         let text: String = (0x4E00u32..0x4E00 + 70_000)
             .filter_map(char::from_u32)
             .collect();
-        let src = dir.write("wide.txt", text);
-        let err = prepare(&opts(&src, dir.path(), TokenizerKind::Char)).unwrap_err();
-        assert!(err.to_string().contains("uint16"), "{err}");
+        let src = dir.write("wide.txt", &text);
+        let out = dir.path().join("out");
+        let summary = prepare(&opts(&src, &out, TokenizerKind::Char)).unwrap();
+        assert_eq!(summary.meta.vocab_size, 67_952);
+        assert_eq!(summary.meta.dtype, TokenDtype::Uint32);
+        let json = std::fs::read_to_string(out.join("meta.json")).unwrap();
+        assert!(json.contains("\"dtype\": \"uint32\""), "{json}");
+        let bytes = std::fs::metadata(out.join("train.bin")).unwrap().len();
+        assert_eq!(bytes, 4 * summary.meta.train_tokens);
+        let ids = [
+            read_bin(&out.join("train.bin")),
+            read_bin(&out.join("val.bin")),
+        ]
+        .concat();
+        assert_eq!(ids.len(), 67_952);
+        assert_eq!(*ids.last().unwrap(), 67_951, "every id, up to the largest");
+        let t = Tokenizer::from_meta(&Meta::load(&out).unwrap()).unwrap();
+        assert_eq!(t.decode(&ids), text);
+        // A vocabulary that fits stays uint16, as nanoGPT reads it.
+        let small = prepare(&opts(
+            &dir.write("s.txt", "abcabc"),
+            &dir.path().join("s"),
+            TokenizerKind::Char,
+        ))
+        .unwrap();
+        assert_eq!(small.meta.dtype, TokenDtype::Uint16);
     }
 }

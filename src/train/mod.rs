@@ -108,7 +108,7 @@ pub struct Trainer {
     targets: Vec<i32>,
     offsets: Vec<usize>,
     /// The B windows of T+1 tokens read for a micro-batch.
-    window: Vec<u16>,
+    window: Vec<u32>,
     peak_gflops: f64,
     /// Steps skipped in a row for a non-finite loss or gradient norm.
     nonfinite_in_row: u64,

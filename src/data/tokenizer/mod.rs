@@ -6,13 +6,7 @@ use std::fmt;
 use anyhow::{bail, Result};
 use tiktoken_rs::CoreBPE;
 
-use super::meta::{Meta, TokenizerKind};
-use super::MAX_VOCAB_SIZE;
-
-/// GPT-2's vocabulary size (ids 0..=50256).
-pub const GPT2_VOCAB_SIZE: usize = 50257;
-/// GPT-2's `<|endoftext|>` token, appended after every document.
-pub const GPT2_EOT: u32 = 50256;
+use super::meta::{Meta, TokenDtype, TokenizerKind, GPT2_EOT, GPT2_VOCAB_SIZE};
 
 /// The Unicode replacement character's UTF-8 bytes, shown for unknown ids.
 const REPLACEMENT: &[u8] = "\u{FFFD}".as_bytes();
@@ -50,10 +44,11 @@ impl Tokenizer {
         if chars.is_empty() {
             bail!("a char-level vocabulary needs at least one character");
         }
-        if chars.len() > MAX_VOCAB_SIZE {
+        let max = TokenDtype::Uint32.max_vocab();
+        if chars.len() > max {
             bail!(
-                "the text has {} distinct characters, more than the {MAX_VOCAB_SIZE} ids \
-                 that fit the uint16 .bin format; use `--tokenizer gpt2` instead",
+                "the text has {} distinct characters, more than the {max} ids a token \
+                 file holds; use `--tokenizer gpt2` instead",
                 chars.len()
             );
         }
@@ -331,6 +326,7 @@ mod tests {
         let meta = Meta {
             tokenizer: TokenizerKind::Char,
             vocab_size: 3,
+            dtype: TokenDtype::Uint16,
             train_tokens: 1,
             val_tokens: 1,
             chars: Some(" ab".into()),
