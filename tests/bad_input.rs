@@ -210,7 +210,11 @@ fn odd_length_train_bin() {
     s.write("ds/train.bin", bytes);
     s.train_refused(
         &[],
-        &["ds/train.bin", "odd length", "prepare the dataset again"],
+        &[
+            "ds/train.bin",
+            "not a whole number of uint16",
+            "prepare the dataset again",
+        ],
     );
 }
 
@@ -696,7 +700,7 @@ fn resume_on_a_dataset_with_another_character_vocabulary() {
         &["dataset=ds2", "init_from=resume", "max_iters=6"],
         &[
             "cannot resume from run/ckpt-000003.safetensors",
-            "character vocabulary differs from dataset ds2's (id 8 is 'h' there, 'i' here)",
+            "character vocabularies differ (id 8 is 'h' in the checkpoint, 'i' in dataset ds2)",
             "resume on the data the run was trained on",
         ],
     );

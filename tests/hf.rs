@@ -312,6 +312,7 @@ fn char_meta(vocab: usize) -> Meta {
         train_tokens: 0,
         val_tokens: 0,
         chars: Some(chars),
+        tokenizer_sha256: None,
         source: "test".into(),
     }
 }

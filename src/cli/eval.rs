@@ -1,11 +1,12 @@
 //! `nanogpt eval --init-from SRC --data FILE`.
 
+use crate::data::chat_template::parse_variable;
 use crate::data::instruct::instruct_eot;
 use crate::data::readers::Source;
 use crate::data::{eval_window_count, DataFormat, Meta, TokenDtype, TokenFile, Tokenizer};
 use crate::eval::{evaluate_examples, evaluate_tokens, EvalReport};
 use crate::model::Gpt;
-use crate::model_source::load_model_with_adapter;
+use crate::model_source::{load_model_with_adapter, LoadedModel};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::path::{Path, PathBuf};
@@ -39,6 +40,10 @@ pub struct EvalArgs {
     /// Threads (0: one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// A variable of the model's chat template for chat examples (repeatable), e.g.
+    /// enable_thinking=false; VALUE is read as JSON where it is JSON.
+    #[arg(long = "template-var", value_name = "KEY=VALUE", value_parser = parse_variable)]
+    pub template_vars: Vec<(String, serde_json::Value)>,
 }
 
 pub fn run(args: EvalArgs) -> Result<()> {
@@ -52,12 +57,14 @@ pub fn run(args: EvalArgs) -> Result<()> {
         );
     }
     if let Some(source) = instruct_source(&args)? {
-        let examples = read_examples(&source, &loaded.meta, loaded.config.vocab_size)?;
+        let vars = args.template_vars.iter().cloned().collect();
+        let vocab = loaded.config.vocab_size;
+        let examples = read_examples(&source, &loaded.tokenizer, &vars, vocab)?;
         let mut model = Gpt::from_params(loaded.config, loaded.params, 1, t)?;
         let report = evaluate_examples(&mut model, &examples, t, |_, _| {})?;
         return print_report(&args, &report, &format!(" of {} examples", examples.len()));
     }
-    let tokens = read_tokens(&args, &loaded.meta, loaded.config.vocab_size)?;
+    let tokens = read_tokens(&args, &loaded, loaded.config.vocab_size)?;
     // No batch larger than the file's windows (a larger one would only allocate more).
     let batch = args
         .batch_size
@@ -102,16 +109,16 @@ fn instruct_source(args: &EvalArgs) -> Result<Option<Source>> {
 /// Every example's tokens and mask, with the model's tokenizer.
 fn read_examples(
     source: &Source,
-    meta: &crate::data::Meta,
+    tokenizer: &Tokenizer,
+    variables: &serde_json::Map<String, serde_json::Value>,
     vocab: usize,
 ) -> Result<Vec<(Vec<u32>, Vec<u8>)>> {
-    let tokenizer = Tokenizer::from_meta(meta)?;
-    let eot = instruct_eot(&tokenizer)?;
+    let eot = instruct_eot(tokenizer)?;
     let mut examples = Vec::new();
     for example in source.examples() {
         let (example, _) = example?;
         let (ids, mask) = example
-            .encode(&tokenizer, eot)
+            .encode(tokenizer, eot, variables)
             .with_context(|| format!("cannot tokenise {}", source.describe()))?;
         if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
             bail!(
@@ -128,11 +135,11 @@ fn read_examples(
 }
 
 /// The tokens of `--data`: a .bin file as is, anything else read as UTF-8 text.
-fn read_tokens(args: &EvalArgs, meta: &crate::data::Meta, vocab: usize) -> Result<Vec<u32>> {
+fn read_tokens(args: &EvalArgs, loaded: &LoadedModel, vocab: usize) -> Result<Vec<u32>> {
     let path = &args.data;
     crate::fsutil::check_regular_file(path, "--data")?;
     if path.extension().is_some_and(|e| e == "bin") {
-        let file = TokenFile::open(path, bin_dtype(path, meta)?)?;
+        let file = TokenFile::open(path, bin_dtype(path, &loaded.meta)?)?;
         file.check_vocab(vocab)?;
         return file.read_all();
     }
@@ -144,8 +151,9 @@ fn read_tokens(args: &EvalArgs, meta: &crate::data::Meta, vocab: usize) -> Resul
             e.utf8_error().valid_up_to()
         )
     })?;
-    let ids = Tokenizer::from_meta(meta)?
-        .encode(&text)
+    let ids = loaded
+        .tokenizer
+        .encode_single_document(&text)
         .with_context(|| format!("cannot tokenise {}", path.display()))?;
     if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
         bail!(
@@ -159,10 +167,20 @@ fn read_tokens(args: &EvalArgs, meta: &crate::data::Meta, vocab: usize) -> Resul
 /// The width of the ids in a `.bin` `--data`: what the `meta.json` beside it says
 /// (a prepared dataset's split), else that of the model's own data (uint16 for
 /// GPT-2 and nanoGPT's files).
+/// A dataset's `meta.json` that names another tokenizer than the model's is refused.
 fn bin_dtype(path: &Path, model_meta: &Meta) -> Result<TokenDtype> {
     let dir = path.parent().unwrap_or(Path::new("."));
-    if dir.join(Meta::FILE_NAME).is_file() {
-        return Ok(Meta::load(dir)?.dtype);
+    if !dir.join(Meta::FILE_NAME).is_file() {
+        return Ok(model_meta.dtype);
     }
-    Ok(model_meta.dtype)
+    let data = Meta::load(dir)?;
+    let this = format!("dataset {}", dir.display());
+    if let Some(what) = model_meta.tokenizer_difference(&data, "the model", &this) {
+        bail!(
+            "cannot evaluate on {}: {what}, so its ids mean other text to the model; \
+             prepare the text with the model's tokenizer",
+            path.display()
+        );
+    }
+    Ok(data.dtype)
 }

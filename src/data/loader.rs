@@ -532,6 +532,7 @@ mod tests {
             train_tokens: 3,
             val_tokens: 1,
             chars: None,
+            tokenizer_sha256: None,
             source: String::new(),
         };
         assert_eq!(

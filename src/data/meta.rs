@@ -23,6 +23,11 @@ pub enum TokenizerKind {
     Gpt2,
     /// One token per character; the vocabulary is the corpus's sorted character set.
     Char,
+    /// A model's own `tokenizer.json`, through Hugging Face's `tokenizers`; the
+    /// dataset folder holds a copy of the model's tokenizer files, and `meta.json`
+    /// the SHA-256 of its tokenizer.json (`tokenizer_sha256`).
+    #[serde(rename = "huggingface")]
+    HuggingFace,
 }
 
 impl TokenizerKind {
@@ -30,6 +35,7 @@ impl TokenizerKind {
         match self {
             TokenizerKind::Gpt2 => "gpt2",
             TokenizerKind::Char => "char",
+            TokenizerKind::HuggingFace => "huggingface",
         }
     }
 }
@@ -126,6 +132,10 @@ pub struct Meta {
     /// The vocabulary of a char-level dataset, in id order.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chars: Option<String>,
+    /// The SHA-256 (hex) of the `tokenizer.json` a [`TokenizerKind::HuggingFace`]
+    /// dataset was tokenized with: the identity of its ids.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer_sha256: Option<String>,
     /// Where the text came from (informational).
     #[serde(default)]
     pub source: String,
@@ -179,6 +189,41 @@ impl Meta {
         }
     }
 
+    /// How the tokenizer of `other` differs from this one's, so that the same ids
+    /// would mean other text (`None`: the same tokenizer). `this` and `that` name the
+    /// two sides in the message ("the checkpoint", "dataset ds").
+    pub fn tokenizer_difference(&self, other: &Meta, this: &str, that: &str) -> Option<String> {
+        if self.tokenizer != other.tokenizer {
+            return Some(format!(
+                "{this} has {} tokens, {that} {} tokens",
+                self.tokenizer, other.tokenizer
+            ));
+        }
+        if let (Some(a), Some(b)) = (&self.chars, &other.chars) {
+            if a != b {
+                let first = a
+                    .chars()
+                    .zip(b.chars())
+                    .enumerate()
+                    .find(|(_, (x, y))| x != y);
+                let at = match first {
+                    Some((i, (x, y))) => format!("id {i} is {x:?} in {this}, {y:?} in {that}"),
+                    None => format!("{} characters in {this}, {} in {that}", a.len(), b.len()),
+                };
+                return Some(format!("the character vocabularies differ ({at})"));
+            }
+        }
+        if let (Some(a), Some(b)) = (&self.tokenizer_sha256, &other.tokenizer_sha256) {
+            if a != b {
+                return Some(format!(
+                    "{this} was tokenized with another tokenizer.json than {that} (SHA-256 \
+                     {a} and {b})"
+                ));
+            }
+        }
+        None
+    }
+
     /// Checks that the fields agree with each other; the message says which one is off.
     pub fn check(&self) -> Result<()> {
         let max = self.dtype.max_vocab();
@@ -189,6 +234,19 @@ impl Meta {
                 self.dtype
             );
         }
+        match (self.tokenizer, &self.tokenizer_sha256) {
+            (TokenizerKind::HuggingFace, None) => {
+                bail!("tokenizer huggingface needs a `tokenizer_sha256` field")
+            }
+            (TokenizerKind::HuggingFace, Some(hash)) if !is_sha256_hex(hash) => {
+                bail!("tokenizer_sha256 `{hash}` is not a SHA-256 (64 lowercase hex digits)")
+            }
+            (TokenizerKind::Gpt2 | TokenizerKind::Char, Some(_)) => bail!(
+                "tokenizer_sha256 belongs to huggingface datasets, not {}",
+                self.tokenizer
+            ),
+            _ => {}
+        }
         match (self.tokenizer, &self.chars) {
             (TokenizerKind::Gpt2, _) if self.vocab_size != GPT2_VOCAB_SIZE => bail!(
                 "tokenizer gpt2 has vocab_size {GPT2_VOCAB_SIZE}, the file says {}",
@@ -197,6 +255,10 @@ impl Meta {
             (TokenizerKind::Gpt2, _) => Ok(()),
             (TokenizerKind::Char, None) => bail!("tokenizer char needs a `chars` field"),
             (TokenizerKind::Char, Some(chars)) => check_chars(chars, self.vocab_size),
+            (TokenizerKind::HuggingFace, None) => Ok(()),
+            (TokenizerKind::HuggingFace, Some(_)) => {
+                bail!("`chars` belongs to char datasets, not huggingface")
+            }
         }
     }
 
@@ -236,6 +298,7 @@ impl Meta {
             train_tokens: token_count(&train)?,
             val_tokens: token_count(&val)?,
             chars: None,
+            tokenizer_sha256: None,
             source: format!("{} (nanoGPT layout, no meta.json)", dir.display()),
         })
     }
@@ -253,6 +316,10 @@ fn check_chars(chars: &str, vocab_size: usize) -> Result<()> {
         bail!("`chars` must be sorted and free of duplicates");
     }
     Ok(())
+}
+
+fn is_sha256_hex(s: &str) -> bool {
+    s.len() == 64 && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
 fn token_count(path: &Path) -> Result<u64> {
@@ -275,6 +342,7 @@ mod tests {
             train_tokens: 10,
             val_tokens: 2,
             chars: Some("\nab".into()),
+            tokenizer_sha256: None,
             source: "test".into(),
         }
     }

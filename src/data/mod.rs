@@ -13,6 +13,8 @@
 //!   directory, preparing the bundled Shakespeare on first use.
 
 mod bundled;
+pub mod chat_template;
+mod cuts;
 pub mod hub;
 pub mod instruct;
 pub mod loader;
@@ -23,17 +25,20 @@ pub mod readers;
 #[cfg(test)]
 mod testutil;
 mod token_writer;
-mod tokenizer;
+pub mod tokenizer;
 
 pub use bundled::find_or_prepare_dataset;
+pub use chat_template::{ChatTemplate, RenderOptions};
 pub use instruct::DataFormat;
 pub use loader::{
     batch_offsets, eval_window_count, eval_window_offsets, fill_batch, Draw, TokenFile,
 };
 pub use mask::TokenMask;
 pub use meta::{Meta, TokenDtype, TokenizerKind, GPT2_EOT, GPT2_VOCAB_SIZE};
-pub use prepare::{prepare, prepare_source, PrepareOptions, PrepareSummary};
+pub use prepare::{prepare, prepare_source, PrepareOptions, PrepareSummary, TokenizerSpec};
 pub use readers::SHAKESPEARE_TEXT;
+pub use tokenizer::files::TokenizerFiles;
+pub use tokenizer::hf::HfTokenizer;
 pub use tokenizer::{StreamDecoder, Tokenizer};
 
 /// The two token files of a prepared dataset.
