@@ -283,7 +283,9 @@ fn encode_chat(
     let mask = offsets
         .iter()
         .map(|token| {
-            let trained = spans.iter().any(|s| token.start < s.end && token.end > s.start);
+            let trained = spans
+                .iter()
+                .any(|s| token.start < s.end && token.end > s.start);
             u8::from(trained && !token.is_empty())
         })
         .collect();
