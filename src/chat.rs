@@ -2,28 +2,35 @@
 //! model sees, built exactly as `prepare` builds training examples (see
 //! [`crate::data::instruct`]) and kept within the model's block.
 
-use anyhow::Result;
+use anyhow::{Context as _, Result};
+use serde_json::{json, Map, Value};
 
 use crate::data::instruct::{alpaca_prompt, chat_prompt_message, Example, Part, Role};
-use crate::data::Tokenizer;
+use crate::data::{RenderOptions, Tokenizer};
 
 /// The template a conversation is written in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ChatTemplate {
+pub enum ChatFormat {
     /// `<|system|>`, `<|user|>`, `<|assistant|>` turns.
     Chat,
     /// Each turn an Alpaca example (instruction, no input); earlier turns are
     /// whole examples before it.
     Alpaca,
+    /// The model's own chat template (its tokenizer's), as transformers'
+    /// `apply_chat_template(..., add_generation_prompt=True)` writes the
+    /// conversation, tokenized as it tokenizes it (no added special tokens).
+    Model,
 }
 
 /// A conversation: an optional system message and the finished turns.
 #[derive(Clone, Debug)]
 pub struct Conversation {
-    template: ChatTemplate,
+    format: ChatFormat,
     system: Option<String>,
     /// (user, assistant) turns, oldest first.
     turns: Vec<(String, String)>,
+    /// Extra variables of the model's chat template.
+    variables: Map<String, Value>,
 }
 
 /// The context for the next reply.
@@ -35,12 +42,19 @@ pub struct Context {
 }
 
 impl Conversation {
-    pub fn new(template: ChatTemplate, system: Option<String>) -> Conversation {
+    pub fn new(format: ChatFormat, system: Option<String>) -> Conversation {
         Conversation {
-            template,
+            format,
             system,
             turns: Vec::new(),
+            variables: Map::new(),
         }
+    }
+
+    /// The extra variables the model's chat template is rendered with.
+    pub fn with_variables(mut self, variables: Map<String, Value>) -> Conversation {
+        self.variables = variables;
+        self
     }
 
     /// Records a finished turn.
@@ -65,8 +79,13 @@ impl Conversation {
     ) -> Result<Context> {
         let mut dropped = 0;
         loop {
-            let example = self.example(&self.turns[dropped..], user);
-            let (ids, _) = example.encode(tokenizer, eot)?;
+            let ids = match self.format {
+                ChatFormat::Model => self.rendered(&self.turns[dropped..], user, tokenizer)?,
+                _ => {
+                    let example = self.example(&self.turns[dropped..], user);
+                    example.encode(tokenizer, eot, &self.variables)?.0
+                }
+            };
             if ids.len() <= budget || dropped == self.turns.len() {
                 return Ok(Context { ids, dropped });
             }
@@ -79,11 +98,39 @@ impl Conversation {
         self.turns.drain(..n.min(self.turns.len()));
     }
 
+    /// The messages of `turns` and the new one in the model's chat template, with the
+    /// generation prompt, tokenized.
+    fn rendered(
+        &self,
+        turns: &[(String, String)],
+        user: &str,
+        tokenizer: &Tokenizer,
+    ) -> Result<Vec<u32>> {
+        let template = tokenizer.chat_template().context(
+            "this model's tokenizer has no chat template; use --template chat or alpaca",
+        )?;
+        let mut messages = Vec::new();
+        if let Some(system) = &self.system {
+            messages.push(json!({"role": "system", "content": system}));
+        }
+        for (u, a) in turns {
+            messages.push(json!({"role": "user", "content": u}));
+            messages.push(json!({"role": "assistant", "content": a}));
+        }
+        messages.push(json!({"role": "user", "content": user}));
+        let opts = RenderOptions {
+            add_generation_prompt: true,
+            tools: None,
+            variables: Some(&self.variables),
+        };
+        tokenizer.encode(&template.render(&messages, &opts)?)
+    }
+
     /// The parts of `turns` and the new message, as training examples are written.
     fn example(&self, turns: &[(String, String)], user: &str) -> Example {
         let mut parts = Vec::new();
-        let system = match (&self.system, self.template) {
-            (Some(s), ChatTemplate::Chat) => chat_prompt_message(Role::System, s),
+        let system = match (&self.system, self.format) {
+            (Some(s), ChatFormat::Chat) => chat_prompt_message(Role::System, s),
             _ => String::new(),
         };
         let mut prompt = system;
@@ -94,17 +141,17 @@ impl Conversation {
         }
         prompt.push_str(&self.prompt(user));
         parts.push(Part::Prompt(prompt));
-        Example { parts }
+        Example::from_parts(parts)
     }
 
     fn prompt(&self, user: &str) -> String {
-        match self.template {
-            ChatTemplate::Chat => format!(
+        match self.format {
+            ChatFormat::Alpaca => alpaca_prompt(user, ""),
+            _ => format!(
                 "{}{}",
                 chat_prompt_message(Role::User, user),
                 Role::Assistant.tag()
             ),
-            ChatTemplate::Alpaca => alpaca_prompt(user, ""),
         }
     }
 }
@@ -116,7 +163,7 @@ mod tests {
     #[test]
     fn context_is_the_training_template_and_drops_oldest_turns() {
         let t = Tokenizer::gpt2();
-        let mut c = Conversation::new(ChatTemplate::Chat, Some("Be brief.".into()));
+        let mut c = Conversation::new(ChatFormat::Chat, Some("Be brief.".into()));
         c.push("Hi".into(), "Hello!".into());
         c.push("Bye".into(), "Ciao".into());
         let ctx = c.context("Again", &t, 50256, 1000).unwrap();
@@ -153,7 +200,7 @@ mod tests {
     fn alpaca_turns_are_whole_examples() {
         let all = format!("{}\u{3}xyz", alpaca_prompt("", ""));
         let t = Tokenizer::char_level(all.chars()).unwrap();
-        let mut c = Conversation::new(ChatTemplate::Alpaca, Some("ignored".into()));
+        let mut c = Conversation::new(ChatFormat::Alpaca, Some("ignored".into()));
         c.push("x".into(), "y".into());
         let ctx = c.context("z", &t, 0, 10_000).unwrap();
         let text = t.decode(&ctx.ids);

@@ -22,7 +22,7 @@ pub struct EvalReport {
 /// Evaluates `model` (built for batches up to `batch_size × block_size`) on `tokens`.
 pub fn evaluate_tokens(
     model: &mut Gpt,
-    tokens: &[u16],
+    tokens: &[u32],
     block_size: usize,
     batch_size: usize,
     on_batch: impl FnMut(usize, usize),
@@ -36,7 +36,7 @@ pub fn evaluate_tokens(
 /// skipped; none at all is an error.
 pub fn evaluate_masked_tokens(
     model: &mut Gpt,
-    tokens: &[u16],
+    tokens: &[u32],
     mask: Option<&[u8]>,
     block_size: usize,
     batch_size: usize,

@@ -3,7 +3,7 @@
 //! a model directory, a `.safetensors` file, or a Hub id; see [`crate::hf`]).
 
 use crate::checkpoint::{checkpoint_path, interval_checkpoints, is_checkpoint_name, Checkpoint};
-use crate::data::{Meta, TokenizerKind, GPT2_VOCAB_SIZE};
+use crate::data::{Meta, TokenDtype, Tokenizer, TokenizerKind, GPT2_VOCAB_SIZE};
 use crate::hf::Pretrained;
 use crate::model::lora::{self, LoraLayout, LoraState};
 use crate::model::{ModelConfig, ParamLayout};
@@ -14,8 +14,11 @@ use std::path::{Path, PathBuf};
 pub struct LoadedModel {
     pub config: ModelConfig,
     pub params: Vec<f32>,
-    /// The tokenizer the model was trained with.
+    /// The description of the tokenizer the model was trained with.
     pub meta: Meta,
+    /// That tokenizer (a model's own read from the run's folder, which training
+    /// copies it into, and checked against `meta`'s hash).
+    pub tokenizer: Tokenizer,
 }
 
 /// Loads the model named by `src`: a training run's `out_dir` (its best-val
@@ -123,6 +126,9 @@ fn load_checkpoint(file: &Path) -> Result<LoadedModel> {
             file.display()
         )
     })?;
+    let dir = file.parent().unwrap_or(Path::new("."));
+    let tokenizer = Tokenizer::from_meta(&meta, dir)
+        .with_context(|| format!("cannot load the tokenizer of {}", file.display()))?;
     Ok(LoadedModel {
         config: ModelConfig {
             dropout: 0.0,
@@ -130,6 +136,7 @@ fn load_checkpoint(file: &Path) -> Result<LoadedModel> {
         },
         params,
         meta,
+        tokenizer,
     })
 }
 
@@ -204,6 +211,7 @@ fn load_pretrained(src: &str) -> Result<LoadedModel> {
         config,
         params,
         meta: gpt2_meta(&pretrained.location),
+        tokenizer: Tokenizer::gpt2(),
     })
 }
 
@@ -212,9 +220,11 @@ pub fn gpt2_meta(location: &Path) -> Meta {
     Meta {
         tokenizer: TokenizerKind::Gpt2,
         vocab_size: GPT2_VOCAB_SIZE,
+        dtype: TokenDtype::Uint16,
         train_tokens: 0,
         val_tokens: 0,
         chars: None,
+        tokenizer_sha256: None,
         source: location.display().to_string(),
     }
 }

@@ -210,7 +210,11 @@ fn odd_length_train_bin() {
     s.write("ds/train.bin", bytes);
     s.train_refused(
         &[],
-        &["ds/train.bin", "odd length", "prepare the dataset again"],
+        &[
+            "ds/train.bin",
+            "not a whole number of uint16",
+            "prepare the dataset again",
+        ],
     );
 }
 
@@ -292,9 +296,13 @@ fn meta_vocab_smaller_than_the_tokens() {
 fn meta_with_a_wrong_dtype_field() {
     let s = Scene::new("meta-dtype");
     let mut meta: serde_json::Value = serde_json::from_str(&meta_json(1000, 300)).unwrap();
+    meta["dtype"] = "int64".into();
+    s.write("ds/meta.json", meta.to_string());
+    s.train_refused(&[], &["ds/meta.json", "int64", "uint16", "uint32"]);
+    // uint16 files said to be uint32 hold half as many tokens as meta.json says.
     meta["dtype"] = "uint32".into();
     s.write("ds/meta.json", meta.to_string());
-    s.train_refused(&[], &["ds/meta.json", "dtype", "uint16"]);
+    s.train_refused(&[], &["ds/train.bin", "holds 500 tokens", "says 1000"]);
 }
 
 #[test]
@@ -702,7 +710,7 @@ fn resume_on_a_dataset_with_another_character_vocabulary() {
         &["dataset=ds2", "init_from=resume", "max_iters=6"],
         &[
             "cannot resume from run/ckpt-000003.safetensors",
-            "character vocabulary differs from dataset ds2's (id 8 is 'h' there, 'i' here)",
+            "character vocabularies differ (id 8 is 'h' in the checkpoint, 'i' in dataset ds2)",
             "resume on the data the run was trained on",
         ],
     );

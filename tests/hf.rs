@@ -8,7 +8,7 @@
 //! the script's `--check-export` (see the script's docstring).
 
 use nanogpt::checkpoint::{self, CheckpointState};
-use nanogpt::data::{Meta, TokenizerKind};
+use nanogpt::data::{Meta, TokenDtype, TokenizerKind};
 use nanogpt::eval::evaluate_tokens;
 use nanogpt::hf::{Located, Pretrained};
 use nanogpt::hub::HubEnv;
@@ -170,9 +170,9 @@ fn padded_vocabulary_rows_are_zero_and_shapes_follow_the_config() {
 #[test]
 fn eval_over_a_token_file_equals_the_scripts_number() {
     let bytes = std::fs::read(hf_dir().join("tokens.bin")).unwrap();
-    let tokens: Vec<u16> = bytes
+    let tokens: Vec<u32> = bytes
         .chunks_exact(2)
-        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+        .map(|b| u16::from_le_bytes([b[0], b[1]]).into())
         .collect();
     for name in FIXTURES {
         let want = expected(name);
@@ -308,9 +308,11 @@ fn char_meta(vocab: usize) -> Meta {
     Meta {
         tokenizer: TokenizerKind::Char,
         vocab_size: vocab,
+        dtype: TokenDtype::Uint16,
         train_tokens: 0,
         val_tokens: 0,
         chars: Some(chars),
+        tokenizer_sha256: None,
         source: "test".into(),
     }
 }

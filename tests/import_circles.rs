@@ -721,11 +721,7 @@ fn describe(
 
 /// Circles known and being removed elsewhere, allowed until then (a circle listed
 /// here that no longer exists is fine; any other fails the test).
-const PENDING: &[&str] = &[
-    // The tokenizer module is being rewritten for Hugging Face tokenizers (issue 34
-    // leaves data/meta.rs and data/tokenizer.rs to that work).
-    "data::meta <-> data::tokenizer",
-];
+const PENDING: &[&str] = &[];
 
 #[test]
 fn no_import_circles_among_src_modules() {

@@ -1,8 +1,9 @@
 //! `nanogpt chat`: talk with an instruction-tuned model over stdin and stdout.
 
-use crate::chat::{ChatTemplate, Conversation};
-use crate::cli::sample::{ModelArgs, Sampling, StopText, Stops};
+use crate::chat::{ChatFormat, Conversation};
+use crate::cli::sample::{instruction_stops, ModelArgs, Sampling, StopText, Stops};
 use crate::console::exit_if_closed;
+use crate::data::chat_template::parse_variable;
 use crate::data::instruct::instruct_eot;
 use crate::data::Tokenizer;
 use crate::model::decode::Decoder;
@@ -17,12 +18,18 @@ use std::io::{BufRead, IsTerminal, Write};
 pub struct ChatArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// The template the model was fine-tuned with.
+    /// The template the model was fine-tuned with: chat (the model's own chat
+    /// template where its tokenizer has one, else nanogpt's `<|user|>` turns) or
+    /// alpaca.
     #[arg(long, default_value = "chat")]
     pub template: TemplateArg,
     /// A system message, first in the context (chat template only).
     #[arg(long)]
     pub system: Option<String>,
+    /// A variable of the model's chat template (repeatable), e.g.
+    /// enable_thinking=false; VALUE is read as JSON where it is JSON.
+    #[arg(long = "template-var", value_name = "KEY=VALUE", value_parser = parse_variable)]
+    pub template_vars: Vec<(String, serde_json::Value)>,
     /// Most tokens per reply.
     #[arg(long, default_value_t = 256)]
     pub max_new_tokens: usize,
@@ -79,17 +86,19 @@ fn converse(
     out: &mut impl Write,
     interactive: bool,
 ) -> Result<()> {
-    let tokenizer = Tokenizer::from_meta(&loaded.meta)?;
-    let eot = instruct_eot(&tokenizer)?;
+    let tokenizer = &loaded.tokenizer;
+    let eot = instruct_eot(tokenizer)?;
     let layout = ParamLayout::new(&loaded.config);
     let block = loaded.config.block_size;
-    let template = match args.template {
-        TemplateArg::Chat => ChatTemplate::Chat,
-        TemplateArg::Alpaca => ChatTemplate::Alpaca,
+    let format = match args.template {
+        TemplateArg::Chat if tokenizer.chat_template().is_some() => ChatFormat::Model,
+        TemplateArg::Chat => ChatFormat::Chat,
+        TemplateArg::Alpaca => ChatFormat::Alpaca,
     };
-    let mut conversation = Conversation::new(template, args.system.clone());
+    let variables = args.template_vars.iter().cloned().collect();
+    let mut conversation = Conversation::new(format, args.system.clone()).with_variables(variables);
     let stops = Stops {
-        eot: Some(eot),
+        eots: instruction_stops(tokenizer)?,
         strings: args.sampling.stop.clone(),
     };
     // Half the block at most is kept for the reply; the rest holds the history.
@@ -123,7 +132,7 @@ fn converse(
         if message.trim().is_empty() {
             continue;
         }
-        let mut context = match conversation.context(message, &tokenizer, eot, budget) {
+        let mut context = match conversation.context(message, tokenizer, eot, budget) {
             Ok(context) => context,
             Err(e) => {
                 crate::errln!("(the model's vocabulary cannot encode that line: {e:#}; skipped)");
@@ -170,7 +179,7 @@ fn converse(
                 &mut decoder,
                 &context.ids,
                 &opts,
-                &tokenizer,
+                tokenizer,
                 &stops,
                 out,
             )?,
@@ -181,7 +190,7 @@ fn converse(
                     &mut decoder,
                     &context.ids,
                     &opts,
-                    &tokenizer,
+                    tokenizer,
                     &stops,
                     &mut text,
                 )?;
@@ -235,7 +244,7 @@ fn reply(
 mod tests {
     use super::*;
     use crate::cli::sample::Sampling;
-    use crate::data::{Meta, TokenizerKind};
+    use crate::data::{Meta, TokenDtype, TokenizerKind};
     use crate::model::decode::bf16_copies_on_this_thread;
     use crate::model::decode::tests::{random_gpt, small};
 
@@ -252,12 +261,15 @@ mod tests {
         let meta = Meta {
             tokenizer: TokenizerKind::Char,
             vocab_size: chars.chars().count(),
+            dtype: TokenDtype::Uint16,
             train_tokens: 0,
             val_tokens: 0,
             chars: Some(chars),
+            tokenizer_sha256: None,
             source: String::new(),
         };
         LoadedModel {
+            tokenizer: Tokenizer::from_meta(&meta, std::path::Path::new("")).unwrap(),
             config: gpt.config().clone(),
             params: gpt.params.clone(),
             meta,
@@ -273,6 +285,7 @@ mod tests {
             },
             template: TemplateArg::Chat,
             system: None,
+            template_vars: Vec::new(),
             max_new_tokens: 6,
             json: false,
             sampling: Sampling {

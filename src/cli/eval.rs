@@ -1,14 +1,16 @@
 //! `nanogpt eval --init-from SRC --data FILE`.
 
+use crate::data::chat_template::parse_variable;
 use crate::data::instruct::instruct_eot;
 use crate::data::readers::Source;
-use crate::data::{eval_window_count, DataFormat, TokenFile, TokenMask, Tokenizer};
+use crate::data::{eval_window_count, DataFormat, Meta, TokenDtype, TokenFile, TokenMask};
 use crate::eval::{evaluate_examples, evaluate_masked_tokens, EvalReport};
 use crate::model::Gpt;
-use crate::model_source::load_model_with_adapter;
+use crate::data::Tokenizer;
+use crate::model_source::{load_model_with_adapter, LoadedModel};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 #[derive(Args, Debug)]
 pub struct EvalArgs {
@@ -19,7 +21,8 @@ pub struct EvalArgs {
     /// A PEFT LoRA adapter directory to merge into the model (its base).
     #[arg(long)]
     pub adapter: Option<PathBuf>,
-    /// A .bin token file (uint16, nanoGPT's format; with the .mask beside it, the loss
+    /// A .bin token file (nanoGPT's format: uint16, or uint32 where the meta.json
+    /// beside it or the model's own data says so; with the .mask beside it, the loss
     /// is over the masked tokens, as training's), a .txt file, tokenised with the
     /// model's tokenizer; a .jsonl of documents (their --text-column field, each
     /// followed by end-of-text, as `prepare` writes them), or of instruction examples
@@ -44,6 +47,10 @@ pub struct EvalArgs {
     /// Threads (0: one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// A variable of the model's chat template for chat examples (repeatable), e.g.
+    /// enable_thinking=false; VALUE is read as JSON where it is JSON.
+    #[arg(long = "template-var", value_name = "KEY=VALUE", value_parser = parse_variable)]
+    pub template_vars: Vec<(String, serde_json::Value)>,
 }
 
 pub fn run(args: EvalArgs) -> Result<()> {
@@ -59,13 +66,14 @@ pub fn run(args: EvalArgs) -> Result<()> {
     let vocab = loaded.config.vocab_size;
     let (tokens, mask) = match jsonl_source(&args)? {
         Some(source) if source.is_instruct() => {
-            let examples = read_examples(&source, &loaded.meta, vocab)?;
+            let vars = args.template_vars.iter().cloned().collect();
+            let examples = read_examples(&source, &loaded.tokenizer, &vars, vocab)?;
             let mut model = Gpt::from_params(loaded.config, loaded.params, 1, t)?;
             let report = evaluate_examples(&mut model, &examples, t, |_, _| {})?;
             return print_report(&args, &report, &format!(" of {} examples", examples.len()));
         }
-        Some(source) => (read_documents(&source, &loaded.meta, vocab)?, None),
-        None => read_tokens(&args, &loaded.meta, vocab)?,
+        Some(source) => (read_documents(&source, &loaded.tokenizer, vocab)?, None),
+        None => read_tokens(&args, &loaded, vocab)?,
     };
     // No batch larger than the file's windows (a larger one would only allocate more).
     let batch = args
@@ -110,8 +118,7 @@ fn jsonl_source(args: &EvalArgs) -> Result<Option<Source>> {
 
 /// The tokens of plain-text documents, each followed by end-of-text where the
 /// tokenizer has one: what `prepare` writes for them.
-fn read_documents(source: &Source, meta: &crate::data::Meta, vocab: usize) -> Result<Vec<u16>> {
-    let tokenizer = Tokenizer::from_meta(meta)?;
+fn read_documents(source: &Source, tokenizer: &Tokenizer, vocab: usize) -> Result<Vec<u32>> {
     let mut tokens = Vec::new();
     for piece in source.pieces()? {
         let ids = tokenizer
@@ -133,33 +140,33 @@ fn read_documents(source: &Source, meta: &crate::data::Meta, vocab: usize) -> Re
             }
         );
     }
-    to_u16(tokens, &source.describe(), vocab)
+    check_vocab(tokens, &source.describe(), vocab)
 }
 
-/// Token ids as the uint16 tokens the model reads, each below its vocabulary.
-fn to_u16(ids: Vec<u32>, what: &str, vocab: usize) -> Result<Vec<u16>> {
+/// Token ids the model reads, each checked to be below its vocabulary.
+fn check_vocab(ids: Vec<u32>, what: &str, vocab: usize) -> Result<Vec<u32>> {
     if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
         bail!(
             "{what} encodes to token {id}, beyond the model's vocabulary of {vocab}; evaluate \
              text the model's tokenizer covers"
         );
     }
-    Ok(ids.into_iter().map(|id| id as u16).collect())
+    Ok(ids)
 }
 
 /// Every example's tokens and mask, with the model's tokenizer.
 fn read_examples(
     source: &Source,
-    meta: &crate::data::Meta,
+    tokenizer: &Tokenizer,
+    variables: &serde_json::Map<String, serde_json::Value>,
     vocab: usize,
 ) -> Result<Vec<(Vec<u32>, Vec<u8>)>> {
-    let tokenizer = Tokenizer::from_meta(meta)?;
-    let eot = instruct_eot(&tokenizer)?;
+    let eot = instruct_eot(tokenizer)?;
     let mut examples = Vec::new();
     for example in source.examples() {
         let (example, _) = example?;
         let (ids, mask) = example
-            .encode(&tokenizer, eot)
+            .encode(tokenizer, eot, variables)
             .with_context(|| format!("cannot tokenise {}", source.describe()))?;
         if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
             bail!(
@@ -179,12 +186,12 @@ fn read_examples(
 /// instruction data), anything else read as UTF-8 text.
 fn read_tokens(
     args: &EvalArgs,
-    meta: &crate::data::Meta,
+    loaded: &LoadedModel,
     vocab: usize,
-) -> Result<(Vec<u16>, Option<Vec<u8>>)> {
+) -> Result<(Vec<u32>, Option<Vec<u8>>)> {
     let path = &args.data;
     if path.extension().is_some_and(|e| e == "bin") {
-        let file = TokenFile::open(path)?;
+        let file = TokenFile::open(path, bin_dtype(path, &loaded.meta)?)?;
         file.check_vocab(vocab)?;
         let mask = match TokenMask::open_beside(path, file.len())? {
             None => None,
@@ -214,8 +221,30 @@ fn read_tokens(
             e.utf8_error().valid_up_to()
         )
     })?;
-    let ids = Tokenizer::from_meta(meta)?
-        .encode(&text)
+    let ids = loaded
+        .tokenizer
+        .encode_single_document(&text)
         .with_context(|| format!("cannot tokenise {}", path.display()))?;
-    Ok((to_u16(ids, &path.display().to_string(), vocab)?, None))
+    check_vocab(ids, &path.display().to_string(), vocab).map(|ids| (ids, None))
+}
+
+/// The width of the ids in a `.bin` `--data`: what the `meta.json` beside it says
+/// (a prepared dataset's split), else that of the model's own data (uint16 for
+/// GPT-2 and nanoGPT's files).
+/// A dataset's `meta.json` that names another tokenizer than the model's is refused.
+fn bin_dtype(path: &Path, model_meta: &Meta) -> Result<TokenDtype> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    if !dir.join(Meta::FILE_NAME).is_file() {
+        return Ok(model_meta.dtype);
+    }
+    let data = Meta::load(dir)?;
+    let this = format!("dataset {}", dir.display());
+    if let Some(what) = model_meta.tokenizer_difference(&data, "the model", &this) {
+        bail!(
+            "cannot evaluate on {}: {what}, so its ids mean other text to the model; \
+             prepare the text with the model's tokenizer",
+            path.display()
+        );
+    }
+    Ok(data.dtype)
 }

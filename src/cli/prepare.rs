@@ -1,7 +1,8 @@
 //! `nanogpt prepare SOURCE --out DIR`.
 
+use crate::data::chat_template::parse_variable;
 use crate::data::readers::Source;
-use crate::data::{hub, prepare, prepare_source, DataFormat, PrepareOptions, TokenizerKind};
+use crate::data::{hub, prepare, prepare_source, DataFormat, PrepareOptions, TokenizerSpec};
 use anyhow::Result;
 use clap::Args;
 use std::path::PathBuf;
@@ -15,9 +16,12 @@ pub struct PrepareArgs {
     /// Where train.bin, val.bin and meta.json go.
     #[arg(long)]
     pub out: PathBuf,
-    /// gpt2 (BPE, 50257 tokens) or char (one token per character).
+    /// gpt2 (BPE, 50257 tokens), char (one token per character), or a model's own:
+    /// a model folder holding tokenizer.json (and tokenizer_config.json, the chat
+    /// template), or the path of a tokenizer.json. Vocabularies beyond 65,536 ids
+    /// are written as uint32.
     #[arg(long, default_value = "gpt2")]
-    pub tokenizer: TokenizerKind,
+    pub tokenizer: TokenizerSpec,
     /// Share of the data for val.bin (default 0.1 for one document, 0.0005 for many).
     #[arg(long)]
     pub val_fraction: Option<f64>,
@@ -33,6 +37,10 @@ pub struct PrepareArgs {
     /// With `hf:`: the split whose parquet files are read.
     #[arg(long, default_value = "train")]
     pub split: String,
+    /// A variable of the model's chat template for chat examples (repeatable), e.g.
+    /// enable_thinking=false; VALUE is read as JSON where it is JSON.
+    #[arg(long = "template-var", value_name = "KEY=VALUE", value_parser = parse_variable)]
+    pub template_vars: Vec<(String, serde_json::Value)>,
 }
 
 pub fn run(args: PrepareArgs) -> Result<()> {
@@ -42,6 +50,7 @@ pub fn run(args: PrepareArgs) -> Result<()> {
         val_fraction: args.val_fraction,
         text_column: args.text_column.clone(),
         format: args.format,
+        template_variables: args.template_vars.iter().cloned().collect(),
         ..PrepareOptions::new(args.source, args.out)
     };
     let summary = match opts.source.starts_with(hub::PREFIX) {

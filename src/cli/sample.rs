@@ -1,8 +1,9 @@
 //! `nanogpt sample`: generate text from a trained model, streamed as it comes.
 
 use crate::console::exit_if_closed;
+use crate::data::chat_template::parse_variable;
 use crate::data::instruct::{alpaca_prompt, instruct_eot, Role};
-use crate::data::{Meta, Tokenizer};
+use crate::data::{RenderOptions, Tokenizer};
 use crate::model::{ModelConfig, ParamLayout};
 use crate::model_source::{load_model_with_adapter, LoadedModel};
 use crate::sample::{generate_until, SampleOptions};
@@ -27,9 +28,15 @@ pub struct SampleArgs {
     #[command(flatten)]
     pub sampling: Sampling,
     /// Wrap --start in an instruction template and stop at end-of-text: alpaca
-    /// (Stanford Alpaca's prompt, no input) or chat (`<|user|>` … `<|assistant|>`).
+    /// (Stanford Alpaca's prompt, no input) or chat (one user message in the model's
+    /// own chat template where its tokenizer has one, else `<|user|>` …
+    /// `<|assistant|>`).
     #[arg(long, default_value = "none")]
     pub template: Template,
+    /// A variable of the model's chat template (repeatable), e.g.
+    /// enable_thinking=false; VALUE is read as JSON where it is JSON.
+    #[arg(long = "template-var", value_name = "KEY=VALUE", value_parser = parse_variable)]
+    pub template_vars: Vec<(String, serde_json::Value)>,
 }
 
 /// The model to generate with: the options `sample` and `chat` share.
@@ -146,7 +153,7 @@ pub enum Template {
 }
 
 impl Template {
-    /// `text` wrapped in the template.
+    /// `text` wrapped in nanogpt's own templates.
     pub fn wrap(self, text: &str) -> String {
         match self {
             Template::None => text.to_string(),
@@ -154,12 +161,41 @@ impl Template {
             Template::Chat => format!("{}{text}\n{}", Role::User.tag(), Role::Assistant.tag()),
         }
     }
+
+    /// The prompt's text and ids: `text` in the template, encoded as a prompt; a chat
+    /// with a model's own chat template is one user message in it with the
+    /// generation prompt, encoded as transformers encodes it (the template writes
+    /// any BOS itself).
+    pub fn prompt(
+        self,
+        text: &str,
+        tokenizer: &Tokenizer,
+        variables: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<(String, Vec<u32>)> {
+        if let (Template::Chat, Some(template)) = (self, tokenizer.chat_template()) {
+            let message = serde_json::json!({"role": "user", "content": text});
+            let opts = RenderOptions {
+                add_generation_prompt: true,
+                tools: None,
+                variables: Some(variables),
+            };
+            let rendered = template.render(&[message], &opts)?;
+            let ids = tokenizer.encode(&rendered)?;
+            return Ok((rendered, ids));
+        }
+        let prompt = self.wrap(text);
+        let ids = tokenizer
+            .encode_prompt(&prompt)
+            .context("cannot encode the prompt")?;
+        Ok((prompt, ids))
+    }
 }
 
-/// Where samples end early: at end-of-text, and at any of the stop strings.
+/// Where samples end early: at an end-of-text id (a model may have several: Llama 3
+/// Instruct ends turns with `<|eot_id|>`), and at any of the stop strings.
 #[derive(Clone, Debug, Default)]
 pub struct Stops {
-    pub eot: Option<u32>,
+    pub eots: Vec<u32>,
     pub strings: Vec<String>,
 }
 
@@ -171,26 +207,46 @@ pub fn run(args: SampleArgs) -> Result<()> {
         bail!("--num-samples must be at least 1");
     }
     let loaded = args.model.load()?;
-    let prompt = args.template.wrap(&read_prompt(&args.start)?);
+    let tokenizer = &loaded.tokenizer;
+    let variables = args.template_vars.iter().cloned().collect();
+    let (prompt, ids) = args
+        .template
+        .prompt(&read_prompt(&args.start)?, tokenizer, &variables)?;
     let opts = sampling.options(args.num_samples, args.max_new_tokens, sampling.seed);
-    let eot = match args.template {
-        Template::None => None,
-        _ => Some(instruct_eot(&Tokenizer::from_meta(&loaded.meta)?)?),
+    let eots = match args.template {
+        Template::None => Vec::new(),
+        _ => instruction_stops(tokenizer)?,
     };
     let stops = Stops {
-        eot,
+        eots,
         strings: sampling.stop.clone(),
     };
     let layout = ParamLayout::new(&loaded.config);
-    stream(
-        &loaded.params,
-        &layout,
-        &loaded.config,
-        &loaded.meta,
-        &prompt,
-        &opts,
-        &stops,
-    )
+    let model = Model {
+        params: &loaded.params,
+        layout: &layout,
+        config: &loaded.config,
+    };
+    stream(model, tokenizer, &prompt, &ids, &opts, &stops)
+}
+
+/// The ids an instruction-tuned model's reply ends at: the end-of-text of nanogpt's
+/// templates, and every end-of-generation id of a model's own tokenizer.
+pub fn instruction_stops(tokenizer: &Tokenizer) -> Result<Vec<u32>> {
+    let mut eots = tokenizer.stops();
+    let eot = instruct_eot(tokenizer)?;
+    if !eots.contains(&eot) {
+        eots.push(eot);
+    }
+    Ok(eots)
+}
+
+/// The weights a sample is drawn from.
+#[derive(Clone, Copy)]
+pub struct Model<'a> {
+    pub params: &'a [f32],
+    pub layout: &'a ParamLayout,
+    pub config: &'a ModelConfig,
 }
 
 /// Prints a short sample from the model being trained (the quick start's finale).
@@ -204,48 +260,43 @@ pub fn print_sample(trainer: &mut Trainer, max_new_tokens: usize) -> Result<()> 
         ..SampleOptions::default()
     };
     let m = &trainer.model;
-    let prompt = closing_prompt(&trainer.meta)?;
+    let tokenizer = trainer.tokenizer();
+    let prompt = closing_prompt(tokenizer);
+    let ids = tokenizer.encode_prompt(&prompt)?;
     // With LoRA, the base with the adapters merged in.
-    stream(
-        &m.merged_params(),
-        m.base_layout(),
-        m.config(),
-        &trainer.meta,
-        &prompt,
-        &opts,
-        &Stops::default(),
-    )
+    let params = m.merged_params();
+    let model = Model {
+        params: &params,
+        layout: m.base_layout(),
+        config: m.config(),
+    };
+    stream(model, tokenizer, &prompt, &ids, &opts, &Stops::default())
 }
 
 /// The closing sample's prompt: a newline, as nanoGPT's sample.py starts, or where
 /// the vocabulary has none (a character set without `\n`), its first character.
-fn closing_prompt(meta: &Meta) -> Result<String> {
-    let tokenizer = Tokenizer::from_meta(meta)?;
+fn closing_prompt(tokenizer: &Tokenizer) -> String {
     if tokenizer
         .encode_prompt("\n")
         .is_ok_and(|ids| !ids.is_empty())
     {
-        return Ok("\n".into());
+        return "\n".into();
     }
-    let first = tokenizer.decode(&[0]);
-    Ok(first)
+    tokenizer.decode(&[0])
 }
 
-/// Generates all samples in one batch; the first is streamed token by token, the
-/// others are printed when done.
+/// Generates all samples in one batch from `ids` (the prompt's, whose text `prompt`
+/// is echoed first); the first is streamed token by token, the others are printed
+/// when done.
 fn stream(
-    params: &[f32],
-    layout: &ParamLayout,
-    config: &ModelConfig,
-    meta: &Meta,
+    model: Model,
+    tokenizer: &Tokenizer,
     prompt: &str,
+    ids: &[u32],
     opts: &SampleOptions,
     stops: &Stops,
 ) -> Result<()> {
-    let tokenizer = Tokenizer::from_meta(meta)?;
-    let ids = tokenizer
-        .encode_prompt(prompt)
-        .context("cannot encode the prompt")?;
+    let (params, layout, config) = (model.params, model.layout, model.config);
     if ids.is_empty() {
         bail!("the prompt is empty after tokenisation; pass some text with --start");
     }
@@ -261,10 +312,10 @@ fn stream(
     let mut print = |text: &str| exit_if_closed(write!(out, "{text}").and_then(|()| out.flush()));
     print(prompt)?;
     let mut texts: Vec<StopText> = (0..opts.num_samples)
-        .map(|_| StopText::new(&tokenizer))
+        .map(|_| StopText::new(tokenizer))
         .collect();
     let mut streamed = Ok(());
-    let samples = generate_until(params, layout, config, &ids, opts, |sample, token| {
+    let samples = generate_until(params, layout, config, ids, opts, |sample, token| {
         let text = &mut texts[sample];
         let stop = text.push(token, stops);
         if sample == 0 && streamed.is_ok() {
@@ -311,7 +362,7 @@ impl<'a> StopText<'a> {
         if self.stopped {
             return true;
         }
-        if stops.eot == Some(token) {
+        if stops.eots.contains(&token) {
             self.stopped = true;
             return true;
         }
@@ -415,7 +466,7 @@ mod tests {
     #[test]
     fn stop_strings_are_cut_and_never_streamed() {
         let stops = Stops {
-            eot: Some(0),
+            eots: vec![0],
             strings: vec!["cde".into(), "hh".into()],
         };
         // "cd" is held back until "e" shows it is the stop.

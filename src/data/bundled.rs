@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 
 use super::meta::{Meta, TokenizerKind};
-use super::prepare::{prepare_source, PrepareOptions};
+use super::prepare::{prepare_source, PrepareOptions, TokenizerSpec};
 #[cfg(test)]
 use super::readers::SHAKESPEARE_TEXT;
 use super::readers::{Source, BUNDLED_SHAKESPEARE};
@@ -36,8 +36,12 @@ fn ensure_bundled_shakespeare(dir: &Path, tokenizer: TokenizerKind) -> Result<()
         if is_prepared(dir, tokenizer)? {
             return Ok(());
         }
+        let spec = match tokenizer {
+            TokenizerKind::Char => TokenizerSpec::Char,
+            _ => TokenizerSpec::Gpt2,
+        };
         let options = PrepareOptions {
-            tokenizer,
+            tokenizer: spec,
             ..PrepareOptions::new(BUNDLED_SHAKESPEARE, dir)
         };
         match prepare_source(&Source::Bundled, &options) {

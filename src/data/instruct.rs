@@ -16,16 +16,26 @@
 //!
 //! Prompt and response parts are tokenized separately and concatenated, so the
 //! boundary of the mask falls exactly between them. End-of-text is GPT-2's
-//! `<|endoftext|>` (id 50256); a char-level vocabulary uses the character U+0003
-//! (END OF TEXT), which `prepare` adds to the vocabulary of instruction data.
-//! The `<|user|>`-style role tags are ordinary text (several tokens each).
+//! `<|endoftext|>` (id 50256), a model's `eos_token` with its own tokenizer; a
+//! char-level vocabulary uses the character U+0003 (END OF TEXT), which `prepare`
+//! adds to the vocabulary of instruction data. The `<|user|>`-style role tags are
+//! ordinary text (several tokens each).
+//!
+//! With a model's own tokenizer that has a chat template, a chat example is instead
+//! the template's text of its `messages` (and `tools`, where the record has them),
+//! as transformers' `apply_chat_template` writes it, tokenized whole; the trained
+//! tokens are each assistant message's after its header, up to and including its
+//! end-of-turn token ([`ChatTemplate::assistant_spans`]). Messages then may have any
+//! role and fields the template reads (`tool_calls`, `reasoning_content`).
 
 use std::fmt;
 use std::str::FromStr;
 
-use anyhow::{bail, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{Map, Value};
 
+use super::chat_template::{ChatTemplate, RenderOptions};
+use super::tokenizer::hf::HfTokenizer;
 use super::tokenizer::Tokenizer;
 
 /// Stanford Alpaca's prompt for an example with a non-empty `input`.
@@ -101,9 +111,25 @@ pub enum Part {
 }
 
 /// An instruction example: its parts in order, ending with a response.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Example {
+    /// The parts in nanogpt's own templates (empty when the record cannot be written
+    /// in them: see `unsupported`).
     pub parts: Vec<Part>,
+    /// A chat record as written, for a model's chat template.
+    pub chat: Option<ChatRecord>,
+    /// Why the record has no parts in nanogpt's chat template (a role other than
+    /// system, user and assistant, content that is not text).
+    pub unsupported: Option<String>,
+    /// Where it comes from (`FILE line N`), for messages; empty when made here.
+    pub origin: String,
+}
+
+/// A chat record's messages and tools, as the file holds them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChatRecord {
+    pub messages: Vec<Value>,
+    pub tools: Option<Value>,
 }
 
 /// The roles of a chat message.
@@ -176,9 +202,45 @@ impl Example {
             .collect()
     }
 
-    /// The example's tokens and mask (1 = trained): each part tokenized on its own,
-    /// each response followed by `eot`.
-    pub fn encode(&self, tokenizer: &Tokenizer, eot: u32) -> Result<(Vec<u32>, Vec<u8>)> {
+    /// An example of nanogpt's own templates.
+    pub fn from_parts(parts: Vec<Part>) -> Example {
+        Example {
+            parts,
+            chat: None,
+            unsupported: None,
+            origin: String::new(),
+        }
+    }
+
+    /// The example's tokens and mask (1 = trained): a chat record in the model's
+    /// chat template where `tokenizer` has one (`variables` are the template's extra
+    /// variables); else each part tokenized on its own, each response followed by
+    /// `eot`.
+    pub fn encode(
+        &self,
+        tokenizer: &Tokenizer,
+        eot: u32,
+        variables: &Map<String, Value>,
+    ) -> Result<(Vec<u32>, Vec<u8>)> {
+        let at = |e: anyhow::Error| match self.origin.is_empty() {
+            true => e,
+            false => e.context(self.origin.clone()),
+        };
+        if let (Some(chat), Some(hf)) = (&self.chat, tokenizer.hf()) {
+            if let Some(template) = hf.template() {
+                return encode_chat(chat, hf, template, variables).map_err(at);
+            }
+        }
+        if let Some(why) = &self.unsupported {
+            return Err(at(anyhow!(
+                "{why}; only a model's own chat template (prepare --tokenizer MODEL_DIR) \
+                 writes such messages"
+            )));
+        }
+        self.encode_parts(tokenizer, eot).map_err(at)
+    }
+
+    fn encode_parts(&self, tokenizer: &Tokenizer, eot: u32) -> Result<(Vec<u32>, Vec<u8>)> {
         let (mut ids, mut mask) = (Vec::new(), Vec::new());
         for part in &self.parts {
             let (text, trained) = match part {
@@ -197,10 +259,50 @@ impl Example {
     }
 }
 
+/// A chat record in `template`: its text tokenized whole, and the mask of the
+/// assistant's spans (a token is trained when its bytes overlap one, as transformers
+/// maps characters to tokens for its assistant masks).
+fn encode_chat(
+    chat: &ChatRecord,
+    hf: &HfTokenizer,
+    template: &ChatTemplate,
+    variables: &Map<String, Value>,
+) -> Result<(Vec<u32>, Vec<u8>)> {
+    let stops: Vec<String> = hf
+        .stops()
+        .iter()
+        .filter_map(|&id| hf.token_text(id))
+        .collect();
+    let opts = RenderOptions {
+        add_generation_prompt: false,
+        tools: chat.tools.as_ref(),
+        variables: Some(variables),
+    };
+    let (text, spans) = template.assistant_spans(&chat.messages, &opts, &stops)?;
+    let (ids, offsets) = hf.encode_with_offsets(&text)?;
+    let mask = offsets
+        .iter()
+        .map(|token| {
+            let trained = spans
+                .iter()
+                .any(|s| token.start < s.end && token.end > s.start);
+            u8::from(trained && !token.is_empty())
+        })
+        .collect();
+    Ok((ids, mask))
+}
+
 /// The end-of-text id of instruction data under `tokenizer`.
 pub fn instruct_eot(tokenizer: &Tokenizer) -> Result<u32> {
     match tokenizer {
         Tokenizer::Gpt2(_) => Ok(super::GPT2_EOT),
+        Tokenizer::Hf(t) => t.eos().ok_or_else(|| {
+            anyhow!(
+                "{} names no eos_token, which instruction data ends each response with; \
+                 add one to tokenizer_config.json",
+                t.files().path_of(super::tokenizer::files::TOKENIZER_CONFIG)
+            )
+        }),
         Tokenizer::Char { chars } => match chars.binary_search(&CHAR_EOT) {
             Ok(id) => Ok(id as u32),
             Err(_) => bail!(
@@ -231,12 +333,10 @@ fn alpaca(object: &Map<String, Value>) -> Result<Example> {
     let instruction = need("instruction")?;
     let output = need("output")?;
     let input = string_field(object, "input")?.unwrap_or("");
-    Ok(Example {
-        parts: vec![
-            Part::Prompt(alpaca_prompt(instruction, input)),
-            Part::Response(output.to_string()),
-        ],
-    })
+    Ok(Example::from_parts(vec![
+        Part::Prompt(alpaca_prompt(instruction, input)),
+        Part::Response(output.to_string()),
+    ]))
 }
 
 fn chat(object: &Map<String, Value>) -> Result<Example> {
@@ -246,23 +346,57 @@ fn chat(object: &Map<String, Value>) -> Result<Example> {
     let Value::Array(messages) = messages else {
         bail!("field `messages` holds {}, not a list", kind(messages));
     };
-    let mut parts = Vec::new();
-    let mut prompt = String::new();
+    let mut roles = Vec::with_capacity(messages.len());
     for (i, message) in messages.iter().enumerate() {
         let Value::Object(message) = message else {
             bail!("messages[{i}] holds {}, not an object", kind(message));
         };
-        let role_name = string_field(message, "role")
-            .map_err(|e| anyhow::anyhow!("messages[{i}]: {e}"))?
-            .ok_or_else(|| anyhow::anyhow!("messages[{i}]: field `role` is missing"))?;
+        let role = string_field(message, "role")
+            .map_err(|e| anyhow!("messages[{i}]: {e}"))?
+            .ok_or_else(|| anyhow!("messages[{i}]: field `role` is missing"))?;
+        let has_content = message.get("content").is_some_and(|c| !c.is_null());
+        if !has_content && !message.contains_key("tool_calls") {
+            bail!("messages[{i}]: field `content` is missing");
+        }
+        roles.push(role);
+    }
+    if !roles.contains(&"assistant") {
+        bail!("`messages` has no assistant message, so nothing to train on");
+    }
+    let tools = match object.get("tools") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(tools)) => Some(Value::Array(tools.clone())),
+        Some(other) => bail!("field `tools` holds {}, not a list", kind(other)),
+    };
+    let (parts, unsupported) = match chat_parts(messages) {
+        Ok(parts) => (parts, None),
+        Err(why) => (Vec::new(), Some(why.to_string())),
+    };
+    Ok(Example {
+        parts,
+        chat: Some(ChatRecord {
+            messages: messages.clone(),
+            tools,
+        }),
+        unsupported,
+        origin: String::new(),
+    })
+}
+
+/// A chat record's parts in nanogpt's chat template: roles system, user and
+/// assistant, text content.
+fn chat_parts(messages: &[Value]) -> Result<Vec<Part>> {
+    let mut parts = Vec::new();
+    let mut prompt = String::new();
+    for (i, message) in messages.iter().enumerate() {
+        let message = message.as_object().context("checked by chat")?;
+        let role_name = string_field(message, "role")?.unwrap_or_default();
         let role = Role::parse(role_name).ok_or_else(|| {
-            anyhow::anyhow!(
-                "messages[{i}]: role `{role_name}` is not one of system, user, assistant"
-            )
+            anyhow!("messages[{i}]: role `{role_name}` is not one of system, user, assistant")
         })?;
         let content = string_field(message, "content")
-            .map_err(|e| anyhow::anyhow!("messages[{i}]: {e}"))?
-            .ok_or_else(|| anyhow::anyhow!("messages[{i}]: field `content` is missing"))?;
+            .map_err(|e| anyhow!("messages[{i}]: {e}"))?
+            .ok_or_else(|| anyhow!("messages[{i}]: field `content` is missing"))?;
         match role {
             Role::Assistant => {
                 prompt.push_str(role.tag());
@@ -272,11 +406,8 @@ fn chat(object: &Map<String, Value>) -> Result<Example> {
             _ => prompt.push_str(&chat_prompt_message(role, content)),
         }
     }
-    if parts.is_empty() {
-        bail!("`messages` has no assistant message, so nothing to train on");
-    }
     // Messages after the last assistant answer are context for nothing: dropped.
-    Ok(Example { parts })
+    Ok(parts)
 }
 
 fn kind(value: &Value) -> &'static str {
@@ -354,19 +485,17 @@ mod tests {
         let t = Tokenizer::char_level("abc:\u{3}".chars()).unwrap();
         let eot = instruct_eot(&t).unwrap();
         assert_eq!(eot, 0, "U+0003 sorts first");
-        let e = Example {
-            parts: vec![
-                Part::Prompt("a:".into()),
-                Part::Response("bc".into()),
-                Part::Prompt("c:".into()),
-                Part::Response("a".into()),
-            ],
-        };
-        let (ids, mask) = e.encode(&t, eot).unwrap();
+        let e = Example::from_parts(vec![
+            Part::Prompt("a:".into()),
+            Part::Response("bc".into()),
+            Part::Prompt("c:".into()),
+            Part::Response("a".into()),
+        ]);
+        let (ids, mask) = e.encode(&t, eot, &Map::new()).unwrap();
         // Ids in code-point order: U+0003, `:`, a, b, c.
         assert_eq!(ids, [2, 1, 3, 4, 0, 4, 1, 2, 0]);
         assert_eq!(mask, [0, 0, 1, 1, 1, 0, 0, 1, 1]);
-        let (ids, mask) = e.encode(&Tokenizer::gpt2(), 50256).unwrap();
+        let (ids, mask) = e.encode(&Tokenizer::gpt2(), 50256, &Map::new()).unwrap();
         let eots: Vec<usize> = (0..ids.len()).filter(|&i| ids[i] == 50256).collect();
         assert_eq!(eots.len(), 2);
         assert_eq!(*eots.last().unwrap(), ids.len() - 1);
@@ -388,11 +517,23 @@ mod tests {
         assert!(e.contains("`instruction` holds a number"), "{e}");
         let e = err(DataFormat::Chat, r#"{"messages": "hi"}"#);
         assert!(e.contains("not a list"), "{e}");
-        let e = err(
+        // Any role reads (a model's template may know it); nanogpt's own template
+        // refuses it when encoding, naming where it is.
+        let mut bot = Example::from_json(
             DataFormat::Chat,
-            r#"{"messages": [{"role": "bot", "content": "x"}]}"#,
+            &object(r#"{"messages": [{"role": "bot", "content": "x"}, {"role": "assistant", "content": "y"}]}"#),
+        )
+        .unwrap();
+        bot.origin = "f.jsonl line 4".into();
+        let e = format!(
+            "{:#}",
+            bot.encode(&Tokenizer::gpt2(), 50256, &Map::new())
+                .unwrap_err()
         );
-        assert!(e.contains("messages[0]") && e.contains("`bot`"), "{e}");
+        assert!(
+            e.contains("f.jsonl line 4") && e.contains("messages[0]") && e.contains("`bot`"),
+            "{e}"
+        );
         let e = err(DataFormat::Chat, r#"{"messages": [{"role": "user"}]}"#);
         assert!(e.contains("`content` is missing"), "{e}");
         let e = err(

@@ -21,13 +21,15 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
-use super::meta::Meta;
+use super::meta::{Meta, TokenDtype};
 use super::Split;
 
-/// An open `.bin` file of uint16 little-endian token ids, read window by window.
+/// An open `.bin` file of little-endian token ids (uint16 or uint32, as its
+/// `meta.json` says), read window by window into `u32`s.
 pub struct TokenFile {
     path: PathBuf,
     file: File,
+    dtype: TokenDtype,
     /// Its size when opened; a read finding another size is an error.
     bytes: u64,
     /// The vocabulary [`TokenFile::check_vocab`] checked the whole file against (0:
@@ -39,9 +41,10 @@ impl std::fmt::Debug for TokenFile {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "TokenFile({}, {} tokens)",
+            "TokenFile({}, {} {} tokens)",
             self.path.display(),
-            self.len()
+            self.len(),
+            self.dtype
         )
     }
 }
@@ -50,8 +53,9 @@ impl std::fmt::Debug for TokenFile {
 const READ_CHUNK: usize = 1 << 22;
 
 impl TokenFile {
-    /// Opens `path`, refusing a missing, empty or odd-length file.
-    pub fn open(path: &Path) -> Result<TokenFile> {
+    /// Opens `path`, a file of `dtype` ids, refusing a missing or empty file and one
+    /// whose length is not a whole number of ids.
+    pub fn open(path: &Path, dtype: TokenDtype) -> Result<TokenFile> {
         if cfg!(target_endian = "big") {
             bail!("token files are little-endian and this machine is big-endian: unsupported");
         }
@@ -72,10 +76,11 @@ impl TokenFile {
             path.display()
         );
         ensure!(
-            bytes.is_multiple_of(2),
-            "token file {} has an odd length ({bytes} bytes), so it is not uint16 tokens \
-             (truncated copy?); prepare the dataset again",
-            path.display()
+            bytes.is_multiple_of(dtype.width() as u64),
+            "token file {} has a length of {bytes} bytes, not a whole number of {dtype} \
+             tokens ({} bytes each; truncated copy?); prepare the dataset again",
+            path.display(),
+            dtype.width()
         );
         ensure!(
             usize::try_from(bytes).is_ok(),
@@ -85,14 +90,16 @@ impl TokenFile {
         Ok(TokenFile {
             path: path.to_path_buf(),
             file,
+            dtype,
             bytes,
             vocab: AtomicUsize::new(0),
         })
     }
 
-    /// Opens `dir/train.bin` or `dir/val.bin`, checking its length against `meta`.
+    /// Opens `dir/train.bin` or `dir/val.bin`, of `meta`'s dtype, checking its length
+    /// against `meta`.
     pub fn open_split(dir: &Path, split: Split, meta: &Meta) -> Result<TokenFile> {
-        let file = TokenFile::open(&dir.join(split.file_name()))?;
+        let file = TokenFile::open(&dir.join(split.file_name()), meta.dtype)?;
         let expected = meta.tokens(split);
         ensure!(
             file.len() as u64 == expected,
@@ -107,7 +114,12 @@ impl TokenFile {
 
     /// Number of tokens (when opened).
     pub fn len(&self) -> usize {
-        (self.bytes / 2) as usize
+        (self.bytes / self.dtype.width() as u64) as usize
+    }
+
+    /// The width of its ids.
+    pub fn dtype(&self) -> TokenDtype {
+        self.dtype
     }
 
     /// Always false: empty files are refused on open.
@@ -122,7 +134,7 @@ impl TokenFile {
 
     /// Reads tokens `start .. start + out.len()` into `out`. A file that is now
     /// shorter, or of another size than when opened, is an error naming it.
-    pub fn read_at(&self, start: usize, out: &mut [u16]) -> Result<()> {
+    pub fn read_at(&self, start: usize, out: &mut [u32]) -> Result<()> {
         let end = start.saturating_add(out.len());
         ensure!(
             end <= self.len(),
@@ -130,8 +142,11 @@ impl TokenFile {
             self.len(),
             self.path.display()
         );
+        let width = self.dtype.width();
+        let n = out.len();
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(out);
-        let read = self.file.read_exact_at(bytes, start as u64 * 2);
+        let bytes = &mut bytes[..n * width];
+        let read = self.file.read_exact_at(bytes, (start * width) as u64);
         let now = self.file.metadata().map(|m| m.len()).ok();
         if read.is_err() || now != Some(self.bytes) {
             let size = match now {
@@ -148,11 +163,14 @@ impl TokenFile {
                 self.path.display()
             );
         }
+        if self.dtype == TokenDtype::Uint16 {
+            widen_u16_in_place(out);
+        }
         Ok(())
     }
 
     /// The whole file.
-    pub fn read_all(&self) -> Result<Vec<u16>> {
+    pub fn read_all(&self) -> Result<Vec<u32>> {
         let mut tokens = vec![0; self.len()];
         for (k, chunk) in tokens.chunks_mut(READ_CHUNK).enumerate() {
             self.read_at(k * READ_CHUNK, chunk)?;
@@ -164,7 +182,7 @@ impl TokenFile {
     /// `vocab_size`; windows read later are checked against it too.
     pub fn check_vocab(&self, vocab_size: usize) -> Result<()> {
         const PIECE: usize = 1 << 16;
-        let mut chunk = vec![0u16; READ_CHUNK.min(self.len())];
+        let mut chunk = vec![0u32; READ_CHUNK.min(self.len())];
         for start in (0..self.len()).step_by(READ_CHUNK) {
             let n = READ_CHUNK.min(self.len() - start);
             self.read_at(start, &mut chunk[..n])?;
@@ -172,7 +190,7 @@ impl TokenFile {
                 .par_chunks(PIECE)
                 .enumerate()
                 .find_map_first(|(c, piece)| {
-                    let i = piece.iter().position(|&t| usize::from(t) >= vocab_size)?;
+                    let i = piece.iter().position(|&t| t as usize >= vocab_size)?;
                     Some((start + c * PIECE + i, piece[i]))
                 });
             if let Some((position, id)) = bad {
@@ -196,7 +214,7 @@ impl TokenFile {
         &self,
         offsets: &[usize],
         block_size: usize,
-        window: &mut Vec<u16>,
+        window: &mut Vec<u32>,
         inputs: &mut [u32],
         targets: &mut [i32],
     ) -> Result<()> {
@@ -207,7 +225,7 @@ impl TokenFile {
         }
         let vocab = self.vocab.load(Ordering::Relaxed);
         if vocab > 0 {
-            if let Some(t) = window.iter().find(|&&t| usize::from(t) >= vocab) {
+            if let Some(t) = window.iter().find(|&&t| t as usize >= vocab) {
                 bail!(
                     "token file {} changed while in use (token id {t} is outside the \
                      vocabulary of {vocab} it was checked against); re-run prepare into a new \
@@ -224,19 +242,21 @@ impl TokenFile {
     }
 
     /// A 64-bit fingerprint of the file: its length and 64 evenly spaced runs of up
-    /// to 256 tokens, hashed (an identity check, not a defence against forgery).
+    /// to 256 tokens, hashed (an identity check, not a defence against forgery). A
+    /// token enters as its id rotated left by 48 bits: for uint16 ids that is the
+    /// shift earlier versions used, so their fingerprints are unchanged.
     pub fn fingerprint(&self) -> Result<u64> {
         const RUNS: usize = 64;
         const RUN: usize = 256;
         let n = self.len();
         let mut hash = crate::kernels::dropout::mix64(n as u64 ^ 0x6461_7461);
-        let mut run = [0u16; RUN];
+        let mut run = [0u32; RUN];
         for k in 0..RUNS {
             let start = (n as u128 * k as u128 / RUNS as u128) as usize;
             let take = RUN.min(n - start);
             self.read_at(start, &mut run[..take])?;
             for (i, &t) in run[..take].iter().enumerate() {
-                let word = (start + i) as u64 ^ (u64::from(t) << 48);
+                let word = (start + i) as u64 ^ u64::from(t).rotate_left(48);
                 hash = crate::kernels::dropout::mix64(hash ^ word);
             }
         }
@@ -253,6 +273,17 @@ impl TokenFile {
             self.len()
         );
         Ok(())
+    }
+}
+
+/// Widens the uint16 ids packed into the first half of `out`'s bytes into `out`,
+/// from the last id to the first: id `i` moves to bytes `4i..4i+4`, which hold packed
+/// ids `2i` and `2i+1`, both already moved (or id `i` itself, read first, for 0).
+fn widen_u16_in_place(out: &mut [u32]) {
+    let bytes: &mut [u8] = bytemuck::cast_slice_mut(out);
+    for i in (0..bytes.len() / 4).rev() {
+        let id = u16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]);
+        bytes[4 * i..4 * i + 4].copy_from_slice(&u32::from(id).to_ne_bytes());
     }
 }
 
@@ -335,7 +366,7 @@ fn batch_rng(seed: u64, draw: Draw, iter: u64) -> ChaCha8Rng {
 /// `targets` (tokens `o+1 .. o+T+1`), row after row; both hold
 /// `offsets.len() × block_size` elements. Allocates nothing.
 pub fn fill_batch(
-    tokens: &[u16],
+    tokens: &[u32],
     offsets: &[usize],
     block_size: usize,
     inputs: &mut [u32],
@@ -377,13 +408,12 @@ fn batch_rows<'a>(
         .zip(targets.chunks_exact_mut(block_size)))
 }
 
-/// One window of `T + 1` tokens into a row: inputs its first `T`, targets its last `T`.
-fn copy_window(window: &[u16], input: &mut [u32], target: &mut [i32]) {
-    for (slot, &t) in input.iter_mut().zip(window) {
-        *slot = u32::from(t);
-    }
+/// One window of `T + 1` tokens into a row: inputs its first `T`, targets its last `T`
+/// (ids are below [`TokenDtype::max_vocab`], so they fit an `i32`).
+fn copy_window(window: &[u32], input: &mut [u32], target: &mut [i32]) {
+    input.copy_from_slice(&window[..input.len()]);
     for (slot, &t) in target.iter_mut().zip(&window[1..]) {
-        *slot = i32::from(t);
+        *slot = t as i32;
     }
 }
 
@@ -408,6 +438,8 @@ mod tests {
     use crate::data::meta::TokenizerKind;
     use crate::data::testutil::TempDir;
 
+    const U16: TokenDtype = TokenDtype::Uint16;
+
     fn write_tokens(dir: &TempDir, name: &str, tokens: &[u16]) -> PathBuf {
         let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
         dir.write(name, bytes)
@@ -417,30 +449,74 @@ mod tests {
     fn token_file_reads_little_endian_u16() {
         let dir = TempDir::new("loader-read");
         let path = dir.write("t.bin", [1u8, 0, 0, 1, 255, 255]);
-        let file = TokenFile::open(&path).unwrap();
+        let file = TokenFile::open(&path, U16).unwrap();
         assert_eq!(file.len(), 3);
         assert_eq!(file.read_all().unwrap(), [1, 256, 65535]);
+        // Reads at any offset and length widen the right ids.
+        let ids: Vec<u16> = (0..1000u16).map(|i| i.wrapping_mul(40503)).collect();
+        let file = TokenFile::open(&write_tokens(&dir, "w.bin", &ids), U16).unwrap();
+        for (start, len) in [(0, 1), (1, 2), (3, 997), (500, 333), (999, 1)] {
+            let mut out = vec![7u32; len];
+            file.read_at(start, &mut out).unwrap();
+            let want: Vec<u32> = ids[start..start + len].iter().map(|&t| t.into()).collect();
+            assert_eq!(out, want, "{start}+{len}");
+        }
+    }
+
+    #[test]
+    fn token_file_reads_little_endian_u32() {
+        let dir = TempDir::new("loader-read32");
+        let ids = [0u32, 65_535, 65_536, 128_255, 151_668];
+        let bytes: Vec<u8> = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let path = dir.write("t.bin", &bytes);
+        let file = TokenFile::open(&path, TokenDtype::Uint32).unwrap();
+        assert_eq!((file.len(), file.dtype()), (5, TokenDtype::Uint32));
+        assert_eq!(file.read_all().unwrap(), ids);
+        file.check_vocab(151_669).unwrap();
+        let err = file.check_vocab(128_256).unwrap_err().to_string();
+        assert!(err.contains("id 151668 at position 4"), "{err}");
+        // The same bytes read as uint16 are ten other ids.
+        assert_eq!(TokenFile::open(&path, U16).unwrap().len(), 10);
+        let odd = dir.write("odd.bin", [0u8; 6]);
+        let err = TokenFile::open(&odd, TokenDtype::Uint32)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not a whole number of uint32"), "{err}");
+        // A window of ids beyond uint16 reaches inputs and targets whole.
+        let (mut window, mut x, mut y) = (Vec::new(), [0u32; 2], [0i32; 2]);
+        file.read_batch(&[2], 2, &mut window, &mut x, &mut y)
+            .unwrap();
+        assert_eq!((x, y), ([65_536, 128_255], [128_255, 151_668]));
+    }
+
+    #[test]
+    fn fingerprint_of_uint16_files_is_unchanged() {
+        // Pinned: checkpoints record these fingerprints and resume compares them.
+        let dir = TempDir::new("loader-fp");
+        let ids: Vec<u16> = (0..5000u32).map(|i| (i * 7919 % 65536) as u16).collect();
+        let file = TokenFile::open(&write_tokens(&dir, "t.bin", &ids), U16).unwrap();
+        assert_eq!(file.fingerprint().unwrap(), FINGERPRINT);
     }
 
     #[test]
     fn token_file_refuses_missing_empty_and_odd_files() {
         let dir = TempDir::new("loader-bad");
         let missing = dir.path().join("none.bin");
-        let err = format!("{:#}", TokenFile::open(&missing).unwrap_err());
+        let err = format!("{:#}", TokenFile::open(&missing, U16).unwrap_err());
         assert!(
             err.contains("none.bin") && err.contains("nanogpt prepare"),
             "{err}"
         );
         let empty = dir.write("empty.bin", []);
-        let err = TokenFile::open(&empty).unwrap_err().to_string();
+        let err = TokenFile::open(&empty, U16).unwrap_err().to_string();
         assert!(
             err.contains("empty.bin") && err.contains("is empty"),
             "{err}"
         );
         let odd = dir.write("odd.bin", [1, 2, 3]);
-        let err = TokenFile::open(&odd).unwrap_err().to_string();
+        let err = TokenFile::open(&odd, U16).unwrap_err().to_string();
         assert!(
-            err.contains("odd.bin") && err.contains("odd length (3 bytes)"),
+            err.contains("odd.bin") && err.contains("length of 3 bytes"),
             "{err}"
         );
     }
@@ -452,9 +528,11 @@ mod tests {
         let mut meta = Meta {
             tokenizer: TokenizerKind::Gpt2,
             vocab_size: 50257,
+            dtype: U16,
             train_tokens: 3,
             val_tokens: 1,
             chars: None,
+            tokenizer_sha256: None,
             source: String::new(),
         };
         assert_eq!(
@@ -472,7 +550,7 @@ mod tests {
     fn check_vocab_finds_first_bad_token() {
         let dir = TempDir::new("loader-vocab");
         let path = write_tokens(&dir, "t.bin", &[0, 5, 64, 70, 2]);
-        let file = TokenFile::open(&path).unwrap();
+        let file = TokenFile::open(&path, U16).unwrap();
         file.check_vocab(71).unwrap();
         let err = file.check_vocab(65).unwrap_err().to_string();
         assert!(err.contains("id 70 at position 3"), "{err}");
@@ -482,7 +560,7 @@ mod tests {
     fn short_data_is_refused_with_block_size() {
         let dir = TempDir::new("loader-short");
         let path = write_tokens(&dir, "t.bin", &[1; 64]);
-        let file = TokenFile::open(&path).unwrap();
+        let file = TokenFile::open(&path, U16).unwrap();
         file.check_block_size(63).unwrap();
         let err = file.check_block_size(64).unwrap_err().to_string();
         assert!(
@@ -532,6 +610,10 @@ mod tests {
 
     const GOLDEN: [usize; 4] = [745_014, 4_574, 128_343, 154_125];
 
+    /// The fingerprint of `fingerprint_of_uint16_files_is_unchanged`'s file under the
+    /// earlier formula (`id << 48`), computed independently.
+    const FINGERPRINT: u64 = 0xf864_de8c_1879_c7a0;
+
     #[test]
     fn batch_offsets_cover_the_whole_inclusive_range() {
         let (len, block) = (20, 16); // offsets 0..=3
@@ -548,7 +630,7 @@ mod tests {
 
     #[test]
     fn fill_batch_copies_shifted_windows() {
-        let tokens: Vec<u16> = (0..100).collect();
+        let tokens: Vec<u32> = (0..100).collect();
         let mut inputs = [0u32; 8];
         let mut targets = [0i32; 8];
         fill_batch(&tokens, &[0, 95], 4, &mut inputs, &mut targets).unwrap();
@@ -566,7 +648,7 @@ mod tests {
         assert_eq!(eval_window_count(9, 3), 2);
         assert_eq!(eval_window_count(3, 3), 0);
         assert_eq!(eval_window_count(0, 3), 0);
-        let tokens: Vec<u16> = (0..10).collect();
+        let tokens: Vec<u32> = (0..10).collect();
         let offsets = eval_window_offsets(1..3, 3);
         assert_eq!(offsets, [3, 6]);
         let (mut inputs, mut targets) = ([0u32; 6], [0i32; 6]);

@@ -7,9 +7,13 @@ use std::str::FromStr;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
-use super::tokenizer::GPT2_VOCAB_SIZE;
-use super::{Split, MAX_VOCAB_SIZE};
+use super::Split;
 use crate::fsutil::AtomicFile;
+
+/// GPT-2's vocabulary size (ids 0..=50256).
+pub const GPT2_VOCAB_SIZE: usize = 50257;
+/// GPT-2's `<|endoftext|>` token, appended after every document.
+pub const GPT2_EOT: u32 = 50256;
 
 /// How text was turned into token ids.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -19,6 +23,11 @@ pub enum TokenizerKind {
     Gpt2,
     /// One token per character; the vocabulary is the corpus's sorted character set.
     Char,
+    /// A model's own `tokenizer.json`, through Hugging Face's `tokenizers`; the
+    /// dataset folder holds a copy of the model's tokenizer files, and `meta.json`
+    /// the SHA-256 of its tokenizer.json (`tokenizer_sha256`).
+    #[serde(rename = "huggingface")]
+    HuggingFace,
 }
 
 impl TokenizerKind {
@@ -26,6 +35,7 @@ impl TokenizerKind {
         match self {
             TokenizerKind::Gpt2 => "gpt2",
             TokenizerKind::Char => "char",
+            TokenizerKind::HuggingFace => "huggingface",
         }
     }
 }
@@ -43,25 +53,89 @@ impl FromStr for TokenizerKind {
         match s {
             "gpt2" => Ok(TokenizerKind::Gpt2),
             "char" => Ok(TokenizerKind::Char),
-            other => bail!("unknown tokenizer `{other}`: use `gpt2` (BPE) or `char`"),
+            other => bail!(
+                "unknown tokenizer `{other}`: use `gpt2` (BPE), `char`, or a model folder \
+                 holding tokenizer.json (or the path of a tokenizer.json)"
+            ),
         }
+    }
+}
+
+/// The width of the token ids in `train.bin` / `val.bin` (little-endian).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenDtype {
+    /// nanoGPT's format: vocabularies of up to 65,536 ids.
+    #[default]
+    Uint16,
+    /// Larger vocabularies (Llama 3's 128,256, Qwen's 151,669).
+    Uint32,
+}
+
+impl TokenDtype {
+    /// The largest vocabulary whose ids fit uint16 (ids 0..=65535).
+    pub const UINT16_VOCAB: usize = u16::MAX as usize + 1;
+
+    /// uint16 where the vocabulary fits it (so nanoGPT reads the files), else uint32.
+    pub fn for_vocab(vocab_size: usize) -> TokenDtype {
+        match vocab_size <= Self::UINT16_VOCAB {
+            true => TokenDtype::Uint16,
+            false => TokenDtype::Uint32,
+        }
+    }
+
+    /// Bytes per token id.
+    pub fn width(self) -> usize {
+        match self {
+            TokenDtype::Uint16 => 2,
+            TokenDtype::Uint32 => 4,
+        }
+    }
+
+    /// The largest vocabulary this width holds (uint32: ids below 2^31, since training
+    /// targets are `i32`s with -1 for "not trained").
+    pub fn max_vocab(self) -> usize {
+        match self {
+            TokenDtype::Uint16 => Self::UINT16_VOCAB,
+            TokenDtype::Uint32 => i32::MAX as usize,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TokenDtype::Uint16 => "uint16",
+            TokenDtype::Uint32 => "uint32",
+        }
+    }
+}
+
+impl fmt::Display for TokenDtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
 /// The contents of `meta.json` next to `train.bin` and `val.bin`. Unknown fields
 /// are refused: a file from another tool that means something else by its data
-/// (`"dtype": "uint32"`, say) must not be read as if it were ours.
+/// must not be read as if it were ours.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Meta {
     pub tokenizer: TokenizerKind,
     /// Number of distinct token ids; every id in the `.bin` files is below it.
     pub vocab_size: usize,
+    /// The width of the ids in the `.bin` files (absent in older files: uint16).
+    #[serde(default)]
+    pub dtype: TokenDtype,
     pub train_tokens: u64,
     pub val_tokens: u64,
     /// The vocabulary of a char-level dataset, in id order.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chars: Option<String>,
+    /// The SHA-256 (hex) of the `tokenizer.json` a [`TokenizerKind::HuggingFace`]
+    /// dataset was tokenized with: the identity of its ids.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer_sha256: Option<String>,
     /// Where the text came from (informational).
     #[serde(default)]
     pub source: String,
@@ -93,14 +167,7 @@ impl Meta {
     /// Reads and checks the bytes of a `meta.json` (the error says what is wrong,
     /// the caller adds which file).
     pub fn parse(bytes: &[u8]) -> Result<Meta> {
-        let mut value: serde_json::Value = serde_json::from_slice(bytes)?;
-        // nanoGPT-style tools sometimes record the token type; ours is always uint16.
-        if let Some(dtype) = value.as_object_mut().and_then(|o| o.remove("dtype")) {
-            if dtype != "uint16" {
-                bail!("it says dtype {dtype}, but nanogpt token files are uint16");
-            }
-        }
-        let meta: Meta = serde_json::from_value(value)?;
+        let meta: Meta = serde_json::from_slice(bytes)?;
         meta.check()?;
         Ok(meta)
     }
@@ -121,13 +188,63 @@ impl Meta {
         }
     }
 
+    /// How the tokenizer of `other` differs from this one's, so that the same ids
+    /// would mean other text (`None`: the same tokenizer). `this` and `that` name the
+    /// two sides in the message ("the checkpoint", "dataset ds").
+    pub fn tokenizer_difference(&self, other: &Meta, this: &str, that: &str) -> Option<String> {
+        if self.tokenizer != other.tokenizer {
+            return Some(format!(
+                "{this} has {} tokens, {that} {} tokens",
+                self.tokenizer, other.tokenizer
+            ));
+        }
+        if let (Some(a), Some(b)) = (&self.chars, &other.chars) {
+            if a != b {
+                let first = a
+                    .chars()
+                    .zip(b.chars())
+                    .enumerate()
+                    .find(|(_, (x, y))| x != y);
+                let at = match first {
+                    Some((i, (x, y))) => format!("id {i} is {x:?} in {this}, {y:?} in {that}"),
+                    None => format!("{} characters in {this}, {} in {that}", a.len(), b.len()),
+                };
+                return Some(format!("the character vocabularies differ ({at})"));
+            }
+        }
+        if let (Some(a), Some(b)) = (&self.tokenizer_sha256, &other.tokenizer_sha256) {
+            if a != b {
+                return Some(format!(
+                    "{this} was tokenized with another tokenizer.json than {that} (SHA-256 \
+                     {a} and {b})"
+                ));
+            }
+        }
+        None
+    }
+
     /// Checks that the fields agree with each other; the message says which one is off.
     pub fn check(&self) -> Result<()> {
-        if self.vocab_size == 0 || self.vocab_size > MAX_VOCAB_SIZE {
+        let max = self.dtype.max_vocab();
+        if self.vocab_size == 0 || self.vocab_size > max {
             bail!(
-                "vocab_size {} must be between 1 and {MAX_VOCAB_SIZE} (uint16 token ids)",
-                self.vocab_size
+                "vocab_size {} must be between 1 and {max} ({} token ids)",
+                self.vocab_size,
+                self.dtype
             );
+        }
+        match (self.tokenizer, &self.tokenizer_sha256) {
+            (TokenizerKind::HuggingFace, None) => {
+                bail!("tokenizer huggingface needs a `tokenizer_sha256` field")
+            }
+            (TokenizerKind::HuggingFace, Some(hash)) if !is_sha256_hex(hash) => {
+                bail!("tokenizer_sha256 `{hash}` is not a SHA-256 (64 lowercase hex digits)")
+            }
+            (TokenizerKind::Gpt2 | TokenizerKind::Char, Some(_)) => bail!(
+                "tokenizer_sha256 belongs to huggingface datasets, not {}",
+                self.tokenizer
+            ),
+            _ => {}
         }
         match (self.tokenizer, &self.chars) {
             (TokenizerKind::Gpt2, _) if self.vocab_size != GPT2_VOCAB_SIZE => bail!(
@@ -137,6 +254,10 @@ impl Meta {
             (TokenizerKind::Gpt2, _) => Ok(()),
             (TokenizerKind::Char, None) => bail!("tokenizer char needs a `chars` field"),
             (TokenizerKind::Char, Some(chars)) => check_chars(chars, self.vocab_size),
+            (TokenizerKind::HuggingFace, None) => Ok(()),
+            (TokenizerKind::HuggingFace, Some(_)) => {
+                bail!("`chars` belongs to char datasets, not huggingface")
+            }
         }
     }
 
@@ -172,9 +293,11 @@ impl Meta {
         Ok(Meta {
             tokenizer: TokenizerKind::Gpt2,
             vocab_size: GPT2_VOCAB_SIZE,
+            dtype: TokenDtype::Uint16,
             train_tokens: token_count(&train)?,
             val_tokens: token_count(&val)?,
             chars: None,
+            tokenizer_sha256: None,
             source: format!("{} (nanoGPT layout, no meta.json)", dir.display()),
         })
     }
@@ -194,6 +317,10 @@ fn check_chars(chars: &str, vocab_size: usize) -> Result<()> {
     Ok(())
 }
 
+fn is_sha256_hex(s: &str) -> bool {
+    s.len() == 64 && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
 fn token_count(path: &Path) -> Result<u64> {
     let bytes = std::fs::metadata(path)
         .with_context(|| format!("cannot read {}", path.display()))?
@@ -210,9 +337,11 @@ mod tests {
         Meta {
             tokenizer: TokenizerKind::Char,
             vocab_size: 3,
+            dtype: TokenDtype::Uint16,
             train_tokens: 10,
             val_tokens: 2,
             chars: Some("\nab".into()),
+            tokenizer_sha256: None,
             source: "test".into(),
         }
     }

@@ -1,8 +1,9 @@
 //! Text data: preparing token files from text and feeding them to training.
 //!
 //! - [`prepare()`] turns a text source (the bundled Shakespeare, `.txt`, `.jsonl` or
-//!   `.parquet` files) into nanoGPT's format: `train.bin` / `val.bin` (uint16
-//!   little-endian token ids) plus a [`Meta`] file, `meta.json`. Instruction
+//!   `.parquet` files) into nanoGPT's format: `train.bin` / `val.bin` (little-endian
+//!   token ids, uint16 where the vocabulary fits, else uint32: [`TokenDtype`]) plus a
+//!   [`Meta`] file, `meta.json`. Instruction
 //!   examples ([`instruct`]: Alpaca or chat `.jsonl`) also get `train.mask` /
 //!   `val.mask` ([`mask`]: one byte per token, 1 = trained).
 //! - [`Tokenizer`] encodes prompts and decodes samples for a prepared dataset.
@@ -12,6 +13,8 @@
 //!   directory, preparing the bundled Shakespeare on first use.
 
 mod bundled;
+pub mod chat_template;
+mod cuts;
 pub mod hub;
 pub mod instruct;
 pub mod loader;
@@ -22,18 +25,23 @@ pub mod readers;
 #[cfg(test)]
 mod testutil;
 mod token_writer;
-mod tokenizer;
+pub mod tokenizer;
 
 pub use bundled::find_or_prepare_dataset;
+pub use chat_template::{ChatTemplate, RenderOptions};
 pub use instruct::DataFormat;
 pub use loader::{
     batch_offsets, eval_window_count, eval_window_offsets, fill_batch, Draw, TokenFile,
 };
 pub use mask::TokenMask;
-pub use meta::{Meta, TokenizerKind};
-pub use prepare::{prepare, prepare_source, PrepareOptions, PrepareSummary, DATASET};
+pub use meta::{Meta, TokenDtype, TokenizerKind, GPT2_EOT, GPT2_VOCAB_SIZE};
+pub use prepare::{
+    prepare, prepare_source, PrepareOptions, PrepareSummary, TokenizerSpec, DATASET,
+};
 pub use readers::SHAKESPEARE_TEXT;
-pub use tokenizer::{StreamDecoder, Tokenizer, GPT2_EOT, GPT2_VOCAB_SIZE};
+pub use tokenizer::files::TokenizerFiles;
+pub use tokenizer::hf::HfTokenizer;
+pub use tokenizer::{StreamDecoder, Tokenizer};
 
 /// The two token files of a prepared dataset.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -51,6 +59,3 @@ impl Split {
         }
     }
 }
-
-/// The largest vocabulary whose ids fit the uint16 `.bin` format (ids 0..=65535).
-pub const MAX_VOCAB_SIZE: usize = u16::MAX as usize + 1;

@@ -9,6 +9,7 @@ use std::collections::BTreeSet;
 use std::fmt;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
+use std::str::FromStr;
 
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -18,9 +19,11 @@ use crate::fsutil::{OutputKind, Staged};
 
 use super::instruct::{instruct_eot, DataFormat, Example, CHAR_EOT};
 use super::mask::{mask_path, MaskWriter};
-use super::meta::{Meta, TokenizerKind};
+use super::meta::{Meta, TokenDtype};
 use super::readers::{ProgressUnit, Source};
 use super::token_writer::TokenWriter;
+use super::tokenizer::files::{self, TokenizerFiles};
+use super::tokenizer::hf::HfTokenizer;
 use super::tokenizer::Tokenizer;
 use super::Split;
 
@@ -30,6 +33,33 @@ const BATCH_BYTES: usize = 16 << 20;
 pub const DEFAULT_VAL_FRACTION_SINGLE: f64 = 0.1;
 /// Validation share of a multi-document corpus (nanoGPT's openwebtext split).
 pub const DEFAULT_VAL_FRACTION_DOCUMENTS: f64 = 0.0005;
+/// A single document goes through a model's tokenizer in pieces of about this size.
+const PIECE_BYTES: usize = 256 << 10;
+/// Text of a single document that a model's tokenizer could not be given in pieces is
+/// held up to this size before `prepare` gives up.
+const MAX_UNCUT_BYTES: usize = 256 << 20;
+
+/// The tokenizer `prepare` is asked for: `gpt2`, `char`, or a model's own (a folder
+/// holding `tokenizer.json`, or the path of one).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TokenizerSpec {
+    Gpt2,
+    Char,
+    Model(PathBuf),
+}
+
+impl FromStr for TokenizerSpec {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s {
+            "gpt2" => TokenizerSpec::Gpt2,
+            "char" => TokenizerSpec::Char,
+            "" => bail!("--tokenizer needs gpt2, char, or a model folder holding tokenizer.json"),
+            path => TokenizerSpec::Model(PathBuf::from(path)),
+        })
+    }
+}
 
 /// What `nanogpt prepare` was asked to do.
 #[derive(Clone, Debug, PartialEq)]
@@ -38,7 +68,7 @@ pub struct PrepareOptions {
     pub source: String,
     /// Where `train.bin`, `val.bin` and `meta.json` go (created if missing).
     pub out_dir: PathBuf,
-    pub tokenizer: TokenizerKind,
+    pub tokenizer: TokenizerSpec,
     /// Share of the text that goes to `val.bin`; `None` picks
     /// `DEFAULT_VAL_FRACTION_SINGLE` for one document and
     /// `DEFAULT_VAL_FRACTION_DOCUMENTS` for many.
@@ -50,6 +80,8 @@ pub struct PrepareOptions {
     /// How `.jsonl` lines are read; `None` detects it per file (see
     /// [`DataFormat::detect`]). Alpaca and chat examples are written with a loss mask.
     pub format: Option<DataFormat>,
+    /// Extra variables of a model's chat template (`enable_thinking`).
+    pub template_variables: serde_json::Map<String, serde_json::Value>,
 }
 
 impl PrepareOptions {
@@ -61,11 +93,12 @@ impl PrepareOptions {
         PrepareOptions {
             source: source.into(),
             out_dir: out_dir.into(),
-            tokenizer: TokenizerKind::Gpt2,
+            tokenizer: TokenizerSpec::Gpt2,
             val_fraction: None,
             text_column: Self::DEFAULT_TEXT_COLUMN.to_string(),
             show_progress: true,
             format: None,
+            template_variables: serde_json::Map::new(),
         }
     }
 }
@@ -86,12 +119,13 @@ impl fmt::Display for PrepareSummary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "wrote {} train and {} val tokens ({} tokenizer, vocab {}) from {} document(s) \
-             to {}",
+            "wrote {} train and {} val tokens ({} tokenizer, vocab {}, {}) from {} \
+             document(s) to {}",
             self.meta.train_tokens,
             self.meta.val_tokens,
             self.meta.tokenizer,
             self.meta.vocab_size,
+            self.meta.dtype,
             self.documents,
             self.out_dir.display()
         )
@@ -99,8 +133,10 @@ impl fmt::Display for PrepareSummary {
 }
 
 /// A prepared dataset's folder: the token files, the masks of instruction data, and
+/// the model's tokenizer files (a dataset prepared with `--tokenizer MODEL_DIR`), and
 /// `meta.json` (what marks a dataset) last. A new dataset replaces the previous one
-/// whole: the masks of an earlier instruction dataset go with it.
+/// whole: the masks of an earlier instruction dataset, and the tokenizer files of an
+/// earlier model's, go with it.
 pub const DATASET: OutputKind = OutputKind {
     what: "prepare",
     files: &[
@@ -108,6 +144,10 @@ pub const DATASET: OutputKind = OutputKind {
         "val.bin",
         "train.mask",
         "val.mask",
+        files::TOKENIZER_JSON,
+        files::TOKENIZER_CONFIG,
+        files::CHAT_TEMPLATE,
+        files::GENERATION_CONFIG,
         "meta.json",
     ],
     last: "meta.json",
@@ -135,25 +175,27 @@ pub fn prepare_source(source: &Source, opts: &PrepareOptions) -> Result<PrepareS
         DEFAULT_VAL_FRACTION_DOCUMENTS
     });
     check_fraction(fraction)?;
-    let needs_scan = single || opts.tokenizer == TokenizerKind::Char;
-    let scan = match needs_scan {
-        true => scan(
-            source,
-            opts.tokenizer == TokenizerKind::Char,
-            opts.show_progress,
-        )?,
+    let char_level = opts.tokenizer == TokenizerSpec::Char;
+    // A model's tokenizer is read first: a missing file is refused before a long scan.
+    let model = match &opts.tokenizer {
+        TokenizerSpec::Model(path) => Some(Tokenizer::from_files(TokenizerFiles::read(path)?)?),
+        _ => None,
+    };
+    let scan = match single || char_level {
+        true => scan(source, char_level, opts.show_progress)?,
         false => Scan::default(),
     };
-    let tokenizer = match opts.tokenizer {
-        TokenizerKind::Gpt2 => Tokenizer::gpt2(),
-        TokenizerKind::Char if scan.chars.is_empty() => bail!(empty_corpus(source)),
+    let tokenizer = match (&opts.tokenizer, model) {
+        (_, Some(model)) => model,
+        (TokenizerSpec::Char, _) if scan.chars.is_empty() => bail!(empty_corpus(source)),
         // Instruction data ends each response with U+0003 (END OF TEXT).
-        TokenizerKind::Char => Tokenizer::char_level(
+        (TokenizerSpec::Char, _) => Tokenizer::char_level(
             scan.chars
                 .iter()
                 .copied()
                 .chain(source.is_instruct().then_some(CHAR_EOT)),
         )?,
+        _ => Tokenizer::gpt2(),
     };
     let out_dir = &opts.out_dir;
     if out_dir.symlink_metadata().is_ok() && !out_dir.exists() {
@@ -204,7 +246,8 @@ struct Run<'a> {
 }
 
 impl Run<'_> {
-    /// Writes the dataset into `--out` (whose lock the caller holds), whole.
+    /// Writes the dataset into `--out` (whose lock the caller holds), whole: the
+    /// tokenizer files of an earlier dataset that this one does not write go with it.
     fn write(&self) -> Result<PrepareSummary> {
         let (source, opts, tokenizer) = (self.source, self.opts, self.tokenizer);
         let out_dir = &opts.out_dir;
@@ -218,29 +261,32 @@ impl Run<'_> {
             );
         }
         let staged = Staged::begin(out_dir, &DATASET)?;
-        let mut out = Outputs::create(staged.dir(), source.is_instruct())?;
+        let dtype = TokenDtype::for_vocab(tokenizer.vocab_size());
+        let mut out = Outputs::create(staged.dir(), source.is_instruct(), dtype)?;
         let bar = progress_bar(source, "tokenizing", opts.show_progress)?;
         let docs = if source.is_instruct() {
-            write_examples(source, tokenizer, self.fraction, &mut out, &bar)?
+            let vars = &opts.template_variables;
+            write_examples(source, tokenizer, self.fraction, vars, &mut out, &bar)?
         } else if source.is_single_document() {
-            write_single_document(source, tokenizer, self.train_chars, &mut out, &bar)?
+            let chars = self.train_chars;
+            match tokenizer.hf() {
+                Some(hf) => write_single_document_in_pieces(source, hf, chars, &mut out, &bar)?,
+                None => write_single_document(source, tokenizer, chars, &mut out, &bar)?,
+            }
         } else {
             write_documents(source, tokenizer, self.fraction, &mut out, &bar)?
         };
         bar.finish_and_clear();
         check_outputs(source, &out, &docs)?;
         let meta = Meta {
-            tokenizer: opts.tokenizer,
-            vocab_size: tokenizer.vocab_size(),
             train_tokens: out.train.tokens(),
             val_tokens: out.val.tokens(),
-            chars: match tokenizer {
-                Tokenizer::Char { chars } => Some(chars.iter().collect()),
-                Tokenizer::Gpt2(_) => None,
-            },
-            source: source.describe(),
+            ..tokenizer.meta(source.describe())
         };
         out.commit()?;
+        if let Some(hf) = tokenizer.hf() {
+            hf.files().write_into(staged.dir())?;
+        }
         meta.save(staged.dir())?;
         staged.commit()?;
         Ok(PrepareSummary {
@@ -390,17 +436,10 @@ fn distinct_chars(text: &str) -> BTreeSet<char> {
 }
 
 /// Tokenizes texts in parallel, keeping their order.
-fn encode_all(tokenizer: &Tokenizer, texts: &[&str]) -> Result<Vec<Vec<u16>>> {
+fn encode_all(tokenizer: &Tokenizer, texts: &[&str]) -> Result<Vec<Vec<u32>>> {
     texts
         .par_iter()
-        .map(|text| {
-            let ids = tokenizer.encode(text)?;
-            ids.into_iter()
-                .map(|id| {
-                    u16::try_from(id).with_context(|| format!("token id {id} does not fit uint16"))
-                })
-                .collect()
-        })
+        .map(|text| tokenizer.encode(text))
         .collect()
 }
 
@@ -412,7 +451,7 @@ struct Outputs {
 }
 
 impl Outputs {
-    fn create(dir: &Path, masked: bool) -> Result<Outputs> {
+    fn create(dir: &Path, masked: bool, dtype: TokenDtype) -> Result<Outputs> {
         let bin = |split: Split| dir.join(split.file_name());
         let masks = match masked {
             true => Some((
@@ -422,14 +461,14 @@ impl Outputs {
             false => None,
         };
         Ok(Outputs {
-            train: TokenWriter::create(&bin(Split::Train))?,
-            val: TokenWriter::create(&bin(Split::Val))?,
+            train: TokenWriter::create(&bin(Split::Train), dtype)?,
+            val: TokenWriter::create(&bin(Split::Val), dtype)?,
             masks,
         })
     }
 
     /// Appends `tokens` to a split, and with masks, their `mask` (one byte each).
-    fn write(&mut self, split: Split, tokens: &[u16], mask: &[u8]) -> Result<()> {
+    fn write(&mut self, split: Split, tokens: &[u32], mask: &[u8]) -> Result<()> {
         match split {
             Split::Train => self.train.write(tokens)?,
             Split::Val => self.val.write(tokens)?,
@@ -501,8 +540,89 @@ fn split_at_char(text: &str, n: u64) -> (&str, &str) {
     }
 }
 
+/// One document split by position, through a model's tokenizer: its first
+/// `train_chars` characters are train, the rest val, each with the post-processor's
+/// tokens around it (Llama 3's BOS before) and no end-of-text. The text goes through
+/// the tokenizer in pieces cut where it gives the ids of the whole ([`super::cuts`]);
+/// the rest of a batch after its last cut waits for the next.
+fn write_single_document_in_pieces(
+    source: &Source,
+    hf: &HfTokenizer,
+    train_chars: u64,
+    out: &mut Outputs,
+    bar: &ProgressBar,
+) -> Result<DocCounts> {
+    let (before, after) = hf.specials();
+    let describe = || format!("cannot tokenize {}", source.describe());
+    let mut seen = 0u64;
+    let mut split = Split::Train;
+    let mut pending = String::new();
+    out.write(split, before, &[])?;
+    for_each_batch(source, bar, |batch| {
+        for text in &batch {
+            let (train, val) = split_at_char(text, train_chars.saturating_sub(seen));
+            seen += text.chars().count() as u64;
+            match split {
+                Split::Train => pending.push_str(train),
+                Split::Val => pending.push_str(text),
+            }
+            if split == Split::Train && !val.is_empty() {
+                write_pieces(hf, &pending, &[], out, split).with_context(describe)?;
+                out.write(split, after, &[])?;
+                split = Split::Val;
+                out.write(split, before, &[])?;
+                pending = val.to_string();
+            }
+        }
+        let cuts = super::cuts::safe_cuts(hf, &pending, PIECE_BYTES).with_context(describe)?;
+        if let Some(&last) = cuts.last() {
+            write_pieces(hf, &pending[..last], &cuts[..cuts.len() - 1], out, split)
+                .with_context(describe)?;
+            pending.drain(..last);
+        }
+        if pending.len() > MAX_UNCUT_BYTES {
+            bail!(
+                "the tokenizer of {} cannot be given {} in pieces (it encodes text \
+                 differently when cut at line breaks), and more than {} MB of it is \
+                 waiting; split the text into documents (a folder of .txt files or a \
+                 .jsonl) instead",
+                hf.files().origin,
+                source.describe(),
+                MAX_UNCUT_BYTES >> 20
+            );
+        }
+        Ok(())
+    })?;
+    write_pieces(hf, &pending, &[], out, split).with_context(describe)?;
+    out.write(split, after, &[])?;
+    Ok(DocCounts { train: 1, val: 0 })
+}
+
+/// Encodes `text` cut at `cuts` (in parallel, in order) into `split`.
+fn write_pieces(
+    hf: &HfTokenizer,
+    text: &str,
+    cuts: &[usize],
+    out: &mut Outputs,
+    split: Split,
+) -> Result<()> {
+    let bounds: Vec<usize> = std::iter::once(0)
+        .chain(cuts.iter().copied())
+        .chain(std::iter::once(text.len()))
+        .collect();
+    let encoded = bounds
+        .par_windows(2)
+        .map(|w| hf.encode(&text[w[0]..w[1]]))
+        .collect::<Result<Vec<_>>>()?;
+    for ids in encoded {
+        out.write(split, &ids, &[])?;
+    }
+    Ok(())
+}
+
 /// Many documents: each goes whole to train or val, followed by the end-of-text
-/// token where the vocabulary has one.
+/// token where the vocabulary has one (with a model's tokenizer, also its
+/// post-processor's tokens: [`Tokenizer::encode_document`]).
 fn write_documents(
     source: &Source,
     tokenizer: &Tokenizer,
@@ -510,16 +630,19 @@ fn write_documents(
     out: &mut Outputs,
     bar: &ProgressBar,
 ) -> Result<DocCounts> {
-    let eot = tokenizer.eot().map(|id| id as u16);
     let mut router = DocRouter::new(fraction);
     let mut index = 0u64;
     for_each_batch(source, bar, |batch| {
-        let texts: Vec<&str> = batch.iter().map(String::as_str).collect();
-        let encoded = encode_all(tokenizer, &texts)
+        let encoded = batch
+            .par_iter()
+            .map(|text| match text.is_empty() {
+                true => Ok(Vec::new()),
+                false => tokenizer.encode_document(text),
+            })
+            .collect::<Result<Vec<_>>>()
             .with_context(|| format!("cannot tokenize {}", source.describe()))?;
-        for mut tokens in encoded {
+        for tokens in encoded {
             if !tokens.is_empty() {
-                tokens.extend(eot);
                 router.route(index, (tokens, Vec::new()), out)?;
             }
             index += 1;
@@ -535,6 +658,7 @@ fn write_examples(
     source: &Source,
     tokenizer: &Tokenizer,
     fraction: f64,
+    variables: &serde_json::Map<String, serde_json::Value>,
     out: &mut Outputs,
     bar: &ProgressBar,
 ) -> Result<DocCounts> {
@@ -546,7 +670,7 @@ fn write_examples(
     let mut flush = |batch: &mut Vec<Example>, router: &mut DocRouter| -> Result<()> {
         let encoded = batch
             .par_iter()
-            .map(|example| encode_example(example, tokenizer, eot))
+            .map(|example| example.encode(tokenizer, eot, variables))
             .collect::<Result<Vec<_>>>()
             .with_context(|| format!("cannot tokenize {}", source.describe()))?;
         for doc in encoded {
@@ -570,18 +694,8 @@ fn write_examples(
     router.finish(out)
 }
 
-/// An example's tokens (uint16) and mask.
-fn encode_example(example: &Example, tokenizer: &Tokenizer, eot: u32) -> Result<Doc> {
-    let (ids, mask) = example.encode(tokenizer, eot)?;
-    let tokens = ids
-        .into_iter()
-        .map(|id| u16::try_from(id).with_context(|| format!("token id {id} does not fit uint16")))
-        .collect::<Result<Vec<u16>>>()?;
-    Ok((tokens, mask))
-}
-
 /// A document's tokens and its mask (empty without masks).
-type Doc = (Vec<u16>, Vec<u8>);
+type Doc = (Vec<u32>, Vec<u8>);
 
 /// Whether document `index` belongs to val: a fixed hash of the index, so the
 /// split does not depend on batching, threads or the number of documents.
@@ -660,7 +774,7 @@ mod tests {
     use crate::data::loader::TokenFile;
     use crate::data::testutil::TempDir;
 
-    fn opts(source: &Path, out: &Path, tokenizer: TokenizerKind) -> PrepareOptions {
+    fn opts(source: &Path, out: &Path, tokenizer: TokenizerSpec) -> PrepareOptions {
         PrepareOptions {
             tokenizer,
             show_progress: false,
@@ -668,15 +782,19 @@ mod tests {
         }
     }
 
-    fn read_bin(path: &Path) -> Vec<u16> {
-        TokenFile::open(path).unwrap().read_all().unwrap()
+    fn read_bin(path: &Path) -> Vec<u32> {
+        let meta = Meta::load(path.parent().unwrap()).unwrap();
+        TokenFile::open(path, meta.dtype)
+            .unwrap()
+            .read_all()
+            .unwrap()
     }
 
     #[test]
     fn bundled_shakespeare_char_matches_nanogpt_counts() {
         let dir = TempDir::new("prep-char");
         let options = PrepareOptions {
-            tokenizer: TokenizerKind::Char,
+            tokenizer: TokenizerSpec::Char,
             show_progress: false,
             ..PrepareOptions::new("shakespeare", dir.path())
         };
@@ -688,11 +806,8 @@ mod tests {
         let chars = summary.meta.chars.clone().unwrap();
         assert!(chars.starts_with("\n !$&',-.3:;?ABC"), "{chars:?}");
         let train = read_bin(&dir.path().join("train.bin"));
-        let t = Tokenizer::from_meta(&Meta::load(dir.path()).unwrap()).unwrap();
-        assert_eq!(
-            t.decode(&train[..14].iter().map(|&x| x as u32).collect::<Vec<_>>()),
-            "First Citizen:"
-        );
+        let t = Tokenizer::from_meta(&Meta::load(dir.path()).unwrap(), dir.path()).unwrap();
+        assert_eq!(t.decode(&train[..14]), "First Citizen:");
         assert_eq!(&train[..5], &[18, 47, 56, 57, 58]);
     }
 
@@ -720,7 +835,7 @@ mod tests {
         let dir = TempDir::new("prep-txt");
         let src = dir.write("in.txt", "abcdefghij".repeat(10)); // 100 chars
         let out = dir.path().join("out");
-        let mut o = opts(&src, &out, TokenizerKind::Char);
+        let mut o = opts(&src, &out, TokenizerSpec::Char);
         o.val_fraction = Some(0.25);
         let summary = prepare(&o).unwrap();
         assert_eq!(
@@ -737,7 +852,7 @@ mod tests {
         dir.write("docs/b.txt", "Hello");
         dir.write("docs/c.txt", "");
         let out = dir.path().join("out");
-        let summary = prepare(&opts(&dir.path().join("docs"), &out, TokenizerKind::Gpt2)).unwrap();
+        let summary = prepare(&opts(&dir.path().join("docs"), &out, TokenizerSpec::Gpt2)).unwrap();
         assert_eq!((summary.documents, summary.val_documents), (2, 1));
         assert_eq!(read_bin(&out.join("train.bin")), [15496, 995, 50256]);
         assert_eq!(read_bin(&out.join("val.bin")), [15496, 50256]);
@@ -766,7 +881,7 @@ mod tests {
             .collect();
         let src = dir.write("docs.jsonl", lines);
         let out = dir.path().join("out");
-        let mut o = opts(&src, &out, TokenizerKind::Char);
+        let mut o = opts(&src, &out, TokenizerSpec::Char);
         o.val_fraction = Some(0.1);
         let summary = prepare(&o).unwrap();
         let expected = (0..2_000).filter(|&i| is_val_document(i, 0.1)).count() as u64;
@@ -787,7 +902,7 @@ mod tests {
             parquet::basic::Compression::SNAPPY,
         );
         let out = dir.path().join("out");
-        let mut o = opts(&src, &out, TokenizerKind::Gpt2);
+        let mut o = opts(&src, &out, TokenizerSpec::Gpt2);
         o.text_column = "body".into();
         let summary = prepare(&o).unwrap();
         assert_eq!(summary.meta.train_tokens + summary.meta.val_tokens, 5);
@@ -797,15 +912,15 @@ mod tests {
     fn empty_and_unsplittable_corpora_are_refused() {
         let dir = TempDir::new("prep-empty");
         let src = dir.write("empty.txt", "");
-        let err = prepare(&opts(&src, &dir.path().join("o"), TokenizerKind::Char)).unwrap_err();
+        let err = prepare(&opts(&src, &dir.path().join("o"), TokenizerSpec::Char)).unwrap_err();
         assert!(err.to_string().contains("contains no text"), "{err}");
-        let err = prepare(&opts(&src, &dir.path().join("o"), TokenizerKind::Gpt2)).unwrap_err();
+        let err = prepare(&opts(&src, &dir.path().join("o"), TokenizerSpec::Gpt2)).unwrap_err();
         assert!(err.to_string().contains("contains no text"), "{err}");
         let src = dir.write("one/a.txt", "just one");
         let err = prepare(&opts(
             src.parent().unwrap(),
             &dir.path().join("o"),
-            TokenizerKind::Gpt2,
+            TokenizerSpec::Gpt2,
         ))
         .unwrap_err();
         assert!(err.to_string().contains("at least 2"), "{err}");
@@ -819,7 +934,7 @@ mod tests {
     fn bad_fraction_is_refused() {
         let dir = TempDir::new("prep-frac");
         let src = dir.write("in.txt", "text");
-        let mut o = opts(&src, dir.path(), TokenizerKind::Char);
+        let mut o = opts(&src, dir.path(), TokenizerSpec::Char);
         o.val_fraction = Some(1.0);
         let err = prepare(&o).unwrap_err().to_string();
         assert!(err.contains("--val-fraction"), "{err}");
@@ -838,7 +953,7 @@ mod tests {
              {\"instruction\": \"Add\", \"input\": \"1 2\", \"output\": \"3\"}\n",
         );
         let out = dir.path().join("out");
-        let mut o = opts(&src, &out, TokenizerKind::Gpt2);
+        let mut o = opts(&src, &out, TokenizerSpec::Gpt2);
         o.val_fraction = Some(0.5);
         let summary = prepare(&o).unwrap();
         assert_eq!(summary.documents, 2);
@@ -864,9 +979,8 @@ mod tests {
             read_mask(&out.join("val.mask")),
         );
         assert_eq!((train.len(), val.len()), (tm.len(), vm.len()));
-        let all: Vec<u16> = [train, val].concat();
+        let got: Vec<u32> = [train, val].concat();
         let mut sorted_want: Vec<Vec<u32>> = want_tokens.clone();
-        let got: Vec<u32> = all.iter().map(|&x| x as u32).collect();
         // One example per split; which one goes where is the hash's choice.
         if got[..sorted_want[0].len()] != sorted_want[0][..] {
             sorted_want.swap(0, 1);
@@ -884,12 +998,12 @@ mod tests {
         let line = r#"{"messages": [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"}]}"#;
         let src = dir.write("c.jsonl", format!("{line}\n{line}\n"));
         let out = dir.path().join("out");
-        prepare(&opts(&src, &out, TokenizerKind::Char)).unwrap();
+        prepare(&opts(&src, &out, TokenizerSpec::Char)).unwrap();
         let meta = Meta::load(&out).unwrap();
-        let t = Tokenizer::from_meta(&meta).unwrap();
+        let t = Tokenizer::from_meta(&meta, &out).unwrap();
         assert!(meta.chars.as_deref().unwrap().starts_with('\u{3}'));
         let train = read_bin(&out.join("train.bin"));
-        let text = t.decode(&train.iter().map(|&x| x as u32).collect::<Vec<_>>());
+        let text = t.decode(&train);
         assert_eq!(text, "<|user|>\nab\n<|assistant|>\nba\u{3}");
         let mask = read_mask(&out.join("train.mask"));
         let trained: String = text
@@ -907,9 +1021,9 @@ mod tests {
         let line = r#"{"instruction": "i", "output": "o", "text": "plain"}"#;
         let src = dir.write("x.jsonl", format!("{line}\n{line}\n"));
         let out = dir.path().join("out");
-        prepare(&opts(&src, &out, TokenizerKind::Gpt2)).unwrap();
+        prepare(&opts(&src, &out, TokenizerSpec::Gpt2)).unwrap();
         assert!(out.join("train.mask").exists() && out.join("val.mask").exists());
-        let mut o = opts(&src, &out, TokenizerKind::Gpt2);
+        let mut o = opts(&src, &out, TokenizerSpec::Gpt2);
         o.format = Some(DataFormat::Text);
         let summary = prepare(&o).unwrap();
         assert_eq!(summary.meta.train_tokens + summary.meta.val_tokens, 4);
@@ -925,13 +1039,13 @@ mod tests {
         );
         let err = format!(
             "{:#}",
-            prepare(&opts(&src, &dir.path().join("o"), TokenizerKind::Gpt2)).unwrap_err()
+            prepare(&opts(&src, &dir.path().join("o"), TokenizerSpec::Gpt2)).unwrap_err()
         );
         assert!(
             err.contains("x.jsonl line 3") && err.contains("`output` is missing"),
             "{err}"
         );
-        let mut o = opts(&src, &dir.path().join("o"), TokenizerKind::Gpt2);
+        let mut o = opts(&src, &dir.path().join("o"), TokenizerSpec::Gpt2);
         o.format = Some(DataFormat::Chat);
         let err = format!("{:#}", prepare(&o).unwrap_err());
         assert!(
@@ -943,26 +1057,50 @@ mod tests {
         let err = prepare(&opts(
             &dir.path().join("mix"),
             &dir.path().join("o"),
-            TokenizerKind::Gpt2,
+            TokenizerSpec::Gpt2,
         ))
         .unwrap_err()
         .to_string();
         assert!(err.contains("a.jsonl holds plain text"), "{err}");
         let txt = dir.write("t.txt", "text");
-        let mut o = opts(&txt, &dir.path().join("o"), TokenizerKind::Gpt2);
+        let mut o = opts(&txt, &dir.path().join("o"), TokenizerSpec::Gpt2);
         o.format = Some(DataFormat::Alpaca);
         let err = prepare(&o).unwrap_err().to_string();
         assert!(err.contains("--format alpaca reads .jsonl"), "{err}");
     }
 
     #[test]
-    fn vocab_beyond_uint16_is_refused() {
+    fn vocab_beyond_uint16_writes_uint32() {
         let dir = TempDir::new("prep-vocab");
+        // 67,952 distinct characters (the surrogates are no characters).
         let text: String = (0x4E00u32..0x4E00 + 70_000)
             .filter_map(char::from_u32)
             .collect();
-        let src = dir.write("wide.txt", text);
-        let err = prepare(&opts(&src, dir.path(), TokenizerKind::Char)).unwrap_err();
-        assert!(err.to_string().contains("uint16"), "{err}");
+        let src = dir.write("wide.txt", &text);
+        let out = dir.path().join("out");
+        let summary = prepare(&opts(&src, &out, TokenizerSpec::Char)).unwrap();
+        assert_eq!(summary.meta.vocab_size, 67_952);
+        assert_eq!(summary.meta.dtype, TokenDtype::Uint32);
+        let json = std::fs::read_to_string(out.join("meta.json")).unwrap();
+        assert!(json.contains("\"dtype\": \"uint32\""), "{json}");
+        let bytes = std::fs::metadata(out.join("train.bin")).unwrap().len();
+        assert_eq!(bytes, 4 * summary.meta.train_tokens);
+        let ids = [
+            read_bin(&out.join("train.bin")),
+            read_bin(&out.join("val.bin")),
+        ]
+        .concat();
+        assert_eq!(ids.len(), 67_952);
+        assert_eq!(*ids.last().unwrap(), 67_951, "every id, up to the largest");
+        let t = Tokenizer::from_meta(&Meta::load(&out).unwrap(), &out).unwrap();
+        assert_eq!(t.decode(&ids), text);
+        // A vocabulary that fits stays uint16, as nanoGPT reads it.
+        let small = prepare(&opts(
+            &dir.write("s.txt", "abcabc"),
+            &dir.path().join("s"),
+            TokenizerSpec::Char,
+        ))
+        .unwrap();
+        assert_eq!(small.meta.dtype, TokenDtype::Uint16);
     }
 }

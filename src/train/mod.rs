@@ -30,7 +30,7 @@ use report::say;
 use start::{Masks, Start};
 
 use crate::config::{InitFrom, TrainConfig};
-use crate::data::{batch_offsets, Draw, Meta, TokenFile};
+use crate::data::{batch_offsets, Draw, Meta, TokenFile, Tokenizer};
 use crate::dist::{self, Collective, CommReport, DataParallel, Single, StepSettings};
 use crate::fault;
 use crate::kernels::dropout::mix64;
@@ -86,6 +86,8 @@ pub struct Trainer {
     /// The optimizer; with `zero_stage` ≥ 1 on several ranks, this rank's shard.
     pub opt: AdamW,
     pub meta: Meta,
+    /// The dataset's tokenizer (`meta`'s).
+    tokenizer: Tokenizer,
     /// What checkpoints record of the data.
     dataset_record: crate::checkpoint::DatasetRecord,
     train: TokenFile,
@@ -111,7 +113,7 @@ pub struct Trainer {
     targets: Vec<i32>,
     offsets: Vec<usize>,
     /// The B windows of T+1 tokens read for a micro-batch.
-    window: Vec<u16>,
+    window: Vec<u32>,
     peak_gflops: f64,
     /// Steps skipped in a row for a non-finite loss or gradient norm.
     nonfinite_in_row: u64,
@@ -184,6 +186,7 @@ impl Trainer {
             model: state.model,
             opt: state.opt,
             meta: data.meta,
+            tokenizer: data.tokenizer,
             dataset_record: data.record,
             train: data.train,
             val: data.val,
@@ -197,6 +200,11 @@ impl Trainer {
             _out_dir_lock: out_dir_lock,
             replace_at_first_save,
         })
+    }
+
+    /// The dataset's tokenizer.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
     }
 
     /// This process's rank (0 without MPI).

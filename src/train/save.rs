@@ -48,6 +48,18 @@ impl Trainer {
 
     /// Writes `out_dir/ckpt.safetensors`, the state from which iteration `iter`
     /// (not yet trained) resumes. See [`Trainer::save_checkpoint_to`].
+    /// With a model's own tokenizer, its files beside the checkpoints (written when
+    /// `out_dir` does not hold them yet), so that `sample`, `chat`, `eval` and `export`
+    /// find the tokenizer the checkpoint names by hash.
+    fn save_tokenizer(&self) -> Result<()> {
+        if let Some(hf) = self.tokenizer.hf() {
+            if !hf.files().is_in(&self.cfg.out_dir) {
+                hf.files().write_into(&self.cfg.out_dir)?;
+            }
+        }
+        Ok(())
+    }
+
     pub fn save_checkpoint(&mut self, iter: u64) -> Result<()> {
         let path = checkpoint::checkpoint_path(&self.cfg.out_dir);
         self.save_checkpoint_to(&path, iter)
@@ -109,6 +121,7 @@ impl Trainer {
             dataset: Some(self.dataset_record.clone()),
         };
         checkpoint::save_streamed(path, &state, layout, true, &mut source)?;
+        self.save_tokenizer()?;
         for old in std::mem::take(&mut self.replace_at_first_save) {
             if old != path {
                 // Best effort: a leftover is refused by the next fresh start, not lost.

@@ -4,7 +4,7 @@
 
 use crate::checkpoint::{self, Checkpoint, CheckpointState, DatasetRecord};
 use crate::config::{InitFrom, TrainConfig};
-use crate::data::{self, Meta, Split, TokenFile};
+use crate::data::{self, Meta, Split, TokenFile, Tokenizer};
 use crate::dist::{Collective, DataParallel};
 use crate::fsutil::DirLock;
 use crate::model::lora::LoraState;
@@ -35,6 +35,9 @@ pub struct Start {
 pub struct Dataset {
     /// The tokenizer and the split sizes (`meta.json`).
     pub meta: Meta,
+    /// The tokenizer itself (a model's own from the dataset folder, checked against
+    /// `meta`'s hash).
+    pub tokenizer: Tokenizer,
     pub train: TokenFile,
     pub val: TokenFile,
     /// Loss masks of instruction data (`train.mask`, `val.mask`), if prepared with them.
@@ -133,6 +136,7 @@ impl Dataset {
             crate::errln!("note: {note}");
         }
         let meta = Meta::load(&data_dir)?;
+        let tokenizer = Tokenizer::from_meta(&meta, &data_dir)?;
         let train = TokenFile::open_split(&data_dir, Split::Train, &meta)?;
         let val = TokenFile::open_split(&data_dir, Split::Val, &meta)?;
         for file in [&train, &val] {
@@ -149,6 +153,7 @@ impl Dataset {
         };
         Ok(Dataset {
             meta,
+            tokenizer,
             train,
             val,
             masks,
@@ -604,7 +609,8 @@ fn check_resume_compatible(cfg: &TrainConfig, meta: &Meta, state: &CheckpointSta
 
 /// The dataset's tokenizer must be the checkpoint's: the same ids must mean the same
 /// text (a char dataset of another text has another vocabulary, often of the same
-/// size, and resuming on it would silently train the old weights on a new mapping).
+/// size, and resuming on it would silently train the old weights on a new mapping; a
+/// model's tokenizer is known by the SHA-256 of its tokenizer.json).
 fn check_same_tokenizer(
     path: &Path,
     cfg: &TrainConfig,
@@ -613,32 +619,8 @@ fn check_same_tokenizer(
 ) -> Result<()> {
     let theirs: Meta = serde_json::from_value(state.tokenizer.clone())
         .with_context(|| format!("{} has no valid tokenizer description", path.display()))?;
-    let difference = match (
-        theirs.tokenizer == meta.tokenizer,
-        &theirs.chars,
-        &meta.chars,
-    ) {
-        (false, _, _) => Some(format!(
-            "it was trained on {} tokens, dataset {} holds {} tokens",
-            theirs.tokenizer, cfg.dataset, meta.tokenizer
-        )),
-        (true, Some(a), Some(b)) if a != b => {
-            let first = a
-                .chars()
-                .zip(b.chars())
-                .enumerate()
-                .find(|(_, (x, y))| x != y);
-            let at = match first {
-                Some((i, (x, y))) => format!("id {i} is {x:?} there, {y:?} here"),
-                None => format!("{} characters there, {} here", a.len(), b.len()),
-            };
-            Some(format!(
-                "its character vocabulary differs from dataset {}'s ({at})",
-                cfg.dataset
-            ))
-        }
-        _ => None,
-    };
+    let dataset = format!("dataset {}", cfg.dataset);
+    let difference = theirs.tokenizer_difference(meta, "the checkpoint", &dataset);
     match difference {
         None => Ok(()),
         Some(what) => bail!(

@@ -177,8 +177,9 @@ impl JsonlExamples {
             };
             match file.next_object()? {
                 Some((object, progress)) => {
-                    let example = Example::from_json(*format, &object)
+                    let mut example = Example::from_json(*format, &object)
                         .with_context(|| format!("{} ({} example)", file.at(), format.as_str()))?;
+                    example.origin = file.at();
                     return Ok(Some((example, progress)));
                 }
                 None => self.current = None,

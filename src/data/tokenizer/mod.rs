@@ -1,18 +1,21 @@
 //! Text ⇄ token ids: GPT-2 BPE (tiktoken's `r50k_base`, shipped inside
-//! `tiktoken-rs`, so it works offline) and char-level vocabularies.
+//! `tiktoken-rs`, so it works offline), char-level vocabularies, and a model's own
+//! `tokenizer.json` ([`hf`], through Hugging Face's `tokenizers`).
+
+pub mod files;
+pub mod hf;
 
 use std::fmt;
+use std::path::Path;
+use std::sync::Arc;
 
 use anyhow::{bail, Result};
 use tiktoken_rs::CoreBPE;
 
-use super::meta::{Meta, TokenizerKind};
-use super::MAX_VOCAB_SIZE;
-
-/// GPT-2's vocabulary size (ids 0..=50256).
-pub const GPT2_VOCAB_SIZE: usize = 50257;
-/// GPT-2's `<|endoftext|>` token, appended after every document.
-pub const GPT2_EOT: u32 = 50256;
+use super::chat_template::ChatTemplate;
+use super::meta::{Meta, TokenDtype, TokenizerKind, GPT2_EOT, GPT2_VOCAB_SIZE};
+use files::TokenizerFiles;
+use hf::HfTokenizer;
 
 /// The Unicode replacement character's UTF-8 bytes, shown for unknown ids.
 const REPLACEMENT: &[u8] = "\u{FFFD}".as_bytes();
@@ -24,6 +27,8 @@ pub enum Tokenizer {
     Gpt2(&'static CoreBPE),
     /// Char-level: id `i` is `chars[i]`; `chars` is sorted and free of duplicates.
     Char { chars: Vec<char> },
+    /// A model's own tokenizer (shared: it is large).
+    Hf(Arc<HfTokenizer>),
 }
 
 impl fmt::Debug for Tokenizer {
@@ -31,6 +36,7 @@ impl fmt::Debug for Tokenizer {
         match self {
             Tokenizer::Gpt2(_) => f.write_str("Tokenizer::Gpt2"),
             Tokenizer::Char { chars } => write!(f, "Tokenizer::Char({} chars)", chars.len()),
+            Tokenizer::Hf(t) => write!(f, "Tokenizer::{t:?}"),
         }
     }
 }
@@ -50,58 +56,177 @@ impl Tokenizer {
         if chars.is_empty() {
             bail!("a char-level vocabulary needs at least one character");
         }
-        if chars.len() > MAX_VOCAB_SIZE {
+        let max = TokenDtype::Uint32.max_vocab();
+        if chars.len() > max {
             bail!(
-                "the text has {} distinct characters, more than the {MAX_VOCAB_SIZE} ids \
-                 that fit the uint16 .bin format; use `--tokenizer gpt2` instead",
+                "the text has {} distinct characters, more than the {max} ids a token \
+                 file holds; use `--tokenizer gpt2` instead",
                 chars.len()
             );
         }
         Ok(Tokenizer::Char { chars })
     }
 
-    /// The tokenizer a dataset was prepared with.
-    pub fn from_meta(meta: &Meta) -> Result<Tokenizer> {
+    /// A model's own tokenizer, from its files (read from a folder, or made in
+    /// memory).
+    pub fn from_files(files: TokenizerFiles) -> Result<Tokenizer> {
+        Ok(Tokenizer::Hf(Arc::new(HfTokenizer::from_files(files)?)))
+    }
+
+    /// The tokenizer of `meta` (a dataset's, or the one a checkpoint records);
+    /// `dir` holds its tokenizer files when it is a model's own, and those must be
+    /// the ones `meta` names by hash.
+    pub fn from_meta(meta: &Meta, dir: &Path) -> Result<Tokenizer> {
         meta.check()?;
         match meta.tokenizer {
             TokenizerKind::Gpt2 => Ok(Tokenizer::gpt2()),
             TokenizerKind::Char => {
                 Tokenizer::char_level(meta.chars.as_deref().unwrap_or_default().chars())
             }
+            TokenizerKind::HuggingFace => {
+                let files = TokenizerFiles::read(dir)?;
+                let found = files.sha256();
+                let want = meta.tokenizer_sha256.as_deref().unwrap_or_default();
+                if found != want {
+                    bail!(
+                        "{} is not the tokenizer its meta.json names (SHA-256 {found}, \
+                         meta.json says {want}): the ids would mean other text; put the \
+                         tokenizer files back, or prepare the data again",
+                        files.path_of(files::TOKENIZER_JSON)
+                    );
+                }
+                let tokenizer = Tokenizer::from_files(files)?;
+                if tokenizer.vocab_size() != meta.vocab_size {
+                    bail!(
+                        "{} has {} ids but meta.json says vocab_size {}",
+                        dir.display(),
+                        tokenizer.vocab_size(),
+                        meta.vocab_size
+                    );
+                }
+                Ok(tokenizer)
+            }
         }
     }
 
+    /// Its description in a `meta.json`, without token counts.
+    pub fn meta(&self, source: String) -> Meta {
+        let vocab_size = self.vocab_size();
+        Meta {
+            tokenizer: self.kind(),
+            vocab_size,
+            dtype: TokenDtype::for_vocab(vocab_size),
+            train_tokens: 0,
+            val_tokens: 0,
+            chars: match self {
+                Tokenizer::Char { chars } => Some(chars.iter().collect()),
+                _ => None,
+            },
+            tokenizer_sha256: self.hf().map(|t| t.sha256().to_string()),
+            source,
+        }
+    }
+
+    /// How it tokenizes.
+    pub fn kind(&self) -> TokenizerKind {
+        match self {
+            Tokenizer::Gpt2(_) => TokenizerKind::Gpt2,
+            Tokenizer::Char { .. } => TokenizerKind::Char,
+            Tokenizer::Hf(_) => TokenizerKind::HuggingFace,
+        }
+    }
+
+    /// The model's own tokenizer, when it is one.
+    pub fn hf(&self) -> Option<&HfTokenizer> {
+        match self {
+            Tokenizer::Hf(t) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// The model's chat template, where it has one.
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.hf().and_then(HfTokenizer::template)
+    }
+
+    /// One more than the largest id.
     pub fn vocab_size(&self) -> usize {
         match self {
             Tokenizer::Gpt2(_) => GPT2_VOCAB_SIZE,
             Tokenizer::Char { chars } => chars.len(),
+            Tokenizer::Hf(t) => t.vocab_size(),
         }
     }
 
-    /// The end-of-text token, where the vocabulary has one.
+    /// The end-of-text token, where the vocabulary has one: GPT-2's
+    /// `<|endoftext|>`, a model's `eos_token`.
     pub fn eot(&self) -> Option<u32> {
         match self {
             Tokenizer::Gpt2(_) => Some(GPT2_EOT),
             Tokenizer::Char { .. } => None,
+            Tokenizer::Hf(t) => t.eos(),
         }
     }
 
     /// Encodes text as data: GPT-2 treats `<|endoftext|>` in the text as ordinary
     /// characters (tiktoken's `encode_ordinary`); char-level refuses characters
-    /// outside the vocabulary.
+    /// outside the vocabulary; a model's tokenizer reads special tokens written in
+    /// the text as those tokens, as `AutoTokenizer` does, and adds none of its own.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         match self {
             Tokenizer::Gpt2(bpe) => Ok(encode_gpt2(text, |t| bpe.encode_ordinary(t))),
             Tokenizer::Char { chars } => encode_chars(chars, text),
+            Tokenizer::Hf(t) => t.encode(text),
         }
     }
 
     /// Encodes a prompt: like [`Tokenizer::encode`], except that GPT-2 reads the
-    /// literal `<|endoftext|>` as the end-of-text token, as nanoGPT's sample.py does.
+    /// literal `<|endoftext|>` as the end-of-text token, as nanoGPT's sample.py does,
+    /// and a model's tokenizer adds its post-processor's tokens (Llama 3's BOS), as
+    /// `AutoTokenizer` does by default.
     pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
         match self {
             Tokenizer::Gpt2(bpe) => Ok(encode_gpt2(text, |t| bpe.encode_with_special_tokens(t))),
             Tokenizer::Char { .. } => self.encode(text),
+            Tokenizer::Hf(t) => {
+                let (before, after) = t.specials();
+                Ok([before, &t.encode(text)?, after].concat())
+            }
+        }
+    }
+
+    /// Encodes a text as one document without an end (a `.txt` split by position, as
+    /// `prepare` writes it, or evaluated): GPT-2 and char as [`Tokenizer::encode`]; a
+    /// model's tokenizer adds its post-processor's tokens (Llama 3's BOS before).
+    pub fn encode_single_document(&self, text: &str) -> Result<Vec<u32>> {
+        match self {
+            Tokenizer::Hf(_) => self.encode_prompt(text),
+            _ => self.encode(text),
+        }
+    }
+
+    /// Encodes one document of a corpus, as `prepare` writes it: its text, then the
+    /// end-of-text token where the vocabulary has one. A model's tokenizer adds its
+    /// post-processor's tokens (Llama 3's BOS before the text), then `eos_token`
+    /// unless the post-processor already ends with it.
+    pub fn encode_document(&self, text: &str) -> Result<Vec<u32>> {
+        let (mut ids, after) = match self {
+            Tokenizer::Hf(t) => (self.encode_prompt(text)?, t.specials().1),
+            _ => (self.encode(text)?, &[][..]),
+        };
+        match self.eot() {
+            Some(eot) if after.last() != Some(&eot) => ids.push(eot),
+            _ => {}
+        }
+        Ok(ids)
+    }
+
+    /// The ids that end generation: GPT-2's `<|endoftext|>`, a model's `eos_token` and
+    /// the `eos_token_id`s of its generation_config.json.
+    pub fn stops(&self) -> Vec<u32> {
+        match self {
+            Tokenizer::Hf(t) => t.stops().to_vec(),
+            _ => self.eot().into_iter().collect(),
         }
     }
 
@@ -109,6 +234,7 @@ impl Tokenizer {
     /// sequences cut mid-character decode to U+FFFD.
     pub fn decode(&self, ids: &[u32]) -> String {
         match self {
+            Tokenizer::Hf(t) => t.decode(ids),
             Tokenizer::Gpt2(_) => {
                 let mut bytes = Vec::with_capacity(ids.len() * 4);
                 for &id in ids {
@@ -126,10 +252,13 @@ impl Tokenizer {
     /// A decoder for a token stream that emits text as soon as it forms whole
     /// characters (a GPT-2 token can end in the middle of a UTF-8 sequence).
     pub fn stream_decoder(&self) -> StreamDecoder<'_> {
-        StreamDecoder {
-            tokenizer: self,
-            pending: Vec::new(),
-        }
+        StreamDecoder(match self {
+            Tokenizer::Hf(t) => Stream::Hf(t.decode_stream()),
+            _ => Stream::Bytes {
+                tokenizer: self,
+                pending: Vec::new(),
+            },
+        })
     }
 
     fn append_token_bytes(&self, id: u32, out: &mut Vec<u8>) {
@@ -142,6 +271,7 @@ impl Tokenizer {
                 let c = chars.get(id as usize).copied().unwrap_or('\u{FFFD}');
                 out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes());
             }
+            Tokenizer::Hf(t) => out.extend_from_slice(t.decode(&[id]).as_bytes()),
         }
     }
 }
@@ -201,35 +331,46 @@ fn encode_chars(chars: &[char], text: &str) -> Result<Vec<u32>> {
 }
 
 /// Incremental decoding for streamed samples; see [`Tokenizer::stream_decoder`].
-pub struct StreamDecoder<'a> {
-    tokenizer: &'a Tokenizer,
-    pending: Vec<u8>,
+pub struct StreamDecoder<'a>(Stream<'a>);
+
+enum Stream<'a> {
+    /// GPT-2 and char: each token's bytes, joined until they make characters.
+    Bytes {
+        tokenizer: &'a Tokenizer,
+        pending: Vec<u8>,
+    },
+    /// A model's tokenizer, whose decoder needs the tokens' context.
+    Hf(hf::HfStream<'a>),
 }
 
 impl StreamDecoder<'_> {
     /// Adds one token and returns the text that became complete (possibly empty).
     pub fn push(&mut self, id: u32) -> String {
-        self.tokenizer.append_token_bytes(id, &mut self.pending);
+        let (tokenizer, pending) = match &mut self.0 {
+            Stream::Hf(stream) => return stream.push(id),
+            Stream::Bytes { tokenizer, pending } => (tokenizer, pending),
+        };
+        tokenizer.append_token_bytes(id, pending);
         let mut out = String::new();
         loop {
-            match std::str::from_utf8(&self.pending) {
+            match std::str::from_utf8(pending) {
                 Ok(text) => {
                     out.push_str(text);
-                    self.pending.clear();
+                    pending.clear();
                     return out;
                 }
                 Err(e) => {
                     let valid = e.valid_up_to();
-                    out.push_str(std::str::from_utf8(&self.pending[..valid]).unwrap_or_default());
+                    out.push_str(std::str::from_utf8(&pending[..valid]).unwrap_or_default());
                     match e.error_len() {
                         // An incomplete character at the end: wait for more bytes.
                         None => {
-                            self.pending.drain(..valid);
+                            pending.drain(..valid);
                             return out;
                         }
                         Some(bad) => {
                             out.push('\u{FFFD}');
-                            self.pending.drain(..valid + bad);
+                            pending.drain(..valid + bad);
                         }
                     }
                 }
@@ -239,7 +380,10 @@ impl StreamDecoder<'_> {
 
     /// Returns whatever is still buffered (an unfinished character shows as U+FFFD).
     pub fn finish(self) -> String {
-        String::from_utf8_lossy(&self.pending).into_owned()
+        match self.0 {
+            Stream::Bytes { pending, .. } => String::from_utf8_lossy(&pending).into_owned(),
+            Stream::Hf(stream) => stream.finish(),
+        }
     }
 }
 
@@ -331,12 +475,14 @@ mod tests {
         let meta = Meta {
             tokenizer: TokenizerKind::Char,
             vocab_size: 3,
+            dtype: TokenDtype::Uint16,
             train_tokens: 1,
             val_tokens: 1,
             chars: Some(" ab".into()),
+            tokenizer_sha256: None,
             source: String::new(),
         };
-        let t = Tokenizer::from_meta(&meta).unwrap();
+        let t = Tokenizer::from_meta(&meta, Path::new("")).unwrap();
         assert_eq!(t.encode("ba ").unwrap(), vec![2, 1, 0]);
     }
 }
