@@ -286,7 +286,7 @@ fn measure_all_reduce(comm: &dyn Collective, cfg: &TrainConfig, vocab: usize) ->
 pub fn table(report: &Report) -> String {
     let mut out = String::new();
     out.push_str(&format!(
-        "{:<5} {:<14} {:<40} {:<32} {:>7} {:>9} {:>9} {:<17} {:<8} {}\n",
+        "{:<5} {:<14} {:<58} {:<32} {:>7} {:>9} {:>9} {:<17} {:<8} {}\n",
         "rank",
         "host",
         "binary",
@@ -305,7 +305,7 @@ pub fn table(report: &Report) -> String {
             None => "-",
         };
         out.push_str(&format!(
-            "{:<5} {:<14} {:<40} {:<32} {:>7} {:>9.1} {:>9} {:<17} {:<8} {}\n",
+            "{:<5} {:<14} {:<58} {:<32} {:>7} {:>9.1} {:>9} {:<17} {:<8} {}\n",
             r.rank,
             r.host,
             r.binary,

@@ -97,15 +97,18 @@ pub fn run(args: LaunchArgs) -> Result<i32> {
 /// signal is passed on as SIGTERM, the launcher's own abort. The launcher runs in
 /// its own process group, so the terminal's Ctrl-C reaches only this process, and
 /// without stdin (a background group reading the terminal would be stopped).
-/// Returns the launcher's exit status.
+/// Returns the launcher's exit status, or after a signal was passed on 128 + the
+/// first signal (130 for SIGINT, 143 for SIGTERM: "stopped, resume me"), as the
+/// ranks exit, whatever the launcher says (Hydra exits 0, Open MPI 138), unless the
+/// launcher reports another failure.
 fn supervise(argv: &[String]) -> Result<i32> {
     use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
     use std::os::unix::process::{CommandExt, ExitStatusExt};
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
-    let signalled = Arc::new(AtomicBool::new(false));
-    for sig in [SIGINT, SIGTERM] {
-        signal_hook::flag::register(sig, Arc::clone(&signalled))
+    let flags = [SIGINT, SIGTERM].map(|sig| (sig, Arc::new(AtomicBool::new(false))));
+    for (sig, flag) in &flags {
+        signal_hook::flag::register(*sig, Arc::clone(flag))
             .context("cannot install the SIGINT/SIGTERM handlers")?;
     }
     let mut child = std::process::Command::new(&argv[0])
@@ -114,32 +117,64 @@ fn supervise(argv: &[String]) -> Result<i32> {
         .process_group(0)
         .spawn()
         .with_context(|| format!("cannot run {}", argv[0]))?;
-    let mut passed_on = 0;
+    let mut first_signal = None;
     loop {
         if let Some(status) = child.try_wait()? {
-            return Ok(status
+            let code = status
                 .code()
-                .unwrap_or_else(|| 128 + status.signal().unwrap_or(0)));
+                .unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
+            return Ok(exit_status(code, first_signal));
         }
-        if signalled.swap(false, Ordering::SeqCst) {
-            let (sig, name, what) = match passed_on {
-                0 => (
+        for (sig, flag) in &flags {
+            if !flag.swap(false, Ordering::SeqCst) {
+                continue;
+            }
+            let (to, name, what) = match first_signal {
+                None => (
                     SIGUSR1,
                     "SIGUSR1",
                     "every rank stops after the step in progress and rank 0 writes a \
                      checkpoint (Ctrl-C again to abort at once)",
                 ),
-                _ => (SIGTERM, "SIGTERM", "aborting the job"),
+                Some(_) => (SIGTERM, "SIGTERM", "aborting the job"),
             };
-            passed_on += 1;
+            first_signal.get_or_insert(*sig);
             crate::errln!(
                 "launch: passing the signal on to {} as {name}: {what}",
                 argv[0]
             );
             // SAFETY: kill has no memory-safety preconditions; the pid is our own
             // child's, which has not been reaped yet (try_wait above saw it running).
-            unsafe { libc::kill(child.id() as libc::pid_t, sig) };
+            unsafe { libc::kill(child.id() as libc::pid_t, to) };
         }
         std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+/// `launch`'s exit status from the launcher's `code`, given the first signal passed
+/// on (if any): 128 + that signal when the job stopped as asked (the launcher's 0,
+/// or a rank's stop status 130, 143, 138), else the launcher's code.
+fn exit_status(code: i32, first_signal: Option<i32>) -> i32 {
+    match first_signal {
+        Some(sig) if matches!(code, 0 | 130 | 138 | 143) => 128 + sig,
+        _ => code,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stop_passed_on_exits_with_the_users_signal_and_failures_stay() {
+        // Hydra reports 0 after forwarding; Open MPI the ranks' 138.
+        assert_eq!(exit_status(0, Some(libc::SIGINT)), 130);
+        assert_eq!(exit_status(138, Some(libc::SIGINT)), 130);
+        assert_eq!(exit_status(0, Some(libc::SIGTERM)), 143);
+        // A rank's error during the stop is still a failure.
+        assert_eq!(exit_status(1, Some(libc::SIGINT)), 1);
+        // No signal: the launcher's status.
+        assert_eq!(exit_status(0, None), 0);
+        assert_eq!(exit_status(255, None), 255);
     }
 }

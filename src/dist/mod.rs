@@ -12,6 +12,7 @@
 //! needs on top: the gradient buckets, the buffers of the overlapped all-reduce and
 //! of ZeRO-1, and the communication timings.
 
+pub mod identity;
 mod parallel;
 mod plan;
 pub mod preflight;
