@@ -927,7 +927,9 @@ fn the_other_mpis_launcher_is_refused_on_every_rank() {
                 && l.contains(&format!("started by {by}"))
         })
         .count();
-    assert_eq!(refusals, 2, "each rank refuses:\n{stderr}");
+    // Each rank refuses as it starts; Open MPI's launcher may kill the other one
+    // before it says so (it ends a job as soon as one process fails).
+    assert!(refusals >= 1, "a rank refuses:\n{stderr}");
     assert!(!stdout.contains("iter 0:"), "{stdout}");
     assert!(!workdir().join("solo").exists(), "no rank trained alone");
 }
@@ -972,7 +974,8 @@ fn another_build_on_one_rank_is_refused_at_start() {
 
 /// A directory with a fake launcher (`mpirun`, of the linked MPI's flavour) whose
 /// doctor run succeeds and whose job writes each signal it receives to `got` and
-/// ends on SIGTERM (143) or after a SIGUSR1 (138, when `signals` is 1), and a fake
+/// ends on SIGTERM (143) or after a SIGUSR1 (138, when `signals` is 1), or at once
+/// (when `signals` is 0), and a fake
 /// ssh (`ssh`) that runs the command here, except on a host named `bad`, where it
 /// fails as ssh does with `bad_status` and `bad_stderr`.
 fn fake_launcher(
@@ -998,6 +1001,7 @@ trap 'echo USR1 >> {got}; usr1=1' USR1
 trap 'echo TERM >> {got}; exit 143' TERM
 trap 'echo INT >> {got}; exit 130' INT
 touch {got}
+[ {signals} = 0 ] && exit 0
 for i in $(seq 1 600); do sleep 0.1; [ $usr1 = 1 ] && [ {signals} = 1 ] && exit 138; done
 exit 0
 "#,
@@ -1106,7 +1110,7 @@ fn launch_refuses_a_host_that_cannot_run_the_job_before_mpi_starts() {
         assert!(!d.join("got").exists(), "the job never started");
     }
     // Every host answers with this build: the job runs (here the fake one).
-    let bin = fake_launcher(d, 1, 0, "");
+    let bin = fake_launcher(d, 0, 0, "");
     let out = common::run(&mut launch_command(d, &bin, "localhost\n127.0.0.1\n"));
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert!(out.status.success(), "{stdout}\n{stderr}");

@@ -301,7 +301,9 @@ grep -aq "no heartbeat from rank 2 (host h3) for 1[0-9] s" stopped.log || die "s
 # h1 can return before either, so the hosts get 20 s to empty by themselves.
 CLUSTER_LINGER=20 fault cutlink h3 cut
 "$CLUSTER" mend h3
-grep -aq "no heartbeat from rank 2 (host h3)" cutlink.log || die "cutlink: not named"
+# By rank 0's heartbeat, or (Open MPI) when its runtime, having noticed the lost host by
+# its keepalive first, sends rank 0 SIGTERM: "no heartbeat has come from rank 2 ...".
+grep -aqE "no heartbeat (has come )?from rank 2 \(host h3\)" cutlink.log || die "cutlink: not named"
 saved=$(sed -n 's/.*"iter_num": *\([0-9]*\).*/\1/p' killed/ckpt.json)
 "$CLUSTER" run -- "$BIN" train "${CONFIG[@]}" max_iters=$((saved + 2)) lr_decay_iters=100000 \
     eval_interval=20 init_from=resume out_dir="$WORK/killed" >resume.log 2>&1 ||
@@ -387,15 +389,17 @@ if [ -n "${OTHER_BIN:-}" ]; then
         out=solo-$(basename "$by")
         if MPIRUN=$by "$CLUSTER" run -- "$bin" train "${CONFIG[@]}" max_iters=5 \
             out_dir="$WORK/$out" >$out.log 2>&1; then cat $out.log; die "$out: the job ran"; fi
+        # Every rank refuses as it starts (Open MPI's launcher may kill a rank that
+        # is slower to say so: it ends a job as soon as one process fails).
         n=$(grep -ac "built against $built (.*), started by " $out.log || true)
-        [ "$n" = 3 ] || { cat $out.log; die "$out: $n of 3 ranks refused"; }
+        [ "$n" -ge 1 ] || { cat $out.log; die "$out: no rank refused"; }
         grep -aqE "^(step|iter) [0-9]+" $out.log && die "$out: a rank trained"
         [ -e "$out" ] && die "$out: a rank wrote its out_dir"
-        say "  $by starting a $built build: refused on all 3 ranks:"
+        say "  $by starting the $built build: refused on $n of 3 ranks (no rank trained):"
         grep -a "built against" $out.log | head -1 | cut -c1-220 | sed 's/^/multinode:   /'
     done
     "$CLUSTER" overlay "$WORK/bin"
-    refused other-launcher "is $( [ $FLAVOUR = openmpi ] && echo "MPICH's or Intel MPI's (Hydra)" || echo "Open MPI")'s launcher, but this nanogpt is built against" \
+    refused other-launcher "is $( [ $FLAVOUR = openmpi ] && echo "Hydra, the launcher of MPICH and Intel MPI" || echo "Open MPI's launcher"), but this nanogpt is built against" \
         --mpirun $other --iface eth0
     "$CLUSTER" overlay ""
 fi

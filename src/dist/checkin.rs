@@ -85,6 +85,15 @@ impl Board {
         }
     }
 
+    /// The ranks that started and wait in MPI start-up, named.
+    pub fn waiting(&self) -> String {
+        (0..self.ranks.len())
+            .filter(|&r| matches!(self.ranks[r], Seen::Started { .. }))
+            .map(|r| self.named(r))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
     /// Who never started (first) and who is still in MPI start-up, for the
     /// start-up timer's message; empty when every rank is up.
     pub fn summary(&self) -> String {
@@ -107,14 +116,9 @@ impl Board {
         if let Some((r, why)) = self.failed() {
             parts.push(format!("refused to start: {}: {why}", self.named(r)));
         }
-        let waiting: Vec<usize> = (0..self.ranks.len())
-            .filter(|&r| matches!(self.ranks[r], Seen::Started { .. }))
-            .collect();
+        let waiting = self.waiting();
         if !waiting.is_empty() {
-            parts.push(format!(
-                "started, still waiting in MPI start-up: {}",
-                list(waiting)
-            ));
+            parts.push(format!("started, still waiting in MPI start-up: {waiting}"));
         }
         parts.join("; ")
     }

@@ -142,9 +142,9 @@ pub fn hang_message(limit: Duration, board: Option<&Board>) -> String {
             b.summary()
         ),
         Some(b) => format!(
-            "{head}: every rank started ({}), so the ranks cannot reach each other over the \
-             network.{several} {causes}",
-            b.summary()
+            "{head}: every rank started and waits in MPI start-up ({}), so the ranks cannot \
+             reach each other over the network.{several} {causes}",
+            b.waiting()
         ),
         None => format!("{head}: the ranks cannot reach each other.{several} {causes}"),
     }
@@ -200,7 +200,7 @@ mod tests {
         assert_eq!(early_verdict(&board, Some(0), s40, early), None);
         let msg = hang_message(Duration::from_secs(120), Some(&board));
         assert!(
-            msg.contains("every rank started (started, still waiting in MPI start-up: rank 0"),
+            msg.contains("every rank started and waits in MPI start-up (rank 0 (host h1), rank 1"),
             "{msg}"
         );
         assert!(msg.contains("Likely causes"), "{msg}");

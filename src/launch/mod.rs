@@ -107,11 +107,11 @@ pub fn pick(explicit: Option<&str>, library: Option<(Library, &str)>) -> Result<
     if let (Some(w), Some((lib, _))) = (wanted, library) {
         if flavour != w {
             bail!(
-                "{mpirun} is {}'s launcher, but this nanogpt is built against {}: each process \
-                 would train alone. Use {} (or leave --mpirun out: launch picks it)",
+                "{mpirun} is {}, but this nanogpt is built against {}: each process would \
+                 train alone. Use {} (or leave --mpirun out: launch picks it)",
                 match flavour {
-                    Flavour::OpenMpi => "Open MPI",
-                    Flavour::Hydra => "MPICH's or Intel MPI's (Hydra)",
+                    Flavour::OpenMpi => "Open MPI's launcher",
+                    Flavour::Hydra => "Hydra, the launcher of MPICH and Intel MPI",
                 },
                 lib.name(),
                 lib.launchers()
