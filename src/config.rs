@@ -121,6 +121,10 @@ pub struct TrainConfig {
     /// Abort the job when a collective waits this many seconds for another rank
     /// (stopped, hung or unreachable); 0 waits forever.
     pub collective_timeout_s: f64,
+    /// End the job when a rank has not been heard from for this many seconds (a
+    /// heartbeat over TCP between every rank and rank 0: a killed, stopped or
+    /// unreachable rank, whatever it was doing); 0 turns the heartbeat's check off.
+    pub heartbeat_timeout_s: f64,
     // LoRA (docs/finetune.md)
     /// Rank of the LoRA adapters; 0 (default) trains the whole model.
     pub lora_rank: usize,
@@ -175,6 +179,7 @@ impl Default for TrainConfig {
             zero_stage: 0,
             grad_reduce_dtype: Dtype::Float32,
             collective_timeout_s: 300.0,
+            heartbeat_timeout_s: 10.0,
             lora_rank: 0,
             lora_alpha: 8.0,
             lora_dropout: 0.0,
@@ -432,6 +437,13 @@ impl TrainConfig {
         if !(t.is_finite() && t >= 0.0) {
             problems.push(format!(
                 "`collective_timeout_s` must be a number of seconds ≥ 0 (0 = no timeout), got {t}"
+            ));
+        }
+        let t = self.heartbeat_timeout_s;
+        if !(t.is_finite() && (t == 0.0 || t >= 1.0)) {
+            problems.push(format!(
+                "`heartbeat_timeout_s` must be a number of seconds ≥ 1 (0 = no heartbeat check), \
+                 got {t}"
             ));
         }
     }
@@ -900,6 +912,8 @@ mod tests {
         assert!(TrainConfig::parse("", "t", &overrides(&["zero_stage=2", "lora_rank=4"])).is_ok());
         let err = err_of("", &["collective_timeout_s=-1"]);
         assert!(err.contains("`collective_timeout_s` must be"), "{err}");
+        let err = err_of("", &["heartbeat_timeout_s=0.5"]);
+        assert!(err.contains("`heartbeat_timeout_s` must be"), "{err}");
         let c =
             TrainConfig::parse("", "t", &overrides(&["gradient_accumulation_steps=5"])).unwrap();
         c.check_world_size(1).unwrap();
@@ -941,12 +955,13 @@ mod tests {
     #[test]
     fn keys_list_every_field() {
         let keys = TrainConfig::keys();
-        assert_eq!(keys.len(), 41);
+        assert_eq!(keys.len(), 42);
         for key in [
             "gradient_accumulation_steps",
             "ckpt_interval",
             "keep_last",
             "max_nonfinite_steps",
+            "heartbeat_timeout_s",
         ] {
             assert!(keys.contains(&key.to_string()), "{key}");
         }

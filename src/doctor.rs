@@ -43,6 +43,9 @@ pub struct RankRow {
     /// when it chooses by itself.
     #[serde(default)]
     pub mpi_interface: Vec<String>,
+    /// The networks MPI may choose between on this host (running, non-loopback).
+    #[serde(default)]
+    pub networks: Vec<crate::launch::probe::Network>,
     /// What is wrong on this rank (empty: nothing).
     pub problems: Vec<String>,
 }
@@ -145,6 +148,7 @@ pub fn run(comm: &dyn Collective, cfg: &TrainConfig, threads: usize) -> Result<R
         out_dir_writable,
         interface: crate::dist::route::interface_to(&comm.hosts(), &comm.host()),
         mpi_interface: crate::dist::route::mpi_interface_settings(),
+        networks: crate::launch::probe::this_host().networks,
         problems,
     };
     let rows: Vec<RankRow> = preflight::all_gather_text(comm, &serde_json::to_string(&row)?)
@@ -161,7 +165,8 @@ pub fn run(comm: &dyn Collective, cfg: &TrainConfig, threads: usize) -> Result<R
     let hosts: Vec<String> = rows.iter().map(|r| r.host.clone()).collect();
     let threads: Vec<u64> = rows.iter().map(|r| r.threads as u64).collect();
     let cores: Vec<u64> = rows.iter().map(|r| r.cores as u64).collect();
-    let (placement, warnings) = preflight::placement(&hosts, &threads, &cores);
+    let (placement, mut warnings) = preflight::placement(&hosts, &threads, &cores);
+    warnings.extend(network_warnings(&rows));
     let ok = rows.iter().all(|r| r.problems.is_empty());
     Ok(Report {
         ok,
@@ -178,6 +183,33 @@ pub fn run(comm: &dyn Collective, cfg: &TrainConfig, threads: usize) -> Result<R
 fn plan_memory(comm: &dyn Collective, cfg: &TrainConfig) -> Result<(f64, Option<String>)> {
     let (input, _, refused) = plan::check_run(cfg, comm.world_size(), comm.local_size())?;
     Ok((plan::rank_plan(&input, comm.rank()).peak_rss_mb, refused))
+}
+
+/// When MPI was told no interface: hosts with several networks, and an address
+/// that several hosts share (docker0's), which can make a start-up hang.
+fn network_warnings(ranks: &[RankRow]) -> Vec<String> {
+    if ranks.iter().any(|r| !r.mpi_interface.is_empty()) {
+        return Vec::new();
+    }
+    let mut hosts: Vec<(String, crate::launch::probe::HostInfo)> = Vec::new();
+    for r in ranks {
+        if !hosts.iter().any(|(h, _)| *h == r.host) {
+            let info = crate::launch::probe::HostInfo {
+                host: r.host.clone(),
+                binary: r.binary.clone(),
+                build: String::new(),
+                mpi: None,
+                networks: r.networks.clone(),
+            };
+            hosts.push((r.host.clone(), info));
+        }
+    }
+    let (shared, several) = crate::launch::probe::networks(&hosts, None);
+    shared
+        .into_iter()
+        .chain(several)
+        .map(|w| format!("{w} (this start-up worked, but another may not)"))
+        .collect()
 }
 
 /// What the launcher told MPI about the network: one line for all ranks when they
@@ -286,7 +318,7 @@ fn measure_all_reduce(comm: &dyn Collective, cfg: &TrainConfig, vocab: usize) ->
 pub fn table(report: &Report) -> String {
     let mut out = String::new();
     out.push_str(&format!(
-        "{:<5} {:<14} {:<40} {:<32} {:>7} {:>9} {:>9} {:<17} {:<8} {}\n",
+        "{:<5} {:<14} {:<58} {:<32} {:>7} {:>9} {:>9} {:<17} {:<8} {}\n",
         "rank",
         "host",
         "binary",
@@ -305,7 +337,7 @@ pub fn table(report: &Report) -> String {
             None => "-",
         };
         out.push_str(&format!(
-            "{:<5} {:<14} {:<40} {:<32} {:>7} {:>9.1} {:>9} {:<17} {:<8} {}\n",
+            "{:<5} {:<14} {:<58} {:<32} {:>7} {:>9.1} {:>9} {:<17} {:<8} {}\n",
             r.rank,
             r.host,
             r.binary,

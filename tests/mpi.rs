@@ -631,20 +631,19 @@ fn rank_pid(out_dir: &str, rank: usize) -> Option<u32> {
     None
 }
 
-/// Starts a long 2-rank run, waits for its first checkpoint, sends `signal` to rank
-/// 1, and returns the job's output and how long it took to end after the signal.
-fn fault(out: &str, signal: &str, timeout_s: &str) -> (Output, Duration) {
-    let mut cmd = command(
-        2,
-        &[
-            &format!("out_dir={out}"),
-            "gradient_accumulation_steps=2",
-            "max_iters=100000",
-            "lr_decay_iters=100000",
-            "eval_interval=20",
-            timeout_s,
-        ],
-    );
+/// Starts a long 2-rank run (`settings` last), waits for its first checkpoint, sends
+/// `signal` to rank 1, and returns the job's output and how long it took to end
+/// after the signal.
+fn fault(out: &str, signal: &str, settings: &[&str]) -> (Output, Duration) {
+    let out_dir = format!("out_dir={out}");
+    let long = [
+        out_dir.as_str(),
+        "gradient_accumulation_steps=2",
+        "max_iters=100000",
+        "lr_decay_iters=100000",
+        "eval_interval=20",
+    ];
+    let mut cmd = command(2, &[&long[..], settings].concat());
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
     let mut child = cmd.spawn().unwrap();
     let ckpt = workdir().join(out).join("ckpt.safetensors");
@@ -672,11 +671,25 @@ fn fault(out: &str, signal: &str, timeout_s: &str) -> (Output, Duration) {
 #[test]
 fn a_killed_rank_ends_the_job_and_the_run_resumes() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let (out, took) = fault("killed", "-KILL", "collective_timeout_s=20");
+    let (out, took) = fault("killed", "-KILL", &["collective_timeout_s=20"]);
     assert!(!out.status.success(), "the job must fail");
     assert!(took < Duration::from_secs(30), "ended after {took:?}");
-    // The last checkpoint is intact and the run continues from it.
+    // Rank 0 names the rank that is gone (its heartbeat connection closed) and the
+    // checkpoint to resume from, before the launcher tears the job down.
+    let stderr = text(&out.stderr);
+    let line = stderr
+        .lines()
+        .find(|l| l.contains(" is gone: its heartbeat connection closed"))
+        .unwrap_or_else(|| panic!("no heartbeat message:\n{stderr}"));
+    assert!(
+        line.starts_with("error: rank 0 of 2 (host ") && line.contains("rank 1 (host "),
+        "{line}"
+    );
+    // The last checkpoint is intact, named, and the run continues from it.
     let saved = params("killed").2;
+    let ckpt = workdir().join("killed/ckpt.safetensors");
+    let named = format!("resume from {} (iteration {saved})", ckpt.display());
+    assert!(line.contains(&named), "{line}");
     assert!(saved >= 20 && saved.is_multiple_of(20), "{saved}");
     let until = format!("max_iters={}", saved + 3);
     train(
@@ -691,7 +704,7 @@ fn a_killed_rank_ends_the_job_and_the_run_resumes() {
 #[test]
 fn a_stopped_rank_trips_the_watchdog() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let (out, took) = fault("stopped", "-STOP", "collective_timeout_s=3");
+    let (out, took) = fault("stopped", "-STOP", &["collective_timeout_s=3"]);
     let stderr = text(&out.stderr);
     assert!(!out.status.success(), "the job must fail:\n{stderr}");
     assert!(stderr.contains("rank 0 of 2"), "{stderr}");
@@ -703,12 +716,35 @@ fn a_stopped_rank_trips_the_watchdog() {
     assert!(took < Duration::from_secs(30), "ended after {took:?}");
 }
 
+/// With the collective timeout at its default (300 s), a stopped rank is named by
+/// the heartbeat after `heartbeat_timeout_s`, with the checkpoint to resume from.
+#[test]
+fn a_stopped_rank_is_named_by_the_heartbeat_long_before_the_collective_timeout() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let settings = ["collective_timeout_s=300", "heartbeat_timeout_s=3"];
+    let (out, took) = fault("silent", "-STOP", &settings);
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success(), "the job must fail:\n{stderr}");
+    assert!(took < Duration::from_secs(20), "ended after {took:?}");
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("no heartbeat from rank 1 (host "))
+        .unwrap_or_else(|| panic!("no heartbeat message:\n{stderr}"));
+    assert!(line.starts_with("error: rank 0 of 2 (host "), "{line}");
+    assert!(line.contains("(heartbeat_timeout_s = 3)"), "{line}");
+    assert!(
+        line.contains("silent/ckpt.safetensors (iteration "),
+        "{line}"
+    );
+    assert!(!stderr.contains("made no progress"), "{stderr}");
+}
+
 #[test]
 fn sigterm_to_one_rank_stops_every_rank_at_the_same_step() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     // Only rank 1 is signalled; rank 0 learns of it with the step's loss all-reduce,
     // writes the checkpoint and says so. Disagreeing ranks would hang (watchdog).
-    let (out, took) = fault("sigterm", "-TERM", "collective_timeout_s=20");
+    let (out, took) = fault("sigterm", "-TERM", &["collective_timeout_s=20"]);
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert!(took < Duration::from_secs(30), "ended after {took:?}");
     assert_eq!(out.status.code(), Some(143), "{stdout}\n{stderr}");
@@ -828,14 +864,260 @@ fn a_start_up_that_hangs_ends_with_the_likely_causes() {
             ),
         "{stderr}"
     );
+    // Started by hand on this host, rank 0 serves the check-in: it knows that rank 1
+    // never started (not a network fault), and says so first.
     assert!(
-        stderr.contains("--mca btl_tcp_if_include") && stderr.contains("-iface"),
+        stderr.contains("never started (see the launcher's output for why")
+            && stderr.contains(": rank 1"),
         "{stderr}"
     );
+    assert!(!stderr.contains("Likely causes"), "{stderr}");
     assert!(
         start.elapsed() < Duration::from_secs(15),
         "ended after {:?}",
         start.elapsed()
+    );
+}
+
+/// The MPI library this binary links, as `host-info` says.
+fn linked_mpi() -> String {
+    let (stdout, _) = succeeds(&mut common::command(workdir(), ["host-info"]));
+    let info: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    info["mpi"].as_str().expect("built with MPI").to_string()
+}
+
+/// Started by the other MPI's launcher, every process refuses before it trains,
+/// naming both MPIs: no rank trains alone.
+#[test]
+fn the_other_mpis_launcher_is_refused_on_every_rank() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (other, built, by) = match is_open_mpi() {
+        true => (
+            "mpiexec.hydra",
+            "Open MPI",
+            "MPICH's or Intel MPI's mpiexec (Hydra)",
+        ),
+        false => ("mpirun.openmpi", "MPICH", "Open MPI's mpirun"),
+    };
+    if Command::new(other).arg("--version").output().is_err() {
+        println!("SKIPPED: {other} is not installed");
+        return;
+    }
+    assert!(linked_mpi().starts_with(built), "{}", linked_mpi());
+    let mut cmd = Command::new(other);
+    cmd.args(["-n", "2"]);
+    if other.contains("openmpi") {
+        cmd.args(["--oversubscribe", "--bind-to", "none"]);
+        cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    }
+    cmd.arg(BIN)
+        .args(train_args(&[
+            "out_dir=solo",
+            "gradient_accumulation_steps=2",
+        ]))
+        .current_dir(workdir());
+    let out = run_for(cmd, Duration::from_secs(60));
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(!out.status.success(), "{stdout}\n{stderr}");
+    let refusals = stderr
+        .lines()
+        .filter(|l| {
+            l.contains(&format!("built against {built} ("))
+                && l.contains(&format!("started by {by}"))
+        })
+        .count();
+    // Each rank refuses as it starts; Open MPI's launcher may kill the other one
+    // before it says so (it ends a job as soon as one process fails).
+    assert!(refusals >= 1, "a rank refuses:\n{stderr}");
+    assert!(!stdout.contains("iter 0:"), "{stdout}");
+    assert!(!workdir().join("solo").exists(), "no rank trained alone");
+}
+
+/// Another build of nanogpt on one rank (here: a copy of the binary with one byte
+/// more) is refused as MPI starts, naming the rank, its host and both builds.
+#[test]
+fn another_build_on_one_rank_is_refused_at_start() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let copy = workdir().join("other-build");
+    let mut bytes = std::fs::read(BIN).unwrap();
+    bytes.push(0);
+    std::fs::write(&copy, bytes).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let args = train_args(&["out_dir=builds", "gradient_accumulation_steps=2"]);
+    let mut cmd = Command::new(mpirun());
+    if is_open_mpi() {
+        cmd.args(["--oversubscribe", "--bind-to", "none"]);
+        cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    }
+    cmd.args(["-n", "1", BIN])
+        .args(&args)
+        .args([":", "-n", "1"])
+        .arg(&copy)
+        .args(&args)
+        .current_dir(workdir());
+    let out = run_for(cmd, Duration::from_secs(60));
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("refusing to start: rank 1 (host "))
+        .unwrap_or_else(|| panic!("{stderr}"));
+    assert!(
+        line.contains(") runs build ") && line.contains(", rank 0 (host "),
+        "{line}"
+    );
+    assert!(!workdir().join("builds").exists(), "{stderr}");
+}
+
+/// A directory with a fake launcher (`mpirun`, of the linked MPI's flavour) whose
+/// doctor run succeeds and whose job writes each signal it receives to `got` and
+/// ends on SIGTERM (143) or after a SIGUSR1 (138, when `signals` is 1), or at once
+/// (when `signals` is 0), and a fake
+/// ssh (`ssh`) that runs the command here, except on a host named `bad`, where it
+/// fails as ssh does with `bad_status` and `bad_stderr`.
+fn fake_launcher(
+    d: &Path,
+    signals: usize,
+    bad_status: i32,
+    bad_stderr: &str,
+) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let bin = d.join("fakebin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let version = match linked_mpi().starts_with("Open MPI") {
+        true => "mpirun (Open MPI) 4.1.4",
+        false => "HYDRA build details:",
+    };
+    let got = d.join("got");
+    let mpirun = format!(
+        r#"#!/bin/bash
+[ "$1" = --version ] && {{ echo "{version}"; exit 0; }}
+case " $* " in *" doctor "*) exit 0 ;; esac
+usr1=0
+trap 'echo USR1 >> {got}; usr1=1' USR1
+trap 'echo TERM >> {got}; exit 143' TERM
+trap 'echo INT >> {got}; exit 130' INT
+touch {got}
+[ {signals} = 0 ] && exit 0
+for i in $(seq 1 600); do sleep 0.1; [ $usr1 = 1 ] && [ {signals} = 1 ] && exit 138; done
+exit 0
+"#,
+        got = got.display()
+    );
+    let ssh = format!(
+        r#"#!/bin/sh
+while [ $# -gt 0 ]; do case $1 in -o) shift 2;; -*) shift;; *) break;; esac; done
+host=$1; shift
+[ "$host" = bad ] && {{ printf '%s\n' '{bad_stderr}' >&2; exit {bad_status}; }}
+eval "$*"
+"#
+    );
+    for (name, text) in [("mpirun", mpirun), ("ssh", ssh)] {
+        std::fs::write(bin.join(name), text).unwrap();
+        std::fs::set_permissions(bin.join(name), std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    bin
+}
+
+/// `nanogpt launch` on `hosts` with [`fake_launcher`]'s launcher and ssh.
+fn launch_command(d: &Path, bin: &Path, hosts: &str) -> Command {
+    std::fs::write(d.join("hosts"), hosts).unwrap();
+    let n = hosts.lines().count().to_string();
+    let mut cmd = common::command(d, ["launch", "--hosts", "hosts", "-n", &n, "--mpirun"]);
+    cmd.arg(bin.join("mpirun"))
+        .args(["--", "train", "max_iters=5"])
+        .env("HYDRA_LAUNCHER_EXEC", bin.join("ssh"))
+        .env("OMPI_MCA_plm_rsh_agent", bin.join("ssh"))
+        .env_remove("NANOGPT_MPIRUN");
+    cmd
+}
+
+/// `launch`, signalled `signals` times (SIGINT, as Ctrl-C) once the job runs:
+/// its exit status and what the job received.
+fn launch_signalled(d: &Path, signals: usize) -> (Option<i32>, String) {
+    let bin = fake_launcher(d, signals, 0, "");
+    let got = d.join("got");
+    let _ = std::fs::remove_file(&got);
+    let mut cmd = launch_command(d, &bin, "localhost\n127.0.0.1\n");
+    cmd.stdout(Stdio::null()).stderr(Stdio::piped());
+    let child = cmd.spawn().unwrap();
+    let start = Instant::now();
+    while !got.exists() {
+        assert!(start.elapsed().as_secs() < 60, "the fake job never started");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for _ in 0..signals {
+        let pid = child.id().to_string();
+        assert!(Command::new("kill")
+            .args(["-INT", &pid])
+            .status()
+            .unwrap()
+            .success());
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("launch: passing the signal on"), "{stderr}");
+    (out.status.code(), std::fs::read_to_string(&got).unwrap())
+}
+
+#[test]
+fn launch_turns_ctrl_c_into_sigusr1_for_the_job_and_exits_130() {
+    let dir = temp_dir("mpi-launch-signal");
+    // One Ctrl-C: the job gets SIGUSR1 (a stop with a checkpoint), never SIGINT, and
+    // launch exits 130 whatever the launcher reports (here 138, as Open MPI's).
+    let (code, got) = launch_signalled(dir.path(), 1);
+    assert_eq!(got, "USR1\n");
+    assert_eq!(code, Some(130));
+    // A second one: SIGTERM, the launcher's abort.
+    let (code, got) = launch_signalled(dir.path(), 2);
+    assert_eq!(got, "USR1\nTERM\n");
+    assert_eq!(code, Some(130));
+}
+
+/// `launch` asks every host over ssh before MPI starts: a missing binary, another
+/// build or an unknown host key is refused naming the host and the fix.
+#[test]
+fn launch_refuses_a_host_that_cannot_run_the_job_before_mpi_starts() {
+    let dir = temp_dir("mpi-launch-probe");
+    let d = dir.path();
+    let cases = [
+        (
+            127,
+            "sh: 1: /x/nanogpt: not found",
+            "host bad: there is no nanogpt at ",
+        ),
+        (
+            255,
+            "Host key verification failed.",
+            "host bad: its SSH host key is not in known_hosts",
+        ),
+    ];
+    for (status, stderr, want) in cases {
+        let bin = fake_launcher(d, 1, status, stderr);
+        let _ = std::fs::remove_file(d.join("got"));
+        let out = common::run(&mut launch_command(d, &bin, "localhost\nbad\n"));
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "{err}");
+        assert!(err.contains(want), "{err}");
+        assert!(
+            err.contains("refusing to start: 1 problem(s) above"),
+            "{err}"
+        );
+        assert!(!d.join("got").exists(), "the job never started");
+    }
+    // Every host answers with this build: the job runs (here the fake one).
+    let bin = fake_launcher(d, 0, 0, "");
+    let out = common::run(&mut launch_command(d, &bin, "localhost\n127.0.0.1\n"));
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("launch: 2 host(s) reached over ")
+            && stdout.contains("each with this build ("),
+        "{stdout}"
     );
 }
 

@@ -19,6 +19,9 @@ pub fn run(args: DoctorArgs) -> Result<i32> {
     let (config_path, overrides) = super::train::split_args(&args.args);
     let cfg = crate::dist::preflight::shared_config(&*comm, config_path, overrides)?;
     comm.set_timeout(std::time::Duration::from_secs_f64(cfg.collective_timeout_s));
+    crate::dist::heartbeat::set_timeout(std::time::Duration::from_secs_f64(
+        cfg.heartbeat_timeout_s,
+    ));
     let threads = crate::threads::init_pool(cfg.threads, comm.local_size())?;
     let report = crate::doctor::run(&*comm, &cfg, threads)?;
     if comm.rank() == 0 {

@@ -20,7 +20,8 @@ pub struct LaunchArgs {
     /// Print the command line and stop.
     #[arg(long)]
     pub dry_run: bool,
-    /// The launcher to use (default: $NANOGPT_MPIRUN, else mpirun).
+    /// The launcher to use (default: $NANOGPT_MPIRUN, else the one of the MPI this
+    /// binary links: mpirun.openmpi, or mpiexec.hydra / mpirun.mpich).
     #[arg(long)]
     pub mpirun: Option<String>,
     /// `train CONFIG.toml key=value ...`, after `--`.
@@ -32,18 +33,21 @@ pub struct LaunchArgs {
     pub command: Vec<String>,
 }
 
-/// Prints the line; unless `--dry-run`, runs `doctor` with it, then the job (see
-/// [`supervise`] for what Ctrl-C does).
+/// Prints the line; unless `--dry-run`, checks every host over SSH, runs `doctor`
+/// with the line, then the job (see [`supervise`] for what Ctrl-C does).
 pub fn run(args: LaunchArgs) -> Result<i32> {
-    let mpirun = args
-        .mpirun
-        .clone()
-        .or_else(|| std::env::var("NANOGPT_MPIRUN").ok())
-        .unwrap_or_else(|| "mpirun".into());
     if args.command.first().map(String::as_str) != Some("train") {
         bail!("launch runs `train`: write `nanogpt launch --hosts FILE -n N -- train CONFIG.toml`");
     }
-    let flavour = launch::detect(&mpirun)?;
+    let explicit = args
+        .mpirun
+        .clone()
+        .or_else(|| std::env::var("NANOGPT_MPIRUN").ok());
+    let version = launch::probe::mpi_version();
+    let library = version
+        .as_deref()
+        .map(|v| (crate::dist::launcher::Library::of(v), v));
+    let (mpirun, flavour) = launch::pick(explicit.as_deref(), library)?;
     let hosts = launch::read_hosts(&args.hosts, flavour)?;
     if args.ranks == 0 || args.ranks > hosts.len() {
         bail!(
@@ -54,40 +58,94 @@ pub fn run(args: LaunchArgs) -> Result<i32> {
             hosts.len()
         );
     }
+    let iface = args.iface.as_deref();
+    if flavour == launch::Flavour::Hydra && iface.is_some_and(|i| i.contains('/')) {
+        bail!(
+            "--iface {}: MPICH and Intel MPI take an interface name (e.g. eth0), not a subnet",
+            iface.unwrap_or("")
+        );
+    }
     let binary = std::env::current_exe().context("cannot find this binary's path")?;
     let binary = binary.display().to_string();
     // SAFETY: geteuid has no preconditions and cannot fail.
     let as_root = unsafe { libc::geteuid() } == 0;
-    let job = |command: &[String]| {
+    let job = |command: &[String], env: Vec<String>| {
         Job {
             flavour,
             mpirun: &mpirun,
             hosts: &args.hosts,
             ranks: args.ranks,
-            iface: args.iface.as_deref(),
+            iface,
             binary: &binary,
             command,
-            env: launch::forwarded_env(),
+            env,
             as_root,
         }
         .argv()
     };
-    let train = job(&args.command);
-    crate::outln!("{}", launch::shell_line(&train));
+    crate::outln!(
+        "{}",
+        launch::shell_line(&job(&args.command, launch::forwarded_env()))
+    );
     if args.dry_run {
         return Ok(0);
     }
+    if version.is_none() {
+        bail!(
+            "this nanogpt is built without MPI support, so its ranks would each train alone: \
+             build it with `cargo build --release --features mpi` (docs/multinode.md)"
+        );
+    }
+    let hosts = &hosts[..args.ranks];
+    launch::probe::check_hosts(flavour, hosts, &binary, iface)?;
     let mut doctor_cmd = args.command.clone();
     doctor_cmd[0] = "doctor".into();
-    let doctor = job(&doctor_cmd);
-    let status = std::process::Command::new(&doctor[0])
-        .args(&doctor[1..])
+    let doctor = with_hub(hosts, iface, |env| job(&doctor_cmd, env));
+    let mut doctor = doctor;
+    let status = doctor
+        .command
         .status()
         .with_context(|| format!("cannot run {mpirun}"))?;
     if !status.success() {
         bail!("`nanogpt doctor` found problems (above); fix them, then launch again");
     }
-    supervise(&train)
+    let train = with_hub(hosts, iface, |env| job(&args.command, env));
+    supervise(train.command)
+}
+
+/// A launcher command (from `argv`, given the variables to forward) whose ranks
+/// check in with a hub served here ([`crate::dist::checkin`]), kept alive with it.
+struct Hubbed {
+    command: std::process::Command,
+    _hub: Option<crate::dist::checkin::Hub>,
+}
+
+fn with_hub(
+    hosts: &[String],
+    iface: Option<&str>,
+    argv: impl Fn(Vec<String>) -> Vec<String>,
+) -> Hubbed {
+    use crate::dist::checkin::{Hub, VARIABLE};
+    // This host's address on the named network, offered first.
+    let first = iface.and_then(|i| {
+        crate::dist::route::candidates()
+            .into_iter()
+            .find(|a| a.name == i)
+            .map(|a| a.ip)
+    });
+    let hub = Hub::for_launch(hosts.len(), hosts, first);
+    let mut env = launch::forwarded_env();
+    env.retain(|v| v != VARIABLE);
+    if hub.is_some() {
+        env.push(VARIABLE.into());
+    }
+    let argv = argv(env);
+    let mut command = std::process::Command::new(&argv[0]);
+    command.args(&argv[1..]);
+    if let Some(hub) = &hub {
+        command.env(VARIABLE, hub.invitation.encode());
+    }
+    Hubbed { command, _hub: hub }
 }
 
 /// Runs the job's launcher and waits for it, turning the first SIGINT/SIGTERM (Ctrl-C)
@@ -97,49 +155,81 @@ pub fn run(args: LaunchArgs) -> Result<i32> {
 /// signal is passed on as SIGTERM, the launcher's own abort. The launcher runs in
 /// its own process group, so the terminal's Ctrl-C reaches only this process, and
 /// without stdin (a background group reading the terminal would be stopped).
-/// Returns the launcher's exit status.
-fn supervise(argv: &[String]) -> Result<i32> {
+/// Returns the launcher's exit status, or after a signal was passed on 128 + the
+/// first signal (130 for SIGINT, 143 for SIGTERM: "stopped, resume me"), as the
+/// ranks exit, whatever the launcher says (Hydra exits 0, Open MPI 138), unless the
+/// launcher reports another failure.
+fn supervise(mut command: std::process::Command) -> Result<i32> {
     use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
     use std::os::unix::process::{CommandExt, ExitStatusExt};
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
-    let signalled = Arc::new(AtomicBool::new(false));
-    for sig in [SIGINT, SIGTERM] {
-        signal_hook::flag::register(sig, Arc::clone(&signalled))
+    let flags = [SIGINT, SIGTERM].map(|sig| (sig, Arc::new(AtomicBool::new(false))));
+    for (sig, flag) in &flags {
+        signal_hook::flag::register(*sig, Arc::clone(flag))
             .context("cannot install the SIGINT/SIGTERM handlers")?;
     }
-    let mut child = std::process::Command::new(&argv[0])
-        .args(&argv[1..])
+    let launcher = command.get_program().to_string_lossy().into_owned();
+    let mut child = command
         .stdin(std::process::Stdio::null())
         .process_group(0)
         .spawn()
-        .with_context(|| format!("cannot run {}", argv[0]))?;
-    let mut passed_on = 0;
+        .with_context(|| format!("cannot run {launcher}"))?;
+    let mut first_signal = None;
     loop {
         if let Some(status) = child.try_wait()? {
-            return Ok(status
+            let code = status
                 .code()
-                .unwrap_or_else(|| 128 + status.signal().unwrap_or(0)));
+                .unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
+            return Ok(exit_status(code, first_signal));
         }
-        if signalled.swap(false, Ordering::SeqCst) {
-            let (sig, name, what) = match passed_on {
-                0 => (
+        for (sig, flag) in &flags {
+            if !flag.swap(false, Ordering::SeqCst) {
+                continue;
+            }
+            let (to, name, what) = match first_signal {
+                None => (
                     SIGUSR1,
                     "SIGUSR1",
                     "every rank stops after the step in progress and rank 0 writes a \
                      checkpoint (Ctrl-C again to abort at once)",
                 ),
-                _ => (SIGTERM, "SIGTERM", "aborting the job"),
+                Some(_) => (SIGTERM, "SIGTERM", "aborting the job"),
             };
-            passed_on += 1;
-            crate::errln!(
-                "launch: passing the signal on to {} as {name}: {what}",
-                argv[0]
-            );
+            first_signal.get_or_insert(*sig);
+            crate::errln!("launch: passing the signal on to {launcher} as {name}: {what}");
             // SAFETY: kill has no memory-safety preconditions; the pid is our own
             // child's, which has not been reaped yet (try_wait above saw it running).
-            unsafe { libc::kill(child.id() as libc::pid_t, sig) };
+            unsafe { libc::kill(child.id() as libc::pid_t, to) };
         }
         std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+/// `launch`'s exit status from the launcher's `code`, given the first signal passed
+/// on (if any): 128 + that signal when the job stopped as asked (the launcher's 0,
+/// or a rank's stop status 130, 143, 138), else the launcher's code.
+fn exit_status(code: i32, first_signal: Option<i32>) -> i32 {
+    match first_signal {
+        Some(sig) if matches!(code, 0 | 130 | 138 | 143) => 128 + sig,
+        _ => code,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stop_passed_on_exits_with_the_users_signal_and_failures_stay() {
+        // Hydra reports 0 after forwarding; Open MPI the ranks' 138.
+        assert_eq!(exit_status(0, Some(libc::SIGINT)), 130);
+        assert_eq!(exit_status(138, Some(libc::SIGINT)), 130);
+        assert_eq!(exit_status(0, Some(libc::SIGTERM)), 143);
+        // A rank's error during the stop is still a failure.
+        assert_eq!(exit_status(1, Some(libc::SIGINT)), 1);
+        // No signal: the launcher's status.
+        assert_eq!(exit_status(0, None), 0);
+        assert_eq!(exit_status(255, None), 255);
     }
 }

@@ -48,6 +48,10 @@ pub enum Command {
     /// Run `train` on several hosts: writes, prints and runs the mpirun line for the
     /// MPI installed (Open MPI or MPICH/Intel MPI), after `doctor`.
     Launch(launch::LaunchArgs),
+    /// This host's nanogpt build, MPI and networks as one line of JSON: what
+    /// `launch` asks every host over SSH before starting.
+    #[command(hide = true)]
+    HostInfo,
 }
 
 /// Runs the command; returns the process's exit status (non-zero only for a
@@ -64,6 +68,13 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Plan(args) => plan::run(args).map(|()| 0),
         Command::Doctor(args) => doctor::run(args),
         Command::Launch(args) => launch::run(args),
+        Command::HostInfo => {
+            crate::outln!(
+                "{}",
+                serde_json::to_string(&crate::launch::probe::this_host())?
+            );
+            Ok(0)
+        }
     }
 }
 

@@ -12,13 +12,21 @@
 //! needs on top: the gradient buckets, the buffers of the overlapped all-reduce and
 //! of ZeRO-1, and the communication timings.
 
+pub mod checkin;
+pub mod heartbeat;
+pub mod identity;
+pub mod launcher;
 mod parallel;
 mod plan;
 pub mod preflight;
 mod reduce_check;
 pub mod route;
+// Used by the MPI transport only; its tests run in every build.
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+mod startup;
 mod update;
 mod watchdog;
+mod wire;
 
 #[cfg(feature = "mpi")]
 mod mpi;
@@ -35,6 +43,7 @@ pub use watchdog::{leave_if_stuck, Watchdog};
 
 use crate::model::Dtype;
 use anyhow::Result;
+use checkin::Checkin;
 use std::ops::Range;
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -437,23 +446,50 @@ pub fn init() -> Result<Box<dyn Collective>> {
 
 #[cfg(feature = "mpi")]
 fn init_backend() -> Result<Box<dyn Collective>> {
-    if launched_by_mpi() {
-        return Ok(Box::new(mpi::Mpi::init()?));
+    if !launched_by_mpi() {
+        return Ok(Box::new(Single));
     }
-    Ok(Box::new(Single))
+    // Check in with the job's hub (`launch`, or rank 0), then refuse the other MPI's
+    // launcher before MPI starts: it would make this process a job of one. What MPI
+    // then sees is compared with the launcher's count too.
+    let started = launcher::started();
+    let checkin = std::sync::Arc::new(started.as_ref().map_or_else(Checkin::none, Checkin::start));
+    let version = mpi::library_version();
+    if let Some(started) = &started {
+        if let Err(why) = launcher::check_library(started, &version) {
+            checkin.fail(&why);
+            anyhow::bail!(why);
+        }
+    }
+    let comm = mpi::Mpi::init(checkin, started.as_ref().and_then(|s| s.rank))?;
+    if let Some(started) = &started {
+        launcher::check_world_size(started, comm.world_size(), &version)
+            .map_err(anyhow::Error::msg)?;
+    }
+    Ok(Box::new(comm))
 }
 
 #[cfg(not(feature = "mpi"))]
 fn init_backend() -> Result<Box<dyn Collective>> {
-    if let Some(n) = launcher_world_size().filter(|&n| n > 1) {
-        anyhow::bail!(
-            "host {}: started as one of {n} processes (mpirun/srun), but this nanogpt was \
+    let started = launcher::started().filter(|_| launched_by_mpi());
+    if let Some(started) = started.filter(|s| s.size.is_some_and(|n| n > 1)) {
+        let why = format!(
+            "host {}: started as one of {} processes (mpirun/srun), but this nanogpt was \
              built without MPI support, so each process would train alone; rebuild it on this \
              host with `cargo build --release --features mpi` (see docs/multinode.md)",
-            this_host()
+            this_host(),
+            started.size.unwrap_or(0)
         );
+        Checkin::start(&started).fail(&why);
+        anyhow::bail!(why);
     }
     Ok(Box::new(Single))
+}
+
+/// The linked MPI library's `MPI_Get_library_version` (MPI need not be started).
+#[cfg(feature = "mpi")]
+pub fn mpi_library_version() -> String {
+    mpi::library_version()
 }
 
 /// This machine's host name (as `hostname` prints it), or `?`.
@@ -486,14 +522,6 @@ pub fn launched_by_mpi() -> bool {
     LAUNCHER_VARS.iter().any(|v| std::env::var_os(v).is_some())
 }
 
-/// The number of processes a launcher says it started, where it says so.
-#[cfg(not(feature = "mpi"))]
-fn launcher_world_size() -> Option<usize> {
-    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"]
-        .iter()
-        .find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
-}
-
 /// Ends the process after an error: alone, prints `error: ...` and exits 1; in a
 /// job of several ranks, names the rank and host and aborts the whole job
 /// (`MPI_Abort`), so no other rank is left waiting.
@@ -517,6 +545,7 @@ pub fn fail(err: &anyhow::Error) -> ! {
 
 /// Aborts every rank of the job (or this process, without MPI).
 pub fn abort_job(code: i32) -> ! {
+    heartbeat::aborting();
     #[cfg(feature = "mpi")]
     mpi::abort_world(code);
     #[allow(unreachable_code)]
@@ -527,6 +556,7 @@ pub fn abort_job(code: i32) -> ! {
 /// that hang, the process still leaves with `code`. Call once, after every
 /// [`Collective`] has been dropped.
 pub fn finish(code: i32) {
+    heartbeat::bye();
     #[cfg(feature = "mpi")]
     mpi::finalize(code);
     #[cfg(not(feature = "mpi"))]

@@ -11,9 +11,11 @@
 //! each, on one host too (`NANOGPT_PROGRESS_THREAD=0` turns it off), and ZeRO-1/2's
 //! all-gathers of the updated weights one for the whole group.
 
+use super::checkin::Checkin;
 use super::ring::{Element, Ring, Rings, Shape};
+use super::startup::Timer;
+use super::{heartbeat, Reported, Watchdog};
 use super::{BackwardFn, Bucket, Collective, GatherPart, OverlapTimes, Pending, Reduce};
-use super::{Reported, Watchdog};
 use crate::kernels::bf16::Bf16;
 use anyhow::{bail, Result};
 use mpi::collective::{CommunicatorCollectives, Root, SystemOperation};
@@ -99,10 +101,12 @@ impl Mpi {
         }
     }
 
-    /// `MPI_Init_thread`, then the rank, world size, ranks on this host and every
-    /// rank's host, all under a start-up timer (see [`StartTimer`]).
-    pub fn init() -> Result<Mpi> {
-        let timer = StartTimer::start();
+    /// `MPI_Init_thread`, then the rank, world size, ranks on this host, every
+    /// rank's host and build, and the heartbeat's port, all under the start-up timer
+    /// ([`super::startup`]), which asks `checkin`'s hub who never started; `rank`
+    /// is this process's rank as the launcher said.
+    pub fn init(checkin: Arc<Checkin>, rank: Option<usize>) -> Result<Mpi> {
+        let timer = Timer::start(Arc::clone(&checkin), rank, abort_world);
         let Some((universe, threading)) = mpi::initialize_with_threading(Threading::Multiple)
         else {
             bail!("MPI was already initialised in this process");
@@ -113,15 +117,36 @@ impl Mpi {
         let local = world.split_shared(world.rank()).size() as usize;
         SPANS_HOSTS.store(local < size, Ordering::SeqCst);
         let host = mpi::environment::processor_name().unwrap_or_else(|_| "?".into());
-        let hosts = all_hosts(&world, &host);
+        let hosts = all_gather_names(&world, &host);
+        let builds = all_gather_names(&world, super::identity::build_hash());
+        // Rank 0's heartbeat port, told to every rank (see `super::heartbeat`).
+        let beat_host = (rank == 0 && size > 1).then(heartbeat::listen).flatten();
+        let invitation = beat_host.as_ref().map(|h| h.invitation.encode());
+        let invitation = broadcast_text(&world, invitation.unwrap_or_default());
         // A second communicator, for the watchdog thread's messages only; never
         // freed (leaked), so its handle stays valid for the whole process.
         let diag = RawComm(Box::leak(Box::new(world.duplicate())).as_raw());
         // The rings' communicator, likewise never freed.
         let ring_comm = RawComm(Box::leak(Box::new(world.duplicate())).as_raw());
         timer.done();
+        checkin.up();
         *UNIVERSE.lock().unwrap_or_else(|e| e.into_inner()) = Some(universe);
         let who = format!("rank {rank} of {size} (host {host})");
+        if let Some(why) = other_builds(&hosts, &builds) {
+            match rank {
+                0 => bail!("{who}: refusing to start: {why}"),
+                _ => {
+                    bail!("{who}: refusing to start: another build than rank 0's (see its message)")
+                }
+            }
+        }
+        if size > 1 {
+            let invitation = super::wire::Invitation::decode(&invitation);
+            heartbeat::start(rank, hosts.clone(), beat_host, invitation, |msg| {
+                crate::errln!("error: {msg}");
+                abort_world(5);
+            });
+        }
         if size > 1 {
             // A panic on one rank must not leave the others waiting for it.
             let prev = std::panic::take_hook();
@@ -370,12 +395,13 @@ impl Mpi {
     }
 }
 
-/// Every rank's host name, in rank order (an all-gather of fixed-size names).
-fn all_hosts(world: &SimpleCommunicator, host: &str) -> Vec<String> {
+/// Every rank's `name` (a host name, a build hash), in rank order: an all-gather
+/// of fixed-size names.
+fn all_gather_names(world: &SimpleCommunicator, name: &str) -> Vec<String> {
     const MAX: usize = 256;
     let mut mine = [0u8; MAX];
-    let n = host.len().min(MAX);
-    mine[..n].copy_from_slice(&host.as_bytes()[..n]);
+    let n = name.len().min(MAX);
+    mine[..n].copy_from_slice(&name.as_bytes()[..n]);
     let mut all = vec![0u8; MAX * world.size() as usize];
     world.all_gather_into(&mine[..], &mut all[..]);
     all.chunks(MAX)
@@ -384,6 +410,38 @@ fn all_hosts(world: &SimpleCommunicator, host: &str) -> Vec<String> {
                 .into_owned()
         })
         .collect()
+}
+
+/// Rank 0's `text` on every rank.
+fn broadcast_text(world: &SimpleCommunicator, text: String) -> String {
+    let root = world.process_at_rank(0);
+    let mut bytes = text.into_bytes();
+    let mut len = bytes.len() as u64;
+    root.broadcast_into(&mut len);
+    bytes.resize(count(len as usize), 0);
+    root.broadcast_into(&mut bytes[..]);
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// The ranks whose binary is another build than rank 0's, named with their hosts
+/// and the fix; None when every rank runs rank 0's build.
+fn other_builds(hosts: &[String], builds: &[String]) -> Option<String> {
+    let others: Vec<String> = builds
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| **b != builds[0])
+        .map(|(r, b)| format!("rank {r} (host {}) runs build {b}", hosts[r]))
+        .collect();
+    (!others.is_empty()).then(|| {
+        format!(
+            "{}, rank 0 (host {}) build {}: every host needs the same nanogpt binary at the \
+             same path; copy rank 0's to the others (e.g. scp), or use `nanogpt launch`, which \
+             checks this before starting",
+            others.join(", "),
+            hosts[0],
+            builds[0]
+        )
+    })
 }
 
 /// A raw communicator handle the watchdog thread may use.
@@ -481,72 +539,10 @@ fn diagnose(missing: Option<Vec<usize>>, hosts: &[String]) -> String {
     }
 }
 
-/// Seconds MPI start-up (`MPI_Init` and the first collectives) may take:
-/// `NANOGPT_START_TIMEOUT_S`, default 120.
-fn start_timeout() -> Duration {
-    let secs = std::env::var("NANOGPT_START_TIMEOUT_S")
-        .ok()
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .filter(|s| s.is_finite() && *s > 0.0)
-        .unwrap_or(120.0);
-    Duration::from_secs_f64(secs)
-}
-
-/// Ends this process when MPI start-up hangs (an interface that does not connect
-/// the hosts, a firewall, an unreachable host), with a message saying so: MPI
-/// itself would wait forever, printing nothing.
-struct StartTimer {
-    done: Arc<AtomicBool>,
-}
-
-impl StartTimer {
-    fn start() -> StartTimer {
-        let done = Arc::new(AtomicBool::new(false));
-        let flag = Arc::clone(&done);
-        let limit = start_timeout();
-        let _ = std::thread::Builder::new()
-            .name("mpi-start-timer".into())
-            .spawn(move || {
-                let start = Instant::now();
-                while start.elapsed() < limit {
-                    std::thread::sleep(Duration::from_millis(100));
-                    if flag.load(Ordering::SeqCst) {
-                        return;
-                    }
-                }
-                crate::errln!("error: {}", start_hang_message(limit));
-                abort_world(4);
-            });
-        StartTimer { done }
-    }
-
-    fn done(self) {
-        self.done.store(true, Ordering::SeqCst);
-    }
-}
-
-/// What a rank says when MPI start-up did not complete in `limit`.
-fn start_hang_message(limit: Duration) -> String {
-    let host = super::this_host();
-    let rank = [
-        "OMPI_COMM_WORLD_RANK",
-        "PMI_RANK",
-        "PMIX_RANK",
-        "SLURM_PROCID",
-    ]
-    .iter()
-    .find_map(|v| std::env::var(v).ok())
-    .map_or(String::new(), |r| format!("rank {r}, "));
-    format!(
-        "{rank}host {host}: MPI start-up (MPI_Init and the first collectives) did not complete \
-         in {:.0} s (NANOGPT_START_TIMEOUT_S): the ranks cannot reach each other. Likely causes: \
-         MPI picked a network interface that does not join the hosts (docker0 or virbr0 have the \
-         same address on every host): name the right one with `--mca btl_tcp_if_include eth0 \
-         --mca oob_tcp_if_include eth0` (Open MPI) or `-iface eth0` (MPICH, Intel MPI); a \
-         firewall between the hosts (MPI needs TCP connections between every pair); a host \
-         name that resolves to an address the others cannot reach. See docs/multinode.md",
-        limit.as_secs_f64()
-    )
+/// The linked MPI library's `MPI_Get_library_version` (callable before `MPI_Init`).
+pub fn library_version() -> String {
+    let version = mpi::environment::library_version().unwrap_or_default();
+    version.trim_end_matches(['\0', '\n', ' ']).to_string()
 }
 
 /// How long `MPI_Abort` may take before this process ends itself: with a host
@@ -556,6 +552,7 @@ const ABORT_GRACE: Duration = Duration::from_secs(5);
 /// `MPI_Abort` on the world (every rank ends), or a plain exit when MPI is not up.
 /// If `MPI_Abort` has not ended the process after [`ABORT_GRACE`], it exits anyway.
 pub fn abort_world(code: i32) -> ! {
+    heartbeat::aborting();
     let _ = std::thread::Builder::new()
         .name("abort-fallback".into())
         .spawn(move || {

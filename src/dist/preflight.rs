@@ -6,8 +6,8 @@
 //!   overrides given to another rank that differ are reported in a note, never used:
 //!   only rank 0's host needs the config.
 //! - [`check_same_inputs`]: every rank fingerprints what it will read (the dataset's
-//!   files: size and a hash of evenly spaced samples; the binary's version and
-//!   features) and compares with rank 0's; any difference refuses the job before
+//!   files: size and a hash of evenly spaced samples; the binary's version, build
+//!   and features) and compares with rank 0's; any difference refuses the job before
 //!   step 1 and before any checkpoint, naming the rank, host and file.
 //!
 //! The init weights (a checkpoint or a pretrained model) need no check: rank 0
@@ -103,7 +103,7 @@ fn config_differences(root: &ConfigText, path: Option<&str>, overrides: &[String
 /// What one rank will read, as compared across ranks.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Fingerprint {
-    /// `nanogpt VERSION (features: ...)`.
+    /// `nanogpt VERSION (build HASH, features: ...)` ([`super::identity::binary_id`]).
     pub binary: String,
     /// The dataset's files: name within the dataset folder, size, sampled hash.
     pub files: Vec<FilePrint>,
@@ -115,26 +115,6 @@ pub struct FilePrint {
     /// None: the file does not exist here.
     pub size: Option<u64>,
     pub hash: u64,
-}
-
-/// This binary's version and compiled-in features.
-pub fn binary_id() -> String {
-    let mut features = Vec::new();
-    if cfg!(feature = "mpi") {
-        features.push("mpi");
-    }
-    if cfg!(feature = "download") {
-        features.push("download");
-    }
-    format!(
-        "nanogpt {} (features: {})",
-        env!("CARGO_PKG_VERSION"),
-        if features.is_empty() {
-            "none".to_string()
-        } else {
-            features.join(", ")
-        }
-    )
 }
 
 /// The dataset files a run reads from its folder. The loss masks exist for
@@ -156,15 +136,15 @@ impl Fingerprint {
             .map(|name| file_print(&data_dir.join(name), name))
             .collect::<Result<_>>()?;
         Ok(Fingerprint {
-            binary: binary_id(),
+            binary: super::identity::binary_id(),
             files,
         })
     }
 
-    /// One hash of the whole fingerprint, for a table column.
+    /// One hash of the dataset's files, for a table column (the binary has a
+    /// column of its own).
     pub fn digest(&self) -> u64 {
         let mut h = Fnv::new();
-        h.write(self.binary.as_bytes());
         for f in &self.files {
             h.write(f.name.as_bytes());
             h.write(&f.size.unwrap_or(u64::MAX).to_le_bytes());
@@ -489,6 +469,19 @@ mod tests {
         );
         assert!(diff[1].contains("val.bin has other content"), "{diff:?}");
         assert_ne!(mine.digest(), root.digest());
+        // Another build reads the same data: named as a difference, but the data's
+        // digest (doctor's `data` column) stays.
+        let other_build = Fingerprint {
+            binary: "nanogpt 0.1.0 (build 000000000000, features: none)".into(),
+            ..root.clone()
+        };
+        let diff = other_build.differences(&root, dir.path());
+        assert_eq!(diff.len(), 1, "{diff:?}");
+        assert!(
+            diff[0].starts_with("the binary is nanogpt 0.1.0 (build 000000000000"),
+            "{diff:?}"
+        );
+        assert_eq!(other_build.digest(), root.digest());
     }
 
     #[test]

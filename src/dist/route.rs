@@ -57,7 +57,38 @@ fn interface_of(ip: IpAddr) -> Option<String> {
 }
 
 /// Every (interface, address) pair of this host (`getifaddrs`).
-fn interfaces() -> Vec<(String, IpAddr)> {
+pub fn interfaces() -> Vec<(String, IpAddr)> {
+    addresses().into_iter().map(|a| (a.name, a.ip)).collect()
+}
+
+/// One address of one of this host's interfaces.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Address {
+    pub name: String,
+    pub ip: IpAddr,
+    /// Up and with a carrier (`IFF_UP` and `IFF_RUNNING`): usable.
+    pub running: bool,
+}
+
+/// The networks MPI may choose between on this host: the running interfaces'
+/// IPv4 addresses, loopback left out (`eth0 10.0.0.1`, `docker0 172.17.0.1`).
+pub fn candidates() -> Vec<Address> {
+    addresses()
+        .into_iter()
+        .filter(|a| a.running && a.ip.is_ipv4() && !a.ip.is_loopback())
+        .collect()
+}
+
+/// `eth0 10.0.0.1, docker0 172.17.0.1`.
+pub fn describe(addrs: &[Address]) -> String {
+    addrs
+        .iter()
+        .map(|a| format!("{} {}", a.name, a.ip))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn addresses() -> Vec<Address> {
     let mut out = Vec::new();
     let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: getifaddrs writes a list head to `list` on success (return 0); the list
@@ -76,18 +107,23 @@ fn interfaces() -> Vec<(String, IpAddr)> {
                 let name = std::ffi::CStr::from_ptr(node.ifa_name)
                     .to_string_lossy()
                     .into_owned();
-                match (*node.ifa_addr).sa_family as i32 {
+                let flags = node.ifa_flags as libc::c_int;
+                let running = flags & libc::IFF_UP != 0 && flags & libc::IFF_RUNNING != 0;
+                let ip = match (*node.ifa_addr).sa_family as i32 {
                     libc::AF_INET => {
                         let a = &*(node.ifa_addr as *const libc::sockaddr_in);
-                        let ip = std::net::Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr));
-                        out.push((name, IpAddr::V4(ip)));
+                        Some(IpAddr::V4(std::net::Ipv4Addr::from(u32::from_be(
+                            a.sin_addr.s_addr,
+                        ))))
                     }
                     libc::AF_INET6 => {
                         let a = &*(node.ifa_addr as *const libc::sockaddr_in6);
-                        let ip = std::net::Ipv6Addr::from(a.sin6_addr.s6_addr);
-                        out.push((name, IpAddr::V6(ip)));
+                        Some(IpAddr::V6(std::net::Ipv6Addr::from(a.sin6_addr.s6_addr)))
                     }
-                    _ => {}
+                    _ => None,
+                };
+                if let Some(ip) = ip {
+                    out.push(Address { name, ip, running });
                 }
             }
             at = node.ifa_next;

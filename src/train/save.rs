@@ -122,6 +122,7 @@ impl Trainer {
         };
         checkpoint::save_streamed(path, &state, layout, true, &mut source)?;
         self.save_tokenizer()?;
+        crate::dist::heartbeat::checkpoint_written(path, iter);
         for old in std::mem::take(&mut self.replace_at_first_save) {
             if old != path {
                 // Best effort: a leftover is refused by the next fresh start, not lost.

@@ -73,6 +73,7 @@ impl Start {
     pub fn new(cfg: &TrainConfig, comm: &dyn Collective) -> Result<Start> {
         cfg.check_world_size(comm.world_size())?;
         comm.set_timeout(Duration::from_secs_f64(cfg.collective_timeout_s));
+        crate::dist::heartbeat::set_timeout(Duration::from_secs_f64(cfg.heartbeat_timeout_s));
         let root = comm.rank() == 0;
         // Rank 0 prepares a built-in dataset first, so ranks sharing its directory
         // find it ready (ranks on other hosts prepare their own copy).
@@ -500,6 +501,7 @@ fn resume(cfg: &TrainConfig, data: &Dataset, adam_cfg: AdamWConfig) -> Result<Tr
         state.iter_num
     );
     check_resume_compatible(cfg, meta, state)?;
+    crate::dist::heartbeat::checkpoint_written(ckpt.path(), state.iter_num);
     check_same_tokenizer(ckpt.path(), cfg, meta, state)?;
     note_other_data(ckpt.path(), &data.record, state);
     if state.iter_num > cfg.max_iters && !cfg.eval_only {

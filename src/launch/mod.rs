@@ -1,7 +1,11 @@
 //! `nanogpt launch`: the MPI command line of a job of one rank per host, for the
-//! MPI installed here (Open MPI, or Hydra: MPICH and Intel MPI), printed so that it
-//! can be run by hand, then checked with `nanogpt doctor` and run.
+//! MPI this binary links (Open MPI, or Hydra: MPICH and Intel MPI), printed so that
+//! it can be run by hand; every host checked over SSH ([`probe`]); then the job
+//! checked with `nanogpt doctor` and run.
 
+pub mod probe;
+
+use crate::dist::launcher::Library;
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 use std::process::Command;
@@ -47,12 +51,97 @@ pub fn detect(mpirun: &str) -> Result<Flavour> {
     })
 }
 
+/// The launcher flavour that starts a library's processes.
+pub fn flavour_for(library: Library) -> Option<Flavour> {
+    match library {
+        Library::OpenMpi => Some(Flavour::OpenMpi),
+        Library::Mpich | Library::IntelMpi => Some(Flavour::Hydra),
+        Library::Other => None,
+    }
+}
+
+/// The launchers to try for each flavour, the ones named after their MPI first:
+/// with both MPIs installed (Debian, Ubuntu), plain `mpirun` and `mpiexec` are
+/// whichever the alternatives system picked.
+fn candidates(flavour: Flavour) -> &'static [&'static str] {
+    match flavour {
+        Flavour::OpenMpi => &["mpirun.openmpi", "mpiexec.openmpi", "mpirun", "mpiexec"],
+        Flavour::Hydra => &[
+            "mpiexec.hydra",
+            "mpirun.mpich",
+            "mpiexec.mpich",
+            "mpirun",
+            "mpiexec",
+        ],
+    }
+}
+
+/// The launcher to use and its flavour: `explicit` (`--mpirun`, `$NANOGPT_MPIRUN`)
+/// if given, else the first launcher of the linked `library`'s flavour found on
+/// `PATH`, else `mpirun`. Refuses a launcher of the other MPI, naming both.
+pub fn pick(explicit: Option<&str>, library: Option<(Library, &str)>) -> Result<(String, Flavour)> {
+    let wanted = library.and_then(|(lib, _)| flavour_for(lib));
+    let mpirun = match (explicit, wanted) {
+        (Some(m), _) => m.to_string(),
+        (None, Some(w)) => candidates(w)
+            .iter()
+            .find(|c| on_path(c) && detect(c).ok() == Some(w))
+            .map(|c| c.to_string())
+            .with_context(|| {
+                let (lib, version) = library.expect("a wanted flavour comes from a library");
+                format!(
+                    "this nanogpt is built against {} ({}), and no launcher of it is installed \
+                     here (tried {}): install it (Debian/Ubuntu: {}), or name one with --mpirun",
+                    lib.name(),
+                    version.lines().next().unwrap_or("").trim(),
+                    candidates(w).join(", "),
+                    match w {
+                        Flavour::OpenMpi => "apt-get install openmpi-bin",
+                        Flavour::Hydra => "apt-get install mpich",
+                    }
+                )
+            })?,
+        (None, None) => "mpirun".into(),
+    };
+    let flavour = detect(&mpirun)?;
+    if let (Some(w), Some((lib, _))) = (wanted, library) {
+        if flavour != w {
+            bail!(
+                "{mpirun} is {}, but this nanogpt is built against {}: each process would \
+                 train alone. Use {} (or leave --mpirun out: launch picks it)",
+                match flavour {
+                    Flavour::OpenMpi => "Open MPI's launcher",
+                    Flavour::Hydra => "Hydra, the launcher of MPICH and Intel MPI",
+                },
+                lib.name(),
+                lib.launchers()
+            );
+        }
+    }
+    Ok((mpirun, flavour))
+}
+
+/// Whether `program` is an executable file in a folder of `PATH` (or a path to one).
+fn on_path(program: &str) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    let executable = |p: &Path| {
+        p.metadata()
+            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    if program.contains('/') {
+        return executable(Path::new(program));
+    }
+    std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|dir| executable(&dir.join(program))))
+}
+
 /// Environment variables forwarded to every rank when set here.
-const FORWARD: [&str; 6] = [
+const FORWARD: [&str; 7] = [
     "HF_HOME",
     "HF_HUB_CACHE",
     "HF_HUB_OFFLINE",
     "NANOGPT_START_TIMEOUT_S",
+    "NANOGPT_CHECKIN",
     "RUST_BACKTRACE",
     "LD_LIBRARY_PATH",
 ];
@@ -101,6 +190,8 @@ impl Job<'_> {
                     push(&["-x", v]);
                 }
                 if let Some(i) = self.iface {
+                    // TCP for the data (btl) and the runtime (oob), by name or subnet;
+                    // UCX (pml ucx) by name.
                     push(&[
                         "--mca",
                         "btl_tcp_if_include",
@@ -109,10 +200,18 @@ impl Job<'_> {
                         "oob_tcp_if_include",
                         i,
                     ]);
+                    if !i.contains('/') {
+                        push(&["-x", &format!("UCX_NET_DEVICES={i}")]);
+                    }
                 }
-                // A host that is down fails ssh in 10 s; a host lost mid-run is
-                // noticed in seconds (else mpirun can hang after an abort).
-                push(&["--mca", "plm_rsh_args", "-o ConnectTimeout=10"]);
+                // A host that is down fails ssh in 10 s, one that asks for a password
+                // at once; a host lost mid-run is noticed in seconds (else mpirun can
+                // hang after an abort).
+                push(&[
+                    "--mca",
+                    "plm_rsh_args",
+                    "-o ConnectTimeout=10 -o BatchMode=yes",
+                ]);
                 push(&["--mca", "oob_tcp_keepalive_time", "5"]);
                 push(&["--mca", "oob_tcp_keepalive_intvl", "1"]);
                 push(&["--mca", "oob_tcp_keepalive_probes", "3"]);
@@ -121,8 +220,23 @@ impl Job<'_> {
                 push(&[
                     "-f", &hosts, "-n", &n, "-ppn", "1", "-bind-to", "none", "-genvall",
                 ]);
+                // Hydra kills every rank within a fraction of a second of one dying,
+                // often before rank 0's message (which host, which checkpoint) gets
+                // out; rank 0's heartbeat ends the job itself (MPI_Abort), at once.
+                push(&["-disable-auto-cleanup"]);
                 if let Some(i) = self.iface {
-                    push(&["-iface", i]);
+                    // Hydra's own connections (-iface); the data: UCX (Debian's MPICH
+                    // ignores -iface) and libfabric's TCP provider (Intel MPI).
+                    push(&[
+                        "-iface",
+                        i,
+                        "-genv",
+                        "UCX_NET_DEVICES",
+                        i,
+                        "-genv",
+                        "FI_TCP_IFACE",
+                        i,
+                    ]);
                 }
             }
         }
@@ -224,7 +338,8 @@ mod tests {
         };
         assert_eq!(
             shell_line(&job.argv()),
-            "mpirun -f hosts -n 3 -ppn 1 -bind-to none -genvall -iface eth0 /opt/nanogpt train c.toml"
+            "mpirun -f hosts -n 3 -ppn 1 -bind-to none -genvall -disable-auto-cleanup -iface eth0 \
+             -genv UCX_NET_DEVICES eth0 -genv FI_TCP_IFACE eth0 /opt/nanogpt train c.toml"
         );
         job.flavour = Flavour::OpenMpi;
         job.env = vec!["HF_HOME".into()];
@@ -233,7 +348,8 @@ mod tests {
             line.starts_with(
                 "mpirun --hostfile hosts -n 3 --map-by node --bind-to none -x HF_HOME \
                  --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 \
-                 --mca plm_rsh_args '-o ConnectTimeout=10'"
+                 -x UCX_NET_DEVICES=eth0 \
+                 --mca plm_rsh_args '-o ConnectTimeout=10 -o BatchMode=yes'"
             ),
             "{line}"
         );
