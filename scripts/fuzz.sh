@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 SECONDS_PER_TARGET=${1:-60}
 shift || true
-ALL_TARGETS=(checkpoint safetensors_weights meta_json config_toml hf_config token_file prepare_readers)
+ALL_TARGETS=(checkpoint safetensors_weights meta_json config_toml hf_config token_file prepare_readers task_file serve_request)
 TARGETS=("$@")
 [ ${#TARGETS[@]} -eq 0 ] && TARGETS=("${ALL_TARGETS[@]}")
 
@@ -72,6 +72,12 @@ make_seeds() {
     { printf '\x01'; printf '{"text": "one doc"}\n{"text": "two\\n", "id": 2}\n'; } |
         seed prepare_readers jsonl
     { printf '\x02'; cat tests/fixtures/docs.parquet; } | seed prepare_readers parquet
+    { printf '\x00'; cat tests/fixtures/tasks/hellaswag.jsonl; } | seed task_file hellaswag
+    { printf '\x01'; cat tests/fixtures/tasks/choice.jsonl; } | seed task_file choice
+    printf '\x00{"prompt": [[464, 3797], "The cat"], "max_tokens": 4, "logprobs": 2, "echo": true, "stop": ["\\n"], "logit_bias": {"11": -100}, "stream": true, "stream_options": {"include_usage": true}}' |
+        seed serve_request completions
+    printf '\x01{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}], "max_tokens": 8, "logprobs": true, "top_logprobs": 2, "n": 2, "seed": 3}' |
+        seed serve_request chat
 }
 
 artifacts() { # crash/timeout/oom inputs saved for TARGET so far
