@@ -21,7 +21,7 @@ ROOT=$PWD
 SECONDS_PER_TARGET=${1:-60}
 shift || true
 ALL_TARGETS=(checkpoint safetensors_weights meta_json config_toml hf_config token_file prepare_readers
-    adapter_config instruct_jsonl)
+    adapter_config instruct_jsonl task_file serve_request)
 TARGETS=("$@")
 [ ${#TARGETS[@]} -eq 0 ] && TARGETS=("${ALL_TARGETS[@]}")
 
@@ -84,6 +84,12 @@ make_seeds() {
     { printf '\x00'; cat tests/fixtures/instruct/chat.jsonl; } | seed instruct_jsonl chat
     { printf '\x02'; printf '\xef\xbb\xbf{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]}\n'; } |
         seed instruct_jsonl bom
+    { printf '\x00'; cat tests/fixtures/tasks/hellaswag.jsonl; } | seed task_file hellaswag
+    { printf '\x01'; cat tests/fixtures/tasks/choice.jsonl; } | seed task_file choice
+    printf '\x00{"prompt": [[464, 3797], "The cat"], "max_tokens": 4, "logprobs": 2, "echo": true, "stop": ["\\n"], "logit_bias": {"11": -100}, "stream": true, "stream_options": {"include_usage": true}}' |
+        seed serve_request completions
+    printf '\x01{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}], "max_tokens": 8, "logprobs": true, "top_logprobs": 2, "n": 2, "seed": 3}' |
+        seed serve_request chat
 }
 
 artifacts() { # crash/timeout/oom inputs saved for TARGET so far

@@ -25,6 +25,25 @@ impl Progress {
         Progress { bar }
     }
 
+    /// A bar over `total` items of a job (`what`: "questions") when stderr is a
+    /// terminal; nothing otherwise.
+    pub fn counting(total: u64, what: &str) -> Progress {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+            let template = format!("{{bar:30.cyan/blue}} {{pos}}/{{len}} {what}  [{{elapsed_precise}} < {{eta_precise}}]");
+            bar.set_style(ProgressStyle::with_template(&template).expect("a valid progress template"));
+            bar
+        });
+        Progress { bar }
+    }
+
+    /// Marks `done` items done.
+    pub fn set(&mut self, done: u64) {
+        if let Some(bar) = &self.bar {
+            bar.set_position(done);
+        }
+    }
+
     /// Marks iteration `iter` done with its loss.
     pub fn step(&mut self, iter: u64, loss: f32) {
         if let Some(bar) = &self.bar {

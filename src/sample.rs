@@ -7,6 +7,7 @@
 //! over the real vocabulary, cut to the nucleus `top_p` (off by default), and one
 //! token is drawn from them: the order of Hugging Face's `generate`.
 
+use crate::data::Tokenizer;
 use crate::model::decode::Decoder;
 use crate::model::{ModelConfig, ParamLayout};
 use rand::{Rng, SeedableRng};
@@ -348,6 +349,37 @@ impl Sampler {
     }
 }
 
+/// `log softmax(logits)[target]`, the sum of exponentials in f64.
+pub fn log_prob(logits: &[f32], target: u32) -> f64 {
+    LogSoftmax::of(logits).at(logits, target)
+}
+
+/// What `log softmax` of a row of logits needs: its largest logit and the log of
+/// the sum of `exp(logit − max)` (in f64). Every log-probability of the row is
+/// computed from the same two numbers, so equal logits give equal log-probabilities
+/// to the last bit (lm-evaluation-harness compares them with `==`).
+#[derive(Clone, Copy, Debug)]
+pub struct LogSoftmax {
+    max: f32,
+    log_sum: f64,
+}
+
+impl LogSoftmax {
+    pub fn of(logits: &[f32]) -> LogSoftmax {
+        let max = logits.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
+        let sum: f64 = logits.iter().map(|&l| ((l - max).exp()) as f64).sum();
+        LogSoftmax {
+            max,
+            log_sum: sum.ln(),
+        }
+    }
+
+    /// `log softmax(logits)[id]` for the row this was made of.
+    pub fn at(&self, logits: &[f32], id: u32) -> f64 {
+        (logits[id as usize] - self.max) as f64 - self.log_sum
+    }
+}
+
 /// Hugging Face's repetition penalty, in place: the logit of each distinct token of
 /// `history` is divided by `penalty` when positive, multiplied by it otherwise.
 /// Ids outside `logits` are skipped.
@@ -421,9 +453,148 @@ fn draw(weights: &[f32], sum: f64, rng: &mut impl Rng) -> usize {
     last_nonzero
 }
 
+/// Where samples end early: at an end-of-text id (a model may have several: Llama 3
+/// Instruct ends turns with `<|eot_id|>`), and at any of the stop strings.
+#[derive(Clone, Debug, Default)]
+pub struct Stops {
+    pub eots: Vec<u32>,
+    pub strings: Vec<String>,
+}
+
+/// The text of one sample as it is generated, cut at its first stop.
+pub struct StopText<'a> {
+    decoder: crate::data::StreamDecoder<'a>,
+    text: String,
+    /// Bytes of `text` already handed out by [`StopText::take_printable`].
+    printed: usize,
+    stopped: bool,
+}
+
+impl<'a> StopText<'a> {
+    pub fn new(tokenizer: &'a Tokenizer) -> StopText<'a> {
+        StopText {
+            decoder: tokenizer.stream_decoder(),
+            text: String::new(),
+            printed: 0,
+            stopped: false,
+        }
+    }
+
+    /// Adds a token; true when the sample stops here (end-of-text, which adds no
+    /// text, or a stop string, which is cut off with what follows it).
+    pub fn push(&mut self, token: u32, stops: &Stops) -> bool {
+        if self.stopped {
+            return true;
+        }
+        if stops.eots.contains(&token) {
+            self.stopped = true;
+            return true;
+        }
+        let before = self.text.len();
+        self.text.push_str(&self.decoder.push(token));
+        for stop in &stops.strings {
+            // A stop string may end inside this token's text, or start before it.
+            let from = floor_char_boundary(&self.text, before.saturating_sub(stop.len() - 1));
+            if let Some(at) = self.text[from..].find(stop.as_str()) {
+                self.text.truncate(from + at);
+                self.stopped = true;
+            }
+        }
+        self.stopped
+    }
+
+    /// The text not yet handed out that cannot be the start of a stop string.
+    pub fn take_printable(&mut self, stops: &Stops) -> &str {
+        let mut end = self.text.len();
+        if !self.stopped {
+            for stop in &stops.strings {
+                let held = (1..stop.len())
+                    .rev()
+                    .find(|&k| self.text.ends_with(&stop[..floor_char_boundary(stop, k)]))
+                    .map_or(0, |k| floor_char_boundary(stop, k));
+                end = end.min(self.text.len() - held);
+            }
+        }
+        let end = end.max(self.printed);
+        let out = &self.text[self.printed..end];
+        self.printed = end;
+        out
+    }
+
+    /// What is left to print at the end (the held-back text of an unstopped sample).
+    pub fn finish(mut self) -> String {
+        let mut rest = self.text.split_off(self.printed.min(self.text.len()));
+        if !self.stopped {
+            rest.push_str(&self.decoder.finish());
+        }
+        rest
+    }
+
+    /// The text so far (without a stop string), printed or not.
+    pub fn whole(&self) -> String {
+        self.text.clone()
+    }
+
+    /// The whole text of the sample.
+    pub fn finish_all(mut self) -> String {
+        self.printed = 0;
+        self.finish()
+    }
+}
+
+/// The largest char boundary of `s` at or below `i`.
+fn floor_char_boundary(s: &str, mut i: usize) -> usize {
+    i = i.min(s.len());
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn stop_run(text: &str, stops: &Stops) -> (String, bool, String) {
+        let t = Tokenizer::char_level("abcdefgh\u{3}".chars()).unwrap();
+        let mut st = StopText::new(&t);
+        let (mut streamed, mut stopped) = (String::new(), false);
+        for id in t.encode(text).unwrap() {
+            stopped = st.push(id, stops);
+            streamed.push_str(st.take_printable(stops));
+            if stopped {
+                break;
+            }
+        }
+        let all = format!("{streamed}{}", st.finish());
+        (streamed, stopped, all)
+    }
+
+    #[test]
+    fn stop_strings_are_cut_and_never_streamed() {
+        let stops = Stops {
+            eots: vec![0],
+            strings: vec!["cde".into(), "hh".into()],
+        };
+        // "cd" is held back until "e" shows it is the stop.
+        assert_eq!(
+            stop_run("abcdefg", &stops),
+            ("ab".into(), true, "ab".into())
+        );
+        // Held back, then released when it turns out not to be the stop.
+        let (streamed, stopped, all) = stop_run("abcdbh", &stops);
+        assert_eq!(
+            (streamed.as_str(), stopped, all.as_str()),
+            ("abcdb", false, "abcdbh")
+        );
+        assert_eq!(stop_run("ahhb", &stops).2, "a");
+        // End-of-text (id 0) stops and prints nothing.
+        assert_eq!(
+            stop_run("ab\u{3}cd", &stops),
+            ("ab".into(), true, "ab".into())
+        );
+    }
+
     use crate::model::decode::tests::{random_gpt, small};
     use crate::model::Gpt;
 

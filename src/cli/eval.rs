@@ -27,9 +27,17 @@ pub struct EvalArgs {
     /// model's tokenizer; a .jsonl of documents (their --text-column field, each
     /// followed by end-of-text, as `prepare` writes them), or of instruction examples
     /// (Alpaca or chat), each evaluated on its own, the loss over its response tokens
-    /// only.
+    /// only. With --task, the task's questions (.jsonl).
     #[arg(long)]
     pub data: PathBuf,
+    /// Score multiple-choice questions instead of the loss: hellaswag (HellaSwag's
+    /// jsonl) or choice ({"context", "choices", "label"} per line); reports acc,
+    /// acc_norm, acc_bytes and acc_token as lm-evaluation-harness computes them.
+    #[arg(long)]
+    pub task: Option<crate::tasks::TaskKind>,
+    /// With --task: only the first N questions.
+    #[arg(long, requires = "task")]
+    pub limit: Option<usize>,
     /// How a .jsonl is read (alpaca, chat or text); default: detected from its first line.
     #[arg(long)]
     pub format: Option<DataFormat>,
@@ -41,7 +49,8 @@ pub struct EvalArgs {
     pub block_size: Option<usize>,
     #[arg(long, default_value_t = 8)]
     pub batch_size: usize,
-    /// Print one JSON object {"loss", "perplexity", "tokens"}.
+    /// Print one JSON object {"loss", "perplexity", "tokens"} (with --task: the
+    /// task's metrics and their standard errors).
     #[arg(long)]
     pub json: bool,
     /// Threads (0: one per core).
@@ -54,6 +63,9 @@ pub struct EvalArgs {
 }
 
 pub fn run(args: EvalArgs) -> Result<()> {
+    if let Some(kind) = args.task {
+        return super::eval_task::run(&args, kind);
+    }
     crate::threads::init_pool(args.threads, 1)?;
     let loaded = load_model_with_adapter(&args.init_from, args.adapter.as_deref())?;
     let t = args.block_size.unwrap_or(loaded.config.block_size);

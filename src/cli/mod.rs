@@ -4,11 +4,13 @@ mod bench;
 mod chat;
 mod doctor;
 mod eval;
+mod eval_task;
 mod export;
 mod launch;
 mod plan;
 mod prepare;
 mod sample;
+mod serve;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -36,6 +38,9 @@ pub enum Command {
     Sample(sample::SampleArgs),
     /// Talk with an instruction-tuned model over stdin/stdout (chat or Alpaca template).
     Chat(chat::ChatArgs),
+    /// Serve a model over an OpenAI-compatible HTTP API (completions, chat,
+    /// streaming, logprobs), on loopback unless told otherwise.
+    Serve(serve::ServeArgs),
     /// Write a trained model as a Hugging Face GPT-2 directory (transformers opens it).
     Export(export::ExportArgs),
     /// Time training steps on synthetic tokens: ms/step, tokens/s, MFU, peak RSS.
@@ -63,6 +68,7 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Eval(args) => eval::run(args).map(|()| 0),
         Command::Sample(args) => sample::run(args).map(|()| 0),
         Command::Chat(args) => chat::run(args).map(|()| 0),
+        Command::Serve(args) => serve::run(args).map(|()| 0),
         Command::Export(args) => export::run(args).map(|()| 0),
         Command::Bench(args) => bench::run(args).map(|()| 0),
         Command::Plan(args) => plan::run(args).map(|()| 0),

@@ -7,6 +7,7 @@ use crate::data::{RenderOptions, Tokenizer};
 use crate::model::{ModelConfig, ParamLayout};
 use crate::model_source::{load_model_with_adapter, LoadedModel};
 use crate::sample::{generate_until, SampleOptions};
+pub use crate::sample::{StopText, Stops};
 use crate::train::Trainer;
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -191,14 +192,6 @@ impl Template {
     }
 }
 
-/// Where samples end early: at an end-of-text id (a model may have several: Llama 3
-/// Instruct ends turns with `<|eot_id|>`), and at any of the stop strings.
-#[derive(Clone, Debug, Default)]
-pub struct Stops {
-    pub eots: Vec<u32>,
-    pub strings: Vec<String>,
-}
-
 pub fn run(args: SampleArgs) -> Result<()> {
     let sampling = &args.sampling;
     crate::threads::init_pool(sampling.threads, 1)?;
@@ -337,96 +330,6 @@ fn stream(
     Ok(())
 }
 
-/// The text of one sample as it is generated, cut at its first stop.
-pub struct StopText<'a> {
-    decoder: crate::data::StreamDecoder<'a>,
-    text: String,
-    /// Bytes of `text` already handed out by [`StopText::take_printable`].
-    printed: usize,
-    stopped: bool,
-}
-
-impl<'a> StopText<'a> {
-    pub fn new(tokenizer: &'a Tokenizer) -> StopText<'a> {
-        StopText {
-            decoder: tokenizer.stream_decoder(),
-            text: String::new(),
-            printed: 0,
-            stopped: false,
-        }
-    }
-
-    /// Adds a token; true when the sample stops here (end-of-text, which adds no
-    /// text, or a stop string, which is cut off with what follows it).
-    pub fn push(&mut self, token: u32, stops: &Stops) -> bool {
-        if self.stopped {
-            return true;
-        }
-        if stops.eots.contains(&token) {
-            self.stopped = true;
-            return true;
-        }
-        let before = self.text.len();
-        self.text.push_str(&self.decoder.push(token));
-        for stop in &stops.strings {
-            // A stop string may end inside this token's text, or start before it.
-            let from = floor_char_boundary(&self.text, before.saturating_sub(stop.len() - 1));
-            if let Some(at) = self.text[from..].find(stop.as_str()) {
-                self.text.truncate(from + at);
-                self.stopped = true;
-            }
-        }
-        self.stopped
-    }
-
-    /// The text not yet handed out that cannot be the start of a stop string.
-    pub fn take_printable(&mut self, stops: &Stops) -> &str {
-        let mut end = self.text.len();
-        if !self.stopped {
-            for stop in &stops.strings {
-                let held = (1..stop.len())
-                    .rev()
-                    .find(|&k| self.text.ends_with(&stop[..floor_char_boundary(stop, k)]))
-                    .map_or(0, |k| floor_char_boundary(stop, k));
-                end = end.min(self.text.len() - held);
-            }
-        }
-        let end = end.max(self.printed);
-        let out = &self.text[self.printed..end];
-        self.printed = end;
-        out
-    }
-
-    /// What is left to print at the end (the held-back text of an unstopped sample).
-    pub fn finish(mut self) -> String {
-        let mut rest = self.text.split_off(self.printed.min(self.text.len()));
-        if !self.stopped {
-            rest.push_str(&self.decoder.finish());
-        }
-        rest
-    }
-
-    /// The text so far (without a stop string), printed or not.
-    pub fn whole(&self) -> String {
-        self.text.clone()
-    }
-
-    /// The whole text of the sample.
-    pub fn finish_all(mut self) -> String {
-        self.printed = 0;
-        self.finish()
-    }
-}
-
-/// The largest char boundary of `s` at or below `i`.
-fn floor_char_boundary(s: &str, mut i: usize) -> usize {
-    i = i.min(s.len());
-    while !s.is_char_boundary(i) {
-        i -= 1;
-    }
-    i
-}
-
 /// The `--start` text, or the contents of the file it names as `FILE:path`.
 fn read_prompt(start: &str) -> Result<String> {
     match start.strip_prefix("FILE:") {
@@ -447,40 +350,6 @@ fn read_prompt(start: &str) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn run(text: &str, stops: &Stops) -> (String, bool, String) {
-        let t = Tokenizer::char_level("abcdefgh\u{3}".chars()).unwrap();
-        let mut st = StopText::new(&t);
-        let (mut streamed, mut stopped) = (String::new(), false);
-        for id in t.encode(text).unwrap() {
-            stopped = st.push(id, stops);
-            streamed.push_str(st.take_printable(stops));
-            if stopped {
-                break;
-            }
-        }
-        let all = format!("{streamed}{}", st.finish());
-        (streamed, stopped, all)
-    }
-
-    #[test]
-    fn stop_strings_are_cut_and_never_streamed() {
-        let stops = Stops {
-            eots: vec![0],
-            strings: vec!["cde".into(), "hh".into()],
-        };
-        // "cd" is held back until "e" shows it is the stop.
-        assert_eq!(run("abcdefg", &stops), ("ab".into(), true, "ab".into()));
-        // Held back, then released when it turns out not to be the stop.
-        let (streamed, stopped, all) = run("abcdbh", &stops);
-        assert_eq!(
-            (streamed.as_str(), stopped, all.as_str()),
-            ("abcdb", false, "abcdbh")
-        );
-        assert_eq!(run("ahhb", &stops).2, "a");
-        // End-of-text (id 0) stops and prints nothing.
-        assert_eq!(run("ab\u{3}cd", &stops), ("ab".into(), true, "ab".into()));
-    }
 
     #[test]
     fn templates_wrap_the_prompt() {

@@ -23,11 +23,16 @@ use super::config::{Dtype, ModelConfig};
 use super::layout::ParamLayout;
 use crate::kernels::attention::{cached_attention, KvCache};
 use crate::kernels::bf16::{self, Bf16};
+use crate::kernels::classifier::{classifier_logits, Classifier};
 use crate::kernels::encoder::encoder_forward;
 use crate::kernels::gemv::{gemv, Weights};
 use crate::kernels::layernorm::layernorm_forward;
 use crate::kernels::Dims;
 use rayon::prelude::*;
+
+/// Rows whose logits [`Decoder::feed_all`] computes at a time: (64, V) floats, 13 MB
+/// for GPT-2's vocabulary.
+pub const ALL_ROWS_CHUNK: usize = 64;
 
 /// Sizes fixed when the decoder is built.
 #[derive(Clone, Copy, Debug)]
@@ -203,6 +208,100 @@ impl Decoder {
         tokens: &[u32],
         p: usize,
     ) -> &[f32] {
+        self.advance(params, layout, tokens, p);
+        self.final_logits(params, layout, p)
+    }
+
+    /// [`Decoder::feed`], handing also every new row's logits to `each(row, logits)`
+    /// first, rows in order (`row = seq·p + i` for the `i`-th new token of sequence
+    /// `seq`; logits (V)): what scoring a text needs, where `feed` gives only the
+    /// last row's. The rows go through `ln_f` and the classifier's GEMM on the f32
+    /// `wte`, [`ALL_ROWS_CHUNK`] at a time, so the (B·p, V) matrix never exists
+    /// whole; this allocates those chunks' buffers.
+    pub fn feed_all(
+        &mut self,
+        params: &[f32],
+        layout: &ParamLayout,
+        tokens: &[u32],
+        p: usize,
+        mut each: impl FnMut(usize, &[f32]),
+    ) -> &[f32] {
+        self.advance(params, layout, tokens, p);
+        let (n, c, v) = (self.shape.b * p, self.shape.c, self.shape.v);
+        let chunk = ALL_ROWS_CHUNK.min(n);
+        let mut normed = vec![0.0; chunk * c];
+        let mut stats = NormStats::new(chunk);
+        let mut logits = vec![0.0; chunk * v];
+        let ln_f = norm_of(params, layout.ln_f);
+        let wte = &params[layout.wte.start..layout.wte.start + v * c];
+        for (k, rows) in self.x[..n * c].chunks(chunk * c).enumerate() {
+            let m = rows.len() / c;
+            let (mean, rstd) = stats.rows_mut(m);
+            layernorm_forward::<false>(&mut normed[..m * c], mean, rstd, rows, ln_f);
+            let cls = Classifier {
+                wte,
+                packs: None,
+                c,
+                v,
+            };
+            classifier_logits(&mut logits[..m * v], &normed[..m * c], cls);
+            for (i, row) in logits[..m * v].chunks_exact(v).enumerate() {
+                each(k * chunk + i, row);
+            }
+        }
+        self.final_logits(params, layout, p)
+    }
+
+    /// Continues `prefix`'s one sequence in each of this decoder's B: its cached
+    /// positions are copied into every sequence's cache, so that what is fed next
+    /// (B different continuations) attends to the same prefix, computed once.
+    ///
+    /// # Panics
+    /// If `prefix` does not decode one sequence of the same model, or holds more
+    /// positions than this decoder.
+    pub fn fork_from(&mut self, prefix: &Decoder) {
+        let (s, from) = (self.shape, prefix.shape);
+        assert!(
+            from.b == 1 && (from.c, from.nh, from.n_layer) == (s.c, s.nh, s.n_layer),
+            "fork_from needs a one-sequence decoder of the same model"
+        );
+        assert!(
+            prefix.len <= s.max_len,
+            "the prefix is longer than the decoder"
+        );
+        let used = prefix.len * s.hs;
+        let (src_head, dst_head) = (from.max_len * s.hs, s.max_len * s.hs);
+        for (dst, src) in [
+            (&mut self.keys, &prefix.keys),
+            (&mut self.values, &prefix.values),
+        ] {
+            // (L, 1, NH, from.max_len, HS) into (L, B, NH, max_len, HS).
+            for l in 0..s.n_layer {
+                for seq in 0..s.b {
+                    for h in 0..s.nh {
+                        let at = ((l * s.b + seq) * s.nh + h) * dst_head;
+                        let from = (l * s.nh + h) * src_head;
+                        dst[at..at + used].copy_from_slice(&src[from..from + used]);
+                    }
+                }
+            }
+        }
+        self.len = prefix.len;
+    }
+
+    /// Forgets every cached position from `len` on: what is fed next continues the
+    /// first `len` positions.
+    ///
+    /// # Panics
+    /// If fewer than `len` positions are cached.
+    pub fn truncate(&mut self, len: usize) {
+        assert!(len <= self.len, "only {} positions are cached", self.len);
+        self.len = len;
+    }
+
+    /// The transformer blocks over `p` new tokens per sequence: appends their keys
+    /// and values to the cache and leaves their output rows in `x`.
+    fn advance(&mut self, params: &[f32], layout: &ParamLayout, tokens: &[u32], p: usize) {
         self.check(params, layout, tokens, p);
         let s = self.shape;
         let (n, c, start) = (s.b * p, s.c, self.len);
@@ -246,7 +345,6 @@ impl Decoder {
             std::mem::swap(&mut self.x, &mut self.acts.res3);
         }
         self.len += p;
-        self.final_logits(params, layout, p)
     }
 
     /// ln_f and the classifier on the last new row of each sequence: returns (B, V).
@@ -470,6 +568,62 @@ pub(crate) mod tests {
             fed += 1;
             let step: Vec<u32> = seqs.iter().map(|s| s[fed - 1]).collect();
             got = batch.feed(&gpt.params, &gpt.layout, &step, 1).to_vec();
+        }
+    }
+
+    /// Every new row's logits, as the training forward computes them over the whole
+    /// sequences, and after a cached prefix as well; the returned last rows are
+    /// `feed`'s.
+    #[test]
+    fn feed_all_gives_every_rows_logits() {
+        let (b, t) = (2, 11);
+        let mut gpt = random_gpt(small(true), b, 8);
+        let v = gpt.config().vocab_size;
+        let seqs: Vec<Vec<u32>> = (0..b).map(|i| tokens(t, v, 3 * i)).collect();
+        let want = gpt.logits(&prefix(&seqs, t), b, t);
+        let mut dec = Decoder::new(gpt.config(), b, t);
+        dec.feed(&gpt.params, &gpt.layout, &prefix(&seqs, 4), 4);
+        let rest: Vec<u32> = seqs.iter().flat_map(|s| s[4..].iter().copied()).collect();
+        let mut got = vec![f32::NAN; b * (t - 4) * v];
+        let last = dec.feed_all(&gpt.params, &gpt.layout, &rest, t - 4, |row, logits| {
+            got[row * v..(row + 1) * v].copy_from_slice(logits);
+        });
+        let last = last.to_vec();
+        for seq in 0..b {
+            for i in 0..t - 4 {
+                let row = &got[(seq * (t - 4) + i) * v..][..v];
+                let full = &want[(seq * t + 4 + i) * v..][..v];
+                assert_close(&format!("sequence {seq} position {}", 4 + i), row, full);
+            }
+            assert_close(
+                "last row",
+                &last[seq * v..][..v],
+                &want[(seq * t + t - 1) * v..][..v],
+            );
+        }
+    }
+
+    /// Three continuations of one prefix, forked from a one-sequence decoder, give
+    /// what three whole sequences give; truncating returns to the prefix.
+    #[test]
+    fn forked_continuations_match_whole_sequences() {
+        let mut gpt = random_gpt(small(false), 3, 9);
+        let v = gpt.config().vocab_size;
+        let head = tokens(5, v, 1);
+        let tails: Vec<Vec<u32>> = (0..3).map(|i| tokens(4, v, 10 + i)).collect();
+        let mut prefix_dec = Decoder::new(gpt.config(), 1, 8);
+        prefix_dec.feed(&gpt.params, &gpt.layout, &head, 5);
+        let mut forks = Decoder::new(gpt.config(), 3, 12);
+        for round in 0..2 {
+            forks.fork_from(&prefix_dec);
+            assert_eq!(forks.len(), 5);
+            let fed: Vec<u32> = tails.iter().flatten().copied().collect();
+            let got = forks.feed(&gpt.params, &gpt.layout, &fed, 4).to_vec();
+            let whole: Vec<Vec<u32>> = tails.iter().map(|t| [&head[..], t].concat()).collect();
+            let want = last_logits(&mut gpt, &prefix(&whole, 9), 3, 9);
+            assert_close(&format!("round {round}"), &got, &want);
+            forks.truncate(2);
+            assert_eq!(forks.len(), 2);
         }
     }
 

@@ -261,6 +261,14 @@ impl Tokenizer {
         })
     }
 
+    /// One token's bytes (a GPT-2 token may be part of a character); U+FFFD's for
+    /// an unknown id.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        self.append_token_bytes(id, &mut bytes);
+        bytes
+    }
+
     fn append_token_bytes(&self, id: u32, out: &mut Vec<u8>) {
         match self {
             Tokenizer::Gpt2(bpe) => match bpe.decode_bytes(&[id]) {
