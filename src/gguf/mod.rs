@@ -12,12 +12,18 @@
 //!   memory map and dequantized.
 //! - [`write`](mod@write): a file written as a stream, atomically.
 //! - [`quants`]: ggml's encodings to and from f32.
+//! - [`model`]: nanogpt's GPT-2 in llama.cpp's names, layouts and metadata, exported
+//!   from a parameter arena and imported into one.
+//! - [`vocab`]: tokenizers in GGUF metadata.
 
+pub mod model;
 pub mod quants;
 pub mod read;
 pub mod types;
+pub mod vocab;
 pub mod write;
 
+pub use model::{ExportOptions, GgufModel, OutType};
 pub use read::{GgufFile, Header, TensorInfo};
 pub use types::{GgmlType, Value, ValueType};
 pub use write::{GgufWriter, TensorSpec};

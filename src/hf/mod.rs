@@ -30,6 +30,7 @@ pub use config::HfConfig;
 pub use export::{export, ExportSummary};
 pub use resolve::Located;
 
+use crate::gguf::GgufModel;
 use crate::hub::HubEnv;
 use crate::model::{ModelConfig, ParamLayout};
 use anyhow::Result;
@@ -39,10 +40,18 @@ use weights::WeightFiles;
 /// A pretrained GPT-2 found and opened: its config read and checked, its weight
 /// files indexed (tensors are read by [`Pretrained::load_params`]).
 pub struct Pretrained {
-    /// The model directory (or the `.safetensors` file) the weights come from.
+    /// The model directory (or the `.safetensors` or `.gguf` file) the weights come
+    /// from.
     pub location: PathBuf,
     pub config: HfConfig,
-    weights: WeightFiles,
+    weights: Weights,
+}
+
+/// Where the tensors are.
+enum Weights {
+    Safetensors(WeightFiles),
+    /// A GGUF file (llama.cpp's), its architecture read from its metadata.
+    Gguf(Box<GgufModel>),
 }
 
 impl Pretrained {
@@ -57,6 +66,7 @@ impl Pretrained {
         let located = resolve::locate(spec, env)?;
         match located {
             Located::Dir(dir) => Self::open_dir(&dir),
+            Located::File(file) if is_gguf(&file) => Self::open_gguf(&file),
             Located::File(file) => Self::open_file(&file),
         }
     }
@@ -70,7 +80,7 @@ impl Pretrained {
         Ok(Pretrained {
             location: dir.to_path_buf(),
             config,
-            weights,
+            weights: Weights::Safetensors(weights),
         })
     }
 
@@ -89,8 +99,27 @@ impl Pretrained {
         Ok(Pretrained {
             location: file.to_path_buf(),
             config,
-            weights,
+            weights: Weights::Safetensors(weights),
         })
+    }
+
+    /// A GGUF file (llama.cpp's, Ollama's): the architecture from its metadata, the
+    /// weights dequantized to f32 when loaded.
+    pub fn open_gguf(file: &Path) -> Result<Pretrained> {
+        let model = GgufModel::open(file)?;
+        Ok(Pretrained {
+            location: file.to_path_buf(),
+            config: model.config.clone(),
+            weights: Weights::Gguf(Box::new(model)),
+        })
+    }
+
+    /// The GGUF file the weights come from, if they do.
+    pub fn gguf(&self) -> Option<&GgufModel> {
+        match &self.weights {
+            Weights::Gguf(m) => Some(m),
+            Weights::Safetensors(_) => None,
+        }
     }
 
     /// The engine's config for this model: the pretrained architecture, the
@@ -104,7 +133,11 @@ impl Pretrained {
         let cfg = self
             .config
             .model_config(block_size, dropout, &self.location)?;
-        let stored = self.weights.stored_bytes();
+        let stored = match &self.weights {
+            Weights::Safetensors(w) => w.stored_bytes(),
+            // Checked tensor by tensor when the file was opened.
+            Weights::Gguf(_) => return Ok(cfg),
+        };
         if (cfg.num_params() as u64).saturating_mul(2) > stored {
             anyhow::bail!(
                 "{}: config.json describes {} parameters but the weight files hold only {stored} \
@@ -125,7 +158,10 @@ impl Pretrained {
         cfg: &ModelConfig,
         params: &mut [f32],
     ) -> Result<()> {
-        self.weights.load_into(&self.config, layout, cfg, params)
+        match &self.weights {
+            Weights::Safetensors(w) => w.load_into(&self.config, layout, cfg, params),
+            Weights::Gguf(m) => m.load_into(layout, cfg, params),
+        }
     }
 
     /// The model config and a parameter arena filled with the weights.
@@ -135,5 +171,18 @@ impl Pretrained {
         let mut params = vec![0.0; layout.len];
         self.load_params(&layout, &cfg, &mut params)?;
         Ok((cfg, params))
+    }
+}
+
+/// A `.gguf` file (by its name, or by its first bytes).
+pub fn is_gguf(path: &Path) -> bool {
+    let named = path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    named || {
+        let mut magic = [0u8; 4];
+        std::fs::File::open(path)
+            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+            .is_ok_and(|()| &magic == crate::gguf::read::MAGIC)
     }
 }

@@ -14,8 +14,26 @@ use crate::data::{GPT2_EOT, GPT2_VOCAB_SIZE};
 use anyhow::{anyhow, Result};
 use std::collections::HashMap;
 
-/// The files, as (name, contents).
-pub fn gpt2_tokenizer_files(model_max_length: usize) -> Result<Vec<(&'static str, String)>> {
+/// GPT-2's vocabulary as Hugging Face and llama.cpp write it: each token's bytes as
+/// printable characters (`<|endoftext|>` as itself), in id order, and the 50,000
+/// merges as `"left right"` in rank order.
+#[derive(Debug)]
+pub struct Gpt2Vocab {
+    pub tokens: Vec<String>,
+    pub merges: Vec<String>,
+}
+
+/// [`Gpt2Vocab`], derived once per process (a fraction of a second).
+pub fn gpt2_vocab() -> Result<&'static Gpt2Vocab> {
+    static VOCAB: std::sync::OnceLock<std::result::Result<Gpt2Vocab, String>> =
+        std::sync::OnceLock::new();
+    VOCAB
+        .get_or_init(|| derive_gpt2_vocab().map_err(|e| format!("{e:#}")))
+        .as_ref()
+        .map_err(|e| anyhow!("{e}"))
+}
+
+fn derive_gpt2_vocab() -> Result<Gpt2Vocab> {
     let bpe = tiktoken_rs::r50k_base_singleton();
     let tokens: Vec<Vec<u8>> = (0..GPT2_VOCAB_SIZE as u32)
         .map(|id| {
@@ -32,24 +50,37 @@ pub fn gpt2_tokenizer_files(model_max_length: usize) -> Result<Vec<(&'static str
         .take(GPT2_EOT as usize)
         .map(|(id, t)| (t.as_slice(), id as u32))
         .collect();
-    let mut merges = String::from("#version: 0.2\n");
+    let mut merges = Vec::with_capacity(50_000);
     for (id, token) in tokens.iter().enumerate().take(GPT2_EOT as usize) {
         if token.len() < 2 {
             continue;
         }
         let (a, b) = last_merge(token, id as u32, &rank)
             .ok_or_else(|| anyhow!("GPT-2 token {id} is not the merge of two earlier tokens"))?;
-        merges.push_str(&format!("{} {}\n", show(a), show(b)));
+        merges.push(format!("{} {}", show(a), show(b)));
     }
+    let tokens = tokens
+        .iter()
+        .enumerate()
+        .map(|(id, token)| match id as u32 == GPT2_EOT {
+            true => String::from_utf8_lossy(token).into_owned(),
+            false => show(token),
+        })
+        .collect();
+    Ok(Gpt2Vocab { tokens, merges })
+}
 
+/// The files, as (name, contents).
+pub fn gpt2_tokenizer_files(model_max_length: usize) -> Result<Vec<(&'static str, String)>> {
+    let vocab_words = gpt2_vocab()?;
+    let mut merges = String::from("#version: 0.2\n");
+    for m in &vocab_words.merges {
+        merges.push_str(m);
+        merges.push('\n');
+    }
     let mut vocab = serde_json::Map::new();
-    for (id, token) in tokens.iter().enumerate() {
-        let key = if id as u32 == GPT2_EOT {
-            String::from_utf8_lossy(token).into_owned()
-        } else {
-            show(token)
-        };
-        vocab.insert(key, id.into());
+    for (id, token) in vocab_words.tokens.iter().enumerate() {
+        vocab.insert(token.clone(), id.into());
     }
     let config = serde_json::json!({
         "tokenizer_class": "GPT2Tokenizer",
