@@ -397,3 +397,120 @@ fn llama_cpp_and_transformers_read_our_export_with_our_logits() {
     println!("q8_0 export read by llama.cpp: logits within {rel:.1e} of ours (f32)");
     assert!(rel <= 3e-2, "{rel}");
 }
+
+/// A LoRA fine-tune of a GGUF base through the binary: the base stays as loaded,
+/// the adapters export as a GGUF adapter (and merged, as a whole GGUF model), eval
+/// sees the same model every way, and llama.cpp applies the adapter as we do.
+#[test]
+fn lora_on_a_gguf_base_exports_an_adapter_llama_cpp_applies() {
+    let dir = common::temp_dir("gguf-lora");
+    let d = dir.path();
+    let base = gpt2_tokens_model(true, 7);
+    export(&base, OutType::F32, &d.join("base.gguf"));
+    common::prepare_gpt2_text(d, 40);
+    let train = [
+        "train",
+        "init_from=base.gguf",
+        "dataset=data",
+        "out_dir=out",
+        "block_size=16",
+        "batch_size=2",
+        "max_iters=6",
+        "eval_interval=6",
+        "eval_iters=1",
+        "lora_rank=2",
+        "lora_alpha=4",
+        "lora_targets=c_attn,attn.c_proj,c_fc,mlp.c_proj",
+        "learning_rate=3e-2",
+        "warmup_iters=0",
+        "threads=1",
+    ];
+    common::ok(d, &train);
+    let state = common::read_json(&d.join("out/ckpt.json"));
+    assert_eq!(state["lora"]["base"], "base.gguf");
+    common::ok(
+        d,
+        &[
+            "export",
+            "--from",
+            "out",
+            "--to",
+            "lora.gguf",
+            "--adapter-only",
+            "--outtype",
+            "f32",
+        ],
+    );
+    common::ok(
+        d,
+        &[
+            "export",
+            "--from",
+            "out",
+            "--to",
+            "merged.gguf",
+            "--outtype",
+            "f32",
+        ],
+    );
+    let f = GgufFile::open(&d.join("lora.gguf")).unwrap();
+    let s = |k: &str| f.get(k).and_then(|v| v.as_str()).unwrap().to_string();
+    assert_eq!(
+        (s("general.type"), s("adapter.type")),
+        ("adapter".into(), "lora".into())
+    );
+    assert_eq!(f.get("adapter.lora.alpha").unwrap().as_f64(), Some(4.0));
+    let a = f.tensor("blk.1.attn_qkv.weight.lora_a").unwrap();
+    let b = f.tensor("blk.1.attn_qkv.weight.lora_b").unwrap();
+    assert_eq!((a.dims.clone(), b.dims.clone()), (vec![32, 2], vec![2, 96]));
+    assert_eq!(f.header.tensors.len(), 2 * 4 * 2);
+
+    // The run, its merged export, and the base with the GGUF adapter evaluate alike.
+    let eval = |args: &[&str]| -> f64 {
+        let base = ["eval", "--data", "text.txt", "--json", "--block-size", "16"];
+        let out = common::ok(d, &[&base[..], args].concat());
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()["loss"]
+            .as_f64()
+            .unwrap()
+    };
+    let run = eval(&["--init-from", "out"]);
+    let merged = eval(&["--init-from", "merged.gguf"]);
+    let adapted = eval(&["--init-from", "base.gguf", "--adapter", "lora.gguf"]);
+    let plain = eval(&["--init-from", "base.gguf"]);
+    println!("eval loss: run {run}, merged {merged}, base + adapter {adapted}, base {plain}");
+    assert!(
+        (run - merged).abs() < 1e-5 && (run - adapted).abs() < 1e-5,
+        "{run} {merged} {adapted}"
+    );
+    assert!(
+        (run - plain).abs() > 1e-3,
+        "the adapters changed nothing: {run} vs {plain}"
+    );
+
+    let Some(python) = venv_python() else {
+        println!("SKIPPED: llama.cpp's --lora check needs /work/venv (NANOGPT_VENV_PYTHON)");
+        return;
+    };
+    let ids: Vec<u32> = (0..16u32).map(|i| (i * 4099 + 5) % 50257).collect();
+    let with_lora = other_readers(
+        &python,
+        &d.join("base.gguf"),
+        &ids,
+        Some(&d.join("lora.gguf")),
+    );
+    let merged = other_readers(&python, &d.join("merged.gguf"), &ids, None);
+    let base_only = other_readers(&python, &d.join("base.gguf"), &ids, None);
+    let rel = relative_error(&with_lora["llama_cpp"], &merged["llama_cpp"]);
+    let moved = relative_error(&base_only["llama_cpp"], &merged["llama_cpp"]);
+    // Ours, for the merged model: llama.cpp with the adapter against it, through
+    // llama.cpp's f16 GELU table (as transformers emulates it).
+    let ours = relative_error(&with_lora["llama_cpp"], &merged["transformers_gelu_f16"]);
+    println!(
+        "llama.cpp: base + lora.gguf within {rel:.1e} of merged.gguf ({ours:.1e} of ours with \
+         its GELU); the adapters move the logits by {moved:.1e}"
+    );
+    // (Against the emulation, an activation that lands on the other side of an f16
+    // rounding boundary moves by one f16 step: a looser bound.)
+    assert!(rel <= 1e-5 && ours <= 5e-5, "{rel} {ours}");
+    assert!(moved > 1e-3, "{moved}");
+}

@@ -82,9 +82,36 @@ pub fn run(args: ExportArgs) -> Result<()> {
     Ok(())
 }
 
-/// `--adapter-only`: a LoRA run's adapters as a PEFT adapter directory.
+/// `--adapter-only`: a LoRA run's adapters as a PEFT adapter directory, or as a
+/// GGUF adapter file for llama.cpp's `--lora`.
 fn export_adapter(args: &ExportArgs) -> Result<()> {
     let (state, _, layout, weights) = load_adapters(&args.from)?;
+    if is_gguf_path(&args.to) {
+        let outtype = args.outtype.unwrap_or(OutType::F16);
+        let name = format!("{} LoRA", gguf_name(args));
+        let out = crate::gguf::adapter::write_adapter(
+            &args.to, &state, &layout, &weights, outtype, &name,
+        )?;
+        crate::outln!(
+            "exported the LoRA adapters of {} (rank {}, alpha {}, on {}) to {} ({outtype}, {:.1} MB)",
+            args.from,
+            state.config.rank,
+            state.config.alpha,
+            state.config.targets.join(", "),
+            out.path.display(),
+            out.bytes as f64 / 1e6
+        );
+        let base = match state.base.as_str() {
+            "scratch" => "BASE.gguf".to_string(),
+            name => name.to_string(),
+        };
+        crate::outln!(
+            "run it with: llama-cli -m {base} --lora {} (the base as GGUF: nanogpt export --from \
+             BASE --to BASE.gguf)",
+            out.path.display()
+        );
+        return Ok(());
+    }
     let files = crate::hf::adapter::write_adapter(&args.to, &state, &layout, &weights)?;
     crate::outln!(
         "exported the LoRA adapters of {} (rank {}, alpha {}, on {}) to {}: {}",
@@ -124,10 +151,7 @@ fn export_gguf(args: &ExportArgs, loaded: &LoadedModel) -> Result<()> {
             .map(str::to_string),
         false => None,
     };
-    let name = source
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| args.from.clone());
+    let name = gguf_name(args);
     let opts = ExportOptions {
         outtype,
         name: &name,
@@ -157,4 +181,12 @@ fn export_gguf(args: &ExportArgs, loaded: &LoadedModel) -> Result<()> {
         out.path.display()
     );
     Ok(())
+}
+
+/// `general.name` of an export: the source's folder or file name.
+fn gguf_name(args: &ExportArgs) -> String {
+    Path::new(&args.from)
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| args.from.clone())
 }

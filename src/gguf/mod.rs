@@ -15,7 +15,9 @@
 //! - [`model`]: nanogpt's GPT-2 in llama.cpp's names, layouts and metadata, exported
 //!   from a parameter arena and imported into one.
 //! - [`vocab`]: tokenizers in GGUF metadata.
+//! - [`adapter`]: LoRA adapters as llama.cpp's GGUF adapter files, out and in.
 
+pub mod adapter;
 pub mod model;
 pub mod quants;
 pub mod read;

@@ -326,7 +326,7 @@ fn metadata(cfg: &ModelConfig, opts: &ExportOptions) -> Result<Vec<(String, Valu
 }
 
 /// A new path, or a GGUF file nanogpt wrote (replaced); anything else is refused.
-fn check_destination(dest: &Path) -> Result<()> {
+pub(crate) fn check_destination(dest: &Path) -> Result<()> {
     if dest.is_dir() {
         bail!(
             "{} is a folder; give the path of the .gguf file to write",

@@ -270,7 +270,23 @@ fn q8_0_encode(x: &[f32], out: &mut [u8]) {
     let id = if d == 0.0 { 0.0 } else { 1.0 / d };
     out[..2].copy_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
     for (o, v) in out[2..].iter_mut().zip(x) {
-        *o = (v * id).round() as i8 as u8;
+        *o = round_half_away(v * id) as i8 as u8;
+    }
+}
+
+/// C's `roundf` (halves away from zero), in operations that vectorise on any
+/// x86-64 (the libm calls do not): the integer part by conversion to `i32`, plus
+/// the sign where the rest is at least ½. Exact: from 2²³ on every f32 is an
+/// integer (returned as it is), and below it the conversion and `x - trunc(x)` are
+/// exact.
+fn round_half_away(x: f32) -> f32 {
+    if x.is_nan() || x.abs() >= 8_388_608.0 {
+        return x;
+    }
+    let t = x as i32 as f32;
+    match (x - t).abs() >= 0.5 {
+        true => t + 1f32.copysign(x),
+        false => t.copysign(x),
     }
 }
 
@@ -288,6 +304,37 @@ mod tests {
         assert!(f32::from_bits((to_bf16(f32::NAN) as u32) << 16).is_nan());
         // A NaN whose payload is only in the low bits stays NaN, not infinity.
         assert_eq!(to_bf16(f32::from_bits(0x7f80_0001)), 0x7fc0);
+    }
+
+    #[test]
+    fn rounding_is_cs_roundf() {
+        let below_half = 0.5f32.next_down();
+        for x in [
+            0.0,
+            -0.0,
+            0.5,
+            -0.5,
+            1.5,
+            -2.5,
+            below_half,
+            -below_half,
+            126.5,
+            127.49,
+            8388607.5,
+            8388608.0,
+            1e20,
+            -1e20,
+            0.7,
+            -0.3,
+        ] {
+            assert_eq!(round_half_away(x).to_bits(), x.round().to_bits(), "{x}");
+        }
+        for i in 0..100_000u32 {
+            let x = f32::from_bits(i.wrapping_mul(2_654_435_761));
+            if x.is_finite() {
+                assert_eq!(round_half_away(x), x.round(), "{x}");
+            }
+        }
     }
 
     #[test]

@@ -389,6 +389,7 @@ impl GgufFile {
             );
         }
         quants::dequantize(ty, bytes, out);
+        crate::fsutil::release_pages(&self.map, bytes);
         Ok(())
     }
 

@@ -32,8 +32,12 @@ pub struct PeftAdapter {
     pub weights: Vec<f32>,
 }
 
-/// Reads the PEFT LoRA adapter in `dir` for a GPT-2 base of architecture `model`.
+/// Reads the PEFT LoRA adapter in `dir` (or the GGUF adapter file `dir`, see
+/// [`crate::gguf::adapter`]) for a GPT-2 base of architecture `model`.
 pub fn read_adapter(dir: &Path, model: &ModelConfig) -> Result<PeftAdapter> {
+    if dir.is_file() && crate::hf::is_gguf(dir) {
+        return crate::gguf::adapter::read_adapter(dir, model);
+    }
     let cfg_path = dir.join(CONFIG_FILE);
     let text = std::fs::read_to_string(&cfg_path).with_context(|| {
         format!(
