@@ -121,27 +121,6 @@ pub fn check_regular_file(path: &Path, what: &str) -> Result<()> {
     Ok(())
 }
 
-/// Drops the pages of `bytes`, a part of the read-only file mapping `map`, from this
-/// process's memory once they have been copied out: loaders call it after each
-/// tensor, so that a model being loaded is held once (in its arena), not twice
-/// (arena and mapped file). Reading `bytes` again later is correct, only slower:
-/// the pages come back from the file. Outside `map`, or where the system refuses,
-/// nothing happens.
-pub fn release_pages(map: &memmap2::Mmap, bytes: &[u8]) {
-    let start = (bytes.as_ptr() as usize).wrapping_sub(map.as_ptr() as usize);
-    if bytes.is_empty() || start > map.len() || bytes.len() > map.len() - start {
-        return;
-    }
-    #[cfg(unix)]
-    // SAFETY: `map` is a read-only, private mapping of a file that is never written
-    // through it, so MADV_DONTNEED drops nothing that the file does not hold: a
-    // later read of these pages faults them in again with the same contents.
-    // (memmap2 rounds the range out to whole pages.)
-    let _ = unsafe {
-        map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, bytes.len())
-    };
-}
-
 /// The lock file a writer holds in the folder it writes (see [`DirLock`]).
 pub const LOCK_FILE: &str = ".nanogpt.lock";
 

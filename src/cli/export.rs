@@ -145,7 +145,7 @@ fn export_gguf(args: &ExportArgs, loaded: &LoadedModel) -> Result<()> {
     let outtype = args.outtype.unwrap_or(OutType::F16);
     let source = Path::new(&args.from);
     // A GGUF source's chat template travels with the weights.
-    let template = match crate::hf::is_gguf(source) && source.is_file() {
+    let template = match crate::gguf::is_gguf(source) && source.is_file() {
         true => crate::gguf::GgufModel::open(source)?
             .chat_template()
             .map(str::to_string),

@@ -12,6 +12,7 @@
 //!   directory, preparing the bundled Shakespeare on first use.
 
 mod bundled;
+pub mod gpt2_vocab;
 pub mod hub;
 pub mod instruct;
 pub mod loader;

@@ -10,7 +10,6 @@ use super::model::{check_destination, gguf_name, storage_type, Exported, OutType
 use super::read::GgufFile;
 use super::types::Value;
 use super::write::{GgufWriter, TensorSpec};
-use crate::hf::adapter::PeftAdapter;
 use crate::model::lora::{LoraConfig, LoraLayout, LoraState, TARGETS};
 use crate::model::ModelConfig;
 use anyhow::{bail, Context, Result};
@@ -79,10 +78,14 @@ pub fn write_adapter(
     })
 }
 
-/// Reads the GGUF LoRA adapter `path` for a base of architecture `model`: the rank
-/// from its tensors, `alpha` from `adapter.lora.alpha` (llama.cpp's scale 1 when it
-/// is absent or 0, which is alpha = rank), no dropout.
-pub fn read_adapter(path: &Path, model: &ModelConfig) -> Result<PeftAdapter> {
+/// Reads the GGUF LoRA adapter `path` for a base of architecture `model`: its
+/// settings (the rank from its tensors, `alpha` from `adapter.lora.alpha`, where
+/// absent or 0 llama.cpp's scale 1, i.e. alpha = rank; no dropout), the arena they
+/// lay out, and the weights in it.
+pub fn read_adapter(
+    path: &Path,
+    model: &ModelConfig,
+) -> Result<(LoraConfig, LoraLayout, Vec<f32>)> {
     let file = GgufFile::open(path)?;
     let p = path.display();
     let get_str = |k: &str| file.get(k).and_then(Value::as_str);
@@ -151,9 +154,5 @@ pub fn read_adapter(path: &Path, model: &ModelConfig) -> Result<PeftAdapter> {
         }
         file.read_f32(info, &mut weights[t.range()])?;
     }
-    Ok(PeftAdapter {
-        config,
-        layout,
-        weights,
-    })
+    Ok((config, layout, weights))
 }

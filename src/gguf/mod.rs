@@ -26,7 +26,7 @@ pub mod vocab;
 pub mod write;
 
 pub use model::{ExportOptions, GgufModel, OutType};
-pub use read::{GgufFile, Header, TensorInfo};
+pub use read::{is_gguf, GgufFile, Header, TensorInfo};
 pub use types::{GgmlType, Value, ValueType};
 pub use write::{GgufWriter, TensorSpec};
 

@@ -28,7 +28,6 @@ use super::types::{GgmlType, Value};
 use super::vocab::{self, Recognised};
 use super::write::{GgufWriter, TensorSpec};
 use crate::data::{TokenizerKind, GPT2_VOCAB_SIZE};
-use crate::hf::HfConfig;
 use crate::model::config::LAYER_NORM_EPS;
 use crate::model::{ModelConfig, ParamLayout};
 use anyhow::{bail, Context, Result};
@@ -350,8 +349,9 @@ pub(crate) fn check_destination(dest: &Path) -> Result<()> {
 /// A GPT-2 in a GGUF file, checked to be one nanogpt represents, for loading.
 pub struct GgufModel {
     pub file: GgufFile,
-    /// The architecture as a Hugging Face GPT-2 config.
-    pub config: HfConfig,
+    /// The architecture, with the whole position table (`block_size` is
+    /// `gpt2.context_length`).
+    pub config: ModelConfig,
 }
 
 impl GgufModel {
@@ -364,11 +364,11 @@ impl GgufModel {
             .get("general.architecture")
             .and_then(Value::as_str)
             .with_context(|| format!("{p} has no general.architecture: it is not a model file"))?;
-        if arch != GPT2 {
-            bail!("{p} is a `{arch}` model; nanogpt loads GGUF models of architecture gpt2 only");
-        }
         if file.get("general.type").and_then(Value::as_str) == Some("adapter") {
             bail!("{p} is a LoRA adapter, not a model; load its base model instead");
+        }
+        if arch != GPT2 {
+            bail!("{p} is a `{arch}` model; nanogpt loads GGUF models of architecture gpt2 only");
         }
         let count = |key: &str| -> Result<usize> {
             let full = format!("{GPT2}.{key}");
@@ -385,12 +385,26 @@ impl GgufModel {
             count("attention.head_count")?,
             count("embedding_length")?,
         );
-        let n_positions = count("context_length")?;
+        let block_size = count("context_length")?;
         let n_inner = count("feed_forward_length")?;
+        if n_inner != 4 * n_embd {
+            bail!(
+                "{p}: gpt2.feed_forward_length is {n_inner}; nanogpt's GPT-2 MLP is 4 × \
+                 embedding_length = {} wide",
+                4 * n_embd
+            );
+        }
         let eps = file
             .get("gpt2.attention.layer_norm_epsilon")
             .and_then(Value::as_f64)
             .unwrap_or(LAYER_NORM_EPS as f64);
+        let want = LAYER_NORM_EPS as f64;
+        if ((eps - want) / want).abs() > 1e-6 {
+            bail!(
+                "{p}: gpt2.attention.layer_norm_epsilon is {eps:e}; nanogpt's layer norms use \
+                 {want:e}"
+            );
+        }
         let embd = file
             .tensor("token_embd.weight")
             .with_context(|| format!("{p} has no token_embd.weight"))?;
@@ -400,10 +414,16 @@ impl GgufModel {
                 "{p}: token_embd.weight has dimensions {dims:?}, but gpt2.embedding_length is {n_embd}"
             ),
         };
-        let mut config = HfConfig::gpt2_shaped(vocab_size, n_positions, n_layer, n_head, n_embd);
-        config.n_inner = Some(n_inner);
-        config.layer_norm_epsilon = eps;
-        config.check(path)?;
+        let config = ModelConfig {
+            vocab_size,
+            block_size,
+            n_layer,
+            n_head,
+            n_embd,
+            bias: true,
+            dropout: 0.0,
+        };
+        config.validate().with_context(|| format!("{p}"))?;
         let model = GgufModel { file, config };
         model.check_tensors()?;
         Ok(model)
@@ -411,8 +431,8 @@ impl GgufModel {
 
     /// Every tensor the model needs is there with its shape and a readable type.
     fn check_tensors(&self) -> Result<()> {
-        let cfg = self.config.model_config(None, 0.0, self.file.path())?;
-        let layout = ParamLayout::new(&cfg);
+        let cfg = &self.config;
+        let layout = ParamLayout::new(cfg);
         let p = self.file.path().display();
         for t in &layout.tensors {
             let name = gguf_name(&t.name).expect("GPT-2 names map");

@@ -389,7 +389,7 @@ impl GgufFile {
             );
         }
         quants::dequantize(ty, bytes, out);
-        crate::fsutil::release_pages(&self.map, bytes);
+        crate::resident::release_mapped(&self.map, bytes);
         Ok(())
     }
 
@@ -414,5 +414,18 @@ impl GgufFile {
                 t.type_name()
             ),
         }
+    }
+}
+
+/// A `.gguf` file (by its name, or by its first bytes).
+pub fn is_gguf(path: &Path) -> bool {
+    let named = path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    named || {
+        let mut magic = [0u8; 4];
+        std::fs::File::open(path)
+            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+            .is_ok_and(|()| &magic == MAGIC)
     }
 }

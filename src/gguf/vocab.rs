@@ -9,8 +9,8 @@
 
 use super::read::Header;
 use super::types::Value;
+use crate::data::gpt2_vocab::gpt2_vocab;
 use crate::data::{GPT2_EOT, GPT2_VOCAB_SIZE};
-use crate::hf::tokenizer_files::gpt2_vocab;
 use anyhow::Result;
 
 /// llama.cpp's token types (`llama_token_type`).

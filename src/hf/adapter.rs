@@ -35,8 +35,13 @@ pub struct PeftAdapter {
 /// Reads the PEFT LoRA adapter in `dir` (or the GGUF adapter file `dir`, see
 /// [`crate::gguf::adapter`]) for a GPT-2 base of architecture `model`.
 pub fn read_adapter(dir: &Path, model: &ModelConfig) -> Result<PeftAdapter> {
-    if dir.is_file() && crate::hf::is_gguf(dir) {
-        return crate::gguf::adapter::read_adapter(dir, model);
+    if dir.is_file() && crate::gguf::is_gguf(dir) {
+        let (config, layout, weights) = crate::gguf::adapter::read_adapter(dir, model)?;
+        return Ok(PeftAdapter {
+            config,
+            layout,
+            weights,
+        });
     }
     let cfg_path = dir.join(CONFIG_FILE);
     let text = std::fs::read_to_string(&cfg_path).with_context(|| {

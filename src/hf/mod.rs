@@ -66,7 +66,7 @@ impl Pretrained {
         let located = resolve::locate(spec, env)?;
         match located {
             Located::Dir(dir) => Self::open_dir(&dir),
-            Located::File(file) if is_gguf(&file) => Self::open_gguf(&file),
+            Located::File(file) if crate::gguf::is_gguf(&file) => Self::open_gguf(&file),
             Located::File(file) => Self::open_file(&file),
         }
     }
@@ -107,9 +107,12 @@ impl Pretrained {
     /// weights dequantized to f32 when loaded.
     pub fn open_gguf(file: &Path) -> Result<Pretrained> {
         let model = GgufModel::open(file)?;
+        let c = &model.config;
+        let config =
+            HfConfig::gpt2_shaped(c.vocab_size, c.block_size, c.n_layer, c.n_head, c.n_embd);
         Ok(Pretrained {
             location: file.to_path_buf(),
-            config: model.config.clone(),
+            config,
             weights: Weights::Gguf(Box::new(model)),
         })
     }
@@ -171,18 +174,5 @@ impl Pretrained {
         let mut params = vec![0.0; layout.len];
         self.load_params(&layout, &cfg, &mut params)?;
         Ok((cfg, params))
-    }
-}
-
-/// A `.gguf` file (by its name, or by its first bytes).
-pub fn is_gguf(path: &Path) -> bool {
-    let named = path
-        .extension()
-        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
-    named || {
-        let mut magic = [0u8; 4];
-        std::fs::File::open(path)
-            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
-            .is_ok_and(|()| &magic == crate::gguf::read::MAGIC)
     }
 }

@@ -328,10 +328,10 @@ impl WeightFiles {
     }
 
     /// Drops the copied tensor `name`'s pages from memory (see
-    /// [`crate::fsutil::release_pages`]).
+    /// [`crate::resident::release_mapped`]).
     fn release(&self, name: &str, view: &TensorView) {
         if let Some(&idx) = self.names.get(name) {
-            crate::fsutil::release_pages(&self.files[idx].1, view.data());
+            crate::resident::release_mapped(&self.files[idx].1, view.data());
         }
     }
 
