@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 SECONDS_PER_TARGET=${1:-60}
 shift || true
-ALL_TARGETS=(checkpoint safetensors_weights meta_json config_toml hf_config token_file prepare_readers)
+ALL_TARGETS=(checkpoint safetensors_weights meta_json config_toml hf_config token_file prepare_readers gguf)
 TARGETS=("$@")
 [ ${#TARGETS[@]} -eq 0 ] && TARGETS=("${ALL_TARGETS[@]}")
 
@@ -72,6 +72,7 @@ make_seeds() {
     { printf '\x01'; printf '{"text": "one doc"}\n{"text": "two\\n", "id": 2}\n'; } |
         seed prepare_readers jsonl
     { printf '\x02'; cat tests/fixtures/docs.parquet; } | seed prepare_readers parquet
+    for f in tests/fixtures/gguf/*.gguf; do seed gguf "$(basename "$f")" <"$f"; done
 }
 
 artifacts() { # crash/timeout/oom inputs saved for TARGET so far
