@@ -21,7 +21,7 @@ ROOT=$PWD
 SECONDS_PER_TARGET=${1:-60}
 shift || true
 ALL_TARGETS=(checkpoint safetensors_weights meta_json config_toml hf_config token_file prepare_readers
-    adapter_config instruct_jsonl task_file serve_request)
+    adapter_config instruct_jsonl task_file serve_request gguf)
 TARGETS=("$@")
 [ ${#TARGETS[@]} -eq 0 ] && TARGETS=("${ALL_TARGETS[@]}")
 
@@ -90,6 +90,7 @@ make_seeds() {
         seed serve_request completions
     printf '\x01{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}], "max_tokens": 8, "logprobs": true, "top_logprobs": 2, "n": 2, "seed": 3}' |
         seed serve_request chat
+    for f in tests/fixtures/gguf/*.gguf; do seed gguf "$(basename "$f")" <"$f"; done
 }
 
 artifacts() { # crash/timeout/oom inputs saved for TARGET so far

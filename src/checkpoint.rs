@@ -606,6 +606,9 @@ impl Checkpoint {
             }
             let values = &mut dst[t.range()];
             copy_f32(values, view.data());
+            if let Bytes::Mapped(map) = &self.bytes {
+                crate::resident::release_mapped(map, view.data());
+            }
             // Second moments are squares: a negative one would be a NaN step.
             let nonnegative = prefix == V_PREFIX;
             if values

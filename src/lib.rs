@@ -16,6 +16,7 @@ pub mod doctor;
 pub mod eval;
 pub mod fault;
 pub mod fsutil;
+pub mod gguf;
 pub mod hf;
 pub mod hub;
 pub mod kernels;

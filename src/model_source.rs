@@ -203,9 +203,12 @@ pub fn check_lora_base(state: &LoraState, params: &[f32], what: &str) -> Result<
 }
 
 /// Pretrained GPT-2 weights, with the whole position table; the tokenizer is
-/// GPT-2's BPE.
+/// GPT-2's BPE (a GGUF file's must be).
 fn load_pretrained(src: &str) -> Result<LoadedModel> {
     let pretrained = Pretrained::open(src)?;
+    if let Some(gguf) = pretrained.gguf() {
+        gguf.tokenizer()?;
+    }
     let (config, params) = pretrained.load(None, 0.0)?;
     Ok(LoadedModel {
         config,

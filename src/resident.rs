@@ -1,7 +1,8 @@
 //! Which pages of a buffer are resident: memory given back while keeping the buffer
 //! (ZeRO-3 holds parameters and gradients in full-size arenas of which only the
-//! pieces in use are resident), and huge pages asked for where buffers are filled
-//! whole. The model and the data-parallel code both use it; it uses neither.
+//! pieces in use are resident; loaders drop a mapped weight file's pages once they
+//! are copied), and huge pages asked for where buffers are filled whole. The model,
+//! the loaders and the data-parallel code use it; it uses none of them.
 
 use std::ops::Range;
 
@@ -20,6 +21,27 @@ pub fn release(buf: &mut [f32], range: Range<usize>) {
     let (head, rest) = part.split_at_mut((start - base) / 4);
     head.fill(0.0);
     rest[(end - start) / 4..].fill(0.0);
+}
+
+/// Drops the pages of `bytes`, a part of the read-only file mapping `map`, from this
+/// process's memory once they have been copied out: loaders call it after each
+/// tensor, so that a model being loaded is held once (in its arena), not twice
+/// (arena and mapped file). Reading `bytes` again later is correct, only slower:
+/// the pages come back from the file. Outside `map`, or where the system refuses,
+/// nothing happens.
+pub fn release_mapped(map: &memmap2::Mmap, bytes: &[u8]) {
+    let start = (bytes.as_ptr() as usize).wrapping_sub(map.as_ptr() as usize);
+    if bytes.is_empty() || start > map.len() || bytes.len() > map.len() - start {
+        return;
+    }
+    #[cfg(unix)]
+    // SAFETY: `map` is a read-only, private mapping of a file that is never written
+    // through it, so MADV_DONTNEED drops nothing that the file does not hold: a
+    // later read of these pages faults them in again with the same contents.
+    // (memmap2 rounds the range out to whole pages.)
+    let _ = unsafe {
+        map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, bytes.len())
+    };
 }
 
 /// Asks the kernel to back `buf` with transparent huge pages (2 MiB on x86-64) where

@@ -15,6 +15,7 @@
 mod bundled;
 pub mod chat_template;
 mod cuts;
+pub mod gpt2_vocab;
 pub mod hub;
 pub mod instruct;
 pub mod loader;

@@ -54,8 +54,21 @@ pub struct PeftAdapter {
 pub const BASE_BLOCKS_KEY: &str = "nanogpt_base_blocks";
 
 /// Reads the PEFT LoRA adapter in `dir` for a GPT-2 base of architecture `model`,
-/// applied where PEFT applies it ([`Selection`]).
+/// applied where PEFT applies it ([`Selection`]), or the GGUF adapter file `dir`
+/// (see [`crate::gguf::adapter`]).
 pub fn read_adapter(dir: &Path, model: &ModelConfig) -> Result<PeftAdapter> {
+    if dir.is_file() && crate::gguf::is_gguf(dir) {
+        let (config, layout, weights) = crate::gguf::adapter::read_adapter(dir, model)?;
+        return Ok(PeftAdapter {
+            config,
+            layout,
+            weights,
+            partial: false,
+            notes: Vec::new(),
+            base_name: None,
+            base_blocks: None,
+        });
+    }
     let cfg_path = dir.join(CONFIG_FILE);
     let text = read_json(&cfg_path, "adapter config").with_context(|| {
         format!(

@@ -31,6 +31,7 @@ pub use config::HfConfig;
 pub use export::{export, ExportSummary};
 pub use resolve::Located;
 
+use crate::gguf::GgufModel;
 use crate::hub::HubEnv;
 use crate::model::{ModelConfig, ParamLayout};
 use anyhow::Result;
@@ -40,10 +41,18 @@ use weights::WeightFiles;
 /// A pretrained GPT-2 found and opened: its config read and checked, its weight
 /// files indexed (tensors are read by [`Pretrained::load_params`]).
 pub struct Pretrained {
-    /// The model directory (or the `.safetensors` file) the weights come from.
+    /// The model directory (or the `.safetensors` or `.gguf` file) the weights come
+    /// from.
     pub location: PathBuf,
     pub config: HfConfig,
-    weights: WeightFiles,
+    weights: Weights,
+}
+
+/// Where the tensors are.
+enum Weights {
+    Safetensors(WeightFiles),
+    /// A GGUF file (llama.cpp's), its architecture read from its metadata.
+    Gguf(Box<GgufModel>),
 }
 
 impl Pretrained {
@@ -58,6 +67,7 @@ impl Pretrained {
         let located = resolve::locate(spec, env)?;
         match located {
             Located::Dir(dir) => Self::open_dir(&dir),
+            Located::File(file) if crate::gguf::is_gguf(&file) => Self::open_gguf(&file),
             Located::File(file) => Self::open_file(&file),
         }
     }
@@ -71,7 +81,7 @@ impl Pretrained {
         Ok(Pretrained {
             location: dir.to_path_buf(),
             config,
-            weights,
+            weights: Weights::Safetensors(weights),
         })
     }
 
@@ -90,8 +100,30 @@ impl Pretrained {
         Ok(Pretrained {
             location: file.to_path_buf(),
             config,
-            weights,
+            weights: Weights::Safetensors(weights),
         })
+    }
+
+    /// A GGUF file (llama.cpp's, Ollama's): the architecture from its metadata, the
+    /// weights dequantized to f32 when loaded.
+    pub fn open_gguf(file: &Path) -> Result<Pretrained> {
+        let model = GgufModel::open(file)?;
+        let c = &model.config;
+        let config =
+            HfConfig::gpt2_shaped(c.vocab_size, c.block_size, c.n_layer, c.n_head, c.n_embd);
+        Ok(Pretrained {
+            location: file.to_path_buf(),
+            config,
+            weights: Weights::Gguf(Box::new(model)),
+        })
+    }
+
+    /// The GGUF file the weights come from, if they do.
+    pub fn gguf(&self) -> Option<&GgufModel> {
+        match &self.weights {
+            Weights::Gguf(m) => Some(m),
+            Weights::Safetensors(_) => None,
+        }
     }
 
     /// The engine's config for this model: the pretrained architecture, the
@@ -105,7 +137,11 @@ impl Pretrained {
         let cfg = self
             .config
             .model_config(block_size, dropout, &self.location)?;
-        let stored = self.weights.stored_bytes();
+        let stored = match &self.weights {
+            Weights::Safetensors(w) => w.stored_bytes(),
+            // Checked tensor by tensor when the file was opened.
+            Weights::Gguf(_) => return Ok(cfg),
+        };
         if (cfg.num_params() as u64).saturating_mul(2) > stored {
             anyhow::bail!(
                 "{}: config.json describes {} parameters but the weight files hold only {stored} \
@@ -126,7 +162,10 @@ impl Pretrained {
         cfg: &ModelConfig,
         params: &mut [f32],
     ) -> Result<()> {
-        self.weights.load_into(&self.config, layout, cfg, params)
+        match &self.weights {
+            Weights::Safetensors(w) => w.load_into(&self.config, layout, cfg, params),
+            Weights::Gguf(m) => m.load_into(layout, cfg, params),
+        }
     }
 
     /// The model config and a parameter arena filled with the weights.

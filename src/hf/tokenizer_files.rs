@@ -1,55 +1,21 @@
 //! GPT-2's tokenizer in Hugging Face's files (`vocab.json`, `merges.txt`,
-//! `tokenizer_config.json`), derived from the BPE ranks that tiktoken-rs ships, so
-//! that an exported model comes with the tokenizer `transformers` and its
-//! converters expect, offline.
-//!
-//! GPT-2's BPE: ranks 0..256 are single bytes, every later rank (up to 50255) is the
-//! merge of two earlier tokens, 50256 is `<|endoftext|>`. A token's merge is found by
-//! running byte-pair merging on its bytes with the ranks below its own: the last two
-//! pieces are the pair. Hugging Face writes bytes as printable characters (GPT-2's
-//! `bytes_to_unicode`: printable Latin-1 bytes stand for themselves, the other 68
-//! bytes map to U+0100 onwards).
+//! `tokenizer_config.json`), from [`crate::data::gpt2_vocab`], so that an exported
+//! model comes with the tokenizer `transformers` and its converters expect, offline.
 
-use crate::data::{GPT2_EOT, GPT2_VOCAB_SIZE};
-use anyhow::{anyhow, Result};
-use std::collections::HashMap;
+use crate::data::gpt2_vocab::gpt2_vocab;
+use anyhow::Result;
 
 /// The files, as (name, contents).
 pub fn gpt2_tokenizer_files(model_max_length: usize) -> Result<Vec<(&'static str, String)>> {
-    let bpe = tiktoken_rs::r50k_base_singleton();
-    let tokens: Vec<Vec<u8>> = (0..GPT2_VOCAB_SIZE as u32)
-        .map(|id| {
-            bpe.decode_bytes(&[id])
-                .map_err(|e| anyhow!("GPT-2 token {id}: {e:?}"))
-        })
-        .collect::<Result<_>>()?;
-    let unicode = byte_chars();
-    let show = |bytes: &[u8]| -> String { bytes.iter().map(|&b| unicode[b as usize]).collect() };
-
-    let rank: HashMap<&[u8], u32> = tokens
-        .iter()
-        .enumerate()
-        .take(GPT2_EOT as usize)
-        .map(|(id, t)| (t.as_slice(), id as u32))
-        .collect();
+    let vocab_words = gpt2_vocab()?;
     let mut merges = String::from("#version: 0.2\n");
-    for (id, token) in tokens.iter().enumerate().take(GPT2_EOT as usize) {
-        if token.len() < 2 {
-            continue;
-        }
-        let (a, b) = last_merge(token, id as u32, &rank)
-            .ok_or_else(|| anyhow!("GPT-2 token {id} is not the merge of two earlier tokens"))?;
-        merges.push_str(&format!("{} {}\n", show(a), show(b)));
+    for m in &vocab_words.merges {
+        merges.push_str(m);
+        merges.push('\n');
     }
-
     let mut vocab = serde_json::Map::new();
-    for (id, token) in tokens.iter().enumerate() {
-        let key = if id as u32 == GPT2_EOT {
-            String::from_utf8_lossy(token).into_owned()
-        } else {
-            show(token)
-        };
-        vocab.insert(key, id.into());
+    for (id, token) in vocab_words.tokens.iter().enumerate() {
+        vocab.insert(token.clone(), id.into());
     }
     let config = serde_json::json!({
         "tokenizer_class": "GPT2Tokenizer",
@@ -73,48 +39,10 @@ pub fn gpt2_tokenizer_files(model_max_length: usize) -> Result<Vec<(&'static str
 /// The file names [`gpt2_tokenizer_files`] writes.
 pub const FILE_NAMES: [&str; 3] = ["vocab.json", "merges.txt", "tokenizer_config.json"];
 
-/// Byte-pair merging of `token`'s bytes with ranks below `limit`; the two pieces
-/// merged last.
-fn last_merge<'t>(
-    token: &'t [u8],
-    limit: u32,
-    rank: &HashMap<&[u8], u32>,
-) -> Option<(&'t [u8], &'t [u8])> {
-    // Piece boundaries: piece k is token[cuts[k]..cuts[k+1]].
-    let mut cuts: Vec<usize> = (0..=token.len()).collect();
-    while cuts.len() > 3 {
-        let best = (0..cuts.len() - 2)
-            .filter_map(|k| {
-                let r = *rank.get(&token[cuts[k]..cuts[k + 2]])?;
-                (r < limit).then_some((r, k))
-            })
-            .min()?;
-        cuts.remove(best.1 + 1);
-    }
-    (cuts.len() == 3).then(|| (&token[cuts[0]..cuts[1]], &token[cuts[1]..cuts[2]]))
-}
-
-/// GPT-2's byte → printable character table.
-fn byte_chars() -> Vec<char> {
-    let printable =
-        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
-    let mut next = 256u32;
-    (0u32..256)
-        .map(|b| {
-            if printable(b) {
-                char::from_u32(b).expect("Latin-1")
-            } else {
-                let ch = char::from_u32(next).expect("U+0100..");
-                next += 1;
-                ch
-            }
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::data::GPT2_VOCAB_SIZE;
 
     #[test]
     fn files_match_gpt2s_published_vocabulary() {
@@ -130,7 +58,5 @@ mod tests {
         let merges: Vec<&str> = files[1].1.lines().collect();
         assert_eq!(merges.len(), 1 + 50000);
         assert_eq!(merges[1], "\u{120} t");
-        assert_eq!(byte_chars()[b' ' as usize], '\u{120}');
-        assert_eq!(byte_chars()[b'\n' as usize], '\u{10a}');
     }
 }

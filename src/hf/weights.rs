@@ -325,6 +325,14 @@ impl WeightFiles {
         Ok((path, view))
     }
 
+    /// Drops the copied tensor `name`'s pages from memory (see
+    /// [`crate::resident::release_mapped`]).
+    fn release(&self, name: &str, view: &TensorView) {
+        if let Some(&idx) = self.names.get(name) {
+            crate::resident::release_mapped(&self.files[idx].1, view.data());
+        }
+    }
+
     /// Fills `params` (laid out by `layout` for `cfg`) from the files, after checking
     /// that they hold exactly a GPT-2 of `hf`'s shape.
     pub fn load_into(
@@ -411,6 +419,7 @@ impl WeightFiles {
                 }
                 convert(&view, name, path, dst)?;
             }
+            self.release(name, &view);
         }
         self.check_lm_head(hf, lm_head, layout, cfg, params)
     }

@@ -674,6 +674,10 @@ fn note_other_data(path: &Path, now: &DatasetRecord, state: &CheckpointState) {
 fn load_pretrained(cfg: &TrainConfig, meta: &Meta, name: &str) -> Result<Gpt> {
     let pretrained = crate::hf::Pretrained::open(name)
         .with_context(|| format!("init_from={name}: cannot load the pretrained model"))?;
+    if let Some(gguf) = pretrained.gguf() {
+        gguf.tokenizer()
+            .with_context(|| format!("init_from={name}: cannot fine-tune it"))?;
+    }
     let model_cfg = pretrained.model_config(Some(cfg.block_size), cfg.dropout)?;
     if meta.tokenizer != data::TokenizerKind::Gpt2 || meta.vocab_size > model_cfg.vocab_size {
         bail!(
