@@ -3,10 +3,10 @@
 use crate::data::chat_template::parse_variable;
 use crate::data::instruct::instruct_eot;
 use crate::data::readers::Source;
+use crate::data::Tokenizer;
 use crate::data::{eval_window_count, DataFormat, Meta, TokenDtype, TokenFile, TokenMask};
 use crate::eval::{evaluate_examples, evaluate_masked_tokens, EvalReport};
 use crate::model::Gpt;
-use crate::data::Tokenizer;
 use crate::model_source::{load_model_with_adapter, LoadedModel};
 use anyhow::{bail, Context, Result};
 use clap::Args;
