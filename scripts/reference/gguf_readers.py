@@ -6,7 +6,10 @@ need this venv; they are skipped without it).
 IDS is a comma-separated list of token ids (one sequence). Writes to OUT.safetensors:
 
 - `llama_cpp` F32 [T, V]: llama.cpp (llama-cpp-python) evaluating the ids with
-  `logits_all=True`, with the LoRA adapter applied (scale 1) when given;
+  `logits_all=True`, with the LoRA adapter applied (scale 1) when given; it runs in a
+  child process, and where llama.cpp crashes, `llama_cpp_signal` I32 [1] holds the
+  signal instead (seen: SIGSEGV on Q8_0 files on a Xeon with AMX, llama.cpp's own
+  `llama_model_quantize` output included);
 - `transformers` F32 [T, V]: transformers' AutoModelForCausalLM loaded with
   `gguf_file=` (it dequantizes with the `gguf` package); left out with --lora;
 - `transformers_gelu_f16` F32 [T, V] (gpt2 only): the same with llama.cpp's CPU GELU,
@@ -33,14 +36,49 @@ class GeluF16Table(torch.nn.Module):
         return torch.where(x <= -10.0, torch.zeros_like(x), torch.where(x >= 10.0, x, y.half().float()))
 
 
+def llama_cpp_logits(model, ids, n_ctx, lora):
+    """llama.cpp's logits for `ids`, evaluated in a child process: (logits, None), or
+    (None, the signal that ended it)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dest = os.path.join(tmp, "logits.npy")
+        cmd = [sys.executable, __file__, "--llama-cpp-child", model, ",".join(map(str, ids)),
+               dest, "--n-ctx", str(n_ctx)] + (["--lora", lora] if lora else [])
+        run = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
+        if run.returncode < 0:
+            return None, -run.returncode
+        if run.returncode != 0:
+            sys.exit(f"llama.cpp failed: {run.stderr}")
+        return np.load(dest), None
+
+
+def llama_cpp_child(args, ids):
+    from llama_cpp import Llama
+    # An f32 KV cache (llama.cpp's default is f16, which rounds k and v).
+    kwargs = dict(model_path=args.model, logits_all=True, n_ctx=args.n_ctx, n_batch=len(ids),
+                  verbose=False, seed=0, type_k=0, type_v=0)
+    if args.lora:
+        kwargs["lora_path"] = args.lora
+    llm = Llama(**kwargs)
+    llm.eval(ids)
+    np.save(args.out, np.array(llm.scores[: len(ids)], dtype=np.float32))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("ids")
     ap.add_argument("out")
     ap.add_argument("--lora")
+    ap.add_argument("--llama-cpp-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--n-ctx", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     ids = [int(i) for i in args.ids.split(",")]
+    if args.llama_cpp_child:
+        return llama_cpp_child(args, ids)
     out = {}
 
     import gguf
@@ -49,15 +87,11 @@ def main():
     arch = reader.fields["general.architecture"].contents()
     n_ctx = int(reader.fields[f"{arch}.context_length"].contents())
 
-    from llama_cpp import Llama
-    # An f32 KV cache (llama.cpp's default is f16, which rounds k and v).
-    kwargs = dict(model_path=args.model, logits_all=True, n_ctx=n_ctx, n_batch=len(ids),
-                  verbose=False, seed=0, type_k=0, type_v=0)
-    if args.lora:
-        kwargs["lora_path"] = args.lora
-    llm = Llama(**kwargs)
-    llm.eval(ids)
-    out["llama_cpp"] = np.array(llm.scores[: len(ids)], dtype=np.float32)
+    logits, signal = llama_cpp_logits(args.model, ids, n_ctx, args.lora)
+    if signal:
+        out["llama_cpp_signal"] = np.array([signal], dtype=np.int32)
+    else:
+        out["llama_cpp"] = logits
 
     if not args.lora:
         from transformers import AutoModelForCausalLM
