@@ -64,7 +64,15 @@ pub struct EvalArgs {
 
 pub fn run(args: EvalArgs) -> Result<()> {
     if let Some(kind) = args.task {
-        return super::eval_task::run(&args, kind);
+        let task = super::eval_task::TaskArgs {
+            init_from: args.init_from,
+            adapter: args.adapter,
+            data: args.data,
+            limit: args.limit,
+            threads: args.threads,
+            json: args.json,
+        };
+        return super::eval_task::run(&task, kind);
     }
     crate::threads::init_pool(args.threads, 1)?;
     let loaded = load_model_with_adapter(&args.init_from, args.adapter.as_deref())?;

@@ -2,15 +2,25 @@
 //! process or split across the ranks of an MPI job (each scores every W-th question;
 //! rank 0 reads the file and prints the result).
 
-use super::eval::EvalArgs;
 use crate::model::ParamLayout;
 use crate::model_source::load_model_with_adapter;
 use crate::progress::Progress;
 use crate::tasks::{self, Scorer, Tally, TaskKind, TaskReport, TaskSpec};
 use anyhow::{Context, Result};
+use std::path::PathBuf;
 use std::time::Instant;
 
-pub fn run(args: &EvalArgs, kind: TaskKind) -> Result<()> {
+/// What `eval --task` reads of `eval`'s arguments.
+pub struct TaskArgs {
+    pub init_from: String,
+    pub adapter: Option<PathBuf>,
+    pub data: PathBuf,
+    pub limit: Option<usize>,
+    pub threads: usize,
+    pub json: bool,
+}
+
+pub fn run(args: &TaskArgs, kind: TaskKind) -> Result<()> {
     let comm = crate::dist::init()?;
     crate::threads::init_pool(args.threads, comm.local_size())?;
     let (rank, world) = (comm.rank(), comm.world_size());
