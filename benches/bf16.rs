@@ -1,7 +1,7 @@
 //! The bf16 matmul kernels on every linear and classifier product of a GPT-2 124M
 //! training step at B·T = 1,024 (src/kernels/bf16/products.rs): the f32 GEMM over
 //! bf16 values, our kernel for this CPU (AMX-BF16 where the CPU has it, else
-//! AVX512-BF16: `gemm::kernel`), packing B per call and reading a B packed
+//! AVX512-BF16: `Backend::with_kernel`), packing B per call and reading a B packed
 //! beforehand, as the step does for every weight, and, in builds with `--features onednn`,
 //! oneDNN (its operand copies included), alternating in one process, the fastest
 //! repetition of each. The clock is the process's CPU time (all threads) by default:
@@ -17,9 +17,10 @@
 //! `BF16_BENCH_REPS` (default 7) sets the repetitions, `BF16_BENCH_SHAPES=qkv,cls`
 //! keeps the products whose names contain one of the words.
 
-use nanogpt::kernels::bf16::gemm::{self, Kernel};
+use nanogpt::kernels::bf16::gemm;
 use nanogpt::kernels::bf16::pack::PackedB;
 use nanogpt::kernels::bf16::products::{CLS_DWTE_BLOCK, GPT2_PRODUCTS};
+use nanogpt::kernels::bf16::{Backend, Kernel};
 use nanogpt::kernels::cpu;
 use nanogpt::kernels::mat::{matmul, Mat};
 use std::time::Instant;
@@ -88,21 +89,15 @@ type Run<'a> = Box<dyn FnMut(&mut [f32]) + 'a>;
 fn main() {
     // Ours, even in a build where oneDNN would be the default (its column calls it
     // directly).
-    if std::env::var_os("NANOGPT_BF16_GEMM").is_none() {
-        let k = if cpu::amx_permitted() {
-            "amx"
-        } else {
-            "avx512bf16"
-        };
-        std::env::set_var("NANOGPT_BF16_GEMM", k);
-    }
-    let ours = match gemm::kernel() {
-        Kernel::F32 | Kernel::OneDnn => {
-            println!("no AMX or AVX512-BF16 kernel for this CPU: nothing to time");
-            return;
-        }
-        k => k,
+    let ours = match cpu::amx_permitted() {
+        true => Kernel::Amx,
+        false => Kernel::Avx512Bf16,
     };
+    let Some(backend) = Backend::with_kernel(ours) else {
+        println!("no AMX or AVX512-BF16 kernel for this CPU: nothing to time");
+        return;
+    };
+    let backend = &backend;
     let reps: usize = std::env::var("BF16_BENCH_REPS").map_or(7, |r| r.parse().unwrap());
     let only = std::env::var("BF16_BENCH_SHAPES").unwrap_or_default();
     let wall = std::env::var("BF16_BENCH_CLOCK").is_ok_and(|c| c == "wall");
@@ -146,8 +141,8 @@ fn main() {
         packed.pack(bm);
         let mut runs: Vec<Run> = vec![
             Box::new(|c| matmul(c, am, bm, false)),
-            Box::new(|c| gemm::matmul_bf16(c, am, bm, false)),
-            Box::new(|c| gemm::matmul_bf16_packed(c, am, bm, &packed, false)),
+            Box::new(|c| gemm::matmul_bf16(backend, c, am, bm, false)),
+            Box::new(|c| gemm::matmul_bf16_packed(backend, c, am, bm, &packed, false)),
         ];
         #[cfg(feature = "onednn")]
         if dnnl {

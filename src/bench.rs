@@ -3,6 +3,7 @@
 
 use crate::dist::{clip_and_step, Single, StepSettings};
 use crate::kernels::bf16::gemm::matmul_bf16;
+use crate::kernels::bf16::Backend;
 use crate::kernels::mat::{matmul, Mat};
 use crate::model::decode::Decoder;
 use crate::model::lora::LoraConfig;
@@ -28,6 +29,8 @@ pub struct BenchOptions {
     pub profile: bool,
     /// Matmul precision (bfloat16: autocast, see [`Gpt::set_dtype`]).
     pub dtype: Dtype,
+    /// The kernel of the bf16 products.
+    pub backend: Backend,
     /// Train LoRA adapters on the frozen model instead of the whole model.
     pub lora: Option<LoraConfig>,
     /// Keep only each block's input; backward recomputes the rest.
@@ -82,7 +85,7 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     gpt.set_activation_checkpointing(opts.activation_checkpointing);
     // One micro-step per optimizer step, as timed (`Gpt::set_micro_steps`).
     gpt.set_micro_steps(1);
-    gpt.set_dtype(opts.dtype);
+    gpt.set_dtype(opts.dtype, &opts.backend);
     let mut opt = AdamW::new(&gpt.layout.decay_ranges(), AdamWConfig::default());
     let v = opts.model.vocab_size;
     let inputs: Vec<u32> = (0..b * t).map(|i| (i * 7919 % v) as u32).collect();
@@ -132,8 +135,8 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
         .map(|(name, secs)| (name, secs * 1e3 / opts.steps as f64))
         .collect();
     let measure = opts.peak_gflops.is_none();
-    let peak_f32 = measure.then(|| gemm_peak_gflops(Dtype::Float32));
-    let peak_bf16 = measure.then(|| gemm_peak_gflops(Dtype::Bfloat16));
+    let peak_f32 = measure.then(|| gemm_peak_gflops(Dtype::Float32, &opts.backend));
+    let peak_bf16 = measure.then(|| gemm_peak_gflops(Dtype::Bfloat16, &opts.backend));
     let own = match opts.dtype {
         Dtype::Float32 => peak_f32,
         Dtype::Bfloat16 => peak_bf16,
@@ -165,27 +168,27 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
 
 /// The machine's practical matmul peak for `dtype`, in GFLOP/s: the best of repeated
 /// 2048³ products through the GEMM that precision's matmuls run on — [`matmul`] for
-/// f32, [`matmul_bf16`] (whichever kernel it picks on this CPU) for bf16 — so MFU is
-/// against what the run's own products could reach.
-pub fn gemm_peak_gflops(dtype: Dtype) -> f64 {
-    gemm_peak(2048, dtype)
+/// f32, [`matmul_bf16`] on `backend`'s kernel for bf16 — so MFU is against what the
+/// run's own products could reach.
+pub fn gemm_peak_gflops(dtype: Dtype, backend: &Backend) -> f64 {
+    gemm_peak(2048, dtype, backend)
 }
 
 /// A quicker estimate from 1024³ products (a few tenths of a second), for MFU in logs.
-pub fn gemm_peak_gflops_quick(dtype: Dtype) -> f64 {
-    gemm_peak(1024, dtype)
+pub fn gemm_peak_gflops_quick(dtype: Dtype, backend: &Backend) -> f64 {
+    gemm_peak(1024, dtype, backend)
 }
 
 /// Best GFLOP/s of repeated `n³` products: at least 3 and at most 12 of them, for
 /// about half a second, so one that a busy neighbour slowed does not set the peak.
 /// The operands (1 and 0.5) are exact in bf16, as bf16 matmuls require.
-fn gemm_peak(n: usize, dtype: Dtype) -> f64 {
+fn gemm_peak(n: usize, dtype: Dtype, backend: &Backend) -> f64 {
     let a = vec![1.0f32; n * n];
     let b = vec![0.5f32; n * n];
     let mut c = vec![0.0f32; n * n];
-    let product = match dtype {
-        Dtype::Float32 => matmul,
-        Dtype::Bfloat16 => matmul_bf16,
+    let product = |c: &mut [f32], a: Mat, b: Mat| match dtype {
+        Dtype::Float32 => matmul(c, a, b, false),
+        Dtype::Bfloat16 => matmul_bf16(backend, c, a, b, false),
     };
     let started = Instant::now();
     let mut best = 0.0f64;
@@ -194,7 +197,7 @@ fn gemm_peak(n: usize, dtype: Dtype) -> f64 {
             break;
         }
         let start = Instant::now();
-        product(&mut c, Mat::new(&a, n, n), Mat::new(&b, n, n), false);
+        product(&mut c, Mat::new(&a, n, n), Mat::new(&b, n, n));
         best = best.max(2.0 * (n * n * n) as f64 / start.elapsed().as_secs_f64() / 1e9);
     }
     assert_eq!(
@@ -235,6 +238,8 @@ pub struct SampleBenchOptions {
     pub profile: bool,
     /// Weights the matmuls read: f32, or bf16 (`sample --dtype bfloat16`).
     pub dtype: Dtype,
+    /// The kernel of a bf16 prompt's products.
+    pub backend: Backend,
 }
 
 /// What was measured, split like `generate` spends it.
@@ -298,7 +303,7 @@ pub fn run_sample(opts: &SampleBenchOptions) -> anyhow::Result<SampleBenchReport
             num_samples: b,
             max_new_tokens: new_tokens,
             temperature: 0.0,
-            bf16_weights: bf16,
+            bf16_weights: bf16.then_some(opts.backend),
             ..Default::default()
         };
         let mut stamps = Vec::with_capacity(new_tokens);
@@ -309,7 +314,7 @@ pub fn run_sample(opts: &SampleBenchOptions) -> anyhow::Result<SampleBenchReport
         // As `generate` makes it, but for the bf16 copy, made once above.
         let mut dec = crate::sample::decoder_for(&cfg, p, &o);
         if let Some(w) = copy.take() {
-            dec = dec.with_bf16_copy(w);
+            dec = dec.with_bf16_copy(w, &opts.backend);
         }
         let params = &gpt.params;
         crate::sample::generate_in(&mut dec, params, &gpt.layout, &cfg, &prompt, &o, |i, _| {

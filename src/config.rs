@@ -7,6 +7,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use toml::{Table, Value};
 
+use crate::kernels::bf16::Kernel;
 use crate::model::Dtype;
 
 /// The quick-start preset (`configs/train_shakespeare_char.toml`), built in so that
@@ -104,6 +105,11 @@ pub struct TrainConfig {
     // system
     pub seed: u64,
     pub dtype: Dtype,
+    /// The kernel of bf16's products: `auto` (the fastest this CPU offers, as
+    /// measured: AMX, oneDNN, AVX512-BF16 but on Intel, the f32 GEMM), or `amx`,
+    /// `avx512bf16`, `onednn`, `f32` to ask for one (falling back to `auto`'s where it
+    /// cannot run, with a note). Kernels sum in different orders: checkpoints record it.
+    pub bf16_kernel: String,
     /// Keep only each transformer block's input during forward and recompute the
     /// block's activations in backward: about one more forward pass of compute for
     /// one block's activations instead of every block's. Same losses bit for bit.
@@ -174,6 +180,7 @@ impl Default for TrainConfig {
             min_lr: 6e-5,
             seed: 1337,
             dtype: Dtype::Float32,
+            bf16_kernel: "auto".to_string(),
             activation_checkpointing: false,
             threads: 0,
             zero_stage: 0,
@@ -408,6 +415,13 @@ impl TrainConfig {
                 problems.push(format!("`{key}` must not be empty"));
             }
         }
+        if Kernel::parse_request(&self.bf16_kernel).is_none() {
+            problems.push(format!(
+                "`bf16_kernel` must be one of {}, got \"{}\"",
+                Kernel::REQUEST_NAMES.join(", "),
+                self.bf16_kernel
+            ));
+        }
     }
 
     fn check_distributed(&self, problems: &mut Vec<String>) {
@@ -446,6 +460,11 @@ impl TrainConfig {
                  got {t}"
             ));
         }
+    }
+
+    /// The kernel `bf16_kernel` asks for: None for `auto` (checked by `validate`).
+    pub fn bf16_kernel_request(&self) -> Option<Kernel> {
+        Kernel::parse_request(&self.bf16_kernel).flatten()
     }
 
     /// The LoRA settings (`lora_rank > 0`), or None for full training; an error
@@ -560,14 +579,17 @@ fn check_entry(defaults: &Table, key: &str, value: Value) -> Result<Value> {
             v.type_str()
         ),
     };
-    if key == "dtype" || key == "grad_reduce_dtype" {
-        let name = value.as_str().unwrap_or_default();
-        if !Dtype::NAMES.contains(&name) {
-            bail!(
-                "key `{key}` must be one of {}, got \"{name}\"",
-                Dtype::NAMES.join(", ")
-            );
-        }
+    let names: &[&str] = match key {
+        "dtype" | "grad_reduce_dtype" => &Dtype::NAMES,
+        "bf16_kernel" => &Kernel::REQUEST_NAMES,
+        _ => &[],
+    };
+    let name = value.as_str().unwrap_or_default();
+    if !names.is_empty() && !names.contains(&name) {
+        bail!(
+            "key `{key}` must be one of {}, got \"{name}\"",
+            names.join(", ")
+        );
     }
     Ok(value)
 }
@@ -817,6 +839,20 @@ mod tests {
             err.contains("`dtype` must be one of float32, bfloat16"),
             "{err}"
         );
+        let err = err_of("", &["bf16_kernel=tpu"]);
+        assert!(
+            err.contains("`bf16_kernel` must be one of auto, amx, avx512bf16, onednn, f32"),
+            "{err}"
+        );
+        let f32 = TrainConfig::parse("bf16_kernel = \"f32\"", "t", &[]).unwrap();
+        assert_eq!(f32.bf16_kernel_request(), Some(Kernel::F32));
+        assert_eq!(TrainConfig::default().bf16_kernel_request(), None);
+        let built = TrainConfig {
+            bf16_kernel: "fast".into(),
+            ..TrainConfig::default()
+        };
+        let err = built.validate().unwrap_err().to_string();
+        assert!(err.contains("`bf16_kernel` must be one of"), "{err}");
         let err = err_of("", &["max_iters"]);
         assert!(err.contains("key=value"), "{err}");
     }

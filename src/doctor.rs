@@ -8,6 +8,7 @@
 use crate::config::TrainConfig;
 use crate::dist::preflight::{self, Fingerprint};
 use crate::dist::{Collective, GradPlan, Reduce, Reported};
+use crate::kernels::bf16::Backend;
 use crate::model::ParamLayout;
 use crate::plan;
 use anyhow::Result;
@@ -107,7 +108,8 @@ pub fn run(comm: &dyn Collective, cfg: &TrainConfig, threads: usize) -> Result<R
     if let Ok(dir) = &data_dir {
         problems.extend(print.differences(&root_print, dir));
     }
-    let planned_mb = match plan_memory(comm, cfg) {
+    let backend = Backend::detect(cfg.bf16_kernel_request());
+    let planned_mb = match plan_memory(comm, cfg, &backend) {
         Ok((mb, refused)) => {
             problems.extend(refused);
             Some(mb)
@@ -138,7 +140,7 @@ pub fn run(comm: &dyn Collective, cfg: &TrainConfig, threads: usize) -> Result<R
             _ => comm.host(),
         },
         binary: print.binary.clone(),
-        cpu: cpu_path(),
+        cpu: cpu_path(&backend),
         threads,
         cores: crate::threads::host_cores().unwrap_or(0),
         mem_available_gib: mem_available_gib(),
@@ -180,8 +182,13 @@ pub fn run(comm: &dyn Collective, cfg: &TrainConfig, threads: usize) -> Result<R
 
 /// This rank's planned peak (MB), and `train`'s refusal when this host's ranks
 /// together would need more memory than it has.
-fn plan_memory(comm: &dyn Collective, cfg: &TrainConfig) -> Result<(f64, Option<String>)> {
-    let (input, _, refused) = plan::check_run(cfg, comm.world_size(), comm.local_size())?;
+fn plan_memory(
+    comm: &dyn Collective,
+    cfg: &TrainConfig,
+    backend: &Backend,
+) -> Result<(f64, Option<String>)> {
+    let (w, local) = (comm.world_size(), comm.local_size());
+    let (input, _, refused) = plan::check_run(cfg, w, local, backend)?;
     Ok((plan::rank_plan(&input, comm.rank()).peak_rss_mb, refused))
 }
 
@@ -243,9 +250,10 @@ fn out_dir_writable(dir: &Path) -> Result<(), String> {
     std::fs::remove_file(&probe).map_err(fail)
 }
 
-/// The matmul paths this CPU takes: f32, and bf16 (the kernel a bfloat16 run uses).
-fn cpu_path() -> String {
-    use crate::kernels::bf16::gemm::{self, Kernel};
+/// The matmul paths this CPU takes: f32, and bf16 (the kernel a bfloat16 run of the
+/// config uses, `backend`'s).
+fn cpu_path(backend: &Backend) -> String {
+    use crate::kernels::bf16::Kernel;
     #[cfg(target_arch = "x86_64")]
     let f32_path = match std::is_x86_feature_detected!("avx512f") {
         true => "AVX-512 f32",
@@ -253,7 +261,7 @@ fn cpu_path() -> String {
     };
     #[cfg(not(target_arch = "x86_64"))]
     let f32_path = "portable f32";
-    let bf16_path = match gemm::kernel() {
+    let bf16_path = match backend.kernel() {
         Kernel::OneDnn => "bf16 on oneDNN",
         Kernel::Amx => "bf16 on AMX-BF16",
         Kernel::Avx512Bf16 => "bf16 on AVX512-BF16",

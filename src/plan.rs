@@ -15,10 +15,11 @@ use crate::checkpoint::Checkpoint;
 use crate::config::{InitFrom, TrainConfig};
 use crate::data::{self, Meta};
 use crate::dist::{ring_scratch_len, save_buffer_len, GradPlan, Reduce, RINGS_IN_FLIGHT};
+use crate::kernels::bf16::Backend;
 use crate::model::activations::Activations;
 use crate::model::lora::{LoraConfig, LoraLayout};
 use crate::model::packs::Packs;
-use crate::model::{bf16_copy_len, grad_buckets_of, Dtype, ModelConfig, ParamLayout};
+use crate::model::{grad_buckets_of, Dtype, ModelConfig, ParamLayout};
 use anyhow::{Context, Result};
 use serde::Serialize;
 
@@ -46,15 +47,20 @@ pub struct PlanInput {
     pub micro_steps: usize,
     /// The gradients' values on the wire (`grad_reduce_dtype`).
     pub grad_reduce_dtype: Dtype,
+    /// The kernel of the bf16 products: whether the model packs its weights or keeps
+    /// a rounded copy.
+    pub backend: Backend,
 }
 
 impl PlanInput {
-    /// The run of `cfg` with `model` on `world_size` ranks, `ranks_per_host` per host.
+    /// The run of `cfg` with `model` on `world_size` ranks, `ranks_per_host` per host,
+    /// its bf16 products on `backend`.
     pub fn of(
         cfg: &TrainConfig,
         model: ModelConfig,
         world_size: usize,
         ranks_per_host: usize,
+        backend: &Backend,
     ) -> PlanInput {
         PlanInput {
             batch_size: cfg.batch_size,
@@ -67,6 +73,7 @@ impl PlanInput {
             lora: lora_of(cfg, &model),
             micro_steps: cfg.gradient_accumulation_steps / world_size.max(1),
             grad_reduce_dtype: cfg.grad_reduce_dtype,
+            backend: *backend,
             model,
         }
     }
@@ -195,7 +202,8 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
     let mpi_reduce = grad_plan
         .as_ref()
         .map_or(0, |g| reduction_buffers_len(g, ring));
-    let packs = match Packs::made_for(p.dtype, sharded.is_some()) {
+    let bf16 = p.dtype == Dtype::Bfloat16;
+    let packs = match p.backend.packs_weights(bf16, sharded.is_some()) {
         true => {
             let (ckpt, frozen) = (p.activation_checkpointing, p.lora.is_some());
             let linears = Packs::linears_pay(Some(p.micro_steps), ckpt, frozen);
@@ -232,8 +240,8 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
         Part {
             name: BF16_COPY,
             bytes: f32s(
-                bf16_copy_len(p.dtype, sharded.is_some(), copy_len)
-                    + bf16_copy_len(p.dtype, false, frozen),
+                p.backend.bf16_copy_len(bf16, sharded.is_some(), copy_len)
+                    + p.backend.bf16_copy_len(bf16, false, frozen),
             ),
         },
         Part {
@@ -697,15 +705,17 @@ pub fn cheapest_fits(p: &PlanInput, grad_accum: usize, available: u64, n: usize)
         .collect()
 }
 
-/// The plan of a run of `cfg` on `world_size` ranks, `ranks_per_host` per host,
-/// against this host's available memory, and its refusal when it does not fit:
-/// what `train` checks before it allocates, and `doctor` reports.
+/// The plan of a run of `cfg` on `world_size` ranks, `ranks_per_host` per host, its
+/// bf16 products on `backend`, against this host's available memory, and its refusal
+/// when it does not fit: what `train` checks before it allocates, and `doctor` reports.
 pub fn check_run(
     cfg: &TrainConfig,
     world_size: usize,
     ranks_per_host: usize,
+    backend: &Backend,
 ) -> Result<(PlanInput, MemoryPlan, Option<String>)> {
-    let input = PlanInput::of(cfg, model_of(cfg)?, world_size, ranks_per_host);
+    let model = model_of(cfg)?;
+    let input = PlanInput::of(cfg, model, world_size, ranks_per_host, backend);
     let memory = MemoryPlan::new(&input, available()?);
     let refused = refusal(&memory, &input, cfg.gradient_accumulation_steps);
     Ok((input, memory, refused))
@@ -747,7 +757,6 @@ pub fn refusal(plan: &MemoryPlan, p: &PlanInput, grad_accum: usize) -> Option<St
 mod tests {
     use super::*;
     use crate::dist::{Bucket, DataParallel};
-    use crate::kernels::bf16::gemm::reads_packs;
     use crate::model::Gpt;
     use crate::optim::AdamW;
 
@@ -768,6 +777,7 @@ mod tests {
             lora: None,
             micro_steps: 2,
             grad_reduce_dtype: Dtype::Float32,
+            backend: Backend::detect(None),
         }
     }
 
@@ -785,12 +795,12 @@ mod tests {
                 let mut gpt = Gpt::new(tiny(), 3, 8).unwrap();
                 gpt.set_activation_checkpointing(ckpt);
                 gpt.set_micro_steps(micro_steps);
-                gpt.set_dtype(Dtype::Bfloat16);
+                gpt.set_dtype(Dtype::Bfloat16, &Backend::detect(None));
                 let case = format!("checkpointing {ckpt}, {micro_steps} micro-steps");
                 assert_eq!(plan.part(PACKS), gpt.packs_bytes() as u64, "{case}");
                 let wte_only = Packs::bytes_for(&tiny(), false) as u64;
                 let linears = micro_steps > 1 || ckpt;
-                if reads_packs() && Packs::linears_pay(None, false, false) {
+                if Backend::detect(None).reads_packs() && Packs::linears_pay(None, false, false) {
                     assert_eq!(plan.part(PACKS) > wte_only, linears, "{case}");
                 }
             }
@@ -805,7 +815,7 @@ mod tests {
                 let plan = rank_plan(&p, 0);
                 let mut gpt = Gpt::new(tiny(), 3, 8).unwrap();
                 gpt.set_activation_checkpointing(ckpt);
-                gpt.set_dtype(dtype);
+                gpt.set_dtype(dtype, &Backend::detect(None));
                 let opt = AdamW::new(&gpt.layout.decay_ranges(), Default::default());
                 let bytes = |n: usize| n as u64 * 4;
                 assert_eq!(plan.part(WEIGHTS), bytes(gpt.params.len()));
@@ -832,7 +842,7 @@ mod tests {
                     let plan = rank_plan(&p, 0);
                     let mut gpt = Gpt::new(tiny(), 3, 8).unwrap();
                     gpt.set_activation_checkpointing(ckpt);
-                    gpt.set_dtype(dtype);
+                    gpt.set_dtype(dtype, &Backend::detect(None));
                     let gpt = gpt.with_lora(lora, ("test", 0), 1);
                     let opt = AdamW::new(&gpt.layout.decay_ranges(), Default::default());
                     let frozen = gpt.frozen().unwrap();
@@ -939,6 +949,7 @@ mod tests {
                         dp.reduce_in(Dtype::Bfloat16);
                         let p = PlanInput {
                             grad_reduce_dtype: Dtype::Bfloat16,
+                            backend: Backend::detect(None),
                             ..p.clone()
                         };
                         let (send, recv) = dp.buffer_lens();
@@ -992,10 +1003,10 @@ mod tests {
                     // lent weights (stage 3) on every kernel.
                     let copy = match stage {
                         3 => in_use - block(&gpt),
-                        _ => bf16_copy_len(Dtype::Bfloat16, false, gpt.params.len()),
+                        _ => Backend::detect(None).bf16_copy_len(true, false, gpt.params.len()),
                     };
                     let frozen = lora.as_ref().map_or(0, |_| ParamLayout::new(&tiny()).len);
-                    let frozen = bf16_copy_len(Dtype::Bfloat16, false, frozen);
+                    let frozen = Backend::detect(None).bf16_copy_len(true, false, frozen);
                     let copy = (copy + frozen) as u64 * 4;
                     assert_eq!(rank_plan(&p, rank).part(BF16_COPY), copy, "{case}");
                     if stage == 3 {
@@ -1055,6 +1066,7 @@ mod tests {
             lora: None,
             micro_steps: 1,
             grad_reduce_dtype: Dtype::Float32,
+            backend: Backend::detect(None),
         };
         let (n, len) = (buckets.len(), |b: usize| buckets[b].len());
         let (emb, ln_f, block) = (len(n - 1), len(0), len(1));
@@ -1128,6 +1140,7 @@ mod tests {
         assert_eq!(rank_plan(&p, 0).part(COMM), len);
         let bf16 = PlanInput {
             grad_reduce_dtype: Dtype::Bfloat16,
+            backend: Backend::detect(None),
             ..p
         };
         assert_eq!(rank_plan(&bf16, 0).part(COMM), 2 * len);
@@ -1157,6 +1170,7 @@ mod tests {
                     lora: None,
                     micro_steps: 1,
                     grad_reduce_dtype: Dtype::Float32,
+                    backend: Backend::detect(None),
                 };
                 let fits = closing_gather_fits(&rank_plan(&p, 0), len);
                 // (A pass of 3 layers holds most of the model: that always fits.)
@@ -1186,6 +1200,7 @@ mod tests {
                 lora: None,
                 micro_steps: 1,
                 grad_reduce_dtype: Dtype::Float32,
+                backend: Backend::detect(None),
             };
             let gather = rank_plan(&p, 0).part(GATHER);
             assert_eq!(
@@ -1213,6 +1228,7 @@ mod tests {
             lora: Some(LoraConfig::new(8, 16.0, 0.0, "c_attn").unwrap()),
             micro_steps: 1,
             grad_reduce_dtype: Dtype::Float32,
+            backend: Backend::detect(None),
         };
         let bf16 = rank_plan(&p, 0).bytes();
         let f32 = PlanInput {
@@ -1255,6 +1271,7 @@ mod tests {
             lora: None,
             micro_steps: 1,
             grad_reduce_dtype: Dtype::Float32,
+            backend: Backend::detect(None),
         };
         let full = rank_plan(&p, 0).bytes();
         let ckpt = rank_plan(

@@ -8,6 +8,7 @@
 //! token is drawn from them: the order of Hugging Face's `generate`.
 
 use crate::data::Tokenizer;
+use crate::kernels::bf16::Backend;
 use crate::model::decode::Decoder;
 use crate::model::{ModelConfig, ParamLayout};
 use rand::{Rng, SeedableRng};
@@ -36,9 +37,9 @@ pub struct SampleOptions {
     /// negative. `1.0` is off.
     pub repetition_penalty: f32,
     /// Read the matmul weights in bf16 (rounded once per call to [`generate`], or once
-    /// per kept decoder with [`generate_in`]): half the bytes per token; see
-    /// [`Decoder::with_bf16_weights`].
-    pub bf16_weights: bool,
+    /// per kept decoder with [`generate_in`]), a prompt's products on this back-end:
+    /// half the bytes per token; see [`Decoder::with_bf16_weights`]. None: f32.
+    pub bf16_weights: Option<Backend>,
 }
 
 impl Default for SampleOptions {
@@ -51,7 +52,7 @@ impl Default for SampleOptions {
             seed: 1337,
             top_p: None,
             repetition_penalty: 1.0,
-            bf16_weights: false,
+            bf16_weights: None,
         }
     }
 }
@@ -99,8 +100,8 @@ pub fn generate_until(
         return vec![Vec::new(); b];
     }
     let mut dec = decoder_for(config, prompt.len(), opts);
-    if opts.bf16_weights {
-        dec = dec.with_bf16_weights(params);
+    if let Some(backend) = &opts.bf16_weights {
+        dec = dec.with_bf16_weights(params, backend);
     }
     generate_in(&mut dec, params, layout, config, prompt, opts, on_token)
 }
@@ -152,7 +153,7 @@ pub fn generate_in(
     );
     assert_eq!(
         dec.reads_bf16_weights(),
-        opts.bf16_weights,
+        opts.bf16_weights.is_some(),
         "the decoder's weight precision is not the options'"
     );
     // A cache left by an earlier call must not be mistaken for this prompt's.

@@ -239,7 +239,10 @@ fn bfloat16_training_reports_its_matmul_path_and_its_checkpoint_serves_eval_and_
         "dtype=bfloat16",
     ];
     let stdout = train(d, &extra);
-    let path = format!("bf16 matmuls: {}", nanogpt::cli::bf16_matmuls());
+    let path = format!(
+        "bf16 matmuls: {}",
+        nanogpt::kernels::bf16::Backend::detect(None).describe()
+    );
     assert!(stdout.contains(&path), "{stdout}");
     let losses = metric(&d.join("run"), "loss");
     assert_eq!(losses.len(), 5);

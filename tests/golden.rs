@@ -625,7 +625,8 @@ fn bfloat16_is_close_to_pytorch_autocast() {
         let fx = Fixture::load(stem);
         let want = &refs[stem];
         let mut gpt = build_model(&fx);
-        gpt.set_dtype(nanogpt::model::Dtype::Bfloat16);
+        let here = nanogpt::kernels::bf16::Backend::detect(None);
+        gpt.set_dtype(nanogpt::model::Dtype::Bfloat16, &here);
         let (b, t) = fx.batch();
         gpt.zero_grad();
         let loss = gpt.forward(&fx.inputs(), &fx.targets(), b, t) as f64;

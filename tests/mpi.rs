@@ -1590,7 +1590,7 @@ fn zero_3_keeps_buckets_whole_between_passes_for_the_same_bits() {
 #[test]
 fn bf16_packs_made_once_per_step_give_the_same_bits() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let packed = nanogpt::kernels::bf16::gemm::reads_packs();
+    let packed = nanogpt::kernels::bf16::Backend::detect(None).reads_packs();
     for (ranks, stage) in [(0, "zero_stage=0"), (2, "zero_stage=1")] {
         let args = [
             "dtype=bfloat16",

@@ -13,6 +13,7 @@
 //! made the first time a thread runs a piece of a product, which work stealing may
 //! hand to a thread in any step.
 
+use nanogpt::kernels::bf16::Backend;
 use nanogpt::model::Dtype;
 use nanogpt::model::{Gpt, ModelConfig};
 use nanogpt::optim::{clip_grad_norm, AdamW};
@@ -76,7 +77,7 @@ fn check(dtype: Dtype) {
     let (b, t) = (4, 64);
     let mut gpt = Gpt::new(cfg, b, t).unwrap();
     gpt.init_gpt2(1);
-    gpt.set_dtype(dtype);
+    gpt.set_dtype(dtype, &Backend::detect(None));
     let mut opt = AdamW::new(&gpt.layout.decay_ranges(), Default::default());
     let inputs: Vec<u32> = (0..b * t).map(|i| (i * 37 % 500) as u32).collect();
     let targets: Vec<i32> = (0..b * t).map(|i| (i * 53 % 500) as i32).collect();

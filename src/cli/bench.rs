@@ -31,6 +31,10 @@ pub struct BenchArgs {
     /// accumulation, f32 master weights and optimizer state).
     #[arg(long, default_value = "float32", value_parser = clap::builder::PossibleValuesParser::new(Dtype::NAMES))]
     pub dtype: String,
+    /// With --dtype bfloat16: the kernel of the bf16 products (auto: the fastest this
+    /// CPU has; amx, avx512bf16, onednn or f32 ask for one, as `bf16_kernel` does).
+    #[arg(long, default_value = "auto", value_parser = clap::builder::PossibleValuesParser::new(crate::kernels::bf16::Kernel::REQUEST_NAMES))]
+    pub bf16_kernel: String,
     /// Threads (0: one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -139,10 +143,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         profile: args.profile,
         activation_checkpointing: checkpointing(&args)?,
         dtype: dtype(&args),
+        backend: super::bf16_backend(&args.bf16_kernel),
         lora: lora_config(&args)?,
     };
     if opts.dtype == Dtype::Bfloat16 {
-        eprintln!("bf16 matmuls: {}", super::bf16_matmuls());
+        eprintln!("bf16 matmuls: {}", opts.backend.describe());
     }
     let r = run_bench(&opts)?;
     if args.json {
@@ -191,6 +196,7 @@ fn run_sample_bench(args: &BenchArgs, new_tokens: usize) -> anyhow::Result<()> {
         runs: args.steps,
         profile: args.profile,
         dtype: dtype(args),
+        backend: super::bf16_backend(&args.bf16_kernel),
     })?;
     if args.json {
         println!("{}", serde_json::to_string(&r)?);

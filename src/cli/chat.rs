@@ -104,8 +104,8 @@ fn converse(
     // Half the block at most is kept for the reply; the rest holds the history.
     let budget = block - args.max_new_tokens.min(block / 2);
     let mut decoder = Decoder::new(&loaded.config, 1, block);
-    if args.sampling.options(1, 1, 0).bf16_weights {
-        decoder = decoder.with_bf16_weights(&loaded.params);
+    if let Some(backend) = &args.sampling.options(1, 1, 0).bf16_weights {
+        decoder = decoder.with_bf16_weights(&loaded.params, backend);
     }
     let mut input = input;
     let mut bytes = Vec::new();
@@ -298,6 +298,7 @@ mod tests {
                 // One line per reply, however it ends.
                 stop: vec!["\n".into()],
                 dtype: dtype.into(),
+                bf16_kernel: "auto".into(),
             },
         }
     }

@@ -84,42 +84,9 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
     }
 }
 
-/// How this run's bf16 matmuls are computed, for the `bf16 matmuls:` line that
-/// `train` and `bench` print at the start of a bfloat16 run.
-pub fn bf16_matmuls() -> std::borrow::Cow<'static, str> {
-    use crate::kernels::{bf16::gemm, cpu};
-    let line: std::borrow::Cow<'static, str> = match gemm::kernel() {
-        #[cfg(feature = "onednn")]
-        gemm::Kernel::OneDnn => {
-            let name = crate::kernels::bf16::onednn::implementation().unwrap_or("?");
-            format!("oneDNN ({name}) for the large products, f32 GEMM over bf16 values elsewhere")
-                .into()
-        }
-        #[cfg(not(feature = "onednn"))]
-        gemm::Kernel::OneDnn => unreachable!("oneDNN is not built in"),
-        gemm::Kernel::Amx => {
-            "AMX-BF16 (tdpbf16ps) for the linear and classifier products, weights rounded while packed"
-                .into()
-        }
-        gemm::Kernel::Avx512Bf16 => {
-            "AVX512-BF16 (vdpbf16ps) for the linear and classifier products, weights rounded while packed"
-                .into()
-        }
-        gemm::Kernel::F32 if gemm::f32_requested() => {
-            "emulated via f32 GEMM (bf16 operands, f32 accumulation), as NANOGPT_BF16_GEMM=f32 asks"
-            .into()
-        }
-        gemm::Kernel::F32 if cpu::has_amx() => {
-            "emulated via f32 GEMM (bf16 operands, f32 accumulation); the CPU has AMX but the OS refused the tile permission"
-            .into()
-        }
-        gemm::Kernel::F32 => {
-            "emulated via f32 GEMM (bf16 operands, f32 accumulation); no AMX on this CPU"
-            .into()
-        }
-    };
-    match gemm::request_refused() {
-        Some(why) => format!("{line} ({why})").into(),
-        None => line,
-    }
+/// The bf16 back-end of this process for a request by name (`auto` or a kernel's, as
+/// `--bf16-kernel` and the `bf16_kernel` key take it; the parser has checked it).
+pub fn bf16_backend(request: &str) -> crate::kernels::bf16::Backend {
+    use crate::kernels::bf16::{Backend, Kernel};
+    Backend::detect(Kernel::parse_request(request).flatten())
 }

@@ -51,7 +51,8 @@ pub fn run(args: PlanArgs) -> Result<()> {
         crate::hf::adapter::read_adapter(Path::new(&cfg.adapter), &model)
             .with_context(|| format!("adapter={}: cannot load the LoRA adapter", cfg.adapter))?;
     }
-    let input = PlanInput::of(&cfg, model, args.world_size, args.ranks_per_host);
+    let backend = super::bf16_backend(&cfg.bf16_kernel);
+    let input = PlanInput::of(&cfg, model, args.world_size, args.ranks_per_host, &backend);
     let memory = MemoryPlan::new(&input, plan::available()?);
     let refusal = plan::refusal(&memory, &input, cfg.gradient_accumulation_steps);
     if args.json {

@@ -98,6 +98,10 @@ pub struct Sampling {
     /// at start; half the bytes per token, activations stay f32).
     #[arg(long, default_value = "float32", value_parser = clap::builder::PossibleValuesParser::new(crate::model::Dtype::NAMES))]
     pub dtype: String,
+    /// With --dtype bfloat16: the kernel of a prompt's bf16 products (auto: the
+    /// fastest this CPU has; amx, avx512bf16, onednn or f32 ask for one).
+    #[arg(long, default_value = "auto", value_parser = clap::builder::PossibleValuesParser::new(crate::kernels::bf16::Kernel::REQUEST_NAMES))]
+    pub bf16_kernel: String,
 }
 
 impl Sampling {
@@ -137,7 +141,8 @@ impl Sampling {
             seed,
             top_p: self.top_p,
             repetition_penalty: self.repetition_penalty,
-            bf16_weights: self.dtype == "bfloat16",
+            bf16_weights: (self.dtype == "bfloat16")
+                .then(|| super::bf16_backend(&self.bf16_kernel)),
         }
     }
 }

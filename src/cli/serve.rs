@@ -45,6 +45,10 @@ pub struct ServeArgs {
     /// bytes per token; activations stay f32).
     #[arg(long, default_value = "float32", value_parser = clap::builder::PossibleValuesParser::new(crate::model::Dtype::NAMES))]
     pub dtype: String,
+    /// With --dtype bfloat16: the kernel of a prompt's bf16 products (auto: the
+    /// fastest this CPU has; amx, avx512bf16, onednn or f32 ask for one).
+    #[arg(long, default_value = "auto", value_parser = clap::builder::PossibleValuesParser::new(crate::kernels::bf16::Kernel::REQUEST_NAMES))]
+    pub bf16_kernel: String,
     /// Threads (0: one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -66,7 +70,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             .or_else(|| std::env::var("NANOGPT_API_KEY").ok())
             .filter(|k| !k.is_empty()),
         queue: args.queue,
-        bf16: args.dtype == "bfloat16",
+        bf16: (args.dtype == "bfloat16").then(|| super::bf16_backend(&args.bf16_kernel)),
         template: match args.template {
             TemplateArg::Chat if model.tokenizer.chat_template().is_some() => ChatFormat::Model,
             TemplateArg::Chat => ChatFormat::Chat,

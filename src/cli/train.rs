@@ -72,7 +72,7 @@ pub fn run(args: TrainArgs) -> Result<i32> {
             trainer.peak_gflops()
         );
         if trainer.cfg.dtype == crate::model::Dtype::Bfloat16 {
-            crate::outln!("bf16 matmuls: {}", super::bf16_matmuls());
+            crate::outln!("bf16 matmuls: {}", trainer.backend.describe());
         }
     }
     if !trainer.cfg.eval_only {

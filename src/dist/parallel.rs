@@ -1253,6 +1253,7 @@ pub fn save_buffer_len(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::bf16::Backend;
 
     #[test]
     fn the_skew_is_how_far_the_slowest_rank_computed_beyond_this_one_per_step() {
@@ -1481,7 +1482,7 @@ mod tests {
         for (prefetch, ckpt, keep) in runs {
             let mut plain = Gpt::new(cfg.clone(), b, t).unwrap();
             plain.init_gpt2(5);
-            plain.set_dtype(Dtype::Float32);
+            plain.set_dtype(Dtype::Float32, &Backend::detect(None));
             let mut gpt = Gpt::from_params(cfg.clone(), plain.params.clone(), b, t).unwrap();
             for m in [&mut plain, &mut gpt] {
                 m.set_activation_checkpointing(ckpt);
@@ -1600,11 +1601,11 @@ mod tests {
         for dtype in [Dtype::Float32, Dtype::Bfloat16] {
             let mut plain = Gpt::new(cfg.clone(), b, t).unwrap();
             plain.init_gpt2(5);
-            plain.set_dtype(dtype);
+            plain.set_dtype(dtype, &Backend::detect(None));
             let loss = plain.forward(&x, &y, b, t);
             // Before the gathers this rank holds its own updated pieces only.
             let mut gpt = Gpt::new(cfg.clone(), b, t).unwrap();
-            gpt.set_dtype(dtype);
+            gpt.set_dtype(dtype, &Backend::detect(None));
             let log = Log::default();
             let twin = Twin {
                 full: plain.params.clone(),

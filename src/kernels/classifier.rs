@@ -5,7 +5,8 @@
 //! `(N, V)` logits never exist. Only the real vocabulary `V` is computed: the padded
 //! rows of `wte` never receive probability and get no gradient.
 
-use super::bf16::gemm::{kernel, matmul_bf16, matmul_bf16_packed, reads_packs, Kernel};
+use super::bf16::gemm::{matmul_bf16_packed, product};
+use super::bf16::Backend;
 use super::fastmath::{exp_fast, has_avx2_fma};
 use super::mat::{matmul, Mat};
 use rayon::prelude::*;
@@ -38,6 +39,8 @@ pub struct Classifier<'a> {
     pub packs: Option<&'a WtePacks>,
     pub c: usize,
     pub v: usize,
+    /// The kernel of the bf16 products (unused in f32).
+    pub backend: &'a Backend,
 }
 
 /// Mean cross-entropy of `softmax(x · wteᵀ)` against `targets`, ignoring targets of -1.
@@ -47,8 +50,8 @@ pub struct Classifier<'a> {
 /// computes the gradient of `scale · mean loss`. Returns the mean over valid rows (0
 /// when there are none).
 ///
-/// With `BF16` (autocast), `x` and `wte` hold bf16 values, the matmuls run on
-/// [`matmul_bf16`] (AMX where present) and the logits' gradient is rounded to bf16
+/// With `BF16` (autocast), `x` and `wte` hold bf16 values, the matmuls run on the
+/// back-end's bf16 kernel and the logits' gradient is rounded to bf16
 /// before it enters the two backward matmuls; softmax and loss are f32.
 pub fn classifier_forward<const BF16: bool>(
     x: &[f32],
@@ -75,17 +78,17 @@ pub fn classifier_forward<const BF16: bool>(
         .as_ref()
         .map_or(0.0, |g| g.scale / count.max(1) as f32);
     let wte_v = Mat::new(&cls.wte[..v * c], v, c);
-    let gemm = if BF16 { matmul_bf16 } else { matmul };
+    let backend = cls.backend;
     // The packs are read by the AMX and AVX512-BF16 kernels only.
-    let packs = cls.packs.filter(|_| BF16 && reads_packs());
+    let packs = cls.packs.filter(|_| BF16 && backend.reads_packs());
     for start in (0..n).step_by(chunk) {
         let rows = chunk.min(n - start);
         let logits = &mut scratch[..rows * v];
         let x_chunk = &x[start * c..(start + rows) * c];
         let x_m = Mat::new(x_chunk, rows, c);
         match packs {
-            Some(p) => matmul_bf16_packed(logits, x_m, wte_v.t(), &p.t, false),
-            None => gemm(logits, x_m, wte_v.t(), false),
+            Some(p) => matmul_bf16_packed(backend, logits, x_m, wte_v.t(), &p.t, false),
+            None => product::<BF16>(backend, logits, x_m, wte_v.t(), false),
         }
         let tgt = &targets[start..start + rows];
         let with_grad = grads.is_some();
@@ -107,13 +110,13 @@ pub fn classifier_forward<const BF16: bool>(
             let dlogits = Mat::new(logits, rows, v);
             let dx = &mut g.dx[start * c..(start + rows) * c];
             match packs {
-                Some(p) => matmul_bf16_packed(dx, dlogits, wte_v, &p.n, false),
-                None => gemm(dx, dlogits, wte_v, false),
+                Some(p) => matmul_bf16_packed(backend, dx, dlogits, wte_v, &p.n, false),
+                None => product::<BF16>(backend, dx, dlogits, wte_v, false),
             }
             // An empty `dwte` is a frozen embedding (LoRA): its gradient is not formed.
             if !g.dwte.is_empty() {
-                let block = dwte_block::<BF16>(v);
-                weight_gradient(&mut g.dwte[..v * c], dlogits, x_m, gemm, block);
+                let block = backend.dwte_block(BF16, v);
+                weight_gradient::<BF16>(backend, &mut g.dwte[..v * c], dlogits, x_m, block);
             }
         }
     }
@@ -124,45 +127,32 @@ pub fn classifier_forward<const BF16: bool>(
     (losses.iter().map(|&l| l as f64).sum::<f64>() / count as f64) as f32
 }
 
-/// Vocabulary rows of `dwte` per f32 product in [`weight_gradient`].
-const DWTE_BLOCK: usize = 4096;
-
-/// Vocabulary rows of `dwte` per product in [`weight_gradient`], for a `v`-row
-/// vocabulary: one product over all of V where the bf16 kernel is AMX (it packs into
-/// buffers it keeps, and in blocks it would repack the chunk's x for every block),
-/// [`DWTE_BLOCK`] elsewhere: where the `gemm` crate runs the product (f32, bf16 on
-/// the f32 GEMM) one product over V packs an R × V buffer per chunk, 51 MB at GPT-2's
-/// R = 256 (with glibc's adaptive mmap threshold that no longer faults in every step,
-/// measured, but it leaves the caches); the AVX512-BF16 kernel and oneDNN take the
-/// 4,096-row blocks too (the AVX512-BF16 kernel ran them at 1.9–2.0× the f32 GEMM,
-/// per CPU-second, `cargo bench --bench bf16`).
-fn dwte_block<const BF16: bool>(v: usize) -> usize {
-    match BF16 && kernel() == Kernel::Amx {
-        true => v,
-        false => DWTE_BLOCK,
-    }
-}
-
 /// `dwte += dlogitsᵀ · x` for one chunk of rows, in blocks of `block` vocabulary rows.
 ///
 /// dwte: (V, C); dlogits: (R, V); x: (R, C). The `gemm` crate packs the logit
 /// gradients of a product into a buffer it allocates per call, R × V floats over all of
 /// V (51 MB for a 256-row chunk): above malloc's mmap threshold, so it was mapped fresh
 /// and faulted in page by page for every chunk of every step. A block of
-/// [`DWTE_BLOCK`] rows needs R × 4,096 floats, which malloc keeps and hands back on the
-/// next call.
-fn weight_gradient(
+/// 4,096 rows needs R × 4,096 floats, which malloc keeps and hands back on the
+/// next call ([`Backend::dwte_block`] says where the blocks pay).
+fn weight_gradient<const BF16: bool>(
+    backend: &Backend,
     dwte: &mut [f32],
     dlogits: Mat,
     x: Mat,
-    gemm: fn(&mut [f32], Mat, Mat, bool),
     block: usize,
 ) {
     let (v, c) = (dlogits.cols, x.cols);
     for (i, dwte_block) in dwte.chunks_mut(block * c).enumerate() {
         let start = i * block;
         let end = (start + block).min(v);
-        gemm(dwte_block, dlogits.columns(start, end).t(), x, true);
+        product::<BF16>(
+            backend,
+            dwte_block,
+            dlogits.columns(start, end).t(),
+            x,
+            true,
+        );
     }
 }
 
@@ -303,6 +293,7 @@ mod tests {
             packs: None,
             c,
             v,
+            backend: &Backend::portable(),
         };
         let grads = ClassifierGrads {
             dx: &mut dx,
@@ -393,6 +384,7 @@ mod tests {
             packs: None,
             c,
             v,
+            backend: &Backend::portable(),
         };
         let loss =
             classifier_forward::<false>(&x, cls, &[-1; 3], &mut losses, &mut scratch, Some(grads));
@@ -416,23 +408,8 @@ mod tests {
             }
         }
         let (dlogits_m, x_m) = (Mat::new(&dlogits, r, v), Mat::new(&x, r, c));
-        weight_gradient(&mut dwte, dlogits_m, x_m, matmul, block);
+        weight_gradient::<false>(&Backend::portable(), &mut dwte, dlogits_m, x_m, block);
         assert_close("dwte", &dwte, &want, 1e-5, 1e-6);
-    }
-
-    #[test]
-    fn dwte_is_blocked_wherever_the_gemm_crate_runs_it() {
-        use crate::kernels::bf16::gemm::with_kernel;
-        let v = 50_257;
-        assert_eq!(dwte_block::<false>(v), DWTE_BLOCK);
-        // bf16 on the f32 GEMM: blocked like f32 (one product over V would map a
-        // fresh R × V packing buffer per chunk).
-        assert_eq!(
-            with_kernel(Kernel::F32, || dwte_block::<true>(v)),
-            DWTE_BLOCK
-        );
-        // The AMX kernel keeps its packs: one product (no kernel runs here).
-        assert_eq!(with_kernel(Kernel::Amx, || dwte_block::<true>(v)), v);
     }
 
     #[test]
@@ -446,6 +423,7 @@ mod tests {
             packs: None,
             c,
             v,
+            backend: &Backend::portable(),
         };
         classifier_logits(&mut out, &x, cls);
         for r in 0..n {
@@ -462,7 +440,7 @@ mod tests {
         // Products of ≥ 2^20 multiply-adds: these take the AMX kernel where present.
         // (100 rows in 3 chunks of 34: 34 · 128 · 256 ≥ 2^20.)
         let unpacked = check_bf16(100, 128, 256, 48, false);
-        if reads_packs() {
+        if Backend::detect(None).reads_packs() {
             // With wte packed beforehand: the same kernel on the same values.
             assert_eq!(check_bf16(100, 128, 256, 48, true), unpacked);
         } else {
@@ -501,6 +479,7 @@ mod tests {
             packs: packed.then_some(&packs),
             c,
             v,
+            backend: &Backend::detect(None),
         };
         let loss =
             classifier_forward::<true>(&x, cls, &targets, &mut losses, &mut scratch, Some(grads));

@@ -1,10 +1,11 @@
-//! Linear layers: f32 on the f32 GEMM ([`matmul`]), bf16 autocast on the bf16 kernels
-//! ([`matmul_bf16`]).
+//! Linear layers: f32 on the f32 GEMM, bf16 autocast on the back-end's bf16 kernel
+//! ([`product`]).
 //!
 //! Weights are `(OC, C)` (PyTorch `nn.Linear` order): `out = inp · weightᵀ + bias`.
 
-use super::bf16::gemm::{matmul_bf16, matmul_bf16_packed, WeightPacks};
-use super::mat::{matmul, Mat};
+use super::bf16::gemm::{matmul_bf16_packed, product, WeightPacks};
+use super::bf16::Backend;
+use super::mat::Mat;
 use rayon::prelude::*;
 
 /// A linear layer's parameters: `weight` (OC, C) and `bias` (OC), or no bias (empty).
@@ -20,6 +21,8 @@ pub struct Linear<'a> {
     /// step) for the forward and input-gradient products, which then read the packs
     /// instead of packing `weight` per call: the same bits. None: packed per call.
     pub packs: Option<&'a WeightPacks>,
+    /// The kernel of the bf16 products (unused in f32).
+    pub backend: &'a Backend,
 }
 
 /// Where a linear layer's parameter gradients accumulate: `dweight` (OC, C) and
@@ -29,18 +32,9 @@ pub struct LinearGrads<'a> {
     pub dbias: &'a mut [f32],
 }
 
-/// The GEMM of a precision: the f32 one, or, for bf16 autocast (operands holding bf16
-/// values), [`matmul_bf16`].
-fn gemm<const BF16: bool>() -> fn(&mut [f32], Mat, Mat, bool) {
-    if BF16 {
-        matmul_bf16
-    } else {
-        matmul
-    }
-}
-
 /// `out = inp · weightᵀ + bias`. With `BF16`, `inp` and `weight` hold bf16 values and
-/// the product runs on [`matmul_bf16`] (f32 accumulation, f32 bias and output).
+/// the product runs on the back-end's bf16 kernel (f32 accumulation, f32 bias and
+/// output).
 ///
 /// out: (N, OC) written; inp: (N, C).
 pub fn linear_forward<const BF16: bool>(out: &mut [f32], inp: &[f32], w: Linear) {
@@ -54,8 +48,8 @@ pub fn linear_forward<const BF16: bool>(out: &mut [f32], inp: &[f32], w: Linear)
     let (weight, x) = (Mat::new(w.weight, w.oc, w.c), Mat::new(inp, n, w.c));
     let acc = !w.bias.is_empty();
     match w.packs.filter(|_| BF16) {
-        Some(p) => matmul_bf16_packed(out, x, weight.t(), &p.t, acc),
-        None => gemm::<BF16>()(out, x, weight.t(), acc),
+        Some(p) => matmul_bf16_packed(w.backend, out, x, weight.t(), &p.t, acc),
+        None => product::<BF16>(w.backend, out, x, weight.t(), acc),
     }
 }
 
@@ -70,7 +64,7 @@ pub fn linear_backward<const BF16: bool>(
     w: Linear,
 ) {
     linear_backward_input::<BF16>(dinp, dout, w);
-    linear_backward_params::<BF16>(g, dout, inp, w.c, w.oc);
+    linear_backward_params::<BF16>(w.backend, g, dout, inp, w.c, w.oc);
 }
 
 /// The parameter half of [`linear_backward`]: `dweight += doutᵀ · inp` and
@@ -80,6 +74,7 @@ pub fn linear_backward<const BF16: bool>(
 ///
 /// dout: (N, OC); inp: (N, C).
 pub fn linear_backward_params<const BF16: bool>(
+    backend: &Backend,
     g: LinearGrads,
     dout: &[f32],
     inp: &[f32],
@@ -89,7 +84,7 @@ pub fn linear_backward_params<const BF16: bool>(
     let _t = crate::profile::scope(crate::profile::Section::MatmulBackward);
     let n = inp.len() / c;
     let (dout, inp) = (Mat::new(dout, n, oc), Mat::new(inp, n, c));
-    gemm::<BF16>()(g.dweight, dout.t(), inp, true);
+    product::<BF16>(backend, g.dweight, dout.t(), inp, true);
     if !g.dbias.is_empty() {
         bias_backward(g.dbias, dout.data, oc);
     }
@@ -103,8 +98,8 @@ pub fn linear_backward_input<const BF16: bool>(dinp: &mut [f32], dout: &[f32], w
     let n = dinp.len() / w.c;
     let (weight, dy) = (Mat::new(w.weight, w.oc, w.c), Mat::new(dout, n, w.oc));
     match w.packs.filter(|_| BF16) {
-        Some(p) => matmul_bf16_packed(dinp, dy, weight, &p.n, false),
-        None => gemm::<BF16>()(dinp, dy, weight, false),
+        Some(p) => matmul_bf16_packed(w.backend, dinp, dy, weight, &p.n, false),
+        None => product::<BF16>(w.backend, dinp, dy, weight, false),
     }
 }
 
@@ -154,6 +149,7 @@ mod tests {
             c,
             oc,
             packs: None,
+            backend: &Backend::portable(),
         };
         let mut out = vec![f32::NAN; n * oc];
         linear_forward::<false>(&mut out, &x, lin);
@@ -204,10 +200,11 @@ mod tests {
             c,
             oc,
             packs: None,
+            backend: &Backend::portable(),
         };
         let grads = |dweight, dbias| LinearGrads { dweight, dbias };
         linear_backward::<false>(&mut dx, grads(&mut dw, &mut db), &g, &x, lin);
-        linear_backward_params::<false>(grads(&mut dw2, &mut db2), &g, &x, c, oc);
+        linear_backward_params::<false>(lin.backend, grads(&mut dw2, &mut db2), &g, &x, c, oc);
         linear_backward_input::<false>(&mut dx2, &g, lin);
         assert_eq!((dx, dw, db), (dx2, dw2, db2));
     }
@@ -226,6 +223,7 @@ mod tests {
             c,
             oc,
             packs: None,
+            backend: &Backend::portable(),
         };
         linear_forward::<false>(&mut out, &x, lin);
         let want = reference(&to_f64(&x), &to_f64(&w), &to_f64(&b), c, oc);
@@ -252,6 +250,7 @@ mod tests {
             c,
             oc,
             packs: None,
+            backend: &Backend::portable(),
         };
         linear_forward::<false>(&mut out, &x, lin);
         let want = reference(&to_f64(&x), &to_f64(&w), &[], c, oc);

@@ -19,7 +19,7 @@ use super::lora::{u_segment, u_segment_mut, BlockLora, LoraBufs, Target};
 use super::packs::LayerPacks;
 use crate::kernels::attention::{attention_backward, attention_forward};
 use crate::kernels::bf16::gemm::matmul_bf16_wt;
-use crate::kernels::bf16::{self, Bf16};
+use crate::kernels::bf16::{self, Backend, Bf16};
 use crate::kernels::dropout::{self, Dropout};
 use crate::kernels::gelu::{gelu_backward, gelu_forward};
 use crate::kernels::gemv::{gemv, Weights as GemvWeights};
@@ -55,6 +55,8 @@ pub struct BlockWeights<'a> {
     /// bf16 on AMX or AVX512-BF16: the block's matmul weights packed beforehand
     /// (from `matmul`), read by the forward and input-gradient products.
     pub packs: Option<&'a LayerPacks>,
+    /// The kernel of the bf16 products, and what follows from it.
+    pub backend: &'a Backend,
 }
 
 impl<'a> BlockWeights<'a> {
@@ -65,6 +67,7 @@ impl<'a> BlockWeights<'a> {
             c: l.c,
             oc: l.oc,
             packs: self.packs.and_then(|p| p.of(l.weight)),
+            backend: self.backend,
         }
     }
 
@@ -92,7 +95,9 @@ impl<'a> BlockWeights<'a> {
                 .for_each(|row| row.copy_from_slice(bias));
         }
         match weights {
-            GemvWeights::Bf16(w16) if !few => matmul_bf16_wt(out, inp, w16, l.c, !bias.is_empty()),
+            GemvWeights::Bf16(w16) if !few => {
+                matmul_bf16_wt(self.backend, out, inp, w16, l.c, !bias.is_empty())
+            }
             _ => gemv(out, inp, weights, l.c, !bias.is_empty()),
         }
     }
@@ -175,7 +180,10 @@ pub fn block_forward<const BF16: bool>(
     });
     let lse = &mut a.att_lse[..d.b * d.nh * d.t];
     let atty = a.atty.save(&mut s.staging, n * c, |o| match attend {
-        Attend::Causal => attention_forward::<BF16>(o, lse, qkv, d, drop.map(|m| m.attn_probs)),
+        Attend::Causal => {
+            let probs = drop.map(|m| m.attn_probs);
+            attention_forward::<BF16>(o, lse, qkv, d, probs, w.backend)
+        }
         Attend::Cache(attend) => attend(o, qkv),
     });
     let res2 = &mut a.res2[..n * c];
@@ -242,7 +250,7 @@ pub fn mlp_backward<const BF16: bool>(
     match &w.lora {
         None => {
             let g = linear_grads(g, at.mlp_proj);
-            linear_backward_params::<BF16>(g, dout, hidden, proj.c, proj.oc);
+            linear_backward_params::<BF16>(w.backend, g, dout, hidden, proj.c, proj.oc);
         }
         Some(l) => l.backward_params::<BF16>(Target::MlpProj, g, dout, hidden, &mut bufs),
     }
@@ -285,7 +293,7 @@ pub fn attention_branch_backward<const BF16: bool>(
     let dqkv = &mut s.dqkv[..n * 3 * c];
     let lse = &a.att_lse[..d.b * d.nh * d.t];
     let probs = drop.map(|m| m.attn_probs);
-    attention_backward::<BF16>(dqkv, datty, qkv, atty, lse, d, probs);
+    attention_backward::<BF16>(dqkv, datty, qkv, atty, lse, d, probs, w.backend);
     let (m1, r1) = a.ln1_stats.rows(n);
     let ln1 = a.ln1.load(&mut s.staging, n * c, |o| {
         layernorm_recompute::<BF16>(o, x, m1, r1, w.norm(at.ln_1))

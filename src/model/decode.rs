@@ -22,7 +22,7 @@ use super::block::{block_forward, norm_of, Attend, BlockWeights};
 use super::config::{Dtype, ModelConfig};
 use super::layout::ParamLayout;
 use crate::kernels::attention::{cached_attention, KvCache};
-use crate::kernels::bf16::{self, Bf16};
+use crate::kernels::bf16::{self, Backend, Bf16};
 use crate::kernels::classifier::{classifier_logits, Classifier};
 use crate::kernels::encoder::encoder_forward;
 use crate::kernels::gemv::{gemv, Weights};
@@ -88,6 +88,8 @@ pub struct Decoder {
     /// With bf16 weights: the parameters rounded to bf16 (laid out like them), whose
     /// matmul weights and `wte` every matmul reads ([`Decoder::with_bf16_weights`]).
     weights_bf16: Option<Vec<Bf16>>,
+    /// The kernel of a bf16 prompt's products.
+    backend: Backend,
 }
 
 thread_local! {
@@ -139,6 +141,7 @@ impl Decoder {
             lnf_stats: NormStats::new(batch),
             logits: vec![0.0; batch * shape.v],
             weights_bf16: None,
+            backend: Backend::portable(),
         }
     }
 
@@ -147,13 +150,12 @@ impl Decoder {
     /// half the bytes per token. Feeds of up to 8 rows (decoding steps) run the GEMV
     /// on the bf16 weights with f32 activations (weight-only bf16); longer feeds (a
     /// prompt) run the bf16 GEMM of `dtype = "bfloat16"` training on them
-    /// ([`bf16::gemm::matmul_bf16_wt`]: the same kernel choice and
-    /// `NANOGPT_BF16_GEMM`, activations rounded to bf16 as operands). Layer norms,
-    /// biases, softmax, the residual stream and accumulation stay f32, and the
-    /// embedding lookups read the f32 tables. `feed` must then be given the same
-    /// `params`.
-    pub fn with_bf16_weights(self, params: &[f32]) -> Decoder {
-        self.with_bf16_copy(Decoder::bf16_copy(params))
+    /// ([`bf16::gemm::matmul_bf16_wt`] on `backend`'s kernel, activations rounded to
+    /// bf16 as operands). Layer norms, biases, softmax, the residual stream and
+    /// accumulation stay f32, and the embedding lookups read the f32 tables. `feed`
+    /// must then be given the same `params`.
+    pub fn with_bf16_weights(self, params: &[f32], backend: &Backend) -> Decoder {
+        self.with_bf16_copy(Decoder::bf16_copy(params), backend)
     }
 
     /// The bf16 copy of `params` that [`Decoder::with_bf16_weights`] makes, to hand
@@ -173,9 +175,11 @@ impl Decoder {
     }
 
     /// [`Decoder::with_bf16_weights`] with a copy made beforehand by
-    /// [`Decoder::bf16_copy`] of the `params` that `feed` will be given.
-    pub fn with_bf16_copy(mut self, weights: Vec<Bf16>) -> Decoder {
+    /// [`Decoder::bf16_copy`] of the `params` that `feed` will be given, its prompts'
+    /// products on `backend`'s kernel.
+    pub fn with_bf16_copy(mut self, weights: Vec<Bf16>, backend: &Backend) -> Decoder {
         self.weights_bf16 = Some(weights);
+        self.backend = *backend;
         self
     }
 
@@ -243,6 +247,7 @@ impl Decoder {
                 packs: None,
                 c,
                 v,
+                backend: &self.backend,
             };
             classifier_logits(&mut logits[..m * v], &normed[..m * c], cls);
             for (i, row) in logits[..m * v].chunks_exact(v).enumerate() {
@@ -331,6 +336,7 @@ impl Decoder {
                 matmul_bf16: self.weights_bf16.as_deref(),
                 decoding: true,
                 packs: None,
+                backend: &self.backend,
             };
             let (x, a) = (&self.x[..n * c], &mut self.acts);
             block_forward::<false>(
@@ -424,7 +430,13 @@ impl Decoder {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::kernels::bf16::gemm::{self, bf16_weight_packs_on_this_thread, with_kernel, Kernel};
+    use crate::kernels::bf16::gemm::bf16_weight_packs_on_this_thread;
+    use crate::kernels::bf16::Kernel;
+
+    /// This machine's bf16 back-end, as `sample` picks it without a request.
+    fn here() -> Backend {
+        Backend::detect(None)
+    }
     use crate::kernels::testutil::rand_vec;
     use crate::model::Gpt;
 
@@ -660,7 +672,7 @@ pub(crate) mod tests {
             bf16::round_in_place(&mut rounded[span]);
         }
         let seq = tokens(2 * 9, gpt.config().vocab_size, 3);
-        let mut half = Decoder::new(gpt.config(), 2, 9).with_bf16_weights(params);
+        let mut half = Decoder::new(gpt.config(), 2, 9).with_bf16_weights(params, &here());
         let mut exact = Decoder::new(gpt.config(), 2, 9);
         let mut full = Decoder::new(gpt.config(), 2, 9);
         let (prompt, rest) = seq.split_at(2 * 4);
@@ -689,12 +701,11 @@ pub(crate) mod tests {
         }
     }
 
-    /// The bf16 decoder's logits after a (2, 16) prompt, its products on `kernel`.
-    fn bf16_prompt_logits(gpt: &Gpt, kernel: Kernel, prompt: &[u32]) -> Vec<f32> {
-        let mut dec = Decoder::new(gpt.config(), 2, 32).with_bf16_weights(&gpt.params);
-        with_kernel(kernel, || {
-            dec.feed(&gpt.params, &gpt.layout, prompt, 16).to_vec()
-        })
+    /// The bf16 decoder's logits after a (2, 16) prompt, its products on `backend`.
+    fn bf16_prompt_logits(gpt: &Gpt, backend: &Backend, prompt: &[u32]) -> Vec<f32> {
+        let dec = Decoder::new(gpt.config(), 2, 32);
+        let mut dec = dec.with_bf16_weights(&gpt.params, backend);
+        dec.feed(&gpt.params, &gpt.layout, prompt, 16).to_vec()
     }
 
     /// A prompt of more than 8 rows runs every linear product on the bf16 GEMM that
@@ -706,20 +717,21 @@ pub(crate) mod tests {
         let prompt = tokens(2 * 16, gpt.config().vocab_size, 1);
         let per_prompt = 4 * gpt.config().n_layer;
         for kernel in [Kernel::Amx, Kernel::Avx512Bf16] {
-            if !gemm::usable(kernel) {
+            let Some(backend) = Backend::with_kernel(kernel) else {
                 eprintln!("{kernel:?} prompt not tested: not usable on this CPU");
                 continue;
-            }
-            let mut dec = Decoder::new(gpt.config(), 2, 32).with_bf16_weights(&gpt.params);
+            };
+            let dec = Decoder::new(gpt.config(), 2, 32);
+            let mut dec = dec.with_bf16_weights(&gpt.params, &backend);
             let (params, layout) = (&gpt.params, &gpt.layout);
             let packs = bf16_weight_packs_on_this_thread();
-            with_kernel(kernel, || dec.feed(params, layout, &prompt, 16));
+            dec.feed(params, layout, &prompt, 16);
             let prompt_packs = bf16_weight_packs_on_this_thread() - packs;
             assert_eq!(
                 prompt_packs, per_prompt,
                 "{kernel:?}: products on bf16 packs"
             );
-            with_kernel(kernel, || dec.feed(params, layout, &prompt[..2], 1));
+            dec.feed(params, layout, &prompt[..2], 1);
             let step_packs = bf16_weight_packs_on_this_thread() - packs - per_prompt;
             assert_eq!(step_packs, 0, "{kernel:?}: a step packed a weight");
         }
@@ -738,7 +750,7 @@ pub(crate) mod tests {
         for bf16 in [false, true] {
             let mut dec = Decoder::new(gpt.config(), 2, 16);
             if bf16 {
-                dec = dec.with_bf16_weights(params);
+                dec = dec.with_bf16_weights(params, &here());
             }
             let before = calls();
             dec.feed(params, layout, &prompt, 12);
@@ -756,7 +768,7 @@ pub(crate) mod tests {
     /// - the training model's bf16 forward on the same tokens, which rounds the same
     ///   operands plus q, k, v and the attention probabilities, and reads the final
     ///   layer norm rounded (3.5e-3 to 5.3e-3 measured), bound 0.02;
-    /// - on AMX and AVX512-BF16, the f32 GEMM path (`NANOGPT_BF16_GEMM=f32`): the
+    /// - on AMX and AVX512-BF16, the f32 GEMM path (`bf16_kernel = f32`): the
     ///   same values summed in another order, which can move an activation across a
     ///   bf16 rounding boundary, one bf16 ulp (measured 3e-7 to 9.8e-4), bound 3e-3.
     #[test]
@@ -764,7 +776,8 @@ pub(crate) mod tests {
         let mut gpt = random_gpt(medium(), 2, 9);
         bf16::round_in_place(&mut gpt.params[gpt.layout.wte]);
         let prompt = tokens(2 * 16, gpt.config().vocab_size, 2);
-        let f32_gemm = bf16_prompt_logits(&gpt, Kernel::F32, &prompt);
+        let on_f32 = Backend::with_kernel(Kernel::F32).expect("the f32 GEMM runs everywhere");
+        let f32_gemm = bf16_prompt_logits(&gpt, &on_f32, &prompt);
         let close = |what: &str, got: &[f32], want: &[f32], tol: f32| {
             let worst = got
                 .iter()
@@ -776,8 +789,8 @@ pub(crate) mod tests {
             worst
         };
         for kernel in [Kernel::Amx, Kernel::Avx512Bf16] {
-            if gemm::usable(kernel) {
-                let got = bf16_prompt_logits(&gpt, kernel, &prompt);
+            if let Some(backend) = Backend::with_kernel(kernel) {
+                let got = bf16_prompt_logits(&gpt, &backend, &prompt);
                 close(&format!("{kernel:?} vs f32 GEMM"), &got, &f32_gemm, 3e-3);
             }
         }
@@ -793,7 +806,7 @@ pub(crate) mod tests {
         let weight_only = f32_dec.feed(&rounded, &gpt.layout, &prompt, 16).to_vec();
         let apart = close("vs weights only", &f32_gemm, &weight_only, 0.01);
         assert!(apart > 1e-4, "the activations were not rounded ({apart})");
-        gpt.set_dtype(Dtype::Bfloat16);
+        gpt.set_dtype(Dtype::Bfloat16, &here());
         let training = last_logits(&mut gpt, &prompt, 2, 16);
         close("vs the training bf16 forward", &f32_gemm, &training, 0.02);
     }

@@ -23,9 +23,10 @@
 
 use super::config::{Dtype, ModelConfig};
 use super::layout::{BlockLayout, LinearSpans, ParamLayout, Span, TensorInfo};
-use crate::kernels::bf16::{self, gemm::matmul_bf16};
+use crate::kernels::bf16::gemm::product;
+use crate::kernels::bf16::{self, Backend};
 use crate::kernels::dropout::{self, Dropout};
-use crate::kernels::mat::{matmul, Mat};
+use crate::kernels::mat::Mat;
 use anyhow::{bail, Result};
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
@@ -294,7 +295,7 @@ pub fn init_adapters(params: &mut [f32], layout: &LoraLayout, seed: u64) {
 pub struct Frozen {
     pub layout: ParamLayout,
     pub params: Vec<f32>,
-    /// bf16 runs where the model keeps a rounded copy ([`super::bf16_copy_len`]):
+    /// bf16 runs where the model keeps a rounded copy ([`Backend::keeps_bf16_copy`]):
     /// `params` rounded, the matmuls' operand. Empty otherwise.
     pub params_bf16: Vec<f32>,
     /// The adapters' settings and the base's identity.
@@ -303,10 +304,11 @@ pub struct Frozen {
 }
 
 impl Frozen {
-    /// Makes (or drops) the bf16 copy of the base for `dtype`, where the model keeps
-    /// one ([`super::bf16_copy_len`]; the base's weights are never lent).
-    pub fn set_dtype(&mut self, dtype: Dtype) {
-        let mut copy = vec![0.0; super::bf16_copy_len(dtype, false, self.params.len())];
+    /// Makes (or drops) the bf16 copy of the base for `dtype` on `backend`, where the
+    /// model keeps one ([`Backend::keeps_bf16_copy`]; the base's weights are never lent).
+    pub fn set_dtype(&mut self, dtype: Dtype, backend: &Backend) {
+        let bf16 = dtype == Dtype::Bfloat16;
+        let mut copy = vec![0.0; backend.bf16_copy_len(bf16, false, self.params.len())];
         if !copy.is_empty() {
             bf16::round_into(&mut copy, &self.params);
         }
@@ -398,6 +400,8 @@ pub struct BlockLora<'a> {
     /// probability and the pass's seed.
     pub dropout: Option<(f32, u64)>,
     pub layer: usize,
+    /// The kernel of the bf16 products.
+    pub backend: &'a Backend,
 }
 
 /// What an adapter's backward reads and works in.
@@ -454,10 +458,10 @@ impl<'a> BlockLora<'a> {
         let xd = self.dropped::<BF16>(t, x, scratch);
         let u = &mut u[..n * sp.rank];
         let a = Mat::new(&self.weights[sp.a], sp.rank, sp.inp);
-        gemm::<BF16>(u, Mat::new(xd, n, sp.inp), a.t(), false);
+        product::<BF16>(self.backend, u, Mat::new(xd, n, sp.inp), a.t(), false);
         scale_and_round::<BF16>(u, self.scale);
         let b = Mat::new(&self.weights[sp.b], sp.out, sp.rank);
-        gemm::<BF16>(out, Mat::new(u, n, sp.rank), b.t(), true);
+        product::<BF16>(self.backend, out, Mat::new(u, n, sp.rank), b.t(), true);
     }
 
     /// The parameter half of the backward of target `t`: `dB += doutᵀ · u`,
@@ -476,12 +480,24 @@ impl<'a> BlockLora<'a> {
         let (dout, u) = (Mat::new(dout, n, sp.out), &bufs.u[..n * sp.rank]);
         let du = &mut bufs.du[..n * sp.rank];
         let b = Mat::new(&self.weights[sp.b], sp.out, sp.rank);
-        gemm::<BF16>(du, dout, b, false);
+        product::<BF16>(self.backend, du, dout, b, false);
         scale_and_round::<BF16>(du, self.scale);
-        gemm::<BF16>(&mut g[sp.b], dout.t(), Mat::new(u, n, sp.rank), true);
+        product::<BF16>(
+            self.backend,
+            &mut g[sp.b],
+            dout.t(),
+            Mat::new(u, n, sp.rank),
+            true,
+        );
         let xd = self.dropped::<BF16>(t, x, &mut *bufs.x);
         let du = Mat::new(du, n, sp.rank);
-        gemm::<BF16>(&mut g[sp.a], du.t(), Mat::new(xd, n, sp.inp), true);
+        product::<BF16>(
+            self.backend,
+            &mut g[sp.a],
+            du.t(),
+            Mat::new(xd, n, sp.inp),
+            true,
+        );
     }
 
     /// The input half: `dx += drop(du · A)`, `du` from [`BlockLora::backward_params`].
@@ -492,10 +508,10 @@ impl<'a> BlockLora<'a> {
         let du = Mat::new(&bufs.du[..n * sp.rank], n, sp.rank);
         let a = Mat::new(&self.weights[sp.a], sp.rank, sp.inp);
         match self.mask(t) {
-            None => gemm::<BF16>(dx, du, a, true),
+            None => product::<BF16>(self.backend, dx, du, a, true),
             Some(mask) => {
                 let tmp = &mut bufs.x[..n * sp.inp];
-                gemm::<BF16>(tmp, du, a, false);
+                product::<BF16>(self.backend, tmp, du, a, false);
                 dropout::apply(tmp, mask, 0);
                 dx.iter_mut().zip(tmp.iter()).for_each(|(d, v)| *d += v);
             }
@@ -526,13 +542,5 @@ fn scale_and_round<const BF16: bool>(v: &mut [f32], s: f32) {
     v.iter_mut().for_each(|x| *x *= s);
     if BF16 {
         bf16::round_in_place(v);
-    }
-}
-
-/// `dst (+)= a · b` in the precision of the pass.
-fn gemm<const BF16: bool>(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
-    match BF16 {
-        true => matmul_bf16(dst, a, b, accumulate),
-        false => matmul(dst, a, b, accumulate),
     }
 }

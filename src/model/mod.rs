@@ -25,7 +25,7 @@ pub use activations::Activations;
 pub use config::{Dtype, ModelConfig};
 pub use layout::{ParamLayout, Span, TensorInfo};
 
-use crate::kernels::bf16;
+use crate::kernels::bf16::{self, Backend};
 use crate::kernels::classifier::{
     classifier_forward, classifier_logits, Classifier, ClassifierGrads,
 };
@@ -61,11 +61,14 @@ pub struct Gpt {
     frozen: Option<Box<Frozen>>,
     /// Precision of the matmuls (see [`Gpt::set_dtype`]).
     dtype: Dtype,
+    /// The kernel of the bf16 products and what follows from it: packs or a rounded
+    /// copy (see [`Gpt::set_dtype`]).
+    backend: Backend,
     /// bf16 mode on a kernel that reads no packs, or with lent weights: `params`
     /// rounded to bf16 (held as f32, same layout), the operand of every matmul;
     /// refreshed by [`Gpt::sync_bf16_weights`]. Empty otherwise: in f32 mode, and
     /// where the products run on AMX or AVX512-BF16, which read `params` (or `packs`
-    /// made from them) and round while packing ([`bf16_copy_len`]).
+    /// made from them) and round while packing ([`Backend::keeps_bf16_copy`]).
     params_bf16: Vec<f32>,
     /// bf16 mode on AMX or AVX512-BF16, weights not lent: the bf16 `wte` and linear
     /// weights packed for the products that read them ([`packs`]), refreshed with
@@ -228,6 +231,7 @@ impl Gpt {
             grads: vec![0.0; layout.len],
             frozen: None,
             dtype: Dtype::Float32,
+            backend: Backend::portable(),
             params_bf16: Vec::new(),
             packs: None,
             lent: false,
@@ -289,7 +293,7 @@ impl Gpt {
             state,
             adapters,
         };
-        frozen.set_dtype(Dtype::Float32);
+        frozen.set_dtype(Dtype::Float32, &self.backend);
         lora::init_adapters(&mut self.params, &frozen.adapters, seed);
         self.grads = vec![0.0; len];
         self.frozen = Some(Box::new(frozen));
@@ -386,9 +390,11 @@ impl Gpt {
     /// accumulated in f32, and `params`, `grads` and everything outside the matmuls
     /// stay f32; activations that only feed matmuls are stored in bf16. Rebuilds the
     /// activation arena (call it before training, not in the step loop) and makes
-    /// the bf16 copy of the weights.
-    pub fn set_dtype(&mut self, dtype: Dtype) {
-        if dtype != self.dtype {
+    /// the bf16 copy of the weights. `backend` is the kernel the bf16 products run on,
+    /// which decides whether the model packs its weights or keeps a rounded copy.
+    pub fn set_dtype(&mut self, dtype: Dtype, backend: &Backend) {
+        if (dtype, *backend) != (self.dtype, self.backend) {
+            self.backend = *backend;
             self.acts = Activations::new(&self.config, 0, 0, Dtype::Float32, false);
             self.set_dtype_rebuild(dtype);
         } else {
@@ -400,12 +406,16 @@ impl Gpt {
     /// copies (with LoRA, the frozen base's, made once, and its packs).
     fn set_dtype_rebuild(&mut self, dtype: Dtype) {
         self.rebuild_activations(dtype, self.checkpointing);
-        self.params_bf16 = vec![0.0; bf16_copy_len(dtype, self.lent, self.params.len())];
+        let bf16 = dtype == Dtype::Bfloat16;
+        let len = self
+            .backend
+            .bf16_copy_len(bf16, self.lent, self.params.len());
+        self.params_bf16 = vec![0.0; len];
         self.dtype = dtype;
         self.packs = self.new_packs();
         self.pending = None;
         if let Some(f) = self.frozen.as_mut() {
-            f.set_dtype(dtype);
+            f.set_dtype(dtype, &self.backend);
             if let Some(packs) = self.packs.as_mut() {
                 let base = matmul_weights(true, &f.params, &f.params_bf16);
                 packs.pack_all(base, &f.layout, &self.config);
@@ -414,9 +424,11 @@ impl Gpt {
         self.sync_bf16_weights();
     }
 
-    /// Empty (stale) packs where the bf16 products read packs ([`Packs::made_for`]).
+    /// Empty (stale) packs where the bf16 products read packs
+    /// ([`Backend::packs_weights`]).
     fn new_packs(&self) -> Option<Packs> {
-        let made = Packs::made_for(self.dtype, self.lent);
+        let bf16 = self.dtype == Dtype::Bfloat16;
+        let made = self.backend.packs_weights(bf16, self.lent);
         let frozen = self.frozen.is_some();
         let linears = Packs::linears_pay(self.micro_steps, self.checkpointing, frozen);
         made.then(|| Packs::new(self.config.n_layer, linears))
@@ -432,7 +444,7 @@ impl Gpt {
     }
 
     /// Bytes held by the bf16 weight copies (with LoRA the frozen base's too; 0
-    /// where the model keeps none, [`bf16_copy_len`]).
+    /// where the model keeps none, [`Backend::keeps_bf16_copy`]).
     pub fn bf16_copy_bytes(&self) -> usize {
         let frozen = self.frozen.as_ref().map_or(0, |f| f.params_bf16.len());
         4 * (self.params_bf16.len() + frozen)
@@ -483,7 +495,7 @@ impl Gpt {
         }
         if self.dtype == Dtype::Bfloat16 {
             // Lent weights keep a copy made per range on every kernel.
-            let len = bf16_copy_len(self.dtype, on, self.params.len());
+            let len = self.backend.bf16_copy_len(true, on, self.params.len());
             self.params_bf16.resize(len, 0.0);
         }
         release_lent_copy(on, 0..self.params_bf16.len(), &mut self.params_bf16);
@@ -620,12 +632,14 @@ impl Gpt {
             &self.params_bf16,
             &self.frozen,
             self.packs.as_ref(),
+            &self.backend,
         );
         let cls = Classifier {
             wte: &base.matmul[base.layout.wte],
             packs: self.packs.as_ref().map(Packs::wte),
             c: d.c,
             v: self.config.vocab_size,
+            backend: &self.backend,
         };
         let acts = &mut self.acts;
         // With LoRA `layout.wte` is empty: the frozen embedding gets no gradient.
@@ -727,6 +741,7 @@ impl Gpt {
             params,
             params_bf16,
             packs,
+            backend,
             lent,
             grads,
             acts,
@@ -736,7 +751,15 @@ impl Gpt {
             ..
         } = self;
         let full = frozen.is_none();
-        let base = weights(BF16, layout, params, params_bf16, frozen, packs.as_ref());
+        let base = weights(
+            BF16,
+            layout,
+            params,
+            params_bf16,
+            frozen,
+            packs.as_ref(),
+            backend,
+        );
         let (dropout, lora_dropout) = pass_dropout(Some(pass), config, frozen);
         let s = &mut acts.scratch;
         // The classifier left d(ln_f output) in `dinp`; the residual gradient starts at 0.
@@ -776,7 +799,15 @@ impl Gpt {
                     config,
                 );
             }
-            let base = weights(BF16, layout, params, params_bf16, frozen, packs.as_ref());
+            let base = weights(
+                BF16,
+                layout,
+                params,
+                params_bf16,
+                frozen,
+                packs.as_ref(),
+                backend,
+            );
             let x = match l {
                 0 => &acts.encoded[..n * c],
                 _ => &acts.blocks[l - 1].res3[..n * c],
@@ -834,6 +865,7 @@ impl Gpt {
             &self.params_bf16,
             &self.frozen,
             self.packs.as_ref(),
+            &self.backend,
         );
         // The f32 GEMM reads its operands as they are: in bf16, `wte` rounded (it
         // is `params`'s where the model keeps no rounded copy).
@@ -847,6 +879,7 @@ impl Gpt {
             packs: None,
             c: d.c,
             v,
+            backend: &self.backend,
         };
         classifier_logits(&mut out, &self.acts.lnf[..n * d.c], cls);
         self.pending = None;
@@ -883,6 +916,7 @@ impl Gpt {
             params,
             params_bf16,
             packs,
+            backend,
             lent,
             bf16_owed,
             acts,
@@ -902,7 +936,15 @@ impl Gpt {
                 round_lent_copy(round, range, params, params_bf16, packs, layout, config);
             }
         }
-        let base = weights(BF16, layout, params, params_bf16, frozen, packs.as_ref());
+        let base = weights(
+            BF16,
+            layout,
+            params,
+            params_bf16,
+            frozen,
+            packs.as_ref(),
+            backend,
+        );
         let (dropout, lora_dropout) = pass_dropout(pass, config, frozen);
         acts.inputs[..n].copy_from_slice(inputs);
         let (wte, wpe) = (&base.params[base.layout.wte], &base.params[base.layout.wpe]);
@@ -917,7 +959,15 @@ impl Gpt {
                 let (range, packs) = (block_bucket(layout, l), packs.as_mut());
                 round_lent_copy(round, range, params, params_bf16, packs, layout, config);
             }
-            let base = weights(BF16, layout, params, params_bf16, frozen, packs.as_ref());
+            let base = weights(
+                BF16,
+                layout,
+                params,
+                params_bf16,
+                frozen,
+                packs.as_ref(),
+                backend,
+            );
             let (before, this) = acts.blocks.split_at_mut(l);
             let x = before.last().map_or(&acts.encoded, |p| &p.res3);
             let w = base.block(l, lora_dropout);
@@ -937,7 +987,15 @@ impl Gpt {
                 release_lent_copy(lent, block_bucket(layout, l), params_bf16);
             }
         }
-        let base = weights(BF16, layout, params, params_bf16, frozen, packs.as_ref());
+        let base = weights(
+            BF16,
+            layout,
+            params,
+            params_bf16,
+            frozen,
+            packs.as_ref(),
+            backend,
+        );
         let last = acts.blocks.last().map_or(&acts.encoded, |l| &l.res3);
         let (mean, rstd) = acts.lnf_stats.rows_mut(n);
         let ln_f = norm_of(base.params, base.layout.ln_f);
@@ -990,6 +1048,8 @@ struct Weights<'a> {
     lora: Option<(&'a Frozen, &'a [f32])>,
     /// The base's matmul weights packed (bf16 on AMX or AVX512-BF16).
     packs: Option<&'a Packs>,
+    /// The kernel of the bf16 products.
+    backend: &'a Backend,
 }
 
 impl<'a> Weights<'a> {
@@ -1005,10 +1065,12 @@ impl<'a> Weights<'a> {
                 scale: f.state.config.scale(),
                 dropout: lora_dropout.map(|seed| (f.state.config.dropout, seed)),
                 layer: l,
+                backend: self.backend,
             }),
             matmul_bf16: None,
             decoding: false,
             packs: self.packs.and_then(|p| p.layer(l)),
+            backend: self.backend,
         }
     }
 }
@@ -1022,6 +1084,7 @@ fn weights<'a>(
     params_bf16: &'a [f32],
     frozen: &'a Option<Box<Frozen>>,
     packs: Option<&'a Packs>,
+    backend: &'a Backend,
 ) -> Weights<'a> {
     match frozen.as_deref() {
         None => Weights {
@@ -1030,6 +1093,7 @@ fn weights<'a>(
             matmul: matmul_weights(bf16, params, params_bf16),
             lora: None,
             packs,
+            backend,
         },
         Some(f) => Weights {
             layout: &f.layout,
@@ -1037,6 +1101,7 @@ fn weights<'a>(
             matmul: matmul_weights(bf16, &f.params, &f.params_bf16),
             lora: Some((f, matmul_weights(bf16, params, params_bf16))),
             packs,
+            backend,
         },
     }
 }
@@ -1076,24 +1141,8 @@ pub fn grad_buckets_of(layout: &ParamLayout) -> Vec<Range<usize>> {
     buckets(layout).collect()
 }
 
-/// Floats of the bf16 weight copy of a `params_len` arena in `dtype` runs, its
-/// weights `lent` or not (held as f32 values rounded to bf16): none in f32 runs,
-/// and none where the bf16 products run on AMX or AVX512-BF16 and read packs
-/// ([`Packs::made_for`]): those kernels round `params` themselves while packing
-/// them, so the packs (and, for the products packed per call, `params`) replace the
-/// copy. Kept for the f32 GEMM and oneDNN, which read a product's operands as they
-/// are, and for lent weights (ZeRO-3: per range, [`Gpt::set_weights_lent`]), whose
-/// products pack per call and include the classifier's input gradient, which the
-/// AVX512-BF16 kernel leaves to the f32 GEMM without `wte`'s pack.
-pub fn bf16_copy_len(dtype: Dtype, lent: bool, params_len: usize) -> usize {
-    match dtype {
-        Dtype::Bfloat16 if !Packs::made_for(dtype, lent) => params_len,
-        _ => 0,
-    }
-}
-
 /// The weights the matmuls read: `params`, or under bf16 autocast their bf16 copy
-/// where the model keeps one ([`bf16_copy_len`]).
+/// where the model keeps one ([`Backend::keeps_bf16_copy`]).
 fn matmul_weights<'a>(bf16: bool, params: &'a [f32], params_bf16: &'a [f32]) -> &'a [f32] {
     match bf16 && !params_bf16.is_empty() {
         true => params_bf16,
@@ -1424,7 +1473,7 @@ mod tests {
         let (b, t) = (2, 8);
         let mut gpt = model(cfg, b, t);
         gpt.set_activation_checkpointing(checkpointing);
-        gpt.set_dtype(dtype);
+        gpt.set_dtype(dtype, &Backend::detect(None));
         gpt.set_dropout_seed(5);
         let (x, y) = batch(b, t, gpt.config().vocab_size);
         let mut opt = crate::optim::AdamW::new(&gpt.layout.decay_ranges(), Default::default());
@@ -1449,7 +1498,7 @@ mod tests {
             let (x, y) = batch(b, t, 37);
             let run = |fused: bool| {
                 let mut gpt = model(tiny(true, 0.1), b, t);
-                gpt.set_dtype(dtype);
+                gpt.set_dtype(dtype, &Backend::detect(None));
                 gpt.set_dropout_seed(5);
                 let mut opt =
                     crate::optim::AdamW::new(&gpt.layout.decay_ranges(), Default::default());
@@ -1676,7 +1725,7 @@ mod tests {
             };
             for gpt in [&mut plain, &mut lent] {
                 gpt.set_activation_checkpointing(ckpt);
-                gpt.set_dtype(Dtype::Bfloat16);
+                gpt.set_dtype(Dtype::Bfloat16, &Backend::detect(None));
                 gpt.zero_grad();
                 gpt.set_dropout_seed(3);
             }

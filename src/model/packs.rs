@@ -1,5 +1,5 @@
 //! The bf16 weights packed once per optimizer step for the kernels that read packs
-//! (AMX and AVX512-BF16, [`reads_packs`]): the classifier's `wte` and every linear
+//! (AMX and AVX512-BF16, [`Backend::packs_weights`]): the classifier's `wte` and every linear
 //! layer's weight, each in the two orientations its products read ([`WeightPacks`]:
 //! `x · Wᵀ` forward, `dy · W` input gradient; the weight gradient reads no weight).
 //! They are made right where the weights change (the fused AdamW step, a sync, a
@@ -7,7 +7,7 @@
 //! next change, instead of packing each weight twice per pass. The kernels that
 //! read packs round while packing, so a model that packs keeps no bf16 weight copy:
 //! the packs are made from the f32 weights ("the copy" below is whatever the
-//! matmuls read, [`super::bf16_copy_len`]).
+//! matmuls read, [`Backend::keeps_bf16_copy`]).
 //!
 //! Staleness is owned here: each bucket's packs (`wte`'s, each block's) carry a flag
 //! that says they hold the current bf16 copy. Packing sets it; [`Packs::mark_stale`]
@@ -17,8 +17,10 @@
 //! refreshes are the only places that pack (src/model/mod.rs).
 
 use super::layout::{ParamLayout, Span};
-use super::{Dtype, ModelConfig};
-use crate::kernels::bf16::gemm::{reads_packs, WeightPacks};
+use super::ModelConfig;
+use crate::kernels::bf16::gemm::WeightPacks;
+#[cfg(doc)]
+use crate::kernels::bf16::Backend;
 use std::ops::Range;
 use std::sync::OnceLock;
 
@@ -46,13 +48,6 @@ impl LayerPacks {
 }
 
 impl Packs {
-    /// Whether a model in `dtype` packs its weights: bf16 products on a kernel that
-    /// reads packs, weights not `lent` (ZeRO-3 packs per call: each gathered block's
-    /// weight is read once per pass, so packing it on arrival would pack as often).
-    pub fn made_for(dtype: Dtype, lent: bool) -> bool {
-        dtype == Dtype::Bfloat16 && !lent && reads_packs()
-    }
-
     /// Whether the linear weights are worth packing once per refresh of the bf16
     /// copy, not only `wte` (whose products with k = V need the pack to run on
     /// AVX512-BF16 at all): when more than one forward reads each weight between

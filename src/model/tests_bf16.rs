@@ -4,8 +4,17 @@
 use super::layout::{LinearSpans, NormSpans};
 use super::tests::random_model as model;
 use super::*;
-use crate::kernels::bf16::gemm::{self, Kernel};
-use crate::kernels::bf16::round;
+use crate::kernels::bf16::{round, Kernel};
+
+/// This machine's bf16 back-end, as a run without a `bf16_kernel` request gets it.
+fn here() -> Backend {
+    Backend::detect(None)
+}
+
+/// The f32 GEMM for every bf16 product (`bf16_kernel = f32`).
+fn on_f32_gemm() -> Backend {
+    Backend::with_kernel(Kernel::F32).expect("the f32 GEMM runs everywhere")
+}
 
 /// The model tests' tiny model without dropout.
 fn tiny(bias: bool) -> ModelConfig {
@@ -13,7 +22,7 @@ fn tiny(bias: bool) -> ModelConfig {
 }
 
 /// Large enough that the big matmuls take the AMX kernel where it is usable
-/// (m·n·k ≥ 2^20 at B·T = 128; `NANOGPT_BF16_GEMM=f32 cargo test` covers the f32 GEMM).
+/// (m·n·k ≥ 2^20 at B·T = 128; the tests that need the f32 GEMM ask for it).
 fn medium(bias: bool) -> ModelConfig {
     ModelConfig {
         vocab_size: 37,
@@ -167,24 +176,24 @@ fn bf16_loss_matches_a_reference_that_rounds_the_same_way() {
         let (x, y) = batch(b, t, gpt.config().vocab_size);
         gpt.set_training(false);
         let f32_loss = gpt.forward(&x, &y, b, t) as f64;
-        gpt.set_dtype(Dtype::Bfloat16);
+        gpt.set_dtype(Dtype::Bfloat16, &here());
         // The rounding points are checked on the f32 GEMM: its sums round like the
         // reference's here, so no bf16 rounding flips. Any other kernel sums in
         // another order and may flip a rounding or two (checked below). The model
         // is made on it: a model made for a packing kernel keeps no rounded copy,
         // which the f32 GEMM needs.
-        let bf16_loss = gemm::with_kernel(Kernel::F32, || {
+        let bf16_loss = {
             let mut on_f32 = model(cfg, b, t, 21);
             on_f32.set_training(false);
-            on_f32.set_dtype(Dtype::Bfloat16);
+            on_f32.set_dtype(Dtype::Bfloat16, &on_f32_gemm());
             on_f32.forward(&x, &y, b, t)
-        }) as f64;
+        } as f64;
         let default_loss = gpt.forward(&x, &y, b, t) as f64;
         let want_bf16 = reference_loss(&gpt, &x, &y, (b, t), true, false);
         let want_f32 = reference_loss(&gpt, &x, &y, (b, t), false, false);
         // The default kernel's attention products may round the probabilities too.
         let dims = crate::kernels::Dims::new(b, t, gpt.config().n_embd, gpt.config().n_head);
-        let probs = crate::kernels::attention::bf16_forward_products::<true>(dims);
+        let probs = crate::kernels::attention::bf16_forward_products::<true>(dims, &here());
         let want_default = reference_loss(&gpt, &x, &y, (b, t), true, probs);
         println!(
             "bias {bias}: bf16 {bf16_loss} (ref {want_bf16}, default kernel {default_loss}, \
@@ -211,7 +220,7 @@ fn bf16_loss_matches_a_reference_that_rounds_the_same_way() {
             "default kernel {default_loss} vs reference {want_default} (effect {effect})"
         );
         // Back to f32: bit-identical to before.
-        gpt.set_dtype(Dtype::Float32);
+        gpt.set_dtype(Dtype::Float32, &here());
         assert_eq!(gpt.forward(&x, &y, b, t) as f64, f32_loss);
     }
 }
@@ -250,7 +259,7 @@ fn bf16_gradients_are_close_to_f32_ones() {
             gpt.grads.clone()
         };
         let g32 = grads_of(&mut gpt);
-        gpt.set_dtype(Dtype::Bfloat16);
+        gpt.set_dtype(Dtype::Bfloat16, &here());
         let g16 = grads_of(&mut gpt);
         assert_ne!(g16, g32, "bf16 changed nothing");
         for tensor in &gpt.layout.tensors {
@@ -273,7 +282,7 @@ fn bf16_weights_are_copied_once_per_sync() {
     let (b, t) = (1, 8);
     let mut gpt = model(tiny(true), b, t, 5);
     let (x, y) = batch(b, t, gpt.config().vocab_size);
-    gpt.set_dtype(Dtype::Bfloat16);
+    gpt.set_dtype(Dtype::Bfloat16, &here());
     gpt.set_training(false);
     let before = gpt.forward(&x, &y, b, t);
     let w = gpt.layout.layers[0].c_fc.weight;
@@ -306,8 +315,8 @@ fn packing_weights_once_per_step_changes_no_bit() {
     let run = |packed: bool| {
         let mut gpt = model(cfg.clone(), b, t, 41);
         gpt.set_activation_checkpointing(true);
-        gpt.set_dtype(Dtype::Bfloat16);
-        assert_eq!(gpt.packs.is_some(), gemm::reads_packs());
+        gpt.set_dtype(Dtype::Bfloat16, &here());
+        assert_eq!(gpt.packs.is_some(), here().reads_packs());
         if !packed {
             gpt.packs = None;
         }
@@ -340,12 +349,12 @@ fn packing_weights_once_per_step_changes_no_bit() {
     }
     // The products did run on the kernel that reads the packs: the f32 GEMM's sums
     // differ, and packs of other weights (zero) change the loss.
-    if !gemm::reads_packs() {
+    if !here().reads_packs() {
         println!("no kernel reads packs here: only the unpacked path ran");
         return;
     }
     let mut gpt = model(cfg.clone(), b, t, 41);
-    gpt.set_dtype(Dtype::Bfloat16);
+    gpt.set_dtype(Dtype::Bfloat16, &here());
     gpt.set_training(false);
     let before = gpt.forward(&x, &y, b, t);
     let zero = vec![0.0; gpt.params.len()];
@@ -368,14 +377,14 @@ fn packing_weights_once_per_step_changes_no_bit() {
     gpt.sync_bf16_weights();
     assert_eq!(gpt.forward(&x, &y, b, t), before, "sync repacks");
     gpt.set_training(true);
-    let on_f32 = gemm::with_kernel(Kernel::F32, || {
+    let on_f32 = {
         let mut gpt = model(cfg.clone(), b, t, 41);
         gpt.set_activation_checkpointing(true);
-        gpt.set_dtype(Dtype::Bfloat16);
+        gpt.set_dtype(Dtype::Bfloat16, &on_f32_gemm());
         let loss = gpt.forward(&x, &y, b, t);
         gpt.backward();
         (loss.to_bits(), gpt.grads.clone())
-    });
+    };
     assert_ne!(
         on_f32, unpacked[0],
         "the kernels agree here: pick another shape"
@@ -387,12 +396,12 @@ fn stale_packs_are_never_read() {
     // While the bf16 copy is owed (weights arriving), every pack is stale until the
     // forward packs its range; a product asking for a stale pack panics rather than
     // read old weights.
-    if !gemm::reads_packs() {
+    if !here().reads_packs() {
         return;
     }
     let (b, t) = (1, 8);
     let mut gpt = model(medium(true), b, t, 5);
-    gpt.set_dtype(Dtype::Bfloat16);
+    gpt.set_dtype(Dtype::Bfloat16, &here());
     gpt.refresh_bf16_at_next_forward();
     let packs = gpt.packs.as_ref().expect("packs");
     for read in [

@@ -140,7 +140,7 @@ fn bf16_adapter_gradients_are_close_to_f32_ones() {
     let (b, t) = (2, 8);
     let grads = |dtype: Dtype| {
         let mut gpt = adapted(tiny(true, 0.0), ALL, 0.2, b, t);
-        gpt.set_dtype(dtype);
+        gpt.set_dtype(dtype, &Backend::detect(None));
         let (x, y) = batch(b, t, gpt.config().vocab_size);
         gpt.zero_grad();
         gpt.set_dropout_seed(11);

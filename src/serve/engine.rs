@@ -5,6 +5,7 @@
 //! client disconnected) stops at the next token.
 
 use crate::data::Tokenizer;
+use crate::kernels::bf16::Backend;
 use crate::model::decode::Decoder;
 use crate::model::{ModelConfig, ParamLayout};
 use crate::sample::{LogSoftmax, Sampler, StopText, Stops};
@@ -115,17 +116,18 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// An engine for a model whose matmuls read `params` (`bf16`: a bf16 copy).
+    /// An engine for a model whose matmuls read `params` (`bf16`: a bf16 copy, a
+    /// prompt's products on that back-end).
     pub fn new(
         config: ModelConfig,
         params: Vec<f32>,
         tokenizer: Arc<Tokenizer>,
-        bf16: bool,
+        bf16: Option<Backend>,
     ) -> Engine {
         let layout = ParamLayout::new(&config);
         let mut decoder = Decoder::new(&config, 1, config.block_size);
-        if bf16 {
-            decoder = decoder.with_bf16_weights(&params);
+        if let Some(backend) = &bf16 {
+            decoder = decoder.with_bf16_weights(&params, backend);
         }
         Engine {
             adjusted: vec![0.0; config.vocab_size],

@@ -45,8 +45,8 @@ pub struct ServeOptions {
     pub api_key: Option<String>,
     /// Requests that may wait for the model (beyond the one it runs).
     pub queue: usize,
-    /// Matmul weights in bf16.
-    pub bf16: bool,
+    /// Matmul weights in bf16, a prompt's products on this back-end; None: f32.
+    pub bf16: Option<crate::kernels::bf16::Backend>,
     /// The template of `/v1/chat/completions`.
     pub template: ChatFormat,
 }

@@ -33,6 +33,7 @@ use crate::config::{InitFrom, TrainConfig};
 use crate::data::{batch_offsets, Draw, Meta, TokenFile, Tokenizer};
 use crate::dist::{self, Collective, CommReport, DataParallel, Single, StepSettings};
 use crate::fault;
+use crate::kernels::bf16::Backend;
 use crate::kernels::dropout::mix64;
 use crate::metrics::MetricsLog;
 use crate::model::Gpt;
@@ -82,6 +83,8 @@ pub struct StepOutcome {
 /// A run in progress: the model, its optimizer, the data and the bookkeeping.
 pub struct Trainer {
     pub cfg: TrainConfig,
+    /// The kernel of the bf16 products (`bf16_kernel`), chosen at start-up.
+    pub backend: Backend,
     pub model: Gpt,
     /// The optimizer; with `zero_stage` ≥ 1 on several ranks, this rank's shard.
     pub opt: AdamW,
@@ -133,13 +136,14 @@ impl Trainer {
     /// [`Trainer::new`] as one rank of `comm`: rank 0 builds or loads the model and
     /// every rank starts from its weights.
     pub fn with_collective(cfg: TrainConfig, comm: Box<dyn Collective>) -> Result<Trainer> {
+        let backend = Backend::detect(cfg.bf16_kernel_request());
         let Start {
             data,
             state,
             mut dp,
             out_dir_lock,
             replace_at_first_save,
-        } = Start::new(&cfg, &*comm)?;
+        } = Start::new(&cfg, &*comm, &backend)?;
         if let Some(dp) = dp.as_mut() {
             // SAFETY: the trainer owns `comm` and the model as long as `dp`; it calls
             // `params_whole` before anything but `dp.forward` reads or writes
@@ -170,7 +174,7 @@ impl Trainer {
         };
         let bt = cfg.batch_size * cfg.block_size;
         let peak_gflops = match root {
-            true => crate::bench::gemm_peak_gflops_quick(cfg.dtype),
+            true => crate::bench::gemm_peak_gflops_quick(cfg.dtype, &backend),
             false => 0.0,
         };
         Ok(Trainer {
@@ -183,6 +187,7 @@ impl Trainer {
             saved_at: None,
             grads_zeroed: false,
             cfg,
+            backend,
             model: state.model,
             opt: state.opt,
             meta: data.meta,

@@ -7,6 +7,7 @@ use crate::config::{InitFrom, TrainConfig};
 use crate::data::{self, Meta, Split, TokenFile, Tokenizer};
 use crate::dist::{Collective, DataParallel};
 use crate::fsutil::DirLock;
+use crate::kernels::bf16::Backend;
 use crate::model::lora::LoraState;
 use crate::model::{Gpt, ModelConfig};
 use crate::model_source::{check_lora_base, load_lora_base};
@@ -70,7 +71,8 @@ pub struct TrainState {
 impl Start {
     /// Opens the data and prepares `out_dir`, then builds or loads the model on rank
     /// 0 and starts every other rank from its weights (one process: just builds it).
-    pub fn new(cfg: &TrainConfig, comm: &dyn Collective) -> Result<Start> {
+    /// Its bf16 products run on `backend`.
+    pub fn new(cfg: &TrainConfig, comm: &dyn Collective, backend: &Backend) -> Result<Start> {
         cfg.check_world_size(comm.world_size())?;
         comm.set_timeout(Duration::from_secs_f64(cfg.collective_timeout_s));
         crate::dist::heartbeat::set_timeout(Duration::from_secs_f64(cfg.heartbeat_timeout_s));
@@ -82,7 +84,7 @@ impl Start {
         }
         let data = Dataset::open(cfg)?;
         if root {
-            check_memory(cfg, comm)?;
+            check_memory(cfg, comm, backend)?;
         }
         let (mut out_dir_lock, mut replace) = (None, Vec::new());
         if root {
@@ -111,15 +113,16 @@ impl Start {
         let model = &mut start.state.model;
         model.set_activation_checkpointing(cfg.activation_checkpointing);
         model.set_micro_steps(cfg.gradient_accumulation_steps / comm.world_size());
-        model.set_dtype(cfg.dtype);
+        model.set_dtype(cfg.dtype, backend);
         Ok(start)
     }
 }
 
 /// Prints the memory plan of the run and refuses one that would not fit in this
 /// host's available memory, before anything sized by the model is allocated.
-fn check_memory(cfg: &TrainConfig, comm: &dyn Collective) -> Result<()> {
-    let (_, memory, refused) = plan::check_run(cfg, comm.world_size(), comm.local_size())?;
+fn check_memory(cfg: &TrainConfig, comm: &dyn Collective, backend: &Backend) -> Result<()> {
+    let (w, local) = (comm.world_size(), comm.local_size());
+    let (_, memory, refused) = plan::check_run(cfg, w, local, backend)?;
     for line in memory.summary() {
         crate::outln!("{line}");
     }

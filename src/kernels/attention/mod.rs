@@ -54,9 +54,9 @@
 //! Keys and values (forward) and a head's Q and dO (backward) are packed into bf16
 //! pairs once per call in per-thread buffers that are kept and reused (no allocation
 //! once warm); everything per tile lives on the stack. f32 attention, CPUs without
-//! AVX512-BF16, heads larger than `DT` channels, and `NANOGPT_BF16_GEMM=f32` (which
-//! forces the f32 products for the matmuls and the attention alike, for A/B runs) keep
-//! the f32 passes, which are exact on bf16-valued q/k/v up to summation order.
+//! AVX512-BF16, heads larger than `DT` channels, and a back-end on the f32 GEMM
+//! (`bf16_kernel = f32` forces the f32 products for the matmuls and the attention alike,
+//! [`Backend::attention_pairs`]) keep the f32 passes, which are exact on bf16-valued q/k/v up to summation order.
 //!
 //! [`cached_attention`] is the same attention for generation: new positions against
 //! a cache of keys and values.
@@ -76,7 +76,7 @@ mod pairs;
 mod tests;
 mod tiles;
 
-use super::bf16::gemm::{self, Kernel};
+use super::bf16::Backend;
 use super::dropout::Dropout;
 use super::{Dims, SharedMut};
 use backward::backward_impl;
@@ -221,16 +221,18 @@ const DT: usize = 128;
 /// Parallel over `(b, h, query block)`; results do not depend on the thread count.
 ///
 /// With `BF16` (bf16 autocast: q, k and v hold bf16 values), the products run on
-/// `vdpbf16ps` where [`bf16_forward_products`] says so (see the [module docs](self)).
+/// `vdpbf16ps` where [`bf16_forward_products`] says so for `backend` (see the
+/// [module docs](self)).
 pub fn attention_forward<const BF16: bool>(
     out: &mut [f32],
     lse: &mut [f32],
     qkv: &[f32],
     d: Dims,
     dropout: Option<Dropout>,
+    backend: &Backend,
 ) {
     let _t = crate::profile::scope(crate::profile::Section::Attention);
-    let bf16 = bf16_forward_products::<BF16>(d);
+    let bf16 = bf16_forward_products::<BF16>(d, backend);
     forward_impl(Isa::detect(), out, lse, qkv, d, dropout, bf16);
 }
 
@@ -242,10 +244,11 @@ pub fn attention_forward<const BF16: bool>(
 /// `BF16`, `dqkv` is rounded to bf16 (the operand of the bf16 matmuls that follow
 /// under autocast) by each task as its rows are final and still in cache, instead
 /// of in a pass of its own: the same bits; and the products run on `vdpbf16ps` where
-/// [`bf16_backward_products`] says so.
+/// [`bf16_backward_products`] says so for `backend`.
 ///
 /// Parallel over `(b, g)` for the key/value heads `g`; results do not depend on the
 /// thread count.
+#[allow(clippy::too_many_arguments)]
 pub fn attention_backward<const BF16: bool>(
     dqkv: &mut [f32],
     dout: &[f32],
@@ -254,9 +257,10 @@ pub fn attention_backward<const BF16: bool>(
     lse: &[f32],
     d: Dims,
     dropout: Option<Dropout>,
+    backend: &Backend,
 ) {
     let _t = crate::profile::scope(crate::profile::Section::AttentionBackward);
-    let bf16 = bf16_backward_products::<BF16>(d);
+    let bf16 = bf16_backward_products::<BF16>(d, backend);
     backward_impl(
         Isa::detect(),
         dqkv,
@@ -271,11 +275,10 @@ pub fn attention_backward<const BF16: bool>(
     );
 }
 
-/// Whether bf16 attention can run its products on `vdpbf16ps` here: a CPU with
-/// AVX512-BF16, heads of at most [`DT`] channels, and `NANOGPT_BF16_GEMM=f32` not
-/// forcing the f32 products (for the bf16 matmuls and then the attention's too).
-fn bf16_capable(d: Dims) -> bool {
-    d.hs <= DT && isa::bf16_usable() && gemm::kernel() != Kernel::F32
+/// Whether bf16 attention can run its products on `vdpbf16ps`: the back-end allows
+/// it ([`Backend::attention_pairs`]) and heads have at most [`DT`] channels.
+fn bf16_capable(d: Dims, backend: &Backend) -> bool {
+    d.hs <= DT && backend.attention_pairs()
 }
 
 /// From this T on, bf16 attention's forward pass runs its products on `vdpbf16ps`.
@@ -291,14 +294,14 @@ const BF16_BACKWARD_MIN_T: usize = 512;
 
 /// Whether bf16 attention's (`BF16`) forward pass runs its products on `vdpbf16ps`
 /// (`BF16_FORWARD_MIN_T`).
-pub fn bf16_forward_products<const BF16: bool>(d: Dims) -> bool {
-    BF16 && d.t >= BF16_FORWARD_MIN_T && bf16_capable(d)
+pub fn bf16_forward_products<const BF16: bool>(d: Dims, backend: &Backend) -> bool {
+    BF16 && d.t >= BF16_FORWARD_MIN_T && bf16_capable(d, backend)
 }
 
 /// Whether bf16 attention's (`BF16`) backward pass runs its products on `vdpbf16ps`
 /// (`BF16_BACKWARD_MIN_T`).
-pub fn bf16_backward_products<const BF16: bool>(d: Dims) -> bool {
-    BF16 && d.t >= BF16_BACKWARD_MIN_T && bf16_capable(d)
+pub fn bf16_backward_products<const BF16: bool>(d: Dims, backend: &Backend) -> bool {
+    BF16 && d.t >= BF16_BACKWARD_MIN_T && bf16_capable(d, backend)
 }
 
 /// Panics unless the query heads split evenly over the key/value heads, of a

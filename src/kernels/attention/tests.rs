@@ -3,8 +3,14 @@
 //! CPU has; and the properties the model relies on (dropout, thread-count independence).
 
 use super::*;
+use crate::kernels::bf16::Kernel;
 use crate::kernels::testutil::{assert_close, dot, numeric_grad, rand_vec, to_f64};
 use crate::kernels::Dims;
+
+/// This machine's bf16 back-end, as `train` would pick it without a request.
+fn here() -> Backend {
+    Backend::detect(None)
+}
 
 /// Random `qkv` `(B, T, (NH + 2·KV)·HS)` and an output gradient `(B, T, NH·HS)`.
 fn inputs_of(d: Dims, seed: u64) -> (Vec<f32>, Vec<f32>) {
@@ -222,9 +228,18 @@ fn grouped_query_does_not_depend_on_the_thread_count() {
         pool.install(|| {
             let mut out = vec![0.0; d.bt() * d.q_width()];
             let mut lse = vec![0.0; d.b * d.nh * d.t];
-            attention_forward::<false>(&mut out, &mut lse, &qkv, d, DROP);
+            attention_forward::<false>(&mut out, &mut lse, &qkv, d, DROP, &Backend::portable());
             let mut dqkv = vec![0.0; qkv.len()];
-            attention_backward::<false>(&mut dqkv, &dout, &qkv, &out, &lse, d, DROP);
+            attention_backward::<false>(
+                &mut dqkv,
+                &dout,
+                &qkv,
+                &out,
+                &lse,
+                d,
+                DROP,
+                &Backend::portable(),
+            );
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             (bits(&out), bits(&lse), bits(&dqkv))
         })
@@ -243,9 +258,18 @@ fn multi_head_is_grouped_query_with_groups_of_one() {
     let run = |d: Dims| {
         let mut out = vec![0.0; d.bt() * d.q_width()];
         let mut lse = vec![0.0; d.b * d.nh * d.t];
-        attention_forward::<false>(&mut out, &mut lse, &qkv, d, DROP);
+        attention_forward::<false>(&mut out, &mut lse, &qkv, d, DROP, &Backend::portable());
         let mut dqkv = vec![0.0; qkv.len()];
-        attention_backward::<false>(&mut dqkv, &dout, &qkv, &out, &lse, d, DROP);
+        attention_backward::<false>(
+            &mut dqkv,
+            &dout,
+            &qkv,
+            &out,
+            &lse,
+            d,
+            DROP,
+            &Backend::portable(),
+        );
         (out, lse, dqkv)
     };
     assert_eq!(run(d), run(spelled));
@@ -285,7 +309,7 @@ fn dropout_changes_output() {
     let run = |mask| {
         let mut out = vec![0.0; b * t * c];
         let mut lse = vec![0.0; b * nh * t];
-        attention_forward::<false>(&mut out, &mut lse, &qkv, d, mask);
+        attention_forward::<false>(&mut out, &mut lse, &qkv, d, mask, &Backend::portable());
         (out, lse)
     };
     let (plain, plain_lse) = run(None);
@@ -308,9 +332,18 @@ fn deterministic_across_thread_counts() {
         pool.install(|| {
             let mut out = vec![0.0; b * t * c];
             let mut lse = vec![0.0; b * nh * t];
-            attention_forward::<false>(&mut out, &mut lse, &qkv, d, DROP);
+            attention_forward::<false>(&mut out, &mut lse, &qkv, d, DROP, &Backend::portable());
             let mut dqkv = vec![0.0; qkv.len()];
-            attention_backward::<false>(&mut dqkv, &dout, &qkv, &out, &lse, d, DROP);
+            attention_backward::<false>(
+                &mut dqkv,
+                &dout,
+                &qkv,
+                &out,
+                &lse,
+                d,
+                DROP,
+                &Backend::portable(),
+            );
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             (bits(&out), bits(&lse), bits(&dqkv))
         })
@@ -390,7 +423,7 @@ fn within_bound(
 /// bf16 attention against [`naive_forward`] and [`naive_backward`] on bf16-valued q, k,
 /// v and dout, within [`bf16_bounds`]. Where the products can run on `vdpbf16ps`
 /// ([`bf16_capable`]; run here whatever T) the rounding must also show (some error
-/// beyond f32 noise); elsewhere, or with `NANOGPT_BF16_GEMM=f32`, the f32 passes run
+/// beyond f32 noise); elsewhere, or with `bf16_kernel = f32`, the f32 passes run
 /// and must be as close as in [`check`].
 fn check_bf16((b, t, c, nh): (usize, usize, usize, usize), mask: Option<Dropout>, seed: u64) {
     check_bf16_dims(Dims::new(b, t, c, nh), mask, seed)
@@ -407,7 +440,7 @@ fn check_bf16_dims(d: Dims, mask: Option<Dropout>, seed: u64) {
     let (want_out, want_lse) = naive_forward(&qkv64, d, mask);
     let want_dqkv = naive_backward(&dout64, &qkv64, d, mask);
     let [out_bound, dqkv_bound] = bf16_bounds(&dout64, &qkv64, d, mask);
-    let bf16 = bf16_capable(d);
+    let bf16 = bf16_capable(d, &here());
     let what = format!("bf16 products {bf16}: B={b} T={t} NH={nh} KV={kv} HS={hs} mask={mask:?}");
     let mut out = vec![f32::NAN; d.bt() * d.q_width()];
     let mut lse = vec![f32::NAN; b * nh * t];
@@ -500,7 +533,7 @@ fn bf16_products_do_not_depend_on_the_thread_count() {
     let d = Dims::new(b, t, c, nh);
     let (qkv, dout) = inputs(b, t, c, 24);
     let (qkv, dout) = (bf16_values(&qkv), bf16_values(&dout));
-    let bf16 = bf16_capable(d);
+    let bf16 = bf16_capable(d, &here());
     let run = |threads: usize| {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -526,47 +559,62 @@ fn bf16_products_do_not_depend_on_the_thread_count() {
 #[test]
 fn bf16_products_run_from_the_measured_lengths_on() {
     let d = |t| Dims::new(1, t, 128, 2);
-    let capable = bf16_capable(d(1));
+    let here = here();
+    let capable = bf16_capable(d(1), &here);
     for t in [1, 256, 511, 512, 1024, 2047, 2048, 4096] {
-        assert_eq!(bf16_forward_products::<true>(d(t)), capable && t >= 2048);
-        assert_eq!(bf16_backward_products::<true>(d(t)), capable && t >= 512);
-        assert!(!bf16_forward_products::<false>(d(t)) && !bf16_backward_products::<false>(d(t)));
+        assert_eq!(
+            bf16_forward_products::<true>(d(t), &here),
+            capable && t >= 2048
+        );
+        assert_eq!(
+            bf16_backward_products::<true>(d(t), &here),
+            capable && t >= 512
+        );
+        assert!(
+            !bf16_forward_products::<false>(d(t), &here)
+                && !bf16_backward_products::<false>(d(t), &here)
+        );
     }
     // Heads wider than a tile keep the f32 passes.
     let wide = Dims::new(1, 4096, 136, 1);
-    assert!(!bf16_forward_products::<true>(wide) && !bf16_backward_products::<true>(wide));
+    assert!(
+        !bf16_forward_products::<true>(wide, &here) && !bf16_backward_products::<true>(wide, &here)
+    );
 }
 
 #[test]
 fn bf16_falls_back_to_the_f32_products_when_forced() {
-    // `NANOGPT_BF16_GEMM=f32` (here: the f32 kernel forced for this thread) runs bf16
-    // attention on the f32 products: the f32 pass's bits, plus dqkv's rounding. T 512:
-    // long enough for the backward's products to run on `vdpbf16ps` otherwise.
+    // `bf16_kernel = f32` (a back-end on the f32 GEMM) runs bf16 attention on the f32
+    // products: the f32 pass's bits, plus dqkv's rounding. T 512: long enough for the
+    // backward's products to run on `vdpbf16ps` otherwise.
     let d = Dims::new(1, 512, 64, 2);
     let (qkv, dout) = inputs(d.b, d.t, d.c, 25);
     let qkv = bf16_values(&qkv);
-    let run = |bf16: bool| {
+    let run = |bf16: bool, backend: &Backend| {
         let mut out = vec![0.0; d.bt() * d.c];
         let mut lse = vec![0.0; d.b * d.nh * d.t];
         let mut dqkv = vec![0.0; qkv.len()];
         if bf16 {
-            attention_forward::<true>(&mut out, &mut lse, &qkv, d, DROP);
-            attention_backward::<true>(&mut dqkv, &dout, &qkv, &out, &lse, d, DROP);
+            attention_forward::<true>(&mut out, &mut lse, &qkv, d, DROP, backend);
+            attention_backward::<true>(&mut dqkv, &dout, &qkv, &out, &lse, d, DROP, backend);
         } else {
-            attention_forward::<false>(&mut out, &mut lse, &qkv, d, DROP);
-            attention_backward::<false>(&mut dqkv, &dout, &qkv, &out, &lse, d, DROP);
+            attention_forward::<false>(&mut out, &mut lse, &qkv, d, DROP, backend);
+            attention_backward::<false>(&mut dqkv, &dout, &qkv, &out, &lse, d, DROP, backend);
             crate::kernels::bf16::round_in_place(&mut dqkv);
         }
         (out, lse, dqkv)
     };
-    let f32_run = run(false);
-    let forced = gemm::with_kernel(Kernel::F32, || {
-        assert!(!bf16_capable(d));
-        run(true)
-    });
-    assert_eq!(forced, f32_run);
-    if bf16_backward_products::<true>(d) {
-        assert_ne!(run(true).2, f32_run.2, "the bf16 products change dqkv");
+    let here = here();
+    let f32_run = run(false, &here);
+    let on_f32 = Backend::with_kernel(Kernel::F32).expect("the f32 GEMM runs everywhere");
+    assert!(!bf16_capable(d, &on_f32));
+    assert_eq!(run(true, &on_f32), f32_run);
+    if bf16_backward_products::<true>(d, &here) {
+        assert_ne!(
+            run(true, &here).2,
+            f32_run.2,
+            "the bf16 products change dqkv"
+        );
     }
 }
 

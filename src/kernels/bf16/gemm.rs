@@ -1,51 +1,16 @@
-//! The bf16 matmuls of `dtype = "bfloat16"` and the choice of their kernel.
-//!
-//! Products run on one of four kernels, chosen once per process ([`kernel`]); on
-//! oneDNN only the large ones (at least 2^20 multiply-adds; below that its operand
-//! copies cost more than they save), the rest on the f32 GEMM over bf16-valued
-//! operands ([`matmul`], the same products up to summation order). Our AMX and
-//! AVX512-BF16 kernels take every product, whatever its size: they round their
-//! operands while packing them, so a model whose products run on them keeps no
-//! rounded copy of its weights, and a small product reads the same weights (the
-//! packs of the last refresh, [`WeightPacks`]) as a large one:
-//! - our AMX-BF16 kernel ([`super::amx`]) when the CPU has AMX-BF16 and Linux grants
-//!   the process the tile permission;
-//! - oneDNN's bf16 matmul (`super::onednn`), in builds with the `onednn` feature
-//!   when the library has a fast implementation for this CPU (AMX or AVX512-BF16);
-//! - our AVX512-BF16 kernel ([`super::dpbf16`], `vdpbf16ps`) when the CPU has
-//!   AVX512-BF16, except on Intel CPUs (below);
-//! - the f32 GEMM otherwise.
-//!
-//! The default order is by measurement. On a 2-vCPU Xeon with AMX (2026-12-02) our
-//! AMX kernel ran a 124M step's products 1.42× as fast as oneDNN with its operand
-//! copies (`cargo bench --features onednn --bench bf16`, wall clock) and the whole
-//! bf16 step in 3.2–3.9 s against oneDNN's 4.2–5.7 (docs/PERFORMANCE.md, "bf16 on
-//! AMX"), so AMX comes first. Without AMX, oneDNN comes next. On an AVX512-BF16 CPU
-//! without AMX our AVX512-BF16 kernel ran
-//! every linear and classifier product of a 124M step at 1.2–2.0× the f32 GEMM and
-//! 0.77–1.05× oneDNN (0.89× over the step; per CPU-second, `cargo bench --bench
-//! bf16`, docs/PERFORMANCE.md, "bf16 without AMX: the AVX512-BF16 kernel"). The
-//! classifier's input gradient (k = V) runs on it only from `wte` packed beforehand
-//! ([`matmul_bf16_packed`]); packing both long operands per call it lost to the f32
-//! GEMM (`DPBF16_MAX_K`). An earlier AVX512-BF16 kernel (one 8 × 32 block per task,
-//! no cache blocking) never beat the f32 GEMM and was removed. That CPU was an AMD
-//! EPYC (Zen 4). On an Intel Xeon with AVX512-BF16 and AMX hidden (Sapphire Rapids
-//! class, 2 vCPUs) the same kernel ran every one of 124M's products at 0.56–0.73× the
-//! f32 GEMM (`cargo test --release --lib dpbf16_speed -- --ignored --nocapture`):
-//! there `vdpbf16ps` does no more multiply-adds per cycle than the two f32 FMA units,
-//! and the operands' packing and rounding come on top. So on Intel CPUs the f32 GEMM
-//! comes before it, and the choice stays a pure function of the machine: a run and
-//! its resume pick the same kernel, and so the same bits.
-//! `NANOGPT_BF16_GEMM=onednn|amx|avx512bf16|f32` asks for one; a kernel that is not
-//! usable here (not built, no AMX, no AVX512-BF16) falls back to the default order,
-//! and `bench`/`train` print which kernel ran.
+//! The bf16 matmuls of `dtype = "bfloat16"`, on the kernel the [`Backend`] chose
+//! (see [`super::backend`] for the kernels and the choice). On oneDNN only the large
+//! products (at least 2^20 multiply-adds; below that its operand copies cost more than
+//! they save) run on it, the rest on the f32 GEMM over bf16-valued operands
+//! ([`matmul`], the same products up to summation order). Our AMX and AVX512-BF16
+//! kernels take every product, whatever its size, rounding their operands while packing
+//! them; a weight read by many products is packed once ([`WeightPacks`]).
 
+use super::backend::{Backend, Kernel};
 use super::pack::PackedB;
 use super::{amx, dpbf16, Bf16};
-use crate::kernels::cpu;
 use crate::kernels::mat::{matmul, Mat};
 use std::cell::{Cell, RefCell};
-use std::sync::OnceLock;
 
 /// Below this many multiply-adds (m·n·k) oneDNN's operand copies, or a bf16 weight's
 /// pack made for one product ([`matmul_bf16_wt`]), cost more than they save.
@@ -58,128 +23,16 @@ const MIN_MACS: usize = 1 << 20;
 /// ([`matmul_bf16_packed`] has no such limit).
 const DPBF16_MAX_K: usize = 16 * 1024;
 
-/// Which kernel runs the large bf16 matmuls.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kernel {
-    /// AMX-BF16 tiles ([`super::amx`]).
-    Amx,
-    /// AVX512-BF16 (`vdpbf16ps`, [`super::dpbf16`]).
-    Avx512Bf16,
-    /// The f32 GEMM over bf16-valued operands.
-    F32,
-    /// oneDNN's bf16 matmul (`super::onednn`; only with the `onednn` feature).
-    OneDnn,
-}
-
-/// The kernel `NANOGPT_BF16_GEMM` asks for, if it names one.
-fn requested() -> Option<Kernel> {
-    match std::env::var("NANOGPT_BF16_GEMM").ok()?.as_str() {
-        "f32" => Some(Kernel::F32),
-        "amx" => Some(Kernel::Amx),
-        "avx512bf16" => Some(Kernel::Avx512Bf16),
-        "onednn" => Some(Kernel::OneDnn),
-        _ => None,
-    }
-}
-
-/// Whether `NANOGPT_BF16_GEMM=f32` asks for the f32 GEMM.
-pub fn f32_requested() -> bool {
-    requested() == Some(Kernel::F32)
-}
-
-/// Why `NANOGPT_BF16_GEMM` names a kernel that is not the one running, if it does.
-pub fn request_refused() -> Option<String> {
-    let want = requested().filter(|&k| k != kernel())?;
-    Some(match want {
-        Kernel::OneDnn if cfg!(not(feature = "onednn")) => {
-            "NANOGPT_BF16_GEMM=onednn: this build has no oneDNN (build with --features onednn)"
-                .into()
-        }
-        #[cfg(feature = "onednn")]
-        Kernel::OneDnn => format!(
-            "NANOGPT_BF16_GEMM=onednn: oneDNN is not usable here ({})",
-            super::onednn::unavailable_reason().unwrap_or_default()
-        ),
-        Kernel::Avx512Bf16 => "NANOGPT_BF16_GEMM=avx512bf16: this CPU has no AVX512-BF16".into(),
-        _ => "NANOGPT_BF16_GEMM=amx: this CPU or OS does not allow AMX".into(),
-    })
-}
-
-/// Whether `k` can run on this machine in this build.
-pub fn usable(k: Kernel) -> bool {
-    match k {
-        Kernel::F32 => true,
-        Kernel::Amx => cpu::amx_permitted(),
-        Kernel::Avx512Bf16 => cpu::avx512_bf16(),
-        #[cfg(feature = "onednn")]
-        Kernel::OneDnn => super::onednn::available(),
-        #[cfg(not(feature = "onednn"))]
-        Kernel::OneDnn => false,
-    }
-}
-
-/// The kernel for large bf16 matmuls, chosen once (see the module comment).
-pub fn kernel() -> Kernel {
-    #[cfg(test)]
-    if let Some(k) = FORCED.get() {
-        return k;
-    }
-    static K: OnceLock<Kernel> = OnceLock::new();
-    *K.get_or_init(|| choose(requested(), usable, default_order(cpu::intel())))
-}
-
-/// The kernels, fastest first as measured: the AVX512-BF16 kernel after the f32
-/// GEMM on Intel CPUs.
-fn default_order(intel: bool) -> [Kernel; 4] {
-    use Kernel::*;
-    match intel {
-        true => [Amx, OneDnn, F32, Avx512Bf16],
-        false => [Amx, OneDnn, Avx512Bf16, F32],
-    }
-}
-
-/// The kernel asked for if it is usable, else the first usable one in `order`.
-fn choose(
-    requested: Option<Kernel>,
-    usable: impl Fn(Kernel) -> bool,
-    order: [Kernel; 4],
-) -> Kernel {
-    let first = requested.filter(|&k| usable(k));
-    first.unwrap_or_else(|| {
-        order
-            .into_iter()
-            .find(|&k| usable(k))
-            .unwrap_or(Kernel::F32)
-    })
-}
-
-#[cfg(test)]
-thread_local! {
-    /// A kernel forced for bf16 matmuls dispatched from this thread (tests only).
-    static FORCED: std::cell::Cell<Option<Kernel>> = const { std::cell::Cell::new(None) };
-}
-
-/// Runs `f` with the bf16 matmuls it dispatches from this thread on `k`: for a model
-/// test that checks the rounding points on the f32 GEMM whatever the machine has
-/// (tests only; `k` must be usable on this machine).
-#[cfg(test)]
-pub(crate) fn with_kernel<R>(k: Kernel, f: impl FnOnce() -> R) -> R {
-    let before = FORCED.replace(Some(k));
-    let r = f();
-    FORCED.set(before);
-    r
-}
-
-/// `dst = a · b` (or `+=` when `accumulate`), f32 accumulation, for bf16 operands.
-/// Where the [`kernel`] reads packs (AMX, AVX512-BF16) any f32 values may come:
+/// `dst = a · b` (or `+=` when `accumulate`), f32 accumulation, for bf16 operands, on
+/// `backend`'s kernel. Where it reads packs (AMX, AVX512-BF16) any f32 values may come:
 /// the kernel rounds them to nearest even while packing, as [`super::round`] does
 /// (bar subnormals, read as zero), so the weights need no rounded copy. Elsewhere
 /// (oneDNN below 2^20 multiply-adds, the f32 GEMM, and AVX512-BF16 from a depth of
 /// `DPBF16_MAX_K` without a pack) the product runs on the f32 GEMM, which reads the
 /// values as they are: there the operands must hold bf16 values, and the model keeps
-/// its rounded weight copy ([`reads_packs`]).
-pub fn matmul_bf16(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
-    match kernel() {
+/// its rounded weight copy ([`Backend::keeps_bf16_copy`]).
+pub fn matmul_bf16(backend: &Backend, dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
+    match backend.kernel() {
         Kernel::Amx => amx::matmul(dst, a, b, accumulate),
         Kernel::Avx512Bf16 if a.cols < DPBF16_MAX_K => dpbf16::matmul(dst, a, b, accumulate),
         #[cfg(feature = "onednn")]
@@ -190,30 +43,42 @@ pub fn matmul_bf16(dst: &mut [f32], a: Mat, b: Mat, accumulate: bool) {
     }
 }
 
-/// Whether bf16 products read right-hand operands packed beforehand ([`PackedB`]):
-/// true for the AMX and AVX512-BF16 kernels, which read the same pack, so callers
-/// that reuse a weight (the classifier's `wte`) pack it once per optimizer step.
-/// These kernels round any f32 operand while packing it ([`matmul_bf16`]): models
-/// whose products run on them read their f32 weights, or packs made from them,
-/// and keep no rounded copy.
-pub fn reads_packs() -> bool {
-    matches!(kernel(), Kernel::Amx | Kernel::Avx512Bf16)
+/// `dst = a · b` (or `+=`) in the precision of a pass: the f32 GEMM, or with `BF16`
+/// (autocast: operands holding bf16 values) [`matmul_bf16`] on `backend`'s kernel.
+pub fn product<const BF16: bool>(
+    backend: &Backend,
+    dst: &mut [f32],
+    a: Mat,
+    b: Mat,
+    accumulate: bool,
+) {
+    match BF16 {
+        true => matmul_bf16(backend, dst, a, b, accumulate),
+        false => matmul(dst, a, b, accumulate),
+    }
 }
 
 /// [`matmul_bf16`] with `packed`, the right-hand operand `b` packed beforehand (made
-/// because [`reads_packs`]). The product runs on the kernel [`matmul_bf16`] picks for
+/// because [`Backend::reads_packs`]). The product runs on the kernel [`matmul_bf16`] picks for
 /// its shape, on the same values, so the bits are the same with or without the pack
 /// (bar one case: where `k` ≥ `DPBF16_MAX_K`, the AVX512-BF16 kernel takes the
 /// product only with the pack, as packing B per call is what made it lose there).
-pub fn matmul_bf16_packed(dst: &mut [f32], a: Mat, b: Mat, packed: &PackedB, accumulate: bool) {
+pub fn matmul_bf16_packed(
+    backend: &Backend,
+    dst: &mut [f32],
+    a: Mat,
+    b: Mat,
+    packed: &PackedB,
+    accumulate: bool,
+) {
     assert!(
         (packed.k, packed.n) == (b.rows, b.cols),
         "the pack is not of b"
     );
-    match kernel() {
+    match backend.kernel() {
         Kernel::Amx => amx::matmul_packed(dst, a, packed, accumulate),
         Kernel::Avx512Bf16 => dpbf16::matmul_packed(dst, a, packed, accumulate),
-        _ => matmul_bf16(dst, a, b, accumulate),
+        _ => matmul_bf16(backend, dst, a, b, accumulate),
     }
 }
 
@@ -234,12 +99,19 @@ thread_local! {
 /// a: (m, k), any f32 values; w: (n, k) row-major (a linear layer's (OC, C));
 /// dst: (m, n).
 ///
-/// On the AMX or AVX512-BF16 [`kernel`], products of at least `MIN_MACS` pack `wᵀ`
+/// On the AMX or AVX512-BF16 kernel, products of at least `MIN_MACS` pack `wᵀ`
 /// straight from bf16 ([`PackedB::pack_t_bf16`], per call: a prompt reads each
 /// weight once) and the kernel rounds `a` while packing it; otherwise `w` is widened
 /// to f32, `a` rounded, and the product runs where [`matmul_bf16`] sends it (oneDNN,
 /// or the f32 GEMM): the same values, summed in another order.
-pub fn matmul_bf16_wt(dst: &mut [f32], a: &[f32], w: &[Bf16], k: usize, accumulate: bool) {
+pub fn matmul_bf16_wt(
+    backend: &Backend,
+    dst: &mut [f32],
+    a: &[f32],
+    w: &[Bf16],
+    k: usize,
+    accumulate: bool,
+) {
     assert!(
         k > 0 && a.len().is_multiple_of(k) && w.len().is_multiple_of(k),
         "a and w must have k columns"
@@ -247,12 +119,12 @@ pub fn matmul_bf16_wt(dst: &mut [f32], a: &[f32], w: &[Bf16], k: usize, accumula
     let (m, n) = (a.len() / k, w.len() / k);
     assert_eq!(dst.len(), m * n, "dst must be m × n");
     let x = Mat::new(a, m, k);
-    let packed = matches!(kernel(), Kernel::Amx | Kernel::Avx512Bf16) && m * n * k >= MIN_MACS;
+    let packed = backend.reads_packs() && m * n * k >= MIN_MACS;
     WT.with_borrow_mut(|(pack, wide, rounded)| {
         if packed {
             pack.pack_t_bf16(w, n, k);
             WT_PACKED.set(WT_PACKED.get() + 1);
-            return match kernel() {
+            return match backend.kernel() {
                 Kernel::Amx => amx::matmul_packed(dst, x, pack, accumulate),
                 _ => dpbf16::matmul_packed(dst, x, pack, accumulate),
             };
@@ -262,7 +134,7 @@ pub fn matmul_bf16_wt(dst: &mut [f32], a: &[f32], w: &[Bf16], k: usize, accumula
         rounded.resize(a.len(), 0.0);
         super::round_into(rounded, a);
         let (x, wt) = (Mat::new(rounded, m, k), Mat::new(wide, n, k).t());
-        matmul_bf16(dst, x, wt, accumulate);
+        matmul_bf16(backend, dst, x, wt, accumulate);
     });
 }
 
@@ -275,7 +147,7 @@ pub fn bf16_weight_packs_on_this_thread() -> usize {
 
 /// A weight `w` (rows × cols, row-major: a linear layer's (OC, C), or the first V
 /// rows of `wte`) packed as the right-hand operand of both products that read it,
-/// made once per optimizer step when [`reads_packs`] instead of once per call:
+/// made once per optimizer step when [`Backend::reads_packs`] instead of once per call:
 /// `x · wᵀ` (forward, logits) and `dy · w` (input gradient).
 #[derive(Default)]
 pub struct WeightPacks {
@@ -311,6 +183,16 @@ mod tests {
     use crate::kernels::bf16::{round, testcases};
     use crate::kernels::testutil::*;
 
+    /// This machine's back-end on kernel `k`, if `k` runs here.
+    fn on(k: Kernel) -> Option<Backend> {
+        Backend::with_kernel(k)
+    }
+
+    /// The f32 GEMM, which runs everywhere.
+    fn f32_gemm() -> Backend {
+        on(Kernel::F32).expect("the f32 GEMM runs everywhere")
+    }
+
     #[test]
     fn small_products_run_on_the_packing_kernels_and_round_their_operands() {
         // On the f32 GEMM a small product is the f32 GEMM's, bit for bit. On AMX and
@@ -324,17 +206,18 @@ mod tests {
         let (a16m, b16m) = (Mat::new(&a16, m, k), Mat::new(&b16, k, n));
         let (mut x, mut y) = (vec![0.0; m * n], vec![0.0; m * n]);
         matmul(&mut x, a16m, b16m, false);
-        with_kernel(Kernel::F32, || matmul_bf16(&mut y, a16m, b16m, false));
+        matmul_bf16(&f32_gemm(), &mut y, a16m, b16m, false);
         assert_eq!(x, y);
         let direct: [(Kernel, testcases::Kernel); 2] = [
             (Kernel::Amx, amx::matmul),
             (Kernel::Avx512Bf16, dpbf16::matmul),
         ];
-        for (kern, run) in direct.into_iter().filter(|&(k, _)| usable(k)) {
+        for (kern, run) in direct {
+            let Some(backend) = on(kern) else { continue };
             let (am, bm) = (Mat::new(&a, m, k), Mat::new(&b, k, n));
             let (mut want, mut got) = (vec![0.0; m * n], vec![0.0; m * n]);
             run(&mut want, a16m, b16m, false);
-            with_kernel(kern, || matmul_bf16(&mut got, am, bm, false));
+            matmul_bf16(&backend, &mut got, am, bm, false);
             assert_eq!(got, want, "{kern:?}");
             // The values are the rounded operands': an f64 reference agrees.
             let exact = testcases::reference(&[], a16m, b16m, false);
@@ -343,41 +226,11 @@ mod tests {
     }
 
     #[test]
-    fn the_request_wins_when_usable_and_the_default_order_otherwise() {
-        use Kernel::*;
-        let (amd, intel) = (default_order(false), default_order(true));
-        // An AVX512-BF16 CPU without AMX or oneDNN: our kernel on AMD, the f32 GEMM
-        // on Intel (where it is faster) unless asked for.
-        let no_amx = |k: Kernel| matches!(k, Avx512Bf16 | F32);
-        assert_eq!(choose(None, no_amx, amd), Avx512Bf16);
-        assert_eq!(choose(None, no_amx, intel), F32);
-        assert_eq!(choose(Some(Avx512Bf16), no_amx, intel), Avx512Bf16);
-        assert_eq!(choose(Some(F32), no_amx, amd), F32, "NANOGPT_BF16_GEMM=f32");
-        assert_eq!(
-            choose(Some(Amx), no_amx, amd),
-            Avx512Bf16,
-            "unusable request"
-        );
-        // A CPU without AVX512-BF16 never gets the kernel, even when asked for it.
-        let plain = |k: Kernel| k == F32;
-        assert_eq!(choose(None, plain, amd), F32);
-        assert_eq!(choose(Some(Avx512Bf16), plain, amd), F32);
-        // Our AMX kernel comes first where it runs, then oneDNN, on either.
-        let all = |_: Kernel| true;
-        for order in [amd, intel] {
-            assert_eq!(choose(None, all, order), Amx);
-            assert_eq!(choose(None, |k: Kernel| k != Amx, order), OneDnn);
-            assert_eq!(choose(Some(OneDnn), all, order), OneDnn);
-            assert_eq!(choose(Some(Avx512Bf16), all, order), Avx512Bf16);
-        }
-    }
-
-    #[test]
     fn products_take_avx512bf16_when_it_is_the_kernel() {
-        if !usable(Kernel::Avx512Bf16) {
+        let Some(avx) = on(Kernel::Avx512Bf16) else {
             eprintln!("AVX512-BF16 kernel not tested: no AVX512-BF16 on this CPU");
             return;
-        }
+        };
         let (m, k, n) = (128, 128, 64); // exactly MIN_MACS
         let a: Vec<f32> = rand_vec(m * k, 8).into_iter().map(round).collect();
         let b: Vec<f32> = rand_vec(k * n, 9).into_iter().map(round).collect();
@@ -386,14 +239,14 @@ mod tests {
             (vec![0.0; m * n], vec![0.0; m * n], vec![0.0; m * n]);
         matmul(&mut f32_out, am, bm, false);
         dpbf16::matmul(&mut want, am, bm, false);
-        with_kernel(Kernel::Avx512Bf16, || matmul_bf16(&mut got, am, bm, false));
+        matmul_bf16(&avx, &mut got, am, bm, false);
         assert_eq!(got, want);
         assert_ne!(
             got, f32_out,
             "the two kernels sum in the same order here: pick another shape"
         );
         // Forced to the f32 GEMM, the same product is the f32 GEMM's.
-        with_kernel(Kernel::F32, || matmul_bf16(&mut got, am, bm, false));
+        matmul_bf16(&f32_gemm(), &mut got, am, bm, false);
         assert_eq!(got, f32_out);
         // So is a product as deep as DPBF16_MAX_K without a pack.
         let (m, k, n) = (8, DPBF16_MAX_K, 8);
@@ -402,7 +255,7 @@ mod tests {
         let (am, bm) = (Mat::new(&a, m, k), Mat::new(&b, k, n));
         let (mut f32_out, mut got) = (vec![0.0; m * n], vec![0.0; m * n]);
         matmul(&mut f32_out, am, bm, false);
-        with_kernel(Kernel::Avx512Bf16, || matmul_bf16(&mut got, am, bm, false));
+        matmul_bf16(&avx, &mut got, am, bm, false);
         assert_eq!(got, f32_out);
         dpbf16::matmul(&mut got, am, bm, false);
         assert_ne!(got, f32_out, "the kernels agree here: pick another shape");
@@ -417,7 +270,7 @@ mod tests {
         use crate::kernels::bf16::{store, testcases::reference};
         let shapes = [(1, 77, 50), (37, 75, 101), (128, 128, 64), (200, 777, 161)];
         let kernels = [Kernel::Amx, Kernel::Avx512Bf16, Kernel::OneDnn, Kernel::F32];
-        for kern in kernels.into_iter().filter(|&k| usable(k)) {
+        for (kern, backend) in kernels.into_iter().filter_map(|k| Some((k, on(k)?))) {
             for (i, &(m, k, n)) in shapes.iter().enumerate() {
                 let acc = i % 2 == 1;
                 let a = rand_vec(m * k, 20 + i as u64);
@@ -426,7 +279,7 @@ mod tests {
                 let prior = rand_vec(m * n, 40 + i as u64);
                 let mut got = prior.clone();
                 let before = bf16_weight_packs_on_this_thread();
-                with_kernel(kern, || matmul_bf16_wt(&mut got, &a, &w16, k, acc));
+                matmul_bf16_wt(&backend, &mut got, &a, &w16, k, acc);
                 let packs = bf16_weight_packs_on_this_thread() - before;
                 let what = format!("{kern:?} {m}×{k}×{n}");
                 let big = m * n * k >= MIN_MACS;
@@ -438,7 +291,7 @@ mod tests {
                 let want = reference(&prior, am, wt, acc);
                 assert_close(&what, &got, &want, 0.0, 1e-6 * k as f64);
                 let mut same = prior.clone();
-                with_kernel(kern, || matmul_bf16(&mut same, am, wt, acc));
+                matmul_bf16(&backend, &mut same, am, wt, acc);
                 assert_eq!(got, same, "{what}: not matmul_bf16's bits");
             }
         }
@@ -457,9 +310,10 @@ mod tests {
         use std::time::Instant;
         let cpu = || crate::kernels::testutil::cpu_seconds(libc::CLOCK_PROCESS_CPUTIME_ID);
         let (m, c) = (256, 768);
+        let backend = Backend::detect(None);
         println!(
             "kernel {:?}, {} threads",
-            kernel(),
+            backend.kernel(),
             rayon::current_num_threads()
         );
         let mut totals = [[0.0; 2]; 3];
@@ -478,7 +332,7 @@ mod tests {
             let mut best = [[f64::INFINITY; 2]; 3];
             for _ in 0..7 {
                 let runs: [&mut dyn FnMut(); 3] = [
-                    &mut || matmul_bf16_wt(&mut dst, &a, &w16, k, false),
+                    &mut || matmul_bf16_wt(&backend, &mut dst, &a, &w16, k, false),
                     &mut || {
                         load(&mut wide, &w16);
                         let w = Mat::new(&wide, n, k).t();
@@ -530,6 +384,7 @@ mod tests {
         if !onednn::testable() {
             return;
         }
+        let on_dnnl = on(Kernel::OneDnn).expect("oneDNN is testable");
         let (m, k, n) = (128, 128, 64); // exactly MIN_MACS
         let a: Vec<f32> = rand_vec(m * k, 8).into_iter().map(round).collect();
         let b: Vec<f32> = rand_vec(k * n, 9).into_iter().map(round).collect();
@@ -538,7 +393,7 @@ mod tests {
             (vec![0.0; m * n], vec![0.0; m * n], vec![0.0; m * n]);
         matmul(&mut f32_out, am, bm, false);
         onednn::matmul(&mut dnnl, am, bm, false);
-        with_kernel(Kernel::OneDnn, || matmul_bf16(&mut got, am, bm, false));
+        matmul_bf16(&on_dnnl, &mut got, am, bm, false);
         assert_eq!(got, dnnl);
         assert_ne!(
             got, f32_out,
@@ -547,7 +402,7 @@ mod tests {
         // One multiply-add fewer than MIN_MACS: the f32 GEMM.
         let am = Mat::new(&a[..(m - 1) * k], m - 1, k);
         let mut small = vec![0.0; (m - 1) * n];
-        with_kernel(Kernel::OneDnn, || matmul_bf16(&mut small, am, bm, false));
+        matmul_bf16(&on_dnnl, &mut small, am, bm, false);
         matmul(&mut f32_out[..(m - 1) * n], am, bm, false);
         assert_eq!(small, f32_out[..(m - 1) * n]);
     }

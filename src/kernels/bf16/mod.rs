@@ -1,6 +1,6 @@
 //! bfloat16 for `dtype = "bfloat16"` training: the [`Bf16`] type and the rounding and
-//! widening passes (here), the bf16 matmuls and the choice of their kernel
-//! ([`gemm`]), the packed operand layout ([`pack`]) that the AMX-BF16 kernel ([`amx`])
+//! widening passes (here), the choice of the bf16 products' kernel and what follows
+//! from it ([`backend`]), the bf16 matmuls on it ([`gemm`]), the packed operand layout ([`pack`]) that the AMX-BF16 kernel ([`amx`])
 //! and the AVX512-BF16 kernel ([`dpbf16`]) read, and, with the `onednn` feature,
 //! oneDNN's bf16 matmul (`onednn`).
 //!
@@ -17,6 +17,7 @@
 //! values that round past the largest finite bf16 become infinity.
 
 pub mod amx;
+pub mod backend;
 pub mod dpbf16;
 pub mod gemm;
 #[cfg(feature = "onednn")]
@@ -25,6 +26,8 @@ pub mod pack;
 pub mod products;
 #[cfg(test)]
 mod testcases;
+
+pub use backend::{Backend, Kernel};
 
 use super::fastmath::{simd_fn, Simd};
 use rayon::prelude::*;
