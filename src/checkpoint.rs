@@ -46,6 +46,12 @@ pub struct CheckpointState {
     /// The data it was trained on (absent in checkpoints of older versions).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dataset: Option<DatasetRecord>,
+    /// bfloat16 runs: the kernel their bf16 products ran on (`Kernel::name`: `amx`,
+    /// `avx512bf16`, `onednn`, `f32`). Kernels sum in different orders, so a resume
+    /// on another one continues with other bits; absent in f32 runs and in
+    /// checkpoints of older versions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bf16_kernel: Option<String>,
 }
 
 /// Which data a checkpoint was trained on, to tell a resume on other data.
@@ -789,6 +795,7 @@ mod tests {
             }),
             world_size: 1,
             lora: None,
+            bf16_kernel: Some("amx".into()),
         };
         (cfg, layout, state)
     }

@@ -504,6 +504,7 @@ fn write_mismatched_checkpoint(s: &Scene, rel: &str, claimed: ModelConfig, actua
         world_size: 1,
         lora: None,
         dataset: None,
+        bf16_kernel: None,
     };
     let dir = s.file(rel);
     std::fs::create_dir_all(&dir).unwrap();

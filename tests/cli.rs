@@ -4,7 +4,10 @@
 use std::path::Path;
 
 mod common;
-use common::{fails, fixture, metric, ok, read_json, temp_dir, TINY_MODEL, TINY_SHAKESPEARE};
+use common::{
+    command, fails, fixture, metric, ok, read_json, succeeds, temp_dir, TINY_MODEL,
+    TINY_SHAKESPEARE,
+};
 
 fn tokens_in(path: &Path) -> usize {
     std::fs::metadata(path).unwrap().len() as usize / 2
@@ -265,18 +268,29 @@ fn bfloat16_training_reports_its_matmul_path_and_its_checkpoint_serves_eval_and_
     ];
     let text = ok(d, &args);
     assert!(text.starts_with('A'), "{text}");
-    // And training resumes from it in bf16 where it stopped.
-    let resumed = train(
-        d,
-        &[
-            "max_iters=6",
-            "eval_interval=6",
-            "out_dir=run",
-            "dtype=bfloat16",
-            "init_from=resume",
-        ],
-    );
+    // The checkpoint records the kernel its products ran on.
+    let here = nanogpt::kernels::bf16::Backend::detect(None).kernel();
+    let ckpt = nanogpt::checkpoint::Checkpoint::open(&d.join("run")).unwrap();
+    assert_eq!(ckpt.state.bf16_kernel.as_deref(), Some(here.name()));
+    // And training resumes from it in bf16 where it stopped, saying so when its
+    // products now run on another kernel (the f32 GEMM, asked for).
+    let mut resume = vec!["train"];
+    resume.extend(TINY_SHAKESPEARE);
+    resume.extend([
+        "max_iters=6",
+        "eval_interval=6",
+        "out_dir=run",
+        "dtype=bfloat16",
+    ]);
+    resume.extend(["init_from=resume", "bf16_kernel=f32"]);
+    let (resumed, err) = succeeds(&mut command(d, resume));
     assert!(resumed.contains("step 6: train loss"), "{resumed}");
+    let other = format!(
+        "its bf16 products ran on {}, this run's run on f32",
+        here.name()
+    );
+    let f32 = nanogpt::kernels::bf16::Kernel::F32;
+    assert_eq!(err.contains(&other), here != f32, "{err}");
 }
 
 /// `nanogpt bench --json` on a tiny model (B 2, T 16), with `extra` options; the

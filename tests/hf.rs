@@ -297,6 +297,7 @@ fn save_checkpoint(out_dir: &Path, model: &Gpt, meta: &Meta) {
         world_size: 1,
         lora: None,
         dataset: None,
+        bf16_kernel: None,
     };
     checkpoint::save(out_dir, &state, &model.layout, &model.params, None).unwrap();
 }

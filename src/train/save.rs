@@ -119,6 +119,8 @@ impl Trainer {
             world_size: world,
             lora: self.model.frozen().map(|f| f.state.clone()),
             dataset: Some(self.dataset_record.clone()),
+            bf16_kernel: (self.cfg.dtype == crate::model::Dtype::Bfloat16)
+                .then(|| self.backend.kernel().name().to_string()),
         };
         checkpoint::save_streamed(path, &state, layout, true, &mut source)?;
         self.save_tokenizer()?;

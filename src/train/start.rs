@@ -7,7 +7,7 @@ use crate::config::{InitFrom, TrainConfig};
 use crate::data::{self, Meta, Split, TokenFile, Tokenizer};
 use crate::dist::{Collective, DataParallel};
 use crate::fsutil::DirLock;
-use crate::kernels::bf16::Backend;
+use crate::kernels::bf16::{Backend, Kernel};
 use crate::model::lora::LoraState;
 use crate::model::{Gpt, ModelConfig};
 use crate::model_source::{check_lora_base, load_lora_base};
@@ -95,7 +95,7 @@ impl Start {
         // Every rank must read the same data with the same binary as rank 0.
         crate::dist::preflight::check_same_inputs(comm, &data.dir)?;
         let mut start = if comm.world_size() == 1 {
-            let state = TrainState::build(cfg, &data)?;
+            let state = TrainState::build(cfg, &data, backend)?;
             Start {
                 data,
                 state,
@@ -104,7 +104,7 @@ impl Start {
                 replace_at_first_save: Vec::new(),
             }
         } else {
-            start_distributed(cfg, data, comm)?
+            start_distributed(cfg, data, comm, backend)?
         };
         start.out_dir_lock = out_dir_lock;
         start.replace_at_first_save = replace;
@@ -213,9 +213,14 @@ struct StartHeader {
 
 /// Several ranks: rank 0 builds or loads the model (any `init_from`); every rank
 /// then holds its weights (and AdamW state), checked by checksum.
-fn start_distributed(cfg: &TrainConfig, data: Dataset, comm: &dyn Collective) -> Result<Start> {
+fn start_distributed(
+    cfg: &TrainConfig,
+    data: Dataset,
+    comm: &dyn Collective,
+    backend: &Backend,
+) -> Result<Start> {
     let built = match comm.rank() {
-        0 => Some(TrainState::build(cfg, &data)?),
+        0 => Some(TrainState::build(cfg, &data, backend)?),
         _ => None,
     };
     let mut bytes = Vec::new();
@@ -383,8 +388,9 @@ fn is_final_state(path: &Path) -> bool {
 }
 
 impl TrainState {
-    /// The model and optimizer of `cfg.init_from`: new, resumed or pretrained.
-    fn build(cfg: &TrainConfig, data: &Dataset) -> Result<TrainState> {
+    /// The model and optimizer of `cfg.init_from`: new, resumed or pretrained (a
+    /// resume says when its bf16 products ran on another kernel than `backend`).
+    fn build(cfg: &TrainConfig, data: &Dataset, backend: &Backend) -> Result<TrainState> {
         let meta = &data.meta;
         let adam_cfg = AdamWConfig {
             beta1: cfg.beta1 as f32,
@@ -394,7 +400,7 @@ impl TrainState {
         };
         let (model, base) = match cfg.init() {
             InitFrom::Scratch => (new_model(cfg, meta)?, "scratch".to_string()),
-            InitFrom::Resume => return resume(cfg, data, adam_cfg),
+            InitFrom::Resume => return resume(cfg, data, adam_cfg, backend),
             InitFrom::Pretrained(name) => (load_pretrained(cfg, meta, &name)?, name),
         };
         note_unused_lora_keys(cfg);
@@ -481,7 +487,12 @@ fn new_model(cfg: &TrainConfig, meta: &Meta) -> Result<Gpt> {
 }
 
 /// The newest checkpoint in `out_dir`: weights, AdamW moments and progress.
-fn resume(cfg: &TrainConfig, data: &Dataset, adam_cfg: AdamWConfig) -> Result<TrainState> {
+fn resume(
+    cfg: &TrainConfig,
+    data: &Dataset,
+    adam_cfg: AdamWConfig,
+    backend: &Backend,
+) -> Result<TrainState> {
     let meta = &data.meta;
     let latest = Checkpoint::open_latest(&cfg.out_dir)?;
     for note in &latest.notes {
@@ -507,6 +518,9 @@ fn resume(cfg: &TrainConfig, data: &Dataset, adam_cfg: AdamWConfig) -> Result<Tr
     crate::dist::heartbeat::checkpoint_written(ckpt.path(), state.iter_num);
     check_same_tokenizer(ckpt.path(), cfg, meta, state)?;
     note_other_data(ckpt.path(), &data.record, state);
+    if let Some(note) = other_kernel(cfg, backend, state) {
+        crate::errln!("note: {}: {note}", ckpt.path().display());
+    }
     if state.iter_num > cfg.max_iters && !cfg.eval_only {
         crate::outln!(
             "{} resumes at iteration {}, past max_iters = {}: the run is complete, nothing \
@@ -567,6 +581,27 @@ fn note_resume_settings(cfg: &TrainConfig, path: &Path, state: &CheckpointState)
             cfg.dtype.as_str()
         );
     }
+}
+
+/// Why a bfloat16 resume will not repeat the checkpoint's bits, if it will not: the
+/// checkpoint's bf16 products ran on another kernel than `backend`'s (each sums in
+/// its own order). None in f32, for the same kernel, and for older checkpoints that
+/// record none.
+fn other_kernel(cfg: &TrainConfig, backend: &Backend, state: &CheckpointState) -> Option<String> {
+    let then = state.bf16_kernel.as_deref()?;
+    let now = backend.kernel().name();
+    if cfg.dtype != crate::model::Dtype::Bfloat16 || then == now {
+        return None;
+    }
+    let fix = match Kernel::from_name(then).is_some_and(|k| backend.offer().usable(k)) {
+        true => format!("bf16_kernel = \"{then}\" runs them on its kernel again"),
+        false => format!("{then} cannot run here"),
+    };
+    Some(format!(
+        "its bf16 products ran on {then}, this run's run on {now}, which sums in another \
+         order: the losses continue close to, not bit-identical with, an unbroken run's \
+         ({fix})"
+    ))
 }
 
 /// A resumed run continues the checkpoint's training, LoRA or full: one note names
@@ -722,5 +757,56 @@ fn note_ignored_architecture(cfg: &TrainConfig, source: &dyn Display, model: &Mo
             "note: the architecture comes from {source}: ignoring {} from the config",
             ignored.join(", ")
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::bf16::backend::Offer;
+    use crate::model::Dtype;
+
+    fn state(bf16_kernel: Option<&str>) -> CheckpointState {
+        CheckpointState {
+            model: ModelConfig::preset("gpt2").expect("preset"),
+            train_config: serde_json::json!({}),
+            iter_num: 1,
+            best_val_loss: 1.0,
+            adam_step: 1,
+            tokenizer: serde_json::json!({}),
+            world_size: 1,
+            lora: None,
+            dataset: None,
+            bf16_kernel: bf16_kernel.map(String::from),
+        }
+    }
+
+    #[test]
+    fn a_resume_on_another_bf16_kernel_says_so() {
+        let bf16 = TrainConfig {
+            dtype: Dtype::Bfloat16,
+            ..TrainConfig::default()
+        };
+        let f32 = TrainConfig::default();
+        // A CPU with AVX512-BF16 (AMD: the kernel is the default), no AMX.
+        let offer = Offer {
+            avx512_bf16: true,
+            avx512: true,
+            ..Offer::none()
+        };
+        let avx = Backend::choose(None, offer);
+        assert_eq!(avx.kernel(), Kernel::Avx512Bf16);
+        let note = |cfg: &TrainConfig, k| other_kernel(cfg, &avx, &state(k));
+        assert_eq!(note(&bf16, Some("avx512bf16")), None, "same kernel");
+        assert_eq!(note(&bf16, None), None, "an older checkpoint records none");
+        assert_eq!(note(&f32, Some("amx")), None, "f32 runs no bf16 products");
+        let usable = note(&bf16, Some("f32")).expect("another kernel");
+        assert!(
+            usable.contains("ran on f32, this run's run on avx512bf16"),
+            "{usable}"
+        );
+        assert!(usable.contains("bf16_kernel = \"f32\""), "{usable}");
+        let gone = note(&bf16, Some("amx")).expect("another kernel");
+        assert!(gone.contains("amx cannot run here"), "{gone}");
     }
 }
