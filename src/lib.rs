@@ -36,3 +36,4 @@ pub mod tasks;
 pub mod tensor_file;
 pub mod threads;
 pub mod train;
+pub mod tuning;

@@ -53,7 +53,7 @@ pub fn release_mapped(map: &memmap2::Mmap, bytes: &[u8]) {
 /// covers only in part. Advice only: false where refused (THP off, not Linux) or
 /// turned off with `NANOGPT_ZERO3_HUGE_PAGES=0` (to measure; it covers both uses).
 pub fn prefer_huge_pages<T>(buf: &[T]) -> bool {
-    if std::env::var("NANOGPT_ZERO3_HUGE_PAGES").as_deref() == Ok("0") {
+    if !crate::tuning::get().huge_pages {
         return false;
     }
     let bytes = std::mem::size_of_val(buf);

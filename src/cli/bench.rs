@@ -149,6 +149,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     if opts.dtype == Dtype::Bfloat16 {
         eprintln!("bf16 matmuls: {}", opts.backend.describe());
     }
+    if let Some(line) = crate::tuning::announcement() {
+        eprintln!("{line}");
+    }
     let r = run_bench(&opts)?;
     if args.json {
         println!("{}", serde_json::to_string(&r)?);

@@ -74,6 +74,9 @@ pub fn run(args: TrainArgs) -> Result<i32> {
         if trainer.cfg.dtype == crate::model::Dtype::Bfloat16 {
             crate::outln!("bf16 matmuls: {}", trainer.backend.describe());
         }
+        if let Some(line) = crate::tuning::announcement() {
+            crate::outln!("{line}");
+        }
     }
     if !trainer.cfg.eval_only {
         // From here on, SIGINT/SIGTERM/SIGUSR1 end the run at a step boundary with a checkpoint.

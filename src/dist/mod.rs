@@ -410,9 +410,10 @@ impl Collective for Single {
 }
 
 /// Whether ZeRO 1-3 reduce gradients with our ring reduce-scatter (the default)
-/// rather than MPI's collective (`NANOGPT_RING_REDUCE=0`, for A/B measurements).
+/// rather than MPI's collective (`NANOGPT_RING_REDUCE=0`, for A/B measurements:
+/// [`crate::tuning`]).
 pub fn ring_reduce() -> bool {
-    std::env::var("NANOGPT_RING_REDUCE").as_deref() != Ok("0")
+    crate::tuning::get().ring_reduce
 }
 
 /// The job this process belongs to, once [`init`] has run.

@@ -187,22 +187,17 @@ impl Mpi {
             host,
             hosts,
             watchdog,
-            overlap: std::env::var("NANOGPT_OVERLAP").as_deref() != Ok("0"),
+            overlap: crate::tuning::get().overlap,
             // Across hosts the network moves data by itself once MPI has been poked;
             // within a host (shared memory) the copies are the CPU's work anyway and
             // the extra thread only costs (measured).
             progress_thread: multiple
-                && match std::env::var("NANOGPT_PROGRESS_THREAD").as_deref() {
-                    Ok("0") => false,
-                    Ok("1") => true,
-                    _ => local < size,
-                },
+                && crate::tuning::get().progress_thread.unwrap_or(local < size),
             // ZeRO-3 waits for a gather at every block: without a thread, a rank
             // computing a block answers none of its peers' messages until its next
             // MPI call, so the ranks step in lock-step, block by block. On one host
             // too, the thread made stage 3 faster (measured, docs/PERFORMANCE.md).
-            progress_in_flight: multiple
-                && std::env::var("NANOGPT_PROGRESS_THREAD").as_deref() != Ok("0"),
+            progress_in_flight: multiple && crate::tuning::get().progress_thread != Some(false),
         })
     }
 

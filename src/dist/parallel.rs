@@ -14,7 +14,6 @@ use rayon::prelude::*;
 use serde::Serialize;
 use std::collections::VecDeque;
 use std::ops::Range;
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 /// Communication figures of a run, written to `out_dir/comm.json` by rank 0.
@@ -854,14 +853,10 @@ fn embeddings_first(model: &Gpt, world_size: usize) -> bool {
     if model.frozen().is_some() {
         return false;
     }
-    match std::env::var("NANOGPT_EMBEDDINGS_FIRST").as_deref() {
-        Ok("0") => false,
-        Ok("1") => true,
-        _ => {
-            let rows = (model.layout.wte.len() + model.layout.wpe.len()) / model.config().n_embd;
-            world_size * model.max_tokens() <= rows
-        }
-    }
+    crate::tuning::get().embeddings_first.unwrap_or_else(|| {
+        let rows = (model.layout.wte.len() + model.layout.wpe.len()) / model.config().n_embd;
+        world_size * model.max_tokens() <= rows
+    })
 }
 
 impl Drop for DataParallel {
@@ -874,10 +869,9 @@ impl Drop for DataParallel {
 }
 
 /// `NANOGPT_AG_OVERLAP=0`: ZeRO-1/2 all-gather the updated parameters with one
-/// blocking collective (to measure what leaving them in flight saves); read once.
+/// blocking collective (to measure what leaving them in flight saves).
 fn ag_overlap() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("NANOGPT_AG_OVERLAP").as_deref() != Ok("0"))
+    crate::tuning::get().ag_overlap
 }
 
 /// The buckets (of `n`: `ln_f`, the blocks from the last, the embeddings) in the
@@ -972,8 +966,7 @@ enum Pass {
 /// blocks are whole at once than without: two with prefetch, one without.
 /// `NANOGPT_ZERO3_KEEP=0` releases every bucket at once (to measure).
 fn keep_whole(plan: &GradPlan, pass: Pass, prefetch: bool) -> Vec<usize> {
-    static ON: OnceLock<bool> = OnceLock::new();
-    let on = *ON.get_or_init(|| std::env::var("NANOGPT_ZERO3_KEEP").as_deref() != Ok("0"));
+    let on = crate::tuning::get().zero3_keep;
     let n = plan.buckets.len();
     match pass {
         _ if !on => vec![],
@@ -989,8 +982,7 @@ fn keep_whole(plan: &GradPlan, pass: Pass, prefetch: bool) -> Vec<usize> {
 /// for each collective at once (`NANOGPT_ZERO3_PREFETCH=0`, to measure what the
 /// overlap saves).
 fn prefetch_enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("NANOGPT_ZERO3_PREFETCH").as_deref() != Ok("0"))
+    crate::tuning::get().zero3_prefetch
 }
 
 /// ZeRO-3's side of a pass ([`PassHooks`]): a bucket's weights all-gathered from

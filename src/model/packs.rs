@@ -22,7 +22,6 @@ use crate::kernels::bf16::gemm::WeightPacks;
 #[cfg(doc)]
 use crate::kernels::bf16::Backend;
 use std::ops::Range;
-use std::sync::OnceLock;
 
 /// The packs of one model (or, with LoRA, of its frozen base).
 pub struct Packs {
@@ -58,8 +57,7 @@ impl Packs {
     /// the packs hold 4 bytes per linear weight (340 MB at GPT-2 124M).
     /// `NANOGPT_BF16_PACKS=0` never packs them, to compare (the same bits).
     pub fn linears_pay(micro_steps: Option<usize>, checkpointing: bool, frozen: bool) -> bool {
-        static ON: OnceLock<bool> = OnceLock::new();
-        let on = *ON.get_or_init(|| std::env::var("NANOGPT_BF16_PACKS").as_deref() != Ok("0"));
+        let on = crate::tuning::get().bf16_pack_linears;
         on && (micro_steps.is_none_or(|m| m > 1) || checkpointing || frozen)
     }
 
