@@ -52,6 +52,10 @@ pub struct CheckpointState {
     /// checkpoints of older versions.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bf16_kernel: Option<String>,
+    /// The A/B switches the run had set (`NAME=VALUE`, [`crate::tuning`]): some
+    /// change summation orders (`NANOGPT_RING_REDUCE=0`). Empty (absent) in most.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ab_switches: Vec<String>,
 }
 
 /// Which data a checkpoint was trained on, to tell a resume on other data.
@@ -796,6 +800,7 @@ mod tests {
             world_size: 1,
             lora: None,
             bf16_kernel: Some("amx".into()),
+            ab_switches: vec!["NANOGPT_RING_REDUCE=0".into()],
         };
         (cfg, layout, state)
     }

@@ -505,6 +505,7 @@ fn write_mismatched_checkpoint(s: &Scene, rel: &str, claimed: ModelConfig, actua
         lora: None,
         dataset: None,
         bf16_kernel: None,
+        ab_switches: Vec::new(),
     };
     let dir = s.file(rel);
     std::fs::create_dir_all(&dir).unwrap();

@@ -298,6 +298,7 @@ fn save_checkpoint(out_dir: &Path, model: &Gpt, meta: &Meta) {
         lora: None,
         dataset: None,
         bf16_kernel: None,
+        ab_switches: Vec::new(),
     };
     checkpoint::save(out_dir, &state, &model.layout, &model.params, None).unwrap();
 }

@@ -121,6 +121,7 @@ impl Trainer {
             dataset: Some(self.dataset_record.clone()),
             bf16_kernel: (self.cfg.dtype == crate::model::Dtype::Bfloat16)
                 .then(|| self.backend.kernel().name().to_string()),
+            ab_switches: crate::tuning::get().changed(),
         };
         checkpoint::save_streamed(path, &state, layout, true, &mut source)?;
         self.save_tokenizer()?;

@@ -521,6 +521,9 @@ fn resume(
     if let Some(note) = other_kernel(cfg, backend, state) {
         crate::errln!("note: {}: {note}", ckpt.path().display());
     }
+    if let Some(note) = other_switches(&state.ab_switches, &crate::tuning::get().changed()) {
+        crate::errln!("note: {}: {note}", ckpt.path().display());
+    }
     if state.iter_num > cfg.max_iters && !cfg.eval_only {
         crate::outln!(
             "{} resumes at iteration {}, past max_iters = {}: the run is complete, nothing \
@@ -602,6 +605,22 @@ fn other_kernel(cfg: &TrainConfig, backend: &Backend, state: &CheckpointState) -
          order: the losses continue close to, not bit-identical with, an unbroken run's \
          ({fix})"
     ))
+}
+
+/// What a resume says when the A/B switches set ([`crate::tuning`]) are not the
+/// checkpoint's (`then`, `now`: `NAME=VALUE` each), if they are not.
+fn other_switches(then: &[String], now: &[String]) -> Option<String> {
+    let list = |s: &[String]| match s.is_empty() {
+        true => "none".to_string(),
+        false => s.join(" "),
+    };
+    (then != now).then(|| {
+        format!(
+            "it was trained with the A/B switches {}, this run has {}",
+            list(then),
+            list(now)
+        )
+    })
 }
 
 /// A resumed run continues the checkpoint's training, LoRA or full: one note names
@@ -778,6 +797,7 @@ mod tests {
             lora: None,
             dataset: None,
             bf16_kernel: bf16_kernel.map(String::from),
+            ab_switches: Vec::new(),
         }
     }
 
@@ -808,5 +828,17 @@ mod tests {
         assert!(usable.contains("bf16_kernel = \"f32\""), "{usable}");
         let gone = note(&bf16, Some("amx")).expect("another kernel");
         assert!(gone.contains("amx cannot run here"), "{gone}");
+    }
+
+    #[test]
+    fn a_resume_with_other_ab_switches_says_so() {
+        let ring = vec!["NANOGPT_RING_REDUCE=0".to_string()];
+        assert_eq!(other_switches(&[], &[]), None);
+        assert_eq!(other_switches(&ring, &ring), None);
+        let note = other_switches(&ring, &[]).expect("they differ");
+        assert_eq!(
+            note,
+            "it was trained with the A/B switches NANOGPT_RING_REDUCE=0, this run has none"
+        );
     }
 }
