@@ -21,8 +21,9 @@
 //! Choices that change what a run computes are config keys, recorded in its
 //! checkpoint, not variables here (the bf16 kernel: `bf16_kernel`). Variables about
 //! the machine or the launch (`NANOGPT_MEMORY_LIMIT_MB`, `NANOGPT_START_TIMEOUT_S`,
-//! `NANOGPT_MPI`, `NANOGPT_MPIRUN`, `NANOGPT_MPI_FINALIZE`) and the test hooks
-//! (`NANOGPT_FAULT`, `NANOGPT_EXPECT_ONEDNN`) are read where they act.
+//! `NANOGPT_MPI`, `NANOGPT_MPIRUN`, `NANOGPT_MPI_FINALIZE`, `NANOGPT_CHECKIN`, set by
+//! `launch`), `serve`'s `NANOGPT_API_KEY` and the test hooks (`NANOGPT_FAULT`,
+//! `NANOGPT_EXPECT_ONEDNN`) are read where they act.
 
 use std::sync::OnceLock;
 
