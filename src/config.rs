@@ -991,7 +991,7 @@ mod tests {
     #[test]
     fn keys_list_every_field() {
         let keys = TrainConfig::keys();
-        assert_eq!(keys.len(), 42);
+        assert_eq!(keys.len(), 43);
         for key in [
             "gradient_accumulation_steps",
             "ckpt_interval",
