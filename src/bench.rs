@@ -80,6 +80,7 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     let mut gpt = Gpt::new(opts.model.clone(), b, t)?;
     gpt.init_gpt2(1337);
     if let Some(lora) = &opts.lora {
+        lora.check(&opts.model)?;
         gpt = gpt.with_lora(lora.clone(), ("scratch", 1337), 1337);
     }
     gpt.set_activation_checkpointing(opts.activation_checkpointing);

@@ -781,6 +781,7 @@ mod tests {
             n_embd: 8,
             bias: true,
             dropout: 0.0,
+            llama: None,
         };
         let layout = ParamLayout::new(&cfg);
         let state = CheckpointState {

@@ -323,6 +323,7 @@ impl TrainConfig {
             n_embd: self.n_embd,
             bias: self.bias,
             dropout: self.dropout,
+            llama: None,
         }
     }
 
@@ -337,6 +338,7 @@ impl TrainConfig {
             n_embd: self.n_embd,
             bias: self.bias,
             dropout: 0.0,
+            llama: None,
         };
         if let Err(e) = model.validate() {
             problems.push(format!("{e}; check `n_layer`, `n_embd` and `block_size`"));

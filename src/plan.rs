@@ -95,7 +95,7 @@ fn lora_of(cfg: &TrainConfig, model: &ModelConfig) -> Option<LoraConfig> {
                 .ok()
                 .map(|a| a.config)
         }
-        _ => cfg.lora().ok().flatten(),
+        _ => cfg.lora().ok().flatten().filter(|l| l.check(model).is_ok()),
     }
 }
 
@@ -1051,6 +1051,7 @@ mod tests {
             n_embd: 1600,
             bias: true,
             dropout: 0.0,
+            llama: None,
         };
         let layout = ParamLayout::new(&model);
         let buckets = grad_buckets_of(&layout);

@@ -522,6 +522,7 @@ fn tiny_model() -> ModelConfig {
         n_embd: 32,
         bias: false,
         dropout: 0.0,
+        llama: None,
     }
 }
 

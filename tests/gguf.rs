@@ -133,6 +133,7 @@ fn gpt2_tokens_model(bias: bool, seed: u64) -> Gpt {
         n_embd: 32,
         bias,
         dropout: 0.0,
+        llama: None,
     };
     let mut model = Gpt::new(cfg, 2, 16).unwrap();
     model.init_gpt2(seed);

@@ -149,6 +149,7 @@ impl Fixture {
             n_embd: self.meta("n_embd"),
             bias: self.meta("bias"),
             dropout: 0.0,
+            llama: None,
         }
     }
 

@@ -273,6 +273,7 @@ fn random_model(bias: bool, vocab_size: usize, seed: u64) -> Gpt {
         n_embd: 32,
         bias,
         dropout: 0.0,
+        llama: None,
     };
     let mut model = Gpt::new(cfg, 2, 16).unwrap();
     model.init_gpt2(seed);

@@ -147,6 +147,7 @@ fn a_changed_base_is_refused() {
             n_embd: 8,
             bias: true,
             dropout: 0.0,
+            llama: None,
         };
         let mut model = nanogpt::model::Gpt::new(cfg, 1, 1).unwrap();
         model.init_gpt2(seed);
@@ -437,6 +438,7 @@ fn gpt2_base(d: &Path, name: &str, seed: u64, n_embd: usize) {
         n_embd,
         bias: true,
         dropout: 0.0,
+        llama: None,
     };
     let mut model = nanogpt::model::Gpt::new(cfg, 1, 1).unwrap();
     model.init_gpt2(seed);

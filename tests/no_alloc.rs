@@ -73,6 +73,7 @@ fn check(dtype: Dtype) {
         n_embd: 128,
         bias: true,
         dropout: 0.1,
+        llama: None,
     };
     let (b, t) = (4, 64);
     let mut gpt = Gpt::new(cfg, b, t).unwrap();

@@ -67,6 +67,7 @@ fn lora_runs(d: &Path) {
         n_embd: 8,
         bias: true,
         dropout: 0.0,
+        llama: None,
     };
     let mut model = nanogpt::model::Gpt::new(cfg, 1, 1).unwrap();
     model.init_gpt2(1);

@@ -110,6 +110,7 @@ mod tests {
             n_embd: 4,
             bias: true,
             dropout: 0.0,
+            llama: None,
         };
         let mut model = Gpt::new(config, 1, 4).unwrap();
         model.init_gpt2(7);

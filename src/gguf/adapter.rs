@@ -10,7 +10,8 @@ use super::model::{check_destination, gguf_name, storage_type, Exported, OutType
 use super::read::GgufFile;
 use super::types::Value;
 use super::write::{GgufWriter, TensorSpec};
-use crate::model::lora::{LoraConfig, LoraLayout, LoraState, TARGETS};
+use crate::model::family::{Family, Part};
+use crate::model::lora::{LoraConfig, LoraLayout, LoraState};
 use crate::model::ModelConfig;
 use anyhow::{bail, Context, Result};
 use std::path::Path;
@@ -38,6 +39,12 @@ pub fn write_adapter(
     outtype: OutType,
     name: &str,
 ) -> Result<Exported> {
+    if !layout.fan_in_fan_out {
+        bail!(
+            "GGUF adapters are written for GPT-2 bases only; export this model's adapters as a \
+             PEFT folder (--to DIR) and convert it with llama.cpp's convert_lora_to_gguf.py"
+        );
+    }
     check_destination(dest)?;
     let s = |v: &str| Value::String(v.into());
     let metadata = vec![
@@ -101,10 +108,22 @@ pub fn read_adapter(
     }
     let mut targets = Vec::new();
     let mut rank = None;
+    if model.llama.is_some() {
+        bail!(
+            "{p}: GGUF adapters are read for GPT-2 bases only; this base is a {} (use its \
+             PEFT adapter folder)",
+            model.family().model_type()
+        );
+    }
+    // GGUF here is GPT-2's: its four linear layers, one part each.
+    let gpt2 = Family::gpt2(1, 1, false);
+    let parts: Vec<Part> = (gpt2.linears.iter())
+        .flat_map(|l| l.parts.iter().copied())
+        .collect();
     for t in &file.header.tensors {
-        let target = TARGETS.into_iter().find(|target| {
+        let target = parts.iter().find(|part| {
             (0..model.n_layer).any(|i| {
-                let base = format!("transformer.h.{i}.{}.lora_A.weight", target.module());
+                let base = format!("transformer.h.{i}.{}.lora_A.weight", part.module);
                 let a = gguf_adapter_name(&base).unwrap_or_default();
                 t.name == a || t.name == a.replace(".lora_a", ".lora_b")
             })
@@ -117,8 +136,8 @@ pub fn read_adapter(
                 model.n_layer
             );
         };
-        if !targets.contains(&target.key()) {
-            targets.push(target.key());
+        if !targets.contains(&target.lora) {
+            targets.push(target.lora);
         }
         if t.name.ends_with(".lora_a") {
             let r = t.dims.get(1).copied().unwrap_or(0) as usize;

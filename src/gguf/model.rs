@@ -170,6 +170,13 @@ pub fn export(
     opts: &ExportOptions,
     dest: &Path,
 ) -> Result<Exported> {
+    if cfg.llama.is_some() {
+        bail!(
+            "GGUF export writes GPT-2 models only; this is a {} model: export it to a Hugging \
+             Face folder (--to DIR) and convert that with llama.cpp's convert_hf_to_gguf.py",
+            cfg.family().model_type()
+        );
+    }
     let layout = ParamLayout::new(cfg);
     if params.len() != layout.len {
         bail!(
@@ -422,6 +429,7 @@ impl GgufModel {
             n_embd,
             bias: true,
             dropout: 0.0,
+            llama: None,
         };
         config.validate().with_context(|| format!("{p}"))?;
         let model = GgufModel { file, config };

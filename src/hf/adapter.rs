@@ -2,10 +2,11 @@
 //! `adapter_model.safetensors`, as `PeftModel.save_pretrained` writes them and
 //! `PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(BASE), DIR)` reads them.
 //!
-//! PEFT's tensors for GPT-2 are named `base_model.model.transformer.h.{i}.{module}.
-//! lora_A.weight` (A: `[r, in]`) and `….lora_B.weight` (B: `[out, r]`), the same
-//! shapes as ours: GPT-2's Conv1D (`fan_in_fan_out = True`) only changes how PEFT
-//! merges, not the adapters. The scale is `lora_alpha / r` (rsLoRA, DoRA, per-module
+//! PEFT's tensors are named `base_model.model.{block}{i}.{module}.lora_A.weight` (A:
+//! `[r, in]`) and `….lora_B.weight` (B: `[out, r]`), the same shapes as ours, with the
+//! family's names: `transformer.h.0.attn.c_attn` for GPT-2,
+//! `model.layers.0.self_attn.q_proj` for the Llama families. GPT-2's Conv1D
+//! (`fan_in_fan_out = True`) only changes how PEFT merges, not the adapters. The scale is `lora_alpha / r` (rsLoRA, DoRA, per-module
 //! ranks and trained biases are refused: nanogpt computes none of them). An adapter
 //! is applied where PEFT applies it: the modules and layers its config selects
 //! ([`super::peft_select`]), of those the file holds.
@@ -17,7 +18,8 @@ use crate::fsutil::{
     check_destination, open_regular, read_json, write_atomic, write_bytes_atomic, OutputKind,
     Staged,
 };
-use crate::model::lora::{self, LoraConfig, LoraLayout, LoraState, Target, TARGETS};
+use crate::model::family::Family;
+use crate::model::lora::{self, LoraConfig, LoraLayout, LoraState};
 use crate::model::ModelConfig;
 use anyhow::{bail, Context, Result};
 use safetensors::tensor::{Dtype, TensorView};
@@ -53,7 +55,7 @@ pub struct PeftAdapter {
 /// exports.
 pub const BASE_BLOCKS_KEY: &str = "nanogpt_base_blocks";
 
-/// Reads the PEFT LoRA adapter in `dir` for a GPT-2 base of architecture `model`,
+/// Reads the PEFT LoRA adapter in `dir` for a base of architecture `model`,
 /// applied where PEFT applies it ([`Selection`]), or the GGUF adapter file `dir`
 /// (see [`crate::gguf::adapter`]).
 pub fn read_adapter(dir: &Path, model: &ModelConfig) -> Result<PeftAdapter> {
@@ -91,12 +93,12 @@ pub fn read_adapter(dir: &Path, model: &ModelConfig) -> Result<PeftAdapter> {
         .ok()
         .and_then(|(_, m)| m.metadata().clone())
         .and_then(|m| m.get(BASE_BLOCKS_KEY).cloned());
-    let held = held_adapters(&tensors, model, &w_path)?;
-    let (applied, mut notes) = applied_adapters(&json, &held, model, &cfg_path)?;
-    let targets: Vec<&str> = TARGETS
-        .into_iter()
-        .filter(|&t| applied.iter().any(|&(_, u)| u == t))
-        .map(Target::key)
+    let family = model.family();
+    let held = held_adapters(&tensors, model, &family, &w_path)?;
+    let (applied, mut notes) = applied_adapters(&json, &held, model, &family, &cfg_path)?;
+    let targets: Vec<&str> = (family.lora_targets().enumerate())
+        .filter(|&(k, _)| applied.iter().any(|&(_, u)| u == k))
+        .map(|(_, t)| t.2)
         .collect();
     if targets.is_empty() {
         bail!(
@@ -109,10 +111,13 @@ pub fn read_adapter(dir: &Path, model: &ModelConfig) -> Result<PeftAdapter> {
     let (rank, alpha, dropout) = settings;
     let config = LoraConfig::new(rank, alpha, dropout, &targets.join(","))
         .with_context(|| format!("{}: unusable LoRA settings", cfg_path.display()))?;
+    config
+        .check(model)
+        .with_context(|| format!("{}: the adapter does not fit this base", w_path.display()))?;
     let layout = LoraLayout::new(model, &config);
     let mut weights = vec![0.0; layout.params.len];
     for t in &layout.params.tensors {
-        let Some((layer, target)) = adapter_of(&t.name) else {
+        let Some((layer, target)) = adapter_of(&family, &t.name) else {
             continue;
         };
         if !applied.contains(&(layer, target)) {
@@ -216,19 +221,30 @@ pub fn check_base(
     Ok(())
 }
 
-/// A layer and one of its targets, which carry an adapter.
-type Adapted = (usize, Target);
+/// A layer and one of its targets (the index among the family's
+/// [`Family::lora_targets`]), which carry an adapter.
+type Adapted = (usize, usize);
+
+/// The module path of target `k` of `family` inside a block (`attn.c_attn`,
+/// `self_attn.q_proj`, ...).
+fn module_of(family: &Family, k: usize) -> &'static str {
+    let (role, part, _) = family
+        .lora_targets()
+        .nth(k)
+        .expect("a target of the family");
+    family.linear(role).parts[part].module
+}
 
 /// The layer and target of an adapter tensor named like ours
-/// (`transformer.h.{i}.{module}.lora_A.weight`).
-fn adapter_of(name: &str) -> Option<Adapted> {
-    let rest = name.strip_prefix("transformer.h.")?;
+/// (`transformer.h.{i}.{module}.lora_A.weight`, `model.layers.{i}.{module}...`).
+fn adapter_of(family: &Family, name: &str) -> Option<Adapted> {
+    let rest = name.strip_prefix(family.names().block)?;
     let (layer, rest) = rest.split_once('.')?;
     let module = rest
         .strip_suffix(".lora_A.weight")
         .or_else(|| rest.strip_suffix(".lora_B.weight"))?;
-    let target = TARGETS.into_iter().find(|t| t.module() == module)?;
-    Some((layer.parse().ok()?, target))
+    let k = (0..family.lora_targets().count()).find(|&k| module_of(family, k) == module)?;
+    Some((layer.parse().ok()?, k))
 }
 
 /// The (layer, target) pairs whose `A` and `B` the file holds; any other tensor, or a
@@ -236,16 +252,21 @@ fn adapter_of(name: &str) -> Option<Adapted> {
 fn held_adapters(
     tensors: &SafeTensors,
     model: &ModelConfig,
+    family: &Family,
     w_path: &Path,
 ) -> Result<Vec<Adapted>> {
-    let mut halves: Vec<(usize, Target, bool)> = Vec::new();
+    let mut halves: Vec<(usize, usize, bool)> = Vec::new();
     for name in tensors.names() {
-        let found = name.strip_prefix(PREFIX).and_then(adapter_of);
+        let found = name
+            .strip_prefix(PREFIX)
+            .and_then(|n| adapter_of(family, n));
         let Some((layer, target)) = found else {
+            let names: Vec<&str> = family.lora_targets().map(|t| t.2).collect();
             bail!(
-                "{}: tensor {name} is not a LoRA A/B of a GPT-2 block's c_attn, attn.c_proj, \
-                 c_fc or mlp.c_proj",
-                w_path.display()
+                "{}: tensor {name} is not a LoRA A/B of a {} block's {}",
+                w_path.display(),
+                family.model_type(),
+                names.join(", ")
             );
         };
         if layer >= model.n_layer {
@@ -266,7 +287,7 @@ fn held_adapters(
                 "{}: layer {layer}'s {} has a lora_{} tensor but no lora_{}; the file is \
                  incomplete",
                 w_path.display(),
-                target.module(),
+                module_of(family, target),
                 if is_a { "A" } else { "B" },
                 if is_a { "B" } else { "A" }
             );
@@ -275,7 +296,7 @@ fn held_adapters(
             held.push((layer, target));
         }
     }
-    held.sort_by_key(|&(l, t)| (l, t as usize));
+    held.sort_unstable();
     Ok(held)
 }
 
@@ -285,18 +306,20 @@ fn applied_adapters(
     json: &Value,
     held: &[Adapted],
     model: &ModelConfig,
+    family: &Family,
     path: &Path,
 ) -> Result<(Vec<Adapted>, Vec<String>)> {
     let selection = Selection::read(json).with_context(|| format!("{}", path.display()))?;
+    let block = family.names().block;
     let selected = |&(layer, t): &Adapted| {
-        selection.selects(&format!("transformer.h.{layer}.{}", t.module()), true)
+        selection.selects(&format!("{block}{layer}.{}", module_of(family, t)), true)
     };
     let (applied, ignored): (Vec<_>, Vec<_>) = held.iter().partition(|a| selected(a));
     let mut notes = Vec::new();
     if !ignored.is_empty() {
         let names: Vec<String> = ignored
             .iter()
-            .map(|(l, t)| format!("h.{l}.{}", t.module()))
+            .map(|(l, t)| format!("{block}{l}.{}", module_of(family, *t)))
             .collect();
         notes.push(format!(
             "{}: target_modules / layers_to_transform leave out the adapters of {}, which \
@@ -392,11 +415,7 @@ pub fn write_adapter(
         has_producer_mark(&d.join(WEIGHTS_FILE))
     })?;
     let c = &state.config;
-    let modules: Vec<&str> = TARGETS
-        .into_iter()
-        .filter(|&t| c.targets(t))
-        .map(Target::key)
-        .collect();
+    let modules = &layout.targets;
     let config = json!({
         "peft_type": "LORA",
         "task_type": null,
@@ -405,7 +424,7 @@ pub fn write_adapter(
         "lora_alpha": c.alpha,
         "lora_dropout": c.dropout,
         "target_modules": modules,
-        "fan_in_fan_out": true,
+        "fan_in_fan_out": layout.fan_in_fan_out,
         "bias": "none",
         "use_rslora": false,
         "use_dora": false,

@@ -219,6 +219,7 @@ impl HfConfig {
             n_embd: self.n_embd,
             bias: true,
             dropout,
+            llama: None,
         };
         cfg.validate()
             .with_context(|| origin.display().to_string())?;

@@ -1,18 +1,23 @@
-//! Token + position embedding.
+//! Token + position embedding (or the token embedding alone, where positions are
+//! rotary and live in the attention).
 
 use super::SharedMut;
 use rayon::prelude::*;
 
-/// `out[b,t,:] = wte[inp[b,t],:] + wpe[t,:]`.
+/// `out[b,t,:] = wte[inp[b,t],:] + wpe[t,:]`, or `wte[inp[b,t],:]` with an empty `wpe`.
 ///
-/// out: (B, T, C) written; inp: (B, T) token ids < Vp; wte: (Vp, C); wpe: (≥T, C).
+/// out: (B, T, C) written; inp: (B, T) token ids < Vp; wte: (Vp, C); wpe: (≥T, C) or
+/// empty.
 pub fn encoder_forward(out: &mut [f32], inp: &[u32], wte: &[f32], wpe: &[f32], t: usize, c: usize) {
     let _t = crate::profile::scope(crate::profile::Section::Encoder);
     assert_eq!(out.len(), inp.len() * c);
     out.par_chunks_mut(c).enumerate().for_each(|(row, o)| {
         let tok = inp[row] as usize;
-        let pos = row % t;
         let e = &wte[tok * c..(tok + 1) * c];
+        if wpe.is_empty() {
+            return o.copy_from_slice(e);
+        }
+        let pos = row % t;
         let p = &wpe[pos * c..(pos + 1) * c];
         for ((o, &e), &p) in o.iter_mut().zip(e).zip(p) {
             *o = e + p;
@@ -20,7 +25,8 @@ pub fn encoder_forward(out: &mut [f32], inp: &[u32], wte: &[f32], wpe: &[f32], t
     });
 }
 
-/// Accumulates `dwte[inp[b,t],:] += dout[b,t,:]` and `dwpe[t,:] += dout[b,t,:]`.
+/// Accumulates `dwte[inp[b,t],:] += dout[b,t,:]` and `dwpe[t,:] += dout[b,t,:]` (no
+/// position table where `dwpe` is empty).
 ///
 /// Parallel over channel blocks, so rows that share a token never race.
 pub fn encoder_backward(
@@ -44,6 +50,13 @@ pub fn encoder_backward(
         for (row, &tok) in inp.iter().enumerate() {
             let (tok, pos) = (tok as usize, row % t);
             let d = &dout[row * c + lo..row * c + hi];
+            if wpe_len == 0 {
+                assert!((tok + 1) * c <= wte_len);
+                // SAFETY: this task alone owns the channel columns [lo, hi) of dwte.
+                let wte_row = unsafe { dwte_ptr.slice(tok * c + lo, hi - lo) };
+                wte_row.iter_mut().zip(d).for_each(|(w, &g)| *w += g);
+                continue;
+            }
             assert!((tok + 1) * c <= wte_len && (pos + 1) * c <= wpe_len);
             // SAFETY: every task owns the channel columns [lo, hi) of both tables and
             // touches no other column, so no two tasks' slices overlap.

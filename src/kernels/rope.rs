@@ -19,9 +19,11 @@
 
 use super::Dims;
 use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
 
 /// How a model's rotary frequencies are scaled (its `rope_type`).
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum RopeScaling {
     /// `default`: the frequencies `θ^(−2i/HS)` as they are.
     None,
@@ -40,7 +42,7 @@ pub enum RopeScaling {
 }
 
 /// A model's rotary embedding: the base `theta` and the scaling.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Rope {
     pub theta: f32,
     pub scaling: RopeScaling,

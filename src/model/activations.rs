@@ -18,6 +18,7 @@
 //! input. The arena then holds one block's activations instead of `n_layer`.
 
 use super::config::{Dtype, ModelConfig};
+use super::family::{Activation, NormKind};
 use crate::kernels::bf16::{self, Bf16};
 
 /// Where the arena's buffers come from: zeroed memory, or (for the memory plan,
@@ -153,7 +154,8 @@ impl Saved {
     }
 }
 
-/// A layer norm's per-row statistics, (B, T) each, kept for backward.
+/// A norm's per-row statistics, (B, T) each, kept for backward: the mean (layer
+/// norms; empty for RMS norms) and 1/std.
 pub struct NormStats {
     pub mean: Vec<f32>,
     pub rstd: Vec<f32>,
@@ -161,24 +163,30 @@ pub struct NormStats {
 
 impl NormStats {
     pub fn new(rows: usize) -> NormStats {
-        NormStats::alloc(rows, &mut Alloc::real())
+        NormStats::alloc(rows, NormKind::Layer, &mut Alloc::real())
     }
 
-    fn alloc(rows: usize, al: &mut Alloc) -> NormStats {
+    fn alloc(rows: usize, kind: NormKind, al: &mut Alloc) -> NormStats {
+        let means = match kind {
+            NormKind::Layer => rows,
+            NormKind::Rms => 0,
+        };
         NormStats {
-            mean: al.f32s(rows),
+            mean: al.f32s(means),
             rstd: al.f32s(rows),
         }
     }
 
-    /// The first `n` rows' mean and 1/std, to write.
+    /// The first `n` rows' mean (empty without) and 1/std, to write.
     pub fn rows_mut(&mut self, n: usize) -> (&mut [f32], &mut [f32]) {
-        (&mut self.mean[..n], &mut self.rstd[..n])
+        let m = n.min(self.mean.len());
+        (&mut self.mean[..m], &mut self.rstd[..n])
     }
 
-    /// The first `n` rows' mean and 1/std.
+    /// The first `n` rows' mean (empty without) and 1/std.
     pub fn rows(&self, n: usize) -> (&[f32], &[f32]) {
-        (&self.mean[..n], &self.rstd[..n])
+        let m = n.min(self.mean.len());
+        (&self.mean[..m], &self.rstd[..n])
     }
 
     fn num_bytes(&self) -> usize {
@@ -186,29 +194,38 @@ impl NormStats {
     }
 }
 
-/// What one transformer block keeps from forward for backward.
+/// What one transformer block keeps from forward for backward. Widths: `W =
+/// (NH + 2·KV)·HS` (GPT-2's 3C), `QW = NH·HS` (C), `U` the MLP's first projection
+/// (GPT-2's 4C, SwiGLU's 2I).
 pub struct BlockActs {
-    /// (B, T, C) output of ln_1, and its statistics.
+    /// (B, T, C) output of the first norm, and its statistics.
     pub ln1: Saved,
     pub ln1_stats: NormStats,
-    /// (B, T, 3C) query, key, value.
+    /// (B, T, W) query, key, value as attention reads them (after RoPE and a q/k
+    /// norm).
     pub qkv: Saved,
-    /// (B, T, C) attention output (heads concatenated), (B, NH, T) its log-sum-exp.
+    /// Qwen3 only (else empty): (B, T, W) the projection before its q/k norm, and
+    /// (B·T, NH + KV) the norm's 1/std per head.
+    pub qkv_raw: Vec<f32>,
+    pub qk_rstd: Vec<f32>,
+    /// (B, T, QW) attention output (heads concatenated), (B, NH, T) its log-sum-exp.
     pub atty: Saved,
     pub att_lse: Vec<f32>,
     /// (B, T, C) residual stream after the attention branch.
     pub res2: Vec<f32>,
-    /// (B, T, C) output of ln_2, and its statistics.
+    /// (B, T, C) output of the second norm, and its statistics.
     pub ln2: Saved,
     pub ln2_stats: NormStats,
-    /// (B, T, 4C) MLP hidden layer before GELU. The GELU output is not kept: forward
-    /// writes it to [`Scratch::hidden`] and backward recomputes it (as llm.c does),
-    /// saving 4C floats per token and layer for one more GELU per layer.
+    /// (B, T, U) MLP hidden layer before its activation. The activation's output is
+    /// not kept: forward writes it to [`Scratch::hidden`] and backward recomputes it
+    /// (as llm.c does), saving 4C floats per token and layer for one more GELU per
+    /// layer.
     pub fch: Saved,
     /// (B, T, C) the block's output: residual stream after the MLP branch.
     pub res3: Vec<f32>,
     /// LoRA only (else empty): each target's (B, T, r) adapter product `s·drop(x)·Aᵀ`,
-    /// in four equal segments indexed by [`super::lora::Target`].
+    /// in equal segments, one per place the family has for an adapter
+    /// ([`super::lora::Target::index`]).
     pub lora_u: Vec<f32>,
 }
 
@@ -219,17 +236,21 @@ impl BlockActs {
     }
 
     fn alloc(cfg: &ModelConfig, b: usize, t: usize, dtype: Dtype, al: &mut Alloc) -> BlockActs {
-        let (bt, c) = (b * t, cfg.n_embd);
+        let f = cfg.family();
+        let (bt, c, w) = (b * t, cfg.n_embd, f.qkv_width());
+        let qk = |n: usize| if f.qk_norm { n } else { 0 };
         BlockActs {
             ln1: Saved::kept_in_f32(dtype, bt * c, al),
-            ln1_stats: NormStats::alloc(bt, al),
-            qkv: Saved::kept(dtype, bt * 3 * c, al),
-            atty: Saved::kept(dtype, bt * c, al),
+            ln1_stats: NormStats::alloc(bt, f.norm, al),
+            qkv: Saved::kept(dtype, bt * w, al),
+            qkv_raw: al.f32s(qk(bt * w)),
+            qk_rstd: al.f32s(qk(bt * (f.nh + f.kv))),
+            atty: Saved::kept(dtype, bt * f.q_width(), al),
             att_lse: al.f32s(b * cfg.n_head * t),
             res2: al.f32s(bt * c),
             ln2: Saved::kept_in_f32(dtype, bt * c, al),
-            ln2_stats: NormStats::alloc(bt, al),
-            fch: Saved::kept(dtype, bt * 4 * c, al),
+            ln2_stats: NormStats::alloc(bt, f.norm, al),
+            fch: Saved::kept(dtype, bt * f.mlp_up_width(), al),
             res3: al.f32s(bt * c),
             lora_u: Vec::new(),
         }
@@ -243,6 +264,8 @@ impl BlockActs {
             ln1: Saved::Recomputed,
             ln1_stats: NormStats::new(0),
             qkv: Saved::Recomputed,
+            qkv_raw: Vec::new(),
+            qk_rstd: Vec::new(),
             atty: Saved::Recomputed,
             att_lse: Vec::new(),
             res2: Vec::new(),
@@ -256,7 +279,14 @@ impl BlockActs {
 
     pub fn num_bytes(&self) -> usize {
         let saved = [&self.ln1, &self.qkv, &self.atty, &self.ln2, &self.fch];
-        let f32s = [&self.att_lse, &self.res2, &self.res3, &self.lora_u];
+        let f32s = [
+            &self.qkv_raw,
+            &self.qk_rstd,
+            &self.att_lse,
+            &self.res2,
+            &self.res3,
+            &self.lora_u,
+        ];
         saved.iter().map(|s| s.num_bytes()).sum::<usize>()
             + f32s.iter().map(|v| v.len() * 4).sum::<usize>()
             + self.ln1_stats.num_bytes()
@@ -264,37 +294,43 @@ impl BlockActs {
     }
 }
 
-/// f32 working buffers that all blocks share, each named for what it holds.
+/// f32 working buffers that all blocks share, each named for what it holds (widths
+/// as in [`BlockActs`]; `I` the MLP's width after its activation).
 pub struct Scratch {
-    /// (B, T, 4C) the MLP's hidden layer: the GELU output in forward; in backward the
-    /// recomputed GELU output, then its gradient.
+    /// (B, T, I) the MLP's hidden layer: the activation's output in forward; in
+    /// backward the recomputed output, then its gradient.
     pub hidden: Vec<f32>,
     /// (B, T, C) gradient of the residual stream.
     pub dres: Vec<f32>,
-    /// (B, T, C) gradient of the input of the C-wide linear layer being differentiated:
-    /// a layer-norm output (the classifier leaves d(ln_f output) here) or the attention
-    /// output.
+    /// (B, T, max(C, QW)) gradient of the input of the linear layer being
+    /// differentiated: a norm's output (the classifier leaves d(final norm output)
+    /// here) or the attention output.
     pub dinp: Vec<f32>,
     /// (B, T, C) a residual branch's output gradient as its projection multiplies it:
     /// dropout's mask applied and, in bf16 runs, rounded to bf16. Empty where that is
     /// the residual gradient itself (f32 without dropout).
     pub dbranch: Vec<f32>,
-    /// (B, T, 3C) gradient of q, k and v.
+    /// (B, T, W) gradient of q, k and v.
     pub dqkv: Vec<f32>,
+    /// SwiGLU only (else empty): (B, T, U) gradient of the stacked gate and up.
+    pub dmlp_up: Vec<f32>,
     /// bf16 runs (empty in f32 ones): the f32 form of values not kept in f32 —
-    /// (B, T, C) a layer-norm output or the attention output, computed here before it
-    /// is saved, recomputed or widened here in backward ([`Saved`]).
+    /// (B, T, max(C, QW)) a norm's output or the attention output, computed here
+    /// before it is saved, recomputed or widened here in backward ([`Saved`]).
     pub staging: Vec<f32>,
-    /// bf16 runs: the same for (B, T, 3C) q/k/v and (B, T, 4C) pre-GELU values.
+    /// bf16 runs: the same for (B, T, W) q/k/v and (B, T, U) pre-activation values.
     pub staging_wide: Vec<f32>,
-    /// LoRA with dropout (else empty): (B, T, 4C) an adapter's dropped input, or in
-    /// backward its masked input gradient.
+    /// LoRA with dropout (else empty): (B, T, widest input) an adapter's dropped
+    /// input, or in backward its masked input gradient.
     pub lora_x: Vec<f32>,
-    /// LoRA (else empty): (B, T, r) an adapter's `du`, from its parameter gradient
-    /// to its input gradient.
+    /// LoRA on a linear layer of several parts (Llama's q/k/v, gate/up; else empty):
+    /// (B, T, widest part) an adapter's product before it is added into its rows.
+    pub lora_y: Vec<f32>,
+    /// LoRA (else empty): (parts, B, T, r) the adapters' `du` of one linear layer,
+    /// from their parameter gradients to their input gradients.
     pub lora_du: Vec<f32>,
-    /// LoRA (else empty): (2C) where the frozen layer norms' parameter gradients go,
-    /// unread.
+    /// LoRA (else empty): (2·max(C, HS)) where the frozen norms' parameter gradients
+    /// go, unread.
     pub norm_sink: Vec<f32>,
 }
 
@@ -312,18 +348,23 @@ impl Scratch {
         backward: bool,
         al: &mut Alloc,
     ) -> Scratch {
-        let c = cfg.n_embd;
+        let f = cfg.family();
+        let (c, w, up) = (cfg.n_embd, f.qkv_width(), f.mlp_up_width());
+        let wide_c = c.max(f.q_width());
+        let swiglu = f.activation == Activation::SwiGlu;
         let bf16 = dtype == Dtype::Bfloat16;
         let mut z = |keep: bool, n: usize| al.f32s(if keep { n } else { 0 });
         Scratch {
-            hidden: z(true, bt * 4 * c),
+            hidden: z(true, bt * f.mlp_width),
             dres: z(backward, bt * c),
-            dinp: z(backward, bt * c),
+            dinp: z(backward, bt * wide_c),
             dbranch: z(backward && (bf16 || cfg.dropout > 0.0), bt * c),
-            dqkv: z(backward, bt * 3 * c),
-            staging: z(bf16, bt * c),
-            staging_wide: z(bf16, bt * 4 * c),
+            dqkv: z(backward, bt * w),
+            dmlp_up: z(backward && swiglu, bt * up),
+            staging: z(bf16, bt * wide_c),
+            staging_wide: z(bf16, bt * w.max(up)),
             lora_x: Vec::new(),
+            lora_y: Vec::new(),
             lora_du: Vec::new(),
             norm_sink: Vec::new(),
         }
@@ -336,9 +377,11 @@ impl Scratch {
             &self.dinp,
             &self.dbranch,
             &self.dqkv,
+            &self.dmlp_up,
             &self.staging,
             &self.staging_wide,
             &self.lora_x,
+            &self.lora_y,
             &self.lora_du,
             &self.norm_sink,
         ];
@@ -414,7 +457,7 @@ impl Activations {
             blocks,
             recompute: checkpointing.then(|| BlockActs::alloc(cfg, max_b, max_t, dtype, al)),
             lnf: al.f32s(bt * c),
-            lnf_stats: NormStats::alloc(bt, al),
+            lnf_stats: NormStats::alloc(bt, cfg.family().norm, al),
             losses: al.f32s(bt),
             logits_chunk: al.f32s(classifier_chunk_rows(cfg, bt) * cfg.vocab_size),
             scratch: Scratch::alloc(cfg, bt, dtype, true, al),
@@ -478,13 +521,24 @@ impl Activations {
             Some(one) => std::slice::from_mut(one),
             None => &mut self.blocks[..],
         };
+        let f = cfg.family();
+        let places = f.lora_targets().count();
         for block in kept {
-            block.lora_u = al.f32s(4 * max_bt * rank);
+            block.lora_u = al.f32s(places * max_bt * rank);
         }
+        let widest_in = f.linears.iter().map(|l| l.inp).max().unwrap_or(0);
+        let parts = f.linears.iter().map(|l| l.parts.len()).max().unwrap_or(1);
+        // A part narrower than its layer needs room for its product alone.
+        let part_rows = (f.linears.iter())
+            .filter(|l| l.parts.len() > 1)
+            .flat_map(|l| l.parts.iter().map(|p| p.rows))
+            .max()
+            .unwrap_or(0);
         let s = &mut self.scratch;
-        s.lora_du = al.f32s(max_bt * rank);
-        s.lora_x = al.f32s(if dropout { max_bt * 4 * cfg.n_embd } else { 0 });
-        s.norm_sink = al.f32s(2 * cfg.n_embd);
+        s.lora_du = al.f32s(parts * max_bt * rank);
+        s.lora_x = al.f32s(if dropout { max_bt * widest_in } else { 0 });
+        s.lora_y = al.f32s(max_bt * part_rows);
+        s.norm_sink = al.f32s(2 * cfg.n_embd.max(f.hs));
     }
 
     /// Bytes held, all buffers together (4 per f32 and token id, 2 per bf16).

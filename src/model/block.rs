@@ -1,23 +1,33 @@
-//! One transformer block, forward and backward, written once for both precisions
-//! (`BF16`: bf16 autocast) and run by training, evaluation and decoding alike.
+//! One transformer block, forward and backward, written once for every family and
+//! both precisions (`BF16`: bf16 autocast), and run by training, evaluation and
+//! decoding alike. The family ([`Family`]) says what its pieces are:
 //!
 //! ```text
-//! res2 = x    + drop(attn(ln_1(x) · W_attnᵀ) · W_projᵀ)           (B, T, C)
-//! res3 = res2 + drop(gelu(ln_2(res2) · W_fcᵀ) · W_projᵀ)
+//! qkv  = norm_1(x) · W_qkvᵀ                          (B, T, (NH + 2·KV)·HS)
+//!        [Qwen3: q/k RMSNorm per head]  [RoPE: q, k turned by position]
+//! res2 = x    + drop(attn(qkv) · W_outᵀ)             (B, T, C)
+//! res3 = res2 + drop(act(norm_2(res2) · W_upᵀ) · W_downᵀ)
 //! ```
 //!
+//! GPT-2: layer norms, learned positions (outside the block), GELU on `4C`. Llama:
+//! RMS norms, RoPE, grouped-query attention, SwiGLU on the stacked gate and up (`2I`).
+//!
 //! Under bf16 autocast every matmul operand holds bf16 values: the weights come from
-//! the bf16 copy, and each activation feeding a matmul is rounded (the layer-norm
-//! outputs and the GELU output by their kernels, q/k/v, the attention output and the
-//! pre-GELU layer when they are saved), as is each matmul's output gradient.
-//! Accumulation, layer norm, softmax, GELU and the residual stream stay f32.
+//! the bf16 copy, and each activation feeding a matmul is rounded (the norm outputs
+//! and the activation's output by their kernels, q/k/v, the attention output and the
+//! MLP's pre-activation layer when they are saved), as is each matmul's output
+//! gradient. Accumulation, norms, RoPE, softmax, the activations and the residual
+//! stream stay f32.
 
-use super::activations::{BlockActs, Saved, Scratch};
+use super::activations::{BlockActs, NormStats, Saved, Scratch};
 use super::config::LAYER_NORM_EPS;
+use super::family::{Activation, Family, NormKind, Role};
 use super::layout::{BlockLayout, LinearSpans, NormSpans, Span};
-use super::lora::{u_segment, u_segment_mut, BlockLora, LoraBufs, Target};
+use super::lora::{BlockLora, LoraBufs};
 use super::packs::LayerPacks;
-use crate::kernels::attention::{attention_backward, attention_forward};
+use crate::kernels::attention::{
+    attention_backward, attention_backward_unrounded, attention_forward,
+};
 use crate::kernels::bf16::gemm::matmul_bf16_wt;
 use crate::kernels::bf16::{self, Backend, Bf16};
 use crate::kernels::dropout::{self, Dropout};
@@ -31,12 +41,22 @@ use crate::kernels::matmul::{
     LinearGrads,
 };
 use crate::kernels::residual::residual_add_inplace;
+use crate::kernels::rmsnorm::{
+    qk_norm_backward, qk_norm_forward, rmsnorm_backward, rmsnorm_forward, rmsnorm_recompute,
+    RmsNorm,
+};
+use crate::kernels::rope::{rope_backward, rope_forward, RopeTable};
+use crate::kernels::swiglu::{swiglu_backward, swiglu_forward};
 use crate::kernels::Dims;
 
 /// A block's parameters as the kernels read them.
 #[derive(Clone, Copy)]
 pub struct BlockWeights<'a> {
-    /// The f32 master parameters: biases and layer-norm parameters come from here.
+    /// What the block is made of.
+    pub family: &'a Family,
+    /// The rotary table (families with RoPE), for every position a pass reaches.
+    pub rope: Option<&'a RopeTable>,
+    /// The f32 master parameters: biases and norm parameters come from here.
     pub params: &'a [f32],
     /// The matmul weights: `params` itself, or (bf16) its bf16-rounded copy.
     pub matmul: &'a [f32],
@@ -71,10 +91,6 @@ impl<'a> BlockWeights<'a> {
         }
     }
 
-    fn norm(&self, n: NormSpans) -> Norm<'a> {
-        norm_of(self.params, n)
-    }
-
     /// `out = inp · Wᵀ + bias` for linear layer `l`: [`linear_forward`]; when
     /// `decoding`, the GEMV for a few rows (decoding steps: f32 activations against
     /// the f32 weights or `matmul_bf16`'s), and with `matmul_bf16` for more (a
@@ -101,6 +117,66 @@ impl<'a> BlockWeights<'a> {
             _ => gemv(out, inp, weights, l.c, !bias.is_empty()),
         }
     }
+
+    /// Linear layer `role` with its adapters: `out = inp · Wᵀ + bias (+ LoRA)`;
+    /// `lora_u` keeps the adapters' products for backward.
+    fn adapted_forward<const BF16: bool>(
+        &self,
+        role: Role,
+        out: &mut [f32],
+        inp: &[f32],
+        lora_u: &mut [f32],
+        s: (&mut [f32], &mut [f32]),
+    ) {
+        self.forward::<BF16>(out, inp, self.at.linear(role));
+        if let Some(l) = &self.lora {
+            l.forward::<BF16>(role, out, inp, lora_u, s);
+        }
+    }
+
+    /// `out = norm(x)` with the norm at `n` of the family's kind; `stats` keeps what
+    /// backward needs (the mean, for layer norms, and 1/std).
+    fn norm_forward<const BF16: bool>(
+        &self,
+        out: &mut [f32],
+        stats: &mut NormStats,
+        x: &[f32],
+        n: NormSpans,
+    ) {
+        let rows = x.len() / self.family.c;
+        let (mean, rstd) = stats.rows_mut(rows);
+        match self.family.norm {
+            NormKind::Layer => {
+                layernorm_forward::<BF16>(out, mean, rstd, x, norm_of(self.params, n))
+            }
+            NormKind::Rms => rmsnorm_forward::<BF16>(out, rstd, x, self.rms(n)),
+        }
+    }
+
+    /// [`BlockWeights::norm_forward`]'s output again from its saved statistics.
+    fn norm_recompute<const BF16: bool>(
+        &self,
+        out: &mut [f32],
+        x: &[f32],
+        stats: &NormStats,
+        n: NormSpans,
+    ) {
+        let rows = x.len() / self.family.c;
+        let (mean, rstd) = stats.rows(rows);
+        match self.family.norm {
+            NormKind::Layer => {
+                layernorm_recompute::<BF16>(out, x, mean, rstd, norm_of(self.params, n))
+            }
+            NormKind::Rms => rmsnorm_recompute::<BF16>(out, x, rstd, self.rms(n)),
+        }
+    }
+
+    fn rms(&self, n: NormSpans) -> RmsNorm<'a> {
+        RmsNorm {
+            weight: &self.params[n.weight],
+            eps: self.family.norm_eps,
+        }
+    }
 }
 
 /// Rows up to which [`BlockWeights::forward`] runs a decoder's linear layers on the GEMV.
@@ -115,15 +191,50 @@ pub fn norm_of(params: &[f32], n: NormSpans) -> Norm<'_> {
     }
 }
 
+/// Backward of a norm of `family`'s kind at `n` (weights in `params`), given its
+/// input `x` and saved `stats`: `dres += d(x)`, parameter gradients into `g`.
+#[allow(clippy::too_many_arguments)]
+pub fn norm_backward(
+    family: &Family,
+    params: &[f32],
+    n: NormSpans,
+    g: NormGrads,
+    (dres, dout): (&mut [f32], &[f32]),
+    x: &[f32],
+    stats: &NormStats,
+) {
+    let rows = x.len() / family.c;
+    let (mean, rstd) = stats.rows(rows);
+    let w = &params[n.weight];
+    match family.norm {
+        NormKind::Layer => layernorm_backward(dres, g, dout, x, w, mean, rstd),
+        NormKind::Rms => rmsnorm_backward(dres, g.dweight, dout, x, w, rstd),
+    }
+}
+
 /// How a block's queries reach their keys and values.
 pub enum Attend<'a> {
-    /// Causally over the pass's own positions (training, evaluation); the
+    /// Causally over the pass's own positions, `0..T` (training, evaluation); the
     /// log-sum-exp backward needs goes to the block's activations.
     Causal,
-    /// Through a key/value cache (decoding): the function appends the new positions'
-    /// keys and values, `(out, qkv)`, to its cache and writes each new query's
-    /// attention over everything cached up to it into `out`.
-    Cache(&'a mut dyn FnMut(&mut [f32], &[f32])),
+    /// Through a key/value cache (decoding): the new rows are at positions
+    /// `start..start + T`, and `attend` appends their keys and values, `(out, qkv)`,
+    /// to its cache and writes each new query's attention over everything cached up
+    /// to it into `out`.
+    Cache {
+        start: usize,
+        attend: &'a mut dyn FnMut(&mut [f32], &[f32]),
+    },
+}
+
+impl Attend<'_> {
+    /// The position of the pass's first row.
+    fn start(&self) -> usize {
+        match self {
+            Attend::Causal => 0,
+            Attend::Cache { start, .. } => *start,
+        }
+    }
 }
 
 /// The three dropout masks of one block in one pass.
@@ -166,60 +277,78 @@ pub fn block_forward<const BF16: bool>(
     drop: Option<BlockDropout>,
     d: Dims,
 ) {
-    let (n, c, at) = (d.bt(), d.c, w.at);
-    let (m1, r1) = a.ln1_stats.rows_mut(n);
+    let (n, c, at, f) = (d.bt(), d.c, w.at, w.family);
+    let (qkv_w, q_w, up_w) = (f.qkv_width(), f.q_width(), f.mlp_up_width());
+    let lora_s = (&mut s.lora_x[..], &mut s.lora_y[..]);
     let ln1 = a.ln1.save(&mut s.staging, n * c, |o| {
-        layernorm_forward::<BF16>(o, m1, r1, x, w.norm(at.ln_1))
+        w.norm_forward::<BF16>(o, &mut a.ln1_stats, x, at.ln_1)
     });
-    let qkv = a.qkv.save(&mut s.staging_wide, n * 3 * c, |o| {
-        w.forward::<BF16>(o, ln1, at.c_attn);
-        if let Some(l) = &w.lora {
-            let u = u_segment_mut(&mut a.lora_u, Target::CAttn);
-            l.forward::<BF16>(Target::CAttn, o, ln1, u, &mut s.lora_x);
+    let start = attend.start();
+    let (raw, rstd) = (&mut a.qkv_raw, &mut a.qk_rstd);
+    let qkv = a.qkv.save(&mut s.staging_wide, n * qkv_w, |o| {
+        if f.qk_norm {
+            // Qwen3: the projection kept before its q/k norm, for the norm's backward.
+            let raw = &mut raw[..n * qkv_w];
+            w.adapted_forward::<BF16>(Role::Qkv, raw, ln1, &mut a.lora_u, lora_s);
+            let rstd = &mut rstd[..n * (f.nh + f.kv)];
+            let (q, k) = qk_norms(w);
+            qk_norm_forward(o, rstd, raw, d, q, k);
+        } else {
+            w.adapted_forward::<BF16>(Role::Qkv, o, ln1, &mut a.lora_u, lora_s);
+        }
+        if let Some(table) = w.rope {
+            rope_forward(o, d, table, start);
         }
     });
     let lse = &mut a.att_lse[..d.b * d.nh * d.t];
-    let atty = a.atty.save(&mut s.staging, n * c, |o| match attend {
+    let atty = a.atty.save(&mut s.staging, n * q_w, |o| match attend {
         Attend::Causal => {
             let probs = drop.map(|m| m.attn_probs);
             attention_forward::<BF16>(o, lse, qkv, d, probs, w.backend)
         }
-        Attend::Cache(attend) => attend(o, qkv),
+        Attend::Cache { attend, .. } => attend(o, qkv),
     });
     let res2 = &mut a.res2[..n * c];
-    w.forward::<BF16>(res2, atty, at.attn_proj);
-    if let Some(l) = &w.lora {
-        let u = u_segment_mut(&mut a.lora_u, Target::AttnProj);
-        l.forward::<BF16>(Target::AttnProj, res2, atty, u, &mut s.lora_x);
-    }
+    let lora_s = (&mut s.lora_x[..], &mut s.lora_y[..]);
+    w.adapted_forward::<BF16>(Role::AttnOut, res2, atty, &mut a.lora_u, lora_s);
     if let Some(m) = drop {
         dropout::apply(res2, m.attn_resid, 0);
     }
     residual_add_inplace(res2, x);
 
-    let (m2, r2) = a.ln2_stats.rows_mut(n);
     let ln2 = a.ln2.save(&mut s.staging, n * c, |o| {
-        layernorm_forward::<BF16>(o, m2, r2, res2, w.norm(at.ln_2))
+        w.norm_forward::<BF16>(o, &mut a.ln2_stats, res2, at.ln_2)
     });
-    let fch = a.fch.save(&mut s.staging_wide, n * 4 * c, |o| {
-        w.forward::<BF16>(o, ln2, at.c_fc);
-        if let Some(l) = &w.lora {
-            let u = u_segment_mut(&mut a.lora_u, Target::CFc);
-            l.forward::<BF16>(Target::CFc, o, ln2, u, &mut s.lora_x);
-        }
+    let fch = a.fch.save(&mut s.staging_wide, n * up_w, |o| {
+        let lora_s = (&mut s.lora_x[..], &mut s.lora_y[..]);
+        w.adapted_forward::<BF16>(Role::MlpUp, o, ln2, &mut a.lora_u, lora_s)
     });
-    let hidden = &mut s.hidden[..n * 4 * c];
-    gelu_forward::<BF16, f32>(hidden, fch);
-    let res3 = &mut a.res3[..n * c];
-    w.forward::<BF16>(res3, hidden, at.mlp_proj);
-    if let Some(l) = &w.lora {
-        let u = u_segment_mut(&mut a.lora_u, Target::MlpProj);
-        l.forward::<BF16>(Target::MlpProj, res3, hidden, u, &mut s.lora_x);
+    let hidden = &mut s.hidden[..n * f.mlp_width];
+    match f.activation {
+        Activation::Gelu => gelu_forward::<BF16, f32>(hidden, fch),
+        Activation::SwiGlu => swiglu_forward::<BF16, f32>(hidden, fch, f.mlp_width),
     }
+    let res3 = &mut a.res3[..n * c];
+    let lora_s = (&mut s.lora_x[..], &mut s.lora_y[..]);
+    w.adapted_forward::<BF16>(Role::MlpDown, res3, hidden, &mut a.lora_u, lora_s);
     if let Some(m) = drop {
         dropout::apply(res3, m.mlp_resid, 0);
     }
     residual_add_inplace(res3, res2);
+}
+
+/// Qwen3's q and k norms of block `w`.
+fn qk_norms<'a>(w: &BlockWeights<'a>) -> (RmsNorm<'a>, RmsNorm<'a>) {
+    let eps = w.family.norm_eps;
+    let q = RmsNorm {
+        weight: &w.params[w.at.q_norm],
+        eps,
+    };
+    let k = RmsNorm {
+        weight: &w.params[w.at.k_norm],
+        eps,
+    };
+    (q, k)
 }
 
 /// One block backward is [`block_forward`] in reverse: [`mlp_backward`], then
@@ -228,9 +357,9 @@ pub fn block_forward<const BF16: bool>(
 /// Parameter gradients accumulate into `g` (the whole gradient arena, laid out like
 /// the parameters; with LoRA, the adapters' arena).
 ///
-/// The MLP branch's half: `s.dres` goes from d(res3) to d(res2). The GELU output is
-/// recomputed into `hidden`, multiplied into W_proj's gradient, then overwritten by
-/// its own gradient.
+/// The MLP branch's half: `s.dres` goes from d(res3) to d(res2). The activation's
+/// output is recomputed into `hidden`, multiplied into W_down's gradient, then
+/// overwritten by its own gradient.
 pub fn mlp_backward<const BF16: bool>(
     w: &BlockWeights,
     g: &mut [f32],
@@ -239,36 +368,45 @@ pub fn mlp_backward<const BF16: bool>(
     drop: Option<BlockDropout>,
     d: Dims,
 ) {
-    let (n, c, at) = (d.bt(), d.c, w.at);
+    let (n, c, at, f) = (d.bt(), d.c, w.at, w.family);
     let (res2, fch) = (&a.res2[..n * c], &a.fch);
     let mask = drop.map(|m| m.mlp_resid);
     let dout = branch_grad::<BF16>(&s.dres[..n * c], &mut s.dbranch, mask);
-    let hidden = &mut s.hidden[..n * 4 * c];
-    gelu_of_saved::<BF16>(hidden, fch);
-    let proj = w.linear(at.mlp_proj);
-    let mut bufs = lora_bufs(a, Target::MlpProj, &mut s.lora_x, &mut s.lora_du);
+    let hidden = &mut s.hidden[..n * f.mlp_width];
+    activation_of_saved::<BF16>(f, hidden, fch);
+    let down = w.linear(at.mlp_down);
+    let mut bufs = lora_bufs(a, &mut s.lora_x, &mut s.lora_du);
     match &w.lora {
         None => {
-            let g = linear_grads(g, at.mlp_proj);
-            linear_backward_params::<BF16>(w.backend, g, dout, hidden, proj.c, proj.oc);
+            let g = linear_grads(g, at.mlp_down);
+            linear_backward_params::<BF16>(w.backend, g, dout, hidden, down.c, down.oc);
         }
-        Some(l) => l.backward_params::<BF16>(Target::MlpProj, g, dout, hidden, &mut bufs),
+        Some(l) => l.backward_params::<BF16>(Role::MlpDown, g, dout, hidden, &mut bufs),
     }
-    linear_backward_input::<BF16>(hidden, dout, proj);
+    linear_backward_input::<BF16>(hidden, dout, down);
     if let Some(l) = &w.lora {
-        l.backward_input::<BF16>(Target::MlpProj, hidden, &mut bufs);
+        l.backward_input::<BF16>(Role::MlpDown, hidden, &mut bufs);
     }
-    gelu_backward_of_saved::<BF16>(hidden, fch);
-    let (m2, r2) = a.ln2_stats.rows(n);
+    // d(pre-activation): in place for GELU (same width), into `dmlp_up` for SwiGLU.
+    let dfch: &[f32] = match f.activation {
+        Activation::Gelu => {
+            gelu_backward_of_saved::<BF16>(hidden, fch);
+            hidden
+        }
+        Activation::SwiGlu => {
+            let dup = &mut s.dmlp_up[..n * f.mlp_up_width()];
+            swiglu_backward_of_saved::<BF16>(dup, hidden, fch, f.mlp_width);
+            dup
+        }
+    };
     let ln2 = a.ln2.load(&mut s.staging, n * c, |o| {
-        layernorm_recompute::<BF16>(o, res2, m2, r2, w.norm(at.ln_2))
+        w.norm_recompute::<BF16>(o, res2, &a.ln2_stats, at.ln_2)
     });
     let (dres, dln2) = (&mut s.dres[..n * c], &mut s.dinp[..n * c]);
-    let bufs = lora_bufs(a, Target::CFc, &mut s.lora_x, &mut s.lora_du);
-    adapted_backward::<BF16>(w, Target::CFc, g, dln2, hidden, ln2, bufs);
-    let ln_w = w.norm(at.ln_2).weight;
+    let bufs = lora_bufs(a, &mut s.lora_x, &mut s.lora_du);
+    adapted_backward::<BF16>(w, Role::MlpUp, g, dln2, dfch, ln2, bufs);
     let ng = block_norm_grads(w, g, &mut s.norm_sink, at.ln_2);
-    layernorm_backward(dres, ng, dln2, res2, ln_w, m2, r2);
+    norm_backward(f, w.params, at.ln_2, ng, (dres, dln2), res2, &a.ln2_stats);
 }
 
 /// The attention branch's half of a block's backward ([`mlp_backward`]): `s.dres`
@@ -282,65 +420,88 @@ pub fn attention_branch_backward<const BF16: bool>(
     drop: Option<BlockDropout>,
     d: Dims,
 ) {
-    let (n, c, at) = (d.bt(), d.c, w.at);
+    let (n, c, at, f) = (d.bt(), d.c, w.at, w.family);
+    let (qkv_w, q_w) = (f.qkv_width(), f.q_width());
     let mask = drop.map(|m| m.attn_resid);
     let dout = branch_grad::<BF16>(&s.dres[..n * c], &mut s.dbranch, mask);
-    let atty = a.atty.load(&mut s.staging, n * c, not_recomputed);
-    let datty = &mut s.dinp[..n * c];
-    let bufs = lora_bufs(a, Target::AttnProj, &mut s.lora_x, &mut s.lora_du);
-    adapted_backward::<BF16>(w, Target::AttnProj, g, datty, dout, atty, bufs);
-    let qkv = a.qkv.load(&mut s.staging_wide, n * 3 * c, not_recomputed);
-    let dqkv = &mut s.dqkv[..n * 3 * c];
+    let atty = a.atty.load(&mut s.staging, n * q_w, not_recomputed);
+    let datty = &mut s.dinp[..n * q_w];
+    let bufs = lora_bufs(a, &mut s.lora_x, &mut s.lora_du);
+    adapted_backward::<BF16>(w, Role::AttnOut, g, datty, dout, atty, bufs);
+    let qkv = a.qkv.load(&mut s.staging_wide, n * qkv_w, not_recomputed);
+    let dqkv = &mut s.dqkv[..n * qkv_w];
     let lse = &a.att_lse[..d.b * d.nh * d.t];
     let probs = drop.map(|m| m.attn_probs);
-    attention_backward::<BF16>(dqkv, datty, qkv, atty, lse, d, probs, w.backend);
-    let (m1, r1) = a.ln1_stats.rows(n);
+    // Under autocast d(qkv) is the projection's operand: rounded as the attention's
+    // backward finishes it, or after RoPE's and the q/k norm's backward.
+    let after = w.rope.is_some() || f.qk_norm;
+    match after {
+        false => attention_backward::<BF16>(dqkv, datty, qkv, atty, lse, d, probs, w.backend),
+        true => {
+            attention_backward_unrounded::<BF16>(dqkv, datty, qkv, atty, lse, d, probs, w.backend)
+        }
+    }
+    if let Some(table) = w.rope {
+        rope_backward(dqkv, d, table, 0);
+    }
+    if f.qk_norm {
+        let rstd = &a.qk_rstd[..n * (f.nh + f.kv)];
+        let (q, k) = qk_norms(w);
+        let raw = &a.qkv_raw[..n * qkv_w];
+        let grads = match w.lora {
+            None => split_two(g, at.q_norm, at.k_norm),
+            Some(_) => s.norm_sink[..2 * f.hs].split_at_mut(f.hs),
+        };
+        qk_norm_backward(dqkv, grads, raw, rstd, d, q.weight, k.weight);
+    }
+    if BF16 && after {
+        bf16::round_in_place(dqkv);
+    }
     let ln1 = a.ln1.load(&mut s.staging, n * c, |o| {
-        layernorm_recompute::<BF16>(o, x, m1, r1, w.norm(at.ln_1))
+        w.norm_recompute::<BF16>(o, x, &a.ln1_stats, at.ln_1)
     });
     let (dres, dln1) = (&mut s.dres[..n * c], &mut s.dinp[..n * c]);
-    let bufs = lora_bufs(a, Target::CAttn, &mut s.lora_x, &mut s.lora_du);
-    adapted_backward::<BF16>(w, Target::CAttn, g, dln1, dqkv, ln1, bufs);
-    let ln_w = w.norm(at.ln_1).weight;
+    let bufs = lora_bufs(a, &mut s.lora_x, &mut s.lora_du);
+    adapted_backward::<BF16>(w, Role::Qkv, g, dln1, dqkv, ln1, bufs);
     let ng = block_norm_grads(w, g, &mut s.norm_sink, at.ln_1);
-    layernorm_backward(dres, ng, dln1, x, ln_w, m1, r1);
+    norm_backward(f, w.params, at.ln_1, ng, (dres, dln1), x, &a.ln1_stats);
 }
 
-/// The backward of linear layer `t` with its adapter, if any: `dinp` overwritten
+/// The backward of linear layer `role` with its adapters, if any: `dinp` overwritten
 /// with the input gradient; the parameter gradients accumulate into `g`: the
-/// base's, or with LoRA (base frozen) the adapter's.
+/// base's, or with LoRA (base frozen) the adapters'.
 fn adapted_backward<const BF16: bool>(
     w: &BlockWeights,
-    t: Target,
+    role: Role,
     g: &mut [f32],
     dinp: &mut [f32],
     dout: &[f32],
     inp: &[f32],
     mut bufs: LoraBufs,
 ) {
-    let spans = t.linear(w.at);
+    let spans = w.at.linear(role);
     let lin = w.linear(spans);
     match &w.lora {
         None => linear_backward::<BF16>(dinp, linear_grads(g, spans), dout, inp, lin),
         Some(l) => {
-            l.backward_params::<BF16>(t, g, dout, inp, &mut bufs);
+            l.backward_params::<BF16>(role, g, dout, inp, &mut bufs);
             linear_backward_input::<BF16>(dinp, dout, lin);
-            l.backward_input::<BF16>(t, dinp, &mut bufs);
+            l.backward_input::<BF16>(role, dinp, &mut bufs);
         }
     }
 }
 
-/// Target `t`'s adapter buffers in block `a` and the shared scratch.
-fn lora_bufs<'a>(a: &'a BlockActs, t: Target, x: &'a mut [f32], du: &'a mut [f32]) -> LoraBufs<'a> {
+/// The adapters' buffers of block `a` and the shared scratch.
+fn lora_bufs<'a>(a: &'a BlockActs, x: &'a mut [f32], du: &'a mut [f32]) -> LoraBufs<'a> {
     LoraBufs {
-        u: u_segment(&a.lora_u, t),
+        u: &a.lora_u,
         x,
         du,
     }
 }
 
-/// Where a block's layer norm's parameter gradients go: the arena `g`, or with
-/// LoRA (frozen base) the unread `sink`.
+/// Where a block's norm's parameter gradients go: the arena `g`, or with LoRA
+/// (frozen base) the unread `sink`.
 fn block_norm_grads<'a>(
     w: &BlockWeights,
     g: &'a mut [f32],
@@ -349,16 +510,18 @@ fn block_norm_grads<'a>(
 ) -> NormGrads<'a> {
     match w.lora {
         None => norm_grads(g, n),
-        Some(_) => sink_grads(sink, !n.bias.is_empty()),
+        Some(_) => sink_grads(sink, n),
     }
 }
 
-/// Parameter gradients of a frozen layer norm, into the unread `sink` (2C).
-pub fn sink_grads(sink: &mut [f32], bias: bool) -> NormGrads<'_> {
-    let (dweight, dbias) = sink.split_at_mut(sink.len() / 2);
+/// Parameter gradients of the frozen norm at `n`, into the unread `sink` (at least
+/// twice its width).
+pub fn sink_grads(sink: &mut [f32], n: NormSpans) -> NormGrads<'_> {
+    let c = n.weight.len();
+    let (dweight, rest) = sink.split_at_mut(c);
     NormGrads {
         dweight,
-        dbias: if bias { dbias } else { &mut [] },
+        dbias: &mut rest[..n.bias.len()],
     }
 }
 
@@ -388,13 +551,19 @@ fn branch_grad<'a, const BF16: bool>(
     out
 }
 
-/// `out = gelu(fch)`, read straight from the saved pre-GELU layer (f32 or bf16).
-fn gelu_of_saved<const BF16: bool>(out: &mut [f32], fch: &Saved) {
-    let n = out.len();
-    match fch {
-        Saved::F32(v) => gelu_forward::<BF16, _>(out, &v[..n]),
-        Saved::Bf16(v) => gelu_forward::<BF16, _>(out, &v[..n]),
-        Saved::Recomputed => not_recomputed(out),
+/// `out = act(fch)`, read straight from the saved pre-activation layer (f32 or bf16).
+fn activation_of_saved<const BF16: bool>(f: &Family, out: &mut [f32], fch: &Saved) {
+    let up = out.len() / f.mlp_width * f.mlp_up_width();
+    match (f.activation, fch) {
+        (Activation::Gelu, Saved::F32(v)) => gelu_forward::<BF16, _>(out, &v[..up]),
+        (Activation::Gelu, Saved::Bf16(v)) => gelu_forward::<BF16, _>(out, &v[..up]),
+        (Activation::SwiGlu, Saved::F32(v)) => {
+            swiglu_forward::<BF16, _>(out, &v[..up], f.mlp_width)
+        }
+        (Activation::SwiGlu, Saved::Bf16(v)) => {
+            swiglu_forward::<BF16, _>(out, &v[..up], f.mlp_width)
+        }
+        (_, Saved::Recomputed) => not_recomputed(out),
     }
 }
 
@@ -408,9 +577,19 @@ fn gelu_backward_of_saved<const BF16: bool>(d: &mut [f32], fch: &Saved) {
     }
 }
 
+/// `dgate_up` from `dh` through SwiGLU, reading the saved gate and up (f32 or bf16).
+fn swiglu_backward_of_saved<const BF16: bool>(dgu: &mut [f32], dh: &[f32], fch: &Saved, i: usize) {
+    let n = dgu.len();
+    match fch {
+        Saved::F32(v) => swiglu_backward::<BF16, _>(dgu, dh, &v[..n], i),
+        Saved::Bf16(v) => swiglu_backward::<BF16, _>(dgu, dh, &v[..n], i),
+        Saved::Recomputed => not_recomputed(dgu),
+    }
+}
+
 /// The recompute of activations that every precision keeps.
 fn not_recomputed(_: &mut [f32]) {
-    unreachable!("q/k/v, the attention output and the pre-GELU layer are always kept")
+    unreachable!("q/k/v, the attention output and the pre-activation layer are always kept")
 }
 
 /// A linear layer's gradient slices in the arena `g`.
@@ -419,7 +598,7 @@ fn linear_grads(g: &mut [f32], l: LinearSpans) -> LinearGrads<'_> {
     LinearGrads { dweight, dbias }
 }
 
-/// A layer norm's gradient slices in the arena `g`.
+/// A norm's gradient slices in the arena `g`.
 pub fn norm_grads(g: &mut [f32], l: NormSpans) -> NormGrads<'_> {
     let (dweight, dbias) = split_two(g, l.weight, l.bias);
     NormGrads { dweight, dbias }

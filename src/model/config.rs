@@ -1,5 +1,6 @@
-//! Model hyper-parameters: the shape of a GPT-2-class network.
+//! Model hyper-parameters: the shape of a GPT-2 or Llama-architecture network.
 
+use super::family::{Family, LlamaConfig};
 use anyhow::bail;
 use serde::{Deserialize, Serialize};
 
@@ -8,8 +9,8 @@ use serde::{Deserialize, Serialize};
 /// trained and never receive probability.
 pub const VOCAB_PAD_MULTIPLE: usize = 64;
 
-/// Epsilon of every layer norm (PyTorch's and Hugging Face GPT-2's default).
-pub const LAYER_NORM_EPS: f32 = 1e-5;
+/// Epsilon of every layer norm (GPT-2's; it lives with the family's description).
+pub use super::family::LAYER_NORM_EPS;
 
 /// Numeric precision of the matmuls (master weights are always f32).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -31,7 +32,9 @@ impl Dtype {
     }
 }
 
-/// The architecture of a GPT-2-class model, with nanoGPT's key names.
+/// The architecture of a model, with nanoGPT's key names: GPT-2, or with
+/// [`ModelConfig::llama`] the Llama architecture (its family, [`ModelConfig::family`],
+/// says what the blocks are made of).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelConfig {
     /// Real vocabulary size (V). The parameter arena holds `padded_vocab_size()` rows.
@@ -45,6 +48,10 @@ pub struct ModelConfig {
     pub bias: bool,
     /// Dropout probability applied where nanoGPT applies it (0 disables).
     pub dropout: f32,
+    /// The Llama architecture's settings (`llama`, `mistral`, `qwen2`, `qwen3`); None
+    /// for GPT-2, as in every checkpoint written before the Llama families.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub llama: Option<LlamaConfig>,
 }
 
 /// The most parameters a model may have (about 69 billion: 1.1 TB to train in
@@ -77,7 +84,17 @@ impl ModelConfig {
             n_embd,
             bias: true,
             dropout: 0.0,
+            llama: None,
         })
+    }
+
+    /// The model family's description, from which the layout and everything sized by
+    /// it follow.
+    pub fn family(&self) -> Family {
+        match &self.llama {
+            None => Family::gpt2(self.n_embd, self.n_head, self.bias),
+            Some(l) => Family::llama(self.n_embd, self.n_head, l),
+        }
     }
 
     /// Rows of the embedding table as stored: the vocabulary rounded up to
@@ -86,9 +103,17 @@ impl ModelConfig {
         self.vocab_size.div_ceil(VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
     }
 
-    /// Channels per attention head (HS = C / NH).
+    /// Channels per attention head (HS: C / NH for GPT-2, `head_dim` for Llama).
     pub fn head_size(&self) -> usize {
-        self.n_embd / self.n_head
+        match &self.llama {
+            None => self.n_embd / self.n_head,
+            Some(l) => l.head_dim,
+        }
+    }
+
+    /// Key/value heads (KV: NH for GPT-2).
+    pub fn kv_heads(&self) -> usize {
+        self.llama.as_ref().map_or(self.n_head, |l| l.n_kv_head)
     }
 
     /// Checks that the shape can be built; the message names the offending key.
@@ -105,17 +130,53 @@ impl ModelConfig {
                 bail!("{key} must be at least 1");
             }
         }
-        if !self.n_embd.is_multiple_of(self.n_head) {
-            bail!(
+        match &self.llama {
+            None if !self.n_embd.is_multiple_of(self.n_head) => bail!(
                 "n_embd ({}) must be divisible by n_head ({})",
                 self.n_embd,
                 self.n_head
-            );
+            ),
+            None => {}
+            Some(l) => self.validate_llama(l)?,
         }
         if !(0.0..1.0).contains(&self.dropout) {
             bail!("dropout must be in [0, 1), got {}", self.dropout);
         }
         self.check_size()
+    }
+
+    /// The Llama architecture's own keys, named as config.json names them.
+    fn validate_llama(&self, l: &LlamaConfig) -> anyhow::Result<()> {
+        let positive = [
+            ("num_key_value_heads", l.n_kv_head),
+            ("head_dim", l.head_dim),
+            ("intermediate_size", l.intermediate_size),
+        ];
+        for (key, value) in positive {
+            if value == 0 {
+                bail!("{key} must be at least 1");
+            }
+        }
+        if !self.n_head.is_multiple_of(l.n_kv_head) {
+            bail!(
+                "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
+                self.n_head,
+                l.n_kv_head
+            );
+        }
+        if !l.head_dim.is_multiple_of(2) {
+            bail!(
+                "head_dim ({}) must be even: RoPE turns pairs of channels",
+                l.head_dim
+            );
+        }
+        if !(l.rms_norm_eps.is_finite() && l.rms_norm_eps > 0.0) {
+            bail!("rms_norm_eps must be positive, got {}", l.rms_norm_eps);
+        }
+        if !(l.rope.theta.is_finite() && l.rope.theta > 0.0) {
+            bail!("rope_theta must be positive, got {}", l.rope.theta);
+        }
+        Ok(())
     }
 
     /// Refuses shapes too large to hold (see [`MAX_PARAMS`]), naming the largest key.
@@ -145,40 +206,74 @@ impl ModelConfig {
         )
     }
 
-    /// An upper bound of the parameter count, including padding and every bias;
-    /// `None` if it overflows.
+    /// An upper bound of the parameter count, including padding, every bias and an
+    /// untied classifier; `None` if it overflows.
     fn checked_arena_len(&self) -> Option<usize> {
         let c = self.n_embd;
-        let c2 = c.checked_mul(c)?;
-        let per_layer = c2.checked_mul(12)?.checked_add(c.checked_mul(13)?)?;
+        let (nh, kv, hs) = (self.n_head, self.kv_heads(), self.head_size());
+        let qw = nh.checked_mul(hs)?;
+        let qkv = nh.checked_add(kv.checked_mul(2)?)?.checked_mul(hs)?;
+        let mlp = match &self.llama {
+            None => c.checked_mul(4)?,
+            Some(l) => l.intermediate_size.checked_mul(2)?,
+        };
+        // qkv + out + up + down weights, their biases, norms; generously.
+        let weights = (qkv.checked_add(mlp)?.checked_add(mlp)?).checked_mul(c)?;
+        let per_layer = weights
+            .checked_add(qw.checked_mul(c)?)?
+            .checked_add(qkv.checked_add(mlp)?.checked_add(8 * c + 2 * hs)?)?;
         let layers = per_layer.checked_mul(self.n_layer)?;
         let rows = self
             .vocab_size
             .checked_add(VOCAB_PAD_MULTIPLE)?
+            .checked_mul(2)?
             .checked_add(self.block_size)?
             .checked_add(2)?;
         rows.checked_mul(c)?.checked_add(layers)
     }
 
-    /// Number of trainable parameters with the real (unpadded) vocabulary and the
-    /// classifier tied to `wte`, as GPT-2 counts them (124,439,808 for `gpt2`).
+    /// Number of trainable parameters with the real (unpadded) vocabulary, the tied
+    /// classifier counted once, as GPT-2 and transformers count them (124,439,808 for
+    /// `gpt2`).
     pub fn num_params(&self) -> usize {
-        let (c, b) = (self.n_embd, self.bias as usize);
-        let ln = c + b * c;
-        let per_layer = 2 * ln
-            + (3 * c * c + b * 3 * c)
-            + (c * c + b * c)
-            + (4 * c * c + b * 4 * c)
-            + (4 * c * c + b * c);
-        self.vocab_size * c + self.block_size * c + self.n_layer * per_layer + ln
+        let f = self.family();
+        let c = f.c;
+        let norm = c * (1 + f.norm_bias as usize);
+        let linears: usize = (f.linears.iter())
+            .map(|l| l.out() * (l.inp + l.bias as usize))
+            .sum();
+        let per_layer = 2 * norm + linears + 2 * f.hs * f.qk_norm as usize;
+        let positions = if f.rope.is_none() {
+            self.block_size * c
+        } else {
+            0
+        };
+        let head = if f.tied { 0 } else { self.vocab_size * c };
+        self.vocab_size * c + positions + self.n_layer * per_layer + norm + head
     }
 
     /// Training FLOPs per token for forward + backward: 6·N for the matmuls (N counting
-    /// the classifier but not the position table) plus 12·L·C·T for attention, as in
-    /// the PaLM paper's appendix and nanoGPT's `estimate_mfu`.
+    /// the classifier but no table that is only looked up: positions, an untied
+    /// model's token embedding) plus 12·L·QW·T for attention (QW = NH·HS, GPT-2's C),
+    /// as in the PaLM paper's appendix and nanoGPT's `estimate_mfu`.
     pub fn flops_per_token(&self, t: usize) -> f64 {
-        let n = (self.num_params() - self.block_size * self.n_embd) as f64;
-        6.0 * n + 12.0 * (self.n_layer * self.n_embd * t) as f64
+        let qw = self.n_head * self.head_size();
+        6.0 * self.matmul_params() as f64 + 12.0 * (self.n_layer * qw * t) as f64
+    }
+
+    /// The parameters that take part in a matmul: [`ModelConfig::num_params`] without
+    /// the tables that are only looked up (positions, an untied model's token
+    /// embedding).
+    pub fn matmul_params(&self) -> usize {
+        let f = self.family();
+        let mut n = self.num_params();
+        if f.rope.is_none() {
+            n -= self.block_size * self.n_embd;
+        }
+        if !f.tied {
+            n -= self.vocab_size * self.n_embd;
+        }
+        n
     }
 }
 
@@ -195,6 +290,7 @@ impl ModelConfig {
             n_embd: 16,
             bias: true,
             dropout,
+            llama: None,
         }
     }
 }

@@ -5,10 +5,11 @@
 //! through the matmuls plus attention over the cached positions:
 //!
 //! ```text
-//! feed(tokens (B, p)):  x = wte[tokens] + wpe[len..len+p]               (B·p, C)
+//! feed(tokens (B, p)):  x = wte[tokens] (+ wpe[len..len+p])            (B·p, C)
 //!   for each block:  the training block (block.rs), attending through the cache:
-//!                    append this layer's new keys and values, attend to K, V[0..=pos]
-//!   logits = ln_f(x[last new row]) · wteᵀ   (kernels::gemv)              (B, V)
+//!                    q, k turned to positions len..len+p (RoPE families), append
+//!                    this layer's new keys and values, attend to K, V[0..=pos]
+//!   logits = norm_f(x[last new row]) · Wᵀ   (kernels::gemv; W: wte or lm_head)
 //! ```
 //!
 //! It runs the same block and kernels as the training forward, in f32, without dropout,
@@ -20,6 +21,7 @@
 use super::activations::{BlockActs, NormStats, Scratch};
 use super::block::{block_forward, norm_of, Attend, BlockWeights};
 use super::config::{Dtype, ModelConfig};
+use super::family::{Family, NormKind};
 use super::layout::ParamLayout;
 use crate::kernels::attention::{cached_attention, KvCache};
 use crate::kernels::bf16::{self, Backend, Bf16};
@@ -27,6 +29,8 @@ use crate::kernels::classifier::{classifier_logits, Classifier};
 use crate::kernels::encoder::encoder_forward;
 use crate::kernels::gemv::{gemv, Weights};
 use crate::kernels::layernorm::layernorm_forward;
+use crate::kernels::rmsnorm::{rmsnorm_forward, RmsNorm};
+use crate::kernels::rope::RopeTable;
 use crate::kernels::Dims;
 use rayon::prelude::*;
 
@@ -43,6 +47,8 @@ struct Shape {
     max_len: usize,
     c: usize,
     nh: usize,
+    /// Key/value heads (KV) and their size.
+    kv: usize,
     hs: usize,
     /// Real vocabulary (V) and stored rows of `wte` (Vp).
     v: usize,
@@ -51,9 +57,9 @@ struct Shape {
 }
 
 impl Shape {
-    /// Floats of one layer's key (or value) cache: (B, NH, max_len, HS).
+    /// Floats of one layer's key (or value) cache: (B, KV, max_len, HS).
     fn cache_floats(&self) -> usize {
-        self.b * self.nh * self.max_len * self.hs
+        self.b * self.kv * self.max_len * self.hs
     }
 }
 
@@ -65,9 +71,12 @@ impl Shape {
 /// decoders.
 pub struct Decoder {
     shape: Shape,
+    /// What the blocks are made of, and their rotary table for `max_len` positions.
+    family: Family,
+    rope: Option<RopeTable>,
     /// Positions cached per sequence.
     len: usize,
-    /// Keys of every layer: (L, B, NH, max_len, HS), so each head's keys are contiguous.
+    /// Keys of every layer: (L, B, KV, max_len, HS), so each head's keys are contiguous.
     keys: Vec<f32>,
     /// Values, laid out like `keys`.
     values: Vec<f32>,
@@ -120,6 +129,7 @@ impl Decoder {
             max_len,
             c: config.n_embd,
             nh: config.n_head,
+            kv: config.kv_heads(),
             hs: config.head_size(),
             v: config.vocab_size,
             vp: config.padded_vocab_size(),
@@ -127,8 +137,12 @@ impl Decoder {
         };
         let (rows, c) = (batch * max_len, shape.c);
         let cache = shape.n_layer * shape.cache_floats();
+        let family = config.family();
+        let rope = super::rope_table(&family, max_len);
         Decoder {
             shape,
+            family,
+            rope,
             len: 0,
             keys: vec![0.0; cache],
             values: vec![0.0; cache],
@@ -310,8 +324,10 @@ impl Decoder {
         self.check(params, layout, tokens, p);
         let s = self.shape;
         let (n, c, start) = (s.b * p, s.c, self.len);
-        let d = Dims::new(s.b, p, c, s.nh);
-        let wpe = &params[layout.wpe][start * c..];
+        let d = Dims::new(s.b, p, c, s.nh).with_heads(s.kv, s.hs);
+        // Learned positions from `start` on (none where positions are rotary).
+        let wpe = &params[layout.wpe];
+        let wpe = &wpe[(start * c).min(wpe.len())..];
         encoder_forward(&mut self.x[..n * c], tokens, &params[layout.wte], wpe, p, c);
         let per_layer = s.cache_floats();
         let caches = self
@@ -329,6 +345,8 @@ impl Decoder {
                 cached_attention(out, qkv, cache, scores, d, start)
             };
             let w = BlockWeights {
+                family: &self.family,
+                rope: self.rope.as_ref(),
                 params,
                 matmul: params,
                 at,
@@ -344,7 +362,10 @@ impl Decoder {
                 x,
                 a,
                 &mut self.scratch,
-                Attend::Cache(&mut attend),
+                Attend::Cache {
+                    start,
+                    attend: &mut attend,
+                },
                 None,
                 d,
             );
@@ -362,11 +383,23 @@ impl Decoder {
             row.copy_from_slice(&self.x[at..at + c]);
         }
         let (mean, rstd) = self.lnf_stats.rows_mut(b);
-        let ln_f = norm_of(params, layout.ln_f);
-        layernorm_forward::<false>(&mut self.lnf, mean, rstd, &self.last, ln_f);
+        let (out, x, ln_f) = (&mut self.lnf, &self.last, layout.ln_f);
+        match self.family.norm {
+            NormKind::Layer => {
+                layernorm_forward::<false>(out, mean, rstd, x, norm_of(params, ln_f))
+            }
+            NormKind::Rms => {
+                let w = RmsNorm {
+                    weight: &params[ln_f.weight],
+                    eps: self.family.norm_eps,
+                };
+                rmsnorm_forward::<false>(out, rstd, x, w)
+            }
+        }
         // One row per sequence against 50257 × 768 weights: a matrix-vector product,
-        // bound by streaming wte (see kernels::gemv).
-        let rows = layout.wte.start..layout.wte.start + v * c;
+        // bound by streaming the classifier (see kernels::gemv).
+        let cls = layout.classifier();
+        let rows = cls.start..cls.start + v * c;
         let wte = match &self.weights_bf16 {
             Some(w16) => Weights::Bf16(&w16[rows]),
             None => Weights::F32(&params[rows]),
@@ -449,6 +482,7 @@ pub(crate) mod tests {
             n_embd: 32,
             bias,
             dropout: 0.0,
+            llama: None,
         }
     }
 
@@ -665,7 +699,7 @@ pub(crate) mod tests {
         let (layout, params) = (&gpt.layout, &gpt.params);
         let mut rounded = params.clone();
         let matmuls = layout.layers.iter().flat_map(|l| {
-            let ls = [l.c_attn, l.attn_proj, l.c_fc, l.mlp_proj];
+            let ls = l.linears();
             ls.map(|s| s.weight)
         });
         for span in matmuls {
@@ -796,7 +830,7 @@ pub(crate) mod tests {
         }
         let mut rounded = gpt.params.clone();
         let matmuls = gpt.layout.layers.iter().flat_map(|l| {
-            let ls = [l.c_attn, l.attn_proj, l.c_fc, l.mlp_proj];
+            let ls = l.linears();
             ls.map(|s| s.weight)
         });
         for span in matmuls {

@@ -1,4 +1,5 @@
-//! GPT-2 initialisation, as nanoGPT does it.
+//! Initialisation from scratch: GPT-2's as nanoGPT does it, the Llama families' as
+//! transformers does.
 
 use super::config::ModelConfig;
 use super::layout::ParamLayout;
@@ -12,26 +13,31 @@ use rayon::prelude::*;
 /// still a pure function of the seed.
 const STREAM: usize = 1 << 20;
 
-/// Fills `params`: weights and embeddings ~ N(0, 0.02²), the two residual projections
-/// (`attn.c_proj`, `mlp.c_proj`) ~ N(0, (0.02/√(2·n_layer))²), biases 0, layer-norm
-/// gains 1. The padded vocabulary rows of `wte` are 0: they are never used.
+/// Fills `params`: weights and embeddings ~ N(0, 0.02²), biases 0, norm gains 1; for
+/// GPT-2 (nanoGPT's initialisation) the two residual projections (`attn.c_proj`,
+/// `mlp.c_proj`) ~ N(0, (0.02/√(2·n_layer))²), for the Llama families none scaled
+/// (transformers' `initializer_range` 0.02). The padded vocabulary rows of `wte` (and
+/// an untied `lm_head`) are 0: they are never used.
 pub fn init_gpt2(params: &mut [f32], layout: &ParamLayout, cfg: &ModelConfig, seed: u64) {
     params.fill(0.0);
+    let gpt2 = cfg.llama.is_none();
     let residual_std = 0.02 / (2.0 * cfg.n_layer as f32).sqrt();
+    let vocab_rows = [layout.wte.start, layout.lm_head.start];
     for (index, tensor) in layout.tensors.iter().enumerate() {
         let name = tensor.name.as_str();
         let mut range = tensor.range();
-        let std = if name.ends_with("c_proj.weight") {
+        let std = if gpt2 && name.ends_with("c_proj.weight") {
             residual_std
         } else if name.ends_with(".bias") {
             continue;
-        } else if name.contains("ln_") {
+        } else if tensor.shape.len() == 1 {
+            // A norm's gain (GPT-2's ln_*, Llama's *_norm / *_layernorm weights).
             params[range].fill(1.0);
             continue;
         } else {
             0.02
         };
-        if name == "transformer.wte.weight" {
+        if tensor.numel() > 0 && vocab_rows.contains(&tensor.offset) {
             range.end = range.start + cfg.vocab_size * cfg.n_embd;
         }
         let normal = Normal::new(0.0f32, std).expect("a positive standard deviation");
@@ -67,6 +73,7 @@ mod tests {
             n_embd: 128,
             bias: true,
             dropout: 0.0,
+            llama: None,
         };
         let layout = ParamLayout::new(&cfg);
         let mut params = vec![f32::NAN; layout.len];

@@ -1,14 +1,19 @@
 //! Where each named tensor lives inside the flat parameter arena.
 //!
 //! All parameters are one `Vec<f32>`; gradients and the AdamW moments are buffers of
-//! the same length and the same layout. Tensors carry Hugging Face GPT-2 names, but
-//! linear weights are stored `[out, in]` (PyTorch `nn.Linear`, as nanoGPT does), not
-//! in HF's Conv1D `[in, out]` order; the HF import/export transposes.
+//! the same length and the same layout. Tensors carry their Hugging Face names (the
+//! model family's, [`Family::names`](super::family::Family::names)), and linear
+//! weights are stored `[out, in]` (PyTorch `nn.Linear`, as nanoGPT does), also for
+//! GPT-2, whose HF files hold Conv1D `[in, out]`: the HF import/export transposes.
+//! A linear layer made of several HF tensors (Llama's q/k/v, gate/up) holds them one
+//! after another, so that one matmul runs it.
 //!
-//! Order: `wte`, `wpe`, then every layer's tensors together (so a layer's gradients
-//! are one contiguous range, ready for bucketed all-reduce), then `ln_f`.
+//! Order: `wte`, `wpe` (learned positions only), then every layer's tensors together
+//! (so a layer's gradients are one contiguous range, ready for bucketed all-reduce),
+//! then the final norm and an untied `lm_head`.
 
 use super::config::ModelConfig;
+use super::family::{Linear, Role};
 use crate::optim::DecayRanges;
 use std::ops::{Index, IndexMut, Range};
 
@@ -114,30 +119,56 @@ pub struct NormSpans {
 /// Where one transformer block's tensors live.
 #[derive(Clone, Debug, Default)]
 pub struct BlockLayout {
+    /// The norm before attention (GPT-2's `ln_1`, Llama's `input_layernorm`).
     pub ln_1: NormSpans,
-    /// `[3C, C]`: query, key and value projections stacked.
-    pub c_attn: LinearSpans,
-    /// `[C, C]`
-    pub attn_proj: LinearSpans,
+    /// `[(NH + 2·KV)·HS, C]`: query, key and value projections stacked (GPT-2's
+    /// `c_attn`; Llama's `q_proj`, `k_proj`, `v_proj`, one after another).
+    pub qkv: LinearSpans,
+    /// Qwen3's q and k norms, `[HS]` each (empty otherwise).
+    pub q_norm: Span,
+    pub k_norm: Span,
+    /// `[C, NH·HS]` the attention's output projection.
+    pub attn_out: LinearSpans,
+    /// The norm before the MLP (GPT-2's `ln_2`, Llama's `post_attention_layernorm`).
     pub ln_2: NormSpans,
-    /// `[4C, C]`
-    pub c_fc: LinearSpans,
-    /// `[C, 4C]`
-    pub mlp_proj: LinearSpans,
+    /// `[4C, C]` (GPT-2's `c_fc`), or `[2I, C]`: Llama's `gate_proj` then `up_proj`.
+    pub mlp_up: LinearSpans,
+    /// `[C, 4C]` or `[C, I]`: the MLP's output projection.
+    pub mlp_down: LinearSpans,
     /// All of this block's tensors: one contiguous span of the arena.
     pub span: Span,
+}
+
+impl BlockLayout {
+    /// The linear layer of `role`.
+    pub fn linear(&self, role: Role) -> LinearSpans {
+        match role {
+            Role::Qkv => self.qkv,
+            Role::AttnOut => self.attn_out,
+            Role::MlpUp => self.mlp_up,
+            Role::MlpDown => self.mlp_down,
+        }
+    }
+
+    /// The four linear layers, in [`ROLES`](super::family::ROLES) order.
+    pub fn linears(&self) -> [LinearSpans; 4] {
+        [self.qkv, self.attn_out, self.mlp_up, self.mlp_down]
+    }
 }
 
 /// The named tensors of a model and where they live in the arena.
 #[derive(Clone, Debug)]
 pub struct ParamLayout {
     pub tensors: Vec<TensorInfo>,
-    /// `[Vp, C]` token embedding, also the (tied) classifier.
+    /// `[Vp, C]` token embedding, also the classifier when it is tied.
     pub wte: Span,
-    /// `[block_size, C]` position embedding.
+    /// `[block_size, C]` position embedding; empty where positions are rotary.
     pub wpe: Span,
     pub layers: Vec<BlockLayout>,
+    /// The final norm (GPT-2's `ln_f`, Llama's `model.norm`).
     pub ln_f: NormSpans,
+    /// `[Vp, C]` the classifier when it is not tied to `wte`; empty otherwise.
+    pub lm_head: Span,
     /// Total floats in the arena.
     pub len: usize,
 }
@@ -151,12 +182,18 @@ struct Builder {
 }
 
 impl Builder {
+    /// A tensor at the next aligned offset.
     fn push(&mut self, name: String, shape: Vec<usize>) -> Span {
-        let offset = self.len.div_ceil(ALIGN) * ALIGN;
+        self.len = self.len.div_ceil(ALIGN) * ALIGN;
+        self.push_next(name, shape)
+    }
+
+    /// A tensor right after the last one (the parts of one linear layer).
+    fn push_next(&mut self, name: String, shape: Vec<usize>) -> Span {
         let info = TensorInfo {
             name,
             shape,
-            offset,
+            offset: self.len,
         };
         let span = Span::from(info.range());
         self.len = span.end;
@@ -164,68 +201,100 @@ impl Builder {
         span
     }
 
-    /// A bias of `n` floats, or an empty span when the model has no biases.
-    fn bias(&mut self, bias: bool, name: String, n: usize) -> Span {
-        match bias {
-            true => self.push(name, vec![n]),
-            false => Span::from(self.len..self.len),
-        }
-    }
-
-    /// A linear layer `name` from `c` to `oc` channels.
-    fn linear(&mut self, bias: bool, name: &str, c: usize, oc: usize) -> LinearSpans {
+    /// A linear layer of block `prefix`: its parts' weights `[rows, in]` one after
+    /// another, then (with biases) their biases likewise; one span each.
+    fn linear(&mut self, prefix: &str, l: &Linear) -> LinearSpans {
+        let mut stacked = |suffix: &str, shape: &dyn Fn(usize) -> Vec<usize>| {
+            let mut span: Option<Span> = None;
+            for p in &l.parts {
+                let name = format!("{prefix}{}.{suffix}", p.module);
+                let part = match span {
+                    None => self.push(name, shape(p.rows)),
+                    Some(_) => self.push_next(name, shape(p.rows)),
+                };
+                span = Some(Span::from(span.map_or(part.start, |s| s.start)..part.end));
+            }
+            span.unwrap_or_default()
+        };
+        let weight = stacked("weight", &|rows| vec![rows, l.inp]);
+        let bias = match l.bias {
+            true => stacked("bias", &|rows| vec![rows]),
+            false => Span::from(weight.end..weight.end),
+        };
         LinearSpans {
-            weight: self.push(format!("{name}.weight"), vec![oc, c]),
-            bias: self.bias(bias, format!("{name}.bias"), oc),
-            c,
-            oc,
+            weight,
+            bias,
+            c: l.inp,
+            oc: l.out(),
         }
     }
 
-    /// A layer norm `name` over `c` channels.
+    /// A norm `name` over `c` channels, with a bias or not.
     fn norm(&mut self, bias: bool, name: &str, c: usize) -> NormSpans {
-        NormSpans {
-            weight: self.push(format!("{name}.weight"), vec![c]),
-            bias: self.bias(bias, format!("{name}.bias"), c),
-        }
+        let weight = self.push(format!("{name}.weight"), vec![c]);
+        let bias = match bias {
+            true => self.push(format!("{name}.bias"), vec![c]),
+            false => Span::from(self.len..self.len),
+        };
+        NormSpans { weight, bias }
     }
 }
 
 impl ParamLayout {
+    /// The layout of `cfg`'s family ([`ModelConfig::family`]): the embeddings, then
+    /// every block's tensors together (so a block's gradients are one contiguous
+    /// range), then the final norm and an untied classifier.
     pub fn new(cfg: &ModelConfig) -> ParamLayout {
-        let (c, bias) = (cfg.n_embd, cfg.bias);
+        let f = cfg.family();
+        let (c, names) = (f.c, f.names());
         let mut b = Builder {
             tensors: Vec::new(),
             len: 0,
         };
-        let wte = b.push(
-            "transformer.wte.weight".into(),
-            vec![cfg.padded_vocab_size(), c],
-        );
-        let wpe = b.push("transformer.wpe.weight".into(), vec![cfg.block_size, c]);
+        let wte = b.push(names.wte.into(), vec![cfg.padded_vocab_size(), c]);
+        let wpe = match f.rope {
+            None => b.push(names.wpe.into(), vec![cfg.block_size, c]),
+            Some(_) => Span::from(b.len..b.len),
+        };
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
-            let p = |s: &str| format!("transformer.h.{i}.{s}");
+            let p = format!("{}{i}.", names.block);
             let start = b.len.div_ceil(ALIGN) * ALIGN;
+            let ln_1 = b.norm(f.norm_bias, &format!("{p}{}", names.norm_1), c);
+            let qkv = b.linear(&p, f.linear(Role::Qkv));
+            let (q_norm, k_norm) = match f.qk_norm {
+                true => (
+                    b.push(format!("{p}{}.weight", names.q_norm), vec![f.hs]),
+                    b.push(format!("{p}{}.weight", names.k_norm), vec![f.hs]),
+                ),
+                false => (Span::from(b.len..b.len), Span::from(b.len..b.len)),
+            };
             let mut l = BlockLayout {
-                ln_1: b.norm(bias, &p("ln_1"), c),
-                c_attn: b.linear(bias, &p("attn.c_attn"), c, 3 * c),
-                attn_proj: b.linear(bias, &p("attn.c_proj"), c, c),
-                ln_2: b.norm(bias, &p("ln_2"), c),
-                c_fc: b.linear(bias, &p("mlp.c_fc"), c, 4 * c),
-                mlp_proj: b.linear(bias, &p("mlp.c_proj"), 4 * c, c),
+                ln_1,
+                qkv,
+                q_norm,
+                k_norm,
+                attn_out: b.linear(&p, f.linear(Role::AttnOut)),
+                ln_2: b.norm(f.norm_bias, &format!("{p}{}", names.norm_2), c),
+                mlp_up: b.linear(&p, f.linear(Role::MlpUp)),
+                mlp_down: b.linear(&p, f.linear(Role::MlpDown)),
                 span: Span::default(),
             };
             l.span = Span::from(start..b.len);
             layers.push(l);
         }
-        let ln_f = b.norm(bias, "transformer.ln_f", c);
+        let ln_f = b.norm(f.norm_bias, names.norm_f, c);
+        let lm_head = match f.tied {
+            true => Span::from(b.len..b.len),
+            false => b.push(names.lm_head.into(), vec![cfg.padded_vocab_size(), c]),
+        };
         ParamLayout {
             tensors: b.tensors,
             wte,
             wpe,
             layers,
             ln_f,
+            lm_head,
             len: b.len,
         }
     }
@@ -246,6 +315,14 @@ impl ParamLayout {
                 .collect(),
         }
     }
+
+    /// The classifier's weights: `lm_head`, or `wte` when they are tied.
+    pub fn classifier(&self) -> Span {
+        match self.lm_head.is_empty() {
+            true => self.wte,
+            false => self.lm_head,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -261,6 +338,7 @@ mod tests {
             n_embd: 64,
             bias,
             dropout: 0.0,
+            llama: None,
         }
     }
 

@@ -1,5 +1,6 @@
-//! LoRA: low-rank adapters on the block's linear layers, trained while the base
-//! model stays frozen.
+//! LoRA: low-rank adapters on the block's linear layers (on any of the Hugging Face
+//! tensors a layer is made of: GPT-2's `c_attn`, Llama's `q_proj`, ...), trained while
+//! the base model stays frozen.
 //!
 //! ```text
 //! out = x · Wᵀ + b  +  s · B · A · drop(x)ᵀ        s = lora_alpha / lora_rank
@@ -22,7 +23,8 @@
 //! bf16 values, products accumulate in f32, as everywhere else in the block.
 
 use super::config::{Dtype, ModelConfig};
-use super::layout::{BlockLayout, LinearSpans, ParamLayout, Span, TensorInfo};
+use super::family::{known_lora_targets, Family, Role};
+use super::layout::{BlockLayout, ParamLayout, Span, TensorInfo};
 use crate::kernels::bf16::gemm::product;
 use crate::kernels::bf16::{self, Backend};
 use crate::kernels::dropout::{self, Dropout};
@@ -31,54 +33,14 @@ use anyhow::{bail, Result};
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
-/// A linear layer of the block that can carry an adapter.
+/// A place for an adapter: part `part` of the block's linear layer `role` (one
+/// Hugging Face tensor: GPT-2's `c_attn`, Llama's `q_proj`, ...), and its `index`
+/// among the family's targets ([`Family::lora_targets`]), which orders them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Target {
-    /// `attn.c_attn`, (3C, C)
-    CAttn = 0,
-    /// `attn.c_proj`, (C, C)
-    AttnProj = 1,
-    /// `mlp.c_fc`, (4C, C)
-    CFc = 2,
-    /// `mlp.c_proj`, (C, 4C)
-    MlpProj = 3,
-}
-
-/// Every target, in block order.
-pub const TARGETS: [Target; 4] = [
-    Target::CAttn,
-    Target::AttnProj,
-    Target::CFc,
-    Target::MlpProj,
-];
-
-impl Target {
-    /// The name `lora_targets` uses.
-    pub fn key(self) -> &'static str {
-        ["c_attn", "attn.c_proj", "c_fc", "mlp.c_proj"][self as usize]
-    }
-
-    /// The module's path inside a Hugging Face GPT-2 block (`transformer.h.{i}.…`).
-    pub fn module(self) -> &'static str {
-        ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"][self as usize]
-    }
-
-    /// The base linear layer this target adapts.
-    pub fn linear(self, at: &BlockLayout) -> LinearSpans {
-        match self {
-            Target::CAttn => at.c_attn,
-            Target::AttnProj => at.attn_proj,
-            Target::CFc => at.c_fc,
-            Target::MlpProj => at.mlp_proj,
-        }
-    }
-
-    /// A target from its `lora_targets` name (or its module path, `mlp.c_fc`, ...).
-    pub fn parse(name: &str) -> Option<Target> {
-        TARGETS
-            .into_iter()
-            .find(|t| t.key() == name || t.module() == name)
-    }
+pub struct Target {
+    pub role: Role,
+    pub part: usize,
+    pub index: usize,
 }
 
 /// The adapter settings of a run (config keys `lora_rank`, `lora_alpha`,
@@ -90,13 +52,15 @@ pub struct LoraConfig {
     pub alpha: f32,
     /// Dropout on the adapter's input, in training.
     pub dropout: f32,
-    /// Target names ([`Target::key`]), in block order, no repeats.
+    /// Target names (`lora_targets`: GPT-2's `c_attn`, ..., Llama's `q_proj`, ...), in
+    /// the families' block order, no repeats.
     pub targets: Vec<String>,
 }
 
 impl LoraConfig {
-    /// The settings of `lora_rank`, ... with `targets` a comma-separated list;
-    /// errors name the key at fault.
+    /// The settings of `lora_rank`, ... with `targets` a comma-separated list of
+    /// target names or module paths; errors name the key at fault. Which names a
+    /// model has is checked against its family ([`LoraConfig::check`]).
     pub fn new(rank: usize, alpha: f32, dropout: f32, targets: &str) -> Result<LoraConfig> {
         if rank == 0 {
             bail!("`lora_rank` must be at least 1 to use LoRA (0 turns it off)");
@@ -107,20 +71,28 @@ impl LoraConfig {
         if !(0.0..1.0).contains(&dropout) {
             bail!("`lora_dropout` must be in [0, 1), got {dropout}");
         }
-        let mut picked = [false; 4];
+        let known = known_lora_targets();
+        let mut picked = vec![false; known.len()];
         for name in targets.split(',').map(str::trim) {
-            match Target::parse(name) {
-                Some(t) => picked[t as usize] = true,
-                None => bail!(
-                    "`lora_targets` names unknown layer `{name}`; use a comma-separated list of \
-                     c_attn, attn.c_proj, c_fc, mlp.c_proj"
-                ),
+            match known
+                .iter()
+                .position(|p| p.lora == name || p.module == name)
+            {
+                Some(k) => picked[k] = true,
+                None => {
+                    let names: Vec<&str> = known.iter().map(|p| p.lora).collect();
+                    bail!(
+                        "`lora_targets` names unknown layer `{name}`; use a comma-separated list \
+                         of {} (GPT-2), or {} (Llama, Qwen, Mistral)",
+                        names[..4].join(", "),
+                        names[4..].join(", ")
+                    )
+                }
             }
         }
-        let targets = TARGETS
-            .into_iter()
-            .filter(|t| picked[*t as usize])
-            .map(|t| t.key().to_string())
+        let targets = (known.iter().zip(&picked))
+            .filter(|(_, &p)| p)
+            .map(|(t, _)| t.lora.to_string())
             .collect();
         Ok(LoraConfig {
             rank,
@@ -152,9 +124,43 @@ impl LoraConfig {
         self.alpha / self.rank as f32
     }
 
-    /// Whether `t` carries an adapter.
-    pub fn targets(&self, t: Target) -> bool {
-        self.targets.iter().any(|k| k == t.key())
+    /// The targets in `family`, in its block order. GPT-2's names stand for the
+    /// layers in the same place of any family (`c_attn`: the q, k and v projections;
+    /// `attn.c_proj`: the attention's output; `c_fc`: the MLP's first projection, both
+    /// of SwiGLU's; `mlp.c_proj`: the MLP's last), so the default `c_attn` adapts
+    /// every model's attention inputs. An error names a target the family does not
+    /// have, and the ones it has.
+    pub fn resolve(&self, family: &Family) -> Result<Vec<Target>> {
+        let all: Vec<(Role, usize, &str)> = family.lora_targets().collect();
+        let gpt2 = Family::gpt2(1, 1, false);
+        let mut roles = Vec::new();
+        let mut named = Vec::new();
+        for name in &self.targets {
+            if all.iter().any(|t| t.2 == name) {
+                named.push(name.as_str());
+            } else if let Some((role, _)) = gpt2.lora_target(name) {
+                roles.push(role);
+            } else {
+                let names: Vec<&str> = all.iter().map(|t| t.2).collect();
+                bail!(
+                    "`lora_targets` names `{name}`, which a {} model does not have; its layers \
+                     are {}",
+                    family.model_type(),
+                    names.join(", ")
+                );
+            }
+        }
+        let picked =
+            |&(role, _, name): &(Role, usize, &str)| named.contains(&name) || roles.contains(&role);
+        let found = (all.iter().enumerate())
+            .filter(|(_, t)| picked(t))
+            .map(|(index, &(role, part, _))| Target { role, part, index });
+        Ok(found.collect())
+    }
+
+    /// Checks that every target is a layer of `model`'s family.
+    pub fn check(&self, model: &ModelConfig) -> Result<()> {
+        self.resolve(&model.family()).map(|_| ())
     }
 }
 
@@ -175,24 +181,30 @@ pub struct LoraState {
     pub base_blocks: Option<String>,
 }
 
-/// Where one adapter's `A` (r, in) and `B` (out, r) live in the adapter arena.
+/// Where one adapter's `A` (r, in) and `B` (rows, r) live in the adapter arena, and
+/// which output rows of its linear layer it adds to.
 #[derive(Clone, Copy, Debug)]
 pub struct AdapterSpans {
+    pub target: Target,
     pub a: Span,
     pub b: Span,
     /// Input features (the base layer's C).
     pub inp: usize,
-    /// Output features (the base layer's OC).
+    /// The part's first output row in the linear layer, and its rows.
+    pub row0: usize,
     pub out: usize,
+    /// Output rows of the whole linear layer (OC).
+    pub oc: usize,
     pub rank: usize,
 }
 
-/// One block's adapters, indexed by [`Target`].
-pub type BlockAdapters = [Option<AdapterSpans>; 4];
+/// One block's adapters, indexed by [`Target::index`] (None: no adapter there).
+pub type BlockAdapters = Vec<Option<AdapterSpans>>;
 
 /// The adapter arena: a [`ParamLayout`] of every `A` and `B` (named like PEFT's
 /// tensors without its `base_model.model.` prefix, e.g.
-/// `transformer.h.0.attn.c_attn.lora_A.weight`), block by block, and where each
+/// `transformer.h.0.attn.c_attn.lora_A.weight`,
+/// `model.layers.0.self_attn.q_proj.lora_A.weight`), block by block, and where each
 /// block's adapters are.
 #[derive(Clone, Debug)]
 pub struct LoraLayout {
@@ -203,14 +215,29 @@ pub struct LoraLayout {
     /// The gradient buckets of the arena, in backward's order (the last block
     /// first); they tile `0..len`.
     pub buckets: Vec<std::ops::Range<usize>>,
+    /// The adapted layers are GPT-2's Conv1D (PEFT's `fan_in_fan_out`).
+    pub fan_in_fan_out: bool,
+    /// The adapted layers' target names in the model's family, in block order
+    /// (PEFT's `target_modules`).
+    pub targets: Vec<&'static str>,
 }
 
 /// Offsets are rounded up to this many floats, as in the base arena.
 const ALIGN: usize = 16;
 
 impl LoraLayout {
+    /// The adapters of `lora` on a model of `model`'s architecture.
+    ///
+    /// # Panics
+    /// If a target is not a layer of the model's family ([`LoraConfig::check`] says
+    /// so with a message).
     pub fn new(model: &ModelConfig, lora: &LoraConfig) -> LoraLayout {
-        let base = ParamLayout::new(model);
+        let family = model.family();
+        let targets = lora
+            .resolve(&family)
+            .unwrap_or_else(|e| panic!("unchecked LoRA targets: {e:#}"));
+        let (base, names) = (ParamLayout::new(model), family.names());
+        let n_targets = family.lora_targets().count();
         let (mut tensors, mut len) = (Vec::new(), 0usize);
         let mut push = |name: String, shape: Vec<usize>| {
             let offset = len.div_ceil(ALIGN) * ALIGN;
@@ -227,20 +254,25 @@ impl LoraLayout {
         let mut layers = Vec::new();
         let mut blocks = Vec::new();
         for (i, at) in base.layers.iter().enumerate() {
-            let mut adapters: BlockAdapters = [None; 4];
+            let mut adapters: BlockAdapters = vec![None; n_targets];
             let mut span: Option<Span> = None;
-            for t in TARGETS.into_iter().filter(|&t| lora.targets(t)) {
-                let (lin, r) = (t.linear(at), lora.rank);
-                let name = |m: &str| format!("transformer.h.{i}.{}.{m}.weight", t.module());
-                let a = push(name("lora_A"), vec![r, lin.c]);
-                let b = push(name("lora_B"), vec![lin.oc, r]);
+            for &t in &targets {
+                let linear = family.linear(t.role);
+                let part = linear.parts[t.part];
+                let (lin, r) = (at.linear(t.role), lora.rank);
+                let module = format!("{}{i}.{}", names.block, part.module);
+                let a = push(format!("{module}.lora_A.weight"), vec![r, lin.c]);
+                let b = push(format!("{module}.lora_B.weight"), vec![part.rows, r]);
                 let start = span.map_or(a.start, |s| s.start);
                 span = Some(Span::from(start..b.end));
-                adapters[t as usize] = Some(AdapterSpans {
+                adapters[t.index] = Some(AdapterSpans {
+                    target: t,
                     a,
                     b,
                     inp: lin.c,
-                    out: lin.oc,
+                    row0: linear.row_offset(t.part),
+                    out: part.rows,
+                    oc: lin.oc,
                     rank: r,
                 });
             }
@@ -257,6 +289,7 @@ impl LoraLayout {
             wpe: empty,
             layers,
             ln_f: Default::default(),
+            lm_head: empty,
             len,
         };
         let mut hi = params.len;
@@ -273,7 +306,17 @@ impl LoraLayout {
             params,
             blocks,
             buckets,
+            fan_in_fan_out: family.conv1d(),
+            targets: (targets.iter())
+                .map(|t| family.linear(t.role).parts[t.part].lora)
+                .collect(),
         }
+    }
+
+    /// Adapters per block the family has places for (the segments of
+    /// `BlockActs::lora_u`).
+    pub fn places(&self) -> usize {
+        self.blocks.first().map_or(0, Vec::len)
     }
 }
 
@@ -342,18 +385,15 @@ pub fn merge_into(
 ) {
     let s = config.scale() as f64;
     for (at, block) in base.layers.iter().zip(&lora.blocks) {
-        for t in TARGETS {
-            let Some(sp) = block[t as usize] else {
-                continue;
-            };
+        for sp in block.iter().flatten() {
             let (a, b) = (&adapters[sp.a], &adapters[sp.b]);
-            let w = &mut params[t.linear(at).weight];
+            let w = &mut params[at.linear(sp.target.role).weight];
             for o in 0..sp.out {
                 for i in 0..sp.inp {
                     let d: f64 = (0..sp.rank)
                         .map(|k| b[o * sp.rank + k] as f64 * a[k * sp.inp + i] as f64)
                         .sum();
-                    let cell = &mut w[o * sp.inp + i];
+                    let cell = &mut w[(sp.row0 + o) * sp.inp + i];
                     *cell = (*cell as f64 + s * d) as f32;
                 }
             }
@@ -406,114 +446,149 @@ pub struct BlockLora<'a> {
 
 /// What an adapter's backward reads and works in.
 pub struct LoraBufs<'a> {
-    /// (N, r) kept by forward: `s · drop(x) · Aᵀ` (a segment of `BlockActs::lora_u`).
+    /// (places, N, r) kept by forward: each target's `s · drop(x) · Aᵀ`
+    /// (`BlockActs::lora_u`, one segment per [`Target::index`]).
     pub u: &'a [f32],
     /// (N, in) scratch for `drop(x)` and `drop(du · A)` (with dropout only).
     pub x: &'a mut [f32],
-    /// (N, r) scratch: `du`, from [`BlockLora::backward_params`] to
-    /// [`BlockLora::backward_input`].
+    /// (parts, N, r) scratch: each part's `du`, from [`BlockLora::backward_params`]
+    /// to [`BlockLora::backward_input`].
     pub du: &'a mut [f32],
 }
 
-/// Target `t`'s segment of a block's `lora_u` (empty without LoRA).
-pub fn u_segment(lora_u: &[f32], t: Target) -> &[f32] {
-    let seg = lora_u.len() / 4;
-    &lora_u[t as usize * seg..(t as usize + 1) * seg]
+/// Target `index`'s segment of a block's `lora_u` of `places` segments.
+fn u_segment(lora_u: &[f32], index: usize, places: usize) -> &[f32] {
+    let seg = lora_u.len() / places.max(1);
+    &lora_u[index * seg..(index + 1) * seg]
 }
 
 /// [`u_segment`], to write.
-pub fn u_segment_mut(lora_u: &mut [f32], t: Target) -> &mut [f32] {
-    let seg = lora_u.len() / 4;
-    &mut lora_u[t as usize * seg..(t as usize + 1) * seg]
+fn u_segment_mut(lora_u: &mut [f32], index: usize, places: usize) -> &mut [f32] {
+    let seg = lora_u.len() / places.max(1);
+    &mut lora_u[index * seg..(index + 1) * seg]
 }
 
 /// Salt of the adapters' dropout seeds (disjoint from the model's dropout sites).
 const DROPOUT_SALT: u64 = 0x4c6f_5241_6472_6f70;
 
 impl<'a> BlockLora<'a> {
-    fn spans(&self, t: Target) -> Option<AdapterSpans> {
-        self.at[t as usize]
+    /// The adapters on the parts of linear layer `role`, in part order.
+    fn of(&self, role: Role) -> impl Iterator<Item = AdapterSpans> + 'a {
+        let at: &'a BlockAdapters = self.at;
+        at.iter()
+            .flatten()
+            .filter(move |sp| sp.target.role == role)
+            .copied()
+    }
+
+    /// Whether the linear layer `role` carries any adapter.
+    pub fn adapts(&self, role: Role) -> bool {
+        self.of(role).next().is_some()
     }
 
     fn mask(&self, t: Target) -> Option<Dropout> {
+        let site = (self.layer * self.at.len() + t.index) as u64;
         self.dropout.map(|(p, seed)| Dropout {
             p,
-            seed: Dropout::derive(seed ^ DROPOUT_SALT, self.layer as u64 * 4 + t as u64),
+            seed: Dropout::derive(seed ^ DROPOUT_SALT, site),
         })
     }
 
-    /// `out += s · drop(x) · Aᵀ · Bᵀ` for target `t` (nothing if it has no adapter);
-    /// `u` keeps `s · drop(x) · Aᵀ` ([`u_segment_mut`]), `scratch` is
-    /// `Scratch::lora_x`. out: (N, out); x: (N, in).
+    /// `out[:, rows] += s · drop(x) · Aᵀ · Bᵀ` for every adapter on the parts of
+    /// `role`, each into its part's rows of the output; `lora_u` keeps each
+    /// `s · drop(x) · Aᵀ`, `scratch` is `Scratch::lora_x` and `part_out`
+    /// `Scratch::lora_y` (a part's product before it joins a layer of several parts).
+    /// out: (N, OC); x: (N, in).
     pub fn forward<const BF16: bool>(
         &self,
-        t: Target,
+        role: Role,
         out: &mut [f32],
         x: &[f32],
-        u: &mut [f32],
-        scratch: &mut [f32],
+        lora_u: &mut [f32],
+        (scratch, part_out): (&mut [f32], &mut [f32]),
     ) {
-        let Some(sp) = self.spans(t) else { return };
-        let n = x.len() / sp.inp;
-        let xd = self.dropped::<BF16>(t, x, scratch);
-        let u = &mut u[..n * sp.rank];
-        let a = Mat::new(&self.weights[sp.a], sp.rank, sp.inp);
-        product::<BF16>(self.backend, u, Mat::new(xd, n, sp.inp), a.t(), false);
-        scale_and_round::<BF16>(u, self.scale);
-        let b = Mat::new(&self.weights[sp.b], sp.out, sp.rank);
-        product::<BF16>(self.backend, out, Mat::new(u, n, sp.rank), b.t(), true);
+        for sp in self.of(role) {
+            let n = x.len() / sp.inp;
+            let xd = self.dropped::<BF16>(sp.target, x, scratch);
+            let u = &mut u_segment_mut(lora_u, sp.target.index, self.at.len())[..n * sp.rank];
+            let a = Mat::new(&self.weights[sp.a], sp.rank, sp.inp);
+            product::<BF16>(self.backend, u, Mat::new(xd, n, sp.inp), a.t(), false);
+            scale_and_round::<BF16>(u, self.scale);
+            let b = Mat::new(&self.weights[sp.b], sp.out, sp.rank);
+            let u = Mat::new(u, n, sp.rank);
+            if sp.out == sp.oc {
+                product::<BF16>(self.backend, out, u, b.t(), true);
+                continue;
+            }
+            let y = &mut part_out[..n * sp.out];
+            product::<BF16>(self.backend, y, u, b.t(), false);
+            for (row, y) in out.chunks_exact_mut(sp.oc).zip(y.chunks_exact(sp.out)) {
+                let dst = &mut row[sp.row0..sp.row0 + sp.out];
+                dst.iter_mut().zip(y).for_each(|(o, v)| *o += v);
+            }
+        }
     }
 
-    /// The parameter half of the backward of target `t`: `dB += doutᵀ · u`,
-    /// `dA += duᵀ · drop(x)`, with `du = s · dout · B` left in `bufs.du` for
-    /// [`BlockLora::backward_input`]. `g` is the adapter gradient arena.
+    /// The parameter half of the backward of the adapters on `role`: `dB += doutᵀ · u`,
+    /// `dA += duᵀ · drop(x)`, with each part's `du = s · dout · B` (its rows of `dout`)
+    /// left in `bufs.du` for [`BlockLora::backward_input`]. `g` is the adapter
+    /// gradient arena; dout: (N, OC).
     pub fn backward_params<const BF16: bool>(
         &self,
-        t: Target,
+        role: Role,
         g: &mut [f32],
         dout: &[f32],
         x: &[f32],
         bufs: &mut LoraBufs,
     ) {
-        let Some(sp) = self.spans(t) else { return };
-        let n = x.len() / sp.inp;
-        let (dout, u) = (Mat::new(dout, n, sp.out), &bufs.u[..n * sp.rank]);
-        let du = &mut bufs.du[..n * sp.rank];
-        let b = Mat::new(&self.weights[sp.b], sp.out, sp.rank);
-        product::<BF16>(self.backend, du, dout, b, false);
-        scale_and_round::<BF16>(du, self.scale);
-        product::<BF16>(
-            self.backend,
-            &mut g[sp.b],
-            dout.t(),
-            Mat::new(u, n, sp.rank),
-            true,
-        );
-        let xd = self.dropped::<BF16>(t, x, &mut *bufs.x);
-        let du = Mat::new(du, n, sp.rank);
-        product::<BF16>(
-            self.backend,
-            &mut g[sp.a],
-            du.t(),
-            Mat::new(xd, n, sp.inp),
-            true,
-        );
+        for (k, sp) in self.of(role).enumerate() {
+            let n = x.len() / sp.inp;
+            let dout = Mat::new(dout, n, sp.oc).columns(sp.row0, sp.row0 + sp.out);
+            let u = &u_segment(bufs.u, sp.target.index, self.at.len())[..n * sp.rank];
+            let du = &mut bufs.du[k * n * sp.rank..(k + 1) * n * sp.rank];
+            let b = Mat::new(&self.weights[sp.b], sp.out, sp.rank);
+            product::<BF16>(self.backend, du, dout, b, false);
+            scale_and_round::<BF16>(du, self.scale);
+            product::<BF16>(
+                self.backend,
+                &mut g[sp.b],
+                dout.t(),
+                Mat::new(u, n, sp.rank),
+                true,
+            );
+            let xd = self.dropped::<BF16>(sp.target, x, &mut *bufs.x);
+            let du = Mat::new(du, n, sp.rank);
+            product::<BF16>(
+                self.backend,
+                &mut g[sp.a],
+                du.t(),
+                Mat::new(xd, n, sp.inp),
+                true,
+            );
+        }
     }
 
-    /// The input half: `dx += drop(du · A)`, `du` from [`BlockLora::backward_params`].
-    /// dx: (N, in).
-    pub fn backward_input<const BF16: bool>(&self, t: Target, dx: &mut [f32], bufs: &mut LoraBufs) {
-        let Some(sp) = self.spans(t) else { return };
-        let n = dx.len() / sp.inp;
-        let du = Mat::new(&bufs.du[..n * sp.rank], n, sp.rank);
-        let a = Mat::new(&self.weights[sp.a], sp.rank, sp.inp);
-        match self.mask(t) {
-            None => product::<BF16>(self.backend, dx, du, a, true),
-            Some(mask) => {
-                let tmp = &mut bufs.x[..n * sp.inp];
-                product::<BF16>(self.backend, tmp, du, a, false);
-                dropout::apply(tmp, mask, 0);
-                dx.iter_mut().zip(tmp.iter()).for_each(|(d, v)| *d += v);
+    /// The input half: `dx += drop(du · A)` for each adapter on `role`, `du` from
+    /// [`BlockLora::backward_params`]. dx: (N, in).
+    pub fn backward_input<const BF16: bool>(
+        &self,
+        role: Role,
+        dx: &mut [f32],
+        bufs: &mut LoraBufs,
+    ) {
+        for (k, sp) in self.of(role).enumerate() {
+            let n = dx.len() / sp.inp;
+            let du = &bufs.du[k * n * sp.rank..(k + 1) * n * sp.rank];
+            let du = Mat::new(du, n, sp.rank);
+            let a = Mat::new(&self.weights[sp.a], sp.rank, sp.inp);
+            match self.mask(sp.target) {
+                None => product::<BF16>(self.backend, dx, du, a, true),
+                Some(mask) => {
+                    let tmp = &mut bufs.x[..n * sp.inp];
+                    product::<BF16>(self.backend, tmp, du, a, false);
+                    dropout::apply(tmp, mask, 0);
+                    dx.iter_mut().zip(tmp.iter()).for_each(|(d, v)| *d += v);
+                }
             }
         }
     }

@@ -1,23 +1,28 @@
-//! The GPT-2 model: configuration, parameter layout, activations, and the forward and
-//! backward passes that string the kernels together.
+//! The model: configuration, family description, parameter layout, activations, and
+//! the forward and backward passes that string the kernels together, for GPT-2 and
+//! the Llama architecture alike (the family, `family.rs`, says which pieces).
 //!
 //! ```text
-//! x = drop(wte[tokens] + wpe)                       (B, T, C)
-//! for each block:  x = x + drop(attn(ln_1(x)))       (block.rs)
-//!                  x = x + drop(mlp(ln_2(x)))
-//! loss = cross_entropy(ln_f(x) · wteᵀ, targets)      logits never stored whole
+//! x = drop(wte[tokens] (+ wpe))                     (B, T, C); Llama: no wpe (RoPE)
+//! for each block:  x = x + drop(attn(norm_1(x)))     (block.rs)
+//!                  x = x + drop(mlp(norm_2(x)))
+//! loss = cross_entropy(norm_f(x) · Wᵀ, targets)      W: wte, or an untied lm_head;
+//!                                                    logits never stored whole
 //! ```
 
 pub mod activations;
 pub mod block;
 pub mod config;
 pub mod decode;
+pub mod family;
 pub mod init;
 pub mod layout;
 pub mod lora;
 pub mod packs;
 #[cfg(test)]
 mod tests_bf16;
+#[cfg(test)]
+mod tests_llama;
 #[cfg(test)]
 mod tests_lora;
 
@@ -31,14 +36,17 @@ use crate::kernels::classifier::{
 };
 use crate::kernels::dropout::{self, Dropout};
 use crate::kernels::encoder::{encoder_backward, encoder_forward};
-use crate::kernels::layernorm::{layernorm_backward, layernorm_forward};
+use crate::kernels::layernorm::layernorm_forward;
+use crate::kernels::rmsnorm::{rmsnorm_forward, RmsNorm};
+use crate::kernels::rope::RopeTable;
 use crate::kernels::Dims;
 use crate::optim::AdamW;
 use crate::resident::release;
 use anyhow::{bail, Context, Result};
 use block::{attention_branch_backward, block_forward, mlp_backward};
-use block::{norm_grads, norm_of, split_two};
+use block::{norm_backward, norm_grads, norm_of, split_two};
 use block::{Attend, BlockDropout, BlockWeights};
+use family::{Family, NormKind};
 use lora::{BlockLora, Frozen, LoraConfig, LoraLayout};
 use packs::Packs;
 use std::borrow::Cow;
@@ -52,6 +60,10 @@ use std::ops::Range;
 /// checkpoints work on the trained arena either way.
 pub struct Gpt {
     config: ModelConfig,
+    /// What the blocks are made of (from `config`).
+    family: Family,
+    /// The rotary table of families with RoPE, for positions `0..block_size`.
+    rope: Option<RopeTable>,
     pub layout: ParamLayout,
     /// All trained parameters, laid out by `layout`.
     pub params: Vec<f32>,
@@ -159,8 +171,11 @@ pub fn add_encoder_rows(
     for (i, (&tok, row)) in tokens.iter().zip(dout.chunks_exact(c)).enumerate() {
         let wte = layout.wte.start + tok as usize * c;
         let wpe = layout.wpe.start + (i % t) * c;
-        assert!(wte + c <= layout.wte.end && wpe + c <= layout.wpe.end);
-        for at in [wte, wpe] {
+        assert!(wte + c <= layout.wte.end);
+        // Rotary families have no position table.
+        let positions = (!layout.wpe.is_empty()).then_some(wpe);
+        assert!(positions.is_none_or(|p| p + c <= layout.wpe.end));
+        for at in std::iter::once(wte).chain(positions) {
             let (lo, hi) = (at.max(window.start), (at + c).min(window.end));
             if lo >= hi {
                 continue;
@@ -226,7 +241,11 @@ impl Gpt {
         }
         let layout = ParamLayout::new(&config);
         let acts = Activations::new(&config, max_b, max_t, Dtype::Float32, false);
+        let family = config.family();
+        let rope = rope_table(&family, config.block_size);
         Ok(Gpt {
+            family,
+            rope,
             params: vec![0.0; layout.len],
             grads: vec![0.0; layout.len],
             frozen: None,
@@ -341,6 +360,11 @@ impl Gpt {
         &self.config
     }
 
+    /// The model family's description (from [`Gpt::config`]).
+    pub fn family(&self) -> &Family {
+        &self.family
+    }
+
     /// Training FLOPs per token of sequences of `t` ([`ModelConfig::flops_per_token`]).
     /// With LoRA the frozen weights get no weight gradient: their matmuls cost 4·N
     /// (forward and input gradient) instead of 6·N, and the adapters' 6·A is added.
@@ -349,7 +373,7 @@ impl Gpt {
         if self.frozen.is_none() {
             return full;
         }
-        let base = (self.config.num_params() - self.config.block_size * self.config.n_embd) as f64;
+        let base = self.config.matmul_params() as f64;
         let adapters: usize = (self.layout.tensors.iter())
             .map(|t| t.shape.iter().product::<usize>())
             .sum();
@@ -635,17 +659,17 @@ impl Gpt {
             &self.backend,
         );
         let cls = Classifier {
-            wte: &base.matmul[base.layout.wte],
+            wte: &base.matmul[base.layout.classifier()],
             packs: self.packs.as_ref().map(Packs::wte),
             c: d.c,
             v: self.config.vocab_size,
             backend: &self.backend,
         };
         let acts = &mut self.acts;
-        // With LoRA `layout.wte` is empty: the frozen embedding gets no gradient.
+        // With LoRA the layout's classifier is empty: the frozen one gets no gradient.
         let grads = self.training.then(|| ClassifierGrads {
             dx: &mut acts.scratch.dinp[..n * d.c],
-            dwte: &mut self.grads[self.layout.wte],
+            dwte: &mut self.grads[self.layout.classifier()],
             scale: self.grad_scale,
         });
         let (x, losses) = (&acts.lnf[..n * d.c], &mut acts.losses[..n]);
@@ -738,6 +762,8 @@ impl Gpt {
     fn backward_pass<const BF16: bool>(&mut self, d: Dims, pass: u64, hooks: &mut dyn PassHooks) {
         let (n, c) = (d.bt(), d.c);
         let Gpt {
+            family,
+            rope,
             params,
             params_bf16,
             packs,
@@ -751,6 +777,7 @@ impl Gpt {
             ..
         } = self;
         let full = frozen.is_none();
+        let fam = (&*family, rope.as_ref());
         let base = weights(
             BF16,
             layout,
@@ -762,17 +789,26 @@ impl Gpt {
         );
         let (dropout, lora_dropout) = pass_dropout(Some(pass), config, frozen);
         let s = &mut acts.scratch;
-        // The classifier left d(ln_f output) in `dinp`; the residual gradient starts at 0.
+        // The classifier left d(final norm output) in `dinp`; the residual gradient
+        // starts at 0.
         s.dres[..n * c].fill(0.0);
         let last = acts.blocks.last().map_or(&acts.encoded, |l| &l.res3);
-        let (mean, rstd) = acts.lnf_stats.rows(n);
         let (dres, dlnf) = (&mut s.dres[..n * c], &s.dinp[..n * c]);
-        let w = &base.params[base.layout.ln_f.weight];
+        let ln_f = base.layout.ln_f;
         let g = match base.lora {
             None => norm_grads(grads, layout.ln_f),
-            Some(_) => block::sink_grads(&mut s.norm_sink, config.bias),
+            Some(_) => block::sink_grads(&mut s.norm_sink, ln_f),
         };
-        layernorm_backward(dres, g, dlnf, &last[..n * c], w, mean, rstd);
+        let x = &last[..n * c];
+        norm_backward(
+            family,
+            base.params,
+            ln_f,
+            g,
+            (dres, dlnf),
+            x,
+            &acts.lnf_stats,
+        );
         let mut buckets = match frozen.as_deref() {
             None => Buckets::Full(buckets(layout)),
             Some(f) => Buckets::Adapters(f.adapters.buckets.iter()),
@@ -812,7 +848,7 @@ impl Gpt {
                 0 => &acts.encoded[..n * c],
                 _ => &acts.blocks[l - 1].res3[..n * c],
             };
-            let w = base.block(l, lora_dropout);
+            let w = base.block(l, lora_dropout, fam);
             let drop = dropout.map(|seed| BlockDropout::new(seed, l, config.dropout));
             let a = match acts.recompute.as_mut() {
                 Some(a) => {
@@ -867,9 +903,9 @@ impl Gpt {
             self.packs.as_ref(),
             &self.backend,
         );
-        // The f32 GEMM reads its operands as they are: in bf16, `wte` rounded (it
-        // is `params`'s where the model keeps no rounded copy).
-        let wte = &base.matmul[base.layout.wte];
+        // The f32 GEMM reads its operands as they are: in bf16, the classifier rounded
+        // (it is `params`'s where the model keeps no rounded copy).
+        let wte = &base.matmul[base.layout.classifier()];
         let wte: Cow<[f32]> = match bf16 {
             true => Cow::Owned(wte.iter().copied().map(bf16::round).collect()),
             false => Cow::Borrowed(wte),
@@ -899,7 +935,8 @@ impl Gpt {
             inputs.iter().all(|&tok| tok < vp),
             "token id beyond the vocabulary"
         );
-        Dims::new(b, t, self.config.n_embd, self.config.n_head)
+        let f = &self.family;
+        Dims::new(b, t, f.c, f.nh).with_heads(f.kv, f.hs)
     }
 
     /// Embedding, all blocks and the final layer norm; fills `acts` for `d`. `pass`:
@@ -913,6 +950,8 @@ impl Gpt {
     ) {
         let (n, c) = (d.bt(), d.c);
         let Gpt {
+            family,
+            rope,
             params,
             params_bf16,
             packs,
@@ -925,6 +964,7 @@ impl Gpt {
             frozen,
             ..
         } = self;
+        let fam = (&*family, rope.as_ref());
         let full = frozen.is_none();
         // Lent weights, or a stale copy: each range rounded as it is needed.
         let round = *lent || (full && std::mem::take(bf16_owed));
@@ -970,7 +1010,7 @@ impl Gpt {
             );
             let (before, this) = acts.blocks.split_at_mut(l);
             let x = before.last().map_or(&acts.encoded, |p| &p.res3);
-            let w = base.block(l, lora_dropout);
+            let w = base.block(l, lora_dropout, fam);
             let drop = dropout.map(|seed| BlockDropout::new(seed, l, config.dropout));
             let s = &mut acts.scratch;
             match acts.recompute.as_mut() {
@@ -998,8 +1038,19 @@ impl Gpt {
         );
         let last = acts.blocks.last().map_or(&acts.encoded, |l| &l.res3);
         let (mean, rstd) = acts.lnf_stats.rows_mut(n);
-        let ln_f = norm_of(base.params, base.layout.ln_f);
-        layernorm_forward::<BF16>(&mut acts.lnf[..n * c], mean, rstd, &last[..n * c], ln_f);
+        let (out, x, ln_f) = (&mut acts.lnf[..n * c], &last[..n * c], base.layout.ln_f);
+        match family.norm {
+            NormKind::Layer => {
+                layernorm_forward::<BF16>(out, mean, rstd, x, norm_of(base.params, ln_f))
+            }
+            NormKind::Rms => {
+                let w = RmsNorm {
+                    weight: &base.params[ln_f.weight],
+                    eps: family.norm_eps,
+                };
+                rmsnorm_forward::<BF16>(out, rstd, x, w)
+            }
+        }
     }
 }
 
@@ -1053,9 +1104,17 @@ struct Weights<'a> {
 }
 
 impl<'a> Weights<'a> {
-    /// Block `l`'s weights; `lora_dropout`: the pass seed of the adapters' dropout.
-    fn block(&self, l: usize, lora_dropout: Option<u64>) -> BlockWeights<'a> {
+    /// Block `l`'s weights; `lora_dropout`: the pass seed of the adapters' dropout;
+    /// `fam`: the family and its rotary table.
+    fn block(
+        &self,
+        l: usize,
+        lora_dropout: Option<u64>,
+        fam: (&'a Family, Option<&'a RopeTable>),
+    ) -> BlockWeights<'a> {
         BlockWeights {
+            family: fam.0,
+            rope: fam.1,
             params: self.params,
             matmul: self.matmul,
             at: &self.layout.layers[l],
@@ -1187,6 +1246,13 @@ fn ln_f_bucket(layout: &ParamLayout) -> Range<usize> {
     layout.layers.last().map_or(layout.len, |l| l.span.end)..layout.len
 }
 
+/// The rotary table of `family` (None without RoPE) for positions `0..positions`.
+pub fn rope_table(family: &Family, positions: usize) -> Option<RopeTable> {
+    family
+        .rope
+        .map(|rope| RopeTable::new(&rope, family.hs, positions))
+}
+
 /// The embedding's dropout mask in the pass seeded `pass_seed` (site 0 of the pass).
 fn embedding_dropout(pass_seed: u64, p: f32) -> Dropout {
     Dropout {
@@ -1211,6 +1277,7 @@ mod tests {
             n_embd: 16,
             bias,
             dropout,
+            llama: None,
         }
     }
 

@@ -112,14 +112,15 @@ impl Packs {
         layout: &ParamLayout,
         config: &ModelConfig,
     ) {
-        if range.contains(&layout.wte.start) {
+        let classifier = layout.classifier();
+        if range.contains(&classifier.start) {
             let (v, c) = (config.vocab_size, config.n_embd);
-            self.wte.pack(&copy[layout.wte], v, c);
+            self.wte.pack(&copy[classifier], v, c);
             self.fresh[0] = true;
         }
         let blocks = layout.layers.iter().zip(&mut self.layers).enumerate();
         for (l, (at, packs)) in blocks.filter(|(_, (at, _))| range.contains(&at.span.start)) {
-            let spans = [at.c_attn, at.attn_proj, at.c_fc, at.mlp_proj];
+            let spans = at.linears();
             for (s, (span, p)) in spans.iter().zip(&mut packs.linears) {
                 p.pack(&copy[s.weight], s.oc, s.c);
                 *span = s.weight;

@@ -32,6 +32,7 @@ fn medium(bias: bool) -> ModelConfig {
         n_embd: 64,
         bias,
         dropout: 0.0,
+        llama: None,
     }
 }
 
@@ -141,14 +142,14 @@ fn reference_loss(
     }
     for r in &gpt.layout.layers {
         let ln1 = rounded(norm(&h, r.ln_1));
-        let qkv = rounded(dense(&ln1, r.c_attn));
+        let qkv = rounded(dense(&ln1, r.qkv));
         let atty = rounded(attention(&qkv, (b, t, c, cfg.n_head), probs));
-        let proj = dense(&atty, r.attn_proj);
+        let proj = dense(&atty, r.attn_out);
         h.iter_mut().zip(proj).for_each(|(h, p)| *h += p);
         let ln2 = rounded(norm(&h, r.ln_2));
-        let fc = rounded(dense(&ln2, r.c_fc));
+        let fc = rounded(dense(&ln2, r.mlp_up));
         let g = rounded(fc.into_iter().map(gelu).collect());
-        let proj = dense(&g, r.mlp_proj);
+        let proj = dense(&g, r.mlp_down);
         h.iter_mut().zip(proj).for_each(|(h, p)| *h += p);
     }
     let lnf = rounded(norm(&h, gpt.layout.ln_f));
@@ -285,7 +286,7 @@ fn bf16_weights_are_copied_once_per_sync() {
     gpt.set_dtype(Dtype::Bfloat16, &here());
     gpt.set_training(false);
     let before = gpt.forward(&x, &y, b, t);
-    let w = gpt.layout.layers[0].c_fc.weight;
+    let w = gpt.layout.layers[0].mlp_up.weight;
     gpt.params[w].iter_mut().for_each(|p| *p *= 1.5);
     assert_eq!(
         gpt.forward(&x, &y, b, t),
@@ -332,7 +333,7 @@ fn packing_weights_once_per_step_changes_no_bit() {
             pass(&mut gpt);
             gpt.step_adamw(&mut opt, 1e-2, 1.0);
         }
-        let w = gpt.layout.layers[1].c_fc.weight;
+        let w = gpt.layout.layers[1].mlp_up.weight;
         gpt.params[w].iter_mut().for_each(|p| *p *= 1.5);
         gpt.sync_bf16_weights();
         pass(&mut gpt);

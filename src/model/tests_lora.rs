@@ -15,6 +15,7 @@ fn tiny(bias: bool, dropout: f32) -> ModelConfig {
         n_embd: 12,
         bias,
         dropout,
+        llama: None,
     }
 }
 

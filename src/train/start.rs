@@ -410,6 +410,7 @@ impl TrainState {
             _ if !cfg.adapter.is_empty() => with_peft_adapter(cfg, model, &base)?,
             None => model,
             Some(lora) => {
+                lora.check(model.config())?;
                 lora.check_fits(model.config())?;
                 model.with_lora(lora, (&base, cfg.seed), cfg.seed)
             }
@@ -736,7 +737,21 @@ fn load_pretrained(cfg: &TrainConfig, meta: &Meta, name: &str) -> Result<Gpt> {
             .with_context(|| format!("init_from={name}: cannot fine-tune it"))?;
     }
     let model_cfg = pretrained.model_config(Some(cfg.block_size), cfg.dropout)?;
-    if meta.tokenizer != data::TokenizerKind::Gpt2 || meta.vocab_size > model_cfg.vocab_size {
+    if model_cfg.llama.is_some() && meta.vocab_size > model_cfg.vocab_size {
+        bail!(
+            "init_from={name} has a vocabulary of {} tokens, but dataset {} holds {} tokens \
+             (vocabulary {}); prepare the text with the model's own tokenizer: `nanogpt prepare \
+             SOURCE --out DIR --tokenizer {name}`, then dataset=DIR",
+            model_cfg.vocab_size,
+            cfg.dataset,
+            meta.tokenizer,
+            meta.vocab_size
+        );
+    }
+    let gpt2 = model_cfg.llama.is_none();
+    if gpt2
+        && (meta.tokenizer != data::TokenizerKind::Gpt2 || meta.vocab_size > model_cfg.vocab_size)
+    {
         bail!(
             "init_from={name} is a GPT-2 with {} tokens, but dataset {} holds {} tokens (vocabulary {}); \
              fine-tuning needs text prepared with GPT-2's tokenizer: `nanogpt prepare SOURCE --out DIR \
@@ -767,7 +782,7 @@ fn note_ignored_architecture(cfg: &TrainConfig, source: &dyn Display, model: &Mo
         .filter(|(_, ours, theirs)| ours != theirs)
         .map(|(key, ours, theirs)| format!("{key} = {ours} (it has {theirs})"))
         .collect();
-    if cfg.bias != model.bias {
+    if cfg.bias != model.bias && model.llama.is_none() {
         let has = if model.bias { "biases" } else { "none" };
         ignored.push(format!("bias = {} (it has {has})", cfg.bias));
     }

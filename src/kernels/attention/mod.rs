@@ -261,18 +261,28 @@ pub fn attention_backward<const BF16: bool>(
 ) {
     let _t = crate::profile::scope(crate::profile::Section::AttentionBackward);
     let bf16 = bf16_backward_products::<BF16>(d, backend);
-    backward_impl(
-        Isa::detect(),
-        dqkv,
-        dout,
-        qkv,
-        out,
-        lse,
-        d,
-        dropout,
-        BF16,
-        bf16,
-    );
+    let isa = Isa::detect();
+    backward_impl(isa, dqkv, dout, qkv, out, lse, d, dropout, BF16, bf16);
+}
+
+/// [`attention_backward`] with `dqkv` left unrounded also under bf16 autocast, for
+/// what still runs between it and the projection's backward (RoPE's backward, a q/k
+/// norm's), which rounds it after them.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_unrounded<const BF16: bool>(
+    dqkv: &mut [f32],
+    dout: &[f32],
+    qkv: &[f32],
+    out: &[f32],
+    lse: &[f32],
+    d: Dims,
+    dropout: Option<Dropout>,
+    backend: &Backend,
+) {
+    let _t = crate::profile::scope(crate::profile::Section::AttentionBackward);
+    let bf16 = bf16_backward_products::<BF16>(d, backend);
+    let isa = Isa::detect();
+    backward_impl(isa, dqkv, dout, qkv, out, lse, d, dropout, false, bf16);
 }
 
 /// Whether bf16 attention can run its products on `vdpbf16ps`: the back-end allows
