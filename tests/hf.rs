@@ -689,7 +689,7 @@ fn config_the_engine_cannot_represent_is_refused() {
             serde_json::json!(1e-6),
             "layer_norm_epsilon",
         ),
-        ("model_type", serde_json::json!("llama"), "\"llama\""),
+        ("model_type", serde_json::json!("bloom"), "\"bloom\""),
         ("n_inner", serde_json::json!(100), "n_inner"),
         (
             "scale_attn_by_inverse_layer_idx",
@@ -833,7 +833,7 @@ fn names_resolve_through_the_hugging_face_cache() {
     let located = nanogpt::hf::resolve::locate("gpt2", &offline(cache.path())).unwrap();
     assert_eq!(located, Located::Dir(snap));
     let m = Pretrained::open_with("gpt2", &offline(cache.path())).unwrap();
-    assert_eq!(m.config.vocab_size, 259);
+    assert_eq!(m.config.vocab_size(), 259);
 
     // The presets' new home, openai-community/…, is found for the short name too.
     let cache2 = temp_dir("hf-cache2");

@@ -10,7 +10,9 @@ use clap::Args;
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
-    /// Model preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl).
+    /// Model preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl), or a Hugging Face
+    /// model directory or its config.json (any family nanogpt loads: its
+    /// architecture, with weights initialised here).
     #[arg(long, default_value = "gpt2")]
     pub model: String,
     /// Architecture overrides, e.g. `n_layer=4 n_embd=128 n_head=4 vocab_size=65`,
@@ -71,13 +73,30 @@ fn lora_config(args: &BenchArgs) -> anyhow::Result<Option<crate::model::lora::Lo
     lora.transpose()
 }
 
+/// The architecture `--model` names: a preset, or a Hugging Face config.json (of a
+/// directory, or the file itself) with `block_size` positions.
+fn architecture(model: &str, block_size: usize) -> anyhow::Result<ModelConfig> {
+    if let Some(preset) = ModelConfig::preset(model) {
+        return Ok(preset);
+    }
+    let path = std::path::Path::new(model);
+    let file = match path.is_dir() {
+        true => path.join("config.json"),
+        false => path.to_path_buf(),
+    };
+    if !file.is_file() {
+        bail!(
+            "--model {model}: not a preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl), nor a \
+             Hugging Face model directory or config.json"
+        );
+    }
+    let hf = crate::hf::HfConfig::load(&file)?;
+    hf.check(&file)?;
+    hf.model_config(Some(block_size), 0.0, &file)
+}
+
 fn model_config(args: &BenchArgs) -> anyhow::Result<ModelConfig> {
-    let mut cfg = ModelConfig::preset(&args.model).with_context(|| {
-        format!(
-            "unknown model preset '{}': use gpt2, gpt2-medium, gpt2-large or gpt2-xl",
-            args.model
-        )
-    })?;
+    let mut cfg = architecture(&args.model, args.block_size)?;
     for kv in &args.overrides {
         let (key, value) = kv
             .split_once('=')

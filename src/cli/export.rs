@@ -1,5 +1,6 @@
 //! `nanogpt export --from OUT_DIR --to HF_DIR`: a trained model as a Hugging Face
-//! GPT-2 model directory; `--to FILE.gguf`: as a GGUF file for llama.cpp and Ollama.
+//! model directory (GPT-2, or the Llama family it came from); `--to FILE.gguf`: a GPT-2
+//! as a GGUF file for llama.cpp and Ollama.
 
 use crate::gguf::{ExportOptions, OutType};
 use crate::hf::export;
@@ -68,7 +69,7 @@ pub fn run(args: ExportArgs) -> Result<()> {
         summary.dir.display(),
         summary.files.join(", ")
     );
-    if loaded.meta.tokenizer != crate::data::TokenizerKind::Gpt2 {
+    if loaded.meta.tokenizer != crate::data::TokenizerKind::Gpt2 && c.llama.is_none() {
         crate::outln!(
             "note: the model uses a {} tokenizer, which Hugging Face's GPT-2 has no files for: \
              the weights load, but encode text yourself (meta.json of the dataset lists the vocabulary)",
@@ -76,7 +77,7 @@ pub fn run(args: ExportArgs) -> Result<()> {
         );
     }
     crate::outln!(
-        "load it with: GPT2LMHeadModel.from_pretrained(\"{}\")",
+        "load it with: AutoModelForCausalLM.from_pretrained(\"{}\")",
         summary.dir.display()
     );
     Ok(())
@@ -132,7 +133,7 @@ fn export_adapter(args: &ExportArgs) -> Result<()> {
         files.join(", ")
     );
     crate::outln!(
-        "load it with: PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(\"{}\"), \"{}\")",
+        "load it with: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(\"{}\"), \"{}\")",
         state.base,
         args.to.display()
     );

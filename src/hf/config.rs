@@ -1,10 +1,91 @@
-//! `config.json` of a Hugging Face GPT-2, and what of it the engine can represent.
+//! `config.json` of a Hugging Face model, and what of it the engine can represent:
+//! GPT-2's here ([`Gpt2Config`]), the Llama families' in [`super::llama`].
 
+use super::llama::{llama_type, LlamaHfConfig};
 use crate::model::config::LAYER_NORM_EPS;
 use crate::model::ModelConfig;
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use std::path::Path;
+
+/// A model's `config.json`, read as its `model_type` says.
+#[derive(Clone, Debug, PartialEq)]
+pub enum HfConfig {
+    Gpt2(Gpt2Config),
+    Llama(LlamaHfConfig),
+}
+
+impl HfConfig {
+    /// Reads `config.json`: a Llama-architecture one is read and checked here, a
+    /// GPT-2 one read (and checked by [`HfConfig::check`]).
+    pub fn load(path: &Path) -> Result<HfConfig> {
+        let text = crate::fsutil::read_json(path, "config.json").with_context(|| {
+            format!(
+                "cannot read {}: a Hugging Face model directory needs its config.json",
+                path.display()
+            )
+        })?;
+        let json: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not valid JSON", path.display()))?;
+        match llama_type(&json) {
+            Some(t) => Ok(HfConfig::Llama(LlamaHfConfig::read(&json, t, path)?)),
+            None => Gpt2Config::parse(text.as_bytes())
+                .map(HfConfig::Gpt2)
+                .with_context(|| {
+                    format!(
+                        "{} is not a valid Hugging Face GPT-2 config.json",
+                        path.display()
+                    )
+                }),
+        }
+    }
+
+    /// Refuses what the engine cannot represent, naming the keys at fault.
+    pub fn check(&self, path: &Path) -> Result<()> {
+        match self {
+            HfConfig::Gpt2(c) => c.check(path),
+            HfConfig::Llama(_) => Ok(()), // checked as it was read
+        }
+    }
+
+    /// The engine's config: this architecture with `block_size` positions (cropped
+    /// from the pretrained table; default all of it) and `dropout`.
+    pub fn model_config(
+        &self,
+        block_size: Option<usize>,
+        dropout: f32,
+        origin: &Path,
+    ) -> Result<ModelConfig> {
+        match self {
+            HfConfig::Gpt2(c) => c.model_config(block_size, dropout, origin),
+            HfConfig::Llama(c) => c.model_config(block_size, dropout, origin),
+        }
+    }
+
+    /// The vocabulary size.
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            HfConfig::Gpt2(c) => c.vocab_size,
+            HfConfig::Llama(c) => c.vocab_size,
+        }
+    }
+
+    /// Blocks of the pretrained model.
+    pub fn n_layer(&self) -> usize {
+        match self {
+            HfConfig::Gpt2(c) => c.n_layer,
+            HfConfig::Llama(c) => c.num_hidden_layers,
+        }
+    }
+
+    /// Whether the classifier is the token embedding.
+    pub fn tie_word_embeddings(&self) -> bool {
+        match self {
+            HfConfig::Gpt2(c) => c.tie_word_embeddings,
+            HfConfig::Llama(c) => c.llama.tie_word_embeddings,
+        }
+    }
+}
 
 /// The activations that are GELU with the tanh approximation, the engine's GELU.
 pub const GELU_TANH_NAMES: [&str; 2] = ["gelu_new", "gelu_pytorch_tanh"];
@@ -13,7 +94,7 @@ pub const GELU_TANH_NAMES: [&str; 2] = ["gelu_new", "gelu_pytorch_tanh"];
 /// ones a file may leave out. Other keys (dropout rates, summary heads, token ids...)
 /// are ignored.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
-pub struct HfConfig {
+pub struct Gpt2Config {
     #[serde(default)]
     pub model_type: Option<String>,
     #[serde(default)]
@@ -71,25 +152,9 @@ fn d_true() -> bool {
     true
 }
 
-impl HfConfig {
-    /// Reads `config.json` (does not check it: see [`HfConfig::check`]).
-    pub fn load(path: &Path) -> Result<HfConfig> {
-        let text = crate::fsutil::read_json(path, "config.json").with_context(|| {
-            format!(
-                "cannot read {}: a Hugging Face model directory needs its config.json",
-                path.display()
-            )
-        })?;
-        Self::parse(text.as_bytes()).with_context(|| {
-            format!(
-                "{} is not a valid Hugging Face GPT-2 config.json",
-                path.display()
-            )
-        })
-    }
-
-    /// Reads the bytes of a `config.json` (not checked: see [`HfConfig::check`]).
-    pub fn parse(bytes: &[u8]) -> Result<HfConfig> {
+impl Gpt2Config {
+    /// Reads the bytes of a `config.json` (not checked: see [`Gpt2Config::check`]).
+    pub fn parse(bytes: &[u8]) -> Result<Gpt2Config> {
         Ok(serde_json::from_slice(bytes)?)
     }
 
@@ -100,8 +165,8 @@ impl HfConfig {
         n_layer: usize,
         n_head: usize,
         n_embd: usize,
-    ) -> HfConfig {
-        HfConfig {
+    ) -> Gpt2Config {
+        Gpt2Config {
             model_type: Some("gpt2".into()),
             architectures: None,
             vocab_size,
@@ -131,7 +196,8 @@ impl HfConfig {
         let mut problems = Vec::new();
         if let Some(t) = self.model_type.as_deref().filter(|t| *t != "gpt2") {
             problems.push(format!(
-                "model_type is \"{t}\": nanogpt loads GPT-2 models (model_type \"gpt2\") only"
+                "model_type is \"{t}\": nanogpt loads the model types gpt2, llama, mistral, \
+                 qwen2 and qwen3"
             ));
         }
         if !GELU_TANH_NAMES.contains(&self.activation_function.as_str()) {
@@ -231,7 +297,7 @@ impl HfConfig {
 mod tests {
     use super::*;
 
-    fn parse(json: &str) -> HfConfig {
+    fn parse(json: &str) -> Gpt2Config {
         serde_json::from_str(json).unwrap()
     }
 
@@ -265,11 +331,11 @@ mod tests {
         ] {
             assert!(err.contains(want), "{want} not in: {err}");
         }
-        let err = parse(r#"{"model_type": "llama"}"#)
+        let err = parse(r#"{"model_type": "bloom"}"#)
             .check(Path::new("c"))
             .unwrap_err()
             .to_string();
-        assert!(err.contains("\"llama\""), "{err}");
+        assert!(err.contains("\"bloom\"") && err.contains("qwen3"), "{err}");
     }
 
     #[test]

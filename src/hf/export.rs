@@ -1,8 +1,13 @@
-//! The engine's parameters out to a Hugging Face GPT-2 model directory:
-//! `config.json`, `model.safetensors` (HF key names, Conv1D `[in, out]` weights,
-//! the real vocabulary only, no `lm_head`: it is tied), `generation_config.json`,
-//! and for GPT-2-tokenized models the tokenizer files. `GPT2LMHeadModel.from_pretrained`
-//! opens the directory and computes the same logits.
+//! The engine's parameters out to a Hugging Face model directory: `config.json`,
+//! `model.safetensors` (HF key names, the real vocabulary only), and
+//! `generation_config.json`; `AutoModelForCausalLM.from_pretrained` opens it and
+//! computes the same logits.
+//!
+//! GPT-2: Conv1D `[in, out]` weights, no `lm_head` (it is tied), GPT-2's config, and
+//! for GPT-2-tokenized models the tokenizer files. The Llama families: the arena's
+//! tensors under their own names (`nn.Linear` order, an untied `lm_head` included),
+//! and the source's `config.json` written back (the same spelling of RoPE, token ids
+//! and everything else), or for a model made here one in transformers 5's spelling.
 //!
 //! The files are written into a temporary folder `.DIR.tmp-PID` beside `DIR` and
 //! moved into place at once ([`Staged`]): a new `DIR` appears whole, a previous
@@ -116,7 +121,9 @@ pub fn export(
             layout.len
         );
     }
-    let gpt2_tokens = tokenizer == Some(TokenizerKind::Gpt2) && cfg.vocab_size >= GPT2_VOCAB_SIZE;
+    let gpt2_tokens = tokenizer == Some(TokenizerKind::Gpt2)
+        && cfg.vocab_size >= GPT2_VOCAB_SIZE
+        && cfg.llama.is_none();
     let mut names: Vec<&str> = MODEL_FILES.to_vec();
     if gpt2_tokens {
         names.extend(tokenizer_files::FILE_NAMES);
@@ -141,12 +148,28 @@ fn write_files(
     gpt2_tokens: bool,
     dir: &Path,
 ) -> Result<()> {
-    let tensors = hf_tensors(params, layout, cfg);
+    let tensors = match &cfg.llama {
+        None => hf_tensors(params, layout, cfg),
+        Some(_) => llama_tensors(params, layout, cfg),
+    };
     let metadata = producer_metadata();
     write_atomic(&dir.join("model.safetensors"), |tmp| {
         crate::tensor_file::write(tensors, &metadata, tmp)
             .with_context(|| format!("cannot write {}", tmp.display()))
     })?;
+    if let Some(l) = &cfg.llama {
+        let config = super::llama::config_json(cfg, l);
+        let tokens = |key: &str| config.get(key).cloned().unwrap_or(serde_json::Value::Null);
+        let generation = serde_json::json!({
+            "bos_token_id": tokens("bos_token_id"),
+            "eos_token_id": tokens("eos_token_id"),
+        });
+        let text = |v: &serde_json::Value| {
+            serde_json::to_string_pretty(v).expect("JSON values serialise") + "\n"
+        };
+        write_bytes_atomic(&dir.join("generation_config.json"), text(&generation))?;
+        return write_bytes_atomic(&dir.join("config.json"), text(&config));
+    }
     let eot = gpt2_tokens.then_some(GPT2_EOT);
     write_bytes_atomic(&dir.join("generation_config.json"), generation_config(eot))?;
     if gpt2_tokens {
@@ -155,6 +178,26 @@ fn write_files(
         }
     }
     write_bytes_atomic(&dir.join("config.json"), config_json(cfg, eot))
+}
+
+/// A Llama-architecture model's tensors: each under its own name, in the arena's
+/// (`nn.Linear`) order, the vocabulary tables cut to the real vocabulary.
+fn llama_tensors<'a>(
+    params: &'a [f32],
+    layout: &ParamLayout,
+    cfg: &ModelConfig,
+) -> Vec<(String, Out<'a>)> {
+    let (v, c) = (cfg.vocab_size, cfg.n_embd);
+    let vocab = [layout.wte, layout.lm_head];
+    let tensors = layout.tensors.iter().map(|t| {
+        let is_vocab = vocab.iter().any(|s| !s.is_empty() && s.start == t.offset);
+        let (range, shape) = match is_vocab {
+            true => (t.offset..t.offset + v * c, vec![v, c]),
+            false => (t.range(), t.shape.clone()),
+        };
+        (t.name.clone(), slice(&params[range], shape))
+    });
+    tensors.collect()
 }
 
 /// The tensors in Hugging Face's names and layout.

@@ -22,12 +22,13 @@
 pub mod adapter;
 pub mod config;
 pub mod export;
+pub mod llama;
 pub mod peft_select;
 pub mod resolve;
 pub mod tokenizer_files;
 pub mod weights;
 
-pub use config::HfConfig;
+pub use config::{Gpt2Config, HfConfig};
 pub use export::{export, ExportSummary};
 pub use resolve::Located;
 
@@ -109,8 +110,13 @@ impl Pretrained {
     pub fn open_gguf(file: &Path) -> Result<Pretrained> {
         let model = GgufModel::open(file)?;
         let c = &model.config;
-        let config =
-            HfConfig::gpt2_shaped(c.vocab_size, c.block_size, c.n_layer, c.n_head, c.n_embd);
+        let config = HfConfig::Gpt2(Gpt2Config::gpt2_shaped(
+            c.vocab_size,
+            c.block_size,
+            c.n_layer,
+            c.n_head,
+            c.n_embd,
+        ));
         Ok(Pretrained {
             location: file.to_path_buf(),
             config,

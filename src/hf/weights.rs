@@ -1,15 +1,24 @@
-//! Hugging Face GPT-2 safetensors weights into the engine's parameter arena.
+//! Hugging Face safetensors weights into the engine's parameter arena.
 //!
 //! Accepted: `model.safetensors`, shards listed in `model.safetensors.index.json`,
-//! or one `.safetensors` file; keys with or without the `transformer.` prefix
-//! (`GPT2LMHeadModel` and `GPT2Model` files, the original `gpt2` upload); float32,
-//! float16, bfloat16 or float64. The attention-mask buffers (`h.N.attn.bias`,
-//! `h.N.attn.masked_bias`) are skipped; `lm_head.weight`, if present, must equal
-//! `wte.weight` (the engine ties them). HF stores linear layers as Conv1D `[in, out]`;
-//! the arena holds `[out, in]`, so those four weights per layer are transposed.
+//! or one `.safetensors` file; float32, float16, bfloat16 or float64.
+//!
+//! GPT-2: keys with or without the `transformer.` prefix (`GPT2LMHeadModel` and
+//! `GPT2Model` files, the original `gpt2` upload). The attention-mask buffers
+//! (`h.N.attn.bias`, `h.N.attn.masked_bias`) are skipped; `lm_head.weight`, if present,
+//! must equal `wte.weight` (the engine ties them). HF stores linear layers as Conv1D
+//! `[in, out]`; the arena holds `[out, in]`, so those four weights per layer are
+//! transposed.
+//!
+//! The Llama families: the arena's tensors carry the HF names (the family's
+//! description), in `nn.Linear`'s `[out, in]`, so each is read by its own name; a
+//! tied model's stored `lm_head.weight` must equal the embedding, old files'
+//! `rotary_emb.inv_freq` buffers are skipped.
+//!
 //! Pickle files are refused by name and never opened.
 
-use super::config::HfConfig;
+use super::config::{Gpt2Config, HfConfig};
+use super::llama::LlamaHfConfig;
 use crate::checkpoint::copy_f32;
 use crate::model::{ModelConfig, ParamLayout};
 use anyhow::{anyhow, bail, Context, Result};
@@ -304,9 +313,9 @@ impl WeightFiles {
             wte[0],
             wpe[0]
         );
-        Ok(HfConfig::gpt2_shaped(
+        Ok(HfConfig::Gpt2(Gpt2Config::gpt2_shaped(
             wte[0], wpe[0], n_layer, n_head, n_embd,
-        ))
+        )))
     }
 
     /// Bytes in all the weight files together.
@@ -334,10 +343,93 @@ impl WeightFiles {
     }
 
     /// Fills `params` (laid out by `layout` for `cfg`) from the files, after checking
-    /// that they hold exactly a GPT-2 of `hf`'s shape.
+    /// that they hold exactly a model of `hf`'s shape.
     pub fn load_into(
         &self,
         hf: &HfConfig,
+        layout: &ParamLayout,
+        cfg: &ModelConfig,
+        params: &mut [f32],
+    ) -> Result<()> {
+        match hf {
+            HfConfig::Gpt2(hf) => self.load_gpt2_into(hf, layout, cfg, params),
+            HfConfig::Llama(hf) => self.load_llama_into(hf, layout, cfg, params),
+        }
+    }
+
+    /// [`WeightFiles::load_into`] for a Llama-architecture model: every tensor of the
+    /// layout by its name, the vocabulary's rows padded with zeros.
+    fn load_llama_into(
+        &self,
+        hf: &LlamaHfConfig,
+        layout: &ParamLayout,
+        cfg: &ModelConfig,
+        params: &mut [f32],
+    ) -> Result<()> {
+        let origin = self.origin.display();
+        let (mut lm_head, mut unknown) = (None, Vec::new());
+        for name in self.names.keys() {
+            if layout.get(name).is_some() || name.ends_with(".rotary_emb.inv_freq") {
+                continue;
+            }
+            match name.as_str() {
+                "lm_head.weight" => lm_head = Some(name.as_str()),
+                _ => unknown.push(name.as_str()),
+            }
+        }
+        let kind = hf.model_type.name();
+        if !unknown.is_empty() {
+            let shown: Vec<_> = unknown.iter().take(6).copied().collect();
+            bail!(
+                "{origin} holds tensors that are not part of a {kind} language model with \
+                 num_hidden_layers = {} (config.json): {}{}",
+                cfg.n_layer,
+                shown.join(", "),
+                if unknown.len() > shown.len() {
+                    ", ..."
+                } else {
+                    ""
+                }
+            );
+        }
+        let (v, c) = (cfg.vocab_size, cfg.n_embd);
+        let vocab_tables = [layout.wte, layout.lm_head];
+        for t in &layout.tensors {
+            let name = t.name.as_str();
+            if !self.names.contains_key(name) {
+                bail!(
+                    "{origin} has no tensor {name}, which this {kind} model (config.json) needs; \
+                     the weights do not match config.json or are incomplete"
+                );
+            }
+            let (path, view) = self.view(name)?;
+            let dst = &mut params[t.range()];
+            let vocab = vocab_tables
+                .iter()
+                .any(|s| !s.is_empty() && s.start == t.offset);
+            let want = if vocab { vec![v, c] } else { t.shape.clone() };
+            if view.shape() != want.as_slice() {
+                bail!(
+                    "{}: tensor {name} has shape {:?}, but config.json (vocab_size {v}, \
+                     hidden_size {c}, ...) needs {want:?}",
+                    path.display(),
+                    view.shape()
+                );
+            }
+            let n = want.iter().product();
+            convert(&view, name, path, &mut dst[..n])?;
+            dst[n..].fill(0.0);
+        }
+        match hf.llama.tie_word_embeddings {
+            true => self.check_lm_head(true, lm_head, layout, cfg, params),
+            false => Ok(()), // lm_head is a tensor of the layout, read above
+        }
+    }
+
+    /// [`WeightFiles::load_into`] for GPT-2.
+    fn load_gpt2_into(
+        &self,
+        hf: &Gpt2Config,
         layout: &ParamLayout,
         cfg: &ModelConfig,
         params: &mut [f32],
@@ -421,13 +513,14 @@ impl WeightFiles {
             }
             self.release(name, &view);
         }
-        self.check_lm_head(hf, lm_head, layout, cfg, params)
+        self.check_lm_head(hf.tie_word_embeddings, lm_head, layout, cfg, params)
     }
 
-    /// The engine ties the classifier to `wte`; a stored `lm_head` must agree.
+    /// A tied model's classifier is its token embedding: a stored `lm_head` (an
+    /// arena tensor of its own only when untied) must agree.
     fn check_lm_head(
         &self,
-        hf: &HfConfig,
+        tied: bool,
         lm_head: Option<&str>,
         layout: &ParamLayout,
         cfg: &ModelConfig,
@@ -435,7 +528,7 @@ impl WeightFiles {
     ) -> Result<()> {
         let (v, c) = (cfg.vocab_size, cfg.n_embd);
         let Some(name) = lm_head else {
-            if !hf.tie_word_embeddings {
+            if !tied {
                 bail!(
                     "{}: config.json sets tie_word_embeddings = false but there is no lm_head.weight; \
                      the model is incomplete",
@@ -456,10 +549,9 @@ impl WeightFiles {
         convert(&view, name, path, &mut head)?;
         if head != params[layout.wte.start..layout.wte.start + v * c] {
             bail!(
-                "{}: {name} differs from wte.weight (tie_word_embeddings = {}): nanogpt ties the \
-                 output layer to the token embedding, as GPT-2 does, and cannot represent a separate lm_head",
+                "{}: {name} differs from the token embedding (tie_word_embeddings = {tied}): \
+                 a tied model's output layer is its token embedding, and this file holds another",
                 path.display(),
-                hf.tie_word_embeddings
             );
         }
         Ok(())
