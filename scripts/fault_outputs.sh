@@ -14,7 +14,9 @@
 #                                                   export adapter prepare)
 #
 # Exit status 1 if any trial left a mixed or partial output. The short version of
-# these checks runs in `cargo test` (tests/outputs.rs).
+# these checks runs in `cargo test` (tests/outputs.rs). NANOGPT_BIN=PATH runs that
+# binary instead of building the release one (the one `cargo test` built, say:
+# target/debug/nanogpt, where a release build would take too long).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -23,8 +25,12 @@ shift || true
 CASES=("$@")
 [ ${#CASES[@]} -eq 0 ] && CASES=(export adapter prepare)
 
-cargo build --release --quiet --bin nanogpt
-BIN=$PWD/target/release/nanogpt
+if [ -n "${NANOGPT_BIN:-}" ]; then
+    BIN=$(realpath "$NANOGPT_BIN")
+else
+    cargo build --release --quiet --bin nanogpt
+    BIN=$PWD/target/release/nanogpt
+fi
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 cd "$WORK"
@@ -32,15 +38,17 @@ export RAYON_NUM_THREADS=1
 unset NANOGPT_FAULT
 
 # A tiny GPT-2-vocabulary base (trained 2 steps from scratch, exported), and two LoRA
-# runs on it whose adapters and merged models differ.
+# runs on it whose adapters and merged models differ (their last step saved, not the
+# best: a fine-tune keeps only the best, which can be step 2 for both).
 for i in $(seq 40); do echo "To be, or not to be, that is the question:"; done >text.txt
 "$BIN" prepare text.txt --out data --tokenizer gpt2 --val-fraction 0.2 >/dev/null
 TINY=(n_layer=1 n_head=2 n_embd=8 block_size=8 batch_size=2 eval_iters=1 threads=1)
-"$BIN" train dataset=data out_dir=scratch "${TINY[@]}" max_iters=2 eval_interval=2 >/dev/null 2>&1
-"$BIN" export --from scratch --to base >/dev/null
+"$BIN" train dataset=data out_dir=tiny "${TINY[@]}" max_iters=2 eval_interval=2 >/dev/null 2>&1
+"$BIN" export --from tiny --to base >/dev/null
 for run in run1:2 run2:4; do
     "$BIN" train init_from=base dataset=data "out_dir=${run%:*}" "${TINY[@]}" lora_rank=2 \
-        "max_iters=${run#*:}" eval_interval=2 learning_rate=1e-2 >/dev/null 2>&1
+        "max_iters=${run#*:}" eval_interval=2 learning_rate=1e-2 warmup_iters=0 \
+        always_save_checkpoint=true >/dev/null 2>&1
 done
 alpaca() { # alpaca N SALT
     for i in $(seq "$1"); do
@@ -60,9 +68,14 @@ args_of() { # args_of CASE old|new DEST
     esac
 }
 
-# A hash of every file under a folder (the lock file left out); "absent" if none.
+# A hash of every file under a folder (the lock file left out); "absent" if none, or
+# if the folder holds nothing but the lock (`prepare` locks its --out folder first:
+# killed before anything was written, it leaves no dataset, only that folder).
 digest() {
-    if [ ! -d "$1" ]; then echo absent; return; fi
+    if [ ! -d "$1" ] || [ -z "$(find "$1" -type f ! -name .nanogpt.lock -print -quit)" ]; then
+        echo absent
+        return
+    fi
     (cd "$1" && find . -type f ! -name .nanogpt.lock -print0 | sort -z | xargs -0 -r sha256sum) |
         sha256sum | cut -c1-16
 }
@@ -121,10 +134,12 @@ for case in "${CASES[@]}"; do
             echo "$case trial $trial ($kind, previous output: $previous): mixed or partial" >&2
             ls -la "$dest" >&2 || true
         fi
-        if ! "$BIN" "${new[@]}" >/dev/null 2>&1 || [ "$(digest "$dest")" != "$NEW" ] ||
+        if ! "$BIN" "${new[@]}" >rerun.log 2>&1 || [ "$(digest "$dest")" != "$NEW" ] ||
             [ "$(leftovers "$dest")" -ne 0 ]; then
             bad_rerun=$((bad_rerun + 1))
             echo "$case trial $trial ($kind): the run after it did not leave the new output alone" >&2
+            tail -3 rerun.log >&2
+            ls -la "$dest" >&2 || true
         fi
         rm -rf "$dest"
     done
