@@ -413,6 +413,11 @@ fn broadcast_text(world: &SimpleCommunicator, text: String) -> String {
     let mut bytes = text.into_bytes();
     let mut len = bytes.len() as u64;
     root.broadcast_into(&mut len);
+    if len == 0 {
+        // Open MPI refuses an empty buffer (MPI_ERR_ARG: a dangling pointer to no
+        // bytes), and every rank knows there is nothing to send.
+        return String::new();
+    }
     bytes.resize(count(len as usize), 0);
     root.broadcast_into(&mut bytes[..]);
     String::from_utf8_lossy(&bytes).into_owned()
@@ -1215,7 +1220,10 @@ impl Collective for Mpi {
         let mut len = buf.len() as u64;
         self.root(root).broadcast_into(&mut len);
         buf.resize(count(len as usize), 0);
-        self.root(root).broadcast_into(&mut buf[..]);
+        if len > 0 {
+            // (Open MPI refuses an empty buffer.)
+            self.root(root).broadcast_into(&mut buf[..]);
+        }
     }
 
     fn all_gather(&self, send: &[f32], recv: &mut [f32]) {
