@@ -6,7 +6,7 @@
 //! or a cut link not at all: the others would wait in their next collective until
 //! `collective_timeout_s`. So each rank keeps one TCP connection to rank 0 (rank 0
 //! listens on a port it tells the others through MPI at start-up), and a thread at
-//! each end writes a line every [`interval`] and reads the other's:
+//! each end writes a line every `interval()` and reads the other's:
 //!
 //! - a connection that closes without a `bye` is a process that is gone (killed,
 //!   crashed, out of memory): the kernel closes its sockets at once;

@@ -11,7 +11,7 @@
 //!
 //! One model is in memory, on one thread ([`engine`]); requests wait in a bounded
 //! queue (a 503 when it is full) and are generated one at a time. HTTP runs on a
-//! single-threaded tokio runtime beside it ([`http`]), so that the cores stay the
+//! single-threaded tokio runtime beside it (`http`), so that the cores stay the
 //! model's.
 
 pub mod api;
