@@ -235,6 +235,7 @@ fn export_round_trips_in_the_source_spelling() {
     let tmp = common::temp_dir("llama-export");
     let base = std::env::var_os("NANOGPT_LLAMA_EXPORT_DIR")
         .map_or_else(|| tmp.path().to_path_buf(), PathBuf::from);
+    std::fs::create_dir_all(&base).unwrap();
     let without_source = |mut c: ModelConfig| {
         if let Some(l) = c.llama.as_mut() {
             l.source_config = None;
