@@ -144,6 +144,15 @@ pub struct TrainConfig {
     /// A PEFT LoRA adapter directory to continue training: the base is `init_from`,
     /// the adapters' settings come from the directory. Empty: none.
     pub adapter: String,
+    // multiple-choice accuracy during training (docs/evaluate.md)
+    /// Tasks scored during training, each `KIND:PATH` (`hellaswag:FILE.jsonl`,
+    /// `choice:FILE.jsonl`): their accuracies go to metrics.jsonl and loss.png.
+    pub eval_tasks: Vec<String>,
+    /// Score `eval_tasks` every this many iterations (and at the end); 0 (default):
+    /// at every loss evaluation (`eval_interval`).
+    pub eval_tasks_interval: u64,
+    /// Score only the first this many questions of each task; 0 (default): all.
+    pub eval_tasks_limit: u64,
 }
 
 impl Default for TrainConfig {
@@ -192,6 +201,9 @@ impl Default for TrainConfig {
             lora_dropout: 0.0,
             lora_targets: "c_attn".to_string(),
             adapter: String::new(),
+            eval_tasks: Vec::new(),
+            eval_tasks_interval: 0,
+            eval_tasks_limit: 0,
         }
     }
 }
@@ -263,6 +275,7 @@ impl TrainConfig {
         self.check_schedule(&mut problems);
         self.check_names(&mut problems);
         self.check_distributed(&mut problems);
+        self.check_tasks(&mut problems);
         if let Err(e) = self.lora() {
             problems.push(e.to_string());
         }
@@ -469,6 +482,55 @@ impl TrainConfig {
         Kernel::parse_request(&self.bf16_kernel).flatten()
     }
 
+    fn check_tasks(&self, problems: &mut Vec<String>) {
+        if self.eval_tasks.is_empty() {
+            return;
+        }
+        if let Err(e) = self.tasks() {
+            problems.push(format!("{e:#}"));
+        }
+        if self.tasks_interval() == 0 {
+            problems.push(
+                "`eval_tasks` are set but never scored (`eval_tasks_interval` and \
+                 `eval_interval` are 0): set eval_tasks_interval to how often to score them"
+                    .into(),
+            );
+        }
+        if self.zero_stage >= 3 {
+            problems.push(
+                "`eval_tasks` need the whole model on every rank, which `zero_stage = 3` \
+                 shards: use zero_stage=2 (or lower), or score the checkpoints with \
+                 `nanogpt eval --task`"
+                    .into(),
+            );
+        }
+    }
+
+    /// The tasks of `eval_tasks`; an error names the key and the entry at fault.
+    pub fn tasks(&self) -> Result<Vec<crate::tasks::TaskSpec>> {
+        let mut specs: Vec<crate::tasks::TaskSpec> = Vec::new();
+        for entry in &self.eval_tasks {
+            let spec = crate::tasks::TaskSpec::parse(entry).context("`eval_tasks`")?;
+            if specs.iter().any(|s| s.name() == spec.name()) {
+                bail!(
+                    "`eval_tasks`: two tasks would be reported as `{}`; give each file its \
+                     own name",
+                    spec.name()
+                );
+            }
+            specs.push(spec);
+        }
+        Ok(specs)
+    }
+
+    /// How often `eval_tasks` are scored (iterations); 0: never.
+    pub fn tasks_interval(&self) -> u64 {
+        match self.eval_tasks_interval {
+            0 => self.eval_interval,
+            n => n,
+        }
+    }
+
     /// The LoRA settings (`lora_rank > 0`), or None for full training; an error
     /// names the `lora_*` key at fault.
     pub fn lora(&self) -> Result<Option<crate::model::lora::LoraConfig>> {
@@ -574,6 +636,14 @@ fn check_entry(defaults: &Table, key: &str, value: Value) -> Result<Value> {
             bail!("key `{key}` must be a non-negative integer, got {i}")
         }
         (Value::Float(_), Value::Integer(i)) => Value::Float(i as f64),
+        // A list key given one string: a list of that one.
+        (Value::Array(_), Value::String(s)) => Value::Array(vec![Value::String(s)]),
+        (Value::Array(_), Value::Array(items)) => match items.iter().all(Value::is_str) {
+            true => Value::Array(items),
+            false => bail!(
+                "key `{key}` expects a list of strings, e.g. [\"hellaswag:data/hellaswag_val.jsonl\"]"
+            ),
+        },
         (d, v) if std::mem::discriminant(d) == std::mem::discriminant(&v) => v,
         (d, v) => bail!(
             "key `{key}` expects {}, got {} {v}",
@@ -602,6 +672,7 @@ fn type_name(value: &Value) -> &'static str {
         Value::Float(_) => "a number",
         Value::Boolean(_) => "true or false",
         Value::String(_) => "a string",
+        Value::Array(_) => "a list of strings",
         _ => "a value of another type",
     }
 }
@@ -619,6 +690,11 @@ fn parse_override(defaults: &Table, raw: &str) -> Result<(String, Value)> {
     };
     let value = match default {
         Value::String(_) => Value::String(unquote(text)),
+        // `key=["a", "b"]`, `key=[]`, or one bare or quoted string.
+        Value::Array(_) => match parse_toml_value(text) {
+            Some(v @ Value::Array(_)) => v,
+            _ => Value::String(unquote(text)),
+        },
         Value::Boolean(_) => match text.to_ascii_lowercase().as_str() {
             "true" => Value::Boolean(true),
             "false" => Value::Boolean(false),
@@ -966,6 +1042,80 @@ mod tests {
     }
 
     #[test]
+    fn eval_task_keys_are_checked() {
+        let c = TrainConfig::parse(
+            "eval_tasks = [\"hellaswag:h.jsonl\", \"choice:d/arc.jsonl\"]\neval_tasks_limit = 50",
+            "t",
+            &[],
+        )
+        .unwrap();
+        let specs = c.tasks().unwrap();
+        assert_eq!(specs.len(), 2);
+        assert_eq!(
+            (specs[1].name(), c.eval_tasks_limit),
+            ("choice/arc".into(), 50)
+        );
+        assert_eq!(c.tasks_interval(), c.eval_interval);
+        // On the command line: one bare spec, or a TOML list.
+        let one = TrainConfig::parse("", "t", &overrides(&["eval_tasks=hellaswag:x.jsonl"]));
+        assert_eq!(
+            one.unwrap().eval_tasks,
+            vec!["hellaswag:x.jsonl".to_string()]
+        );
+        let two = overrides(&[
+            "eval_tasks=['choice:a.jsonl', 'choice:b.jsonl']",
+            "eval_tasks_interval=7",
+        ]);
+        let two = TrainConfig::parse("", "t", &two).unwrap();
+        assert_eq!((two.eval_tasks.len(), two.tasks_interval()), (2, 7));
+        let cases: [(&[&str], &str); 6] = [
+            (
+                &["eval_tasks=mmlu:x.jsonl"],
+                "`eval_tasks`: task `mmlu:x.jsonl` is not KIND:PATH",
+            ),
+            (
+                &["eval_tasks=hellaswag:"],
+                "names no file after `hellaswag:`",
+            ),
+            (
+                &["eval_tasks=['choice:a/x.jsonl', 'choice:b/x.jsonl']"],
+                "two tasks would be reported as `choice/x`",
+            ),
+            (
+                &["eval_tasks=[1]"],
+                "`eval_tasks` expects a list of strings",
+            ),
+            (
+                &["eval_tasks=choice:x.jsonl", "eval_interval=0"],
+                "never scored (`eval_tasks_interval` and `eval_interval` are 0)",
+            ),
+            (
+                &["eval_tasks=choice:x.jsonl", "zero_stage=3"],
+                "`eval_tasks` need the whole model on every rank",
+            ),
+        ];
+        for (over, expected) in cases {
+            let err = err_of("", over);
+            assert!(
+                err.contains(expected) && !err.contains('\n'),
+                "{over:?}: {err}"
+            );
+        }
+        let err = err_of("eval_tasks_limit = -1", &[]);
+        assert!(
+            err.contains("`eval_tasks_limit` must be a non-negative integer"),
+            "{err}"
+        );
+        // With no tasks, the interval alone is fine.
+        TrainConfig::parse(
+            "",
+            "t",
+            &overrides(&["eval_interval=0", "eval_tasks_interval=0"]),
+        )
+        .unwrap();
+    }
+
+    #[test]
     fn edit_distance_counts_edits() {
         assert_eq!(edit_distance("max_iter", "max_iters"), 1);
         assert_eq!(edit_distance("kitten", "sitting"), 3);
@@ -993,7 +1143,7 @@ mod tests {
     #[test]
     fn keys_list_every_field() {
         let keys = TrainConfig::keys();
-        assert_eq!(keys.len(), 43);
+        assert_eq!(keys.len(), 46);
         for key in [
             "gradient_accumulation_steps",
             "ckpt_interval",

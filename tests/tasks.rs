@@ -9,7 +9,8 @@ use nanogpt::tasks::{load_task, Scorer, Tally, TaskKind, TaskReport, TaskSpec};
 use serde_json::Value;
 
 mod common;
-use common::{fails, fixture, ok, read_json, temp_dir};
+use common::{fails, fixture, ok, read_json, temp_dir, TINY_SHAKESPEARE};
+use std::path::Path;
 
 fn model_dir() -> String {
     fixture("instruct/model").display().to_string()
@@ -140,4 +141,166 @@ fn eval_task_prints_the_metrics() {
         ],
     );
     assert!(err.contains("nope.jsonl"), "{err}");
+}
+
+// ---------------------------------------------------------------------------------
+// Accuracy during training (`eval_tasks`)
+
+/// Writes `d/lines.jsonl`: `n` questions cut from the bundled Shakespeare, each a
+/// line's first characters and four continuations, the line's own (at a rotating
+/// index) and three from other lines. Contexts of 6 to 25 characters: some fit the
+/// tiny model's block of 16, some are scored in the harness's window.
+fn write_shakespeare_task(d: &Path, n: usize) {
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("data/shakespeare/input.txt"),
+    )
+    .unwrap();
+    let lines: Vec<&str> = (text.lines())
+        .filter(|l| l.len() >= 40 && l.is_ascii())
+        .collect();
+    let mut out = String::new();
+    for i in 0..n {
+        let line = lines[i * 7];
+        let cut = 6 + (i * 5) % 20;
+        let tail = |l: &str| l[cut..cut + 6].trim().to_string();
+        let label = i % 4;
+        let mut choices: Vec<String> = (1..4).map(|k| tail(lines[i * 7 + k * 3])).collect();
+        choices.insert(label, tail(line));
+        let q = serde_json::json!({"context": line[..cut].trim_end(), "choices": choices, "label": label});
+        out.push_str(&format!("{q}\n"));
+    }
+    std::fs::write(d.join("lines.jsonl"), out).unwrap();
+}
+
+/// The task rows of `run/metrics.jsonl`.
+fn task_rows(run: &Path) -> Vec<Value> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|row| row.get("task").is_some())
+        .collect()
+}
+
+const METRICS: [&str; 4] = ["acc", "acc_norm", "acc_bytes", "acc_token"];
+
+#[test]
+fn accuracy_logged_in_training_is_eval_task_on_the_checkpoint() {
+    let dir = temp_dir("train-tasks");
+    let d = dir.path();
+    write_shakespeare_task(d, 30);
+    let run = [
+        "max_iters=5",
+        "eval_interval=3",
+        "lr_decay_iters=5",
+        "out_dir=run",
+        "eval_tasks=choice:lines.jsonl",
+        "eval_tasks_limit=24",
+    ];
+    let stdout = ok(d, &[&["train"], &TINY_SHAKESPEARE[..], &run].concat());
+    // With each loss evaluation (0, 3) and of the final state (6).
+    let rows = task_rows(&d.join("run"));
+    let iters: Vec<u64> = rows.iter().map(|r| r["iter"].as_u64().unwrap()).collect();
+    assert_eq!(iters, [0, 3, 6]);
+    for row in &rows {
+        assert_eq!(
+            (row["task"].as_str(), row["examples"].as_u64()),
+            (Some("choice/lines"), Some(24))
+        );
+    }
+    // ckpt.safetensors holds the final state: `eval --task` on it gives the last row.
+    let args = [
+        "eval",
+        "--init-from",
+        "run",
+        "--task",
+        "choice",
+        "--data",
+        "lines.jsonl",
+    ];
+    let json = ok(d, &[&args[..], &["--limit", "24", "--json"]].concat());
+    let eval: Value = serde_json::from_str(json.trim()).unwrap();
+    let last = &rows[2];
+    assert_eq!(eval["examples"], 24);
+    for name in METRICS {
+        assert_eq!(last[name].as_f64(), eval[name]["value"].as_f64(), "{name}");
+    }
+    let hits = |v: f64| (v * 24.0).round();
+    assert!(METRICS
+        .iter()
+        .all(|m| hits(last[m].as_f64().unwrap()) == last[m].as_f64().unwrap() * 24.0));
+    // The closing lines say it, as eval's summary does.
+    let summary = format!(
+        "done: choice/lines: acc {:.4} ± {:.4}, acc_norm {:.4} ± {:.4} (24 examples)",
+        eval["acc"]["value"].as_f64().unwrap(),
+        eval["acc"]["stderr"].as_f64().unwrap(),
+        eval["acc_norm"]["value"].as_f64().unwrap(),
+        eval["acc_norm"]["stderr"].as_f64().unwrap(),
+    );
+    assert!(stdout.contains(&summary), "{summary}\n{stdout}");
+    assert!(d.join("run/loss.png").is_file());
+
+    // On an interval of their own, without loss evaluations: 0, 2, 4 and the end.
+    let own = ["eval_interval=0", "eval_tasks_interval=2", "out_dir=run2"];
+    ok(
+        d,
+        &[&["train"], &TINY_SHAKESPEARE[..], &run[..5], &own].concat(),
+    );
+    let rows2 = task_rows(&d.join("run2"));
+    let iters: Vec<u64> = rows2.iter().map(|r| r["iter"].as_u64().unwrap()).collect();
+    assert_eq!(iters, [0, 2, 4, 6]);
+    assert_eq!(rows2[0]["examples"], 30, "no limit: every question");
+    assert!(common::metric(&d.join("run2"), "val_loss").is_empty());
+    // An evaluation-only run on the final checkpoint scores the same again.
+    let only = [
+        "eval_only=true",
+        "init_from=resume",
+        "out_dir=run",
+        "eval_tasks_limit=24",
+    ];
+    ok(
+        d,
+        &[
+            &["train"],
+            &TINY_SHAKESPEARE[..],
+            &run[..4],
+            &["eval_tasks=choice:lines.jsonl"],
+            &only,
+        ]
+        .concat(),
+    );
+    let again = task_rows(&d.join("run"));
+    assert_eq!(again.len(), 4);
+    for name in METRICS {
+        assert_eq!(again[3][name], last[name], "{name}");
+    }
+}
+
+#[test]
+fn eval_tasks_that_cannot_be_read_are_refused_before_training() {
+    let dir = temp_dir("train-tasks-bad");
+    let d = dir.path();
+    std::fs::write(
+        d.join("h.jsonl"),
+        "{\"context\": \"x\", \"choices\": [\"a\"], \"label\": 0}\n",
+    )
+    .unwrap();
+    let base = [
+        &["train"],
+        &TINY_SHAKESPEARE[..],
+        &["max_iters=2", "out_dir=run"],
+    ]
+    .concat();
+    for (task, want) in [
+        ("eval_tasks=choice:missing.jsonl", "missing.jsonl"),
+        ("eval_tasks=hellaswag:h.jsonl", "h.jsonl line 1"),
+        ("eval_tasks=hellaswag", "is not KIND:PATH"),
+    ] {
+        let err = fails(d, &[&base[..], &[task]].concat());
+        assert!(
+            err.contains("`eval_tasks`") && err.contains(want),
+            "{task}: {err}"
+        );
+        assert!(!d.join("run/ckpt.safetensors").exists(), "{task}: trained");
+    }
 }

@@ -125,6 +125,9 @@ fn report_outcome(trainer: &mut Trainer, outcome: &TrainOutcome, quick_start: bo
             loss(val_loss)
         );
     }
+    for report in &outcome.last_tasks {
+        crate::outln!("done: {}", report.summary());
+    }
     if quick_start && !trainer.cfg.eval_only {
         crate::outln!("\nA sample from the trained model:\n");
         super::sample::print_sample(trainer, QUICK_START_SAMPLE_TOKENS)?;

@@ -8,10 +8,13 @@
 //! {"iter":10,"loss":4.21,"lr":0.0006,"ms":812.5,"tokens_per_sec":20164.0}
 //! {"iter":10,"loss":4.21,"lr":0.0006,"ms":812.5,"tokens_per_sec":20164.0,"mfu":0.31,"grad_norm":1.02}
 //! {"iter":250,"train_loss":3.98,"val_loss":4.05}
+//! {"iter":250,"task":"hellaswag","examples":1000,"acc":0.29,"acc_norm":0.31,"acc_bytes":0.31,"acc_token":0.3}
 //! ```
 //!
-//! `mfu` and `grad_norm` are optional and only written when given. A row with a `loss`
-//! key is a step row; one with `train_loss` and `val_loss` is an eval row. Unknown extra
+//! `mfu` and `grad_norm` are optional and only written when given. A row with a `task`
+//! key is a task row (the fractions right of a multiple-choice task, see
+//! [`crate::tasks`]); one with a `loss` key is a step row; one with `train_loss` and
+//! `val_loss` is an eval row. Unknown extra
 //! keys are ignored when reading, so later additions do not break old readers.
 //!
 //! Crash safety: [`MetricsLog::append`] writes each line with a single `write` call, so a
@@ -19,6 +22,7 @@
 //! line. Resuming ([`MetricsLog::open`] with `Some(k)`) rewrites the file atomically
 //! ([`crate::fsutil`]), dropping rows a crashed run logged at or past its checkpoint.
 
+mod accuracy;
 mod plot;
 mod text;
 
@@ -62,13 +66,24 @@ pub enum Row {
         train_loss: f32,
         val_loss: f32,
     },
+    /// One multiple-choice task scored (`eval_tasks`): the fraction of its
+    /// `examples` questions each metric got right.
+    Task {
+        iter: u64,
+        task: String,
+        examples: u64,
+        acc: f64,
+        acc_norm: f64,
+        acc_bytes: f64,
+        acc_token: f64,
+    },
 }
 
 impl Row {
     /// The iteration this row belongs to.
     pub fn iter(&self) -> u64 {
         match self {
-            Row::Step { iter, .. } | Row::Eval { iter, .. } => *iter,
+            Row::Step { iter, .. } | Row::Eval { iter, .. } | Row::Task { iter, .. } => *iter,
         }
     }
 
@@ -91,7 +106,26 @@ impl Row {
                 .ok_or_else(|| anyhow!("\"iter\" must be a non-negative integer, got {v}"))?,
             None => bail!("missing key \"iter\""),
         };
-        if obj.contains_key("loss") {
+        if let Some(task) = obj.get("task") {
+            let Some(task) = task.as_str() else {
+                bail!("\"task\" must be a string, got {task}");
+            };
+            let examples = match obj.get("examples") {
+                Some(v) => v.as_u64().ok_or_else(|| {
+                    anyhow!("\"examples\" must be a non-negative integer, got {v}")
+                })?,
+                None => bail!("missing key \"examples\""),
+            };
+            Ok(Row::Task {
+                iter,
+                task: task.to_string(),
+                examples,
+                acc: req_f64(&obj, "acc")?,
+                acc_norm: req_f64(&obj, "acc_norm")?,
+                acc_bytes: req_f64(&obj, "acc_bytes")?,
+                acc_token: req_f64(&obj, "acc_token")?,
+            })
+        } else if obj.contains_key("loss") {
             Ok(Row::Step {
                 iter,
                 loss: req_f64(&obj, "loss")? as f32,

@@ -13,6 +13,7 @@ use anyhow::{anyhow, Context, Result};
 use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
 
+use super::accuracy::{draw_accuracy, TaskSeries};
 use super::text::CrispText;
 use super::Row;
 
@@ -32,13 +33,13 @@ pub(crate) const EVAL_TRAIN: RGBColor = RGBColor(44, 160, 44);
 /// Validation loss.
 pub(crate) const EVAL_VAL: RGBColor = RGBColor(214, 39, 40);
 
-const TEXT: RGBColor = RGBColor(30, 30, 30);
+pub(super) const TEXT: RGBColor = RGBColor(30, 30, 30);
 
 /// The embedded font.
 const FONT_BYTES: &[u8] = ttf_noto_sans::REGULAR;
 /// Family name the embedded font is registered under ("sans-serif" too, for any
 /// plotters default text style).
-const FONT: &str = "nanogpt-sans";
+pub(super) const FONT: &str = "nanogpt-sans";
 
 /// At most this many buckets along x for the per-step lines (each bucket becomes one or
 /// two points): pixel-level detail, and cheap even for a million steps.
@@ -102,7 +103,7 @@ impl Series {
         for row in rows {
             match *row {
                 Row::Step { iter, loss, .. } if loss.is_finite() => steps.push((iter, loss as f64)),
-                Row::Step { .. } => {}
+                Row::Step { .. } | Row::Task { .. } => {}
                 Row::Eval {
                     iter,
                     train_loss,
@@ -143,17 +144,10 @@ impl Series {
             .chain(&self.eval_val)
     }
 
-    fn x_range(&self) -> (f64, f64) {
-        let lo = self.all().map(|p| p.0).fold(f64::INFINITY, f64::min);
-        let hi = self.all().map(|p| p.0).fold(f64::NEG_INFINITY, f64::max);
-        // At least 10 iterations wide, so ticks stay on whole iterations early on.
-        if !lo.is_finite() {
-            (0.0, 10.0)
-        } else {
-            (lo, hi.max(lo + 10.0))
-        }
+    /// The iterations of every point.
+    fn xs(&self) -> impl Iterator<Item = f64> + '_ {
+        self.all().map(|p| p.0)
     }
-
     /// y range: min over everything; max over the points past the first 5% of the x
     /// range (step losses at their 99.5th percentile, so lone spikes do not flatten the
     /// curve); padded by 5%.
@@ -190,6 +184,19 @@ impl Series {
         // Losses are non-negative: do not pad below zero.
         let y_lo = if lo >= 0.0 { y_lo.max(0.0) } else { y_lo };
         (y_lo, hi + 0.05 * span)
+    }
+}
+
+/// The x range of iterations `xs`: at least 10 iterations wide, so ticks stay on
+/// whole iterations early on.
+fn x_range(xs: impl Iterator<Item = f64>) -> (f64, f64) {
+    let (lo, hi) = xs.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), x| {
+        (lo.min(x), hi.max(x))
+    });
+    if !lo.is_finite() {
+        (0.0, 10.0)
+    } else {
+        (lo, hi.max(lo + 10.0))
     }
 }
 
@@ -334,7 +341,7 @@ fn title(rows: &[Row]) -> String {
 }
 
 /// Tick label for an iteration: an integer, with decimals only on a sub-unit axis.
-fn iter_label(x: &f64) -> String {
+pub(super) fn iter_label(x: &f64) -> String {
     if (x - x.round()).abs() < 1e-6 {
         format!("{x:.0}")
     } else {
@@ -342,7 +349,7 @@ fn iter_label(x: &f64) -> String {
     }
 }
 
-fn draw_err<E: std::fmt::Display>(e: E) -> anyhow::Error {
+pub(super) fn draw_err<E: std::fmt::Display>(e: E) -> anyhow::Error {
     anyhow!("drawing the loss plot: {e}")
 }
 
@@ -362,20 +369,43 @@ fn render_png(rows: &[Row]) -> Result<Vec<u8>> {
     Ok(png)
 }
 
+/// The loss chart; with task rows, above a panel of their accuracies (the same
+/// iterations along x).
 fn render_rgb(rows: &[Row], rgb: &mut [u8]) -> Result<()> {
     let series = Series::from_rows(rows);
-    let (x_lo, x_hi) = series.x_range();
-    let (y_lo, y_hi) = series.y_range((x_lo, x_hi));
-
+    let tasks = TaskSeries::from_rows(rows);
+    let x = x_range(series.xs().chain(tasks.xs()));
     let backend = BitMapBackend::with_buffer(rgb, (PLOT_WIDTH, PLOT_HEIGHT));
     let root = CrispText::new(backend, FONT_BYTES)
         .map_err(draw_err)?
         .into_drawing_area();
     root.fill(&BACKGROUND).map_err(draw_err)?;
+    match tasks.is_empty() {
+        true => draw_losses(&root, rows, &series, x)?,
+        false => {
+            let (top, bottom) = root.split_vertically(PLOT_HEIGHT * 3 / 5);
+            draw_losses(&top, rows, &series, x)?;
+            draw_accuracy(&bottom, &tasks, x)?;
+        }
+    }
+    root.present().map_err(draw_err)?;
+    Ok(())
+}
 
-    let text =
-        |size: f64| FontDesc::new(FontFamily::Name(FONT), size, FontStyle::Normal).color(&TEXT);
-    let mut chart = ChartBuilder::on(&root)
+/// A text style of the embedded font.
+pub(super) fn text(size: f64) -> TextStyle<'static> {
+    FontDesc::new(FontFamily::Name(FONT), size, FontStyle::Normal).color(&TEXT)
+}
+
+/// The loss chart of `rows` over iterations `x_lo..x_hi`.
+fn draw_losses<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    rows: &[Row],
+    series: &Series,
+    (x_lo, x_hi): (f64, f64),
+) -> Result<()> {
+    let (y_lo, y_hi) = series.y_range((x_lo, x_hi));
+    let mut chart = ChartBuilder::on(area)
         .caption(title(rows), text(21.0))
         .margin(16)
         .margin_right(36)
@@ -453,6 +483,5 @@ fn render_rgb(rows: &[Row], rgb: &mut [u8]) -> Result<()> {
             .draw()
             .map_err(draw_err)?;
     }
-    root.present().map_err(draw_err)?;
     Ok(())
 }

@@ -466,3 +466,75 @@ fn lines_are_clipped_not_clamped_to_the_y_range() {
     assert!(clip_y(&[(0.0, 9.0), (1.0, 9.0)], 0.0, 6.0).is_empty());
     assert_eq!(clip_y(&[(0.0, 1.0)], 0.0, 6.0), [vec![(0.0, 1.0)]]);
 }
+
+fn task(iter: u64, name: &str, acc_norm: f64) -> Row {
+    Row::Task {
+        iter,
+        task: name.into(),
+        examples: 40,
+        acc: 0.25,
+        acc_norm,
+        acc_bytes: 0.5,
+        acc_token: 0.125,
+    }
+}
+
+#[test]
+fn task_rows_have_their_format_and_read_back() {
+    let row = task(250, "hellaswag", 0.375);
+    let line = row.to_json_line();
+    assert_eq!(
+        line,
+        r#"{"iter":250,"task":"hellaswag","examples":40,"acc":0.25,"acc_norm":0.375,"acc_bytes":0.5,"acc_token":0.125}"#
+    );
+    assert_eq!(Row::from_json_line(&line).unwrap(), row);
+    assert_eq!(row.iter(), 250);
+    for bad in [
+        r#"{"iter":1,"task":3,"examples":1,"acc":0,"acc_norm":0,"acc_bytes":0,"acc_token":0}"#,
+        r#"{"iter":1,"task":"h","acc":0,"acc_norm":0,"acc_bytes":0,"acc_token":0}"#,
+        r#"{"iter":1,"task":"h","examples":1,"acc":0,"acc_norm":0,"acc_bytes":0}"#,
+    ] {
+        assert!(Row::from_json_line(bad).is_err(), "{bad}");
+    }
+    // Resuming drops task rows past the checkpoint, as it drops the others.
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = MetricsLog::open(dir.path(), None).unwrap();
+    for r in [task(0, "h", 0.25), eval(0, 2.0, 2.5), task(10, "h", 0.5)] {
+        log.append(r).unwrap();
+    }
+    let log = MetricsLog::open(dir.path(), Some(10)).unwrap();
+    assert_eq!(log.rows(), [task(0, "h", 0.25), eval(0, 2.0, 2.5)]);
+}
+
+#[test]
+fn task_rows_get_a_panel_of_their_own() {
+    use super::accuracy::TASK_COLOURS;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(LOSS_PLOT_FILE);
+    let mut rows = synthetic_run(2000, 100);
+    plot_loss(&rows, &path).unwrap();
+    let (_, plain) = decode_png(&path);
+    assert_eq!(count_colour(&plain, TASK_COLOURS[0]), 0);
+    for k in 0..=20 {
+        rows.push(task(k * 100, "hellaswag", 0.25 + 0.005 * k as f64));
+        rows.push(task(k * 100, "choice/arc", 0.4 + 0.002 * k as f64));
+    }
+    plot_loss(&rows, &path).unwrap();
+    let (info, rgb) = decode_png(&path);
+    assert_eq!((info.width, info.height), (PLOT_WIDTH, PLOT_HEIGHT));
+    let row_bytes = PLOT_WIDTH as usize * 3;
+    let split = (PLOT_HEIGHT * 3 / 5) as usize * row_bytes;
+    let (top, bottom) = rgb.split_at(split);
+    // Each task's line and markers in the lower panel only; the losses above it.
+    for colour in &TASK_COLOURS[..2] {
+        assert_eq!(count_colour(top, *colour), 0, "{colour:?} above");
+        let n = count_colour(bottom, *colour);
+        assert!(n >= 300, "{colour:?}: only {n} pixels below");
+    }
+    for colour in [STEP_SMOOTH, EVAL_VAL] {
+        assert!(count_colour(top, colour) >= 300, "{colour:?}");
+        assert_eq!(count_colour(bottom, colour), 0, "{colour:?} below");
+    }
+    // Task rows alone plot too.
+    plot_loss(&rows[rows.len() - 2..], &path).unwrap();
+}

@@ -3,12 +3,13 @@
 //! ```text
 //! for iter in start..=max_iters:
 //!     every eval_interval: estimate train/val loss, checkpoint if val improved
+//!     every eval_tasks_interval: score the eval_tasks (multiple-choice accuracy)
 //!     for each micro-step: forward + backward on its rows of the global batch
 //!     clip to grad_clip, AdamW step at lr(iter) (skipped if the loss or norm is
 //!         not finite), log
 //!     every ckpt_interval, or on SIGINT/SIGTERM: checkpoint (then stop, for a signal)
-//! at the end: evaluate the final state unless iteration max_iters was evaluated,
-//!     and checkpoint it unless this run already did
+//! at the end: evaluate the final state (losses, tasks) unless iteration max_iters
+//!     was evaluated, and checkpoint it unless this run already did
 //! ```
 //! The global batch of an iteration is a pure function of `(seed, iter)`, and the
 //! dropout masks of `(seed, iter, micro-step)`, so a resumed run repeats exactly what
@@ -25,9 +26,11 @@ mod evaluate;
 mod report;
 mod save;
 mod start;
+mod tasks;
 
 use report::say;
 use start::{Masks, Start};
+use tasks::Tasks;
 
 use crate::config::{InitFrom, TrainConfig};
 use crate::data::{batch_offsets, Draw, Meta, TokenFile, Tokenizer};
@@ -59,6 +62,9 @@ pub struct TrainOutcome {
     /// iteration `max_iters` (see `Trainer::finish`).
     pub last_eval: Option<(f32, f32)>,
     pub final_train_loss: Option<f32>,
+    /// The accuracies of the last scoring of `eval_tasks` (of the final state, or of
+    /// iteration `max_iters`); empty without tasks.
+    pub last_tasks: Vec<crate::tasks::TaskReport>,
     /// Set when a signal stopped the run: the signal and the checkpoint written.
     pub stopped: Option<(StopSignal, PathBuf)>,
     /// A resumed run that had already reached `max_iters`: nothing was trained or
@@ -97,6 +103,8 @@ pub struct Trainer {
     val: TokenFile,
     /// Instruction data: only the targets these masks mark are trained and scored.
     masks: Masks,
+    /// The multiple-choice tasks scored during training (`eval_tasks`).
+    tasks: Tasks,
     schedule: LrSchedule,
     pub iter_num: u64,
     pub best_val_loss: f32,
@@ -152,6 +160,8 @@ impl Trainer {
             // before its fields (`comm`, the model) are dropped.
             unsafe { dp.keep_gathers_in_flight(&state.model) };
         }
+        let vocab = state.model.config().vocab_size;
+        let tasks = Tasks::load(&cfg, &*comm, &data.tokenizer, vocab)?;
         let root = comm.rank() == 0;
         // A resumed run drops the rows logged past its checkpoint (it runs them again);
         // an evaluation-only run changes nothing logged: every row stays, and its
@@ -196,6 +206,7 @@ impl Trainer {
             train: data.train,
             val: data.val,
             masks: data.masks,
+            tasks,
             schedule,
             iter_num: state.iter_num,
             best_val_loss: state.best_val_loss,
@@ -252,6 +263,7 @@ impl Trainer {
                 best_val_loss: self.best_val_loss,
                 last_eval: None,
                 final_train_loss: None,
+                last_tasks: Vec::new(),
                 stopped: None,
                 already_complete: true,
             });
@@ -260,6 +272,8 @@ impl Trainer {
         let mut progress = root.then(|| Progress::new(self.iter_num, self.cfg.max_iters + 1));
         // The iteration and losses of the last evaluation.
         let mut last_eval: Option<(u64, f32, f32)> = None;
+        // The iteration and accuracies of the last scoring of the tasks.
+        let mut last_tasks: Option<(u64, Vec<crate::tasks::TaskReport>)> = None;
         let mut final_train_loss = None;
         let mut stopped = None;
         loop {
@@ -267,6 +281,9 @@ impl Trainer {
             let due = self.cfg.eval_interval > 0 && iter.is_multiple_of(self.cfg.eval_interval);
             if due || self.cfg.eval_only {
                 last_eval = Some(self.evaluate_and_log(iter, &mut progress)?);
+            }
+            if self.tasks.due(iter) || (self.cfg.eval_only && !self.tasks.is_empty()) {
+                last_tasks = Some((iter, self.score_tasks(iter, &mut progress)?));
             }
             if self.cfg.eval_only {
                 break;
@@ -302,7 +319,7 @@ impl Trainer {
                 );
             }
             if self.iter_num > self.cfg.max_iters {
-                self.finish(&mut last_eval, &mut progress)?;
+                self.finish(&mut last_eval, &mut last_tasks, &mut progress)?;
                 break;
             }
         }
@@ -317,6 +334,7 @@ impl Trainer {
             best_val_loss: self.best_val_loss,
             last_eval: last_eval.map(|(_, train, val)| (train, val)),
             final_train_loss,
+            last_tasks: last_tasks.map(|(_, reports)| reports).unwrap_or_default(),
             stopped,
             already_complete: false,
         })

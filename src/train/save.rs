@@ -16,7 +16,7 @@ impl Trainer {
     /// After the last iteration (`max_iters`): the final state is evaluated, unless
     /// iteration `max_iters` was (nanoGPT's last evaluation, one step before the end)
     /// or evaluation is off (`eval_interval = 0`), so that the closing summary never
-    /// reports older losses; and it is checkpointed unless this run just did. With
+    /// reports older losses; the tasks likewise (unless `max_iters` scored them); and it is checkpointed unless this run just did. With
     /// `always_save_checkpoint` it goes to `ckpt.safetensors` (the newest state, as at
     /// every evaluation); without, `ckpt.safetensors` stays the best-val checkpoint and
     /// the final state goes to the interval checkpoint `ckpt-NNNNNN.safetensors`,
@@ -24,12 +24,19 @@ impl Trainer {
     pub(super) fn finish(
         &mut self,
         last_eval: &mut Option<(u64, f32, f32)>,
+        last_tasks: &mut Option<(u64, Vec<crate::tasks::TaskReport>)>,
         progress: &mut Option<Progress>,
     ) -> Result<()> {
         let (end, max_iters) = (self.iter_num, self.cfg.max_iters);
         let stale = last_eval.is_none_or(|(iter, _, _)| iter < max_iters);
         if self.cfg.eval_interval > 0 && stale {
             *last_eval = Some(self.evaluate_and_log(end, progress)?);
+        }
+        let stale = last_tasks
+            .as_ref()
+            .is_none_or(|(iter, _)| *iter < max_iters);
+        if !self.tasks.is_empty() && stale {
+            *last_tasks = Some((end, self.score_tasks(end, progress)?));
         }
         if self.saved_at == Some(end) {
             return Ok(());
