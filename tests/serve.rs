@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 mod common;
-use common::{command, fixture, ok, temp_dir};
+use common::{command, fixture, ok, read_json, temp_dir, TINY_MODEL};
 
 const KEY: &str = "sk-test-key";
 
@@ -24,9 +24,13 @@ struct Server {
 
 impl Server {
     fn start(args: &[&str]) -> Server {
+        Server::start_from(&fixture("instruct/model").display().to_string(), args)
+    }
+
+    /// A server of the model `--init-from` accepts as `model`.
+    fn start_from(model: &str, args: &[&str]) -> Server {
         let dir = temp_dir("serve");
-        let model = fixture("instruct/model").display().to_string();
-        let mut child = command(dir.path(), ["serve", "--init-from", &model, "--port", "0"])
+        let mut child = command(dir.path(), ["serve", "--init-from", model, "--port", "0"])
             .args(args)
             .stderr(Stdio::piped())
             .stdout(Stdio::null())
@@ -386,4 +390,111 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
     assert_eq!(status, 200, "{v}");
     let log = server.log.lock().unwrap().join("\n");
     assert!(log.contains("400 request refused (max_tokens)"), "{log}");
+}
+
+#[test]
+fn a_gguf_file_serves_as_the_folder_it_was_exported_from() {
+    let dir = temp_dir("serve-gguf");
+    let model = fixture("instruct/model").display().to_string();
+    let gguf = dir.path().join("m.gguf").display().to_string();
+    let export = [
+        "export",
+        "--from",
+        &model,
+        "--to",
+        &gguf,
+        "--outtype",
+        "f32",
+    ];
+    ok(dir.path(), &export);
+    let body = json!({"prompt": "To be, or not to be", "max_tokens": 8, "temperature": 0,
+        "echo": true, "logprobs": 1});
+    let answers: Vec<Value> = [&model, &gguf]
+        .iter()
+        .map(|m| {
+            let (status, v) = Server::start_from(m, &[]).json("/v1/completions", body.clone());
+            assert_eq!(status, 200, "{m}: {v}");
+            v
+        })
+        .collect();
+    let choice = |v: &Value| v["choices"][0].clone();
+    let (a, b) = (choice(&answers[0]), choice(&answers[1]));
+    assert_eq!(a["text"], b["text"]);
+    assert_eq!(a["logprobs"]["tokens"], b["logprobs"]["tokens"]);
+    let logprobs = |c: &Value| -> Vec<f64> {
+        let all = c["logprobs"]["token_logprobs"].as_array().unwrap();
+        // The first token has no log-probability (null).
+        all[1..].iter().map(|x| x.as_f64().unwrap()).collect()
+    };
+    let (la, lb) = (logprobs(&a), logprobs(&b));
+    assert_eq!(la.len(), lb.len());
+    assert!(
+        la.len() > 8,
+        "the prompt's tokens after the first, and the completion's"
+    );
+    for (x, y) in la.iter().zip(&lb) {
+        assert!((x - y).abs() < 1e-5, "{la:?} vs {lb:?}");
+    }
+}
+
+#[test]
+fn chat_renders_the_models_own_template() {
+    let dir = temp_dir("serve-template");
+    let d = dir.path();
+    // A tiny GPT on SmolLM2's tokenizer, whose files (and chat template) the run keeps.
+    let smol = fixture("tokenizers/smollm2").display().to_string();
+    let lines: String = (0..200)
+        .map(|i| format!("{{\"text\": \"line {i} of the text\"}}\n"))
+        .collect();
+    std::fs::write(d.join("docs.jsonl"), lines).unwrap();
+    ok(
+        d,
+        &[
+            "prepare",
+            "docs.jsonl",
+            "--out",
+            "docs",
+            "--tokenizer",
+            &smol,
+            "--val-fraction",
+            "0.1",
+        ],
+    );
+    let train = [
+        "train",
+        "dataset=docs",
+        "out_dir=run",
+        "max_iters=1",
+        "block_size=64",
+        "batch_size=1",
+        "eval_interval=1",
+        "eval_iters=1",
+    ];
+    ok(d, &[&train[..], &TINY_MODEL].concat());
+    let server = Server::start_from(&d.join("run").display().to_string(), &[]);
+    // transformers' apply_chat_template(add_generation_prompt=True) of this message:
+    // SmolLM2's template adds its default system message.
+    let expected = read_json(&fixture("tokenizers/expected.json"));
+    let render = expected["renders"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["tokenizer"] == "smollm2" && r["add_generation_prompt"] == true)
+        .unwrap()
+        .clone();
+    assert!(render["text"]
+        .as_str()
+        .unwrap()
+        .starts_with("<|im_start|>system"));
+    let ids = render["ids"].as_array().unwrap().len() as u64;
+    let body = json!({"messages": render["messages"], "max_tokens": 2, "temperature": 0});
+    let (status, v) = server.json("/v1/chat/completions", body);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"].as_u64(), Some(ids), "{v}");
+    // The rendered prompt's own tokens, as the server's tokenizer reads the text.
+    let (_, t) = server.json(
+        "/tokenize",
+        json!({"prompt": render["text"], "add_special_tokens": false}),
+    );
+    assert_eq!(t["tokens"], render["ids"]);
 }
