@@ -5,7 +5,7 @@
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
-use super::plot::{draw_err, iter_label, text, BACKGROUND};
+use super::style::{draw_err, iter_label, text, BACKGROUND};
 use super::Row;
 use anyhow::Result;
 

@@ -24,6 +24,7 @@
 
 mod accuracy;
 mod plot;
+mod style;
 mod text;
 
 pub use plot::{plot_loss, PLOT_HEIGHT, PLOT_WIDTH};

@@ -14,6 +14,7 @@ use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
 
 use super::accuracy::{draw_accuracy, TaskSeries};
+use super::style::{draw_err, iter_label, text, BACKGROUND, FONT};
 use super::text::CrispText;
 use super::Row;
 
@@ -22,8 +23,6 @@ pub const PLOT_WIDTH: u32 = 1024;
 /// Height of `loss.png` in pixels.
 pub const PLOT_HEIGHT: u32 = 640;
 
-/// Background.
-pub(crate) const BACKGROUND: RGBColor = RGBColor(255, 255, 255);
 /// Per-step training loss, raw (thin, light).
 pub(crate) const STEP_RAW: RGBColor = RGBColor(170, 199, 232);
 /// Per-step training loss, smoothed.
@@ -33,13 +32,8 @@ pub(crate) const EVAL_TRAIN: RGBColor = RGBColor(44, 160, 44);
 /// Validation loss.
 pub(crate) const EVAL_VAL: RGBColor = RGBColor(214, 39, 40);
 
-pub(super) const TEXT: RGBColor = RGBColor(30, 30, 30);
-
 /// The embedded font.
 const FONT_BYTES: &[u8] = ttf_noto_sans::REGULAR;
-/// Family name the embedded font is registered under ("sans-serif" too, for any
-/// plotters default text style).
-pub(super) const FONT: &str = "nanogpt-sans";
 
 /// At most this many buckets along x for the per-step lines (each bucket becomes one or
 /// two points): pixel-level detail, and cheap even for a million steps.
@@ -340,19 +334,6 @@ fn title(rows: &[Row]) -> String {
     }
 }
 
-/// Tick label for an iteration: an integer, with decimals only on a sub-unit axis.
-pub(super) fn iter_label(x: &f64) -> String {
-    if (x - x.round()).abs() < 1e-6 {
-        format!("{x:.0}")
-    } else {
-        format!("{x:.1}")
-    }
-}
-
-pub(super) fn draw_err<E: std::fmt::Display>(e: E) -> anyhow::Error {
-    anyhow!("drawing the loss plot: {e}")
-}
-
 /// Renders the plot and returns the encoded PNG.
 fn render_png(rows: &[Row]) -> Result<Vec<u8>> {
     let (w, h) = (PLOT_WIDTH, PLOT_HEIGHT);
@@ -390,11 +371,6 @@ fn render_rgb(rows: &[Row], rgb: &mut [u8]) -> Result<()> {
     }
     root.present().map_err(draw_err)?;
     Ok(())
-}
-
-/// A text style of the embedded font.
-pub(super) fn text(size: f64) -> TextStyle<'static> {
-    FontDesc::new(FontFamily::Name(FONT), size, FontStyle::Normal).color(&TEXT)
 }
 
 /// The loss chart of `rows` over iterations `x_lo..x_hi`.

@@ -1,0 +1,31 @@
+//! What the panels of `loss.png` share: the text style, tick labels, errors.
+
+use anyhow::anyhow;
+use plotters::prelude::*;
+use plotters::style::FontStyle;
+
+/// Background.
+pub(crate) const BACKGROUND: RGBColor = RGBColor(255, 255, 255);
+/// Text colour.
+const TEXT: RGBColor = RGBColor(30, 30, 30);
+/// Family name the embedded font is registered under ("sans-serif" too, for any
+/// plotters default text style).
+pub(super) const FONT: &str = "nanogpt-sans";
+
+/// A text style of the embedded font.
+pub(super) fn text(size: f64) -> TextStyle<'static> {
+    FontDesc::new(FontFamily::Name(FONT), size, FontStyle::Normal).color(&TEXT)
+}
+
+/// Tick label for an iteration: an integer, with decimals only on a sub-unit axis.
+pub(super) fn iter_label(x: &f64) -> String {
+    if (x - x.round()).abs() < 1e-6 {
+        format!("{x:.0}")
+    } else {
+        format!("{x:.1}")
+    }
+}
+
+pub(super) fn draw_err<E: std::fmt::Display>(e: E) -> anyhow::Error {
+    anyhow!("drawing the loss plot: {e}")
+}
