@@ -16,7 +16,7 @@ through /tokenizer_info, /tokenize and /detokenize), and compares every metric a
 sample's answer:
 
     cargo build --release
-    /work/venv/bin/pip install lm-eval
+    /work/venv/bin/pip install "lm-eval[api]"   # the api extra: local-completions
     /work/venv/bin/python scripts/eval/lm_eval_vs_serve.py --model /tmp/m124_hf
 """
 
@@ -99,7 +99,9 @@ def lm_eval(tmp, out, model, model_args, extra=()):
            "--model_args", model_args, "--tasks", "hellaswag_sample,shakespeare_last,shakespeare_next",
            "--include_path", tmp, "--log_samples", "--output_path", out, *extra]
     start = time.time()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if run.returncode != 0:
+        sys.exit(f"lm_eval --model {model} failed ({run.returncode}):\n" + run.stderr[-3000:])
     results = json.load(open(glob.glob(os.path.join(out, "*", "results_*.json"))[0]))["results"]
     samples = {}
     for path in glob.glob(os.path.join(out, "*", "samples_*.jsonl")):
