@@ -5,7 +5,7 @@
 mod common;
 
 use nanogpt::data::TokenizerKind;
-use nanogpt::gguf::{quants, ExportOptions, GgmlType, GgufFile, OutType};
+use nanogpt::gguf::{quants, ExportOptions, GgmlType, GgufFile, GgufWriter, OutType, TensorSpec};
 use nanogpt::hf::Pretrained;
 use nanogpt::model::{Gpt, ModelConfig};
 
@@ -277,6 +277,28 @@ fn an_export_replaces_its_own_file_but_nothing_else() {
     assert_eq!(std::fs::read_to_string(&path).unwrap(), "someone's file");
     std::fs::remove_file(&path).unwrap();
     export(&model, OutType::Q8_0, &path);
+    // Files the user made from an export of ours carry our mark: refused all the same.
+    let requantized = dir.path().join("q.gguf");
+    rewrite_as_llama_quantize(&path, &requantized);
+    let theirs = common::fixture("gguf/tiny_gpt2.gguf");
+    let copied = dir.path().join("theirs.gguf");
+    std::fs::copy(&theirs, &copied).unwrap();
+    for file in [&requantized, &copied] {
+        let before = std::fs::read(file).unwrap();
+        let err = nanogpt::gguf::model::export(&model.params, model.config(), &opts, file)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not a GGUF file that nanogpt wrote"), "{err}");
+        assert!(std::fs::read(file).unwrap() == before, "{}", file.display());
+        std::fs::remove_file(file).unwrap();
+    }
+    let dangling = dir.path().join("link.gguf");
+    std::os::unix::fs::symlink("nowhere", &dangling).unwrap();
+    let err = nanogpt::gguf::model::export(&model.params, model.config(), &opts, &dangling)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("symbolic link to nothing"), "{err}");
+    std::fs::remove_file(&dangling).unwrap();
     export(&model, OutType::F16, &path);
     let f = GgufFile::open(&path).unwrap();
     assert_eq!(f.get("general.file_type").unwrap().as_u64(), Some(1));
@@ -302,6 +324,44 @@ fn an_export_replaces_its_own_file_but_nothing_else() {
         err.contains("char tokenizer") && err.contains("Hugging Face folder"),
         "{err}"
     );
+}
+
+/// Writes `src` again as `llama-quantize` writes its output: every key of the input
+/// copied (nanogpt's mark included), `general.quantization_version` and
+/// `general.file_type` removed and set again at the end (ggml's `gguf_set_val_*`),
+/// the tensors as they are (the same types: a requantization to q8_0).
+fn rewrite_as_llama_quantize(src: &std::path::Path, dest: &std::path::Path) {
+    let file = GgufFile::open(src).unwrap();
+    let moved = ["general.quantization_version", "general.file_type"];
+    let mut metadata: Vec<_> = file
+        .header
+        .metadata
+        .iter()
+        .filter(|(k, _)| !moved.contains(&k.as_str()))
+        .cloned()
+        .collect();
+    for key in moved {
+        metadata.push((key.to_string(), file.get(key).unwrap().clone()));
+    }
+    let specs = file
+        .header
+        .tensors
+        .iter()
+        .map(|t| TensorSpec {
+            name: t.name.clone(),
+            dims: t.dims.clone(),
+            ty: t.ty.unwrap(),
+        })
+        .collect();
+    let mut w = GgufWriter::create(dest, &metadata, specs).unwrap();
+    for t in &file.header.tensors {
+        w.write_f32(&file.tensor_f32(t).unwrap()).unwrap();
+    }
+    w.finish().unwrap();
+    assert!(GgufFile::open(dest)
+        .unwrap()
+        .get("nanogpt.producer")
+        .is_some());
 }
 
 /// The venv with llama-cpp-python, transformers and gguf (see HELPERS.md), or

@@ -23,6 +23,7 @@
 //! `token_embd.weight`: no `output.weight` is written (llama.cpp and transformers
 //! then tie it too). The real vocabulary's rows are written, not the arena's padding.
 
+use super::quants;
 use super::read::GgufFile;
 use super::types::{GgmlType, Value};
 use super::vocab::{self, Recognised};
@@ -339,11 +340,16 @@ pub(crate) fn check_destination(dest: &Path) -> Result<()> {
             dest.display()
         );
     }
+    if dest.is_symlink() && !dest.exists() {
+        bail!(
+            "{} is a symbolic link to nothing; remove the link or choose another --to",
+            dest.display()
+        );
+    }
     if !dest.exists() {
         return Ok(());
     }
-    let ours = GgufFile::open(dest).is_ok_and(|f| f.get(PRODUCER_KEY).is_some());
-    if !ours {
+    if !GgufFile::open(dest).is_ok_and(|f| written_by_nanogpt(&f)) {
         bail!(
             "{} already exists and is not a GGUF file that nanogpt wrote; choose another --to \
              (nothing was written)",
@@ -351,6 +357,32 @@ pub(crate) fn check_destination(dest: &Path) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Whether `file` is as nanogpt writes a file: [`PRODUCER_KEY`] right after
+/// `general.file_type` and `general.quantization_version` (the fourth to sixth keys,
+/// as [`metadata`] and the adapter writer put them), and tensors of the types
+/// nanogpt writes. The mark alone is not enough: `llama-quantize` copies every key of
+/// its input, ours included, into the user's new file, and re-sets those two keys at
+/// the end.
+fn written_by_nanogpt(file: &GgufFile) -> bool {
+    let keys: Vec<&str> = file
+        .header
+        .metadata
+        .iter()
+        .map(|(k, _)| k.as_str())
+        .collect();
+    keys.get(3..6)
+        == Some(&[
+            "general.file_type",
+            "general.quantization_version",
+            PRODUCER_KEY,
+        ])
+        && file
+            .header
+            .tensors
+            .iter()
+            .all(|t| t.ty.is_some_and(quants::can_quantize))
 }
 
 /// A GPT-2 in a GGUF file, checked to be one nanogpt represents, for loading.
