@@ -5,7 +5,7 @@
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
-use super::style::{draw_err, iter_label, text, BACKGROUND};
+use super::style::{draw_err, draw_legend, iter_label, text};
 use super::Row;
 use anyhow::Result;
 
@@ -116,14 +116,6 @@ pub(super) fn draw_accuracy<DB: DrawingBackend>(
         let markers = points.iter().map(|&p| Circle::new(p, 4, colour.filled()));
         chart.draw_series(markers).map_err(draw_err)?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .margin(12)
-        .label_font(text(16.0))
-        .background_style(BACKGROUND.mix(0.9))
-        .border_style(RGBColor(190, 190, 190))
-        .draw()
-        .map_err(draw_err)?;
+    draw_legend(&mut chart, SeriesLabelPosition::LowerRight)?;
     Ok(())
 }

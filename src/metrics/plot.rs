@@ -14,7 +14,7 @@ use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
 
 use super::accuracy::{draw_accuracy, TaskSeries};
-use super::style::{draw_err, iter_label, text, BACKGROUND, FONT};
+use super::style::{draw_err, draw_legend, iter_label, text, BACKGROUND, FONT};
 use super::text::CrispText;
 use super::Row;
 
@@ -449,15 +449,7 @@ fn draw_losses<DB: DrawingBackend>(
         chart.draw_series(markers).map_err(draw_err)?;
     }
     if series.all().next().is_some() {
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .margin(12)
-            .label_font(text(16.0))
-            .background_style(BACKGROUND.mix(0.9))
-            .border_style(RGBColor(190, 190, 190))
-            .draw()
-            .map_err(draw_err)?;
+        draw_legend(&mut chart, SeriesLabelPosition::UpperRight)?;
     }
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! What the panels of `loss.png` share: the text style, tick labels, errors.
 
 use anyhow::anyhow;
+use plotters::coord::CoordTranslate;
 use plotters::prelude::*;
 use plotters::style::FontStyle;
 
@@ -24,6 +25,23 @@ pub(super) fn iter_label(x: &f64) -> String {
     } else {
         format!("{x:.1}")
     }
+}
+
+/// Draws the legend of the series drawn on `chart`, boxed as every panel boxes it.
+pub(super) fn draw_legend<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    position: SeriesLabelPosition,
+) -> anyhow::Result<()> {
+    chart
+        .configure_series_labels()
+        .position(position)
+        .margin(12)
+        .label_font(text(16.0))
+        .background_style(BACKGROUND.mix(0.9))
+        .border_style(RGBColor(190, 190, 190))
+        .draw()
+        .map_err(draw_err)?;
+    Ok(())
 }
 
 pub(super) fn draw_err<E: std::fmt::Display>(e: E) -> anyhow::Error {
