@@ -437,10 +437,19 @@ fn distinct_chars(text: &str) -> BTreeSet<char> {
 
 /// Tokenizes texts in parallel, keeping their order.
 fn encode_all(tokenizer: &Tokenizer, texts: &[&str]) -> Result<Vec<Vec<u32>>> {
-    texts
-        .par_iter()
-        .map(|text| tokenizer.encode(text))
-        .collect()
+    first_error(
+        texts
+            .par_iter()
+            .map(|text| tokenizer.encode(text))
+            .collect(),
+    )
+}
+
+/// The results of a parallel map, in order, or the error of the earliest item that
+/// failed: rayon's own `collect::<Result<_>>` returns whichever failure it met first,
+/// so with two bad lines the message would name either, depending on the threads.
+fn first_error<T>(results: Vec<Result<T>>) -> Result<Vec<T>> {
+    results.into_iter().collect()
 }
 
 struct Outputs {
@@ -633,14 +642,16 @@ fn write_documents(
     let mut router = DocRouter::new(fraction);
     let mut index = 0u64;
     for_each_batch(source, bar, |batch| {
-        let encoded = batch
-            .par_iter()
-            .map(|text| match text.is_empty() {
-                true => Ok(Vec::new()),
-                false => tokenizer.encode_document(text),
-            })
-            .collect::<Result<Vec<_>>>()
-            .with_context(|| format!("cannot tokenize {}", source.describe()))?;
+        let encoded = first_error(
+            batch
+                .par_iter()
+                .map(|text| match text.is_empty() {
+                    true => Ok(Vec::new()),
+                    false => tokenizer.encode_document(text),
+                })
+                .collect(),
+        )
+        .with_context(|| format!("cannot tokenize {}", source.describe()))?;
         for tokens in encoded {
             if !tokens.is_empty() {
                 router.route(index, (tokens, Vec::new()), out)?;
@@ -668,11 +679,13 @@ fn write_examples(
     let mut batch: Vec<Example> = Vec::new();
     let mut bytes = 0;
     let mut flush = |batch: &mut Vec<Example>, router: &mut DocRouter| -> Result<()> {
-        let encoded = batch
-            .par_iter()
-            .map(|example| example.encode(tokenizer, eot, variables))
-            .collect::<Result<Vec<_>>>()
-            .with_context(|| format!("cannot tokenize {}", source.describe()))?;
+        let encoded = first_error(
+            batch
+                .par_iter()
+                .map(|example| example.encode(tokenizer, eot, variables))
+                .collect(),
+        )
+        .with_context(|| format!("cannot tokenize {}", source.describe()))?;
         for doc in encoded {
             router.route(index, doc, out)?;
             index += 1;
