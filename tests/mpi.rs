@@ -64,6 +64,13 @@ fn is_open_mpi() -> bool {
 
 /// `mpirun -n N nanogpt train TINY... extra...` (N = 0: no launcher at all).
 fn command(ranks: usize, extra: &[&str]) -> Command {
+    let mut cmd = launcher(ranks);
+    cmd.args(train_args(extra));
+    cmd
+}
+
+/// `mpirun -n N nanogpt` in [`workdir`], ready for a subcommand (N = 0: no launcher).
+fn launcher(ranks: usize) -> Command {
     let mut cmd = if ranks == 0 {
         Command::new(BIN)
     } else {
@@ -78,7 +85,6 @@ fn command(ranks: usize, extra: &[&str]) -> Command {
         cmd.arg(BIN);
         cmd
     };
-    cmd.args(train_args(extra));
     cmd.current_dir(workdir());
     cmd
 }
@@ -434,6 +440,69 @@ fn masked_instruction_data_trains_the_same_on_two_ranks() {
     let out = "two-masked";
     train(2, out, &extra);
     assert_same_run(&one, out);
+}
+
+/// The four accuracies of a task row or of `eval --task --json`'s report.
+const ACCURACIES: [&str; 4] = ["acc", "acc_norm", "acc_bytes", "acc_token"];
+
+#[test]
+fn multiple_choice_accuracy_is_the_same_on_any_number_of_ranks() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    common::write_shakespeare_task(workdir(), 30);
+    let task = [
+        "gradient_accumulation_steps=3",
+        "max_iters=4",
+        "eval_interval=2",
+        "lr_decay_iters=4",
+        "eval_tasks=choice:lines.jsonl",
+        "eval_tasks_limit=25",
+    ];
+    // During training: each rank scores every W-th question, rank 0 adds them up.
+    train(0, "tasks-1", &task);
+    train(3, "tasks-3", &task);
+    let one = common::task_rows(&workdir().join("tasks-1"));
+    let three = common::task_rows(&workdir().join("tasks-3"));
+    let iters = |rows: &[serde_json::Value]| -> Vec<u64> {
+        rows.iter().map(|r| r["iter"].as_u64().unwrap()).collect()
+    };
+    assert_eq!(iters(&one), [0, 2, 4]);
+    assert_eq!(iters(&three), iters(&one));
+    for (a, b) in one.iter().zip(&three) {
+        assert_eq!(b["examples"], 25);
+        for name in ACCURACIES {
+            let (x, y) = (a[name].as_f64().unwrap(), b[name].as_f64().unwrap());
+            // The same weights at iteration 0; later the ranks' sums differ by float
+            // noise (within 1e-5), which may at most tip one question.
+            let allowed = if a["iter"] == 0 {
+                0.0
+            } else {
+                1.0 / 25.0 + 1e-9
+            };
+            assert!(
+                (x - y).abs() <= allowed,
+                "iter {}: {name} {x} vs {y}",
+                a["iter"]
+            );
+        }
+    }
+    // `eval --task` of one checkpoint: every question scored alike on any rank.
+    let eval = |ranks: usize| -> serde_json::Value {
+        let mut cmd = launcher(ranks);
+        cmd.args(["eval", "--init-from", "tasks-1", "--task", "choice"]);
+        cmd.args(["--data", "lines.jsonl", "--json", "--threads", "1"]);
+        let out = run_for(cmd, Duration::from_secs(120));
+        assert!(out.status.success(), "{ranks} ranks: {}", text(&out.stderr));
+        serde_json::from_str(text(&out.stdout).trim()).unwrap()
+    };
+    let alone = eval(0);
+    assert_eq!(alone["examples"], 30);
+    for ranks in [2, 3] {
+        let split = eval(ranks);
+        assert_eq!(split["examples"], 30, "{ranks} ranks");
+        for name in ACCURACIES {
+            assert_eq!(split[name], alone[name], "{ranks} ranks: {name}");
+        }
+    }
 }
 
 #[test]

@@ -146,49 +146,13 @@ fn eval_task_prints_the_metrics() {
 // ---------------------------------------------------------------------------------
 // Accuracy during training (`eval_tasks`)
 
-/// Writes `d/lines.jsonl`: `n` questions cut from the bundled Shakespeare, each a
-/// line's first characters and four continuations, the line's own (at a rotating
-/// index) and three from other lines. Contexts of 6 to 25 characters: some fit the
-/// tiny model's block of 16, some are scored in the harness's window.
-fn write_shakespeare_task(d: &Path, n: usize) {
-    let text = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("data/shakespeare/input.txt"),
-    )
-    .unwrap();
-    let lines: Vec<&str> = (text.lines())
-        .filter(|l| l.len() >= 40 && l.is_ascii())
-        .collect();
-    let mut out = String::new();
-    for i in 0..n {
-        let line = lines[i * 7];
-        let cut = 6 + (i * 5) % 20;
-        let tail = |l: &str| l[cut..cut + 6].trim().to_string();
-        let label = i % 4;
-        let mut choices: Vec<String> = (1..4).map(|k| tail(lines[i * 7 + k * 3])).collect();
-        choices.insert(label, tail(line));
-        let q = serde_json::json!({"context": line[..cut].trim_end(), "choices": choices, "label": label});
-        out.push_str(&format!("{q}\n"));
-    }
-    std::fs::write(d.join("lines.jsonl"), out).unwrap();
-}
-
-/// The task rows of `run/metrics.jsonl`.
-fn task_rows(run: &Path) -> Vec<Value> {
-    std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap())
-        .filter(|row| row.get("task").is_some())
-        .collect()
-}
-
 const METRICS: [&str; 4] = ["acc", "acc_norm", "acc_bytes", "acc_token"];
 
 #[test]
 fn accuracy_logged_in_training_is_eval_task_on_the_checkpoint() {
     let dir = temp_dir("train-tasks");
     let d = dir.path();
-    write_shakespeare_task(d, 30);
+    common::write_shakespeare_task(d, 30);
     let run = [
         "max_iters=5",
         "eval_interval=3",
@@ -199,7 +163,7 @@ fn accuracy_logged_in_training_is_eval_task_on_the_checkpoint() {
     ];
     let stdout = ok(d, &[&["train"], &TINY_SHAKESPEARE[..], &run].concat());
     // With each loss evaluation (0, 3) and of the final state (6).
-    let rows = task_rows(&d.join("run"));
+    let rows = common::task_rows(&d.join("run"));
     let iters: Vec<u64> = rows.iter().map(|r| r["iter"].as_u64().unwrap()).collect();
     assert_eq!(iters, [0, 3, 6]);
     for row in &rows {
@@ -246,7 +210,7 @@ fn accuracy_logged_in_training_is_eval_task_on_the_checkpoint() {
         d,
         &[&["train"], &TINY_SHAKESPEARE[..], &run[..5], &own].concat(),
     );
-    let rows2 = task_rows(&d.join("run2"));
+    let rows2 = common::task_rows(&d.join("run2"));
     let iters: Vec<u64> = rows2.iter().map(|r| r["iter"].as_u64().unwrap()).collect();
     assert_eq!(iters, [0, 2, 4, 6]);
     assert_eq!(rows2[0]["examples"], 30, "no limit: every question");
@@ -269,7 +233,7 @@ fn accuracy_logged_in_training_is_eval_task_on_the_checkpoint() {
         ]
         .concat(),
     );
-    let again = task_rows(&d.join("run"));
+    let again = common::task_rows(&d.join("run"));
     assert_eq!(again.len(), 4);
     for name in METRICS {
         assert_eq!(again[3][name], last[name], "{name}");

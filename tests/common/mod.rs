@@ -167,3 +167,39 @@ pub fn prepare_gpt2_text(dir: &Path, lines: usize) {
     ];
     ok(dir, &[&args[..], &["--val-fraction", "0.2"]].concat());
 }
+
+/// Writes `d/lines.jsonl`: `n` questions cut from the bundled Shakespeare, each a
+/// line's first characters and four continuations, the line's own (at a rotating
+/// index) and three from other lines. Contexts of 6 to 25 characters: some fit the
+/// tiny model's block of 16, some are scored in the harness's window.
+pub fn write_shakespeare_task(d: &Path, n: usize) {
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("data/shakespeare/input.txt"),
+    )
+    .unwrap();
+    let lines: Vec<&str> = (text.lines())
+        .filter(|l| l.len() >= 40 && l.is_ascii())
+        .collect();
+    let mut out = String::new();
+    for i in 0..n {
+        let line = lines[i * 7];
+        let cut = 6 + (i * 5) % 20;
+        let tail = |l: &str| l[cut..cut + 6].trim().to_string();
+        let label = i % 4;
+        let mut choices: Vec<String> = (1..4).map(|k| tail(lines[i * 7 + k * 3])).collect();
+        choices.insert(label, tail(line));
+        let q = serde_json::json!({"context": line[..cut].trim_end(), "choices": choices, "label": label});
+        out.push_str(&format!("{q}\n"));
+    }
+    std::fs::write(d.join("lines.jsonl"), out).unwrap();
+}
+
+/// The task rows of `run/metrics.jsonl`.
+pub fn task_rows(run: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|row| row.get("task").is_some())
+        .collect()
+}
