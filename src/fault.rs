@@ -34,9 +34,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-/// The environment variable read by [`init`].
-pub const ENV: &str = "NANOGPT_FAULT";
-
 /// One injected fault.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fault {
@@ -83,9 +80,10 @@ static FAULT: OnceLock<Option<Fault>> = OnceLock::new();
 /// Reads `NANOGPT_FAULT` once; a malformed value is an error (a typo in a test
 /// should not silently test nothing).
 pub fn init() -> Result<()> {
-    let parsed = match std::env::var(ENV) {
-        Ok(spec) if !spec.is_empty() => Some(parse(&spec).with_context(|| {
-            format!("{ENV}={spec} (a test-only setting): unset it for normal runs")
+    let parsed = match crate::tuning::env::get().fault.as_deref() {
+        Some(spec) if !spec.is_empty() => Some(parse(spec).with_context(|| {
+            let name = crate::tuning::env::FAULT;
+            format!("{name}={spec} (a test-only setting): unset it for normal runs")
         })?),
         _ => None,
     };

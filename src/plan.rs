@@ -20,7 +20,7 @@ use crate::model::activations::Activations;
 use crate::model::lora::{LoraConfig, LoraLayout};
 use crate::model::packs::Packs;
 use crate::model::{grad_buckets_of, Dtype, ModelConfig, ParamLayout};
-use anyhow::{Context, Result};
+use anyhow::Result;
 use serde::Serialize;
 
 /// Resident memory of a training process besides its buffers: the binary and its
@@ -453,20 +453,15 @@ pub struct Available {
     pub source: String,
 }
 
-/// The environment variable that sets the available memory (MB), overriding what
-/// the system says: for tests, and for users who want a tighter limit.
-pub const LIMIT_ENV: &str = "NANOGPT_MEMORY_LIMIT_MB";
-
 /// `MemAvailable` of /proc/meminfo, or this process's cgroup (v2 or v1) memory
-/// limit where that is lower; [`LIMIT_ENV`] overrides both. None if nothing says.
+/// limit where that is lower; `NANOGPT_MEMORY_LIMIT_MB` overrides both (for tests,
+/// and for users who want a tighter limit). None if nothing says.
 pub fn available() -> Result<Option<Available>> {
-    if let Ok(text) = std::env::var(LIMIT_ENV) {
-        let mb: u64 = text.trim().parse().ok().with_context(|| {
-            format!("{LIMIT_ENV} must be a whole number of megabytes, got '{text}'")
-        })?;
+    let limit = crate::tuning::env::get().memory_limit_mb.clone();
+    if let Some(mb) = limit.map_err(anyhow::Error::msg)? {
         return Ok(Some(Available {
             bytes: mb * 1_000_000,
-            source: LIMIT_ENV.to_string(),
+            source: crate::tuning::env::MEMORY_LIMIT_MB.to_string(),
         }));
     }
     let mem = mem_available().map(|bytes| Available {

@@ -175,7 +175,7 @@ mod tests {
     #[test]
     #[cfg(target_os = "linux")]
     fn advised_buffers_fault_in_whole_huge_pages_and_still_release() {
-        if !huge_pages_on_advice() || std::env::var("NANOGPT_ZERO3_HUGE_PAGES").is_ok() {
+        if !huge_pages_on_advice() || !crate::tuning::get().huge_pages {
             eprintln!("transparent huge pages off here: nothing to check");
             return;
         }

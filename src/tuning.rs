@@ -19,11 +19,11 @@
 //! | `NANOGPT_ZERO3_HUGE_PAGES=0` | large refilled buffers on transparent huge pages | 4 KiB pages |
 //!
 //! Choices that change what a run computes are config keys, recorded in its
-//! checkpoint, not variables here (the bf16 kernel: `bf16_kernel`). Variables about
-//! the machine or the launch (`NANOGPT_MEMORY_LIMIT_MB`, `NANOGPT_START_TIMEOUT_S`,
-//! `NANOGPT_MPI`, `NANOGPT_MPIRUN`, `NANOGPT_MPI_FINALIZE`, `NANOGPT_CHECKIN`, set by
-//! `launch`), `serve`'s `NANOGPT_API_KEY` and the test hooks (`NANOGPT_FAULT`,
-//! `NANOGPT_EXPECT_ONEDNN`) are read where they act.
+//! checkpoint, not variables here (the bf16 kernel: `bf16_kernel`). The other
+//! variables (about the machine or the launch, `serve`'s key, the test hooks) are
+//! read once in [`env`]. No other module reads a `NANOGPT_*` variable.
+
+pub mod env;
 
 use std::sync::OnceLock;
 

@@ -367,9 +367,8 @@ fn rewrite_as_llama_quantize(src: &std::path::Path, dest: &std::path::Path) {
 /// The venv with llama-cpp-python, transformers and gguf (see HELPERS.md), or
 /// `None` (the test then says it is skipped).
 fn venv_python() -> Option<std::path::PathBuf> {
-    let python = std::path::PathBuf::from(
-        std::env::var("NANOGPT_VENV_PYTHON").unwrap_or_else(|_| "/work/venv/bin/python".into()),
-    );
+    let named = nanogpt::tuning::env::get().venv_python.clone();
+    let python = named.unwrap_or_else(|| "/work/venv/bin/python".into());
     let ok = std::process::Command::new(&python)
         .args(["-c", "import llama_cpp, transformers, gguf"])
         .output()

@@ -48,7 +48,8 @@ fn workdir() -> &'static Path {
 }
 
 fn mpirun() -> String {
-    std::env::var("NANOGPT_MPIRUN").unwrap_or_else(|_| "mpirun".into())
+    let named = nanogpt::tuning::env::get().mpirun.clone();
+    named.unwrap_or_else(|| "mpirun".into())
 }
 
 fn is_open_mpi() -> bool {

@@ -42,7 +42,7 @@ pub fn run(args: LaunchArgs) -> Result<i32> {
     let explicit = args
         .mpirun
         .clone()
-        .or_else(|| std::env::var("NANOGPT_MPIRUN").ok());
+        .or_else(|| crate::tuning::env::get().mpirun.clone());
     let version = launch::probe::mpi_version();
     let library = version
         .as_deref()
@@ -125,7 +125,8 @@ fn with_hub(
     iface: Option<&str>,
     argv: impl Fn(Vec<String>) -> Vec<String>,
 ) -> Hubbed {
-    use crate::dist::checkin::{Hub, VARIABLE};
+    use crate::dist::checkin::Hub;
+    use crate::tuning::env::CHECKIN;
     // This host's address on the named network, offered first.
     let first = iface.and_then(|i| {
         crate::dist::route::candidates()
@@ -135,15 +136,15 @@ fn with_hub(
     });
     let hub = Hub::for_launch(hosts.len(), hosts, first);
     let mut env = launch::forwarded_env();
-    env.retain(|v| v != VARIABLE);
+    env.retain(|v| v != CHECKIN);
     if hub.is_some() {
-        env.push(VARIABLE.into());
+        env.push(CHECKIN.into());
     }
     let argv = argv(env);
     let mut command = std::process::Command::new(&argv[0]);
     command.args(&argv[1..]);
     if let Some(hub) = &hub {
-        command.env(VARIABLE, hub.invitation.encode());
+        command.env(CHECKIN, hub.invitation.encode());
     }
     Hubbed { command, _hub: hub }
 }

@@ -67,7 +67,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         model_name,
         api_key: args
             .api_key
-            .or_else(|| std::env::var("NANOGPT_API_KEY").ok())
+            .or_else(|| crate::tuning::env::get().api_key.clone())
             .filter(|k| !k.is_empty()),
         queue: args.queue,
         bf16: (args.dtype == "bfloat16").then(|| super::bf16_backend(&args.bf16_kernel)),

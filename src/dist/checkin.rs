@@ -22,9 +22,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// The variable through which `nanogpt launch` names its hub.
-pub const VARIABLE: &str = "NANOGPT_CHECKIN";
-
 /// What the hub knows of one rank.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Seen {
@@ -252,10 +249,15 @@ struct Rendezvous {
     serve: bool,
 }
 
-/// The hub `launch` named, else the one derived from the launcher's job address
-/// (see the module's doc), else None.
-fn rendezvous(started: &Started, get: &dyn Fn(&str) -> Option<String>) -> Option<Rendezvous> {
-    if let Some(inv) = get(VARIABLE).as_deref().and_then(Invitation::decode) {
+/// The hub `launch` named (`named`: `NANOGPT_CHECKIN`), else the one derived from
+/// the launcher's job address (see the module's doc; `get` reads the launcher's
+/// variables), else None.
+fn rendezvous(
+    started: &Started,
+    named: Option<&str>,
+    get: &dyn Fn(&str) -> Option<String>,
+) -> Option<Rendezvous> {
+    if let Some(inv) = named.and_then(Invitation::decode) {
         return Some(Rendezvous {
             invitation: inv,
             serve: false,
@@ -359,7 +361,8 @@ impl Checkin {
     /// up), and serves the hub first where this rank is to.
     pub fn start(started: &Started) -> Checkin {
         let get = |name: &str| std::env::var(name).ok();
-        let Some(rv) = rendezvous(started, &get) else {
+        let named = crate::tuning::env::get().checkin.as_deref();
+        let Some(rv) = rendezvous(started, named, &get) else {
             return Checkin::none();
         };
         let hub = match rv.serve {
@@ -553,7 +556,7 @@ mod tests {
         };
         let uri = "3425435648.0;tcp://10.9.9.9,172.17.0.1:41237";
         let env = |name: &str| (name == "OMPI_MCA_orte_hnp_uri").then(|| uri.to_string());
-        let rv = rendezvous(&started, &env).unwrap();
+        let rv = rendezvous(&started, None, &env).unwrap();
         assert_eq!(
             rv.invitation.addrs,
             [
@@ -565,15 +568,12 @@ mod tests {
         assert!(!rv.serve, "only rank 0 serves");
         // The same job gives every rank the same hub; `launch`'s variable wins.
         assert_eq!(
-            rendezvous(&started, &env).unwrap().invitation,
+            rendezvous(&started, None, &env).unwrap().invitation,
             rv.invitation
         );
-        let launch = |name: &str| match name {
-            VARIABLE => Some("4000 00000000000000aa 10.1.1.1".to_string()),
-            _ => env(name),
-        };
-        let rv = rendezvous(&started, &launch).unwrap();
+        let named = Some("4000 00000000000000aa 10.1.1.1");
+        let rv = rendezvous(&started, named, &env).unwrap();
         assert_eq!(rv.invitation.port, 4000);
-        assert!(rendezvous(&started, &|_| None).is_none());
+        assert!(rendezvous(&started, None, &|_| None).is_none());
     }
 }

@@ -515,10 +515,8 @@ const LAUNCHER_VARS: [&str; 6] = [
 /// Whether this process was started by an MPI launcher. `NANOGPT_MPI=0` or `1`
 /// overrides the guess.
 pub fn launched_by_mpi() -> bool {
-    match std::env::var("NANOGPT_MPI").as_deref() {
-        Ok("0") => return false,
-        Ok("1") => return true,
-        _ => {}
+    if let Some(said) = crate::tuning::env::get().mpi {
+        return said;
     }
     LAUNCHER_VARS.iter().any(|v| std::env::var_os(v).is_some())
 }

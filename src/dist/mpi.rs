@@ -657,7 +657,7 @@ fn skips_finalize() -> bool {
     let mpich = mpi::environment::library_version()
         .map(|v| v.starts_with("MPICH"))
         .unwrap_or(false);
-    let forced = std::env::var("NANOGPT_MPI_FINALIZE").as_deref() == Ok("1");
+    let forced = crate::tuning::env::get().mpi_finalize;
     mpich && SPANS_HOSTS.load(Ordering::SeqCst) && !forced
 }
 

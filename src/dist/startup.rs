@@ -14,17 +14,6 @@ use std::time::{Duration, Instant};
 /// How long a rank may take to start before the job is ended (when a hub can tell).
 pub const NEVER_STARTED: Duration = Duration::from_secs(30);
 
-/// Seconds MPI start-up (`MPI_Init` and the first collectives) may take:
-/// `NANOGPT_START_TIMEOUT_S`, default 120.
-pub fn start_timeout() -> Duration {
-    let secs = std::env::var("NANOGPT_START_TIMEOUT_S")
-        .ok()
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .filter(|s| s.is_finite() && *s > 0.0)
-        .unwrap_or(120.0);
-    Duration::from_secs_f64(secs)
-}
-
 /// Runs until [`Timer::done`]; see the module's doc.
 pub struct Timer {
     done: Arc<AtomicBool>,
@@ -36,7 +25,7 @@ impl Timer {
     pub fn start(checkin: Arc<Checkin>, rank: Option<usize>, abort: fn(i32) -> !) -> Timer {
         let done = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&done);
-        let limit = start_timeout();
+        let limit = crate::tuning::env::get().start_timeout();
         let early = NEVER_STARTED.min(limit);
         let _ = std::thread::Builder::new()
             .name("mpi-start-timer".into())

@@ -135,13 +135,12 @@ fn on_path(program: &str) -> bool {
         .is_some_and(|path| std::env::split_paths(&path).any(|dir| executable(&dir.join(program))))
 }
 
-/// Environment variables forwarded to every rank when set here.
-const FORWARD: [&str; 7] = [
+/// Environment variables forwarded to every rank when set here (with nanogpt's
+/// own: [`crate::tuning::env::Settings::forwarded`]).
+const FORWARD: [&str; 5] = [
     "HF_HOME",
     "HF_HUB_CACHE",
     "HF_HUB_OFFLINE",
-    "NANOGPT_START_TIMEOUT_S",
-    "NANOGPT_CHECKIN",
     "RUST_BACKTRACE",
     "LD_LIBRARY_PATH",
 ];
@@ -246,13 +245,11 @@ impl Job<'_> {
     }
 }
 
-/// The variables of `FORWARD` set in this environment.
+/// The variables of `FORWARD`, and nanogpt's own to forward, set in this environment.
 pub fn forwarded_env() -> Vec<String> {
-    FORWARD
-        .iter()
-        .filter(|v| std::env::var_os(v).is_some())
-        .map(|v| v.to_string())
-        .collect()
+    let ours = crate::tuning::env::get().forwarded();
+    let set = FORWARD.iter().filter(|v| std::env::var_os(v).is_some());
+    set.chain(&ours).map(|v| v.to_string()).collect()
 }
 
 /// The hosts of a hostfile (first word of each line, `#` comments skipped),

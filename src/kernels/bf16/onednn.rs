@@ -546,7 +546,7 @@ pub(crate) fn testable() -> bool {
     if !available() {
         let why = loaded().as_ref().err().map_or("no fast bf16 matmul", |e| e);
         assert!(
-            std::env::var_os("NANOGPT_EXPECT_ONEDNN").is_none(),
+            !crate::tuning::env::get().expect_onednn,
             "NANOGPT_EXPECT_ONEDNN is set but oneDNN is not usable: {why}"
         );
         eprintln!("oneDNN not tested: {why}");
