@@ -149,6 +149,15 @@ pub fn leftover_temp_files(out_dir: &Path) -> Vec<PathBuf> {
     found
 }
 
+/// AdamW's moments, each in layout order, as a checkpoint holds them.
+#[derive(Clone, Copy, Debug)]
+pub struct Moments<'a> {
+    /// The first moments.
+    pub m: &'a [f32],
+    /// The second moments.
+    pub v: &'a [f32],
+}
+
 /// Writes `params` (and the AdamW moments when given) with `state`, atomically, to
 /// `out_dir/ckpt.safetensors`.
 pub fn save(
@@ -156,7 +165,7 @@ pub fn save(
     state: &CheckpointState,
     layout: &ParamLayout,
     params: &[f32],
-    moments: Option<(&[f32], &[f32])>,
+    moments: Option<Moments<'_>>,
 ) -> Result<()> {
     save_to(&checkpoint_path(out_dir), state, layout, params, moments)
 }
@@ -169,7 +178,7 @@ pub fn save_to(
     state: &CheckpointState,
     layout: &ParamLayout,
     params: &[f32],
-    moments: Option<(&[f32], &[f32])>,
+    moments: Option<Moments<'_>>,
 ) -> Result<()> {
     let mut source = Held {
         layout,
@@ -247,7 +256,7 @@ pub trait TensorSource {
 struct Held<'a> {
     layout: &'a ParamLayout,
     params: &'a [f32],
-    moments: Option<(&'a [f32], &'a [f32])>,
+    moments: Option<Moments<'a>>,
 }
 
 impl TensorSource for Held<'_> {
@@ -255,8 +264,8 @@ impl TensorSource for Held<'_> {
         let range = self.layout.tensors[entry.tensor].range();
         let array = match (entry.array, self.moments) {
             (Array::Params, _) => self.params,
-            (Array::M, Some((m, _))) => m,
-            (Array::V, Some((_, v))) => v,
+            (Array::M, Some(moments)) => moments.m,
+            (Array::V, Some(moments)) => moments.v,
             (_, None) => return None,
         };
         Some(&array[range])
@@ -814,7 +823,14 @@ mod tests {
         let params: Vec<f32> = (0..layout.len).map(|i| i as f32 * 0.5).collect();
         let m: Vec<f32> = params.iter().map(|p| -p).collect();
         let v: Vec<f32> = params.iter().map(|p| p * p).collect();
-        save(dir, &state, &layout, &params, Some((&m, &v))).unwrap();
+        save(
+            dir,
+            &state,
+            &layout,
+            &params,
+            Some(Moments { m: &m, v: &v }),
+        )
+        .unwrap();
         let ckpt = Checkpoint::open(dir).unwrap();
         assert_eq!(ckpt.state, state);
         let mut p2 = vec![0.0; layout.len];
@@ -848,7 +864,7 @@ mod tests {
         let params: Vec<f32> = (0..layout.len).map(|i| (i as f32).sin()).collect();
         let m: Vec<f32> = params.iter().map(|p| p * 0.5).collect();
         let v: Vec<f32> = params.iter().map(|p| p * p).collect();
-        for moments in [None, Some((&m[..], &v[..]))] {
+        for moments in [None, Some(Moments { m: &m, v: &v })] {
             save(tmp.path(), &state, &layout, &params, moments).unwrap();
             let ours = std::fs::read(checkpoint_path(tmp.path())).unwrap();
             let mut views = Vec::new();
@@ -859,7 +875,7 @@ mod tests {
                         .unwrap()
                 };
                 views.push((t.name.clone(), view(&params)));
-                if let Some((m, v)) = moments {
+                if let Some(Moments { m, v }) = moments {
                     views.push((format!("{M_PREFIX}{}", t.name), view(m)));
                     views.push((format!("{V_PREFIX}{}", t.name), view(v)));
                 }
@@ -946,7 +962,8 @@ mod tests {
         );
         let mut v = vec![0.0; layout.len];
         v[t.range().end - 1] = f32::NAN;
-        let err = save(dir, &state, &layout, &params, Some((&params, &v))).unwrap_err();
+        let moments = Some(Moments { m: &params, v: &v });
+        let err = save(dir, &state, &layout, &params, moments).unwrap_err();
         assert!(
             err.to_string().contains("the AdamW second moments of"),
             "{err}"

@@ -610,7 +610,14 @@ fn write_edited_checkpoint(
     edit(&mut state, &mut v);
     let dir = s.file(rel);
     std::fs::create_dir_all(&dir).unwrap();
-    checkpoint::save(&dir, &state, &layout, &params, Some((&m, &v))).unwrap();
+    checkpoint::save(
+        &dir,
+        &state,
+        &layout,
+        &params,
+        Some(checkpoint::Moments { m: &m, v: &v }),
+    )
+    .unwrap();
 }
 
 /// A checkpoint whose run state was edited into one no run writes is refused by
@@ -1159,7 +1166,14 @@ fn a_checkpoint_cannot_redirect_where_a_run_writes() {
     drop(ckpt);
     state.train_config["out_dir"] = "../escaped".into();
     state.train_config["dataset"] = "../escaped-data".into();
-    checkpoint::save(&s.file("run"), &state, &layout, &params, Some((&m, &v))).unwrap();
+    checkpoint::save(
+        &s.file("run"),
+        &state,
+        &layout,
+        &params,
+        Some(checkpoint::Moments { m: &m, v: &v }),
+    )
+    .unwrap();
 
     let args = train_args(&["init_from=resume", "max_iters=4"]);
     succeeds(&mut command(s.path(), args));

@@ -114,15 +114,15 @@ pub fn run(args: TrainArgs) -> Result<i32> {
 
 /// Rank 0's closing lines: the last evaluation, the quick start's sample, a hint.
 fn report_outcome(trainer: &mut Trainer, outcome: &TrainOutcome, quick_start: bool) -> Result<()> {
-    if let Some((train_loss, val_loss)) = outcome.last_eval {
+    if let Some(losses) = &outcome.last_eval {
         let loss = |x: f32| match x.is_nan() {
             true => "n/a".to_string(),
             false => format!("{x:.4}"),
         };
         crate::outln!(
             "done: train loss {}, val loss {}",
-            loss(train_loss),
-            loss(val_loss)
+            loss(losses.train),
+            loss(losses.val)
         );
     }
     for report in &outcome.last_tasks {

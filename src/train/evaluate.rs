@@ -22,6 +22,14 @@ pub struct EvalLosses {
     pub windows: [u64; 2],
 }
 
+/// An evaluation and the iteration it was of (the state before that iteration's
+/// step).
+#[derive(Clone, Copy, Debug)]
+pub struct Evaluation {
+    pub iter: u64,
+    pub losses: EvalLosses,
+}
+
 impl EvalLosses {
     /// `train loss 1.2345, val loss 1.3456`, a split that had nothing to score as
     /// `n/a`, with the skipped windows counted.
@@ -141,18 +149,16 @@ impl Trainer {
     }
 
     /// Evaluates the model as it is at iteration `iter` (not yet trained), says so,
-    /// and logs, plots and checkpoints as [`Trainer::after_eval`] does; returns
-    /// `(iter, train loss, val loss)`.
+    /// and logs, plots and checkpoints as [`Trainer::after_eval`] does.
     pub(super) fn evaluate_and_log(
         &mut self,
         iter: u64,
         progress: &mut Option<Progress>,
-    ) -> Result<(u64, f32, f32)> {
+    ) -> Result<Evaluation> {
         let losses = self.evaluate()?;
         say(progress, &format!("step {iter}: {}", losses.describe()));
-        let (train_loss, val_loss) = (losses.train, losses.val);
-        self.after_eval(iter, train_loss, val_loss, progress)?;
-        Ok((iter, train_loss, val_loss))
+        self.after_eval(iter, losses.train, losses.val, progress)?;
+        Ok(Evaluation { iter, losses })
     }
 
     pub(super) fn after_eval(

@@ -28,6 +28,8 @@ mod save;
 mod start;
 mod tasks;
 
+pub use evaluate::EvalLosses;
+use evaluate::Evaluation;
 use report::say;
 use start::{Masks, Start};
 use tasks::Tasks;
@@ -60,7 +62,7 @@ pub struct TrainOutcome {
     pub best_val_loss: f32,
     /// The losses of the last evaluation, if any ran: of the final state, or of
     /// iteration `max_iters` (see `Trainer::finish`).
-    pub last_eval: Option<(f32, f32)>,
+    pub last_eval: Option<EvalLosses>,
     pub final_train_loss: Option<f32>,
     /// The accuracies of the last scoring of `eval_tasks` (of the final state, or of
     /// iteration `max_iters`); empty without tasks.
@@ -271,7 +273,7 @@ impl Trainer {
         let root = self.rank() == 0;
         let mut progress = root.then(|| Progress::new(self.iter_num, self.cfg.max_iters + 1));
         // The iteration and losses of the last evaluation.
-        let mut last_eval: Option<(u64, f32, f32)> = None;
+        let mut last_eval: Option<Evaluation> = None;
         // The iteration and accuracies of the last scoring of the tasks.
         let mut last_tasks: Option<(u64, Vec<crate::tasks::TaskReport>)> = None;
         let mut final_train_loss = None;
@@ -332,7 +334,7 @@ impl Trainer {
             out_dir: self.cfg.out_dir.clone(),
             iter_num: self.iter_num,
             best_val_loss: self.best_val_loss,
-            last_eval: last_eval.map(|(_, train, val)| (train, val)),
+            last_eval: last_eval.map(|e| e.losses),
             final_train_loss,
             last_tasks: last_tasks.map(|(_, reports)| reports).unwrap_or_default(),
             stopped,

@@ -2,6 +2,7 @@
 //! to `keep_last`), written by rank 0 tensor by tensor, with what ZeRO shards
 //! gathered from every rank one tensor at a time.
 
+use super::evaluate::Evaluation;
 use super::report::say;
 use super::Trainer;
 use crate::checkpoint::{self, Array, CheckpointState, Entry, TensorSource};
@@ -23,12 +24,12 @@ impl Trainer {
     /// which `init_from=resume` takes as the newest.
     pub(super) fn finish(
         &mut self,
-        last_eval: &mut Option<(u64, f32, f32)>,
+        last_eval: &mut Option<Evaluation>,
         last_tasks: &mut Option<(u64, Vec<crate::tasks::TaskReport>)>,
         progress: &mut Option<Progress>,
     ) -> Result<()> {
         let (end, max_iters) = (self.iter_num, self.cfg.max_iters);
-        let stale = last_eval.is_none_or(|(iter, _, _)| iter < max_iters);
+        let stale = last_eval.is_none_or(|e| e.iter < max_iters);
         if self.cfg.eval_interval > 0 && stale {
             *last_eval = Some(self.evaluate_and_log(end, progress)?);
         }
