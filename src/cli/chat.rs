@@ -173,32 +173,26 @@ fn converse(
             layout: &layout,
             config: &loaded.config,
         };
-        let reply = match args.json {
-            false => reply(
-                model,
-                &mut decoder,
-                &context.ids,
-                &opts,
-                tokenizer,
-                &stops,
-                out,
-            )?,
-            true => {
-                let mut text = Vec::new();
-                let whole = reply(
-                    model,
-                    &mut decoder,
-                    &context.ids,
-                    &opts,
-                    tokenizer,
-                    &stops,
-                    &mut text,
-                )?;
-                let line = serde_json::json!({ "reply": whole });
-                exit_if_closed(writeln!(out, "{line}").and_then(|()| out.flush()))?;
-                whole
-            }
+        // With --json the reply is streamed into a buffer, then printed as one line.
+        let mut held = Vec::new();
+        let mut sink: &mut dyn Write = match args.json {
+            true => &mut held,
+            false => &mut *out,
         };
+        let ids = &context.ids;
+        let reply = reply(
+            model,
+            &mut decoder,
+            ids,
+            &opts,
+            tokenizer,
+            &stops,
+            &mut sink,
+        )?;
+        if args.json {
+            let line = serde_json::json!({ "reply": reply });
+            exit_if_closed(writeln!(out, "{line}").and_then(|()| out.flush()))?;
+        }
         conversation.push(message.to_string(), reply);
     }
     Ok(())

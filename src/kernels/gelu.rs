@@ -41,22 +41,11 @@ impl Input for Bf16 {
     }
 }
 
-/// `v`, or `v` rounded to bf16 when `ROUND` (bf16 autocast rounds every matmul
-/// operand; doing it here saves a pass over the output).
-#[inline(always)]
-fn finish<const ROUND: bool>(v: f32) -> f32 {
-    if ROUND {
-        bf16::round(v)
-    } else {
-        v
-    }
-}
-
 #[inline(always)]
 fn forward_chunk<const FMA: bool, const ROUND: bool, X: Input>(out: &mut [f32], inp: &[X]) {
     for (o, &x) in out.iter_mut().zip(inp) {
         let x = x.get();
-        *o = finish::<ROUND>(x * sigmoid_2u(FMA, x).0);
+        *o = bf16::round_if::<ROUND>(x * sigmoid_2u(FMA, x).0);
     }
 }
 
@@ -65,7 +54,7 @@ fn backward_chunk<const FMA: bool, const ROUND: bool, X: Input>(d: &mut [f32], i
     for (d, &x) in d.iter_mut().zip(inp) {
         let x = x.get();
         let (s, du) = sigmoid_2u(FMA, x);
-        *d = finish::<ROUND>(*d * fmadd(FMA, 2.0 * x * s * (1.0 - s), du, s));
+        *d = bf16::round_if::<ROUND>(*d * fmadd(FMA, 2.0 * x * s * (1.0 - s), du, s));
     }
 }
 

@@ -20,16 +20,6 @@ fn sigmoid(fma: bool, g: f32) -> f32 {
     1.0 / (1.0 + exp_fast(fma, -g))
 }
 
-/// `v`, or `v` rounded to bf16 when `ROUND`.
-#[inline(always)]
-fn finish<const ROUND: bool>(v: f32) -> f32 {
-    if ROUND {
-        bf16::round(v)
-    } else {
-        v
-    }
-}
-
 /// [`swiglu_forward`] on some rows.
 #[inline(always)]
 fn forward_rows<const FMA: bool, const ROUND: bool, X: Input>(
@@ -41,7 +31,7 @@ fn forward_rows<const FMA: bool, const ROUND: bool, X: Input>(
         let (gate, up) = gu.split_at(i);
         for ((h, &g), &u) in h.iter_mut().zip(gate).zip(up) {
             let g = g.get();
-            *h = finish::<ROUND>(g * sigmoid(FMA, g) * u.get());
+            *h = bf16::round_if::<ROUND>(g * sigmoid(FMA, g) * u.get());
         }
     }
 }
@@ -62,8 +52,8 @@ fn backward_rows<const FMA: bool, const ROUND: bool, X: Input>(
         for (((dg, du), &dh), (&g, &u)) in pairs.zip(gate.iter().zip(up)) {
             let (g, u) = (g.get(), u.get());
             let s = sigmoid(FMA, g);
-            *dg = finish::<ROUND>(dh * u * (s * (1.0 + g * (1.0 - s))));
-            *du = finish::<ROUND>(dh * (g * s));
+            *dg = bf16::round_if::<ROUND>(dh * u * (s * (1.0 + g * (1.0 - s))));
+            *du = bf16::round_if::<ROUND>(dh * (g * s));
         }
     }
 }

@@ -3,6 +3,7 @@
 //! value out of range, an unknown field or a prompt the model cannot take is a 400
 //! naming the field (`param`), as OpenAI answers.
 
+use crate::data::readers::json_kind;
 use serde_json::{json, Map, Value};
 
 /// Most samples per prompt (`n`).
@@ -91,7 +92,7 @@ impl Fields {
             Ok(Value::Object(map)) => Ok(Fields(map)),
             Ok(other) => Err(ApiError::bad_request(format!(
                 "the request body must be a JSON object, got {}",
-                kind_of(&other)
+                json_kind(&other)
             ))),
             Err(e) => Err(ApiError::bad_request(format!(
                 "the request body is not valid JSON: {e}"
@@ -183,19 +184,10 @@ impl Fields {
 }
 
 pub fn wrong_type(key: &str, want: &str, got: &Value) -> ApiError {
-    ApiError::invalid(key, format!("'{key}' must be {want}, got {}", kind_of(got)))
-}
-
-/// "a string", "an array", ... for messages.
-pub fn kind_of(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
+    ApiError::invalid(
+        key,
+        format!("'{key}' must be {want}, got {}", json_kind(got)),
+    )
 }
 
 /// A completions prompt before tokenisation.

@@ -201,7 +201,8 @@ impl Iterator for JsonlExamples {
     }
 }
 
-fn json_kind(value: &Value) -> &'static str {
+/// "a string", "an array", ... for messages (the data's and `serve`'s requests').
+pub fn json_kind(value: &Value) -> &'static str {
     match value {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",

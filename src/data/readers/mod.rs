@@ -8,6 +8,7 @@
 //! chunk by chunk gives exactly the tokens of encoding the whole text.
 
 mod jsonl;
+pub use jsonl::json_kind;
 mod parquet;
 mod text;
 

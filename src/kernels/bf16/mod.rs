@@ -66,6 +66,17 @@ pub fn round(x: f32) -> f32 {
     Bf16::from_f32(x).to_f32()
 }
 
+/// `x`, or `x` rounded to bf16 when `ROUND`: for element-wise kernels whose output
+/// is a matmul operand (bf16 autocast rounds every one; doing it there saves a pass).
+#[inline(always)]
+pub fn round_if<const ROUND: bool>(x: f32) -> f32 {
+    if ROUND {
+        round(x)
+    } else {
+        x
+    }
+}
+
 /// Elements per parallel task: large enough that rayon's overhead is invisible.
 const TASK: usize = 1 << 14;
 
