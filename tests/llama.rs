@@ -233,8 +233,8 @@ fn bf16_loss_and_gradients_are_close_to_f32() {
 #[test]
 fn export_round_trips_in_the_source_spelling() {
     let tmp = common::temp_dir("llama-export");
-    let base = std::env::var_os("NANOGPT_LLAMA_EXPORT_DIR")
-        .map_or_else(|| tmp.path().to_path_buf(), PathBuf::from);
+    let named = nanogpt::tuning::env::get().llama_export_dir.clone();
+    let base = named.unwrap_or_else(|| tmp.path().to_path_buf());
     std::fs::create_dir_all(&base).unwrap();
     let without_source = |mut c: ModelConfig| {
         if let Some(l) = c.llama.as_mut() {
@@ -397,8 +397,8 @@ fn fine_tune_lora_export_and_sample_from_the_command_line() {
 /// when it is absent.
 #[test]
 fn smollm2_135m_instruct_matches_transformers() {
-    let root = std::env::var_os("NANOGPT_SMOLLM2_DIR")
-        .map_or_else(|| PathBuf::from("/tmp/smollm2-135m"), PathBuf::from);
+    let named = nanogpt::tuning::env::get().smollm2_dir.clone();
+    let root = named.unwrap_or_else(|| PathBuf::from("/tmp/smollm2-135m"));
     let reference = root.join("nanogpt_reference.safetensors");
     if !reference.is_file() {
         println!(

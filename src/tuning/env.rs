@@ -15,6 +15,8 @@
 //! | `NANOGPT_EXPECT_ONEDNN` | oneDNN must be testable here (CI on bf16 CPUs) | the oneDNN tests |
 //! | `NANOGPT_EXPORT_CHECK_DIR=DIR` | where tests/hf.rs leaves its export for `hf_fixtures.py --check-export` | tests/hf.rs |
 //! | `NANOGPT_VENV_PYTHON=PATH` | the Python with llama-cpp-python, transformers and gguf | tests/gguf.rs |
+//! | `NANOGPT_LLAMA_EXPORT_DIR=DIR` | where tests/llama.rs leaves its exports for `llama_fixtures.py --check-export` | tests/llama.rs |
+//! | `NANOGPT_SMOLLM2_DIR=DIR` | SmolLM2-135M and its reference (default /tmp/smollm2-135m) | tests/llama.rs |
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -32,6 +34,8 @@ pub const FAULT: &str = "NANOGPT_FAULT";
 pub const EXPECT_ONEDNN: &str = "NANOGPT_EXPECT_ONEDNN";
 pub const EXPORT_CHECK_DIR: &str = "NANOGPT_EXPORT_CHECK_DIR";
 pub const VENV_PYTHON: &str = "NANOGPT_VENV_PYTHON";
+pub const LLAMA_EXPORT_DIR: &str = "NANOGPT_LLAMA_EXPORT_DIR";
+pub const SMOLLM2_DIR: &str = "NANOGPT_SMOLLM2_DIR";
 
 /// How long MPI start-up may take when [`START_TIMEOUT_S`] does not say.
 pub const DEFAULT_START_TIMEOUT: Duration = Duration::from_secs(120);
@@ -64,6 +68,10 @@ pub struct Settings {
     pub export_check_dir: Option<PathBuf>,
     /// [`VENV_PYTHON`].
     pub venv_python: Option<PathBuf>,
+    /// [`LLAMA_EXPORT_DIR`].
+    pub llama_export_dir: Option<PathBuf>,
+    /// [`SMOLLM2_DIR`].
+    pub smollm2_dir: Option<PathBuf>,
 }
 
 impl Settings {
@@ -94,6 +102,8 @@ impl Settings {
             expect_onednn: var(EXPECT_ONEDNN).is_some(),
             export_check_dir: var(EXPORT_CHECK_DIR).map(PathBuf::from),
             venv_python: var(VENV_PYTHON).map(PathBuf::from),
+            llama_export_dir: var(LLAMA_EXPORT_DIR).map(PathBuf::from),
+            smollm2_dir: var(SMOLLM2_DIR).map(PathBuf::from),
         }
     }
 
