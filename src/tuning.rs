@@ -1,8 +1,9 @@
 //! The switches that exist for A/B measurements: each turns one optimisation off
 //! (or, for two, forces a choice the program otherwise makes itself), to measure
 //! what it saves or to test that it changes no bit. They are read from the
-//! environment once per process, here and nowhere else ([`get`]), and printed at
-//! the start of `train` and `bench` when any is set ([`Tuning::changed`]). Users
+//! environment once per process, with the other variables, in [`env`] ([`get`]),
+//! and printed at the start of `train` and `bench` when any is set
+//! ([`Tuning::changed`]). Users
 //! leave them unset; `bench/*.sh` and tests/mpi.rs set them. With several ranks,
 //! `mpirun -x NAME` forwards one.
 //!
@@ -21,11 +22,9 @@
 //! Choices that change what a run computes are config keys, recorded in its
 //! checkpoint, not variables here (the bf16 kernel: `bf16_kernel`). The other
 //! variables (about the machine or the launch, `serve`'s key, the test hooks) are
-//! read once in [`env`]. No other module reads a `NANOGPT_*` variable.
+//! read there too. No other module reads a `NANOGPT_*` variable.
 
 pub mod env;
-
-use std::sync::OnceLock;
 
 /// The A/B switches of this process (see the module comment); `Default` is every
 /// optimisation on and every choice the program's.
@@ -132,10 +131,9 @@ impl Tuning {
     }
 }
 
-/// This process's switches, read from the environment on first use.
+/// This process's switches, read from the environment on first use ([`env::get`]).
 pub fn get() -> &'static Tuning {
-    static TUNING: OnceLock<Tuning> = OnceLock::new();
-    TUNING.get_or_init(|| Tuning::from_vars(|name| std::env::var(name).ok()))
+    &env::get().switches
 }
 
 /// The line `train` and `bench` print when any switch is set, naming them.

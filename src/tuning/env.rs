@@ -1,6 +1,7 @@
 //! The environment variables that are not A/B switches: about the machine, the
-//! launch, `serve`'s key, and the hooks tests use. Read once per process, here and
-//! nowhere else ([`get`]); the code that acts on one reads its field.
+//! launch, `serve`'s key, and the hooks tests use; with them the A/B switches of
+//! [`super::Tuning`]. Read once per process, here and nowhere else ([`get`]); the
+//! code that acts on one reads its field.
 //!
 //! | variable | what it says | read by |
 //! |---|---|---|
@@ -22,6 +23,8 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::Duration;
+
+use super::Tuning;
 
 pub const MEMORY_LIMIT_MB: &str = "NANOGPT_MEMORY_LIMIT_MB";
 pub const START_TIMEOUT_S: &str = "NANOGPT_START_TIMEOUT_S";
@@ -72,6 +75,8 @@ pub struct Settings {
     pub llama_export_dir: Option<PathBuf>,
     /// [`SMOLLM2_DIR`].
     pub smollm2_dir: Option<PathBuf>,
+    /// The A/B switches (their variables are named in [`super`]).
+    pub switches: Tuning,
 }
 
 impl Settings {
@@ -104,6 +109,7 @@ impl Settings {
             venv_python: var(VENV_PYTHON).map(PathBuf::from),
             llama_export_dir: var(LLAMA_EXPORT_DIR).map(PathBuf::from),
             smollm2_dir: var(SMOLLM2_DIR).map(PathBuf::from),
+            switches: Tuning::from_vars(text),
         }
     }
 
