@@ -2,7 +2,7 @@
 
 use super::bf16;
 use super::fastmath::{simd_fn, Simd};
-use super::SharedMut;
+use super::{norm_rows, SharedMut};
 use rayon::prelude::*;
 
 /// A layer norm's parameters: `weight` (C) and `bias` (C), or no bias (empty), and
@@ -32,15 +32,10 @@ pub fn layernorm_forward<const BF16: bool>(
     inp: &[f32],
     w: Norm,
 ) {
-    let _t = crate::profile::scope(crate::profile::Section::LayerNorm);
-    let c = w.weight.len();
-    let n = inp.len() / c;
-    assert!(out.len() == n * c && mean.len() == n && rstd.len() == n);
-    let simd = Simd::detect();
-    out.par_chunks_mut(c)
-        .zip(inp.par_chunks(c))
-        .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
-        .for_each(|((o, x), (m, r))| (*m, *r) = forward_row(simd, o, x, w, BF16));
+    let stats = mean.par_iter_mut().zip_eq(rstd);
+    norm_rows(out, inp, w.weight.len(), stats, |simd, o, x, (m, r)| {
+        (*m, *r) = forward_row(simd, o, x, w, BF16)
+    });
 }
 
 simd_fn! {
@@ -72,15 +67,10 @@ pub fn layernorm_recompute<const BF16: bool>(
     rstd: &[f32],
     w: Norm,
 ) {
-    let _t = crate::profile::scope(crate::profile::Section::LayerNorm);
-    let c = w.weight.len();
-    let n = inp.len() / c;
-    assert!(out.len() == n * c && mean.len() == n && rstd.len() == n);
-    let simd = Simd::detect();
-    out.par_chunks_mut(c)
-        .zip(inp.par_chunks(c))
-        .zip(mean.par_iter().zip(rstd))
-        .for_each(|((o, x), (&mu, &rs))| recompute_row(simd, o, x, mu, rs, w, BF16));
+    let stats = mean.par_iter().zip_eq(rstd);
+    norm_rows(out, inp, w.weight.len(), stats, |simd, o, x, (&mu, &rs)| {
+        recompute_row(simd, o, x, mu, rs, w, BF16)
+    });
 }
 
 /// `o = (x − mu) · rs · weight + bias` for one row (no bias when `bias` is empty),

@@ -39,6 +39,9 @@ pub(crate) mod testutil;
 
 use std::marker::PhantomData;
 
+use fastmath::Simd;
+use rayon::prelude::*;
+
 /// The shape of one pass: `B` sequences of `T` positions, `C` channels; attention in
 /// `NH` query heads and `KV` key/value heads of `HS` channels each.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -153,6 +156,26 @@ impl<'a> SharedMut<'a> {
     pub(crate) fn len(self) -> usize {
         self.len
     }
+}
+
+/// Runs `row(simd, o, x, s)` on each row of a norm's output `out` and input `inp`,
+/// (N, C), with that row's item `s` of `stats` (N items): the loop a norm's forward
+/// (which writes its statistics) and its recompute (which reads them) share, timed
+/// as the layer norm's section. Results do not depend on the thread count.
+pub(crate) fn norm_rows<S: IndexedParallelIterator>(
+    out: &mut [f32],
+    inp: &[f32],
+    c: usize,
+    stats: S,
+    row: impl Fn(Simd, &mut [f32], &[f32], S::Item) + Sync + Send,
+) {
+    let _t = crate::profile::scope(crate::profile::Section::LayerNorm);
+    assert!(out.len() == inp.len() && inp.len() == stats.len() * c);
+    let simd = Simd::detect();
+    out.par_chunks_mut(c)
+        .zip(inp.par_chunks(c))
+        .zip(stats)
+        .for_each(|((o, x), s)| row(simd, o, x, s));
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@
 use super::bf16;
 use super::fastmath::simd_fn;
 use super::fastmath::Simd;
-use super::{Dims, SharedMut};
+use super::{norm_rows, Dims, SharedMut};
 use rayon::prelude::*;
 
 /// An RMS norm's parameters: `weight` (C) and its `eps`.
@@ -29,32 +29,28 @@ pub fn rmsnorm_forward<const BF16: bool>(
     inp: &[f32],
     w: RmsNorm,
 ) {
-    let _t = crate::profile::scope(crate::profile::Section::LayerNorm);
-    let c = w.weight.len();
-    let n = inp.len() / c;
-    assert!(out.len() == n * c && rstd.len() == n && inp.len() == n * c);
-    let simd = Simd::detect();
-    out.par_chunks_mut(c)
-        .zip(inp.par_chunks(c))
-        .zip(rstd.par_iter_mut())
-        .for_each(|((o, x), r)| {
+    norm_rows(
+        out,
+        inp,
+        w.weight.len(),
+        rstd.par_iter_mut(),
+        |simd, o, x, r| {
             *r = row_rstd(simd, x, w.eps);
             apply_row(simd, o, x, *r, w.weight, BF16);
-        });
+        },
+    );
 }
 
 /// The output of [`rmsnorm_forward`] again from its saved `rstd` (bit-identical: the
 /// same arithmetic on the same values), for a backward pass that recomputes it.
 pub fn rmsnorm_recompute<const BF16: bool>(out: &mut [f32], inp: &[f32], rstd: &[f32], w: RmsNorm) {
-    let _t = crate::profile::scope(crate::profile::Section::LayerNorm);
-    let c = w.weight.len();
-    let n = inp.len() / c;
-    assert!(out.len() == n * c && rstd.len() == n && inp.len() == n * c);
-    let simd = Simd::detect();
-    out.par_chunks_mut(c)
-        .zip(inp.par_chunks(c))
-        .zip(rstd.par_iter())
-        .for_each(|((o, x), &r)| apply_row(simd, o, x, r, w.weight, BF16));
+    norm_rows(
+        out,
+        inp,
+        w.weight.len(),
+        rstd.par_iter(),
+        |simd, o, x, &r| apply_row(simd, o, x, r, w.weight, BF16),
+    );
 }
 
 /// Independent partial sums per lane, so that the row reductions vectorise; their
