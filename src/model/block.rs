@@ -25,9 +25,7 @@ use super::family::{Activation, Family, NormKind, Role};
 use super::layout::{BlockLayout, LinearSpans, NormSpans, Span};
 use super::lora::{BlockLora, LoraBufs};
 use super::packs::LayerPacks;
-use crate::kernels::attention::{
-    attention_backward, attention_backward_unrounded, attention_forward,
-};
+use crate::kernels::attention::{attention_backward, attention_forward};
 use crate::kernels::bf16::gemm::matmul_bf16_wt;
 use crate::kernels::bf16::{self, Backend, Bf16};
 use crate::kernels::dropout::{self, Dropout};
@@ -435,12 +433,7 @@ pub fn attention_branch_backward<const BF16: bool>(
     // Under autocast d(qkv) is the projection's operand: rounded as the attention's
     // backward finishes it, or after RoPE's and the q/k norm's backward.
     let after = w.rope.is_some() || f.qk_norm;
-    match after {
-        false => attention_backward::<BF16>(dqkv, datty, qkv, atty, lse, d, probs, w.backend),
-        true => {
-            attention_backward_unrounded::<BF16>(dqkv, datty, qkv, atty, lse, d, probs, w.backend)
-        }
-    }
+    attention_backward::<BF16>(dqkv, datty, qkv, atty, lse, d, probs, w.backend, !after);
     if let Some(table) = w.rope {
         rope_backward(dqkv, d, table, 0);
     }

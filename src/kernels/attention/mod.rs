@@ -240,11 +240,13 @@ pub fn attention_forward<const BF16: bool>(
 ///
 /// `dout`: `(B, T, QW)`; `qkv`, `out`, `lse` and `dropout` exactly as given to and
 /// produced by [`attention_forward`]; `dqkv`: like `qkv`, **overwritten** (a key/value
-/// head's gradients sum over its query heads). With
-/// `BF16`, `dqkv` is rounded to bf16 (the operand of the bf16 matmuls that follow
-/// under autocast) by each task as its rows are final and still in cache, instead
-/// of in a pass of its own: the same bits; and the products run on `vdpbf16ps` where
-/// [`bf16_backward_products`] says so for `backend`.
+/// head's gradients sum over its query heads). With `BF16` and `round_dqkv`, `dqkv`
+/// is rounded to bf16 (the operand of the bf16 matmuls that follow under autocast)
+/// by each task as its rows are final and still in cache, instead of in a pass of
+/// its own: the same bits. Without `round_dqkv` it is left unrounded also under
+/// autocast, for what still runs between it and the projection's backward (RoPE's
+/// backward, a q/k norm's), which rounds it after them. Under `BF16` the products
+/// run on `vdpbf16ps` where [`bf16_backward_products`] says so for `backend`.
 ///
 /// Parallel over `(b, g)` for the key/value heads `g`; results do not depend on the
 /// thread count.
@@ -258,31 +260,23 @@ pub fn attention_backward<const BF16: bool>(
     d: Dims,
     dropout: Option<Dropout>,
     backend: &Backend,
+    round_dqkv: bool,
 ) {
     let _t = crate::profile::scope(crate::profile::Section::AttentionBackward);
     let bf16 = bf16_backward_products::<BF16>(d, backend);
-    let isa = Isa::detect();
-    backward_impl(isa, dqkv, dout, qkv, out, lse, d, dropout, BF16, bf16);
-}
-
-/// [`attention_backward`] with `dqkv` left unrounded also under bf16 autocast, for
-/// what still runs between it and the projection's backward (RoPE's backward, a q/k
-/// norm's), which rounds it after them.
-#[allow(clippy::too_many_arguments)]
-pub fn attention_backward_unrounded<const BF16: bool>(
-    dqkv: &mut [f32],
-    dout: &[f32],
-    qkv: &[f32],
-    out: &[f32],
-    lse: &[f32],
-    d: Dims,
-    dropout: Option<Dropout>,
-    backend: &Backend,
-) {
-    let _t = crate::profile::scope(crate::profile::Section::AttentionBackward);
-    let bf16 = bf16_backward_products::<BF16>(d, backend);
-    let isa = Isa::detect();
-    backward_impl(isa, dqkv, dout, qkv, out, lse, d, dropout, false, bf16);
+    let round = BF16 && round_dqkv;
+    backward_impl(
+        Isa::detect(),
+        dqkv,
+        dout,
+        qkv,
+        out,
+        lse,
+        d,
+        dropout,
+        round,
+        bf16,
+    );
 }
 
 /// Whether bf16 attention can run its products on `vdpbf16ps`: the back-end allows
