@@ -123,6 +123,7 @@ fn bias_backward(dbias: &mut [f32], dout: &[f32], oc: usize) {
 mod tests {
     use super::*;
     use crate::kernels::testutil::*;
+    use std::sync::LazyLock;
 
     fn reference(x: &[f64], w: &[f64], b: &[f64], c: usize, oc: usize) -> Vec<f64> {
         let n = x.len() / c;
@@ -136,6 +137,19 @@ mod tests {
         out
     }
 
+    /// A linear layer of `weight` (OC, C) and `bias` (OC or empty) on the f32 GEMM.
+    fn portable<'a>(weight: &'a [f32], bias: &'a [f32], c: usize, oc: usize) -> Linear<'a> {
+        static PORTABLE: LazyLock<Backend> = LazyLock::new(Backend::portable);
+        Linear {
+            weight,
+            bias,
+            c,
+            oc,
+            packs: None,
+            backend: &PORTABLE,
+        }
+    }
+
     fn check(n: usize, c: usize, oc: usize, with_bias: bool) {
         let x = rand_vec(n * c, 1);
         let w = rand_vec(oc * c, 2);
@@ -143,14 +157,7 @@ mod tests {
         let g = rand_vec(n * oc, 4);
         let (x64, w64, b64) = (to_f64(&x), to_f64(&w), to_f64(&b));
 
-        let lin = Linear {
-            weight: &w,
-            bias: &b,
-            c,
-            oc,
-            packs: None,
-            backend: &Backend::portable(),
-        };
+        let lin = portable(&w, &b, c, oc);
         let mut out = vec![f32::NAN; n * oc];
         linear_forward::<false>(&mut out, &x, lin);
         assert_close("out", &out, &reference(&x64, &w64, &b64, c, oc), 1e-5, 1e-5);
@@ -194,14 +201,7 @@ mod tests {
         let (mut dx, mut dw, mut db) = (vec![0.0; n * c], rand_vec(oc * c, 4), vec![0.5; oc]);
         let (mut dx2, mut dw2, mut db2) = (vec![f32::NAN; n * c], dw.clone(), db.clone());
         let bias = vec![0.0; oc];
-        let lin = Linear {
-            weight: &w,
-            bias: &bias,
-            c,
-            oc,
-            packs: None,
-            backend: &Backend::portable(),
-        };
+        let lin = portable(&w, &bias, c, oc);
         let grads = |dweight, dbias| LinearGrads { dweight, dbias };
         linear_backward::<false>(&mut dx, grads(&mut dw, &mut db), &g, &x, lin);
         linear_backward_params::<false>(lin.backend, grads(&mut dw2, &mut db2), &g, &x, c, oc);
@@ -217,14 +217,7 @@ mod tests {
         let w = rand_vec(oc * c, 8);
         let b = rand_vec(oc, 9);
         let mut out = vec![0.0; n * oc];
-        let lin = Linear {
-            weight: &w,
-            bias: &b,
-            c,
-            oc,
-            packs: None,
-            backend: &Backend::portable(),
-        };
+        let lin = portable(&w, &b, c, oc);
         linear_forward::<false>(&mut out, &x, lin);
         let want = reference(&to_f64(&x), &to_f64(&w), &to_f64(&b), c, oc);
         assert_close("out", &out, &want, 1e-5, 1e-4);
@@ -244,14 +237,7 @@ mod tests {
             r(rand_vec(n * oc, 3)),
         );
         let mut out = vec![0.0; n * oc];
-        let lin = Linear {
-            weight: &w,
-            bias: &[],
-            c,
-            oc,
-            packs: None,
-            backend: &Backend::portable(),
-        };
+        let lin = portable(&w, &[], c, oc);
         linear_forward::<false>(&mut out, &x, lin);
         let want = reference(&to_f64(&x), &to_f64(&w), &[], c, oc);
         assert_close("out", &out, &want, 1e-6, 1e-6);

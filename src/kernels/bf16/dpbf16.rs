@@ -226,22 +226,18 @@ fn tile(
 ) {
     let kl = a.len() / MR;
     assert!(b0.len() == kl * pack::T && b1.len() == kl * pack::T);
-    if rows == MR && width == NR {
-        assert!(c.len() > (MR - 1) * ldc + NR - 1);
-        // SAFETY: cpu::avx512_bf16() was checked by multiply; a holds kl·MR pairs, b0 and b1
-        // kl·16 each (asserted), and c holds MR rows of NR at stride ldc (asserted).
+    // The register block on `out`, MR rows of NR at stride `ld`.
+    let micro = |out: &mut [f32], ld: usize| {
+        assert!(out.len() > (MR - 1) * ld + NR - 1);
+        // SAFETY: cpu::avx512_bf16() was checked by multiply; a holds kl·MR pairs, b0
+        // and b1 kl·16 each, and out holds MR rows of NR at stride ld (all asserted).
         unsafe {
-            x86::micro(
-                kl,
-                a.as_ptr(),
-                b0.as_ptr(),
-                b1.as_ptr(),
-                c.as_mut_ptr(),
-                ldc,
-                load,
-            )
-        };
-        return;
+            let (a, b0, b1) = (a.as_ptr(), b0.as_ptr(), b1.as_ptr());
+            x86::micro(kl, a, b0, b1, out.as_mut_ptr(), ld, load)
+        }
+    };
+    if rows == MR && width == NR {
+        return micro(c, ldc);
     }
     let mut tmp = [0.0f32; MR * NR];
     if load {
@@ -249,18 +245,7 @@ fn tile(
             tmp[r * NR..][..width].copy_from_slice(&c[r * ldc..][..width]);
         }
     }
-    // SAFETY: as above, with tmp: MR rows of NR at stride NR.
-    unsafe {
-        x86::micro(
-            kl,
-            a.as_ptr(),
-            b0.as_ptr(),
-            b1.as_ptr(),
-            tmp.as_mut_ptr(),
-            NR,
-            load,
-        )
-    };
+    micro(&mut tmp, NR);
     for r in 0..rows {
         c[r * ldc..][..width].copy_from_slice(&tmp[r * NR..][..width]);
     }
