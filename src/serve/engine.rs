@@ -32,8 +32,9 @@ pub struct Sampling {
     pub seed: u64,
 }
 
-/// One request's generation.
-pub struct Job {
+/// What to generate for one request.
+#[derive(Clone)]
+pub struct Generation {
     /// Each prompt's tokens (non-empty, ids in the vocabulary, at most the block less
     /// `max_tokens`).
     pub prompts: Vec<Vec<u32>>,
@@ -47,6 +48,11 @@ pub struct Job {
     pub logprobs: Option<usize>,
     /// Report the prompt's tokens (with their log-probabilities, when `logprobs`).
     pub echo: bool,
+}
+
+/// One request's generation, and where its events go.
+pub struct Job {
+    pub generation: Generation,
     pub events: UnboundedSender<Event>,
 }
 
@@ -148,14 +154,14 @@ impl Engine {
 
     /// Every choice of `job`, stopping early when its client has gone.
     pub fn generate(&mut self, job: &Job) {
-        let mut rng = ChaCha8Rng::seed_from_u64(job.sampling.seed);
-        for (i, prompt) in job.prompts.iter().enumerate() {
+        let mut rng = ChaCha8Rng::seed_from_u64(job.generation.sampling.seed);
+        for (i, prompt) in job.generation.prompts.iter().enumerate() {
             if job.events.is_closed() {
                 return;
             }
             let first = self.prefill(job, i, prompt);
-            for s in 0..job.n {
-                let choice = i * job.n + s;
+            for s in 0..job.generation.n {
+                let choice = i * job.generation.n + s;
                 if s > 0 {
                     self.decoder.truncate(prompt.len());
                 }
@@ -171,7 +177,7 @@ impl Engine {
     fn prefill(&mut self, job: &Job, i: usize, prompt: &[u32]) -> Vec<f32> {
         self.decoder.reset();
         let (params, layout, p) = (&self.params, &self.layout, prompt.len());
-        if !job.echo {
+        if !job.generation.echo {
             return self.decoder.feed(params, layout, prompt, p).to_vec();
         }
         let mut tokens: Vec<TokenInfo> = prompt
@@ -182,7 +188,7 @@ impl Engine {
                 top: Vec::new(),
             })
             .collect();
-        let last = match job.logprobs {
+        let last = match job.generation.logprobs {
             None => self.decoder.feed(params, layout, prompt, p).to_vec(),
             Some(k) => self
                 .decoder
@@ -195,10 +201,10 @@ impl Engine {
                 })
                 .to_vec(),
         };
-        for s in 0..job.n {
+        for s in 0..job.generation.n {
             let tokens = tokens.clone();
             let _ = job.events.send(Event::Prompt {
-                choice: i * job.n + s,
+                choice: i * job.generation.n + s,
                 tokens,
             });
         }
@@ -215,13 +221,13 @@ impl Engine {
         first: &[f32],
         rng: &mut ChaCha8Rng,
     ) -> Result<(), usize> {
-        let s = &job.sampling;
+        let s = &job.generation.sampling;
         let mut sampler = Sampler::new(self.config.vocab_size, s.temperature, s.top_k)
             .with_top_p(s.top_p)
             .with_repetition_penalty(s.repetition_penalty);
         let stops = Stops {
             eots: self.tokenizer.stops(),
-            strings: job.stop.clone(),
+            strings: job.generation.stop.clone(),
         };
         let tokenizer = Arc::clone(&self.tokenizer);
         let mut text = StopText::new(&tokenizer);
@@ -230,7 +236,7 @@ impl Engine {
         let mut logits = first.to_vec();
         let mut finish = Finish::Length;
         let mut generated = 0;
-        while generated < job.max_tokens {
+        while generated < job.generation.max_tokens {
             if job.events.is_closed() {
                 return Err(generated);
             }
@@ -243,7 +249,7 @@ impl Engine {
                 None => counts.push((id, 1)),
             }
             let stopped = text.push(id, &stops);
-            let token = match job.logprobs {
+            let token = match job.generation.logprobs {
                 None => TokenInfo {
                     id,
                     logprob: None,
@@ -268,7 +274,7 @@ impl Engine {
                 finish = Finish::Stop;
                 break;
             }
-            if generated < job.max_tokens {
+            if generated < job.generation.max_tokens {
                 let (params, layout) = (&self.params, &self.layout);
                 logits.copy_from_slice(self.decoder.feed(params, layout, &[id], 1));
             }

@@ -224,13 +224,7 @@ async fn answer(s: Arc<Shared>, request: Result<Request, ApiError>) -> Response 
     };
     let (tx, rx) = mpsc::unbounded_channel();
     let job = Job {
-        prompts: request.prompts.clone(),
-        n: request.n,
-        max_tokens: request.max_tokens,
-        sampling: request.sampling.clone(),
-        stop: request.stop.clone(),
-        logprobs: request.logprobs,
-        echo: request.echo,
+        generation: request.generation.clone(),
         events: tx,
     };
     if let Err(e) = s.jobs.try_send(job) {
@@ -275,7 +269,7 @@ struct ChoiceState {
 
 impl Reply {
     fn new(s: &Arc<Shared>, request: Request, started: Instant) -> Reply {
-        let count = request.prompts.len() * request.n;
+        let count = request.generation.prompts.len() * request.generation.n;
         let prefix = match request.api {
             Api::Completions => "cmpl",
             Api::Chat => "chatcmpl",
@@ -312,7 +306,7 @@ impl Reply {
                     .decode(&tokens.iter().map(|t| t.id).collect::<Vec<_>>());
                 c.text.push_str(&text);
                 c.tokens.extend(tokens.iter().cloned());
-                let reported = match self.request.logprobs {
+                let reported = match self.request.generation.logprobs {
                     Some(_) => tokens,
                     None => Vec::new(),
                 };
@@ -326,7 +320,7 @@ impl Reply {
                 let c = &mut self.choices[choice];
                 c.text.push_str(&text);
                 c.completion_tokens += 1;
-                let reported = match self.request.logprobs {
+                let reported = match self.request.generation.logprobs {
                     Some(_) => vec![token.clone()],
                     None => Vec::new(),
                 };
@@ -352,7 +346,7 @@ impl Reply {
 
     /// Prompt tokens (each prompt once, whatever `n`) and completion tokens so far.
     fn tokens(&self) -> (usize, usize) {
-        let prompt = self.request.prompts.iter().map(Vec::len).sum();
+        let prompt = self.request.generation.prompts.iter().map(Vec::len).sum();
         let completion = self.choices.iter().map(|c| c.completion_tokens).sum();
         (prompt, completion)
     }
@@ -364,7 +358,7 @@ impl Reply {
 
     /// One line in the server's log, and the totals.
     fn log(&self, how: &str) {
-        let n = self.request.n;
+        let n = self.request.generation.n;
         let (prompt, completion) = self.tokens();
         let counts = &self.shared.counts;
         counts
@@ -376,7 +370,7 @@ impl Reply {
         crate::errln!(
             "{} {how}: {} prompt(s) × {n}, {prompt} prompt + {completion} completion tokens, {:.2} s",
             self.request.api.name(),
-            self.request.prompts.len(),
+            self.request.generation.prompts.len(),
             self.started.elapsed().as_secs_f64()
         );
     }
@@ -452,13 +446,13 @@ impl Reply {
                     Api::Completions => json!({
                         "index": i,
                         "text": c.text,
-                        "logprobs": self.request.logprobs.map(|_| self.completion_logprobs(&c.tokens, 0)),
+                        "logprobs": self.request.generation.logprobs.map(|_| self.completion_logprobs(&c.tokens, 0)),
                         "finish_reason": finish,
                     }),
                     Api::Chat => json!({
                         "index": i,
                         "message": {"role": "assistant", "content": c.text},
-                        "logprobs": self.request.logprobs.map(|_| self.chat_logprobs(&c.tokens)),
+                        "logprobs": self.request.generation.logprobs.map(|_| self.chat_logprobs(&c.tokens)),
                         "finish_reason": finish,
                     }),
                 }
@@ -486,6 +480,7 @@ impl Reply {
                 let offset = self.choices[i].text.chars().count() - text.chars().count();
                 let logprobs = self
                     .request
+                    .generation
                     .logprobs
                     .map(|_| self.completion_logprobs(tokens, offset));
                 (
@@ -498,7 +493,11 @@ impl Reply {
                     Some(_) if text.is_empty() => json!({}),
                     _ => json!({"content": text}),
                 };
-                let logprobs = self.request.logprobs.map(|_| self.chat_logprobs(tokens));
+                let logprobs = self
+                    .request
+                    .generation
+                    .logprobs
+                    .map(|_| self.chat_logprobs(tokens));
                 (
                     "chat.completion.chunk",
                     json!({"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}),

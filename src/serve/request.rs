@@ -4,7 +4,7 @@
 //! model's thread.
 
 use super::api::{self, ApiError, Fields, Message, Prompt, MAX_LOGPROBS, MAX_N};
-use super::engine::Sampling;
+use super::engine::{Generation, Sampling};
 use crate::chat::{ChatFormat, Conversation};
 use crate::data::Tokenizer;
 use serde_json::Value;
@@ -40,13 +40,7 @@ impl Api {
 /// A checked request: the job's settings and how to answer.
 pub struct Request {
     pub api: Api,
-    pub prompts: Vec<Vec<u32>>,
-    pub n: usize,
-    pub max_tokens: usize,
-    pub sampling: Sampling,
-    pub stop: Vec<String>,
-    pub logprobs: Option<usize>,
-    pub echo: bool,
+    pub generation: Generation,
     pub stream: bool,
     pub include_usage: bool,
 }
@@ -117,13 +111,15 @@ pub fn completion_request(s: &Model, body: &[u8]) -> Result<Request, ApiError> {
     }
     Ok(Request {
         api: Api::Completions,
-        prompts,
-        n,
-        max_tokens,
-        sampling,
-        stop,
-        logprobs,
-        echo,
+        generation: Generation {
+            prompts,
+            n,
+            max_tokens,
+            sampling,
+            stop,
+            logprobs,
+            echo,
+        },
         stream,
         include_usage,
     })
@@ -174,13 +170,15 @@ pub fn chat_request(s: &Model, body: &[u8]) -> Result<Request, ApiError> {
     s.check_length(prompt.len(), max_tokens, "messages")?;
     Ok(Request {
         api: Api::Chat,
-        prompts: vec![prompt],
-        n,
-        max_tokens,
-        sampling,
-        stop,
-        logprobs: logprobs.then(|| top.unwrap_or(0) as usize),
-        echo: false,
+        generation: Generation {
+            prompts: vec![prompt],
+            n,
+            max_tokens,
+            sampling,
+            stop,
+            logprobs: logprobs.then(|| top.unwrap_or(0) as usize),
+            echo: false,
+        },
         stream,
         include_usage,
     })
