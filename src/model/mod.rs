@@ -637,6 +637,13 @@ impl Gpt {
         loss
     }
 
+    /// The whole model's weights (with LoRA: the adapters of the frozen base) as the
+    /// matmuls of precision `bf16` read them.
+    fn weights(&self, bf16: bool) -> Weights<'_> {
+        let source = Source::new(bf16, &self.layout, &self.frozen, &self.backend);
+        source.weights(&self.params, &self.params_bf16, self.packs.as_ref())
+    }
+
     /// [`Gpt::forward`] in one precision: the trunk, then the classifier with its loss
     /// (and, in training, its gradient). `pass`: the training pass's dropout seed.
     fn forward_loss<const BF16: bool>(
@@ -649,28 +656,34 @@ impl Gpt {
     ) -> f32 {
         self.trunk_forward::<BF16>(inputs, d, pass, hooks);
         let n = d.bt();
-        let base = weights(
-            BF16,
-            &self.layout,
-            &self.params,
-            &self.params_bf16,
-            &self.frozen,
-            self.packs.as_ref(),
-            &self.backend,
-        );
+        let Gpt {
+            params,
+            params_bf16,
+            packs,
+            backend,
+            acts,
+            grads,
+            layout,
+            config,
+            frozen,
+            training,
+            grad_scale,
+            ..
+        } = self;
+        let source = Source::new(BF16, layout, frozen, backend);
+        let base = source.weights(params, params_bf16, packs.as_ref());
         let cls = Classifier {
             wte: &base.matmul[base.layout.classifier()],
-            packs: self.packs.as_ref().map(Packs::wte),
+            packs: packs.as_ref().map(Packs::wte),
             c: d.c,
-            v: self.config.vocab_size,
-            backend: &self.backend,
+            v: config.vocab_size,
+            backend,
         };
-        let acts = &mut self.acts;
         // With LoRA the layout's classifier is empty: the frozen one gets no gradient.
-        let grads = self.training.then(|| ClassifierGrads {
+        let grads = training.then(|| ClassifierGrads {
             dx: &mut acts.scratch.dinp[..n * d.c],
-            dwte: &mut self.grads[self.layout.classifier()],
-            scale: self.grad_scale,
+            dwte: &mut grads[layout.classifier()],
+            scale: *grad_scale,
         });
         let (x, losses) = (&acts.lnf[..n * d.c], &mut acts.losses[..n]);
         classifier_forward::<BF16>(x, cls, targets, losses, &mut acts.logits_chunk, grads)
@@ -776,17 +789,10 @@ impl Gpt {
             frozen,
             ..
         } = self;
+        let source = Source::new(BF16, layout, frozen, backend);
         let full = frozen.is_none();
         let fam = (&*family, rope.as_ref());
-        let base = weights(
-            BF16,
-            layout,
-            params,
-            params_bf16,
-            frozen,
-            packs.as_ref(),
-            backend,
-        );
+        let base = source.weights(params, params_bf16, packs.as_ref());
         let (dropout, lora_dropout) = pass_dropout(Some(pass), config, frozen);
         let s = &mut acts.scratch;
         // The classifier left d(final norm output) in `dinp`; the residual gradient
@@ -835,15 +841,7 @@ impl Gpt {
                     config,
                 );
             }
-            let base = weights(
-                BF16,
-                layout,
-                params,
-                params_bf16,
-                frozen,
-                packs.as_ref(),
-                backend,
-            );
+            let base = source.weights(params, params_bf16, packs.as_ref());
             let x = match l {
                 0 => &acts.encoded[..n * c],
                 _ => &acts.blocks[l - 1].res3[..n * c],
@@ -894,15 +892,7 @@ impl Gpt {
         let (n, v) = (d.bt(), self.config.vocab_size);
         let mut out = vec![0.0; n * v];
         let bf16 = self.dtype == Dtype::Bfloat16;
-        let base = weights(
-            bf16,
-            &self.layout,
-            &self.params,
-            &self.params_bf16,
-            &self.frozen,
-            self.packs.as_ref(),
-            &self.backend,
-        );
+        let base = self.weights(bf16);
         // The f32 GEMM reads its operands as they are: in bf16, the classifier rounded
         // (it is `params`'s where the model keeps no rounded copy).
         let wte = &base.matmul[base.layout.classifier()];
@@ -964,6 +954,7 @@ impl Gpt {
             frozen,
             ..
         } = self;
+        let source = Source::new(BF16, layout, frozen, backend);
         let fam = (&*family, rope.as_ref());
         let full = frozen.is_none();
         // Lent weights, or a stale copy: each range rounded as it is needed.
@@ -976,15 +967,7 @@ impl Gpt {
                 round_lent_copy(round, range, params, params_bf16, packs, layout, config);
             }
         }
-        let base = weights(
-            BF16,
-            layout,
-            params,
-            params_bf16,
-            frozen,
-            packs.as_ref(),
-            backend,
-        );
+        let base = source.weights(params, params_bf16, packs.as_ref());
         let (dropout, lora_dropout) = pass_dropout(pass, config, frozen);
         acts.inputs[..n].copy_from_slice(inputs);
         let (wte, wpe) = (&base.params[base.layout.wte], &base.params[base.layout.wpe]);
@@ -999,15 +982,7 @@ impl Gpt {
                 let (range, packs) = (block_bucket(layout, l), packs.as_mut());
                 round_lent_copy(round, range, params, params_bf16, packs, layout, config);
             }
-            let base = weights(
-                BF16,
-                layout,
-                params,
-                params_bf16,
-                frozen,
-                packs.as_ref(),
-                backend,
-            );
+            let base = source.weights(params, params_bf16, packs.as_ref());
             let (before, this) = acts.blocks.split_at_mut(l);
             let x = before.last().map_or(&acts.encoded, |p| &p.res3);
             let w = base.block(l, lora_dropout, fam);
@@ -1027,15 +1002,7 @@ impl Gpt {
                 release_lent_copy(lent, block_bucket(layout, l), params_bf16);
             }
         }
-        let base = weights(
-            BF16,
-            layout,
-            params,
-            params_bf16,
-            frozen,
-            packs.as_ref(),
-            backend,
-        );
+        let base = source.weights(params, params_bf16, packs.as_ref());
         let last = acts.blocks.last().map_or(&acts.encoded, |l| &l.res3);
         let (mean, rstd) = acts.lnf_stats.rows_mut(n);
         let (out, x, ln_f) = (&mut acts.lnf[..n * c], &last[..n * c], base.layout.ln_f);
@@ -1134,34 +1101,60 @@ impl<'a> Weights<'a> {
     }
 }
 
-/// The weights of a model whose trained arena is `(layout, params, params_bf16)`:
-/// the whole model, or with `frozen` the adapters of that base.
-fn weights<'a>(
+/// How a pass reads its weights, fixed for the pass: the precision, the trained
+/// arena's layout, with LoRA the frozen base, and the back-end. The arena itself
+/// (`params`, its bf16 copy, the packs) is given to [`Source::weights`] each time,
+/// as a pass rounds and packs it range by range in between.
+#[derive(Clone, Copy)]
+struct Source<'a> {
     bf16: bool,
     layout: &'a ParamLayout,
-    params: &'a [f32],
-    params_bf16: &'a [f32],
     frozen: &'a Option<Box<Frozen>>,
-    packs: Option<&'a Packs>,
     backend: &'a Backend,
-) -> Weights<'a> {
-    match frozen.as_deref() {
-        None => Weights {
+}
+
+impl<'a> Source<'a> {
+    fn new(
+        bf16: bool,
+        layout: &'a ParamLayout,
+        frozen: &'a Option<Box<Frozen>>,
+        backend: &'a Backend,
+    ) -> Source<'a> {
+        Source {
+            bf16,
             layout,
-            params,
-            matmul: matmul_weights(bf16, params, params_bf16),
-            lora: None,
-            packs,
+            frozen,
             backend,
-        },
-        Some(f) => Weights {
-            layout: &f.layout,
-            params: &f.params,
-            matmul: matmul_weights(bf16, &f.params, &f.params_bf16),
-            lora: Some((f, matmul_weights(bf16, params, params_bf16))),
-            packs,
-            backend,
-        },
+        }
+    }
+
+    /// The weights of the arena `(params, params_bf16, packs)`: the whole model, or
+    /// with `frozen` the adapters of that base.
+    fn weights(
+        self,
+        params: &'a [f32],
+        params_bf16: &'a [f32],
+        packs: Option<&'a Packs>,
+    ) -> Weights<'a> {
+        let (bf16, backend) = (self.bf16, self.backend);
+        match self.frozen.as_deref() {
+            None => Weights {
+                layout: self.layout,
+                params,
+                matmul: matmul_weights(bf16, params, params_bf16),
+                lora: None,
+                packs,
+                backend,
+            },
+            Some(f) => Weights {
+                layout: &f.layout,
+                params: &f.params,
+                matmul: matmul_weights(bf16, &f.params, &f.params_bf16),
+                lora: Some((f, matmul_weights(bf16, params, params_bf16))),
+                packs,
+                backend,
+            },
+        }
     }
 }
 
