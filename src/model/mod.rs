@@ -1309,6 +1309,23 @@ mod tests {
         gpt
     }
 
+    /// `base` with adapters (rank 3, alpha 6) on `targets`, `B` made non-zero so that
+    /// the adapters change the output.
+    pub(super) fn with_adapters(base: Gpt, targets: &str, lora_dropout: f32) -> Gpt {
+        let lora = LoraConfig::new(3, 6.0, lora_dropout, targets).unwrap();
+        lora.check(base.config()).unwrap();
+        let mut gpt = base.with_lora(lora, ("test", 0), 5);
+        let noise = rand_vec(gpt.params.len(), 4);
+        for tensor in gpt.layout.tensors.clone() {
+            if tensor.name.contains("lora_B") {
+                for i in tensor.range() {
+                    gpt.params[i] = 0.4 * noise[i];
+                }
+            }
+        }
+        gpt
+    }
+
     fn loss_at(gpt: &mut Gpt, x: &[u32], y: &[i32], b: usize, t: usize, seed: u64) -> f64 {
         gpt.set_dropout_seed(seed);
         let loss = gpt.forward(x, y, b, t) as f64;

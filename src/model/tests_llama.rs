@@ -5,7 +5,7 @@
 
 use super::family::{LlamaConfig, LlamaType, Role};
 use super::lora::LoraConfig;
-use super::tests::{batch, check_finite_differences, random_model};
+use super::tests::{batch, check_finite_differences, random_model, with_adapters};
 use super::*;
 use crate::kernels::rope::{Rope, RopeScaling};
 use crate::kernels::testutil::rand_vec;
@@ -162,19 +162,7 @@ fn activation_checkpointing_is_bit_identical() {
 
 /// A random base with adapters on `targets`, `B` made non-zero.
 fn adapted(cfg: ModelConfig, targets: &str, lora_dropout: f32, b: usize, t: usize) -> Gpt {
-    let gpt = perturbed(cfg, b, t);
-    let lora = LoraConfig::new(3, 6.0, lora_dropout, targets).unwrap();
-    lora.check(gpt.config()).unwrap();
-    let mut gpt = gpt.with_lora(lora, ("test", 0), 5);
-    let noise = rand_vec(gpt.params.len(), 4);
-    for tensor in gpt.layout.tensors.clone() {
-        if tensor.name.contains("lora_B") {
-            for i in tensor.range() {
-                gpt.params[i] = 0.4 * noise[i];
-            }
-        }
-    }
-    gpt
+    with_adapters(perturbed(cfg, b, t), targets, lora_dropout)
 }
 
 const ALL: &str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj";

@@ -2,9 +2,8 @@
 //! frozen base, the merge, and bf16 autocast.
 
 use super::lora::LoraConfig;
-use super::tests::{batch, check_finite_differences, random_model};
+use super::tests::{batch, check_finite_differences, random_model, with_adapters};
 use super::*;
-use crate::kernels::testutil::rand_vec;
 
 fn tiny(bias: bool, dropout: f32) -> ModelConfig {
     ModelConfig {
@@ -21,18 +20,7 @@ fn tiny(bias: bool, dropout: f32) -> ModelConfig {
 
 /// A random base (not GPT-2-init) with adapters on `targets`, `B` made non-zero.
 fn adapted(cfg: ModelConfig, targets: &str, lora_dropout: f32, b: usize, t: usize) -> Gpt {
-    let gpt = random_model(cfg, b, t, 9);
-    let lora = LoraConfig::new(3, 6.0, lora_dropout, targets).unwrap();
-    let mut gpt = gpt.with_lora(lora, ("test", 0), 5);
-    let noise = rand_vec(gpt.params.len(), 4);
-    for tensor in gpt.layout.tensors.clone() {
-        if tensor.name.contains("lora_B") {
-            for i in tensor.range() {
-                gpt.params[i] = 0.4 * noise[i];
-            }
-        }
-    }
-    gpt
+    with_adapters(random_model(cfg, b, t, 9), targets, lora_dropout)
 }
 
 const ALL: &str = "c_attn,attn.c_proj,c_fc,mlp.c_proj";
