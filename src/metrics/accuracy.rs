@@ -5,7 +5,7 @@
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
-use super::style::{draw_err, draw_legend, iter_label, text};
+use super::style::{draw_err, draw_legend, draw_mesh, iter_label};
 use super::Row;
 use anyhow::Result;
 
@@ -87,20 +87,15 @@ pub(super) fn draw_accuracy<DB: DrawingBackend>(
         .y_label_area_size(64)
         .build_cartesian_2d(x_lo..x_hi, y_lo..y_hi)
         .map_err(draw_err)?;
-    chart
-        .configure_mesh()
-        .y_desc("acc_norm")
-        .x_labels(10)
-        .y_labels(6)
-        .x_label_formatter(&iter_label)
-        .y_label_formatter(&|y| format!("{y:.2}"))
-        .label_style(text(15.0))
-        .axis_desc_style(text(17.0))
-        .bold_line_style(RGBColor(222, 222, 222))
-        .light_line_style(RGBColor(244, 244, 244))
-        .axis_style(RGBColor(120, 120, 120))
-        .draw()
-        .map_err(draw_err)?;
+    draw_mesh(
+        chart
+            .configure_mesh()
+            .y_desc("acc_norm")
+            .x_labels(10)
+            .y_labels(6)
+            .x_label_formatter(&iter_label)
+            .y_label_formatter(&|y| format!("{y:.2}")),
+    )?;
     for (k, (name, points)) in tasks.tasks.iter().enumerate() {
         let colour = TASK_COLOURS[k % TASK_COLOURS.len()];
         let last = points.last().map_or(f64::NAN, |p| p.1);

@@ -14,7 +14,7 @@ use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
 
 use super::accuracy::{draw_accuracy, TaskSeries};
-use super::style::{draw_err, draw_legend, iter_label, text, BACKGROUND, FONT};
+use super::style::{draw_err, draw_legend, draw_mesh, iter_label, text, BACKGROUND, FONT};
 use super::text::CrispText;
 use super::Row;
 
@@ -389,20 +389,15 @@ fn draw_losses<DB: DrawingBackend>(
         .y_label_area_size(64)
         .build_cartesian_2d(x_lo..x_hi, y_lo..y_hi)
         .map_err(draw_err)?;
-    chart
-        .configure_mesh()
-        .x_desc("iteration")
-        .y_desc("loss")
-        .x_labels(10)
-        .y_labels(10)
-        .x_label_formatter(&iter_label)
-        .label_style(text(15.0))
-        .axis_desc_style(text(17.0))
-        .bold_line_style(RGBColor(222, 222, 222))
-        .light_line_style(RGBColor(244, 244, 244))
-        .axis_style(RGBColor(120, 120, 120))
-        .draw()
-        .map_err(draw_err)?;
+    draw_mesh(
+        chart
+            .configure_mesh()
+            .x_desc("iteration")
+            .y_desc("loss")
+            .x_labels(10)
+            .y_labels(10)
+            .x_label_formatter(&iter_label),
+    )?;
 
     let legend_line = |color: RGBColor| {
         move |(x, y): (i32, i32)| PathElement::new([(x, y), (x + 24, y)], color.stroke_width(3))

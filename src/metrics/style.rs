@@ -1,6 +1,8 @@
 //! What the panels of `loss.png` share: the text style, tick labels, errors.
 
 use anyhow::anyhow;
+use plotters::chart::MeshStyle;
+use plotters::coord::ranged1d::ValueFormatter;
 use plotters::coord::CoordTranslate;
 use plotters::prelude::*;
 use plotters::style::FontStyle;
@@ -25,6 +27,22 @@ pub(super) fn iter_label(x: &f64) -> String {
     } else {
         format!("{x:.1}")
     }
+}
+
+/// Draws `mesh`, its labels set, in the text and grid lines every panel has.
+pub(super) fn draw_mesh<X, Y, DB>(mesh: &mut MeshStyle<'_, '_, X, Y, DB>) -> anyhow::Result<()>
+where
+    X: Ranged + ValueFormatter<X::ValueType>,
+    Y: Ranged + ValueFormatter<Y::ValueType>,
+    DB: DrawingBackend,
+{
+    mesh.label_style(text(15.0))
+        .axis_desc_style(text(17.0))
+        .bold_line_style(RGBColor(222, 222, 222))
+        .light_line_style(RGBColor(244, 244, 244))
+        .axis_style(RGBColor(120, 120, 120))
+        .draw()
+        .map_err(draw_err)
 }
 
 /// Draws the legend of the series drawn on `chart`, boxed as every panel boxes it.
