@@ -189,38 +189,34 @@ fn head_size_independent_of_channels() {
     check_dims(wide, None, 47, Some(400));
 }
 
+/// Forward, then backward, with [`DROP`] on the f32 products: `(out, lse, dqkv)`.
+fn pass(d: Dims, qkv: &[f32], dout: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let backend = Backend::portable();
+    let mut out = vec![0.0; d.bt() * d.q_width()];
+    let mut lse = vec![0.0; d.b * d.nh * d.t];
+    attention_forward::<false>(&mut out, &mut lse, qkv, d, DROP, &backend);
+    let mut dqkv = vec![0.0; qkv.len()];
+    attention_backward::<false>(&mut dqkv, dout, qkv, &out, &lse, d, DROP, &backend, true);
+    (out, lse, dqkv)
+}
+
+/// [`pass`] on a pool of `threads` threads, its results as bits.
+fn pass_bits(threads: usize, d: Dims, qkv: &[f32], dout: &[f32]) -> [Vec<u32>; 3] {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap();
+    let (out, lse, dqkv) = pool.install(|| pass(d, qkv, dout));
+    [out, lse, dqkv].map(|v| v.iter().map(|x| x.to_bits()).collect())
+}
+
 #[test]
 fn grouped_query_does_not_depend_on_the_thread_count() {
     let d = Dims::new(2, 70, 64, 6).with_heads(2, 16);
     let (qkv, dout) = inputs_of(d, 48);
-    let run = |threads: usize| {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .unwrap();
-        pool.install(|| {
-            let mut out = vec![0.0; d.bt() * d.q_width()];
-            let mut lse = vec![0.0; d.b * d.nh * d.t];
-            attention_forward::<false>(&mut out, &mut lse, &qkv, d, DROP, &Backend::portable());
-            let mut dqkv = vec![0.0; qkv.len()];
-            attention_backward::<false>(
-                &mut dqkv,
-                &dout,
-                &qkv,
-                &out,
-                &lse,
-                d,
-                DROP,
-                &Backend::portable(),
-                true,
-            );
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            (bits(&out), bits(&lse), bits(&dqkv))
-        })
-    };
-    let one = run(1);
-    assert_eq!(one, run(2));
-    assert_eq!(one, run(3));
+    let one = pass_bits(1, d, &qkv, &dout);
+    assert_eq!(one, pass_bits(2, d, &qkv, &dout));
+    assert_eq!(one, pass_bits(3, d, &qkv, &dout));
 }
 
 #[test]
@@ -229,25 +225,7 @@ fn multi_head_is_grouped_query_with_groups_of_one() {
     let d = Dims::new(2, 40, 48, 3);
     let spelled = Dims::new(2, 40, 0, 3).with_heads(3, 16);
     let (qkv, dout) = inputs_of(d, 49);
-    let run = |d: Dims| {
-        let mut out = vec![0.0; d.bt() * d.q_width()];
-        let mut lse = vec![0.0; d.b * d.nh * d.t];
-        attention_forward::<false>(&mut out, &mut lse, &qkv, d, DROP, &Backend::portable());
-        let mut dqkv = vec![0.0; qkv.len()];
-        attention_backward::<false>(
-            &mut dqkv,
-            &dout,
-            &qkv,
-            &out,
-            &lse,
-            d,
-            DROP,
-            &Backend::portable(),
-            true,
-        );
-        (out, lse, dqkv)
-    };
-    assert_eq!(run(d), run(spelled));
+    assert_eq!(pass(d, &qkv, &dout), pass(spelled, &qkv, &dout));
 }
 
 #[test]
@@ -299,35 +277,10 @@ fn deterministic_across_thread_counts() {
     let (b, t, c, nh) = (2, 100, 64, 4);
     let d = Dims::new(b, t, c, nh);
     let (qkv, dout) = inputs(b, t, c, 18);
-    let run = |threads: usize| {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .unwrap();
-        pool.install(|| {
-            let mut out = vec![0.0; b * t * c];
-            let mut lse = vec![0.0; b * nh * t];
-            attention_forward::<false>(&mut out, &mut lse, &qkv, d, DROP, &Backend::portable());
-            let mut dqkv = vec![0.0; qkv.len()];
-            attention_backward::<false>(
-                &mut dqkv,
-                &dout,
-                &qkv,
-                &out,
-                &lse,
-                d,
-                DROP,
-                &Backend::portable(),
-                true,
-            );
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            (bits(&out), bits(&lse), bits(&dqkv))
-        })
-    };
-    let one = run(1);
-    assert!(one.2.iter().any(|&x| x != 0));
-    assert_eq!(one, run(2));
-    assert_eq!(one, run(3));
+    let one = pass_bits(1, d, &qkv, &dout);
+    assert!(one[2].iter().any(|&x| x != 0));
+    assert_eq!(one, pass_bits(2, d, &qkv, &dout));
+    assert_eq!(one, pass_bits(3, d, &qkv, &dout));
 }
 
 /// bf16's unit roundoff: with 8 significant bits, rounding to nearest changes a
