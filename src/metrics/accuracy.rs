@@ -5,7 +5,7 @@
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
-use super::style::{draw_err, draw_legend, draw_mesh, iter_label};
+use super::style::{draw_err, draw_legend, draw_mesh, iter_label, panel};
 use super::Row;
 use anyhow::Result;
 
@@ -80,13 +80,7 @@ pub(super) fn draw_accuracy<DB: DrawingBackend>(
     (x_lo, x_hi): (f64, f64),
 ) -> Result<()> {
     let (y_lo, y_hi) = tasks.y_range();
-    let mut chart = ChartBuilder::on(area)
-        .margin(16)
-        .margin_right(36)
-        .x_label_area_size(44)
-        .y_label_area_size(64)
-        .build_cartesian_2d(x_lo..x_hi, y_lo..y_hi)
-        .map_err(draw_err)?;
+    let mut chart = panel(&mut ChartBuilder::on(area), 44, (x_lo..x_hi, y_lo..y_hi))?;
     draw_mesh(
         chart
             .configure_mesh()

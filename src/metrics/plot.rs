@@ -14,7 +14,7 @@ use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
 
 use super::accuracy::{draw_accuracy, TaskSeries};
-use super::style::{draw_err, draw_legend, draw_mesh, iter_label, text, BACKGROUND, FONT};
+use super::style::{draw_err, draw_legend, draw_mesh, iter_label, panel, text, BACKGROUND, FONT};
 use super::text::CrispText;
 use super::Row;
 
@@ -381,14 +381,9 @@ fn draw_losses<DB: DrawingBackend>(
     (x_lo, x_hi): (f64, f64),
 ) -> Result<()> {
     let (y_lo, y_hi) = series.y_range((x_lo, x_hi));
-    let mut chart = ChartBuilder::on(area)
-        .caption(title(rows), text(21.0))
-        .margin(16)
-        .margin_right(36)
-        .x_label_area_size(52)
-        .y_label_area_size(64)
-        .build_cartesian_2d(x_lo..x_hi, y_lo..y_hi)
-        .map_err(draw_err)?;
+    let mut builder = ChartBuilder::on(area);
+    builder.caption(title(rows), text(21.0));
+    let mut chart = panel(&mut builder, 52, (x_lo..x_hi, y_lo..y_hi))?;
     draw_mesh(
         chart
             .configure_mesh()

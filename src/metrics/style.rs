@@ -2,10 +2,13 @@
 
 use anyhow::anyhow;
 use plotters::chart::MeshStyle;
+use plotters::coord::cartesian::Cartesian2d;
 use plotters::coord::ranged1d::ValueFormatter;
+use plotters::coord::types::RangedCoordf64;
 use plotters::coord::CoordTranslate;
 use plotters::prelude::*;
 use plotters::style::FontStyle;
+use std::ops::Range;
 
 /// Background.
 pub(crate) const BACKGROUND: RGBColor = RGBColor(255, 255, 255);
@@ -27,6 +30,22 @@ pub(super) fn iter_label(x: &f64) -> String {
     } else {
         format!("{x:.1}")
     }
+}
+
+/// A panel's chart over `x` × `y`, with the margins and the y label area every
+/// panel has; `x_labels`: the height of the area under the x axis.
+pub(super) fn panel<'a, DB: DrawingBackend>(
+    builder: &mut ChartBuilder<'a, '_, DB>,
+    x_labels: u32,
+    (x, y): (Range<f64>, Range<f64>),
+) -> anyhow::Result<ChartContext<'a, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>> {
+    builder
+        .margin(16)
+        .margin_right(36)
+        .x_label_area_size(x_labels)
+        .y_label_area_size(64)
+        .build_cartesian_2d(x, y)
+        .map_err(draw_err)
 }
 
 /// Draws `mesh`, its labels set, in the text and grid lines every panel has.
