@@ -329,17 +329,9 @@ impl ParamLayout {
 mod tests {
     use super::*;
 
+    /// The model tests' tiny GPT-2, without dropout.
     fn small(bias: bool) -> ModelConfig {
-        ModelConfig {
-            vocab_size: 100,
-            block_size: 16,
-            n_layer: 2,
-            n_head: 4,
-            n_embd: 64,
-            bias,
-            dropout: 0.0,
-            llama: None,
-        }
+        crate::model::tests::tiny(bias, 0.0)
     }
 
     #[test]
