@@ -352,13 +352,24 @@ mod tests {
     use super::*;
     use std::io::Write;
 
-    fn names(dir: &Path) -> Vec<String> {
+    /// The names in `dir`, sorted.
+    pub(super) fn names(dir: &Path) -> Vec<String> {
         let mut names: Vec<String> = std::fs::read_dir(dir)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
         names.sort();
         names
+    }
+
+    /// A new folder `name` in `parent` holding `files` (name, text).
+    pub(super) fn folder_with(parent: &Path, name: &str, files: &[(&str, &str)]) -> PathBuf {
+        let dir = parent.join(name);
+        std::fs::create_dir(&dir).unwrap();
+        for (file, text) in files {
+            std::fs::write(dir.join(file), text).unwrap();
+        }
+        dir
     }
 
     #[test]
@@ -442,9 +453,7 @@ mod tests {
     fn a_failed_commit_keeps_the_previous_file() {
         let dir = tempfile::tempdir().unwrap();
         // A directory cannot be replaced by a file: the rename fails.
-        let dest = dir.path().join("taken");
-        std::fs::create_dir(&dest).unwrap();
-        std::fs::write(dest.join("inside"), "kept").unwrap();
+        let dest = folder_with(dir.path(), "taken", &[("inside", "kept")]);
         let mut file = AtomicFile::create(&dest).unwrap();
         file.writer().write_all(b"new").unwrap();
         let err = format!("{:#}", file.commit().unwrap_err());

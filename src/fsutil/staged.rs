@@ -472,6 +472,7 @@ fn sync_dir(dir: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fsutil::tests::{folder_with, names};
     use std::os::unix::fs::MetadataExt;
 
     const KIND: OutputKind = OutputKind {
@@ -479,15 +480,6 @@ mod tests {
         files: &["a.bin", "b.mask", "meta.json"],
         last: "meta.json",
     };
-
-    fn names(dir: &Path) -> Vec<String> {
-        let mut names: Vec<String> = std::fs::read_dir(dir)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        names
-    }
 
     fn write(staged: &Staged, files: &[(&str, &str)]) {
         for (name, text) in files {
@@ -558,19 +550,12 @@ mod tests {
     #[test]
     fn an_interrupted_commit_is_finished_and_a_dropped_output_removed() {
         let tmp = tempfile::tempdir().unwrap();
-        let dest = tmp.path().join("out");
-        std::fs::create_dir(&dest).unwrap();
-        std::fs::write(dest.join("a.bin"), "new").unwrap();
-        std::fs::write(dest.join("b.mask"), "old").unwrap();
-        std::fs::write(dest.join("meta.json"), "old").unwrap();
+        let old = [("a.bin", "new"), ("b.mask", "old"), ("meta.json", "old")];
+        let dest = folder_with(tmp.path(), "out", &old);
         // Killed after moving a.bin in: meta.json waits in the committed folder.
-        let committed = tmp.path().join(".out.commit-4242");
-        std::fs::create_dir(&committed).unwrap();
-        std::fs::write(committed.join("meta.json"), "new").unwrap();
-        std::fs::write(committed.join(FILE_LIST), "a.bin\nmeta.json\n").unwrap();
-        let abandoned = tmp.path().join(".out.tmp-4243");
-        std::fs::create_dir(&abandoned).unwrap();
-        std::fs::write(abandoned.join("a.bin"), "partial").unwrap();
+        let moving = [("meta.json", "new"), (FILE_LIST, "a.bin\nmeta.json\n")];
+        folder_with(tmp.path(), ".out.commit-4242", &moving);
+        folder_with(tmp.path(), ".out.tmp-4243", &[("a.bin", "partial")]);
         let notes = finish_interrupted(&dest, &KIND).unwrap();
         assert_eq!(notes.len(), 2, "{notes:?}");
         assert!(notes[0].contains("finished moving"), "{notes:?}");
