@@ -225,8 +225,7 @@ pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
     let mut o = [[0.0f32; DT]; BQ];
     // Scores, transposed: st[c][r] for key j0 + c and query i0 + r.
     let mut st = [[0.0f32; BQ]; BK];
-    let mut m = [f32::NEG_INFINITY; BQ];
-    let mut l = [0.0f32; BQ];
+    let mut soft = OnlineSoftmax::new(fma, mask, mask_base, t);
 
     // Keys beyond the last query of the block are masked for all its rows.
     for j0 in (0..kend).step_by(BK) {
@@ -255,16 +254,7 @@ pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
                 });
             }
         }
-        let alpha = softmax_tile::<DROP>(
-            &mut st,
-            (nc, nr),
-            (q0, j0),
-            (&mut m, &mut l),
-            fma,
-            mask,
-            mask_base,
-            t,
-        );
+        let alpha = soft.tile::<DROP>(&mut st, (nc, nr), (q0, j0));
         // The first tile overwrites the output rows; later ones rescale them and add.
         if j0 > 0 {
             for (r, &a) in alpha[..nr].iter().enumerate() {
@@ -309,7 +299,7 @@ pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
         }
     }
     for r in 0..nr {
-        let inv = 1.0 / l[r];
+        let inv = 1.0 / soft.l[r];
         // SAFETY: this task's own rows and head channels of `out`.
         let dst = unsafe { out.slice(obase + r * c, hs) };
         if resident {
@@ -321,78 +311,109 @@ pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
                 *d *= inv;
             }
         }
-        lse[r] = m[r] + l[r].ln();
+        lse[r] = soft.m[r] + soft.l[r].ln();
     }
 }
 
-/// One key tile of the online softmax: masks the diagonal tile's future keys, updates
-/// the running max `m` and sum `l` of each query row, turns the scores `st[c][r]`
-/// (key `j0 + c`, query at position `i0 + r`; `nc` keys, `nr` queries) into unnormalised
-/// probabilities times the dropout factor, and returns the factors `alpha` the rows'
-/// earlier output must be rescaled by.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-pub(super) fn softmax_tile<const DROP: bool>(
-    st: &mut [[f32; BQ]; BK],
-    (nc, nr): (usize, usize),
-    (i0, j0): (usize, usize),
-    (m, l): (&mut [f32; BQ], &mut [f32; BQ]),
+/// The online softmax of one block of query rows: each row's running max `m` and
+/// sum `l` over the key tiles seen so far, and what masks and drops out a tile.
+pub(super) struct OnlineSoftmax {
+    pub(super) m: [f32; BQ],
+    pub(super) l: [f32; BQ],
     fma: bool,
     mask: Dropout,
+    /// The dropout index of query 0 and key 0 of this head: `(bh·T)·T`.
     mask_base: u64,
     t: usize,
-) -> [f32; BQ] {
-    if j0 + nc > i0 + 1 {
-        // Diagonal tile: key j0 + c is masked for query i0 + r when j0 + c > i0 + r.
-        for (cc, row) in st[..nc].iter_mut().enumerate() {
-            for (r, v) in row.iter_mut().enumerate() {
-                if j0 + cc > i0 + r {
-                    *v = f32::NEG_INFINITY;
+}
+
+impl OnlineSoftmax {
+    /// No tile seen yet, for a head of `t` tokens whose dropout indices start at
+    /// `mask_base`; `fma`: `exp` on FMA.
+    #[inline(always)]
+    pub(super) fn new(fma: bool, mask: Dropout, mask_base: u64, t: usize) -> OnlineSoftmax {
+        OnlineSoftmax {
+            m: [f32::NEG_INFINITY; BQ],
+            l: [0.0; BQ],
+            fma,
+            mask,
+            mask_base,
+            t,
+        }
+    }
+
+    /// One key tile: masks the diagonal tile's future keys, updates `m` and `l`, turns
+    /// the scores `st[c][r]` (key `j0 + c`, query at position `i0 + r`; `nc` keys, `nr`
+    /// queries) into unnormalised probabilities times the dropout factor, and returns
+    /// the factors `alpha` the rows' earlier output must be rescaled by.
+    #[inline(always)]
+    pub(super) fn tile<const DROP: bool>(
+        &mut self,
+        st: &mut [[f32; BQ]; BK],
+        (nc, nr): (usize, usize),
+        (i0, j0): (usize, usize),
+    ) -> [f32; BQ] {
+        let OnlineSoftmax {
+            m,
+            l,
+            fma,
+            mask,
+            mask_base,
+            t,
+        } = self;
+        let (fma, mask, mask_base, t) = (*fma, *mask, *mask_base, *t);
+        if j0 + nc > i0 + 1 {
+            // Diagonal tile: key j0 + c is masked for query i0 + r when j0 + c > i0 + r.
+            for (cc, row) in st[..nc].iter_mut().enumerate() {
+                for (r, v) in row.iter_mut().enumerate() {
+                    if j0 + cc > i0 + r {
+                        *v = f32::NEG_INFINITY;
+                    }
                 }
             }
         }
-    }
-    // Online softmax. Every row sees key 0 in its first tile, so `m` is finite
-    // from then on and `alpha` is never NaN.
-    let mut m_new = *m;
-    for row in &st[..nc] {
-        for (mn, &v) in m_new.iter_mut().zip(row) {
-            *mn = fmax(*mn, v);
-        }
-    }
-    let mut alpha = [0.0f32; BQ];
-    for ((a, &mo), &mn) in alpha.iter_mut().zip(m.iter()).zip(&m_new) {
-        *a = exp_fast(fma, mo - mn);
-    }
-    for row in &mut st[..nc] {
-        for (v, &mn) in row.iter_mut().zip(&m_new) {
-            *v = exp_fast(fma, *v - mn);
-        }
-    }
-    for (lr, &a) in l.iter_mut().zip(&alpha) {
-        *lr *= a;
-    }
-    for row in &st[..nc] {
-        for (lr, &p) in l.iter_mut().zip(row) {
-            *lr += p;
-        }
-    }
-    *m = m_new;
-    if DROP {
-        for (cc, row) in st[..nc].iter_mut().enumerate() {
-            for (r, v) in row[..nr].iter_mut().enumerate() {
-                let index = mask_base + ((i0 + r) * t + j0 + cc) as u64;
-                *v *= mask_factor::<DROP>(mask, index);
+        // Online softmax. Every row sees key 0 in its first tile, so `m` is finite
+        // from then on and `alpha` is never NaN.
+        let mut m_new = *m;
+        for row in &st[..nc] {
+            for (mn, &v) in m_new.iter_mut().zip(row) {
+                *mn = fmax(*mn, v);
             }
         }
+        let mut alpha = [0.0f32; BQ];
+        for ((a, &mo), &mn) in alpha.iter_mut().zip(m.iter()).zip(&m_new) {
+            *a = exp_fast(fma, mo - mn);
+        }
+        for row in &mut st[..nc] {
+            for (v, &mn) in row.iter_mut().zip(&m_new) {
+                *v = exp_fast(fma, *v - mn);
+            }
+        }
+        for (lr, &a) in l.iter_mut().zip(&alpha) {
+            *lr *= a;
+        }
+        for row in &st[..nc] {
+            for (lr, &p) in l.iter_mut().zip(row) {
+                *lr += p;
+            }
+        }
+        *m = m_new;
+        if DROP {
+            for (cc, row) in st[..nc].iter_mut().enumerate() {
+                for (r, v) in row[..nr].iter_mut().enumerate() {
+                    let index = mask_base + ((i0 + r) * t + j0 + cc) as u64;
+                    *v *= mask_factor::<DROP>(mask, index);
+                }
+            }
+        }
+        alpha
     }
-    alpha
 }
 
 /// [`forward_block`] with its two products on `vdpbf16ps` (bf16 autocast on a CPU with
 /// AVX512-BF16, heads of at most [`DT`] channels): S = Q·Kᵀ from the bf16 values of
 /// q and k, scaled in f32; O += P̃·V with the unnormalised probabilities times the
-/// dropout factor, P̃, rounded to bf16. The softmax is the f32 one of [`softmax_tile`].
+/// dropout factor, P̃, rounded to bf16. The softmax is the f32 one of [`OnlineSoftmax::tile`].
 ///
 /// # Safety
 /// The CPU has AVX-512 F, AVX512-BF16, AVX2 and FMA.
@@ -436,8 +457,7 @@ pub(super) unsafe fn forward_block_bf16<const DROP: bool>(task: FwdTask) {
     let mut pp = [[0u32; BQ]; BK / 2];
     let mut o = [[0.0f32; DT]; BQ];
     let mut st = [[0.0f32; BQ]; BK];
-    let mut m = [f32::NEG_INFINITY; BQ];
-    let mut l = [0.0f32; BQ];
+    let mut soft = OnlineSoftmax::new(true, mask, mask_base, t);
     let q = qkv[qbase + i0 * row3..].as_ptr();
     // SAFETY: rows i0..i0 + nr of this head's q lie in `qkv` (asserted); qp has
     // ⌈HS / 2⌉ <= DT / 2 rows of BQ >= nr pairs.
@@ -468,16 +488,7 @@ pub(super) unsafe fn forward_block_bf16<const DROP: bool>(task: FwdTask) {
                 *v *= scale;
             }
         }
-        let alpha = softmax_tile::<DROP>(
-            &mut st,
-            (nc, nr),
-            (i0, j0),
-            (&mut m, &mut l),
-            true,
-            mask,
-            mask_base,
-            t,
-        );
+        let alpha = soft.tile::<DROP>(&mut st, (nc, nr), (i0, j0));
         if j0 > 0 {
             for (row, &a) in o[..nr].iter_mut().zip(&alpha) {
                 if a != 1.0 {
@@ -507,13 +518,13 @@ pub(super) unsafe fn forward_block_bf16<const DROP: bool>(task: FwdTask) {
         }
     }
     for r in 0..nr {
-        let inv = 1.0 / l[r];
+        let inv = 1.0 / soft.l[r];
         // SAFETY: this task's own rows and head channels of `out`.
         let dst = unsafe { out.slice(obase + r * c, hs) };
         for (d, &v) in dst.iter_mut().zip(&o[r]) {
             *d = v * inv;
         }
-        lse[r] = m[r] + l[r].ln();
+        lse[r] = soft.m[r] + soft.l[r].ln();
     }
 }
 
