@@ -778,21 +778,53 @@ unsafe fn reduce_pieces<'a, S: mpi::request::Scope<'a>>(
     }
 }
 
-/// A non-blocking collective started by [`Mpi`]: its request, the count arrays and
-/// the send copy MPI reads until it completes (freed after the wait in `drop`), and (where MPI is driven from a second thread) the
-/// thread that makes it progress meanwhile. Dropping it waits for completion, so
-/// the caller's buffers are never left to MPI.
-struct InFlight<'a> {
-    request: mpi::ffi::MPI_Request,
-    _counts: Vec<mpi::Count>,
-    _displs: Vec<mpi::Count>,
-    _send: Vec<f32>,
+/// What a collective in flight finishes when it is waited for: an MPI request
+/// ([`MpiRequest`]) or one of our rings ([`SharedRing`]).
+trait Finish {
+    fn finish(&mut self);
+}
+
+/// A collective started by [`Mpi`] and not yet waited for: its `work`, and (where
+/// MPI is driven from a second thread) the thread that makes it progress meanwhile.
+/// Dropping it waits for completion, under the watchdog, so the caller's buffers
+/// are never left to MPI.
+struct InFlight<'a, W: Finish> {
+    work: W,
     watchdog: &'a Watchdog,
     what: &'static str,
     progress: Option<Poker>,
 }
 
-impl<'a> InFlight<'a> {
+/// A non-blocking MPI collective: its request, and the count arrays and the send
+/// copy MPI reads until it completes (freed after the wait).
+struct MpiRequest {
+    request: mpi::ffi::MPI_Request,
+    _counts: Vec<mpi::Count>,
+    _displs: Vec<mpi::Count>,
+    _send: Vec<f32>,
+}
+
+impl Finish for MpiRequest {
+    fn finish(&mut self) {
+        // SAFETY: `request` came from a non-blocking collective started by this
+        // process and not yet completed (only this completes it, once: it is
+        // called from `InFlight`'s drop); the count arrays it reads are still held.
+        unsafe { mpi::ffi::MPI_Wait(&mut self.request, mpi::ffi::RSMPI_STATUS_IGNORE) };
+    }
+}
+
+/// One of our rings (ZeRO-3's, started by [`Mpi::start_reduce_scatter_pieces`] or
+/// [`Mpi::start_all_gather_in_place`]), shared with the progress thread that moves it
+/// on where MPI runs one for collectives in flight.
+type SharedRing = Arc<Mutex<Ring<f32>>>;
+
+impl Finish for SharedRing {
+    fn finish(&mut self) {
+        self.lock().unwrap_or_else(|e| e.into_inner()).finish();
+    }
+}
+
+impl<'a> InFlight<'a, MpiRequest> {
     /// Holds `request` (just started) with its count arrays; a progress thread
     /// pokes MPI until it is waited for when `mpi.progress_in_flight`.
     fn new(
@@ -801,7 +833,7 @@ impl<'a> InFlight<'a> {
         arrays: (Vec<mpi::Count>, Vec<mpi::Count>),
         send: Vec<f32>,
         what: &'static str,
-    ) -> Box<InFlight<'a>> {
+    ) -> Box<Self> {
         let progress = mpi.progress_in_flight;
         InFlight::with_progress(mpi, progress, request, arrays, send, what)
     }
@@ -814,18 +846,21 @@ impl<'a> InFlight<'a> {
         arrays: (Vec<mpi::Count>, Vec<mpi::Count>),
         send: Vec<f32>,
         what: &'static str,
-    ) -> Box<InFlight<'a>> {
+    ) -> Box<Self> {
         let progress = progress.then(|| {
             Poker::start(|| {
                 poke_mpi();
                 false
             })
         });
-        Box::new(InFlight {
+        let work = MpiRequest {
             request,
             _counts: arrays.0,
             _displs: arrays.1,
             _send: send,
+        };
+        Box::new(InFlight {
+            work,
             watchdog: &mpi.watchdog,
             what,
             progress,
@@ -833,42 +868,17 @@ impl<'a> InFlight<'a> {
     }
 }
 
-impl Pending for InFlight<'_> {
-    fn wait(self: Box<Self>) {} // dropping it waits
-}
-
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        if let Some(poker) = self.progress.take() {
-            poker.stop();
-        }
-        let _g = self.watchdog.arm(self.what, 1);
-        // SAFETY: `request` came from a non-blocking collective started by this
-        // process and not yet completed (only this drop completes it); the count
-        // arrays it reads are still held.
-        unsafe { mpi::ffi::MPI_Wait(&mut self.request, mpi::ffi::RSMPI_STATUS_IGNORE) };
-    }
-}
-
-/// A ring started by [`Mpi::start_reduce_scatter_pieces`] (ZeRO-3), moved on by a
-/// progress thread when MPI runs one for collectives in flight; finished, under
-/// the watchdog, when waited for or dropped.
-struct RingInFlight<'a> {
-    ring: Arc<Mutex<Ring<f32>>>,
-    watchdog: &'a Watchdog,
-    what: &'static str,
-    progress: Option<Poker>,
-}
-
-impl<'a> RingInFlight<'a> {
-    fn new(mpi: &'a Mpi, ring: Ring<f32>, what: &'static str) -> Box<RingInFlight<'a>> {
+impl<'a> InFlight<'a, SharedRing> {
+    /// Holds `ring` (begun); a progress thread advances it until it is waited for
+    /// when `mpi.progress_in_flight`.
+    fn ring(mpi: &'a Mpi, ring: Ring<f32>, what: &'static str) -> Box<Self> {
         let ring = Arc::new(Mutex::new(ring));
         let progress = mpi.progress_in_flight.then(|| {
             let ring = Arc::clone(&ring);
             Poker::start(move || ring.lock().unwrap_or_else(|e| e.into_inner()).advance())
         });
-        Box::new(RingInFlight {
-            ring,
+        Box::new(InFlight {
+            work: ring,
             watchdog: &mpi.watchdog,
             what,
             progress,
@@ -876,17 +886,17 @@ impl<'a> RingInFlight<'a> {
     }
 }
 
-impl Pending for RingInFlight<'_> {
+impl<W: Finish> Pending for InFlight<'_, W> {
     fn wait(self: Box<Self>) {} // dropping it waits
 }
 
-impl Drop for RingInFlight<'_> {
+impl<W: Finish> Drop for InFlight<'_, W> {
     fn drop(&mut self) {
         if let Some(poker) = self.progress.take() {
             poker.stop();
         }
         let _g = self.watchdog.arm(self.what, 1);
-        self.ring.lock().unwrap_or_else(|e| e.into_inner()).finish();
+        self.work.finish();
     }
 }
 
@@ -1327,7 +1337,7 @@ impl Collective for Mpi {
             // the caller's promise until the wait, which finishes the ring.
             let mut ring = unsafe { self.ring_all_gather(counts, None, buf) };
             ring.begin();
-            return RingInFlight::new(self, ring, "all-gather");
+            return InFlight::ring(self, ring, "all-gather");
         }
         let at: usize = counts[..self.rank].iter().sum();
         // MPI's send and receive buffers must not overlap (and the mpi crate has no
@@ -1397,7 +1407,7 @@ impl Collective for Mpi {
             // buffers are the caller's promise until the wait, which finishes the ring.
             let mut ring = unsafe { self.ring(Shape::ReduceScatter, counts, send, mine) };
             ring.begin();
-            return RingInFlight::new(self, ring, "reduce-scatter");
+            return InFlight::ring(self, ring, "reduce-scatter");
         }
         let arrays = counts_and_displs(counts);
         let mut request = std::mem::MaybeUninit::uninit();
