@@ -3,7 +3,8 @@
 //! a model directory, a `.safetensors` file, or a Hub id; see [`crate::hf`]).
 
 use crate::checkpoint::{checkpoint_path, interval_checkpoints, is_checkpoint_name, Checkpoint};
-use crate::data::{Meta, TokenDtype, Tokenizer, TokenizerKind, GPT2_VOCAB_SIZE};
+use crate::data::tokenizer::files::TOKENIZER_JSON;
+use crate::data::{Meta, TokenDtype, Tokenizer, TokenizerFiles, TokenizerKind, GPT2_VOCAB_SIZE};
 use crate::hf::Pretrained;
 use crate::model::lora::{self, LoraLayout, LoraState};
 use crate::model::{ModelConfig, ParamLayout};
@@ -202,20 +203,53 @@ pub fn check_lora_base(state: &LoraState, params: &[f32], what: &str) -> Result<
     Ok(())
 }
 
-/// Pretrained GPT-2 weights, with the whole position table; the tokenizer is
-/// GPT-2's BPE (a GGUF file's must be).
+/// Pretrained weights, with the whole position table, and their tokenizer
+/// ([`pretrained_tokenizer`]; a GGUF file's must be GPT-2's BPE).
 fn load_pretrained(src: &str) -> Result<LoadedModel> {
     let pretrained = Pretrained::open(src)?;
     if let Some(gguf) = pretrained.gguf() {
         gguf.tokenizer()?;
     }
     let (config, params) = pretrained.load(None, 0.0)?;
+    let (meta, tokenizer) = match pretrained.gguf() {
+        Some(_) => (gpt2_meta(&pretrained.location), Tokenizer::gpt2()),
+        None => pretrained_tokenizer(&pretrained.location, &config)?,
+    };
     Ok(LoadedModel {
         config,
         params,
-        meta: gpt2_meta(&pretrained.location),
-        tokenizer: Tokenizer::gpt2(),
+        meta,
+        tokenizer,
     })
+}
+
+/// The tokenizer of a model folder (or of the folder holding a lone weights file):
+/// its own `tokenizer.json` (with `tokenizer_config.json`, the chat template and
+/// `generation_config.json` beside it), except for a GPT-2 of GPT-2's vocabulary,
+/// which keeps GPT-2's BPE (the same ids). A folder without one gets GPT-2's BPE as
+/// before: its token files still evaluate, and `sample` and `chat` check the ids
+/// they encode against the vocabulary.
+fn pretrained_tokenizer(location: &Path, config: &ModelConfig) -> Result<(Meta, Tokenizer)> {
+    let dir = match location.is_dir() {
+        true => location,
+        false => location.parent().unwrap_or(Path::new(".")),
+    };
+    let json = dir.join(TOKENIZER_JSON);
+    let gpt2 = config.llama.is_none() && config.vocab_size == GPT2_VOCAB_SIZE;
+    if gpt2 || !json.is_file() {
+        return Ok((gpt2_meta(location), Tokenizer::gpt2()));
+    }
+    let tokenizer = Tokenizer::from_files(TokenizerFiles::read(dir)?)?;
+    if tokenizer.vocab_size() > config.vocab_size {
+        bail!(
+            "{} has {} ids, more than the model's vocabulary of {} (config.json vocab_size): \
+             the tokenizer belongs to another model",
+            json.display(),
+            tokenizer.vocab_size(),
+            config.vocab_size
+        );
+    }
+    Ok((tokenizer.meta(location.display().to_string()), tokenizer))
 }
 
 /// The tokenizer description of a pretrained GPT-2 (no token counts: no dataset).

@@ -8,7 +8,7 @@
 //! the script's `--check-export` (see the script's docstring).
 
 use nanogpt::checkpoint::{self, CheckpointState};
-use nanogpt::data::{Meta, TokenDtype, TokenizerKind};
+use nanogpt::data::{Meta, TokenDtype, Tokenizer, TokenizerKind};
 use nanogpt::eval::evaluate_tokens;
 use nanogpt::hf::{Located, Pretrained};
 use nanogpt::hub::HubEnv;
@@ -228,7 +228,13 @@ fn export_then_load_round_trips_bit_exactly() {
         let (cfg, params) = load(&fixture(name), None);
         let dir = temp_dir("hf-roundtrip");
         let dest = dir.path().join("export");
-        nanogpt::hf::export(&params, &cfg, Some(TokenizerKind::Char), &dest).unwrap();
+        nanogpt::hf::export(
+            &params,
+            &cfg,
+            Some(&Tokenizer::char_level("ab".chars()).unwrap()),
+            &dest,
+        )
+        .unwrap();
         let (cfg2, params2) = load(&dest, None);
         assert_eq!(cfg2, cfg);
         assert!(
@@ -368,7 +374,13 @@ fn exports_of_the_same_weights_are_byte_identical() {
     let dir = temp_dir("hf-export-twice");
     let read = |i: usize| {
         let dest = dir.path().join(format!("export{i}"));
-        nanogpt::hf::export(&params, &cfg, Some(TokenizerKind::Char), &dest).unwrap();
+        nanogpt::hf::export(
+            &params,
+            &cfg,
+            Some(&Tokenizer::char_level("ab".chars()).unwrap()),
+            &dest,
+        )
+        .unwrap();
         std::fs::read(dest.join("model.safetensors")).unwrap()
     };
     let first = read(0);
@@ -384,7 +396,7 @@ fn gpt2_tokenized_exports_carry_the_tokenizer() {
     nanogpt::hf::export(
         &model.params,
         model.config(),
-        Some(TokenizerKind::Gpt2),
+        Some(&Tokenizer::gpt2()),
         dir.path(),
     )
     .unwrap();
@@ -946,7 +958,7 @@ fn fine_tune_from_a_hugging_face_directory_then_export() {
     nanogpt::hf::export(
         &model.params,
         model.config(),
-        Some(TokenizerKind::Gpt2),
+        Some(&Tokenizer::gpt2()),
         &root.join("pretrained"),
     )
     .unwrap();

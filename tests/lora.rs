@@ -151,7 +151,8 @@ fn a_changed_base_is_refused() {
         };
         let mut model = nanogpt::model::Gpt::new(cfg, 1, 1).unwrap();
         model.init_gpt2(seed);
-        let kind = Some(nanogpt::data::TokenizerKind::Gpt2);
+        let gpt2 = nanogpt::data::Tokenizer::gpt2();
+        let kind = Some(&gpt2);
         nanogpt::hf::export(&model.params, model.config(), kind, &d.join("base")).unwrap();
     };
     write_base(1);
@@ -442,7 +443,8 @@ fn gpt2_base(d: &Path, name: &str, seed: u64, n_embd: usize) {
     };
     let mut model = nanogpt::model::Gpt::new(cfg, 1, 1).unwrap();
     model.init_gpt2(seed);
-    let kind = Some(nanogpt::data::TokenizerKind::Gpt2);
+    let gpt2 = nanogpt::data::Tokenizer::gpt2();
+    let kind = Some(&gpt2);
     let dir = d.join(name);
     let _ = std::fs::remove_dir_all(&dir);
     nanogpt::hf::export(&model.params, model.config(), kind, &dir).unwrap();

@@ -71,7 +71,8 @@ fn lora_runs(d: &Path) {
     };
     let mut model = nanogpt::model::Gpt::new(cfg, 1, 1).unwrap();
     model.init_gpt2(1);
-    let kind = Some(nanogpt::data::TokenizerKind::Gpt2);
+    let gpt2 = nanogpt::data::Tokenizer::gpt2();
+    let kind = Some(&gpt2);
     nanogpt::hf::export(&model.params, model.config(), kind, &d.join("base")).unwrap();
     prepare_gpt2_text(d, 40);
     for (out, iters) in [("run1", "max_iters=2"), ("run2", "max_iters=4")] {

@@ -316,8 +316,8 @@ fn train_tiny(dir: &Path, dataset: &str, out: &str, iters: &str) -> String {
 fn a_models_tokenizer_prepares_trains_samples_chats_and_evaluates() {
     let dir = temp_dir("hf-tokenizer");
     let d = dir.path();
-    let llama = common::fixture("tokenizers/llama3");
-    let llama = llama.to_str().unwrap();
+    let llama_dir = common::fixture("tokenizers/llama3");
+    let llama = llama_dir.to_str().unwrap();
     let t = fixture_tokenizer("llama3");
 
     // Documents: BOS, the text's ids, EOS (<|end_of_text|>) each.
@@ -432,12 +432,11 @@ fn a_models_tokenizer_prepares_trains_samples_chats_and_evaluates() {
 
     // sample --template chat: the template's prompt, and a reply that ends at an
     // end-of-turn id or the token budget.
-    let sample = ok(
-        d,
-        &[
+    let sample_args = |from: &'static str| {
+        [
             "sample",
-            "--out-dir",
-            "run",
+            "--init-from",
+            from,
             "--start",
             "Hi",
             "--template",
@@ -450,8 +449,9 @@ fn a_models_tokenizer_prepares_trains_samples_chats_and_evaluates() {
             "0",
             "--template-var",
             "date_string=\"26 Jul 2024\"",
-        ],
-    );
+        ]
+    };
+    let sample = ok(d, &sample_args("run"));
     let header = "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge \
                   Date: December 2023\nToday Date: 26 Jul 2024\n\n<|eot_id|><|start_header_id|>user\
                   <|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n";
@@ -511,6 +511,37 @@ fn a_models_tokenizer_prepares_trains_samples_chats_and_evaluates() {
         ],
     );
     assert!(eval.starts_with("loss"), "{eval}");
+
+    // An export to a Hugging Face folder carries the tokenizer files (AutoTokenizer
+    // and apply_chat_template read them there), and loads back with the same scores.
+    let exported = ok(d, &["export", "--from", "run", "--to", "hf"]);
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "generation_config.json",
+    ] {
+        assert_eq!(
+            std::fs::read(d.join("hf").join(f)).unwrap(),
+            std::fs::read(llama_dir.join(f)).unwrap(),
+            "{f}"
+        );
+        assert!(exported.contains(f), "{f} not listed: {exported}");
+    }
+    let from_hf = ok(
+        d,
+        &[
+            "eval",
+            "--init-from",
+            "hf",
+            "--data",
+            "t.txt",
+            "--block-size",
+            "8",
+        ],
+    );
+    assert_eq!(from_hf, eval);
+    assert_eq!(ok(d, &sample_args("hf")), sample, "sample from the export");
 }
 
 #[test]

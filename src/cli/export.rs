@@ -53,7 +53,7 @@ pub fn run(args: ExportArgs) -> Result<()> {
     let summary = export(
         &loaded.params,
         &loaded.config,
-        Some(loaded.meta.tokenizer),
+        Some(&loaded.tokenizer),
         &args.to,
     )?;
     let c = &loaded.config;
@@ -69,7 +69,7 @@ pub fn run(args: ExportArgs) -> Result<()> {
         summary.dir.display(),
         summary.files.join(", ")
     );
-    if loaded.meta.tokenizer != crate::data::TokenizerKind::Gpt2 && c.llama.is_none() {
+    if loaded.meta.tokenizer == crate::data::TokenizerKind::Char {
         crate::outln!(
             "note: the model uses a {} tokenizer, which Hugging Face's GPT-2 has no files for: \
              the weights load, but encode text yourself (meta.json of the dataset lists the vocabulary)",

@@ -8,6 +8,10 @@
 //! tensors under their own names (`nn.Linear` order, an untied `lm_head` included),
 //! and the source's `config.json` written back (the same spelling of RoPE, token ids
 //! and everything else), or for a model made here one in transformers 5's spelling.
+//! A model with its own tokenizer (any family) gets its tokenizer files copied:
+//! `tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja` and the source's
+//! `generation_config.json` (its list of end-of-turn ids), so that `AutoTokenizer`
+//! and `apply_chat_template` work on the folder unchanged.
 //!
 //! The files are written into a temporary folder `.DIR.tmp-PID` beside `DIR` and
 //! moved into place at once ([`Staged`]): a new `DIR` appears whole, a previous
@@ -18,7 +22,8 @@
 
 use super::tokenizer_files;
 use super::weights::transpose;
-use crate::data::{TokenizerKind, GPT2_EOT, GPT2_VOCAB_SIZE};
+use crate::data::tokenizer::files::{TokenizerFiles, GENERATION_CONFIG};
+use crate::data::{Tokenizer, TokenizerKind, GPT2_EOT, GPT2_VOCAB_SIZE};
 use crate::fsutil::{check_destination, write_atomic, write_bytes_atomic, OutputKind, Staged};
 use crate::model::{ModelConfig, ParamLayout};
 use anyhow::{bail, Context, Result};
@@ -31,8 +36,8 @@ use std::path::{Path, PathBuf};
 /// The files an export writes (besides the tokenizer's).
 pub const MODEL_FILES: [&str; 3] = ["config.json", "model.safetensors", "generation_config.json"];
 
-/// An export's folder: [`MODEL_FILES`] and GPT-2's tokenizer files, `config.json`
-/// (what marks a model folder for Hugging Face) last.
+/// An export's folder: [`MODEL_FILES`] and GPT-2's or the model's own tokenizer
+/// files, `config.json` (what marks a model folder for Hugging Face) last.
 pub const EXPORT: OutputKind = OutputKind {
     what: "export",
     files: &[
@@ -42,6 +47,8 @@ pub const EXPORT: OutputKind = OutputKind {
         "vocab.json",
         "merges.txt",
         "tokenizer_config.json",
+        "tokenizer.json",
+        "chat_template.jinja",
     ],
     last: "config.json",
 };
@@ -105,12 +112,13 @@ impl View for Out<'_> {
 }
 
 /// Writes the model (`params` laid out for `cfg`) to the Hugging Face directory
-/// `dir`. `tokenizer` decides the token ids in the configs and whether GPT-2's
-/// tokenizer files are written.
+/// `dir`. `tokenizer` (the one the model was trained with) decides the token ids in
+/// GPT-2's configs and which tokenizer files are written: GPT-2's, the model's own,
+/// or none (a char vocabulary has no Hugging Face form).
 pub fn export(
     params: &[f32],
     cfg: &ModelConfig,
-    tokenizer: Option<TokenizerKind>,
+    tokenizer: Option<&Tokenizer>,
     dir: &Path,
 ) -> Result<ExportSummary> {
     let layout = ParamLayout::new(cfg);
@@ -121,16 +129,24 @@ pub fn export(
             layout.len
         );
     }
-    let gpt2_tokens = tokenizer == Some(TokenizerKind::Gpt2)
+    let gpt2_tokens = tokenizer.map(Tokenizer::kind) == Some(TokenizerKind::Gpt2)
         && cfg.vocab_size >= GPT2_VOCAB_SIZE
         && cfg.llama.is_none();
+    let own = tokenizer.and_then(Tokenizer::hf).map(|t| t.files());
     let mut names: Vec<&str> = MODEL_FILES.to_vec();
     if gpt2_tokens {
         names.extend(tokenizer_files::FILE_NAMES);
     }
+    if let Some(files) = own {
+        let copied = files.entries().into_iter().map(|(name, _)| name);
+        names.extend(copied.filter(|name| *name != GENERATION_CONFIG));
+    }
     check_destination(dir, &EXPORT, "--to", is_previous_export)?;
     let staged = Staged::begin(dir, &EXPORT)?;
     write_files(params, &layout, cfg, gpt2_tokens, staged.dir())?;
+    if let Some(files) = own {
+        write_tokenizer_files(files, staged.dir())?;
+    }
     crate::fault::during_export();
     staged.commit()?;
     Ok(ExportSummary {
@@ -178,6 +194,16 @@ fn write_files(
         }
     }
     write_bytes_atomic(&dir.join("config.json"), config_json(cfg, eot))
+}
+
+/// The model's own tokenizer files into `dir` (the temporary folder), the source's
+/// `generation_config.json` in place of the one [`write_files`] made from the config
+/// (it lists every end-of-turn id and the model's sampling defaults).
+fn write_tokenizer_files(files: &TokenizerFiles, dir: &Path) -> Result<()> {
+    for (name, bytes) in files.entries() {
+        write_bytes_atomic(&dir.join(name), bytes)?;
+    }
+    Ok(())
 }
 
 /// A Llama-architecture model's tensors: each under its own name, in the arena's

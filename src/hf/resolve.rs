@@ -160,7 +160,8 @@ fn shard_names(index: &Path) -> Option<Vec<String>> {
     Some(names)
 }
 
-/// Downloads `config.json` and the safetensors weights of `id` into the cache;
+/// Downloads `config.json`, the safetensors weights and the tokenizer files (where
+/// the repository has them) of `id` into the cache;
 /// returns the snapshot directory.
 #[cfg(feature = "download")]
 fn download(
@@ -185,8 +186,17 @@ fn download(
                 .map_err(|e| format!("download of {shard} failed ({e})"))?;
         }
     }
-    // Not needed to load, but part of what a model directory hands on.
-    let _ = repo.get("generation_config.json");
+    // Not needed to load the weights, but part of what a model directory hands on:
+    // a Llama family's tokenizer (sample, chat, eval and export read it), the chat
+    // template, the end-of-turn ids. A repository may lack any of them.
+    for optional in [
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ] {
+        let _ = repo.get(optional);
+    }
     config
         .parent()
         .map(Path::to_path_buf)
