@@ -10,7 +10,6 @@ use serde_json::Value;
 
 mod common;
 use common::{fails, fixture, ok, read_json, temp_dir, TINY_SHAKESPEARE};
-use std::path::Path;
 
 fn model_dir() -> String {
     fixture("instruct/model").display().to_string()
