@@ -32,6 +32,27 @@ impl<'a> Mat<'a> {
         }
     }
 
+    /// A `rows × cols` view of `data` with element `(i, j)` at `i·rs + j·cs` (tests
+    /// of the kernels' strided operands).
+    pub fn strided(
+        data: &'a [f32],
+        (rows, cols): (usize, usize),
+        (rs, cs): (usize, usize),
+    ) -> Mat<'a> {
+        let last = (rows.max(1) - 1) * rs + (cols.max(1) - 1) * cs;
+        assert!(
+            rows * cols == 0 || last < data.len(),
+            "strided view out of bounds"
+        );
+        Mat {
+            data,
+            rows,
+            cols,
+            rs,
+            cs,
+        }
+    }
+
     /// The transpose, as a view (no copy).
     pub fn t(self) -> Mat<'a> {
         Mat {

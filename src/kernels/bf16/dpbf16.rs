@@ -359,13 +359,7 @@ mod tests {
         // An A with neither stride 1 (packed element by element), k odd.
         let (m, k, n) = (30, 41, 35);
         let store = rounded(2 * m * k, 6);
-        let a = Mat {
-            data: &store,
-            rows: m,
-            cols: k,
-            rs: 2,
-            cs: 2 * m,
-        };
+        let a = Mat::strided(&store, (m, k), (2, 2 * m));
         let b = rounded(k * n, 7);
         let b = Mat::new(&b, k, n);
         let mut got = vec![0.0; m * n];

@@ -81,13 +81,7 @@ pub fn strided_views(kernel: Kernel) {
     let wide = rounded(m * 50, 4);
     let a = Mat::new(&wide, m, 50).columns(7, 7 + k);
     let store = rounded(2 * n * k, 5);
-    let b = Mat {
-        data: &store,
-        rows: k,
-        cols: n,
-        rs: 1,
-        cs: 2 * k,
-    };
+    let b = Mat::strided(&store, (k, n), (1, 2 * k));
     let mut got = vec![0.0; m * n];
     kernel(&mut got, a, b, false);
     assert_close("strided", &got, &reference(&got, a, b, false), 0.0, 1e-4);
