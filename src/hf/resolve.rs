@@ -218,19 +218,11 @@ mod tests {
 
     #[test]
     fn hub_ids_are_presets_or_owner_slash_name() {
+        // What is an `owner/name` id is hub.rs's test; here what the presets add.
         for yes in ["gpt2", "gpt2-xl", "openai-community/gpt2", "me/my_model.v2"] {
             assert!(is_hub_id(yes), "{yes}");
         }
-        for no in [
-            "out",
-            "./gpt2x",
-            "/abs/path",
-            "a/b/c",
-            "../x",
-            "w.safetensors",
-            "x/y.safetensors",
-            "gpt3",
-        ] {
+        for no in ["gpt3", "out", "./gpt2x", "x/y.safetensors"] {
             assert!(!is_hub_id(no), "{no}");
         }
     }
