@@ -455,7 +455,7 @@ fn export_refuses_a_directory_with_other_files() {
 /// temporary directory that is removed).
 #[test]
 fn export_for_python_check() {
-    let keep = std::env::var_os("NANOGPT_EXPORT_CHECK_DIR").map(PathBuf::from);
+    let keep = nanogpt::tuning::env::get().export_check_dir.clone();
     let tmp = temp_dir("hf-pycheck");
     let base = keep.clone().unwrap_or_else(|| tmp.path().to_path_buf());
     let want = expected("tiny_a");
