@@ -203,16 +203,16 @@ pub fn check_lora_base(state: &LoraState, params: &[f32], what: &str) -> Result<
     Ok(())
 }
 
-/// Pretrained weights, with the whole position table, and their tokenizer
-/// ([`pretrained_tokenizer`]; a GGUF file's must be GPT-2's BPE).
+/// Pretrained weights, with the whole position table (a Llama's up to
+/// [`crate::hf::llama::DEFAULT_BLOCK`]), and their tokenizer: a GGUF file's own
+/// (GPT-2's BPE for a `gpt2` file), else a folder's ([`pretrained_tokenizer`]).
 fn load_pretrained(src: &str) -> Result<LoadedModel> {
     let pretrained = Pretrained::open(src)?;
-    if let Some(gguf) = pretrained.gguf() {
-        gguf.tokenizer()?;
-    }
+    let gguf_tokenizer = pretrained.gguf().map(|g| g.tokenizer()).transpose()?;
     let (config, params) = pretrained.load(None, 0.0)?;
-    let (meta, tokenizer) = match pretrained.gguf() {
-        Some(_) => (gpt2_meta(&pretrained.location), Tokenizer::gpt2()),
+    let (meta, tokenizer) = match gguf_tokenizer {
+        Some(t) if t.kind() == TokenizerKind::Gpt2 => (gpt2_meta(&pretrained.location), t),
+        Some(t) => (t.meta(pretrained.location.display().to_string()), t),
         None => pretrained_tokenizer(&pretrained.location, &config)?,
     };
     Ok(LoadedModel {

@@ -4,7 +4,7 @@
 
 mod common;
 
-use nanogpt::data::TokenizerKind;
+use nanogpt::data::{Tokenizer, TokenizerKind};
 use nanogpt::gguf::{quants, ExportOptions, GgmlType, GgufFile, GgufWriter, OutType, TensorSpec};
 use nanogpt::hf::Pretrained;
 use nanogpt::model::{Gpt, ModelConfig};
@@ -141,10 +141,11 @@ fn gpt2_tokens_model(bias: bool, seed: u64) -> Gpt {
 }
 
 fn export(model: &Gpt, outtype: OutType, dest: &std::path::Path) -> nanogpt::gguf::model::Exported {
+    let gpt2 = Tokenizer::gpt2();
     let opts = ExportOptions {
         outtype,
         name: "tiny",
-        tokenizer: TokenizerKind::Gpt2,
+        tokenizer: &gpt2,
         chat_template: Some("{{ messages }}"),
     };
     nanogpt::gguf::model::export(&model.params, model.config(), &opts, dest).unwrap()
@@ -204,7 +205,7 @@ fn an_f32_export_reads_back_exactly_with_gpt2s_tokenizer() {
 
     let pretrained = Pretrained::open(path.to_str().unwrap()).unwrap();
     let gguf = pretrained.gguf().unwrap();
-    assert_eq!(gguf.tokenizer().unwrap(), TokenizerKind::Gpt2);
+    assert_eq!(gguf.tokenizer().unwrap().kind(), TokenizerKind::Gpt2);
     assert_eq!(gguf.chat_template(), Some("{{ messages }}"));
     let (cfg, params) = pretrained.load(None, 0.0).unwrap();
     assert_eq!(&cfg, model.config());
@@ -264,10 +265,11 @@ fn an_export_replaces_its_own_file_but_nothing_else() {
     let model = gpt2_tokens_model(true, 5);
     let path = dir.path().join("m.gguf");
     std::fs::write(&path, "someone's file").unwrap();
+    let gpt2 = Tokenizer::gpt2();
     let opts = ExportOptions {
         outtype: OutType::F16,
         name: "tiny",
-        tokenizer: TokenizerKind::Gpt2,
+        tokenizer: &gpt2,
         chat_template: None,
     };
     let err = nanogpt::gguf::model::export(&model.params, model.config(), &opts, &path)
@@ -308,8 +310,9 @@ fn an_export_replaces_its_own_file_but_nothing_else() {
         .collect();
     assert_eq!(names, ["m.gguf"]);
     // A char-level model has no tokenizer llama.cpp reads: refused, naming the way out.
+    let chars = Tokenizer::char_level("ab".chars()).unwrap();
     let opts = ExportOptions {
-        tokenizer: TokenizerKind::Char,
+        tokenizer: &chars,
         ..opts
     };
     let err = nanogpt::gguf::model::export(

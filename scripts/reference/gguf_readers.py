@@ -11,7 +11,12 @@ IDS is a comma-separated list of token ids (one sequence). Writes to OUT.safeten
   signal instead (seen: SIGSEGV on Q8_0 files on a Xeon with AMX, llama.cpp's own
   `llama_model_quantize` output included);
 - `transformers` F32 [T, V]: transformers' AutoModelForCausalLM loaded with
-  `gguf_file=` (it dequantizes with the `gguf` package); left out with --lora;
+  `gguf_file=` (it dequantizes with the `gguf` package); left out with --lora. For
+  `llama`, `qwen2` and `qwen3` files, what transformers 5.3 does not read from a GGUF
+  is given to it from the file: the head size (`{arch}.attention.key_length`, which
+  it maps for llama only) and the RoPE scaling, as llama.cpp applies it: every
+  frequency divided by `{arch}.rope.scaling.factor` (linear) or by the matching
+  entry of `rope_freqs.weight` (Llama 3's);
 - `transformers_gelu_f16` F32 [T, V] (gpt2 only): the same with llama.cpp's CPU GELU,
   which rounds its input to f16 and looks the result up in an f16 table
   (`GGML_GELU_FP16` in ggml-cpu/vec.h): what llama.cpp computes, up to summation order;
@@ -86,6 +91,8 @@ def main():
     out["gguf_tensors"] = np.array([len(reader.tensors)], dtype=np.int32)
     arch = reader.fields["general.architecture"].contents()
     n_ctx = int(reader.fields[f"{arch}.context_length"].contents())
+    if arch != "gpt2":
+        n_ctx = min(n_ctx, 512)
 
     logits, signal = llama_cpp_logits(args.model, ids, n_ctx, args.lora)
     if signal:
@@ -97,8 +104,20 @@ def main():
         from transformers import AutoModelForCausalLM
         folder, name = os.path.split(os.path.abspath(args.model))
         extra = {"n_positions": n_ctx} if arch == "gpt2" else {}
+        field = lambda key: reader.fields[key].contents() if key in reader.fields else None
+        if field(f"{arch}.attention.key_length") is not None:
+            extra["head_dim"] = int(field(f"{arch}.attention.key_length"))
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
-                                                     **extra).eval()
+                                                     attn_implementation="eager", **extra).eval()
+        if arch != "gpt2":
+            rotary = model.model.rotary_emb
+            divisors = torch.ones_like(rotary.inv_freq)
+            if field(f"{arch}.rope.scaling.type") == "linear":
+                divisors *= float(field(f"{arch}.rope.scaling.factor"))
+            freqs = [t for t in reader.tensors if t.name == "rope_freqs.weight"]
+            if freqs:
+                divisors *= torch.tensor(np.array(freqs[0].data, dtype=np.float32))
+            rotary.inv_freq = rotary.inv_freq / divisors
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0]
         out["transformers"] = logits.float().numpy()

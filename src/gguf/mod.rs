@@ -18,6 +18,7 @@
 //! - [`adapter`]: LoRA adapters as llama.cpp's GGUF adapter files, out and in.
 
 pub mod adapter;
+pub mod llama;
 pub mod model;
 pub mod quants;
 pub mod read;

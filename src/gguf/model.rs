@@ -23,13 +23,15 @@
 //! `token_embd.weight`: no `output.weight` is written (llama.cpp and transformers
 //! then tie it too). The real vocabulary's rows are written, not the arena's padding.
 
+use super::llama;
 use super::quants;
 use super::read::GgufFile;
 use super::types::{GgmlType, Value};
 use super::vocab::{self, Recognised};
 use super::write::{GgufWriter, TensorSpec};
-use crate::data::{TokenizerKind, GPT2_VOCAB_SIZE};
+use crate::data::{Tokenizer, TokenizerKind, GPT2_VOCAB_SIZE};
 use crate::model::config::LAYER_NORM_EPS;
+use crate::model::family::LlamaConfig;
 use crate::model::{ModelConfig, ParamLayout};
 use anyhow::{bail, Context, Result};
 use std::fmt;
@@ -148,8 +150,9 @@ pub struct ExportOptions<'a> {
     /// `general.name`.
     pub name: &'a str,
     /// The tokenizer the model's ids belong to.
-    pub tokenizer: TokenizerKind,
-    /// A Jinja chat template (`tokenizer.chat_template`), where the model has one.
+    pub tokenizer: &'a Tokenizer,
+    /// A Jinja chat template (`tokenizer.chat_template`), where the model has one
+    /// (for a model's own tokenizer: where its files have none).
     pub chat_template: Option<&'a str>,
 }
 
@@ -163,21 +166,14 @@ pub struct Exported {
     pub parameters: usize,
 }
 
-/// Writes the GPT-2 `params` (laid out for `cfg`) to the GGUF file `dest`,
-/// atomically; a file there that nanogpt did not write is refused.
+/// Writes the model `params` (laid out for `cfg`: GPT-2 or a Llama family) to the
+/// GGUF file `dest`, atomically; a file there that nanogpt did not write is refused.
 pub fn export(
     params: &[f32],
     cfg: &ModelConfig,
     opts: &ExportOptions,
     dest: &Path,
 ) -> Result<Exported> {
-    if cfg.llama.is_some() {
-        bail!(
-            "GGUF export writes GPT-2 models only; this is a {} model: export it to a Hugging \
-             Face folder (--to DIR) and convert that with llama.cpp's convert_hf_to_gguf.py",
-            cfg.family().model_type()
-        );
-    }
     let layout = ParamLayout::new(cfg);
     if params.len() != layout.len {
         bail!(
@@ -187,8 +183,13 @@ pub fn export(
         );
     }
     check_destination(dest)?;
-    let metadata = metadata(cfg, opts)?;
-    let tensors = tensors(params, &layout, cfg);
+    let (metadata, tensors) = match &cfg.llama {
+        None => (metadata(cfg, opts)?, tensors(params, &layout, cfg)),
+        Some(l) => (
+            llama_metadata(cfg, l, opts)?,
+            llama_tensors(params, &layout, cfg, l),
+        ),
+    };
     let specs: Vec<TensorSpec> = tensors
         .iter()
         .map(|(name, shape, _)| {
@@ -200,10 +201,15 @@ pub fn export(
     }
     let mut w = GgufWriter::create(dest, &metadata, specs)?;
     let zeros = vec![0.0f32; 4 * cfg.n_embd];
-    for (_, _, data) in &tensors {
+    for (_, shape, data) in &tensors {
         match data {
             Data::Slice(s) => w.write_f32(s)?,
             Data::Zeros(n) => w.write_f32(&zeros[..*n])?,
+            Data::Owned(v) => w.write_f32(v)?,
+            Data::Interleave(s, heads) => {
+                let cols = shape.get(1).copied().unwrap_or(1);
+                w.write_f32(&llama::to_interleaved(s, *heads, cols))?
+            }
         }
     }
     crate::fault::during_export();
@@ -217,18 +223,22 @@ pub fn export(
     })
 }
 
-/// A tensor's values: a slice of the arena, or zeros (the biases of a model
-/// trained without them, which llama.cpp's GPT-2 requires).
+/// A tensor's values: a slice of the arena, zeros (the biases of a model trained
+/// without them, which llama.cpp's GPT-2 requires), values made for the file, or a
+/// slice whose rows llama.cpp holds in another order (q and k of `llama`: the heads).
 enum Data<'a> {
     Slice(&'a [f32]),
     Zeros(usize),
+    Owned(Vec<f32>),
+    Interleave(&'a [f32], usize),
 }
 
 impl Data<'_> {
     fn values(&self) -> &[f32] {
         match self {
-            Data::Slice(s) => s,
+            Data::Slice(s) | Data::Interleave(s, _) => s,
             Data::Zeros(_) => &[],
+            Data::Owned(v) => v,
         }
     }
 }
@@ -255,6 +265,40 @@ fn tensors<'a>(
             let bias = gguf_name(&t.name.replace(".weight", ".bias")).expect("a bias name");
             out.push((bias, vec![n], Data::Zeros(n)));
         }
+    }
+    out
+}
+
+/// A Llama family's tensors in order (see [`llama`]): Llama 3's RoPE divisors
+/// first, then the arena's, the vocabulary's real rows only, q and k reordered for
+/// llama.cpp's `llama`.
+fn llama_tensors<'a>(
+    params: &'a [f32],
+    layout: &ParamLayout,
+    cfg: &ModelConfig,
+    l: &LlamaConfig,
+) -> Vec<(String, Vec<usize>, Data<'a>)> {
+    let (v, c) = (cfg.vocab_size, cfg.n_embd);
+    let mut out = Vec::new();
+    if let Some(divisors) = llama::rope_divisors(&l.rope, l.head_dim) {
+        out.push((
+            llama::ROPE_FREQS.to_string(),
+            vec![divisors.len()],
+            Data::Owned(divisors),
+        ));
+    }
+    for t in &layout.tensors {
+        let name = llama::gguf_name(&t.name).expect("every Llama tensor has a GGUF name");
+        let vocab_rows = t.name == "model.embed_tokens.weight" || t.name == "lm_head.weight";
+        let (shape, data) = match vocab_rows {
+            true => (vec![v, c], &params[t.offset..t.offset + v * c]),
+            false => (t.shape.clone(), &params[t.range()]),
+        };
+        let data = match llama::reordered_heads(&t.name, cfg, l) {
+            Some(heads) => Data::Interleave(data, heads),
+            None => Data::Slice(data),
+        };
+        out.push((name, shape, data));
     }
     out
 }
@@ -288,12 +332,11 @@ fn check_values(spec: &TensorSpec, data: &Data) -> Result<()> {
     Ok(())
 }
 
-/// The file's metadata: general keys, the architecture's, the tokenizer's.
-fn metadata(cfg: &ModelConfig, opts: &ExportOptions) -> Result<Vec<(String, Value)>> {
+/// The general keys, in the order [`written_by_nanogpt`] recognises.
+fn general(arch: &str, opts: &ExportOptions) -> Vec<(String, Value)> {
     let s = |v: &str| Value::String(v.into());
-    let n = |v: usize| Value::U32(v as u32);
-    let mut m: Vec<(String, Value)> = vec![
-        ("general.architecture".into(), s(GPT2)),
+    vec![
+        ("general.architecture".into(), s(arch)),
         ("general.type".into(), s("model")),
         ("general.name".into(), s(opts.name)),
         (
@@ -305,6 +348,40 @@ fn metadata(cfg: &ModelConfig, opts: &ExportOptions) -> Result<Vec<(String, Valu
             PRODUCER_KEY.into(),
             s(&format!("nanogpt {}", env!("CARGO_PKG_VERSION"))),
         ),
+    ]
+}
+
+/// A Llama family's metadata: general keys, the architecture's, the tokenizer's
+/// (the model's own: a byte-level BPE) and its chat template.
+fn llama_metadata(
+    cfg: &ModelConfig,
+    l: &LlamaConfig,
+    opts: &ExportOptions,
+) -> Result<Vec<(String, Value)>> {
+    let mut m = general(llama::arch_name(l.model_type), opts);
+    m.extend(llama::metadata(cfg, l)?);
+    let Some(tok) = opts.tokenizer.hf() else {
+        bail!(
+            "the model's ids are of a {} tokenizer, not of a model's own tokenizer.json, which \
+             a GGUF {} model must carry; export it to a Hugging Face folder (--to DIR) instead",
+            opts.tokenizer.kind(),
+            l.model_type.name()
+        );
+    };
+    m.extend(vocab::hf_metadata(tok, cfg.vocab_size)?);
+    let has_template = m.iter().any(|(k, _)| k == vocab::CHAT_TEMPLATE);
+    if let (Some(template), false) = (opts.chat_template, has_template) {
+        m.push((vocab::CHAT_TEMPLATE.into(), Value::String(template.into())));
+    }
+    Ok(m)
+}
+
+/// The file's metadata: general keys, the architecture's, the tokenizer's.
+fn metadata(cfg: &ModelConfig, opts: &ExportOptions) -> Result<Vec<(String, Value)>> {
+    let s = |v: &str| Value::String(v.into());
+    let n = |v: usize| Value::U32(v as u32);
+    let mut m = general(GPT2, opts);
+    m.extend([
         ("gpt2.context_length".into(), n(cfg.block_size)),
         ("gpt2.embedding_length".into(), n(cfg.n_embd)),
         ("gpt2.feed_forward_length".into(), n(4 * cfg.n_embd)),
@@ -314,8 +391,8 @@ fn metadata(cfg: &ModelConfig, opts: &ExportOptions) -> Result<Vec<(String, Valu
             "gpt2.attention.layer_norm_epsilon".into(),
             Value::F32(LAYER_NORM_EPS),
         ),
-    ];
-    match opts.tokenizer {
+    ]);
+    match opts.tokenizer.kind() {
         TokenizerKind::Gpt2 if cfg.vocab_size >= GPT2_VOCAB_SIZE => {
             m.extend(vocab::gpt2_metadata(cfg.vocab_size)?)
         }
@@ -406,8 +483,17 @@ impl GgufModel {
         if file.get("general.type").and_then(Value::as_str) == Some("adapter") {
             bail!("{p} is a LoRA adapter, not a model; load its base model instead");
         }
+        if let Some(t) = llama::parse_arch(arch) {
+            let config = llama::read_config(&file, arch, t)?;
+            let model = GgufModel { file, config };
+            model.check_tensors()?;
+            return Ok(model);
+        }
         if arch != GPT2 {
-            bail!("{p} is a `{arch}` model; nanogpt loads GGUF models of architecture gpt2 only");
+            bail!(
+                "{p}: general.architecture is `{arch}`; nanogpt loads GGUF models of \
+                 architecture gpt2, llama, qwen2 and qwen3"
+            );
         }
         let count = |key: &str| -> Result<usize> {
             let full = format!("{GPT2}.{key}");
@@ -469,20 +555,38 @@ impl GgufModel {
         Ok(model)
     }
 
-    /// Every tensor the model needs is there with its shape and a readable type.
+    /// The file's name of the arena tensor `name`.
+    fn file_name(&self, name: &str) -> String {
+        match self.config.llama {
+            None => gguf_name(name),
+            Some(_) => llama::gguf_name(name),
+        }
+        .expect("every arena tensor has a GGUF name")
+    }
+
+    /// The shape the file holds the arena tensor `t` in: the vocabulary's real rows.
+    fn file_shape(&self, t: &crate::model::layout::TensorInfo) -> Vec<usize> {
+        let cfg = &self.config;
+        let names = cfg.family().names();
+        match t.name == names.wte || t.name == names.lm_head {
+            true => vec![cfg.vocab_size, cfg.n_embd],
+            false => t.shape.clone(),
+        }
+    }
+
+    /// Every tensor the model needs is there with its shape and a readable type; a
+    /// Llama file holds nothing else.
     fn check_tensors(&self) -> Result<()> {
         let cfg = &self.config;
         let layout = ParamLayout::new(cfg);
         let p = self.file.path().display();
+        let kind = cfg.family().model_type();
         for t in &layout.tensors {
-            let name = gguf_name(&t.name).expect("GPT-2 names map");
-            let want = match t.name.as_str() {
-                "transformer.wte.weight" => vec![cfg.vocab_size, cfg.n_embd],
-                _ => t.shape.clone(),
-            };
+            let name = self.file_name(&t.name);
+            let want = self.file_shape(t);
             let Some(info) = self.file.tensor(&name) else {
                 bail!(
-                    "{p} has no tensor {name}, which a GPT-2 of {} layers needs",
+                    "{p} has no tensor {name}, which a {kind} of {} layers needs",
                     cfg.n_layer
                 );
             };
@@ -495,6 +599,27 @@ impl GgufModel {
             if !info.ty.is_some_and(|t| t.can_dequantize()) {
                 // The same message as reading it gives.
                 self.file.tensor_f32(info)?;
+            }
+        }
+        if cfg.llama.is_some() {
+            let known: std::collections::HashSet<String> = layout
+                .tensors
+                .iter()
+                .map(|t| self.file_name(&t.name))
+                .chain([llama::ROPE_FREQS.to_string()])
+                .collect();
+            if let Some(t) = self
+                .file
+                .header
+                .tensors
+                .iter()
+                .find(|t| !known.contains(&t.name))
+            {
+                bail!(
+                    "{p} holds tensor {}, which nanogpt's {kind} has no place for; nanogpt \
+                     cannot load this model",
+                    t.name
+                );
             }
         }
         Ok(())
@@ -511,7 +636,8 @@ impl GgufModel {
     }
 
     /// Fills `params` (laid out by `layout` for `cfg`, whose position table may be
-    /// cropped) with the dequantized weights; padded vocabulary rows are zero.
+    /// cropped) with the dequantized weights; padded vocabulary rows are zero, and
+    /// the q/k rows of a `llama` file go back to transformers' order.
     pub fn load_into(
         &self,
         layout: &ParamLayout,
@@ -519,26 +645,34 @@ impl GgufModel {
         params: &mut [f32],
     ) -> Result<()> {
         for t in &layout.tensors {
-            let name = gguf_name(&t.name).expect("GPT-2 names map");
+            let name = self.file_name(&t.name);
             let info = self
                 .file
                 .tensor(&name)
                 .with_context(|| format!("{} has no tensor {name}", self.file.path().display()))?;
             let dst = &mut params[t.range()];
-            match t.name.as_str() {
-                "transformer.wte.weight" => {
-                    let real = cfg.vocab_size * cfg.n_embd;
-                    self.file.read_f32(info, &mut dst[..real])?;
-                    dst[real..].fill(0.0);
-                }
-                "transformer.wpe.weight" => {
+            let real = self.file_shape(t).iter().product::<usize>();
+            match (t.name.as_str(), &cfg.llama) {
+                ("transformer.wpe.weight", _) => {
                     let all = self.file.tensor_f32(info)?;
                     dst.copy_from_slice(&all[..dst.len()]);
                 }
-                _ => self.file.read_f32(info, dst)?,
+                (name, Some(l)) if llama::reordered_heads(name, cfg, l).is_some() => {
+                    let heads = llama::reordered_heads(name, cfg, l).unwrap_or(1);
+                    let cols = t.shape.get(1).copied().unwrap_or(1);
+                    let stored = self.file.tensor_f32(info)?;
+                    dst.copy_from_slice(&llama::from_interleaved(&stored, heads, cols));
+                }
+                _ => {
+                    self.file.read_f32(info, &mut dst[..real])?;
+                    dst[real..].fill(0.0);
+                }
             }
         }
-        self.check_output_head(layout, cfg, params)
+        match cfg.llama {
+            None => self.check_output_head(layout, cfg, params),
+            Some(_) => Ok(()),
+        }
     }
 
     /// A stored `output.weight` must be (a copy of) the token embedding, which the
@@ -596,12 +730,17 @@ impl GgufModel {
         Ok(())
     }
 
-    /// The tokenizer of the model's ids, as nanogpt's tokenizers go: GPT-2's BPE
-    /// when the file carries exactly GPT-2's vocabulary.
-    pub fn tokenizer(&self) -> Result<TokenizerKind> {
+    /// The tokenizer of the model's ids: GPT-2's BPE when a `gpt2` file carries
+    /// exactly GPT-2's vocabulary; for the Llama families, the byte-level BPE the file
+    /// carries, built from its metadata (with its chat template and stop tokens).
+    pub fn tokenizer(&self) -> Result<Tokenizer> {
         let p = self.file.path().display();
+        if self.config.llama.is_some() {
+            let files = vocab::hf_files(&self.file.header, &p.to_string())?;
+            return Tokenizer::from_files(files);
+        }
         match vocab::recognise(&self.file.header)? {
-            Recognised::Gpt2 => Ok(TokenizerKind::Gpt2),
+            Recognised::Gpt2 => Ok(Tokenizer::gpt2()),
             Recognised::Missing => bail!(
                 "{p} carries no tokenizer (tokenizer.ggml.model); nanogpt needs the model's \
                  tokenizer to encode text for it"
@@ -613,7 +752,7 @@ impl GgufModel {
             } => bail!(
                 "{p} carries a `{model}` tokenizer (pre-tokenizer `{pre}`, {n_tokens} tokens) \
                  that is not GPT-2's; this version of nanogpt encodes text for GPT-2's \
-                 vocabulary only"
+                 vocabulary only in gpt2 models"
             ),
         }
     }

@@ -121,6 +121,18 @@ impl Value {
         }
     }
 
+    /// The value as a signed integer, whatever integer type stores it.
+    pub fn as_i64(&self) -> Option<i64> {
+        match *self {
+            Value::U64(v) => i64::try_from(v).ok(),
+            Value::I8(v) => Some(v.into()),
+            Value::I16(v) => Some(v.into()),
+            Value::I32(v) => Some(v.into()),
+            Value::I64(v) => Some(v),
+            _ => self.as_u64().map(|v| v as i64),
+        }
+    }
+
     /// The value as a float, from any float type.
     pub fn as_f64(&self) -> Option<f64> {
         match *self {

@@ -110,13 +110,31 @@ impl Pretrained {
     pub fn open_gguf(file: &Path) -> Result<Pretrained> {
         let model = GgufModel::open(file)?;
         let c = &model.config;
-        let config = HfConfig::Gpt2(Gpt2Config::gpt2_shaped(
-            c.vocab_size,
-            c.block_size,
-            c.n_layer,
-            c.n_head,
-            c.n_embd,
-        ));
+        let config = match &c.llama {
+            None => HfConfig::Gpt2(Gpt2Config::gpt2_shaped(
+                c.vocab_size,
+                c.block_size,
+                c.n_layer,
+                c.n_head,
+                c.n_embd,
+            )),
+            Some(l) => {
+                // The config.json an HF export writes: the file's context length
+                // then travels with the runs made from it.
+                let mut llama = l.clone();
+                llama.source_config = Some(llama::config_json(c, l));
+                HfConfig::Llama(llama::LlamaHfConfig {
+                    model_type: l.model_type,
+                    vocab_size: c.vocab_size,
+                    hidden_size: c.n_embd,
+                    num_hidden_layers: c.n_layer,
+                    num_attention_heads: c.n_head,
+                    max_position_embeddings: c.block_size,
+                    llama,
+                    sliding_window: None,
+                })
+            }
+        };
         Ok(Pretrained {
             location: file.to_path_buf(),
             config,

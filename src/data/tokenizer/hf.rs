@@ -170,6 +170,11 @@ impl HfTokenizer {
         out
     }
 
+    /// The id of the token `token` (added tokens included), if it has one.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
     fn knows(&self, id: u32) -> bool {
         self.inner.id_to_token(id).is_some()
     }
