@@ -565,4 +565,69 @@ fn train_and_lora_from_a_llama_gguf_and_export_back() {
             "{run}: training changed nothing"
         );
     }
+    // The LoRA's adapters alone, as llama.cpp's adapter file for base.gguf.
+    let args = [
+        "export",
+        "--from",
+        "lora",
+        "--to",
+        "adapter.gguf",
+        "--adapter-only",
+        "--outtype",
+        "f32",
+    ];
+    common::ok(root, &args);
+    let f = GgufFile::open(&root.join("adapter.gguf")).unwrap();
+    let s = |k: &str| f.get(k).and_then(|v| v.as_str()).unwrap().to_string();
+    assert_eq!(
+        (s("general.architecture"), s("adapter.type")),
+        ("llama".into(), "lora".into())
+    );
+    let b = f.tensor("blk.1.attn_k.weight.lora_b").unwrap();
+    assert_eq!(b.shape(), [8, 2]);
+    assert_eq!(f.header.tensors.len(), 2 * 4 * 2);
+    let Some(python) = venv_python() else {
+        println!("SKIPPED: llama.cpp's --lora check needs /work/venv (NANOGPT_VENV_PYTHON)");
+        return;
+    };
+    let ids: Vec<u32> = (0..12u32).map(|i| (i * 29 + 3) % 97).collect();
+    let out = root.join("with-lora.safetensors");
+    let run = std::process::Command::new(&python)
+        .arg(common::fixture("../../scripts/reference/gguf_readers.py"))
+        .arg(root.join("base.gguf"))
+        .arg(
+            ids.iter()
+                .map(|i| i.to_string())
+                .collect::<Vec<_>>()
+                .join(","),
+        )
+        .arg(&out)
+        .arg("--lora")
+        .arg(root.join("adapter.gguf"))
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let bytes = std::fs::read(&out).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let with_lora: Vec<f32> = st
+        .tensor("llama_cpp")
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let merged = other_readers(&python, &root.join("lora.gguf"), &ids);
+    let base_only = other_readers(&python, &root.join("base.gguf"), &ids);
+    let rel = relative_error(&with_lora, &merged["llama_cpp"]);
+    let moved = relative_error(&base_only["llama_cpp"], &merged["llama_cpp"]);
+    println!(
+        "llama.cpp: base.gguf + adapter.gguf within {rel:.1e} of the merged lora.gguf; the \
+         adapters move the logits by {moved:.1e}"
+    );
+    assert!(rel <= 1e-5, "{rel}");
+    assert!(moved > 1e-3, "{moved}");
 }

@@ -87,12 +87,12 @@ pub fn run(args: ExportArgs) -> Result<()> {
 /// `--adapter-only`: a LoRA run's adapters as a PEFT adapter directory, or as a
 /// GGUF adapter file for llama.cpp's `--lora`.
 fn export_adapter(args: &ExportArgs) -> Result<()> {
-    let (state, _, layout, weights) = load_adapters(&args.from)?;
+    let (state, model, layout, weights) = load_adapters(&args.from)?;
     if is_gguf_path(&args.to) {
         let outtype = args.outtype.unwrap_or(OutType::F16);
         let name = format!("{} LoRA", gguf_name(args));
         let out = crate::gguf::adapter::write_adapter(
-            &args.to, &state, &layout, &weights, outtype, &name,
+            &args.to, &model, &state, &layout, &weights, outtype, &name,
         )?;
         crate::outln!(
             "exported the LoRA adapters of {} (rank {}, alpha {}, on {}) to {} ({outtype}, {:.1} MB)",

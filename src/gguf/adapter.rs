@@ -4,7 +4,12 @@
 //! each adapted weight `W` (`blk.N.attn_qkv.weight`, ...) the tensors
 //! `W.lora_a` (PyTorch `[r, in]`) and `W.lora_b` (`[out, r]`), PEFT's shapes.
 //! llama.cpp adds `alpha / r · B·A·x` to the layer's output, as nanogpt's LoRA does.
+//! For a `llama` base (Llama, Mistral) the rows of q's and k's `B` are reordered as the
+//! base's q and k rows are ([`super::llama`]): `B·A` is then the update of the
+//! weight as the base file holds it. Adapter files of the Llama families are written
+//! here, read for GPT-2 bases only.
 
+use super::llama;
 use super::model::PRODUCER_KEY;
 use super::model::{check_destination, gguf_name, storage_type, Exported, OutType, GPT2};
 use super::read::GgufFile;
@@ -29,26 +34,38 @@ pub fn gguf_adapter_name(name: &str) -> Option<String> {
     ))
 }
 
+/// The GGUF name of a Llama adapter arena tensor
+/// (`model.layers.0.self_attn.q_proj.lora_A.weight` → `blk.0.attn_q.weight.lora_a`).
+fn llama_adapter_name(name: &str) -> Option<String> {
+    let (module, kind) = match name.strip_suffix(".lora_A.weight") {
+        Some(m) => (m, "lora_a"),
+        None => (name.strip_suffix(".lora_B.weight")?, "lora_b"),
+    };
+    Some(format!(
+        "{}.{kind}",
+        llama::gguf_name(&format!("{module}.weight"))?
+    ))
+}
+
 /// Writes the adapters `weights` (laid out by `layout`) of a LoRA run with `state`
-/// to the GGUF adapter file `dest`, atomically.
+/// on a base of `model`'s architecture to the GGUF adapter file `dest`, atomically.
 pub fn write_adapter(
     dest: &Path,
+    model: &ModelConfig,
     state: &LoraState,
     layout: &LoraLayout,
     weights: &[f32],
     outtype: OutType,
     name: &str,
 ) -> Result<Exported> {
-    if !layout.fan_in_fan_out {
-        bail!(
-            "GGUF adapters are written for GPT-2 bases only; export this model's adapters as a \
-             PEFT folder (--to DIR) and convert it with llama.cpp's convert_lora_to_gguf.py"
-        );
-    }
     check_destination(dest)?;
+    let arch = model
+        .llama
+        .as_ref()
+        .map_or(GPT2, |l| llama::arch_name(l.model_type));
     let s = |v: &str| Value::String(v.into());
     let metadata = vec![
-        ("general.architecture".to_string(), s(GPT2)),
+        ("general.architecture".to_string(), s(arch)),
         ("general.type".to_string(), s("adapter")),
         ("general.name".to_string(), s(name)),
         (
@@ -66,15 +83,28 @@ pub fn write_adapter(
             Value::F32(state.config.alpha),
         ),
     ];
+    let file_name = |n: &str| match model.llama {
+        None => gguf_adapter_name(n),
+        Some(_) => llama_adapter_name(n),
+    };
     let mut specs = Vec::new();
     for t in &layout.params.tensors {
-        let name = gguf_adapter_name(&t.name).expect("adapter tensors have GGUF names");
+        let name = file_name(&t.name).expect("adapter tensors have GGUF names");
         let ty = storage_type(&name, &t.shape, outtype);
         specs.push(TensorSpec::new(name, &t.shape, ty));
     }
     let mut w = GgufWriter::create(dest, &metadata, specs)?;
     for t in &layout.params.tensors {
-        w.write_f32(&weights[t.range()])?;
+        let data = &weights[t.range()];
+        let base = t.name.replace(".lora_B.weight", ".weight");
+        let heads = match (&model.llama, t.name.ends_with(".lora_B.weight")) {
+            (Some(l), true) => llama::reordered_heads(&base, model, l),
+            _ => None,
+        };
+        match heads {
+            Some(heads) => w.write_f32(&llama::to_interleaved(data, heads, t.shape[1]))?,
+            None => w.write_f32(data)?,
+        }
     }
     w.finish()?;
     Ok(Exported {
