@@ -1,7 +1,7 @@
 //! The switches that exist for A/B measurements: each turns one optimisation off
 //! (or, for two, forces a choice the program otherwise makes itself), to measure
 //! what it saves or to test that it changes no bit. They are read from the
-//! environment once per process, with the other variables, in [`env`] ([`get`]),
+//! environment once per process, with the other variables, in [`env`](mod@env) ([`get`]),
 //! and printed at the start of `train` and `bench` when any is set
 //! ([`Tuning::changed`]). Users
 //! leave them unset; `bench/*.sh` and tests/mpi.rs set them. With several ranks,
