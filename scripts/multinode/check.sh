@@ -38,6 +38,8 @@ set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 BIN=$(realpath "${1:-target/release/nanogpt}")
+# Resolved here, before the script moves into its work folder.
+[ -z "${OTHER_BIN:-}" ] || OTHER_BIN=$(realpath "$OTHER_BIN")
 CLUSTER="$HERE/cluster.sh"
 export CLUSTER_PREFIX=${CLUSTER_PREFIX:-ngptchk} CLUSTER_TIMEOUT=${CLUSTER_TIMEOUT:-300}
 
@@ -378,7 +380,6 @@ stop stopped-launch INT launch
 # The other MPI's launcher, by hand (each of the two directions) and through launch:
 # every rank refuses before training, naming both MPIs; nothing trains alone.
 if [ -n "${OTHER_BIN:-}" ]; then
-    OTHER_BIN=$(realpath "$OTHER_BIN")
     say "the other MPI's launcher"
     case $FLAVOUR in
         openmpi) other=mpiexec.hydra mine="Open MPI" theirs="MPICH" ;;
