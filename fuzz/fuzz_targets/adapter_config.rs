@@ -31,6 +31,7 @@ fuzz_target!(|data: &[u8]| {
         n_embd: 48,
         bias: true,
         dropout: 0.0,
+        llama: None,
     };
     let Ok(adapter) = read_adapter(dir, &model) else {
         return;

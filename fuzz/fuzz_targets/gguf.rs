@@ -30,6 +30,7 @@ fuzz_target!(|data: &[u8]| {
         n_embd: 64,
         bias: true,
         dropout: 0.0,
+        llama: None,
     };
     let _ = adapter::read_adapter(&path, &base);
 });

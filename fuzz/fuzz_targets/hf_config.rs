@@ -1,16 +1,17 @@
-//! A Hugging Face GPT-2 `config.json`: parsed, checked, turned into the engine's
-//! model config (with and without a block_size crop).
+//! A Hugging Face `config.json` (GPT-2's or a Llama family's): read as `init_from=DIR`
+//! reads it, checked, turned into the engine's model config (with and without a
+//! block_size crop).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use nanogpt::hf::HfConfig;
-use std::path::Path;
 
 fuzz_target!(|data: &[u8]| {
-    let Ok(config) = HfConfig::parse(data) else {
+    let path = nanogpt_fuzz::scratch_file("config.json", data);
+    let path = path.as_path();
+    let Ok(config) = HfConfig::load(path) else {
         return;
     };
-    let path = Path::new("fuzz/config.json");
     if config.check(path).is_err() {
         return;
     }

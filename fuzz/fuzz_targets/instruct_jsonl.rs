@@ -31,12 +31,17 @@ fuzz_target!(|data: &[u8]| {
         return;
     }
     let gpt2 = Tokenizer::gpt2();
+    let no_variables = serde_json::Map::new();
     for example in source.examples() {
         let Ok((example, _)) = example else {
             break;
         };
         let (ids, mask) = example
-            .encode(&gpt2, instruct_eot(&gpt2).expect("GPT-2 has end-of-text"))
+            .encode(
+                &gpt2,
+                instruct_eot(&gpt2).expect("GPT-2 has end-of-text"),
+                &no_variables,
+            )
             .expect("GPT-2's byte-level BPE encodes any text");
         assert_eq!(ids.len(), mask.len(), "one mask byte per token");
         assert!(mask.iter().all(|&m| m <= 1));
@@ -45,7 +50,9 @@ fuzz_target!(|data: &[u8]| {
         let chars = Tokenizer::char_level(text.chars().chain([CHAR_EOT]));
         if let Ok(chars) = chars {
             let eot = instruct_eot(&chars).expect("U+0003 is in the vocabulary");
-            let (ids, mask) = example.encode(&chars, eot).expect("its own characters");
+            let (ids, mask) = example
+                .encode(&chars, eot, &no_variables)
+                .expect("its own characters");
             assert_eq!(ids.len(), mask.len());
         }
     }

@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use nanogpt::chat::ChatTemplate;
+use nanogpt::chat::ChatFormat;
 use nanogpt::data::Tokenizer;
 use nanogpt::serve::request::{chat_request, completion_request, Model};
 use std::sync::{Arc, OnceLock};
@@ -16,7 +16,7 @@ fuzz_target!(|data: &[u8]| {
         eot: Some(50256),
         vocab: 50257,
         block: 64,
-        template: ChatTemplate::Chat,
+        template: ChatFormat::Chat,
     });
     let Some((&kind, body)) = data.split_first() else {
         return;
@@ -26,8 +26,9 @@ fuzz_target!(|data: &[u8]| {
         _ => chat_request(model, body),
     };
     if let Ok(r) = request {
-        for p in &r.prompts {
-            assert!(!p.is_empty() && p.len() + r.max_tokens <= 64);
+        let job = &r.generation;
+        for p in &job.prompts {
+            assert!(!p.is_empty() && p.len() + job.max_tokens <= 64);
             assert!(p.iter().all(|&id| id < 50257));
         }
     }

@@ -1,11 +1,11 @@
 //! A `.bin` token file: opened and checked as training and `eval` do (length,
 //! vocabulary, block size), then batches and evaluation windows cut from it. The
-//! first 4 bytes choose the vocabulary size and block size.
+//! first 4 bytes choose the vocabulary size, block size, rows and the ids' width.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use nanogpt::data::{
-    batch_offsets, eval_window_count, eval_window_offsets, Draw, TokenFile,
+    batch_offsets, eval_window_count, eval_window_offsets, Draw, TokenDtype, TokenFile,
 };
 
 fuzz_target!(|data: &[u8]| {
@@ -15,8 +15,12 @@ fuzz_target!(|data: &[u8]| {
     let vocab = usize::from(u16::from_le_bytes([head[0], head[1]])) + 1;
     let block = usize::from(head[2]) + 1;
     let rows = usize::from(head[3] % 8) + 1;
+    let dtype = match head[3] & 0x80 {
+        0 => TokenDtype::Uint16,
+        _ => TokenDtype::Uint32,
+    };
     let path = nanogpt_fuzz::scratch_file("train.bin", tokens);
-    let Ok(file) = TokenFile::open(&path) else {
+    let Ok(file) = TokenFile::open(&path, dtype) else {
         return;
     };
     if file.check_vocab(vocab).is_err() || file.check_block_size(block).is_err() {
