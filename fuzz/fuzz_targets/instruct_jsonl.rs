@@ -36,13 +36,12 @@ fuzz_target!(|data: &[u8]| {
         let Ok((example, _)) = example else {
             break;
         };
-        let (ids, mask) = example
-            .encode(
-                &gpt2,
-                instruct_eot(&gpt2).expect("GPT-2 has end-of-text"),
-                &no_variables,
-            )
-            .expect("GPT-2's byte-level BPE encodes any text");
+        // An error (a role the built-in format has no turn for, say) is an answer;
+        // only a panic is a finding.
+        let eot = instruct_eot(&gpt2).expect("GPT-2 has end-of-text");
+        let Ok((ids, mask)) = example.encode(&gpt2, eot, &no_variables) else {
+            continue;
+        };
         assert_eq!(ids.len(), mask.len(), "one mask byte per token");
         assert!(mask.iter().all(|&m| m <= 1));
         // A char vocabulary of the example's own characters, with end-of-text.
@@ -50,10 +49,9 @@ fuzz_target!(|data: &[u8]| {
         let chars = Tokenizer::char_level(text.chars().chain([CHAR_EOT]));
         if let Ok(chars) = chars {
             let eot = instruct_eot(&chars).expect("U+0003 is in the vocabulary");
-            let (ids, mask) = example
-                .encode(&chars, eot, &no_variables)
-                .expect("its own characters");
-            assert_eq!(ids.len(), mask.len());
+            if let Ok((ids, mask)) = example.encode(&chars, eot, &no_variables) {
+                assert_eq!(ids.len(), mask.len());
+            }
         }
     }
 });

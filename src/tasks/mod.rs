@@ -281,6 +281,12 @@ fn split_pair(
     let moved = format!("{}{continuation}", &context[kept.len()..]);
     let whole = tokenizer.encode_prompt(&format!("{kept}{moved}"))?;
     let context = tokenizer.encode_prompt(kept)?;
+    if context.is_empty() {
+        // A context of whitespace only: the end-of-text token stands for it, as for
+        // an empty one, and the whitespace stays with the continuation (the harness
+        // would score the first continuation token with no context at all).
+        return empty_context_pair(tokenizer, &moved);
+    }
     let continuation = whole.get(context.len()..).unwrap_or_default().to_vec();
     Ok((context, continuation))
 }
@@ -428,6 +434,19 @@ mod tests {
         for bad in ["hellaswag", "mmlu:x.jsonl", "choice:", "x.jsonl"] {
             assert!(TaskSpec::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_context_of_whitespace_only_is_scored_after_end_of_text() {
+        // Found by the task_file fuzz target: " " encoded to no context tokens, and
+        // the scorer would have had no position to predict the first choice token.
+        let gpt2 = Tokenizer::gpt2();
+        let e = encode(&q(" ", &["Hello world."]), &gpt2, 50257).unwrap();
+        assert_eq!(e.context, [50256]);
+        let spaced = gpt2.encode_prompt("  Hello world.").unwrap();
+        assert_eq!(e.choices[0], spaced);
+        let empty = encode(&q("", &["Hello world."]), &gpt2, 50257).unwrap();
+        assert_eq!(empty.context, [50256]);
     }
 
     #[test]
