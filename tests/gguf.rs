@@ -367,62 +367,9 @@ fn rewrite_as_llama_quantize(src: &std::path::Path, dest: &std::path::Path) {
         .is_some());
 }
 
-/// The venv with llama-cpp-python, transformers and gguf (see HELPERS.md), or
-/// `None` (the test then says it is skipped).
-fn venv_python() -> Option<std::path::PathBuf> {
-    let named = nanogpt::tuning::env::get().venv_python.clone();
-    let python = named.unwrap_or_else(|| "/work/venv/bin/python".into());
-    let ok = std::process::Command::new(&python)
-        .args(["-c", "import llama_cpp, transformers, gguf"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    ok.then_some(python)
-}
-
-/// Logits of `model` by llama.cpp and transformers (scripts/reference/gguf_readers.py).
-fn other_readers(
-    python: &std::path::Path,
-    model: &std::path::Path,
-    ids: &[u32],
-    lora: Option<&std::path::Path>,
-) -> std::collections::HashMap<String, Vec<f32>> {
-    let out = model.with_extension("readers.safetensors");
-    let ids: Vec<String> = ids.iter().map(|i| i.to_string()).collect();
-    let mut cmd = std::process::Command::new(python);
-    cmd.arg(common::fixture("../../scripts/reference/gguf_readers.py"))
-        .arg(model)
-        .arg(ids.join(","))
-        .arg(&out);
-    if let Some(lora) = lora {
-        cmd.arg("--lora").arg(lora);
-    }
-    let run = cmd.output().unwrap();
-    assert!(
-        run.status.success(),
-        "gguf_readers.py failed: {}",
-        String::from_utf8_lossy(&run.stderr)
-    );
-    let bytes = std::fs::read(&out).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    st.tensors()
-        .into_iter()
-        .map(|(name, view)| {
-            let values = view
-                .data()
-                .chunks_exact(4)
-                .map(|c| match view.dtype() {
-                    safetensors::Dtype::I32 => i32::from_le_bytes(c.try_into().unwrap()) as f32,
-                    _ => f32::from_le_bytes(c.try_into().unwrap()),
-                })
-                .collect();
-            (name, values)
-        })
-        .collect()
-}
-
 #[test]
 fn llama_cpp_and_transformers_read_our_export_with_our_logits() {
-    let Some(python) = venv_python() else {
+    let Some(python) = common::venv_python() else {
         println!(
             "SKIPPED: no /work/venv with llama_cpp, transformers and gguf (NANOGPT_VENV_PYTHON)"
         );
@@ -436,7 +383,7 @@ fn llama_cpp_and_transformers_read_our_export_with_our_logits() {
     let want = ours.logits(&ids, 1, t);
     let path = dir.path().join("m.gguf");
     export(&model, OutType::F32, &path);
-    let got = other_readers(&python, &path, &ids, None);
+    let got = common::other_readers(&python, &path, &ids, None);
     assert_eq!(got["gguf_tensors"], [28.0]);
     let transformers = relative_error(&got["transformers"], &want);
     println!("f32 export read by transformers: logits within {transformers:.1e} of ours");
@@ -462,7 +409,7 @@ fn llama_cpp_and_transformers_read_our_export_with_our_logits() {
         .unwrap();
     let mut loaded = Gpt::from_params(config, params, 1, t).unwrap();
     let dequantized = loaded.logits(&ids, 1, t);
-    let got = other_readers(&python, &path, &ids, None);
+    let got = common::other_readers(&python, &path, &ids, None);
     let rel = relative_error(&got["transformers"], &dequantized);
     println!("q8_0 export read by transformers: logits within {rel:.1e} of ours read back");
     assert!(rel <= 1e-5, "{rel}");
@@ -569,19 +516,19 @@ fn lora_on_a_gguf_base_exports_an_adapter_llama_cpp_applies() {
         "the adapters changed nothing: {run} vs {plain}"
     );
 
-    let Some(python) = venv_python() else {
+    let Some(python) = common::venv_python() else {
         println!("SKIPPED: llama.cpp's --lora check needs /work/venv (NANOGPT_VENV_PYTHON)");
         return;
     };
     let ids: Vec<u32> = (0..16u32).map(|i| (i * 4099 + 5) % 50257).collect();
-    let with_lora = other_readers(
+    let with_lora = common::other_readers(
         &python,
         &d.join("base.gguf"),
         &ids,
         Some(&d.join("lora.gguf")),
     );
-    let merged = other_readers(&python, &d.join("merged.gguf"), &ids, None);
-    let base_only = other_readers(&python, &d.join("base.gguf"), &ids, None);
+    let merged = common::other_readers(&python, &d.join("merged.gguf"), &ids, None);
+    let base_only = common::other_readers(&python, &d.join("base.gguf"), &ids, None);
     let rel = relative_error(&with_lora["llama_cpp"], &merged["llama_cpp"]);
     let moved = relative_error(&base_only["llama_cpp"], &merged["llama_cpp"]);
     // Ours, for the merged model: llama.cpp with the adapter against it, through

@@ -11,7 +11,6 @@ use nanogpt::gguf::{GgufFile, Value};
 use nanogpt::hf::Pretrained;
 use nanogpt::model::{Gpt, ModelConfig};
 use serde_json::json;
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 /// (fixture, GGUF architecture, pre-tokenizer taken from, llama.cpp's name for it).
@@ -109,52 +108,6 @@ fn logits(cfg: &ModelConfig, params: Vec<f32>, ids: &[u32]) -> Vec<f32> {
     gpt.logits(ids, 1, t)
 }
 
-/// The venv with llama-cpp-python, transformers and gguf, or `None`.
-fn venv_python() -> Option<PathBuf> {
-    let python = PathBuf::from(
-        std::env::var("NANOGPT_VENV_PYTHON").unwrap_or_else(|_| "/work/venv/bin/python".into()),
-    );
-    let ok = std::process::Command::new(&python)
-        .args(["-c", "import llama_cpp, transformers, gguf"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    ok.then_some(python)
-}
-
-/// Logits of `model` by llama.cpp and transformers (scripts/reference/gguf_readers.py).
-fn other_readers(python: &Path, model: &Path, ids: &[u32]) -> HashMap<String, Vec<f32>> {
-    let out = model.with_extension("readers.safetensors");
-    let ids: Vec<String> = ids.iter().map(|i| i.to_string()).collect();
-    let run = std::process::Command::new(python)
-        .arg(common::fixture("../../scripts/reference/gguf_readers.py"))
-        .arg(model)
-        .arg(ids.join(","))
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert!(
-        run.status.success(),
-        "gguf_readers.py failed: {}",
-        String::from_utf8_lossy(&run.stderr)
-    );
-    let bytes = std::fs::read(&out).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    st.tensors()
-        .into_iter()
-        .map(|(name, view)| {
-            let values = view
-                .data()
-                .chunks_exact(4)
-                .map(|c| match view.dtype() {
-                    safetensors::Dtype::I32 => i32::from_le_bytes(c.try_into().unwrap()) as f32,
-                    _ => f32::from_le_bytes(c.try_into().unwrap()),
-                })
-                .collect();
-            (name, values)
-        })
-        .collect()
-}
-
 /// The metadata and tensors llama.cpp's converter writes for each family.
 fn check_file(f: &GgufFile, name: &str, arch: &str, pre: &str, cfg: &ModelConfig) {
     let l = cfg.llama.as_ref().unwrap();
@@ -227,7 +180,7 @@ fn check_file(f: &GgufFile, name: &str, arch: &str, pre: &str, cfg: &ModelConfig
 #[test]
 fn every_llama_family_exports_to_gguf_and_reads_back_the_same() {
     let d = common::temp_dir("gguf-llama");
-    let python = venv_python();
+    let python = common::venv_python();
     if python.is_none() {
         println!(
             "SKIPPED the transformers and llama.cpp checks: no /work/venv (NANOGPT_VENV_PYTHON)"
@@ -273,7 +226,7 @@ fn every_llama_family_exports_to_gguf_and_reads_back_the_same() {
 
         let ours = logits(&cfg, params, &ids);
         let Some(python) = &python else { continue };
-        let got = other_readers(python, &dest, &ids);
+        let got = common::other_readers(python, &dest, &ids, None);
         let transformers = relative_error(&got["transformers"], &ours);
         let llama_cpp = relative_error(&got["llama_cpp"], &ours);
         let greedy = argmax_rows(&ours, 97);
@@ -586,7 +539,7 @@ fn train_and_lora_from_a_llama_gguf_and_export_back() {
     let b = f.tensor("blk.1.attn_k.weight.lora_b").unwrap();
     assert_eq!(b.shape(), [8, 2]);
     assert_eq!(f.header.tensors.len(), 2 * 4 * 2);
-    let Some(python) = venv_python() else {
+    let Some(python) = common::venv_python() else {
         println!("SKIPPED: llama.cpp's --lora check needs /work/venv (NANOGPT_VENV_PYTHON)");
         return;
     };
@@ -620,8 +573,8 @@ fn train_and_lora_from_a_llama_gguf_and_export_back() {
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
         .collect();
-    let merged = other_readers(&python, &root.join("lora.gguf"), &ids);
-    let base_only = other_readers(&python, &root.join("base.gguf"), &ids);
+    let merged = common::other_readers(&python, &root.join("lora.gguf"), &ids, None);
+    let base_only = common::other_readers(&python, &root.join("base.gguf"), &ids, None);
     let rel = relative_error(&with_lora, &merged["llama_cpp"]);
     let moved = relative_error(&base_only["llama_cpp"], &merged["llama_cpp"]);
     println!(

@@ -203,3 +203,55 @@ pub fn task_rows(run: &Path) -> Vec<serde_json::Value> {
         .filter(|row| row.get("task").is_some())
         .collect()
 }
+
+/// The venv with llama-cpp-python, transformers and gguf or `None` (the test then says it is skipped).
+pub fn venv_python() -> Option<std::path::PathBuf> {
+    let named = nanogpt::tuning::env::get().venv_python.clone();
+    let python = named.unwrap_or_else(|| "/work/venv/bin/python".into());
+    let ok = std::process::Command::new(&python)
+        .args(["-c", "import llama_cpp, transformers, gguf"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    ok.then_some(python)
+}
+
+/// Logits of `model` by llama.cpp and transformers (scripts/reference/gguf_readers.py).
+pub fn other_readers(
+    python: &std::path::Path,
+    model: &std::path::Path,
+    ids: &[u32],
+    lora: Option<&std::path::Path>,
+) -> std::collections::HashMap<String, Vec<f32>> {
+    let out = model.with_extension("readers.safetensors");
+    let ids: Vec<String> = ids.iter().map(|i| i.to_string()).collect();
+    let mut cmd = std::process::Command::new(python);
+    cmd.arg(fixture("../../scripts/reference/gguf_readers.py"))
+        .arg(model)
+        .arg(ids.join(","))
+        .arg(&out);
+    if let Some(lora) = lora {
+        cmd.arg("--lora").arg(lora);
+    }
+    let run = cmd.output().unwrap();
+    assert!(
+        run.status.success(),
+        "gguf_readers.py failed: {}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let bytes = std::fs::read(&out).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let values = view
+                .data()
+                .chunks_exact(4)
+                .map(|c| match view.dtype() {
+                    safetensors::Dtype::I32 => i32::from_le_bytes(c.try_into().unwrap()) as f32,
+                    _ => f32::from_le_bytes(c.try_into().unwrap()),
+                })
+                .collect();
+            (name, values)
+        })
+        .collect()
+}
