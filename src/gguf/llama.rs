@@ -259,16 +259,7 @@ pub fn read_config(file: &GgufFile, arch: &str, t: LlamaType) -> Result<ModelCon
     if t == LlamaType::Qwen2 && !qkv_bias {
         bail!("{p} is a qwen2 model without blk.0.attn_q.bias: Qwen2 has biases on q, k and v");
     }
-    let embd = file
-        .tensor("token_embd.weight")
-        .with_context(|| format!("{p} has no token_embd.weight"))?;
-    let vocab_size = match embd.dims.as_slice() {
-        [c, v] if *c as usize == n_embd => *v as usize,
-        dims => bail!(
-            "{p}: token_embd.weight has dimensions {dims:?}, but {} is {n_embd}",
-            key("embedding_length")
-        ),
-    };
+    let vocab_size = file.embedding_vocab(n_embd, &key("embedding_length"))?;
     let llama = LlamaConfig {
         model_type: t,
         n_kv_head,

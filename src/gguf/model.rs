@@ -530,15 +530,7 @@ impl GgufModel {
                  {want:e}"
             );
         }
-        let embd = file
-            .tensor("token_embd.weight")
-            .with_context(|| format!("{p} has no token_embd.weight"))?;
-        let vocab_size = match embd.dims.as_slice() {
-            [c, v] if *c as usize == n_embd => *v as usize,
-            dims => bail!(
-                "{p}: token_embd.weight has dimensions {dims:?}, but gpt2.embedding_length is {n_embd}"
-            ),
-        };
+        let vocab_size = file.embedding_vocab(n_embd, "gpt2.embedding_length")?;
         let config = ModelConfig {
             vocab_size,
             block_size,

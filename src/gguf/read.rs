@@ -369,6 +369,22 @@ impl GgufFile {
         self.header.tensor(name)
     }
 
+    /// The vocabulary size a model file holds: `token_embd.weight`'s second
+    /// dimension, its first checked against the embedding length `n_embd` that the
+    /// metadata key `width_key` gave.
+    pub fn embedding_vocab(&self, n_embd: usize, width_key: &str) -> Result<usize> {
+        let p = self.path.display();
+        let embd = self
+            .tensor("token_embd.weight")
+            .with_context(|| format!("{p} has no token_embd.weight"))?;
+        match embd.dims.as_slice() {
+            [c, v] if *c as usize == n_embd => Ok(*v as usize),
+            dims => {
+                bail!("{p}: token_embd.weight has dimensions {dims:?}, but {width_key} is {n_embd}")
+            }
+        }
+    }
+
     /// The stored bytes of `t` (checked to lie inside the file when it was opened);
     /// `None` for a type this version does not know.
     pub fn tensor_bytes(&self, t: &TensorInfo) -> Option<&[u8]> {
