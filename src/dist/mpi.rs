@@ -132,13 +132,10 @@ impl Mpi {
         checkin.up();
         *UNIVERSE.lock().unwrap_or_else(|e| e.into_inner()) = Some(universe);
         let who = format!("rank {rank} of {size} (host {host})");
+        // Every rank says the whole reason: a launcher that ends the job when the
+        // first process fails (Open MPI's) may kill rank 0 before it prints.
         if let Some(why) = other_builds(&hosts, &builds) {
-            match rank {
-                0 => bail!("{who}: refusing to start: {why}"),
-                _ => {
-                    bail!("{who}: refusing to start: another build than rank 0's (see its message)")
-                }
-            }
+            bail!("{who}: refusing to start: {why}");
         }
         if size > 1 {
             let invitation = super::wire::Invitation::decode(&invitation);
