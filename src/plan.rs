@@ -439,9 +439,12 @@ pub fn model_of(cfg: &TrainConfig) -> Result<ModelConfig> {
                 dropout: cfg.dropout,
                 ..preset
             }),
-            None => {
-                crate::hf::Pretrained::open(&name)?.model_config(Some(cfg.block_size), cfg.dropout)
-            }
+            // A model directory's config.json (or the file itself) is enough to plan.
+            None => match crate::hf::local_architecture(&name, cfg.block_size, cfg.dropout) {
+                Some(arch) => arch,
+                None => crate::hf::Pretrained::open(&name)?
+                    .model_config(Some(cfg.block_size), cfg.dropout),
+            },
         },
     }
 }

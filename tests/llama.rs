@@ -438,3 +438,48 @@ fn smollm2_135m_instruct_matches_transformers() {
     let want: Vec<u32> = greedy.iter().map(|&i| i as u32).collect();
     assert_eq!(out, want, "greedy tokens");
 }
+
+/// `plan` needs only the architecture: a folder holding just `config.json` (or the
+/// file itself) is planned as the whole model folder is, before any download of
+/// weights; `bench --model` reads the same files.
+#[test]
+fn plan_reads_the_architecture_from_config_json_alone() {
+    let d = common::temp_dir("llama-plan");
+    let root = d.path();
+    let fixture = dir().join("llama_gqa");
+    std::fs::create_dir(root.join("only-config")).unwrap();
+    std::fs::copy(
+        fixture.join("config.json"),
+        root.join("only-config/config.json"),
+    )
+    .unwrap();
+    let plan = |init: PathBuf| -> serde_json::Value {
+        let init = format!("init_from={}", init.display());
+        let args = ["plan", "--json", &init, "block_size=16", "batch_size=2"];
+        // A fixed limit: MemAvailable moves between runs.
+        let mut cmd = common::command(root, args);
+        let (stdout, _) = common::succeeds(cmd.env("NANOGPT_MEMORY_LIMIT_MB", "1000"));
+        serde_json::from_str(stdout.trim()).expect("one JSON object")
+    };
+    let whole = plan(fixture.clone());
+    let part = |p: &serde_json::Value, name: &str| {
+        let parts = p["ranks"][0]["parts"].as_array().unwrap();
+        let w = parts.iter().find(|q| q["name"] == name).unwrap();
+        w["bytes"].as_u64().unwrap()
+    };
+    // The parameters (within the layout's alignment) and their Adam moments.
+    let (config, _) = load("llama_gqa", 16);
+    let weights = part(&whole, "weights");
+    let params = 4 * config.num_params() as u64;
+    assert!(
+        weights >= params && weights < params + params / 10,
+        "{whole}"
+    );
+    assert_eq!(part(&whole, "optimizer moments"), 2 * weights);
+    assert_eq!(plan(root.join("only-config")), whole);
+    assert_eq!(plan(root.join("only-config/config.json")), whole);
+    // Without config.json the folder is still refused, naming what is missing.
+    std::fs::create_dir(root.join("empty")).unwrap();
+    let err = common::fails(root, &["plan", "init_from=empty"]);
+    assert!(err.contains("empty"), "{err}");
+}

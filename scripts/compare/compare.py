@@ -26,6 +26,14 @@ Configurations (2 threads unless --threads):
     gpt2-1024-bf16 GPT-2 124M, B=4, T=1024, bf16 vs torch autocast
     medium-1024-bf16  gpt2-medium (24 layers, 16 heads, 1024 wide), B=1, T=1024, bf16
                    vs torch autocast
+    smollm2-512    SmolLM2-135M's architecture (scripts/compare/models), B=4, T=512,
+                   fp32, vs transformers' LlamaForCausalLM (scripts/compare/torch_hf.py)
+    smollm2-512-compile  the same, torch.compile + fused AdamW
+    smollm2-512-bf16     the same in bf16 vs torch autocast
+    smollm2-512-bf16-compile  bf16 vs autocast + torch.compile + fused AdamW
+    qwen05-lora-bf16  Qwen2.5-0.5B's architecture, B=4, T=512, LoRA rank 16 (alpha 32)
+                   on every linear of the blocks, bf16, vs PEFT with the base in bf16
+                   under autocast
 
 Sampling configurations (`nanogpt bench --sample` vs scripts/compare/torch_generate.py,
 transformers' GPT2LMHeadModel.generate; both greedy with a KV cache, random GPT-2 124M
@@ -53,6 +61,14 @@ ROOT = HERE.parent.parent
 GPT2 = {"n_layer": 12, "n_head": 12, "n_embd": 768, "vocab_size": 50304}
 MEDIUM = {"n_layer": 24, "n_head": 16, "n_embd": 1024, "vocab_size": 50304}
 QUICK = {"n_layer": 4, "n_head": 4, "n_embd": 128, "vocab_size": 65}
+# Hugging Face configs (the published architectures, random weights on both sides):
+# nanogpt bench --model CONFIG vs scripts/compare/torch_hf.py --config CONFIG.
+SMOLLM2 = str(HERE / "models" / "smollm2-135m.json")
+QWEN05 = str(HERE / "models" / "qwen2.5-0.5b.json")
+COMPILED = ["--compile", "--fused", "--warmup", "3"]
+LORA16 = ["lora_rank=16", "lora_alpha=32",
+          "lora_targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"]
+BF16 = ["--dtype", "bfloat16"]
 
 # name -> (architecture, B, T, extra nanogpt args, extra torch args)
 CONFIGS = {
@@ -66,6 +82,12 @@ CONFIGS = {
                               ["--bf16", "--compile", "--fused", "--warmup", "3"]),
     "gpt2-1024-bf16": (GPT2, 4, 1024, ["--dtype", "bfloat16"], ["--bf16"]),
     "medium-1024-bf16": (MEDIUM, 1, 1024, ["--dtype", "bfloat16"], ["--bf16"]),
+    "smollm2-512": (SMOLLM2, 4, 512, [], []),
+    "smollm2-512-compile": (SMOLLM2, 4, 512, [], COMPILED),
+    "smollm2-512-bf16": (SMOLLM2, 4, 512, BF16, ["--bf16"]),
+    "smollm2-512-bf16-compile": (SMOLLM2, 4, 512, BF16, ["--bf16", *COMPILED]),
+    "qwen05-lora-bf16": (QWEN05, 4, 512, [*BF16, *LORA16],
+                         ["--bf16", "--lora-rank", "16", "--bf16-base"]),
 }
 
 # name -> (prompt tokens, extra nanogpt args, extra torch_generate.py args)
@@ -95,13 +117,20 @@ def run_json(cmd, env=None):
 
 
 def nanogpt_cmd(a, arch, b, t, extra):
-    overrides = [f"{k}={v}" for k, v in arch.items()]
+    if isinstance(arch, str):
+        overrides = ["--model", arch]
+    else:
+        overrides = [f"{k}={v}" for k, v in arch.items()]
     return [a.nanogpt, "bench", *overrides, "--batch-size", str(b), "--block-size", str(t),
             "--steps", str(a.steps), "--threads", str(a.threads), "--json",
             *(["--peak-gflops", str(a.peak_gflops)] if a.peak_gflops else []), *extra]
 
 
 def torch_cmd(a, py, arch, b, t, extra):
+    if isinstance(arch, str):
+        return [py, str(HERE / "torch_hf.py"), "--config", arch, "--batch-size", str(b),
+                "--block-size", str(t), "--steps", str(a.steps), "--threads", str(a.threads),
+                "--json", *extra]
     return [py, str(HERE / "torch_gpt2.py"), "--n-layer", str(arch["n_layer"]),
             "--n-head", str(arch["n_head"]), "--n-embd", str(arch["n_embd"]),
             "--vocab-size", str(arch["vocab_size"]), "--batch-size", str(b),

@@ -153,7 +153,7 @@ def main():
                     print(f"{task} doc {a['doc_id']}: hf {ra!r}, serve {rb!r}")
             else:
                 for x, y in zip(ra, rb):
-                    if float(x[0]) - float(y[0]) > 1e-3 or x[1] != y[1]:
+                    if abs(float(x[0]) - float(y[0])) > 1e-3 or x[1] != y[1]:
                         print(f"{task} doc {a['doc_id']}: hf {x}, serve {y}")
     print(f"largest metric difference {worst:.2e}; lm_eval took {hf[2]:.0f} s on hf, {srv[2]:.0f} s on serve")
     sys.exit(1 if failed else 0)

@@ -79,20 +79,12 @@ fn architecture(model: &str, block_size: usize) -> anyhow::Result<ModelConfig> {
     if let Some(preset) = ModelConfig::preset(model) {
         return Ok(preset);
     }
-    let path = std::path::Path::new(model);
-    let file = match path.is_dir() {
-        true => path.join("config.json"),
-        false => path.to_path_buf(),
-    };
-    if !file.is_file() {
+    crate::hf::local_architecture(model, block_size, 0.0).unwrap_or_else(|| {
         bail!(
             "--model {model}: not a preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl), nor a \
              Hugging Face model directory or config.json"
-        );
-    }
-    let hf = crate::hf::HfConfig::load(&file)?;
-    hf.check(&file)?;
-    hf.model_config(Some(block_size), 0.0, &file)
+        )
+    })
 }
 
 fn model_config(args: &BenchArgs) -> anyhow::Result<ModelConfig> {

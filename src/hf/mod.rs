@@ -1,4 +1,4 @@
-//! Hugging Face GPT-2 models in and out: pretrained weights for fine-tuning,
+//! Hugging Face models (GPT-2 and the Llama families) in and out: pretrained weights for fine-tuning,
 //! evaluation and sampling, and export of a trained model back to a model directory
 //! that `transformers` (and the tools built on its format) opens unchanged.
 //!
@@ -38,6 +38,28 @@ use crate::model::{ModelConfig, ParamLayout};
 use anyhow::Result;
 use std::path::{Path, PathBuf};
 use weights::WeightFiles;
+
+/// The architecture of a local `config.json`, named directly or as its model
+/// directory, with `block_size` positions; None when `spec` is neither (a preset, a
+/// Hub id, a weights file). For what needs only the shapes (`plan`, `bench`): no
+/// weights are read, so a model can be planned before it is downloaded.
+pub fn local_architecture(
+    spec: &str,
+    block_size: usize,
+    dropout: f32,
+) -> Option<Result<ModelConfig>> {
+    let path = Path::new(spec);
+    let file = match path.is_dir() {
+        true => path.join("config.json"),
+        false => path.to_path_buf(),
+    };
+    let is_json = file.extension().is_some_and(|e| e == "json");
+    (is_json && file.is_file()).then(|| {
+        let hf = HfConfig::load(&file)?;
+        hf.check(&file)?;
+        hf.model_config(Some(block_size), dropout, &file)
+    })
+}
 
 /// A pretrained GPT-2 found and opened: its config read and checked, its weight
 /// files indexed (tensors are read by [`Pretrained::load_params`]).
