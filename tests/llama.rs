@@ -483,3 +483,73 @@ fn plan_reads_the_architecture_from_config_json_alone() {
     let err = common::fails(root, &["plan", "init_from=empty"]);
     assert!(err.contains("empty"), "{err}");
 }
+
+/// A tokenizer may list more tokens than the model has embeddings (transformers'
+/// conversion of SmolLM2's GGUF adds five infill tokens past its 49,152; Llama 3.2's
+/// vision tokenizer has `<|image|>` past 128,256): such data trains when every id it
+/// holds has an embedding, with a note, and is refused naming the first id that has
+/// none.
+#[test]
+fn a_tokenizer_longer_than_the_embeddings_trains_when_the_ids_fit() {
+    let d = common::temp_dir("llama-vocab");
+    let root = d.path();
+    // 30 distinct characters, then a text with 110 (the fixture has 97 embeddings).
+    let few = "abcdefghijklmnopqrstuvwxyz .,\n".repeat(60);
+    let many: String = (' '..='~').chain('¡'..='°').collect();
+    std::fs::write(root.join("few.txt"), &few).unwrap();
+    std::fs::write(root.join("many.txt"), many.repeat(20)).unwrap();
+    for name in ["few", "many"] {
+        let src = format!("{name}.txt");
+        let prep = ["prepare", &src, "--out", name, "--tokenizer", "char"];
+        common::ok(root, &[&prep[..], &["--val-fraction", "0.2"]].concat());
+    }
+    // `few` as a longer tokenizer would list it: 90 more characters after its own.
+    let meta_path = root.join("few/meta.json");
+    let mut meta = common::read_json(&meta_path);
+    let extra: String = ('Ā'..='ſ').take(90).collect();
+    let chars = format!("{}{extra}", meta["chars"].as_str().unwrap());
+    meta["vocab_size"] = chars.chars().count().into();
+    meta["chars"] = chars.into();
+    std::fs::write(&meta_path, meta.to_string()).unwrap();
+
+    let init = format!("init_from={}", dir().join("llama_gqa").display());
+    let train = |data: &str| {
+        let dataset = format!("dataset={data}");
+        let out_dir = format!("out_dir=out-{data}");
+        let args = [
+            "train",
+            &init,
+            &dataset,
+            &out_dir,
+            "block_size=12",
+            "batch_size=2",
+            "max_iters=2",
+            "eval_interval=2",
+            "eval_iters=1",
+        ];
+        common::run(&mut common::command(root, args))
+    };
+    let out = train("few");
+    let stderr = common::text(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("was tokenized with 120 tokens, more than the 97 embeddings"),
+        "{stderr}"
+    );
+    let losses = common::metric(&root.join("out-few"), "train_loss");
+    assert!(
+        !losses.is_empty() && losses.iter().all(|(_, l)| l.is_finite()),
+        "{losses:?}"
+    );
+
+    let err = common::refused(&train("many"));
+    assert!(
+        err.contains("has 97 token embeddings") && err.contains("holds token id 9"),
+        "{err}"
+    );
+    assert!(err.contains("--tokenizer"), "{err}");
+    assert!(
+        !root.join("out-many/metrics.jsonl").exists(),
+        "refused before training"
+    );
+}

@@ -181,6 +181,20 @@ impl TokenFile {
     /// Checks, chunk by chunk (in parallel within one), that every token id is below
     /// `vocab_size`; windows read later are checked against it too.
     pub fn check_vocab(&self, vocab_size: usize) -> Result<()> {
+        if let Some((position, id)) = self.first_outside(vocab_size)? {
+            bail!(
+                "{} has token id {id} at position {position}, outside the vocabulary of \
+                 {vocab_size} from meta.json: the files do not belong together; prepare \
+                 the dataset again",
+                self.path.display()
+            );
+        }
+        self.vocab.store(vocab_size, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The position and id of the first token id at or above `vocab_size`, if any.
+    pub fn first_outside(&self, vocab_size: usize) -> Result<Option<(usize, u32)>> {
         const PIECE: usize = 1 << 16;
         let mut chunk = vec![0u32; READ_CHUNK.min(self.len())];
         for start in (0..self.len()).step_by(READ_CHUNK) {
@@ -193,17 +207,11 @@ impl TokenFile {
                     let i = piece.iter().position(|&t| t as usize >= vocab_size)?;
                     Some((start + c * PIECE + i, piece[i]))
                 });
-            if let Some((position, id)) = bad {
-                bail!(
-                    "{} has token id {id} at position {position}, outside the vocabulary of \
-                     {vocab_size} from meta.json: the files do not belong together; prepare \
-                     the dataset again",
-                    self.path.display()
-                );
+            if bad.is_some() {
+                return Ok(bad);
             }
         }
-        self.vocab.store(vocab_size, Ordering::Relaxed);
-        Ok(())
+        Ok(None)
     }
 
     /// Reads the windows starting at `offsets` (each `block_size + 1` tokens, through

@@ -401,7 +401,7 @@ impl TrainState {
         let (model, base) = match cfg.init() {
             InitFrom::Scratch => (new_model(cfg, meta)?, "scratch".to_string()),
             InitFrom::Resume => return resume(cfg, data, adam_cfg, backend),
-            InitFrom::Pretrained(name) => (load_pretrained(cfg, meta, &name)?, name),
+            InitFrom::Pretrained(name) => (load_pretrained(cfg, data, &name)?, name),
         };
         note_unused_lora_keys(cfg);
         // LoRA: the loaded model becomes the frozen base of new adapters, or of a
@@ -728,8 +728,10 @@ fn note_other_data(path: &Path, now: &DatasetRecord, state: &CheckpointState) {
 
 /// The pretrained model `name` (see [`crate::hf`]) for fine-tuning: its architecture
 /// wins over the config's, `block_size` crops the position table, `dropout`
-/// applies. The dataset must be GPT-2 tokens.
-fn load_pretrained(cfg: &TrainConfig, meta: &Meta, name: &str) -> Result<Gpt> {
+/// applies. The dataset must be GPT-2 tokens for a GPT-2, and ids within the
+/// model's embeddings for the Llama families.
+fn load_pretrained(cfg: &TrainConfig, data: &Dataset, name: &str) -> Result<Gpt> {
+    let meta = &data.meta;
     let pretrained = crate::hf::Pretrained::open(name)
         .with_context(|| format!("init_from={name}: cannot load the pretrained model"))?;
     if let Some(gguf) = pretrained.gguf() {
@@ -738,15 +740,7 @@ fn load_pretrained(cfg: &TrainConfig, meta: &Meta, name: &str) -> Result<Gpt> {
     }
     let model_cfg = pretrained.model_config(Some(cfg.block_size), cfg.dropout)?;
     if model_cfg.llama.is_some() && meta.vocab_size > model_cfg.vocab_size {
-        bail!(
-            "init_from={name} has a vocabulary of {} tokens, but dataset {} holds {} tokens \
-             (vocabulary {}); prepare the text with the model's own tokenizer: `nanogpt prepare \
-             SOURCE --out DIR --tokenizer {name}`, then dataset=DIR",
-            model_cfg.vocab_size,
-            cfg.dataset,
-            meta.tokenizer,
-            meta.vocab_size
-        );
+        check_ids_fit(cfg, data, name, model_cfg.vocab_size)?;
     }
     let gpt2 = model_cfg.llama.is_none();
     if gpt2
@@ -767,6 +761,34 @@ fn load_pretrained(cfg: &TrainConfig, meta: &Meta, name: &str) -> Result<Gpt> {
     let mut model = Gpt::new(model_cfg.clone(), b, t)?;
     pretrained.load_params(&model.layout, &model_cfg, &mut model.params)?;
     Ok(model)
+}
+
+/// A tokenizer may list more tokens than its model has embeddings (the added tokens
+/// of a tokenizer converted from GGUF, or a multimodal model's): what must fit are the
+/// ids the dataset holds. Refuses the first id past the model's `rows`, or notes that
+/// all fit; windows read later are checked against `rows`.
+fn check_ids_fit(cfg: &TrainConfig, data: &Dataset, name: &str, rows: usize) -> Result<()> {
+    for file in [&data.train, &data.val] {
+        if let Some((position, id)) = file.first_outside(rows)? {
+            bail!(
+                "init_from={name} has {rows} token embeddings, but {} holds token id {id} at \
+                 position {position} (dataset {} was tokenized with {} tokens); prepare the \
+                 text with the model's own tokenizer: `nanogpt prepare SOURCE --out DIR \
+                 --tokenizer {name}`, then dataset=DIR",
+                file.path().display(),
+                cfg.dataset,
+                data.meta.vocab_size
+            );
+        }
+        file.check_vocab(rows)?;
+    }
+    crate::errln!(
+        "note: dataset {} was tokenized with {} tokens, more than the {rows} embeddings of \
+         init_from={name}; every id it holds is below {rows}, so it trains",
+        cfg.dataset,
+        data.meta.vocab_size
+    );
+    Ok(())
 }
 
 /// As in nanoGPT, the architecture of the model a run resumes or fine-tunes wins
