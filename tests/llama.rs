@@ -541,6 +541,15 @@ fn a_tokenizer_longer_than_the_embeddings_trains_when_the_ids_fit() {
         !losses.is_empty() && losses.iter().all(|(_, l)| l.is_finite()),
         "{losses:?}"
     );
+    // Its checkpoint samples; a prompt holding a token past the embeddings (Ń is id
+    // 30 + 67) is refused.
+    let sample = ["sample", "--out-dir", "out-few", "--max-new-tokens", "4"];
+    common::ok(root, &[&sample[..], &["--start", "to be"]].concat());
+    let err = common::fails(root, &[&sample[..], &["--start", "aŃ"]].concat());
+    assert!(
+        err.contains("beyond this model's vocabulary of 97"),
+        "{err}"
+    );
 
     let err = common::refused(&train("many"));
     assert!(

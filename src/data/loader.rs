@@ -276,9 +276,14 @@ impl TokenFile {
         ensure!(
             self.len() > block_size,
             "{} has {} tokens, too few for one window of block_size {block_size} (+1 \
-             target); use a smaller block_size or more data",
+             target); use a smaller block_size or more data{}",
             self.path.display(),
-            self.len()
+            self.len(),
+            match self.path.file_name().is_some_and(|n| n == "val.bin") {
+                // Many short documents (instruction data) leave 0.05 % for val.bin.
+                true => ", or prepare it again with a larger --val-fraction (e.g. 0.05)",
+                false => "",
+            }
         );
         Ok(())
     }
@@ -575,7 +580,12 @@ mod tests {
             err.contains("t.bin")
                 && err.contains("64 tokens")
                 && err.contains("smaller block_size")
+                && !err.contains("--val-fraction")
         );
+        // A short val.bin (many short documents at the default 0.05 %) names the fix.
+        let val = TokenFile::open(&write_tokens(&dir, "val.bin", &[1; 46]), U16).unwrap();
+        let err = val.check_block_size(512).unwrap_err().to_string();
+        assert!(err.contains("a larger --val-fraction"), "{err}");
         let err = batch_offsets(1, Draw::Train, 0, 2, 64, 64)
             .unwrap_err()
             .to_string();
