@@ -82,7 +82,7 @@ pub fn gelu_forward<const BF16: bool, X: Input>(out: &mut [f32], inp: &[X]) {
 }
 
 fn forward_with<const ROUND: bool, X: Input>(out: &mut [f32], inp: &[X]) {
-    let _t = crate::profile::scope(crate::profile::Section::Gelu);
+    let _t = crate::profile::scope(crate::profile::Section::Activation);
     assert_eq!(out.len(), inp.len());
     let avx2 = has_avx2_fma();
     out.par_chunks_mut(CHUNK)
@@ -106,7 +106,7 @@ pub fn gelu_backward<const BF16: bool, X: Input>(d: &mut [f32], inp: &[X]) {
 }
 
 fn backward_with<const ROUND: bool, X: Input>(d: &mut [f32], inp: &[X]) {
-    let _t = crate::profile::scope(crate::profile::Section::Gelu);
+    let _t = crate::profile::scope(crate::profile::Section::Activation);
     assert_eq!(d.len(), inp.len());
     let avx2 = has_avx2_fma();
     d.par_chunks_mut(CHUNK)

@@ -85,7 +85,7 @@ mod x86 {
 ///
 /// h: (N, I); gate_up: (N, 2I).
 pub fn swiglu_forward<const BF16: bool, X: Input>(h: &mut [f32], gate_up: &[X], i: usize) {
-    let _t = crate::profile::scope(crate::profile::Section::Gelu);
+    let _t = crate::profile::scope(crate::profile::Section::Activation);
     assert!(i > 0 && h.len().is_multiple_of(i) && gate_up.len() == 2 * h.len());
     let avx2 = has_avx2_fma();
     h.par_chunks_mut(ROWS * i)
@@ -110,7 +110,7 @@ pub fn swiglu_backward<const BF16: bool, X: Input>(
     gate_up: &[X],
     i: usize,
 ) {
-    let _t = crate::profile::scope(crate::profile::Section::Gelu);
+    let _t = crate::profile::scope(crate::profile::Section::Activation);
     assert!(i > 0 && dh.len().is_multiple_of(i));
     assert!(gate_up.len() == 2 * dh.len() && dgate_up.len() == gate_up.len());
     let avx2 = has_avx2_fma();
