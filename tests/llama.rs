@@ -8,6 +8,7 @@
 //! gradients transformers computes (float32, eager attention) and its greedy
 //! `generate`. Nothing here needs Python or the network.
 
+use nanogpt::hf::adapter::{read_adapter, write_adapter, PREFIX};
 use nanogpt::hf::Pretrained;
 use nanogpt::model::decode::Decoder;
 use nanogpt::model::{Dtype, Gpt, ModelConfig};
@@ -561,4 +562,204 @@ fn a_tokenizer_longer_than_the_embeddings_trains_when_the_ids_fit() {
         !root.join("out-many/metrics.jsonl").exists(),
         "refused before training"
     );
+}
+
+// ---------------------------------------------------------------------------------
+// PEFT adapters on a Llama base (tests/fixtures/llama/lora_gqa)
+
+/// The fixture's base (GQA 3:1, head_dim 6, untied) with `adapter`'s LoRA weights.
+fn adapted(adapter: &std::path::Path, b: usize, t: usize) -> Gpt {
+    let (cfg, params) = load("lora_gqa/base", t);
+    let peft = read_adapter(adapter, &cfg).unwrap_or_else(|e| panic!("{e:#}"));
+    assert!(!peft.partial && peft.notes.is_empty(), "{:?}", peft.notes);
+    let gpt = Gpt::from_params(cfg, params, b, t).unwrap();
+    let mut gpt = gpt.with_lora(peft.config.clone(), ("base", 0), 0);
+    gpt.params.copy_from_slice(&peft.weights);
+    gpt
+}
+
+/// PEFT's adapter on all seven projections of a Llama base with grouped-query
+/// attention, read by nanogpt: the logits and loss within 1e-5 of PEFT's, every
+/// adapter gradient within 1e-5 (relative to the tensor's largest); written back, it
+/// is PEFT's file (the same tensors, names, shapes and bytes) and settings.
+#[test]
+fn a_peft_adapter_on_llama_computes_what_peft_computes() {
+    let want = Expected::load("lora_gqa");
+    let (ids, shape) = want.i32s("ids");
+    let (targets, _) = want.i32s("targets");
+    let (b, t) = (shape[0], shape[1]);
+    let fixture = dir().join("lora_gqa/adapter");
+    let mut gpt = adapted(&fixture, b, t);
+    let lora = &gpt.frozen().unwrap().state.config;
+    assert_eq!((lora.rank, lora.alpha, lora.targets.len()), (4, 12.0, 7));
+    assert_eq!(gpt.config().kv_heads(), 2);
+    let ids: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
+    gpt.set_training(false);
+    let logits = gpt.logits(&ids, b, t);
+    let err = rel_error(&logits, &want.f32s("logits"));
+    assert!(err <= 1e-5, "logits differ from PEFT's by {err:e} relative");
+    // The adapter matters: the base alone computes other logits.
+    let (cfg, params) = load("lora_gqa/base", t);
+    let mut base = Gpt::from_params(cfg, params, b, t).unwrap();
+    base.set_training(false);
+    let moved = rel_error(&base.logits(&ids, b, t), &want.f32s("logits"));
+    assert!(
+        moved > 1e-2,
+        "the adapter moves the logits by only {moved:e}"
+    );
+
+    gpt.set_training(true);
+    gpt.zero_grad();
+    let loss = gpt.forward(&ids, &targets, b, t);
+    gpt.backward();
+    let want_loss = want.f32s("loss")[0];
+    let loss_err = ((loss - want_loss) / want_loss).abs();
+    assert!(loss_err <= 1e-5, "loss {loss} vs PEFT's {want_loss}");
+    let mut worst = (0.0f64, String::new());
+    for tensor in gpt.layout.tensors.clone() {
+        let key = format!("{PREFIX}{}.grad", tensor.name);
+        let err = rel_error(&gpt.grads[tensor.range()], &want.f32s(&key));
+        if err > worst.0 {
+            worst = (err, key);
+        }
+    }
+    assert_eq!(
+        gpt.layout.tensors.len(),
+        28,
+        "A and B of 7 targets in 2 layers"
+    );
+    assert!(worst.0 <= 1e-5, "{}: {:e} from PEFT's", worst.1, worst.0);
+    println!(
+        "lora_gqa: logits {err:.1e}, loss {loss_err:.1e}, worst adapter gradient {:.1e} ({}); \
+         the adapter moves the logits by {moved:.1e}",
+        worst.0, worst.1
+    );
+
+    let tmp = common::temp_dir("llama-adapter");
+    let out = tmp.path().join("adapter");
+    let frozen = gpt.frozen().unwrap();
+    write_adapter(&out, &frozen.state, &frozen.adapters, &gpt.params).unwrap();
+    let read = |p: PathBuf| std::fs::read(p.join("adapter_model.safetensors")).unwrap();
+    let (ours, peft) = (read(out.clone()), read(fixture.clone()));
+    let (ours, peft) = (
+        SafeTensors::deserialize(&ours).unwrap(),
+        SafeTensors::deserialize(&peft).unwrap(),
+    );
+    let sorted = |st: &SafeTensors| {
+        let mut names: Vec<String> = st.names().into_iter().cloned().collect();
+        names.sort();
+        names
+    };
+    assert_eq!(sorted(&ours), sorted(&peft));
+    for name in sorted(&ours) {
+        let (a, p) = (ours.tensor(&name).unwrap(), peft.tensor(&name).unwrap());
+        assert_eq!((a.dtype(), a.shape()), (p.dtype(), p.shape()), "{name}");
+        assert_eq!(a.data(), p.data(), "{name}");
+    }
+    let (ours, peft) = (
+        common::read_json(&out.join("adapter_config.json")),
+        common::read_json(&fixture.join("adapter_config.json")),
+    );
+    for key in ["peft_type", "r", "fan_in_fan_out", "bias", "use_rslora"] {
+        assert_eq!(ours[key], peft[key], "{key}");
+    }
+    assert_eq!(ours["lora_alpha"].as_f64(), peft["lora_alpha"].as_f64());
+    let set = |v: &serde_json::Value| {
+        let mut s: Vec<String> = serde_json::from_value(v["target_modules"].clone()).unwrap();
+        s.sort();
+        s
+    };
+    assert_eq!(set(&ours), set(&peft));
+}
+
+/// A LoRA run on the Llama base from the command line (all seven projections),
+/// exported with `export --adapter-only`: the export holds the run's adapters, and
+/// nanogpt's logits with them are kept beside it for
+/// `scripts/reference/llama_fixtures.py --check-export DIR` (PEFT loads the export
+/// onto the base and must compute them), DIR = $NANOGPT_LLAMA_EXPORT_DIR as for
+/// [`export_round_trips_in_the_source_spelling`].
+#[test]
+fn a_trained_llama_adapter_exports_for_peft() {
+    let d = common::temp_dir("llama-lora-export");
+    let root = d.path();
+    let text = "Now is the winter of our discontent\n".repeat(40);
+    std::fs::write(root.join("text.txt"), text).unwrap();
+    let prep = [
+        "prepare",
+        "text.txt",
+        "--out",
+        "data",
+        "--tokenizer",
+        "char",
+    ];
+    common::ok(root, &[&prep[..], &["--val-fraction", "0.2"]].concat());
+    let base = dir().join("lora_gqa/base");
+    let init = format!("init_from={}", base.display());
+    let args = [
+        "train",
+        &init,
+        "dataset=data",
+        "out_dir=run",
+        "block_size=12",
+        "batch_size=4",
+        "max_iters=6",
+        "eval_interval=6",
+        "eval_iters=1",
+        "learning_rate=3e-2",
+        "decay_lr=false",
+        "warmup_iters=0",
+        "threads=1",
+        "lora_rank=4",
+        "lora_alpha=8",
+        "lora_targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+    ];
+    common::ok(root, &args);
+    let named = nanogpt::tuning::env::get().llama_export_dir.clone();
+    let keep = named.unwrap_or_else(|| root.join("keep"));
+    let kept = keep.join("lora_gqa_trained");
+    std::fs::create_dir_all(&kept).unwrap();
+    let adapter = kept.join("adapter");
+    let to = adapter.to_str().unwrap();
+    let export = ["export", "--from", "run", "--to", to, "--adapter-only"];
+    common::ok(root, &export);
+
+    // The export holds the run's adapters, bit for bit.
+    let ckpt = nanogpt::checkpoint::Checkpoint::open(&root.join("run")).unwrap();
+    let state = ckpt.state.lora.clone().expect("a LoRA checkpoint");
+    let layout = nanogpt::model::lora::LoraLayout::new(&ckpt.state.model, &state.config);
+    let mut trained = vec![0.0; layout.params.len];
+    ckpt.load_params(&layout.params, &mut trained).unwrap();
+    let want = Expected::load("lora_gqa");
+    let (ids, shape) = want.i32s("ids");
+    let (b, t) = (shape[0], shape[1]);
+    let mut gpt = adapted(&adapter, b, t);
+    assert!(
+        gpt.params == trained,
+        "the exported adapters are not the run's"
+    );
+    let largest_b = (layout.params.tensors.iter())
+        .filter(|t| t.name.ends_with("lora_B.weight"))
+        .flat_map(|t| &trained[t.range()])
+        .fold(0.0f32, |m, x| m.max(x.abs()));
+    assert!(largest_b > 1e-3, "training left B near zero ({largest_b})");
+
+    let ids_u: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
+    gpt.set_training(false);
+    let logits = gpt.logits(&ids_u, b, t);
+    let v = gpt.config().vocab_size;
+    let ids_bytes: Vec<u8> = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
+    let logit_bytes: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
+    use safetensors::tensor::{Dtype as St, TensorView};
+    let views = [
+        (
+            "ids",
+            TensorView::new(St::I32, vec![b, t], &ids_bytes).unwrap(),
+        ),
+        (
+            "logits",
+            TensorView::new(St::F32, vec![b, t, v], &logit_bytes).unwrap(),
+        ),
+    ];
+    let path = kept.join("nanogpt.safetensors");
+    safetensors::serialize_to_file(views, &None, &path).unwrap();
 }

@@ -32,6 +32,19 @@ The fixtures cover every family and both spellings of RoPE in config.json:
     mistral_plain   mistral with sliding_window 4096 (longer than any block here:
                     plain Llama), 2:1 groups, untied
 
+and one PEFT LoRA adapter on a Llama base, for the adapters in and out:
+
+    tests/fixtures/llama/lora_gqa/base/        a llama model directory (hidden 36,
+                                               6 query heads over 2 key/value heads,
+                                               head_dim 6, untied, vocabulary 89)
+    tests/fixtures/llama/lora_gqa/adapter/     PEFT's save_pretrained of a LoRA
+                                               adapter (r 4, alpha 12) on all seven
+                                               projections (q_proj ... down_proj), every
+                                               A and B random (PEFT's B = 0 would hide it)
+    tests/fixtures/llama/lora_gqa.expected.safetensors
+        ids, targets, logits, loss as above, with the adapter; KEY.grad for every
+        adapter tensor KEY of adapter_model.safetensors
+
 Weights are transformers' initialisation with a larger `initializer_range` (0.1) and
 every norm weight and bias drawn around its default (1 or 0), so that each path of
 the gradient carries signal.
@@ -48,7 +61,10 @@ Checking nanogpt's export in transformers (the other direction):
 
 `--check-export` opens each exported directory with `AutoModelForCausalLM` (no
 missing or unexpected weights allowed) and checks that it computes the fixture's
-logits.
+logits. It also opens the adapter the same test run trained on lora_gqa/base and
+exported (`lora_gqa_trained/adapter`, `nanogpt export --adapter-only`) with
+`PeftModel.from_pretrained`, every adapter tensor loaded, and checks that PEFT
+computes the logits nanogpt computed with it (`lora_gqa_trained/nanogpt.safetensors`).
 """
 
 import argparse
@@ -59,7 +75,7 @@ import shutil
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 B, T = 2, 12
 PROMPT, NEW = 5, 10
@@ -96,6 +112,17 @@ FIXTURES = {
         rope_parameters=dict(rope_type="default", rope_theta=10000.0),
         spelling=5, dtype=torch.float32),
 }
+
+
+# The PEFT adapter's base: shapes no other fixture has.
+LORA_NAME = "lora_gqa"
+LORA_BASE = dict(
+    model_type="llama", vocab_size=89, hidden_size=36, intermediate_size=44,
+    num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False,
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+    spelling=5, dtype=torch.float32)
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_RANK, LORA_ALPHA = 4, 12
 
 
 def build(name, spec):
@@ -144,11 +171,7 @@ def save_dir(model, out, spelling, dtype, shards):
 
 def expected(model, out_path):
     v = model.config.vocab_size
-    g = torch.Generator().manual_seed(SEED)
-    ids = torch.randint(0, v, (B, T + 1), generator=g)
-    inputs, targets = ids[:, :-1].clone(), ids[:, 1:].clone()
-    targets[:, -1] = -1
-    targets[0, 3] = -1
+    ids, inputs, targets = batch(v)
     model.zero_grad()
     logits = model(input_ids=inputs).logits
     loss = F.cross_entropy(logits.reshape(-1, v), targets.reshape(-1), ignore_index=-1)
@@ -168,6 +191,88 @@ def expected(model, out_path):
     save_file(tensors, out_path)
 
 
+def batch(v):
+    """Random ids and their next tokens, -1 where ignored (the last position, and one
+    more in the first row)."""
+    g = torch.Generator().manual_seed(SEED)
+    ids = torch.randint(0, v, (B, T + 1), generator=g)
+    inputs, targets = ids[:, :-1].clone(), ids[:, 1:].clone()
+    targets[:, -1] = -1
+    targets[0, 3] = -1
+    return ids, inputs, targets
+
+
+def write_lora(out_dir):
+    """The base, PEFT's adapter on it and what PEFT computes with it."""
+    from peft import LoraConfig, get_peft_model
+
+    root = os.path.join(out_dir, LORA_NAME)
+    shutil.rmtree(root, ignore_errors=True)
+    model, spelling, dtype, shards = build(LORA_NAME, LORA_BASE)
+    save_dir(model, os.path.join(root, "base"), spelling, dtype, shards)
+    config = LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+                        target_modules=LORA_TARGETS, bias="none")
+    peft = get_peft_model(model, config)
+    torch.manual_seed(SEED + 1)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                p.copy_(0.2 * torch.randn_like(p))
+    adapter = os.path.join(root, "adapter")
+    peft.save_pretrained(adapter)
+    os.remove(os.path.join(adapter, "README.md"))  # a generated model card
+
+    v = model.config.vocab_size
+    _, inputs, targets = batch(v)
+    logits = peft(input_ids=inputs).logits
+    loss = F.cross_entropy(logits.reshape(-1, v), targets.reshape(-1), ignore_index=-1)
+    loss.backward()
+    tensors = {
+        "ids": inputs.to(torch.int32), "targets": targets.to(torch.int32),
+        "logits": logits.detach().contiguous(), "loss": loss.detach().reshape(1),
+    }
+    grads = 0
+    for name, p in peft.named_parameters():
+        if p.requires_grad:
+            # PEFT's in-memory names carry the adapter's name; the saved keys do not.
+            tensors[name.replace(".default", "") + ".grad"] = p.grad.detach().contiguous()
+            grads += 1
+    save_file(tensors, os.path.join(out_dir, f"{LORA_NAME}.expected.safetensors"))
+    print(f"{LORA_NAME}: loss {loss.item():.6f}, {grads} adapter gradients")
+
+
+def check_adapter_export(root, fixtures):
+    """PEFT opens the adapter nanogpt trained and exported, and computes its logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path = os.path.join(root, f"{LORA_NAME}_trained")
+    adapter = os.path.join(path, "adapter")
+    base = AutoModelForCausalLM.from_pretrained(
+        os.path.join(fixtures, LORA_NAME, "base"), attn_implementation="eager",
+        dtype=torch.float32)
+    want = load_file(os.path.join(path, "nanogpt.safetensors"))
+    ids = want["ids"].long()
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits  # before PEFT wraps (and changes) `base`
+        model = PeftModel.from_pretrained(base, adapter).eval()
+        got = model(input_ids=ids).logits
+    # Every tensor of the file is in PEFT's model, and every adapter PEFT made is
+    # the file's.
+    saved = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    loaded = {n.replace(".default", ""): p for n, p in model.named_parameters() if "lora_" in n}
+    assert sorted(saved) == sorted(loaded), f"{adapter}: {sorted(saved)} vs {sorted(loaded)}"
+    for key, value in saved.items():
+        assert torch.equal(loaded[key], value), f"{adapter}: {key} loaded otherwise"
+    scale = want["logits"].abs().max().item()
+    err = (got - want["logits"]).abs().max().item() / scale
+    moved = (plain - want["logits"]).abs().max().item() / scale
+    print(f"{LORA_NAME}_trained: PEFT loads nanogpt's adapter ({len(saved)} tensors); "
+          f"logits within {err:.1e} of nanogpt's (the adapter moves them by {moved:.1e})")
+    assert err <= 1e-5, f"PEFT computes logits {err:e} away from nanogpt's"
+    assert moved > 1e-3, "the adapter hardly changes the base's logits"
+
+
 def check_loads(out):
     """transformers must open the saved directory and compute the same logits."""
     from transformers import AutoModelForCausalLM
@@ -177,7 +282,6 @@ def check_loads(out):
 
 
 def check_export(root, fixtures):
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     for name in FIXTURES:
@@ -192,6 +296,7 @@ def check_export(root, fixtures):
         err = (got - want["logits"]).abs().max().item() / want["logits"].abs().max().item()
         assert err <= 1e-6, f"{name}: the export computes logits {err:e} away"
         print(f"{name}: transformers loads the export; logits within {err:.1e}")
+    check_adapter_export(root, fixtures)
 
 
 def main():
@@ -218,6 +323,8 @@ def main():
         expected(model, os.path.join(args.out_dir, f"{name}.expected.safetensors"))
         size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
         print(f"{name}: {sum(p.numel() for p in model.parameters())} parameters, {size} bytes")
+    if not args.only or LORA_NAME in args.only:
+        write_lora(args.out_dir)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@
 //! | `NANOGPT_EXPECT_ONEDNN` | oneDNN must be testable here (CI on bf16 CPUs) | the oneDNN tests |
 //! | `NANOGPT_EXPORT_CHECK_DIR=DIR` | where tests/hf.rs leaves its export for `hf_fixtures.py --check-export` | tests/hf.rs |
 //! | `NANOGPT_VENV_PYTHON=PATH` | the Python with llama-cpp-python, transformers and gguf | tests/gguf.rs |
-//! | `NANOGPT_LLAMA_EXPORT_DIR=DIR` | where tests/llama.rs leaves its exports for `llama_fixtures.py --check-export` | tests/llama.rs |
+//! | `NANOGPT_LLAMA_EXPORT_DIR=DIR` | where tests/llama.rs leaves its exports (models, and a trained adapter with nanogpt's logits) for `llama_fixtures.py --check-export` | tests/llama.rs |
 //! | `NANOGPT_SMOLLM2_DIR=DIR` | SmolLM2-135M and its reference (default /tmp/smollm2-135m) | tests/llama.rs |
 
 use std::ffi::OsString;
