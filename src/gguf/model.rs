@@ -174,14 +174,7 @@ pub fn export(
     opts: &ExportOptions,
     dest: &Path,
 ) -> Result<Exported> {
-    let layout = ParamLayout::new(cfg);
-    if params.len() != layout.len {
-        bail!(
-            "internal error: {} parameters for a layout of {}",
-            params.len(),
-            layout.len
-        );
-    }
+    let layout = ParamLayout::of_params(cfg, params)?;
     check_destination(dest)?;
     let (metadata, tensors) = match &cfg.llama {
         None => (metadata(cfg, opts)?, tensors(params, &layout, cfg)),

@@ -26,7 +26,7 @@ use crate::data::tokenizer::files::{TokenizerFiles, GENERATION_CONFIG};
 use crate::data::{Tokenizer, TokenizerKind, GPT2_EOT, GPT2_VOCAB_SIZE};
 use crate::fsutil::{check_destination, write_atomic, write_bytes_atomic, OutputKind, Staged};
 use crate::model::{ModelConfig, ParamLayout};
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use safetensors::tensor::{Dtype, View};
 use safetensors::SafeTensors;
 use std::borrow::Cow;
@@ -121,14 +121,7 @@ pub fn export(
     tokenizer: Option<&Tokenizer>,
     dir: &Path,
 ) -> Result<ExportSummary> {
-    let layout = ParamLayout::new(cfg);
-    if params.len() != layout.len {
-        bail!(
-            "internal error: {} parameters for a layout of {}",
-            params.len(),
-            layout.len
-        );
-    }
+    let layout = ParamLayout::of_params(cfg, params)?;
     let gpt2_tokens = tokenizer.map(Tokenizer::kind) == Some(TokenizerKind::Gpt2)
         && cfg.vocab_size >= GPT2_VOCAB_SIZE
         && cfg.llama.is_none();

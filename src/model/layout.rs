@@ -241,6 +241,19 @@ impl Builder {
 }
 
 impl ParamLayout {
+    /// [`ParamLayout::new`] for the writers of a model's `params`, which must hold
+    /// exactly its parameters (else an internal error).
+    pub fn of_params(cfg: &ModelConfig, params: &[f32]) -> anyhow::Result<ParamLayout> {
+        let layout = ParamLayout::new(cfg);
+        anyhow::ensure!(
+            params.len() == layout.len,
+            "internal error: {} parameters for a layout of {}",
+            params.len(),
+            layout.len
+        );
+        Ok(layout)
+    }
+
     /// The layout of `cfg`'s family ([`ModelConfig::family`]): the embeddings, then
     /// every block's tensors together (so a block's gradients are one contiguous
     /// range), then the final norm and an untied classifier.
