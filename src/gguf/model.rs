@@ -524,16 +524,7 @@ impl GgufModel {
             );
         }
         let vocab_size = file.embedding_vocab(n_embd, "gpt2.embedding_length")?;
-        let config = ModelConfig {
-            vocab_size,
-            block_size,
-            n_layer,
-            n_head,
-            n_embd,
-            bias: true,
-            dropout: 0.0,
-            llama: None,
-        };
+        let config = ModelConfig::gpt2(vocab_size, block_size, (n_layer, n_head, n_embd), 0.0);
         config.validate().with_context(|| format!("{p}"))?;
         let model = GgufModel { file, config };
         model.check_tensors()?;

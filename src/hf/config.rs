@@ -1,7 +1,7 @@
 //! `config.json` of a Hugging Face model, and what of it the engine can represent:
 //! GPT-2's here ([`Gpt2Config`]), the Llama families' in [`super::llama`].
 
-use super::llama::{llama_type, LlamaHfConfig};
+use super::llama::{llama_type, LlamaHfConfig, DEFAULT_BLOCK};
 use crate::model::config::LAYER_NORM_EPS;
 use crate::model::ModelConfig;
 use anyhow::{bail, Context, Result};
@@ -48,17 +48,46 @@ impl HfConfig {
         }
     }
 
-    /// The engine's config: this architecture with `block_size` positions (cropped
-    /// from the pretrained table; default all of it) and `dropout`.
+    /// The engine's config: this architecture with `block_size` positions and
+    /// `dropout`. The pretrained position table is cropped to `block_size` (nanoGPT's
+    /// `crop_block_size`), never extended; by default all of it (a Llama family's up
+    /// to [`DEFAULT_BLOCK`]).
     pub fn model_config(
         &self,
         block_size: Option<usize>,
         dropout: f32,
         origin: &Path,
     ) -> Result<ModelConfig> {
+        let (key, max, default) = self.position_table();
+        let block_size = block_size.unwrap_or(default);
+        if block_size > max {
+            bail!(
+                "block_size {block_size} is larger than the pretrained model's {key} {max} \
+                 ({}); set block_size to at most {max}",
+                origin.display()
+            );
+        }
+        let cfg = match self {
+            HfConfig::Gpt2(c) => {
+                let sizes = (c.n_layer, c.n_head, c.n_embd);
+                ModelConfig::gpt2(c.vocab_size, block_size, sizes, dropout)
+            }
+            HfConfig::Llama(c) => c.cropped_config(block_size, dropout, origin)?,
+        };
+        cfg.validate()
+            .with_context(|| origin.display().to_string())?;
+        Ok(cfg)
+    }
+
+    /// The pretrained position table: its key in config.json, its rows, and the
+    /// block size a model gets by default.
+    fn position_table(&self) -> (&'static str, usize, usize) {
         match self {
-            HfConfig::Gpt2(c) => c.model_config(block_size, dropout, origin),
-            HfConfig::Llama(c) => c.model_config(block_size, dropout, origin),
+            HfConfig::Gpt2(c) => ("n_positions", c.n_positions(), c.n_positions()),
+            HfConfig::Llama(c) => {
+                let max = c.max_position_embeddings;
+                ("max_position_embeddings", max, max.min(DEFAULT_BLOCK))
+            }
         }
     }
 
@@ -259,38 +288,6 @@ impl Gpt2Config {
             problems.join("; ")
         )
     }
-
-    /// The engine's config: this architecture with the position table cropped to
-    /// `block_size` (nanoGPT's `crop_block_size`; default all of it) and `dropout`.
-    pub fn model_config(
-        &self,
-        block_size: Option<usize>,
-        dropout: f32,
-        origin: &Path,
-    ) -> Result<ModelConfig> {
-        let n_positions = self.n_positions();
-        let block_size = block_size.unwrap_or(n_positions);
-        if block_size > n_positions {
-            bail!(
-                "block_size {block_size} is larger than the pretrained model's n_positions {n_positions} \
-                 ({}); set block_size to at most {n_positions}",
-                origin.display()
-            );
-        }
-        let cfg = ModelConfig {
-            vocab_size: self.vocab_size,
-            block_size,
-            n_layer: self.n_layer,
-            n_head: self.n_head,
-            n_embd: self.n_embd,
-            bias: true,
-            dropout,
-            llama: None,
-        };
-        cfg.validate()
-            .with_context(|| origin.display().to_string())?;
-        Ok(cfg)
-    }
 }
 
 #[cfg(test)]
@@ -338,11 +335,34 @@ mod tests {
         assert!(err.contains("\"bloom\"") && err.contains("qwen3"), "{err}");
     }
 
+    /// A Llama-family config.json: `model_type`, a small model's sizes, and `extra`
+    /// keys.
+    fn llama(model_type: &str, extra: &str) -> HfConfig {
+        let json = format!(
+            r#"{{"model_type": "{model_type}", "vocab_size": 100, "hidden_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 96,
+            "max_position_embeddings": 256{extra}}}"#
+        );
+        let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        let t = llama_type(&v).unwrap();
+        HfConfig::Llama(LlamaHfConfig::read(&v, t, Path::new("m/config.json")).unwrap())
+    }
+
+    /// `c` asked for `block_size` positions is refused, the message naming each of
+    /// `want`.
+    fn assert_refused(c: &HfConfig, block_size: Option<usize>, want: &[&str]) {
+        let err = c.model_config(block_size, 0.0, Path::new("m")).unwrap_err();
+        let err = format!("{err:#}");
+        for w in want {
+            assert!(err.contains(w), "{w} not in {err}");
+        }
+    }
+
     #[test]
     fn crops_but_never_extends_the_position_table() {
-        let c = parse(
+        let c = HfConfig::Gpt2(parse(
             r#"{"n_positions": 64, "n_embd": 32, "n_head": 4, "n_layer": 1, "vocab_size": 99}"#,
-        );
+        ));
         let m = c.model_config(Some(16), 0.1, Path::new("m")).unwrap();
         assert_eq!(
             (m.block_size, m.vocab_size, m.dropout, m.bias),
@@ -354,13 +374,25 @@ mod tests {
                 .block_size,
             64
         );
-        let err = c
-            .model_config(Some(65), 0.0, Path::new("m"))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("n_positions 64") && err.contains("at most 64"),
-            "{err}"
+        assert_refused(&c, Some(65), &["n_positions 64", "at most 64"]);
+    }
+
+    #[test]
+    fn a_llama_family_block_is_checked_against_its_window_and_sizes() {
+        let q3 = llama("qwen3", r#", "head_dim": 32"#);
+        let cfg = q3.model_config(None, 0.0, Path::new("m")).unwrap();
+        assert_eq!(
+            (cfg.block_size, cfg.head_size(), cfg.kv_heads()),
+            (256, 32, 4)
         );
+        let mistral = llama("mistral", r#", "sliding_window": 128"#);
+        assert_refused(
+            &mistral,
+            Some(256),
+            &["sliding_window is 128", "at most 128"],
+        );
+        assert!(mistral.model_config(Some(128), 0.0, Path::new("m")).is_ok());
+        let kv3 = llama("llama", r#", "num_key_value_heads": 3"#);
+        assert_refused(&kv3, None, &["num_key_value_heads"]);
     }
 }

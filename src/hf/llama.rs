@@ -144,23 +144,15 @@ impl LlamaHfConfig {
         })
     }
 
-    /// The engine's config: this architecture with `block_size` positions (at most
-    /// `max_position_embeddings`; default all of them, up to 4096) and `dropout`.
-    pub fn model_config(
+    /// The engine's config of `block_size` positions (no more than the position table
+    /// holds: [`HfConfig::model_config`](super::HfConfig::model_config) checked that)
+    /// and `dropout`; refused for blocks longer than a sliding window.
+    pub(super) fn cropped_config(
         &self,
-        block_size: Option<usize>,
+        block_size: usize,
         dropout: f32,
         origin: &Path,
     ) -> Result<ModelConfig> {
-        let max = self.max_position_embeddings;
-        let block_size = block_size.unwrap_or(max.min(DEFAULT_BLOCK));
-        if block_size > max {
-            bail!(
-                "block_size {block_size} is larger than the pretrained model's \
-                 max_position_embeddings {max} ({}); set block_size to at most {max}",
-                origin.display()
-            );
-        }
         if let Some(w) = self.sliding_window.filter(|&w| w < block_size) {
             bail!(
                 "{}: sliding_window is {w}, shorter than block_size {block_size}: nanogpt attends \
@@ -169,7 +161,7 @@ impl LlamaHfConfig {
                 origin.display()
             );
         }
-        let cfg = ModelConfig {
+        Ok(ModelConfig {
             vocab_size: self.vocab_size,
             block_size,
             n_layer: self.num_hidden_layers,
@@ -178,10 +170,7 @@ impl LlamaHfConfig {
             bias: false,
             dropout,
             llama: Some(self.llama.clone()),
-        };
-        cfg.validate()
-            .with_context(|| origin.display().to_string())?;
-        Ok(cfg)
+        })
     }
 }
 
@@ -389,11 +378,6 @@ mod tests {
         .unwrap();
         assert!(q3.llama.qk_norm() && !q3.llama.qkv_bias);
         assert_eq!(q3.llama.head_dim, 32);
-        let cfg = q3.model_config(None, 0.0, Path::new("m")).unwrap();
-        assert_eq!(
-            (cfg.block_size, cfg.head_size(), cfg.kv_heads()),
-            (256, 32, 4)
-        );
     }
 
     #[test]
@@ -407,28 +391,5 @@ mod tests {
         for want in ["m/config.json", "hidden_act", "\"yarn\""] {
             assert!(err.contains(want), "{want} not in {err}");
         }
-        let mistral = read(&format!(
-            r#"{{"model_type": "mistral", {BASE}, "sliding_window": 128}}"#
-        ))
-        .unwrap();
-        let err = mistral
-            .model_config(Some(256), 0.0, Path::new("m"))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("sliding_window is 128") && err.contains("at most 128"),
-            "{err}"
-        );
-        assert!(mistral.model_config(Some(128), 0.0, Path::new("m")).is_ok());
-        let err = read(&format!(
-            r#"{{"model_type": "llama", {BASE}, "num_key_value_heads": 3}}"#
-        ))
-        .unwrap()
-        .model_config(None, 0.0, Path::new("m"))
-        .unwrap_err();
-        assert!(
-            format!("{err:#}").contains("num_key_value_heads"),
-            "{err:#}"
-        );
     }
 }

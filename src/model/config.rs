@@ -76,16 +76,33 @@ impl ModelConfig {
             "gpt2-xl" => (48, 25, 1600),
             _ => return None,
         };
-        Some(ModelConfig {
-            vocab_size: 50257,
-            block_size: 1024,
+        Some(ModelConfig::gpt2(
+            50257,
+            1024,
+            (n_layer, n_head, n_embd),
+            0.0,
+        ))
+    }
+
+    /// The GPT-2 architecture (biases, no Llama settings) of `vocab_size` tokens,
+    /// `block_size` positions, `(n_layer, n_head, n_embd)` and `dropout`: a preset's,
+    /// or a pretrained model's as its Hugging Face or GGUF config describes it.
+    pub fn gpt2(
+        vocab_size: usize,
+        block_size: usize,
+        (n_layer, n_head, n_embd): (usize, usize, usize),
+        dropout: f32,
+    ) -> ModelConfig {
+        ModelConfig {
+            vocab_size,
+            block_size,
             n_layer,
             n_head,
             n_embd,
             bias: true,
-            dropout: 0.0,
+            dropout,
             llama: None,
-        })
+        }
     }
 
     /// The model family's description, from which the layout and everything sized by
