@@ -61,6 +61,24 @@ fn write_sample(path: &Path, alignment: Option<u32>) -> Vec<Vec<f32>> {
     data
 }
 
+/// The codes are the format's (`gguf_type`: UINT8 0, ..., BOOL 7, STRING 8, ARRAY 9,
+/// ..., FLOAT64 12), written and read back alike.
+#[test]
+fn value_type_codes_are_the_formats() {
+    let codes = [
+        (ValueType::U8, 0),
+        (ValueType::I32, 5),
+        (ValueType::Bool, 7),
+        (ValueType::String, 8),
+        (ValueType::Array, 9),
+        (ValueType::F64, 12),
+    ];
+    for (ty, code) in codes {
+        assert_eq!((ty as u32, ValueType::from_code(code)), (code, Some(ty)));
+    }
+    assert_eq!(ValueType::from_code(13), None);
+}
+
 #[test]
 fn written_files_read_back_with_every_value_type() {
     let dir = tempfile::tempdir().unwrap();

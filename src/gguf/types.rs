@@ -3,44 +3,37 @@
 
 use std::fmt;
 
-/// A metadata value's type code, as stored in the file.
+/// A metadata value's type code, as stored in the file: its place in this list
+/// (`U8` is 0, `F64` 12).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u32)]
 pub enum ValueType {
-    U8 = 0,
-    I8 = 1,
-    U16 = 2,
-    I16 = 3,
-    U32 = 4,
-    I32 = 5,
-    F32 = 6,
-    Bool = 7,
-    String = 8,
-    Array = 9,
-    U64 = 10,
-    I64 = 11,
-    F64 = 12,
+    U8,
+    I8,
+    U16,
+    I16,
+    U32,
+    I32,
+    F32,
+    Bool,
+    String,
+    Array,
+    U64,
+    I64,
+    F64,
 }
 
 impl ValueType {
-    pub fn from_code(code: u32) -> Option<ValueType> {
+    /// Every type, in the order of their codes.
+    const ALL: [ValueType; 13] = {
         use ValueType::*;
-        Some(match code {
-            0 => U8,
-            1 => I8,
-            2 => U16,
-            3 => I16,
-            4 => U32,
-            5 => I32,
-            6 => F32,
-            7 => Bool,
-            8 => String,
-            9 => Array,
-            10 => U64,
-            11 => I64,
-            12 => F64,
-            _ => return None,
-        })
+        [
+            U8, I8, U16, I16, U32, I32, F32, Bool, String, Array, U64, I64, F64,
+        ]
+    };
+
+    pub fn from_code(code: u32) -> Option<ValueType> {
+        Self::ALL.get(usize::try_from(code).ok()?).copied()
     }
 
     /// Bytes of one value of a fixed-size type (`None` for strings and arrays).
