@@ -5,6 +5,7 @@
 
 use crate::gguf::{ExportOptions, OutType};
 use crate::hf::export;
+use crate::model::lora::LoraState;
 use crate::model_source::{load_adapters, load_model_with_adapter, LoadedModel};
 use anyhow::{bail, Result};
 use clap::Args;
@@ -95,11 +96,8 @@ fn export_adapter(args: &ExportArgs) -> Result<()> {
             &args.to, &model, &state, &layout, &weights, outtype, &name,
         )?;
         crate::outln!(
-            "exported the LoRA adapters of {} (rank {}, alpha {}, on {}) to {} ({outtype}, {:.1} MB)",
-            args.from,
-            state.config.rank,
-            state.config.alpha,
-            state.config.targets.join(", "),
+            "exported {} to {} ({outtype}, {:.1} MB)",
+            adapters_of(args, &state),
             out.path.display(),
             out.bytes as f64 / 1e6
         );
@@ -125,11 +123,8 @@ fn export_adapter(args: &ExportArgs) -> Result<()> {
     }
     let files = crate::hf::adapter::write_adapter(&args.to, &state, &layout, &weights)?;
     crate::outln!(
-        "exported the LoRA adapters of {} (rank {}, alpha {}, on {}) to {}: {}",
-        args.from,
-        state.config.rank,
-        state.config.alpha,
-        state.config.targets.join(", "),
+        "exported {} to {}: {}",
+        adapters_of(args, &state),
         args.to.display(),
         files.join(", ")
     );
@@ -139,6 +134,19 @@ fn export_adapter(args: &ExportArgs) -> Result<()> {
         args.to.display()
     );
     Ok(())
+}
+
+/// What `--adapter-only` exports, as its messages name it: "the LoRA adapters of FROM
+/// (rank R, alpha A, on TARGETS)".
+fn adapters_of(args: &ExportArgs, state: &LoraState) -> String {
+    let c = &state.config;
+    format!(
+        "the LoRA adapters of {} (rank {}, alpha {}, on {})",
+        args.from,
+        c.rank,
+        c.alpha,
+        c.targets.join(", ")
+    )
 }
 
 /// Whether `to` names a GGUF file rather than a folder.
