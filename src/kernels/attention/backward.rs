@@ -83,6 +83,45 @@ pub(super) struct BwdTask<'a> {
     round: bool,
 }
 
+impl BwdTask<'_> {
+    /// Where the task's heads lie, with the bounds of what they read checked.
+    #[inline(always)]
+    fn heads(&self) -> TaskHeads {
+        let lens = (
+            self.qkv.len(),
+            self.out.len().min(self.dout.len()),
+            self.lse.len(),
+        );
+        TaskHeads::new(self.d, self.bg, lens)
+    }
+
+    /// The softmax's backward on the tile of query rows `i0..i0 + nr` and key block
+    /// `j0` of the task's query head `hi` (`bh = b·NH + h`): with D_r = dO_r · O_r
+    /// (cheap next to the tile: recomputed rather than stored), [`softmax_backward_tile`]
+    /// turns the scores `p` into the probabilities times the dropout factor and
+    /// `ds`, holding dP̃, into `scale · dS`. `fma`: on FMA.
+    #[inline(always)]
+    fn softmax_backward<const DROP: bool>(
+        &self,
+        tile: (&mut [[f32; BK]; BQ], &mut [[f32; BK]; BQ]),
+        (hi, bh): (usize, usize),
+        (i0, j0, nr): (usize, usize, usize),
+        fma: bool,
+    ) {
+        let (d, t) = (self.d, self.d.t);
+        let (c, hs, obase) = (d.q_width(), d.hs, out_base(d, bh));
+        let mut dd = [0.0f32; BQ];
+        for (r, dr) in dd[..nr].iter_mut().enumerate() {
+            let o = obase + (i0 + r) * c;
+            *dr = row_dot(fma, &self.dout[o..o + hs], &self.out[o..o + hs]);
+        }
+        let lse = &self.lse[hi * t + i0..hi * t + i0 + nr];
+        let mask_base = (bh * t) as u64 * t as u64;
+        let scale = (score_scale(d), fma);
+        softmax_backward_tile::<DROP>(tile, lse, &dd, (i0, j0), scale, self.mask, mask_base, t);
+    }
+}
+
 /// Where one task's heads lie: its key/value head and its query heads.
 #[derive(Clone, Copy)]
 struct TaskHeads {
@@ -119,21 +158,11 @@ impl TaskHeads {
 
 #[inline(always)]
 pub(super) fn backward_head<K: Variant, const DROP: bool>(task: BwdTask) {
-    let BwdTask {
-        d,
-        dqkv,
-        dout,
-        qkv,
-        out,
-        lse,
-        bg,
-        mask,
-        round,
-    } = task;
+    let (d, dqkv, dout, qkv) = (task.d, task.dqkv, task.dout, task.qkv);
     // Rows of `qkv` are `row3` apart, rows of `out` `c` (GPT-2: 3C and C).
-    let (t, c, hs, scale, fma) = (d.t, d.q_width(), d.hs, score_scale(d), K::FMA);
+    let (t, c, hs, fma) = (d.t, d.q_width(), d.hs, K::FMA);
     let row3 = d.qkv_width();
-    let heads = TaskHeads::new(d, bg, (qkv.len(), out.len().min(dout.len()), lse.len()));
+    let heads = task.heads();
     let (kbase, vofs) = (heads.kbase, heads.vofs);
     let qkv_rows = Src::rows(qkv.as_ptr(), row3);
     let dout_rows = Src::rows(dout.as_ptr(), c);
@@ -153,7 +182,6 @@ pub(super) fn backward_head<K: Variant, const DROP: bool>(task: BwdTask) {
     // ds[r][c]: first dP̃ = dO·v, then scale · dS.
     let mut p = [[0.0f32; BK]; BQ];
     let mut ds = [[0.0f32; BK]; BQ];
-    let mut dd = [0.0f32; BQ];
 
     for j0 in (0..t).step_by(BK) {
         let nc = BK.min(t - j0);
@@ -164,8 +192,6 @@ pub(super) fn backward_head<K: Variant, const DROP: bool>(task: BwdTask) {
         }
         for (hi, bh) in (heads.bh0..heads.bh0 + heads.group).enumerate() {
             let (qbase, obase) = (qkv_base(d, bh), out_base(d, bh));
-            let mask_base = (bh * t) as u64 * t as u64;
-            let lse = &lse[hi * t..(hi + 1) * t];
             // Query blocks start on the diagonal: i0 = j0 is the only partial tile, and
             // for the first query head the first to touch dK_j and dV_j (which it
             // overwrites). Likewise j0 = 0 is the first key block to touch each dQ_i.
@@ -210,22 +236,7 @@ pub(super) fn backward_head<K: Variant, const DROP: bool>(task: BwdTask) {
                         });
                     }
                 }
-                // D_r = dO_r · O_r (cheap next to the tile: recomputed rather than
-                // stored).
-                for (r, d) in dd[..nr].iter_mut().enumerate() {
-                    let o = obase + (i0 + r) * c;
-                    *d = row_dot(fma, &dout[o..o + hs], &out[o..o + hs]);
-                }
-                softmax_backward_tile::<DROP>(
-                    (&mut p, &mut ds),
-                    &lse[i0..i0 + nr],
-                    &dd,
-                    (i0, j0),
-                    (scale, fma),
-                    mask,
-                    mask_base,
-                    t,
-                );
+                task.softmax_backward::<DROP>((&mut p, &mut ds), (hi, bh), (i0, j0, nr), fma);
                 let (dk_dst, dv_dst) = if resident {
                     let dk = Dst {
                         ptr: dk.as_mut_ptr().cast(),
@@ -283,7 +294,13 @@ pub(super) fn backward_head<K: Variant, const DROP: bool>(task: BwdTask) {
             }
         }
         let tiles = (&dk, &dv);
-        finish_key_block(dqkv, resident.then_some(tiles), (d, heads), (j0, nc), round);
+        finish_key_block(
+            dqkv,
+            resident.then_some(tiles),
+            (d, heads),
+            (j0, nc),
+            task.round,
+        );
     }
 }
 
@@ -378,20 +395,9 @@ fn softmax_backward_tile<const DROP: bool>(
 #[inline(always)]
 pub(super) unsafe fn backward_head_bf16<const DROP: bool>(task: BwdTask) {
     use super::pairs::{pack_across, pack_along, pair_gemm, pairs, PairGemm};
-    let BwdTask {
-        d,
-        dqkv,
-        dout,
-        qkv,
-        out,
-        lse,
-        bg,
-        mask,
-        round,
-    } = task;
-    let (t, c, hs, scale) = (d.t, d.q_width(), d.hs, score_scale(d));
-    let row3 = d.qkv_width();
-    let heads = TaskHeads::new(d, bg, (qkv.len(), out.len().min(dout.len()), lse.len()));
+    let (d, dqkv, dout, qkv) = (task.d, task.dqkv, task.dout, task.qkv);
+    let (t, c, hs, row3) = (d.t, d.q_width(), d.hs, d.qkv_width());
+    let heads = task.heads();
     let (kbase, vofs, group) = (heads.kbase, heads.vofs, heads.group);
     assert!(hs <= DT);
     let (hp, hw) = (pairs(hs), hs.div_ceil(16) * 16);
@@ -435,7 +441,6 @@ pub(super) unsafe fn backward_head_bf16<const DROP: bool>(task: BwdTask) {
     let mut dv = [[0.0f32; DT]; BK];
     let mut p = [[0.0f32; BK]; BQ];
     let mut ds = [[0.0f32; BK]; BQ];
-    let mut dd = [0.0f32; BQ];
     let gemm =
         |m, n, kp, (a, ars, aps): (*const u32, usize, usize), (b, ldb), (c, ldc), add| PairGemm {
             m,
@@ -475,9 +480,7 @@ pub(super) unsafe fn backward_head_bf16<const DROP: bool>(task: BwdTask) {
         }
         for (hi, head) in packs.chunks_exact(per_head).enumerate() {
             let bh = heads.bh0 + hi;
-            let (qbase, obase) = (qkv_base(d, bh), out_base(d, bh));
-            let mask_base = (bh * t) as u64 * t as u64;
-            let lse = &lse[hi * t..(hi + 1) * t];
+            let qbase = qkv_base(d, bh);
             let (qa, rest) = head.split_at(al);
             let (doa, rest) = rest.split_at(al);
             let (qb, dob) = rest.split_at(bl);
@@ -497,21 +500,8 @@ pub(super) unsafe fn backward_head_bf16<const DROP: bool>(task: BwdTask) {
                     pair_gemm(gemm(nr, BK, hp, (qa, hp, 1), (ktp, BK), (p, BK), false));
                     pair_gemm(gemm(nr, BK, hp, (doa, hp, 1), (vtp, BK), (ds, BK), false));
                 }
-                // D_r = dO_r · O_r, in f32.
-                for (r, d) in dd[..nr].iter_mut().enumerate() {
-                    let o = obase + (i0 + r) * c;
-                    *d = row_dot(true, &dout[o..o + hs], &out[o..o + hs]);
-                }
-                softmax_backward_tile::<DROP>(
-                    (&mut p, &mut ds),
-                    &lse[i0..i0 + nr],
-                    &dd,
-                    (i0, j0),
-                    (scale, true),
-                    mask,
-                    mask_base,
-                    t,
-                );
+                // D = dO·O and the softmax's backward in f32.
+                task.softmax_backward::<DROP>((&mut p, &mut ds), (hi, bh), (i0, j0, nr), true);
                 let dq_i = dqkv.ptr().wrapping_add(qbase + i0 * row3);
                 // SAFETY: p/ds hold nr rows of BK >= nc; pt/dst ⌈nr / 2⌉ <= BQ / 2 pair
                 // rows of BK, dsa nr rows of ⌈nc / 2⌉ <= BK / 2 pairs; the packed Q and
@@ -558,7 +548,7 @@ pub(super) unsafe fn backward_head_bf16<const DROP: bool>(task: BwdTask) {
                 }
             }
         }
-        finish_key_block(dqkv, Some((&dk, &dv)), (d, heads), (j0, nc), round);
+        finish_key_block(dqkv, Some((&dk, &dv)), (d, heads), (j0, nc), task.round);
     }
     QO_PACKS.set(packs);
 }

@@ -164,6 +164,41 @@ pub(super) struct FwdTask<'a> {
     pub(super) keys: KeyRows<'a>,
 }
 
+impl FwdTask<'_> {
+    /// Where the block's rows start: the index in `qkv` of its first query row
+    /// (channel 0 of the head; the head's rows checked to lie in `qkv`) and in `out`
+    /// of its first output row; and the online softmax of its rows (`fma`: `exp` on
+    /// FMA).
+    #[inline(always)]
+    fn start(&self, fma: bool) -> (usize, usize, OnlineSoftmax) {
+        let (d, bh, i0, nr) = (self.d, self.bh, self.i0, self.lse.len());
+        let (t, row3, qbase) = (d.t, d.qkv_width(), qkv_base(d, bh));
+        assert!(nr > 0 && i0 + nr <= t && qbase + (t - 1) * row3 + d.hs <= self.qkv.len());
+        let mask_base = (bh * t) as u64 * t as u64;
+        let obase = out_base(d, bh) + i0 * d.q_width();
+        let soft = OnlineSoftmax::new(fma, self.mask, mask_base, t);
+        (qbase + i0 * row3, obase, soft)
+    }
+
+    /// The block's end: each output row (at `out[obase + r·C]`) divided by the row's
+    /// sum, from the unnormalised rows in `o` where given, else in place; and each
+    /// row's log-sum-exp stored.
+    #[inline(always)]
+    fn finish(self, soft: &OnlineSoftmax, o: Option<&[[f32; DT]; BQ]>, obase: usize) {
+        let (c, hs) = (self.d.q_width(), self.d.hs);
+        for (r, lse) in self.lse.iter_mut().enumerate() {
+            let inv = 1.0 / soft.l[r];
+            // SAFETY: this task's own rows and head channels of `out`.
+            let dst = unsafe { self.out.slice(obase + r * c, hs) };
+            match o {
+                Some(o) => dst.iter_mut().zip(&o[r]).for_each(|(d, &v)| *d = v * inv),
+                None => dst.iter_mut().for_each(|d| *d *= inv),
+            }
+            *lse = soft.m[r] + soft.l[r].ln();
+        }
+    }
+}
+
 /// One head's keys and values as the f32 forward pass reads them: the key of
 /// absolute position `s` at `keys[s·rs..s·rs + HS]`, its value likewise in `values`.
 /// Training reads them from `qkv` itself (`rs = (NH + 2·KV)·HS`, `pos0 = 0`); generation from a
@@ -180,25 +215,11 @@ pub(super) struct KeyRows<'a> {
 
 #[inline(always)]
 pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
-    let FwdTask {
-        d,
-        qkv,
-        out,
-        lse,
-        bh,
-        i0,
-        mask,
-        kv: _,
-        keys: kr,
-    } = task;
+    let (d, qkv, out, kr) = (task.d, task.qkv, task.out, task.keys);
     // Rows of `qkv` are `row3` apart, rows of `out` `c` (GPT-2: 3C and C).
-    let (t, c, hs, scale, fma) = (d.t, d.q_width(), d.hs, score_scale(d), K::FMA);
-    let row3 = d.qkv_width();
-    let nr = lse.len();
-    let qbase = qkv_base(d, bh);
-    let obase = out_base(d, bh) + i0 * c;
-    let mask_base = (bh * t) as u64 * t as u64;
-    assert!(nr > 0 && i0 + nr <= t && qbase + (t - 1) * row3 + hs <= qkv.len());
+    let (c, hs, scale, fma) = (d.q_width(), d.hs, score_scale(d), K::FMA);
+    let (row3, nr, i0) = (d.qkv_width(), task.lse.len(), task.i0);
+    let (q_at, obase, mut soft) = task.start(fma);
     // The absolute position of query row i0 (the rows of this block attend to keys
     // 0..=q0 + r), and the keys of the block's last row.
     let q0 = kr.pos0 + i0;
@@ -218,14 +239,13 @@ pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
     // r >= nr are zero, so every score of the padding rows is finite.
     let mut qt = [[0.0f32; BQ]; DT];
     if resident {
-        let src = &qkv[qbase + i0 * row3..];
+        let src = &qkv[q_at..];
         transpose_into(K::AVX, &mut qt, src, row3, (nr, hs), scale);
     }
     // Unnormalised output rows: this stack tile when the head fits in it, else `out`.
     let mut o = [[0.0f32; DT]; BQ];
     // Scores, transposed: st[c][r] for key j0 + c and query i0 + r.
     let mut st = [[0.0f32; BQ]; BK];
-    let mut soft = OnlineSoftmax::new(fma, mask, mask_base, t);
 
     // Keys beyond the last query of the block are masked for all its rows.
     for j0 in (0..kend).step_by(BK) {
@@ -233,7 +253,7 @@ pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
         for d0 in (0..hs).step_by(DT) {
             let dn = DT.min(hs - d0);
             if !resident {
-                let src = &qkv[qbase + i0 * row3 + d0..];
+                let src = &qkv[q_at + d0..];
                 transpose_into(K::AVX, &mut qt, src, row3, (nr, dn), scale);
             }
             // SAFETY: key rows j0..j0 + nc <= kend, channels d0..d0 + dn <= HS of this
@@ -298,21 +318,7 @@ pub(super) fn forward_block<K: Variant, const DROP: bool>(task: FwdTask) {
             });
         }
     }
-    for r in 0..nr {
-        let inv = 1.0 / soft.l[r];
-        // SAFETY: this task's own rows and head channels of `out`.
-        let dst = unsafe { out.slice(obase + r * c, hs) };
-        if resident {
-            for (d, &v) in dst.iter_mut().zip(&o[r]) {
-                *d = v * inv;
-            }
-        } else {
-            for d in dst {
-                *d *= inv;
-            }
-        }
-        lse[r] = soft.m[r] + soft.l[r].ln();
-    }
+    task.finish(&soft, resident.then_some(&o), obase);
 }
 
 /// The online softmax of one block of query rows: each row's running max `m` and
@@ -421,26 +427,15 @@ impl OnlineSoftmax {
 #[inline(always)]
 pub(super) unsafe fn forward_block_bf16<const DROP: bool>(task: FwdTask) {
     use super::pairs::{pack_across, pack_along, pair_gemm, pairs, PairGemm};
-    let FwdTask {
-        d,
-        qkv,
-        out,
-        lse,
-        bh,
-        i0,
-        mask,
-        kv,
-        keys,
-    } = task;
-    assert_eq!(keys.pos0, 0, "the bf16 pass reads the keys of `qkv` itself");
-    let (t, c, hs, scale) = (d.t, d.q_width(), d.hs, score_scale(d));
-    let row3 = d.qkv_width();
-    let nr = lse.len();
-    let qbase = qkv_base(d, bh);
-    let obase = out_base(d, bh) + i0 * c;
-    let mask_base = (bh * t) as u64 * t as u64;
-    assert!(hs <= DT && nr > 0 && i0 + nr <= t);
-    assert!(qbase + (t - 1) * row3 + hs <= qkv.len());
+    let (d, qkv, kv) = (task.d, task.qkv, task.kv);
+    assert_eq!(
+        task.keys.pos0, 0,
+        "the bf16 pass reads the keys of `qkv` itself"
+    );
+    let (t, hs, row3, scale) = (d.t, d.hs, d.qkv_width(), score_scale(d));
+    let (nr, i0) = (task.lse.len(), task.i0);
+    let (q_at, obase, mut soft) = task.start(true);
+    assert!(hs <= DT);
     let (hp, hw) = (pairs(hs), hs.div_ceil(16) * 16);
     let [kl, vl] = kv_pack_len(d);
     assert_eq!(
@@ -457,8 +452,7 @@ pub(super) unsafe fn forward_block_bf16<const DROP: bool>(task: FwdTask) {
     let mut pp = [[0u32; BQ]; BK / 2];
     let mut o = [[0.0f32; DT]; BQ];
     let mut st = [[0.0f32; BQ]; BK];
-    let mut soft = OnlineSoftmax::new(true, mask, mask_base, t);
-    let q = qkv[qbase + i0 * row3..].as_ptr();
+    let q = qkv[q_at..].as_ptr();
     // SAFETY: rows i0..i0 + nr of this head's q lie in `qkv` (asserted); qp has
     // ⌈HS / 2⌉ <= DT / 2 rows of BQ >= nr pairs.
     unsafe { pack_along(qp.as_mut_ptr().cast(), (1, BQ), q, row3, (nr, hs)) };
@@ -517,15 +511,7 @@ pub(super) unsafe fn forward_block_bf16<const DROP: bool>(task: FwdTask) {
             });
         }
     }
-    for r in 0..nr {
-        let inv = 1.0 / soft.l[r];
-        // SAFETY: this task's own rows and head channels of `out`.
-        let dst = unsafe { out.slice(obase + r * c, hs) };
-        for (d, &v) in dst.iter_mut().zip(&o[r]) {
-            *d = v * inv;
-        }
-        lse[r] = soft.m[r] + soft.l[r].ln();
-    }
+    task.finish(&soft, Some(&o), obase);
 }
 
 impl Isa {
