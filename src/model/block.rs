@@ -141,14 +141,7 @@ impl<'a> BlockWeights<'a> {
         x: &[f32],
         n: NormSpans,
     ) {
-        let rows = x.len() / self.family.c;
-        let (mean, rstd) = stats.rows_mut(rows);
-        match self.family.norm {
-            NormKind::Layer => {
-                layernorm_forward::<BF16>(out, mean, rstd, x, norm_of(self.params, n))
-            }
-            NormKind::Rms => rmsnorm_forward::<BF16>(out, rstd, x, self.rms(n)),
-        }
+        norm_forward::<BF16>(self.family, self.params, n, out, stats, x)
     }
 
     /// [`BlockWeights::norm_forward`]'s output again from its saved statistics.
@@ -179,6 +172,30 @@ impl<'a> BlockWeights<'a> {
 
 /// Rows up to which [`BlockWeights::forward`] runs a decoder's linear layers on the GEMV.
 const GEMV_MAX_ROWS: usize = 8;
+
+/// `out = norm(x)` for the norm at `n` (weights in `params`) of `family`'s kind, over
+/// x's rows (rows, C); `stats` keeps what backward needs (the mean, for layer norms,
+/// and 1/std). The blocks' norms and `ln_f`, in training and in the decoder.
+pub fn norm_forward<const BF16: bool>(
+    family: &Family,
+    params: &[f32],
+    n: NormSpans,
+    out: &mut [f32],
+    stats: &mut NormStats,
+    x: &[f32],
+) {
+    let (mean, rstd) = stats.rows_mut(x.len() / family.c);
+    match family.norm {
+        NormKind::Layer => layernorm_forward::<BF16>(out, mean, rstd, x, norm_of(params, n)),
+        NormKind::Rms => {
+            let w = RmsNorm {
+                weight: &params[n.weight],
+                eps: family.norm_eps,
+            };
+            rmsnorm_forward::<BF16>(out, rstd, x, w)
+        }
+    }
+}
 
 /// A layer norm's parameters in the arena `params`.
 pub fn norm_of(params: &[f32], n: NormSpans) -> Norm<'_> {

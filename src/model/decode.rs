@@ -19,17 +19,15 @@
 //! rows on the GEMV, a prompt's rows on the bf16 GEMM that training uses.
 
 use super::activations::{BlockActs, NormStats, Scratch};
-use super::block::{block_forward, norm_of, Attend, BlockWeights};
+use super::block::{block_forward, norm_forward, Attend, BlockWeights};
 use super::config::{Dtype, ModelConfig};
-use super::family::{Family, NormKind};
+use super::family::Family;
 use super::layout::ParamLayout;
 use crate::kernels::attention::{cached_attention, KvCache};
 use crate::kernels::bf16::{self, Backend, Bf16};
 use crate::kernels::classifier::{classifier_logits, Classifier};
 use crate::kernels::encoder::encoder_forward;
 use crate::kernels::gemv::{gemv, Weights};
-use crate::kernels::layernorm::layernorm_forward;
-use crate::kernels::rmsnorm::{rmsnorm_forward, RmsNorm};
 use crate::kernels::rope::RopeTable;
 use crate::kernels::Dims;
 use rayon::prelude::*;
@@ -250,14 +248,16 @@ impl Decoder {
         let mut normed = vec![0.0; chunk * c];
         let mut stats = NormStats::new(chunk);
         let mut logits = vec![0.0; chunk * v];
-        let ln_f = norm_of(params, layout.ln_f);
-        let wte = &params[layout.wte.start..layout.wte.start + v * c];
+        let cls = layout.classifier();
+        let weights = &params[cls.start..cls.start + v * c];
+        // The f32 weights give the last rows too; a bf16 decoder's come from its copy.
+        let last_from_rows = self.weights_bf16.is_none();
         for (k, rows) in self.x[..n * c].chunks(chunk * c).enumerate() {
             let m = rows.len() / c;
-            let (mean, rstd) = stats.rows_mut(m);
-            layernorm_forward::<false>(&mut normed[..m * c], mean, rstd, rows, ln_f);
+            let out = &mut normed[..m * c];
+            norm_forward::<false>(&self.family, params, layout.ln_f, out, &mut stats, rows);
             let cls = Classifier {
-                wte,
+                wte: weights,
                 packs: None,
                 c,
                 v,
@@ -265,10 +265,18 @@ impl Decoder {
             };
             classifier_logits(&mut logits[..m * v], &normed[..m * c], cls);
             for (i, row) in logits[..m * v].chunks_exact(v).enumerate() {
-                each(k * chunk + i, row);
+                let at = k * chunk + i;
+                each(at, row);
+                if last_from_rows && at % p == p - 1 {
+                    self.logits[at / p * v..][..v].copy_from_slice(row);
+                }
             }
         }
-        self.final_logits(params, layout, p)
+        if last_from_rows {
+            &self.logits
+        } else {
+            self.final_logits(params, layout, p)
+        }
     }
 
     /// Continues `prefix`'s one sequence in each of this decoder's B: its cached
@@ -377,25 +385,20 @@ impl Decoder {
     /// ln_f and the classifier on the last new row of each sequence: returns (B, V).
     fn final_logits(&mut self, params: &[f32], layout: &ParamLayout, new: usize) -> &[f32] {
         let _t = crate::profile::scope(crate::profile::Section::Classifier);
-        let (b, c, v) = (self.shape.b, self.shape.c, self.shape.v);
+        let (c, v) = (self.shape.c, self.shape.v);
         for (seq, row) in self.last.chunks_exact_mut(c).enumerate() {
             let at = (seq * new + new - 1) * c;
             row.copy_from_slice(&self.x[at..at + c]);
         }
-        let (mean, rstd) = self.lnf_stats.rows_mut(b);
-        let (out, x, ln_f) = (&mut self.lnf, &self.last, layout.ln_f);
-        match self.family.norm {
-            NormKind::Layer => {
-                layernorm_forward::<false>(out, mean, rstd, x, norm_of(params, ln_f))
-            }
-            NormKind::Rms => {
-                let w = RmsNorm {
-                    weight: &params[ln_f.weight],
-                    eps: self.family.norm_eps,
-                };
-                rmsnorm_forward::<false>(out, rstd, x, w)
-            }
-        }
+        let (out, x) = (&mut self.lnf, &self.last);
+        norm_forward::<false>(
+            &self.family,
+            params,
+            layout.ln_f,
+            out,
+            &mut self.lnf_stats,
+            x,
+        );
         // One row per sequence against 50257 × 768 weights: a matrix-vector product,
         // bound by streaming the classifier (see kernels::gemv).
         let cls = layout.classifier();
@@ -646,6 +649,51 @@ pub(crate) mod tests {
                 &last[seq * v..][..v],
                 &want[(seq * t + t - 1) * v..][..v],
             );
+        }
+    }
+
+    /// The Llama families (RMSNorm, RoPE, 4 query heads over 2 key/value heads, Qwen2's
+    /// biases, Qwen3's q/k norm; tied and untied heads) through the decoder: a prompt's
+    /// last rows from `feed`, then every row from `feed_all` and its last rows, equal
+    /// the training forward's logits. `feed_all` once applied GPT-2's layer norm and
+    /// `wte` to every family.
+    #[test]
+    fn llama_families_decode_as_the_training_forward_computes() {
+        use crate::model::family::LlamaType;
+        use crate::model::tests_llama::tiny_llama;
+        for family in [LlamaType::Llama, LlamaType::Qwen2, LlamaType::Qwen3] {
+            for tied in [false, true] {
+                let what = format!("{family:?}, tied {tied}");
+                let cfg = tiny_llama(family, tied, 0.0);
+                let (b, t, head) = (2, cfg.block_size, 3);
+                let mut gpt = random_gpt(cfg, b, 21);
+                let v = gpt.config().vocab_size;
+                let seqs: Vec<Vec<u32>> = (0..b).map(|i| tokens(t, v, 2 * i + 1)).collect();
+                let want = gpt.logits(&prefix(&seqs, t), b, t);
+                let row_of = |seq: usize, pos: usize| &want[(seq * t + pos) * v..][..v];
+                let mut dec = Decoder::new(gpt.config(), b, t);
+                let first = dec.feed(&gpt.params, &gpt.layout, &prefix(&seqs, head), head);
+                for seq in 0..b {
+                    let got = &first[seq * v..][..v];
+                    assert_close(&format!("{what}: prompt {seq}"), got, row_of(seq, head - 1));
+                }
+                let rest: Vec<u32> = seqs.iter().flat_map(|s| s[head..].to_vec()).collect();
+                let p = t - head;
+                let mut got = vec![f32::NAN; b * p * v];
+                let last = dec.feed_all(&gpt.params, &gpt.layout, &rest, p, |row, logits| {
+                    got[row * v..(row + 1) * v].copy_from_slice(logits);
+                });
+                let last = last.to_vec();
+                for seq in 0..b {
+                    for i in 0..p {
+                        let row = &got[(seq * p + i) * v..][..v];
+                        let at = format!("{what}: sequence {seq} position {}", head + i);
+                        assert_close(&at, row, row_of(seq, head + i));
+                    }
+                    let at = format!("{what}: last row of {seq}");
+                    assert_close(&at, &last[seq * v..][..v], row_of(seq, t - 1));
+                }
+            }
         }
     }
 

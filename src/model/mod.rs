@@ -36,17 +36,15 @@ use crate::kernels::classifier::{
 };
 use crate::kernels::dropout::{self, Dropout};
 use crate::kernels::encoder::{encoder_backward, encoder_forward};
-use crate::kernels::layernorm::layernorm_forward;
-use crate::kernels::rmsnorm::{rmsnorm_forward, RmsNorm};
 use crate::kernels::rope::RopeTable;
 use crate::kernels::Dims;
 use crate::optim::AdamW;
 use crate::resident::release;
 use anyhow::{bail, Context, Result};
 use block::{attention_branch_backward, block_forward, mlp_backward};
-use block::{norm_backward, norm_grads, norm_of, split_two};
+use block::{norm_backward, norm_forward, norm_grads, split_two};
 use block::{Attend, BlockDropout, BlockWeights};
-use family::{Family, NormKind};
+use family::Family;
 use lora::{BlockLora, Frozen, LoraConfig, LoraLayout};
 use packs::Packs;
 use std::borrow::Cow;
@@ -1004,20 +1002,15 @@ impl Gpt {
         }
         let base = source.weights(params, params_bf16, packs.as_ref());
         let last = acts.blocks.last().map_or(&acts.encoded, |l| &l.res3);
-        let (mean, rstd) = acts.lnf_stats.rows_mut(n);
-        let (out, x, ln_f) = (&mut acts.lnf[..n * c], &last[..n * c], base.layout.ln_f);
-        match family.norm {
-            NormKind::Layer => {
-                layernorm_forward::<BF16>(out, mean, rstd, x, norm_of(base.params, ln_f))
-            }
-            NormKind::Rms => {
-                let w = RmsNorm {
-                    weight: &base.params[ln_f.weight],
-                    eps: family.norm_eps,
-                };
-                rmsnorm_forward::<BF16>(out, rstd, x, w)
-            }
-        }
+        let (out, x) = (&mut acts.lnf[..n * c], &last[..n * c]);
+        norm_forward::<BF16>(
+            family,
+            base.params,
+            base.layout.ln_f,
+            out,
+            &mut acts.lnf_stats,
+            x,
+        );
     }
 }
 
