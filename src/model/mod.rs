@@ -50,7 +50,11 @@ use packs::Packs;
 use std::borrow::Cow;
 use std::ops::Range;
 
-/// A GPT-2 with its parameters, gradients and activation buffers.
+/// A model of any family: what it *is* — its config and family, the parameter
+/// layout, the trained parameters and their gradients, and with LoRA the frozen base —
+/// and, apart from that, what a step *uses*: the matmuls' [`Precision`] (with the
+/// bf16 weights made from the parameters) and the [`PassState`] (activations and the
+/// pass's settings).
 ///
 /// `layout`, `params` and `grads` are the *trained* parameters: the whole model, or
 /// with LoRA ([`Gpt::with_lora`]) the adapters, the base then being frozen in
@@ -69,6 +73,12 @@ pub struct Gpt {
     pub grads: Vec<f32>,
     /// LoRA: the frozen base model and the adapters' places. None: full training.
     frozen: Option<Box<Frozen>>,
+    precision: Precision,
+    pass: PassState,
+}
+
+/// The matmuls' precision and the bf16 weights made from the parameters for it.
+struct Precision {
     /// Precision of the matmuls (see [`Gpt::set_dtype`]).
     dtype: Dtype,
     /// The kernel of the bf16 products and what follows from it: packs or a rounded
@@ -90,11 +100,17 @@ pub struct Gpt {
     /// bf16 mode: the copy is stale and the next full forward rounds each range right
     /// after its `need` ([`Gpt::refresh_bf16_at_next_forward`]).
     bf16_owed: bool,
+}
+
+/// What a pass uses beside the weights, and what the training forward leaves for
+/// backward.
+struct PassState {
     acts: Activations,
     /// Activation checkpointing (see [`Gpt::set_activation_checkpointing`]).
     checkpointing: bool,
     /// Micro-steps per optimizer step when training (see [`Gpt::set_micro_steps`]).
     micro_steps: Option<usize>,
+    /// The largest batch the activations hold: `max_b × max_t` tokens.
     max_b: usize,
     max_t: usize,
     training: bool,
@@ -247,23 +263,27 @@ impl Gpt {
             params: vec![0.0; layout.len],
             grads: vec![0.0; layout.len],
             frozen: None,
-            dtype: Dtype::Float32,
-            backend: Backend::portable(),
-            params_bf16: Vec::new(),
-            packs: None,
-            lent: false,
-            bf16_owed: false,
+            precision: Precision {
+                dtype: Dtype::Float32,
+                backend: Backend::portable(),
+                params_bf16: Vec::new(),
+                packs: None,
+                lent: false,
+                bf16_owed: false,
+            },
             layout,
-            acts,
-            checkpointing: false,
-            micro_steps: None,
-            max_b,
-            max_t,
+            pass: PassState {
+                acts,
+                checkpointing: false,
+                micro_steps: None,
+                max_b,
+                max_t,
+                training: true,
+                grad_scale: 1.0,
+                dropout_seed: 0,
+                pending: None,
+            },
             config,
-            training: true,
-            grad_scale: 1.0,
-            dropout_seed: 0,
-            pending: None,
         })
     }
 
@@ -295,7 +315,7 @@ impl Gpt {
         assert!(self.frozen.is_none(), "the model already has adapters");
         let adapters = LoraLayout::new(&self.config, &lora);
         let len = adapters.params.len;
-        let dtype = self.dtype;
+        let dtype = self.precision.dtype;
         let state = lora::LoraState {
             config: lora,
             base: base.0.to_string(),
@@ -310,15 +330,15 @@ impl Gpt {
             state,
             adapters,
         };
-        frozen.set_dtype(Dtype::Float32, &self.backend);
+        frozen.set_dtype(Dtype::Float32, &self.precision.backend);
         lora::init_adapters(&mut self.params, &frozen.adapters, seed);
         self.grads = vec![0.0; len];
         self.frozen = Some(Box::new(frozen));
         // Rebuild the activations and the bf16 copies for the adapted model.
-        self.dtype = Dtype::Float32;
-        self.params_bf16 = Vec::new();
-        self.packs = None;
-        self.acts = Activations::new(&self.config, 0, 0, Dtype::Float32, false);
+        self.precision.dtype = Dtype::Float32;
+        self.precision.params_bf16 = Vec::new();
+        self.precision.packs = None;
+        self.pass.acts = Activations::new(&self.config, 0, 0, Dtype::Float32, false);
         self.set_dtype_rebuild(dtype);
         self
     }
@@ -386,25 +406,25 @@ impl Gpt {
     /// Training mode (like `model.train()` in PyTorch): dropout is active and
     /// `forward` prepares `backward`. Off (`model.eval()`): neither.
     pub fn set_training(&mut self, on: bool) {
-        self.training = on;
-        self.pending = None;
+        self.pass.training = on;
+        self.pass.pending = None;
     }
 
     /// Whether passes train (see [`Gpt::set_training`]).
     pub fn is_training(&self) -> bool {
-        self.training
+        self.pass.training
     }
 
     /// Multiplies the gradients of the following backward passes, e.g. by
     /// `1 / gradient_accumulation_steps` so accumulated gradients are a mean.
     pub fn set_grad_scale(&mut self, scale: f32) {
-        self.grad_scale = scale;
+        self.pass.grad_scale = scale;
     }
 
     /// Seeds the dropout masks of the next training forward (each forward then
     /// advances the seed). Set it per micro-step for runs that resume exactly.
     pub fn set_dropout_seed(&mut self, seed: u64) {
-        self.dropout_seed = seed;
+        self.pass.dropout_seed = seed;
     }
 
     /// Switches the matmul precision. `Bfloat16` is autocast: every matmul operand
@@ -415,9 +435,9 @@ impl Gpt {
     /// the bf16 copy of the weights. `backend` is the kernel the bf16 products run on,
     /// which decides whether the model packs its weights or keeps a rounded copy.
     pub fn set_dtype(&mut self, dtype: Dtype, backend: &Backend) {
-        if (dtype, *backend) != (self.dtype, self.backend) {
-            self.backend = *backend;
-            self.acts = Activations::new(&self.config, 0, 0, Dtype::Float32, false);
+        if (dtype, *backend) != (self.precision.dtype, self.precision.backend) {
+            self.precision.backend = *backend;
+            self.pass.acts = Activations::new(&self.config, 0, 0, Dtype::Float32, false);
             self.set_dtype_rebuild(dtype);
         } else {
             self.sync_bf16_weights();
@@ -427,18 +447,19 @@ impl Gpt {
     /// [`Gpt::set_dtype`] once the old activations are freed: the arena, the bf16
     /// copies (with LoRA, the frozen base's, made once, and its packs).
     fn set_dtype_rebuild(&mut self, dtype: Dtype) {
-        self.rebuild_activations(dtype, self.checkpointing);
+        self.rebuild_activations(dtype, self.pass.checkpointing);
         let bf16 = dtype == Dtype::Bfloat16;
-        let len = self
-            .backend
-            .bf16_copy_len(bf16, self.lent, self.params.len());
-        self.params_bf16 = vec![0.0; len];
-        self.dtype = dtype;
-        self.packs = self.new_packs();
-        self.pending = None;
+        let len =
+            self.precision
+                .backend
+                .bf16_copy_len(bf16, self.precision.lent, self.params.len());
+        self.precision.params_bf16 = vec![0.0; len];
+        self.precision.dtype = dtype;
+        self.precision.packs = self.new_packs();
+        self.pass.pending = None;
         if let Some(f) = self.frozen.as_mut() {
-            f.set_dtype(dtype, &self.backend);
-            if let Some(packs) = self.packs.as_mut() {
+            f.set_dtype(dtype, &self.precision.backend);
+            if let Some(packs) = self.precision.packs.as_mut() {
                 let base = matmul_weights(true, &f.params, &f.params_bf16);
                 packs.pack_all(base, &f.layout, &self.config);
             }
@@ -449,10 +470,13 @@ impl Gpt {
     /// Empty (stale) packs where the bf16 products read packs
     /// ([`Backend::packs_weights`]).
     fn new_packs(&self) -> Option<Packs> {
-        let bf16 = self.dtype == Dtype::Bfloat16;
-        let made = self.backend.packs_weights(bf16, self.lent);
+        let bf16 = self.precision.dtype == Dtype::Bfloat16;
+        let made = self
+            .precision
+            .backend
+            .packs_weights(bf16, self.precision.lent);
         let frozen = self.frozen.is_some();
-        let linears = Packs::linears_pay(self.micro_steps, self.checkpointing, frozen);
+        let linears = Packs::linears_pay(self.pass.micro_steps, self.pass.checkpointing, frozen);
         made.then(|| Packs::new(self.config.n_layer, linears))
     }
 
@@ -462,19 +486,19 @@ impl Gpt {
     /// packing work, without holding the packs). Unset (evaluation, sampling), they
     /// are packed once. Set it before [`Gpt::set_dtype`].
     pub fn set_micro_steps(&mut self, n: usize) {
-        self.micro_steps = Some(n);
+        self.pass.micro_steps = Some(n);
     }
 
     /// Bytes held by the bf16 weight copies (with LoRA the frozen base's too; 0
     /// where the model keeps none, [`Backend::keeps_bf16_copy`]).
     pub fn bf16_copy_bytes(&self) -> usize {
         let frozen = self.frozen.as_ref().map_or(0, |f| f.params_bf16.len());
-        4 * (self.params_bf16.len() + frozen)
+        4 * (self.precision.params_bf16.len() + frozen)
     }
 
     /// Bytes held by the packed bf16 weights (0 without them).
     pub fn packs_bytes(&self) -> usize {
-        self.packs.as_ref().map_or(0, Packs::bytes)
+        self.precision.packs.as_ref().map_or(0, Packs::bytes)
     }
 
     /// Activation checkpointing: training forward keeps only each block's input (the
@@ -484,21 +508,21 @@ impl Gpt {
     /// of every block's, for about one more forward pass of compute. Rebuilds the
     /// activation arena (call it before training, not in the step loop).
     pub fn set_activation_checkpointing(&mut self, on: bool) {
-        if on != self.checkpointing {
-            self.rebuild_activations(self.dtype, on);
-            self.checkpointing = on;
-            self.pending = None;
+        if on != self.pass.checkpointing {
+            self.rebuild_activations(self.precision.dtype, on);
+            self.pass.checkpointing = on;
+            self.pass.pending = None;
         }
     }
 
     /// A new activation arena: the old one is freed first, so the two never coexist.
     fn rebuild_activations(&mut self, dtype: Dtype, checkpointing: bool) {
-        let (b, t) = (self.max_b, self.max_t);
-        self.acts = Activations::new(&self.config, 0, 0, Dtype::Float32, false);
-        self.acts = Activations::new(&self.config, b, t, dtype, checkpointing);
+        let (b, t) = (self.pass.max_b, self.pass.max_t);
+        self.pass.acts = Activations::new(&self.config, 0, 0, Dtype::Float32, false);
+        self.pass.acts = Activations::new(&self.config, b, t, dtype, checkpointing);
         if let Some(f) = self.frozen.as_deref() {
             let (r, drop) = (f.state.config.rank, f.state.config.dropout > 0.0);
-            self.acts.add_lora(&self.config, b * t, r, drop);
+            self.pass.acts.add_lora(&self.config, b * t, r, drop);
         }
     }
 
@@ -511,19 +535,26 @@ impl Gpt {
     /// trained arena's).
     pub fn set_weights_lent(&mut self, on: bool) {
         assert!(!on || self.frozen.is_none(), "LoRA passes lend no weights");
-        self.lent = on;
+        self.precision.lent = on;
         if on {
-            self.packs = None;
+            self.precision.packs = None;
         }
-        if self.dtype == Dtype::Bfloat16 {
+        if self.precision.dtype == Dtype::Bfloat16 {
             // Lent weights keep a copy made per range on every kernel.
-            let len = self.backend.bf16_copy_len(true, on, self.params.len());
-            self.params_bf16.resize(len, 0.0);
+            let len = self
+                .precision
+                .backend
+                .bf16_copy_len(true, on, self.params.len());
+            self.precision.params_bf16.resize(len, 0.0);
         }
-        release_lent_copy(on, 0..self.params_bf16.len(), &mut self.params_bf16);
+        release_lent_copy(
+            on,
+            0..self.precision.params_bf16.len(),
+            &mut self.precision.params_bf16,
+        );
         if on {
             // Every pass releases and refills most of these.
-            for buf in [&self.params, &self.grads, &self.params_bf16] {
+            for buf in [&self.params, &self.grads, &self.precision.params_bf16] {
                 crate::resident::prefer_huge_pages(buf);
             }
         }
@@ -535,11 +566,11 @@ impl Gpt {
     /// A no-op in f32 mode, and with lent weights (the passes round each range they
     /// receive).
     pub fn sync_bf16_weights(&mut self) {
-        self.bf16_owed = false;
-        if self.dtype == Dtype::Bfloat16 && !self.lent {
-            if !self.params_bf16.is_empty() {
+        self.precision.bf16_owed = false;
+        if self.precision.dtype == Dtype::Bfloat16 && !self.precision.lent {
+            if !self.precision.params_bf16.is_empty() {
                 let _t = crate::profile::scope(crate::profile::Section::Bf16Weights);
-                bf16::round_into(&mut self.params_bf16, &self.params);
+                bf16::round_into(&mut self.precision.params_bf16, &self.params);
             }
             self.repack();
         }
@@ -553,15 +584,15 @@ impl Gpt {
     /// Without LoRA only (its passes call no `need`).
     pub fn refresh_bf16_at_next_forward(&mut self) {
         assert!(self.frozen.is_none(), "LoRA passes call no need");
-        self.bf16_owed = true;
-        if let Some(packs) = self.packs.as_mut() {
+        self.precision.bf16_owed = true;
+        if let Some(packs) = self.precision.packs.as_mut() {
             packs.mark_stale();
         }
     }
 
     /// Whether the bf16 copy waits for the next forward to be refreshed.
     pub fn bf16_refresh_owed(&self) -> bool {
-        self.bf16_owed
+        self.precision.bf16_owed
     }
 
     /// The AdamW step of `opt` (built by `AdamW::new` for this arena) at `lr` on the
@@ -570,7 +601,8 @@ impl Gpt {
     /// `opt.step_scaled(params, grads, lr, grad_factor)`, then
     /// [`Gpt::sync_bf16_weights`] and [`Gpt::zero_grad`], whose passes it replaces.
     pub fn step_adamw(&mut self, opt: &mut AdamW, lr: f32, grad_factor: f32) {
-        let copy = (!self.params_bf16.is_empty()).then_some(&mut self.params_bf16[..]);
+        let copy =
+            (!self.precision.params_bf16.is_empty()).then_some(&mut self.precision.params_bf16[..]);
         opt.step_fused(&mut self.params, &mut self.grads, copy, lr, grad_factor);
         self.repack();
     }
@@ -578,17 +610,21 @@ impl Gpt {
     /// bf16 on AMX or AVX512-BF16: packs the weights just changed, rounding them
     /// (with LoRA the packs are the frozen base's, packed once).
     fn repack(&mut self) {
-        let packs = self.packs.as_mut().filter(|_| self.frozen.is_none());
+        let packs = self
+            .precision
+            .packs
+            .as_mut()
+            .filter(|_| self.frozen.is_none());
         if let Some(packs) = packs {
             let _t = crate::profile::scope(crate::profile::Section::Bf16Weights);
-            let w = matmul_weights(true, &self.params, &self.params_bf16);
+            let w = matmul_weights(true, &self.params, &self.precision.params_bf16);
             packs.pack_all(w, &self.layout, &self.config);
         }
     }
 
     /// Bytes held by the activation arena.
     pub fn activation_bytes(&self) -> usize {
-        self.acts.num_bytes()
+        self.pass.acts.num_bytes()
     }
 
     pub fn zero_grad(&mut self) {
@@ -619,18 +655,18 @@ impl Gpt {
     ) -> f32 {
         let dims = self.check_batch(inputs, b, t);
         assert_eq!(targets.len(), b * t, "targets must be B·T long");
-        let seed = self.dropout_seed;
-        let pass = self.training.then_some(seed);
-        let loss = match self.dtype {
+        let seed = self.pass.dropout_seed;
+        let pass = self.pass.training.then_some(seed);
+        let loss = match self.precision.dtype {
             Dtype::Float32 => self.forward_loss::<false>(inputs, targets, dims, pass, hooks),
             Dtype::Bfloat16 => self.forward_loss::<true>(inputs, targets, dims, pass, hooks),
         };
-        if !self.training {
+        if !self.pass.training {
             self.pass_done(hooks);
         }
-        if self.training {
-            self.pending = Some((dims, seed));
-            self.dropout_seed = dropout::mix64(seed.wrapping_add(1));
+        if self.pass.training {
+            self.pass.pending = Some((dims, seed));
+            self.pass.dropout_seed = dropout::mix64(seed.wrapping_add(1));
         }
         loss
     }
@@ -638,8 +674,12 @@ impl Gpt {
     /// The whole model's weights (with LoRA: the adapters of the frozen base) as the
     /// matmuls of precision `bf16` read them.
     fn weights(&self, bf16: bool) -> Weights<'_> {
-        let source = Source::new(bf16, &self.layout, &self.frozen, &self.backend);
-        source.weights(&self.params, &self.params_bf16, self.packs.as_ref())
+        let source = Source::new(bf16, &self.layout, &self.frozen, &self.precision.backend);
+        source.weights(
+            &self.params,
+            &self.precision.params_bf16,
+            self.precision.packs.as_ref(),
+        )
     }
 
     /// [`Gpt::forward`] in one precision: the trunk, then the classifier with its loss
@@ -656,16 +696,24 @@ impl Gpt {
         let n = d.bt();
         let Gpt {
             params,
-            params_bf16,
-            packs,
-            backend,
-            acts,
             grads,
             layout,
             config,
             frozen,
-            training,
-            grad_scale,
+            precision:
+                Precision {
+                    params_bf16,
+                    packs,
+                    backend,
+                    ..
+                },
+            pass:
+                PassState {
+                    acts,
+                    training,
+                    grad_scale,
+                    ..
+                },
             ..
         } = self;
         let source = Source::new(BF16, layout, frozen, backend);
@@ -694,7 +742,7 @@ impl Gpt {
 
     /// The most tokens (B · T) one pass can hold.
     pub fn max_tokens(&self) -> usize {
-        self.max_b * self.max_t
+        self.pass.max_b * self.pass.max_t
     }
 
     /// The ranges of the arena whose gradients [`Gpt::backward_with`] reports final,
@@ -747,10 +795,11 @@ impl Gpt {
     /// `ln_f`, needed since the forward, are done at the end.
     pub fn backward_hooked(&mut self, hooks: &mut dyn PassHooks) {
         let (dims, seed) = self
+            .pass
             .pending
             .take()
             .expect("backward() needs a forward() in training mode first");
-        match self.dtype {
+        match self.precision.dtype {
             Dtype::Float32 => self.backward_pass::<false>(dims, seed, hooks),
             Dtype::Bfloat16 => self.backward_pass::<true>(dims, seed, hooks),
         }
@@ -762,7 +811,7 @@ impl Gpt {
         if self.frozen.is_none() {
             for range in [embeddings_bucket(&self.layout), ln_f_bucket(&self.layout)] {
                 hooks.done(range.clone(), &mut self.params);
-                release_lent_copy(self.lent, range, &mut self.params_bf16);
+                release_lent_copy(self.precision.lent, range, &mut self.precision.params_bf16);
             }
         }
     }
@@ -776,16 +825,19 @@ impl Gpt {
             family,
             rope,
             params,
-            params_bf16,
-            packs,
-            backend,
-            lent,
             grads,
-            acts,
             layout,
             config,
             frozen,
-            ..
+            precision:
+                Precision {
+                    params_bf16,
+                    packs,
+                    backend,
+                    lent,
+                    ..
+                },
+            pass: PassState { acts, .. },
         } = self;
         let source = Source::new(BF16, layout, frozen, backend);
         let full = frozen.is_none();
@@ -883,13 +935,13 @@ impl Gpt {
     /// for training. Runs without dropout and leaves gradients alone.
     pub fn logits(&mut self, inputs: &[u32], b: usize, t: usize) -> Vec<f32> {
         let d = self.check_batch(inputs, b, t);
-        match self.dtype {
+        match self.precision.dtype {
             Dtype::Float32 => self.trunk_forward::<false>(inputs, d, None, &mut NoHooks),
             Dtype::Bfloat16 => self.trunk_forward::<true>(inputs, d, None, &mut NoHooks),
         }
         let (n, v) = (d.bt(), self.config.vocab_size);
         let mut out = vec![0.0; n * v];
-        let bf16 = self.dtype == Dtype::Bfloat16;
+        let bf16 = self.precision.dtype == Dtype::Bfloat16;
         let base = self.weights(bf16);
         // The f32 GEMM reads its operands as they are: in bf16, the classifier rounded
         // (it is `params`'s where the model keeps no rounded copy).
@@ -903,19 +955,19 @@ impl Gpt {
             packs: None,
             c: d.c,
             v,
-            backend: &self.backend,
+            backend: &self.precision.backend,
         };
-        classifier_logits(&mut out, &self.acts.lnf[..n * d.c], cls);
-        self.pending = None;
+        classifier_logits(&mut out, &self.pass.acts.lnf[..n * d.c], cls);
+        self.pass.pending = None;
         out
     }
 
     fn check_batch(&mut self, inputs: &[u32], b: usize, t: usize) -> Dims {
         assert!(
-            b <= self.max_b && t <= self.max_t && b * t > 0,
+            b <= self.pass.max_b && t <= self.pass.max_t && b * t > 0,
             "batch {b}×{t} exceeds the model's buffers ({}×{})",
-            self.max_b,
-            self.max_t
+            self.pass.max_b,
+            self.pass.max_t
         );
         assert_eq!(inputs.len(), b * t, "inputs must be B·T long");
         let vp = self.config.padded_vocab_size() as u32;
@@ -941,15 +993,19 @@ impl Gpt {
             family,
             rope,
             params,
-            params_bf16,
-            packs,
-            backend,
-            lent,
-            bf16_owed,
-            acts,
             layout,
             config,
             frozen,
+            precision:
+                Precision {
+                    params_bf16,
+                    packs,
+                    backend,
+                    lent,
+                    bf16_owed,
+                    ..
+                },
+            pass: PassState { acts, .. },
             ..
         } = self;
         let source = Source::new(BF16, layout, frozen, backend);
@@ -1322,7 +1378,7 @@ mod tests {
     fn loss_at(gpt: &mut Gpt, x: &[u32], y: &[i32], b: usize, t: usize, seed: u64) -> f64 {
         gpt.set_dropout_seed(seed);
         let loss = gpt.forward(x, y, b, t) as f64;
-        gpt.pending = None;
+        gpt.pass.pending = None;
         loss
     }
 
@@ -1589,7 +1645,7 @@ mod tests {
                     }
                 }
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                (losses, bits(&gpt.params), bits(&gpt.params_bf16))
+                (losses, bits(&gpt.params), bits(&gpt.precision.params_bf16))
             };
             let want = run(false);
             assert_eq!(run(true), want, "{dtype:?}");
@@ -1799,17 +1855,20 @@ mod tests {
                 gpt.zero_grad();
                 gpt.set_dropout_seed(3);
             }
-            assert!(lent.params_bf16.iter().all(|&p| p == 0.0), "no whole copy");
+            assert!(
+                lent.precision.params_bf16.iter().all(|&p| p == 0.0),
+                "no whole copy"
+            );
             let loss = plain.forward(&x, &y, b, t);
             plain.backward();
             assert_eq!(lent.forward_hooked(&x, &y, b, t, &mut hooks), loss);
             lent.backward_hooked(&mut hooks);
             assert_eq!(lent.grads, plain.grads, "checkpointing {ckpt}");
-            let copy = &lent.params_bf16;
+            let copy = &lent.precision.params_bf16;
             assert!(copy.iter().all(|&p| p == 0.0), "each range's copy released");
             // A step leaves the copy to the passes.
             lent.sync_bf16_weights();
-            assert!(lent.params_bf16.iter().all(|&p| p == 0.0));
+            assert!(lent.precision.params_bf16.iter().all(|&p| p == 0.0));
         }
     }
 

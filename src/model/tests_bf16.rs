@@ -317,9 +317,9 @@ fn packing_weights_once_per_step_changes_no_bit() {
         let mut gpt = model(cfg.clone(), b, t, 41);
         gpt.set_activation_checkpointing(true);
         gpt.set_dtype(Dtype::Bfloat16, &here());
-        assert_eq!(gpt.packs.is_some(), here().reads_packs());
+        assert_eq!(gpt.precision.packs.is_some(), here().reads_packs());
         if !packed {
-            gpt.packs = None;
+            gpt.precision.packs = None;
         }
         let mut opt = crate::optim::AdamW::new(&gpt.layout.decay_ranges(), Default::default());
         let mut out = Vec::new();
@@ -360,7 +360,7 @@ fn packing_weights_once_per_step_changes_no_bit() {
     let before = gpt.forward(&x, &y, b, t);
     let zero = vec![0.0; gpt.params.len()];
     let (layout, config) = (gpt.layout.clone(), cfg.clone());
-    let packs = gpt.packs.as_mut().expect("packs");
+    let packs = gpt.precision.packs.as_mut().expect("packs");
     // Block 1's packs from zero weights: its MLP and q/k/v products vanish.
     if packs.has_linears() {
         let block1 = layout.layers[1].span.range();
@@ -368,7 +368,7 @@ fn packing_weights_once_per_step_changes_no_bit() {
         assert_ne!(gpt.forward(&x, &y, b, t), before, "block packs unread");
     }
     // `wte`'s packs from zero: every logit 0.
-    let packs = gpt.packs.as_mut().expect("packs");
+    let packs = gpt.precision.packs.as_mut().expect("packs");
     packs.pack_range(0..1, &zero, &layout, &config);
     let uniform = (cfg.vocab_size as f32).ln();
     assert!(
@@ -404,7 +404,7 @@ fn stale_packs_are_never_read() {
     let mut gpt = model(medium(true), b, t, 5);
     gpt.set_dtype(Dtype::Bfloat16, &here());
     gpt.refresh_bf16_at_next_forward();
-    let packs = gpt.packs.as_ref().expect("packs");
+    let packs = gpt.precision.packs.as_ref().expect("packs");
     for read in [
         |p: &Packs| assert!(p.wte().bytes() > 0),
         |p: &Packs| _ = p.layer(1).filter(|_| p.has_linears()).expect("packed"),
@@ -414,7 +414,7 @@ fn stale_packs_are_never_read() {
     }
     let (x, y) = batch(b, t, gpt.config().vocab_size);
     gpt.forward(&x, &y, b, t);
-    let packs = gpt.packs.as_ref().expect("packs");
+    let packs = gpt.precision.packs.as_ref().expect("packs");
     let _fresh = (packs.wte(), packs.layer(1));
     assert_eq!(packs.layer(1).is_some(), packs.has_linears());
 }
