@@ -52,8 +52,8 @@ use std::ops::Range;
 
 /// A model of any family: what it *is* — its config and family, the parameter
 /// layout, the trained parameters and their gradients, and with LoRA the frozen base —
-/// and, apart from that, what a step *uses*: the matmuls' [`Precision`] (with the
-/// bf16 weights made from the parameters) and the [`PassState`] (activations and the
+/// and, apart from that, what a step *uses*: the matmuls' `Precision` (with the
+/// bf16 weights made from the parameters) and the `PassState` (activations and the
 /// pass's settings).
 ///
 /// `layout`, `params` and `grads` are the *trained* parameters: the whole model, or
