@@ -145,6 +145,7 @@ impl Mpi {
             });
         }
         if size > 1 {
+            let_the_heartbeat_speak_before_an_abort();
             // A panic on one rank must not leave the others waiting for it.
             let prev = std::panic::take_hook();
             std::panic::set_hook(Box::new(move |info| {
@@ -540,6 +541,26 @@ fn diagnose(missing: Option<Vec<usize>>, hosts: &[String]) -> String {
 pub fn library_version() -> String {
     let version = mpi::environment::library_version().unwrap_or_default();
     version.trim_end_matches(['\0', '\n', ' ']).to_string()
+}
+
+/// How long a rank whose MPI library aborts it waits before the abort goes on.
+const ABORT_WAIT: Duration = Duration::from_secs(1);
+
+/// MPICH over UCX aborts a rank at once when a peer process vanishes in the middle of
+/// a transfer (UCX's CMA transport: `process_vm_readv … No such process`, a backtrace,
+/// `abort()`), often before the heartbeat thread, woken by the same death, has named
+/// the peer that is gone. On SIGABRT this process therefore waits [`ABORT_WAIT`], in
+/// which the heartbeat prints its message and ends the job; then the abort goes on.
+fn let_the_heartbeat_speak_before_an_abort() {
+    // SAFETY: the action only sleeps (`nanosleep`, async-signal-safe): it allocates
+    // nothing, takes no lock and touches no shared state.
+    // Not installed (it cannot fail for SIGABRT): a transport's abort may then come
+    // before the heartbeat's message, as without it.
+    let _ = unsafe {
+        signal_hook::low_level::register(signal_hook::consts::SIGABRT, || {
+            std::thread::sleep(ABORT_WAIT)
+        })
+    };
 }
 
 /// How long `MPI_Abort` may take before this process ends itself: with a host
