@@ -26,7 +26,7 @@ use super::wire::{random_token, Invitation, Lines};
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, TryLockError};
 use std::time::{Duration, Instant};
 
 /// What ends the job when a peer is lost: prints the message and aborts.
@@ -225,6 +225,38 @@ fn say_to_all(word: &str) {
     hb.ending.store(true, Ordering::SeqCst);
     for link in hb.links.lock().unwrap_or_else(|e| e.into_inner()).iter() {
         let _ = (&*link).write_all(format!("{word}\n").as_bytes());
+    }
+}
+
+/// Held while a checkpoint is written and recorded ([`saving`]); taken for good when
+/// this process reports a lost peer, so that the message names the last checkpoint
+/// and none is written after it.
+static SAVES: Mutex<()> = Mutex::new(());
+
+/// How long a lost peer's report waits for a checkpoint being written to be recorded.
+const SAVE_WAIT: Duration = Duration::from_secs(2);
+
+/// A checkpoint is about to be written: hold the guard until [`checkpoint_written`]
+/// has recorded it. Once this process has reported a lost peer (the job is ending),
+/// it never returns.
+pub fn saving() -> MutexGuard<'static, ()> {
+    SAVES.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Waits up to [`SAVE_WAIT`] for a checkpoint being written to be recorded, then
+/// keeps any other from starting. A save still running after that is blocked (on
+/// the lost peer, as ZeRO's gathers are): the report names the one before it.
+fn stop_saves() {
+    let start = Instant::now();
+    loop {
+        match SAVES.try_lock() {
+            Ok(guard) => return std::mem::forget(guard),
+            Err(TryLockError::Poisoned(p)) => return std::mem::forget(p.into_inner()),
+            Err(TryLockError::WouldBlock) if start.elapsed() < SAVE_WAIT => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(TryLockError::WouldBlock) => return,
+        }
     }
 }
 
@@ -431,6 +463,10 @@ fn remember_checkpoint(line: &str) {
 fn lost(hb: &Shared, peer: usize, loss: Loss) {
     if hb.ending.load(Ordering::SeqCst) || hb.fired.swap(true, Ordering::SeqCst) {
         return;
+    }
+    // This process's own heartbeat (not a test's): the checkpoint named is the last.
+    if HEARTBEAT.get().is_some_and(|own| std::ptr::eq(&**own, hb)) {
+        stop_saves();
     }
     let timeout_s = hb.timeout_ms.load(Ordering::SeqCst) as f64 / 1e3;
     (hb.on_lost)(loss_message(hb, peer, &loss, timeout_s));
