@@ -833,7 +833,10 @@ fn a_killed_rank_ends_the_job_and_the_run_resumes() {
     let line = stderr
         .lines()
         .find(|l| l.contains(" is gone: its heartbeat connection closed"))
-        .unwrap_or_else(|| panic!("no heartbeat message:\n{stderr}"));
+        .unwrap_or_else(|| {
+            let stdout = text(&out.stdout);
+            panic!("no heartbeat message after {took:?}:\n{stderr}\nstdout:\n{stdout}")
+        });
     assert!(
         line.starts_with("error: rank 0 of 2 (host ") && line.contains("rank 1 (host "),
         "{line}"
@@ -841,8 +844,10 @@ fn a_killed_rank_ends_the_job_and_the_run_resumes() {
     // The last checkpoint is intact, named, and the run continues from it.
     let saved = params("killed").2;
     let ckpt = workdir().join("killed/ckpt.safetensors");
+    // Named as written, or as being written when the rank was lost.
     let named = format!("resume from {} (iteration {saved})", ckpt.display());
-    assert!(line.contains(&named), "{line}");
+    let writing = format!("iteration {saved} was being written to {}", ckpt.display());
+    assert!(line.contains(&named) || line.contains(&writing), "{line}");
     assert!(saved >= 20 && saved.is_multiple_of(20), "{saved}");
     let until = format!("max_iters={}", saved + 3);
     train(

@@ -229,35 +229,44 @@ fn say_to_all(word: &str) {
 }
 
 /// Held while a checkpoint is written and recorded ([`saving`]); taken for good when
-/// this process reports a lost peer, so that the message names the last checkpoint
-/// and none is written after it.
+/// this process reports a lost peer, so that no checkpoint starts after the report.
 static SAVES: Mutex<()> = Mutex::new(());
 
-/// How long a lost peer's report waits for a checkpoint being written to be recorded.
-const SAVE_WAIT: Duration = Duration::from_secs(2);
+/// The checkpoint being written (its path and iteration) while [`SAVES`] is held.
+static WRITING: Mutex<Option<(String, u64)>> = Mutex::new(None);
 
-/// A checkpoint is about to be written: hold the guard until [`checkpoint_written`]
-/// has recorded it. Once this process has reported a lost peer (the job is ending),
-/// it never returns.
-pub fn saving() -> MutexGuard<'static, ()> {
-    SAVES.lock().unwrap_or_else(|e| e.into_inner())
+/// A checkpoint of iteration `iter` is being written to `path` until this is dropped
+/// (after [`checkpoint_written`] has recorded it).
+pub struct Saving {
+    _held: MutexGuard<'static, ()>,
 }
 
-/// Waits up to [`SAVE_WAIT`] for a checkpoint being written to be recorded, then
-/// keeps any other from starting. A save still running after that is blocked (on
-/// the lost peer, as ZeRO's gathers are): the report names the one before it.
-fn stop_saves() {
-    let start = Instant::now();
-    loop {
-        match SAVES.try_lock() {
-            Ok(guard) => return std::mem::forget(guard),
-            Err(TryLockError::Poisoned(p)) => return std::mem::forget(p.into_inner()),
-            Err(TryLockError::WouldBlock) if start.elapsed() < SAVE_WAIT => {
-                std::thread::sleep(Duration::from_millis(20))
-            }
-            Err(TryLockError::WouldBlock) => return,
-        }
+impl Drop for Saving {
+    fn drop(&mut self) {
+        *WRITING.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
+}
+
+/// A checkpoint of iteration `iter` is about to be written to `path`: a lost peer
+/// reported meanwhile is reported with it ([`stop_saves`]). Once this process has
+/// reported a lost peer (the job is ending), it never returns.
+pub fn saving(path: &std::path::Path, iter: u64) -> Saving {
+    let held = SAVES.lock().unwrap_or_else(|e| e.into_inner());
+    let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    *WRITING.lock().unwrap_or_else(|e| e.into_inner()) = Some((path.display().to_string(), iter));
+    Saving { _held: held }
+}
+
+/// Keeps any checkpoint from starting after a lost peer's report; returns the one
+/// being written at that moment, if any (the report cannot wait for it: a launcher
+/// may end the job within milliseconds of a rank's death).
+fn stop_saves() -> Option<(String, u64)> {
+    match SAVES.try_lock() {
+        Ok(held) => std::mem::forget(held),
+        Err(TryLockError::Poisoned(p)) => std::mem::forget(p.into_inner()),
+        Err(TryLockError::WouldBlock) => {}
+    }
+    WRITING.lock().unwrap_or_else(|e| e.into_inner()).clone()
 }
 
 /// Rank 0 has written the checkpoint at `path`, from which iteration `iter`
@@ -464,12 +473,21 @@ fn lost(hb: &Shared, peer: usize, loss: Loss) {
     if hb.ending.load(Ordering::SeqCst) || hb.fired.swap(true, Ordering::SeqCst) {
         return;
     }
-    // This process's own heartbeat (not a test's): the checkpoint named is the last.
-    if HEARTBEAT.get().is_some_and(|own| std::ptr::eq(&**own, hb)) {
-        stop_saves();
-    }
+    // This process's own heartbeat (not a test's): no checkpoint after the report.
+    let writing = HEARTBEAT
+        .get()
+        .is_some_and(|own| std::ptr::eq(&**own, hb))
+        .then(stop_saves)
+        .flatten();
     let timeout_s = hb.timeout_ms.load(Ordering::SeqCst) as f64 / 1e3;
-    (hb.on_lost)(loss_message(hb, peer, &loss, timeout_s));
+    let mut msg = loss_message(hb, peer, &loss, timeout_s);
+    if let Some((path, iter)) = writing {
+        msg.push_str(&format!(
+            "; the checkpoint of iteration {iter} was being written to {path}: if that \
+             completed, the run resumes from iteration {iter}"
+        ));
+    }
+    (hb.on_lost)(msg);
 }
 
 fn loss_message(hb: &Shared, peer: usize, loss: &Loss, timeout_s: f64) -> String {

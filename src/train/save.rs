@@ -131,8 +131,8 @@ impl Trainer {
                 .then(|| self.backend.kernel().name().to_string()),
             ab_switches: crate::tuning::get().changed(),
         };
-        // A lost rank's report waits for this save to be recorded, and names it.
-        let _saving = crate::dist::heartbeat::saving();
+        // A lost rank reported while this is written names it too.
+        let _saving = crate::dist::heartbeat::saving(path, iter);
         checkpoint::save_streamed(path, &state, layout, true, &mut source)?;
         self.save_tokenizer()?;
         crate::dist::heartbeat::checkpoint_written(path, iter);
