@@ -830,24 +830,35 @@ fn a_killed_rank_ends_the_job_and_the_run_resumes() {
     // Rank 0 names the rank that is gone (its heartbeat connection closed) and the
     // checkpoint to resume from, before the launcher tears the job down.
     let stderr = text(&out.stderr);
-    let line = stderr
-        .lines()
-        .find(|l| l.contains(" is gone: its heartbeat connection closed"))
-        .unwrap_or_else(|| {
-            let stdout = text(&out.stdout);
-            panic!("no heartbeat message after {took:?}:\n{stderr}\nstdout:\n{stdout}")
-        });
-    assert!(
-        line.starts_with("error: rank 0 of 2 (host ") && line.contains("rank 1 (host "),
-        "{line}"
-    );
-    // The last checkpoint is intact, named, and the run continues from it.
     let saved = params("killed").2;
     let ckpt = workdir().join("killed/ckpt.safetensors");
-    // Named as written, or as being written when the rank was lost.
-    let named = format!("resume from {} (iteration {saved})", ckpt.display());
-    let writing = format!("iteration {saved} was being written to {}", ckpt.display());
-    assert!(line.contains(&named) || line.contains(&writing), "{line}");
+    match stderr
+        .lines()
+        .find(|l| l.contains(" is gone: its heartbeat connection closed"))
+    {
+        Some(line) => {
+            assert!(
+                line.starts_with("error: rank 0 of 2 (host ") && line.contains("rank 1 (host "),
+                "{line}"
+            );
+            // The last checkpoint is named as written, or as being written when the
+            // rank was lost.
+            let named = format!("resume from {} (iteration {saved})", ckpt.display());
+            let writing = format!("iteration {saved} was being written to {}", ckpt.display());
+            assert!(line.contains(&named) || line.contains(&writing), "{line}");
+        }
+        None => {
+            // MPICH's Hydra can end every rank within ~50 ms of one's death (seen in
+            // 1 run of 20 on 2 cores), before rank 0's report is out; Hydra's own
+            // report then names the killed process.
+            let stdout = text(&out.stdout);
+            assert!(
+                stdout.contains("BAD TERMINATION") && stdout.contains("Killed (signal 9)"),
+                "no heartbeat message after {took:?}:\n{stderr}\nstdout:\n{stdout}"
+            );
+        }
+    }
+    // The last checkpoint is intact and the run continues from it.
     assert!(saved >= 20 && saved.is_multiple_of(20), "{saved}");
     let until = format!("max_iters={}", saved + 3);
     train(
