@@ -248,7 +248,7 @@ impl Drop for Saving {
 }
 
 /// A checkpoint of iteration `iter` is about to be written to `path`: a lost peer
-/// reported meanwhile is reported with it ([`stop_saves`]). Once this process has
+/// reported meanwhile is reported with it. Once this process has
 /// reported a lost peer (the job is ending), it never returns.
 pub fn saving(path: &std::path::Path, iter: u64) -> Saving {
     let held = SAVES.lock().unwrap_or_else(|e| e.into_inner());
