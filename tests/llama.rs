@@ -639,37 +639,8 @@ fn a_peft_adapter_on_llama_computes_what_peft_computes() {
     let out = tmp.path().join("adapter");
     let frozen = gpt.frozen().unwrap();
     write_adapter(&out, &frozen.state, &frozen.adapters, &gpt.params).unwrap();
-    let read = |p: PathBuf| std::fs::read(p.join("adapter_model.safetensors")).unwrap();
-    let (ours, peft) = (read(out.clone()), read(fixture.clone()));
-    let (ours, peft) = (
-        SafeTensors::deserialize(&ours).unwrap(),
-        SafeTensors::deserialize(&peft).unwrap(),
-    );
-    let sorted = |st: &SafeTensors| {
-        let mut names: Vec<String> = st.names().into_iter().cloned().collect();
-        names.sort();
-        names
-    };
-    assert_eq!(sorted(&ours), sorted(&peft));
-    for name in sorted(&ours) {
-        let (a, p) = (ours.tensor(&name).unwrap(), peft.tensor(&name).unwrap());
-        assert_eq!((a.dtype(), a.shape()), (p.dtype(), p.shape()), "{name}");
-        assert_eq!(a.data(), p.data(), "{name}");
-    }
-    let (ours, peft) = (
-        common::read_json(&out.join("adapter_config.json")),
-        common::read_json(&fixture.join("adapter_config.json")),
-    );
-    for key in ["peft_type", "r", "fan_in_fan_out", "bias", "use_rslora"] {
-        assert_eq!(ours[key], peft[key], "{key}");
-    }
-    assert_eq!(ours["lora_alpha"].as_f64(), peft["lora_alpha"].as_f64());
-    let set = |v: &serde_json::Value| {
-        let mut s: Vec<String> = serde_json::from_value(v["target_modules"].clone()).unwrap();
-        s.sort();
-        s
-    };
-    assert_eq!(set(&ours), set(&peft));
+    let keys = ["peft_type", "r", "fan_in_fan_out", "bias", "use_rslora"];
+    common::assert_same_adapter(&out, &fixture, &keys);
 }
 
 /// A LoRA run on the Llama base from the command line (all seven projections),

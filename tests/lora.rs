@@ -318,44 +318,15 @@ mod lora_golden {
         let dir = temp_dir("lora-adapter");
         let out = dir.path().join("adapter");
         write_adapter(&out, &frozen.state, &frozen.adapters, &gpt.params).unwrap();
-        let ours = std::fs::read(out.join("adapter_model.safetensors")).unwrap();
-        let peft = std::fs::read(fixture("lora/adapter/adapter_model.safetensors")).unwrap();
-        let (ours, peft) = (
-            SafeTensors::deserialize(&ours).unwrap(),
-            SafeTensors::deserialize(&peft).unwrap(),
-        );
-        let mut names: Vec<_> = ours.names().into_iter().cloned().collect();
-        let mut want: Vec<_> = peft.names().into_iter().cloned().collect();
-        names.sort();
-        want.sort();
-        assert_eq!(names, want);
-        for name in &names {
-            let (a, b) = (ours.tensor(name).unwrap(), peft.tensor(name).unwrap());
-            assert_eq!((a.dtype(), a.shape()), (b.dtype(), b.shape()), "{name}");
-            assert_eq!(a.data(), b.data(), "{name}");
-        }
-        let cfg = |p: &std::path::Path| -> serde_json::Value {
-            serde_json::from_str(&std::fs::read_to_string(p.join("adapter_config.json")).unwrap())
-                .unwrap()
-        };
-        let (ours, peft) = (cfg(&out), cfg(&fixture("lora/adapter")));
-        for key in [
+        let keys = [
             "peft_type",
             "r",
             "fan_in_fan_out",
             "bias",
             "use_rslora",
             "use_dora",
-        ] {
-            assert_eq!(ours[key], peft[key], "{key}");
-        }
-        assert_eq!(ours["lora_alpha"].as_f64(), peft["lora_alpha"].as_f64());
-        let set = |v: &serde_json::Value| {
-            let mut s: Vec<String> = serde_json::from_value(v["target_modules"].clone()).unwrap();
-            s.sort();
-            s
-        };
-        assert_eq!(set(&ours), set(&peft));
+        ];
+        crate::common::assert_same_adapter(&out, &fixture("lora/adapter"), &keys);
     }
 }
 

@@ -151,6 +151,39 @@ pub fn read_json(path: &Path) -> serde_json::Value {
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
+/// Asserts that the PEFT adapter folder `ours` is `peft`'s: the same tensors (names,
+/// dtypes, shapes and bytes) in adapter_model.safetensors, and in adapter_config.json
+/// the same `keys`, `lora_alpha` and set of `target_modules`.
+pub fn assert_same_adapter(ours: &Path, peft: &Path, keys: &[&str]) {
+    let read = |p: &Path| std::fs::read(p.join("adapter_model.safetensors")).unwrap();
+    let (ours_bytes, peft_bytes) = (read(ours), read(peft));
+    let a = safetensors::SafeTensors::deserialize(&ours_bytes).unwrap();
+    let b = safetensors::SafeTensors::deserialize(&peft_bytes).unwrap();
+    let sorted = |st: &safetensors::SafeTensors| {
+        let mut names: Vec<String> = st.names().into_iter().cloned().collect();
+        names.sort();
+        names
+    };
+    assert_eq!(sorted(&a), sorted(&b));
+    for name in sorted(&a) {
+        let (x, y) = (a.tensor(&name).unwrap(), b.tensor(&name).unwrap());
+        assert_eq!((x.dtype(), x.shape()), (y.dtype(), y.shape()), "{name}");
+        assert_eq!(x.data(), y.data(), "{name}");
+    }
+    let config = |p: &Path| read_json(&p.join("adapter_config.json"));
+    let (ours, peft) = (config(ours), config(peft));
+    for &key in keys {
+        assert_eq!(ours[key], peft[key], "{key}");
+    }
+    assert_eq!(ours["lora_alpha"].as_f64(), peft["lora_alpha"].as_f64());
+    let set = |v: &serde_json::Value| {
+        let mut s: Vec<String> = serde_json::from_value(v["target_modules"].clone()).unwrap();
+        s.sort();
+        s
+    };
+    assert_eq!(set(&ours), set(&peft));
+}
+
 /// Writes `lines` copies of a line of Hamlet to `dir/text.txt` and prepares them with
 /// GPT-2's tokenizer into `dir/data` (a fifth for validation): the data of the tests
 /// that fine-tune GPT-2-vocabulary models.
