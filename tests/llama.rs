@@ -287,15 +287,9 @@ fn load_path(path: &std::path::Path, block: usize) -> (ModelConfig, Vec<f32>) {
         .unwrap()
 }
 
-/// The command line end to end on a Llama fixture (GQA 3:1, tied head): fine-tune
-/// from the Hugging Face folder in f32 and in bf16, LoRA on all seven projections,
-/// export the fine-tuned model to an HF folder (which loads back with the trained
-/// weights) and the adapters to a PEFT folder, and sample through the KV cache.
-#[test]
-fn fine_tune_lora_export_and_sample_from_the_command_line() {
-    let d = common::temp_dir("llama-cli");
-    let root = d.path();
-    let text = "To be, or not to be, that is the question:\n".repeat(40);
+/// `text` in `root/text.txt`, prepared with a character tokenizer into `root/data`
+/// (a fifth for validation).
+fn char_data(root: &std::path::Path, text: &str) {
     std::fs::write(root.join("text.txt"), text).unwrap();
     let prep = [
         "prepare",
@@ -306,6 +300,18 @@ fn fine_tune_lora_export_and_sample_from_the_command_line() {
         "char",
     ];
     common::ok(root, &[&prep[..], &["--val-fraction", "0.2"]].concat());
+}
+
+/// The command line end to end on a Llama fixture (GQA 3:1, tied head): fine-tune
+/// from the Hugging Face folder in f32 and in bf16, LoRA on all seven projections,
+/// export the fine-tuned model to an HF folder (which loads back with the trained
+/// weights) and the adapters to a PEFT folder, and sample through the KV cache.
+#[test]
+fn fine_tune_lora_export_and_sample_from_the_command_line() {
+    let d = common::temp_dir("llama-cli");
+    let root = d.path();
+    let text = "To be, or not to be, that is the question:\n".repeat(40);
+    char_data(root, &text);
     let fixture = dir().join("llama_gqa");
     let init = format!("init_from={}", fixture.display());
     let train = |out: &str, extra: &[&str]| {
@@ -654,16 +660,7 @@ fn a_trained_llama_adapter_exports_for_peft() {
     let d = common::temp_dir("llama-lora-export");
     let root = d.path();
     let text = "Now is the winter of our discontent\n".repeat(40);
-    std::fs::write(root.join("text.txt"), text).unwrap();
-    let prep = [
-        "prepare",
-        "text.txt",
-        "--out",
-        "data",
-        "--tokenizer",
-        "char",
-    ];
-    common::ok(root, &[&prep[..], &["--val-fraction", "0.2"]].concat());
+    char_data(root, &text);
     let base = dir().join("lora_gqa/base");
     let init = format!("init_from={}", base.display());
     let args = [
