@@ -262,14 +262,6 @@ fn lora_runs_follow_the_one_process_run() {
         "max_iters=6",
     ];
     let one = reference(&lora);
-    let adapters = |out: &str| {
-        let ckpt = Checkpoint::open(&workdir().join(out)).unwrap();
-        let state = ckpt.state.lora.clone().expect("a LoRA checkpoint");
-        let layout = LoraLayout::new(&ckpt.state.model, &state.config).params;
-        let mut p = vec![0.0; layout.len];
-        ckpt.load_params(&layout, &mut p).unwrap();
-        (ckpt.state.model.clone(), state.config, p)
-    };
     for (ranks, stage) in [(2, "zero_stage=0"), (3, "zero_stage=1")] {
         let out = format!("lora-{ranks}");
         train(ranks, &out, &[&lora[..], &[stage]].concat());
@@ -278,7 +270,7 @@ fn lora_runs_follow_the_one_process_run() {
         for ((i, a), (_, b)) in sa.iter().chain(&ea).zip(sb.iter().chain(&eb)) {
             assert!((a - b).abs() <= 1e-5 * a.abs(), "{out} at {i}: {a} vs {b}");
         }
-        let ((model, config, pa), (_, _, pb)) = (adapters(&one), adapters(&out));
+        let ((model, config, pa), (_, _, pb)) = (lora_params(&one), lora_params(&out));
         let worst = pa
             .iter()
             .zip(&pb)
@@ -413,7 +405,6 @@ fn zero_3_checkpoints_resume_on_one_process_and_back() {
 /// and so do bf16 under ZeRO-3 and LoRA on Hugging Face's module names under ZeRO-2.
 #[test]
 fn llama_with_gqa_follows_the_one_process_run_at_every_zero_stage() {
-    use nanogpt::model::lora::LoraLayout;
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let init = format!("init_from={}", common::fixture("llama/llama_gqa").display());
     let llama = |ranks: usize, out: &str, extra: &[&str]| {
@@ -453,27 +444,36 @@ fn llama_with_gqa_follows_the_one_process_run_at_every_zero_stage() {
         "lora_dropout=0.1",
         "lora_targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
     ];
-    let adapters = |out: &str| {
-        let ckpt = Checkpoint::open(&workdir().join(out)).unwrap();
-        let state = ckpt.state.lora.clone().expect("a LoRA checkpoint");
-        let layout = LoraLayout::new(&ckpt.state.model, &state.config).params;
-        let mut p = vec![0.0; layout.len];
-        ckpt.load_params(&layout, &mut p).unwrap();
-        p
-    };
     llama(0, "llama-lora-1", &lora);
     for (ranks, stage) in [(2, "zero_stage=1"), (3, "zero_stage=2")] {
         let out = format!("llama-lora-{ranks}");
         llama(ranks, &out, &[&lora[..], &[stage]].concat());
         let worst = assert_same_losses("llama-lora-1", &out);
         eprintln!("llama-lora-1 vs {out}: largest relative loss difference {worst:e}");
-        let (a, b) = (adapters("llama-lora-1"), adapters(&out));
+        let (a, b) = (lora_params("llama-lora-1").2, lora_params(&out).2);
         let moved = a.iter().fold(0.0f32, |m, x| m.max(x.abs()));
         assert!(moved > 0.0, "{out}: the adapters did not train");
         let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs());
         let worst = worst.fold(0.0, f32::max);
         assert!(worst <= 1e-5, "{out}: adapters differ by up to {worst}");
     }
+}
+
+/// A LoRA run's last checkpoint in the work directory: its model, its adapters'
+/// config and the trained adapter arena.
+fn lora_params(
+    out: &str,
+) -> (
+    nanogpt::model::ModelConfig,
+    nanogpt::model::lora::LoraConfig,
+    Vec<f32>,
+) {
+    let ckpt = Checkpoint::open(&workdir().join(out)).unwrap();
+    let state = ckpt.state.lora.clone().expect("a LoRA checkpoint");
+    let layout = nanogpt::model::lora::LoraLayout::new(&ckpt.state.model, &state.config).params;
+    let mut p = vec![0.0; layout.len];
+    ckpt.load_params(&layout, &mut p).unwrap();
+    (ckpt.state.model.clone(), state.config, p)
 }
 
 /// Instruction data (chat examples, char-level, with loss masks) in the work directory.
