@@ -22,7 +22,13 @@ pub enum Section {
     Activation,
     Residual,
     Dropout,
+    /// The classifier's products (logits, their input and weight gradients).
     Classifier,
+    /// The softmax and cross-entropy over the logits, and their gradient.
+    Loss,
+    Rope,
+    /// LoRA's adapter products (the frozen base's own are the linear rows).
+    Lora,
     ZeroGrad,
     GradNorm,
     AdamW,
@@ -30,7 +36,7 @@ pub enum Section {
     Bf16Round,
 }
 
-const SECTIONS: [Section; 15] = [
+const SECTIONS: [Section; 18] = [
     Section::Encoder,
     Section::LayerNorm,
     Section::MatmulForward,
@@ -41,6 +47,9 @@ const SECTIONS: [Section; 15] = [
     Section::Residual,
     Section::Dropout,
     Section::Classifier,
+    Section::Loss,
+    Section::Rope,
+    Section::Lora,
     Section::ZeroGrad,
     Section::GradNorm,
     Section::AdamW,
@@ -60,7 +69,10 @@ impl Section {
             Section::Activation => "gelu / swiglu",
             Section::Residual => "residual",
             Section::Dropout => "dropout",
-            Section::Classifier => "classifier + loss",
+            Section::Classifier => "classifier matmuls",
+            Section::Loss => "softmax + cross-entropy",
+            Section::Rope => "rope",
+            Section::Lora => "lora adapters",
             Section::ZeroGrad => "zero grad",
             Section::GradNorm => "grad norm + clip",
             Section::AdamW => "adamw",

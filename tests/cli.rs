@@ -346,7 +346,8 @@ fn bench_profile_rows_are_exclusive_and_add_up_to_at_most_the_step() {
         assert!(*ms >= 0.0, "{name}: {ms} ms");
     }
     for family in [
-        "classifier + loss",
+        "classifier matmuls",
+        "softmax + cross-entropy",
         "linear forward",
         "adamw",
         "bf16 rounding + widening",

@@ -92,6 +92,7 @@ pub fn classifier_forward<const BF16: bool>(
         }
         let tgt = &targets[start..start + rows];
         let with_grad = grads.is_some();
+        let loss_t = crate::profile::scope(crate::profile::Section::Loss);
         logits
             .par_chunks_mut(v)
             .zip(
@@ -106,6 +107,7 @@ pub fn classifier_forward<const BF16: bool>(
                     super::bf16::round_slice(row);
                 }
             });
+        drop(loss_t);
         if let Some(g) = grads.as_mut() {
             let dlogits = Mat::new(logits, rows, v);
             let dx = &mut g.dx[start * c..(start + rows) * c];

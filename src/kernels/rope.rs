@@ -162,7 +162,7 @@ pub fn rope_backward(dqkv: &mut [f32], d: Dims, table: &RopeTable, pos0: usize) 
 /// Turns every query and key head of `x` by the angle of its position times `sign`
 /// (1 or −1: sin(−a) = −sin(a), so the backward pass is exactly the transpose).
 fn turn(x: &mut [f32], d: Dims, table: &RopeTable, pos0: usize, sign: f32) {
-    let _t = crate::profile::scope(crate::profile::Section::Attention);
+    let _t = crate::profile::scope(crate::profile::Section::Rope);
     let (w, hs) = (d.qkv_width(), d.hs);
     assert_eq!(
         table.head_size(),

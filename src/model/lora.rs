@@ -507,6 +507,7 @@ impl<'a> BlockLora<'a> {
         lora_u: &mut [f32],
         (scratch, part_out): (&mut [f32], &mut [f32]),
     ) {
+        let _t = crate::profile::scope(crate::profile::Section::Lora);
         for sp in self.of(role) {
             let n = x.len() / sp.inp;
             let xd = self.dropped::<BF16>(sp.target, x, scratch);
@@ -541,6 +542,7 @@ impl<'a> BlockLora<'a> {
         x: &[f32],
         bufs: &mut LoraBufs,
     ) {
+        let _t = crate::profile::scope(crate::profile::Section::Lora);
         for (k, sp) in self.of(role).enumerate() {
             let n = x.len() / sp.inp;
             let dout = Mat::new(dout, n, sp.oc).columns(sp.row0, sp.row0 + sp.out);
@@ -576,6 +578,7 @@ impl<'a> BlockLora<'a> {
         dx: &mut [f32],
         bufs: &mut LoraBufs,
     ) {
+        let _t = crate::profile::scope(crate::profile::Section::Lora);
         for (k, sp) in self.of(role).enumerate() {
             let n = dx.len() / sp.inp;
             let du = &bufs.du[k * n * sp.rank..(k + 1) * n * sp.rank];
