@@ -121,9 +121,30 @@ pub const LOCK_FILE: &str = ".nanogpt.lock";
 /// on `FOLDER/.nanogpt.lock` (`flock`), held until this value is dropped or the
 /// process ends in any way, so a crash never leaves a stale lock; the file records
 /// the holder's process id and host for the refusal message.
+///
+/// A folder the run created itself ([`DirLock::created_here`]) goes again when the
+/// lock is dropped if the run left nothing in it but the lock file (it was refused
+/// or failed before writing anything), so that a refusal leaves no trace.
 #[derive(Debug)]
 pub struct DirLock {
     _file: File,
+    /// The locked folder and the outermost folder this process created for it (the
+    /// folder itself, or a missing parent), when it created any.
+    created: Option<(PathBuf, PathBuf)>,
+}
+
+/// Creates `dir` and any missing parents, as `create_dir_all` does; returns the
+/// outermost folder it created (`None` when `dir` existed), for
+/// [`DirLock::created_here`].
+pub fn create_dir_all_noting(dir: &Path) -> std::io::Result<Option<PathBuf>> {
+    let mut outermost = None;
+    let mut at = Some(dir);
+    while let Some(d) = at.filter(|d| !d.as_os_str().is_empty() && !d.exists()) {
+        outermost = Some(d.to_path_buf());
+        at = d.parent();
+    }
+    std::fs::create_dir_all(dir)?;
+    Ok(outermost)
 }
 
 impl DirLock {
@@ -177,7 +198,40 @@ impl DirLock {
             std::io::Write::write_all(&mut file, me.as_bytes())?;
             file.sync_data()
         });
-        Ok(DirLock { _file: file })
+        Ok(DirLock {
+            _file: file,
+            created: None,
+        })
+    }
+
+    /// Records that this process created `dir` (the locked folder), `outermost`
+    /// being what [`create_dir_all_noting`] returned.
+    pub fn created_here(mut self, dir: &Path, outermost: Option<PathBuf>) -> DirLock {
+        self.created = outermost.map(|top| (dir.to_path_buf(), top));
+        self
+    }
+}
+
+impl Drop for DirLock {
+    fn drop(&mut self) {
+        let Some((dir, outermost)) = &self.created else {
+            return;
+        };
+        let only_the_lock = std::fs::read_dir(dir).is_ok_and(|entries| {
+            let names: Vec<_> = entries.flatten().map(|e| e.file_name()).collect();
+            names == [LOCK_FILE]
+        });
+        if !only_the_lock {
+            return;
+        }
+        let _ = std::fs::remove_file(dir.join(LOCK_FILE));
+        // Inside out, up to the outermost folder created; `remove_dir` only removes
+        // an empty folder, so nothing that appeared meanwhile is lost.
+        for d in dir.ancestors() {
+            if std::fs::remove_dir(d).is_err() || d == outermost.as_path() {
+                break;
+            }
+        }
     }
 }
 
@@ -388,6 +442,33 @@ mod tests {
         assert!(msg.contains("choose another out_dir"), "{msg}");
         let again = DirLock::acquire(dir.path(), "out_dir", "a later run");
         assert!(again.is_ok(), "released on drop");
+    }
+
+    #[test]
+    fn a_folder_created_for_a_lock_goes_again_when_nothing_was_written() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("a/b");
+        let made = create_dir_all_noting(&dir).unwrap();
+        assert_eq!(made.as_deref(), Some(root.path().join("a").as_path()));
+        let lock = DirLock::acquire(&dir, "out_dir", "a run").unwrap();
+        drop(lock.created_here(&dir, made.clone()));
+        assert_eq!(
+            names(root.path()),
+            Vec::<String>::new(),
+            "both folders removed"
+        );
+        // With a file written, the folder and the lock file stay.
+        let made = create_dir_all_noting(&dir).unwrap();
+        let lock = DirLock::acquire(&dir, "out_dir", "a run").unwrap();
+        std::fs::write(dir.join("ckpt.json"), "{}").unwrap();
+        drop(lock.created_here(&dir, made));
+        assert_eq!(names(&dir), [LOCK_FILE, "ckpt.json"]);
+        // A folder that existed is never removed.
+        std::fs::remove_file(dir.join("ckpt.json")).unwrap();
+        assert_eq!(create_dir_all_noting(&dir).unwrap(), None);
+        let lock = DirLock::acquire(&dir, "out_dir", "a run").unwrap();
+        drop(lock.created_here(&dir, None));
+        assert_eq!(names(&dir), [LOCK_FILE]);
     }
 
     #[test]

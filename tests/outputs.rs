@@ -13,7 +13,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 
 mod common;
-use common::{command, fails, fixture, ok, prepare_gpt2_text, run, temp_dir, text};
+use common::{command, fails, fixture, ok, prepare_gpt2_text, refused, run, temp_dir, text};
 
 /// Every file under `dir` (recursively) with its bytes; the lock file of `prepare`
 /// left out. `None` when `dir` holds no file (or does not exist).
@@ -386,4 +386,74 @@ fn prepare_replaces_a_dataset_whole_and_keeps_other_files() {
         ]
     );
     assert_eq!(names(d), ["ds"]);
+}
+
+#[test]
+fn a_refused_run_leaves_no_folder_it_created() {
+    let dir = temp_dir("outputs-refused");
+    let d = dir.path();
+    std::fs::write(
+        d.join("text.txt"),
+        "to be or not to be, that is the question\n".repeat(40),
+    )
+    .unwrap();
+    ok(
+        d,
+        &["prepare", "text.txt", "--out", "ds", "--tokenizer", "char"],
+    );
+    // A Llama config without its weights: the plan reads the config, so the run
+    // is refused only when the weights are loaded, after out_dir is made and locked.
+    let config = r#"{"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 40,
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "hidden_act": "silu", "tie_word_embeddings": true}"#;
+    std::fs::create_dir(d.join("llama")).unwrap();
+    std::fs::write(d.join("llama/config.json"), config).unwrap();
+    let err = refused(&run(&mut command(
+        d,
+        [
+            "train",
+            "dataset=ds",
+            "init_from=llama",
+            "out_dir=runs/a/out",
+            "max_iters=1",
+        ],
+    )));
+    assert!(err.contains("no model.safetensors"), "{err}");
+    assert!(
+        !d.join("runs").exists(),
+        "left behind: {:?}",
+        names(&d.join("runs"))
+    );
+    // An out_dir that existed stays, with what it held.
+    std::fs::create_dir(d.join("mine")).unwrap();
+    std::fs::write(d.join("mine/notes.txt"), "mine").unwrap();
+    refused(&run(&mut command(
+        d,
+        [
+            "train",
+            "dataset=ds",
+            "init_from=llama",
+            "out_dir=mine",
+            "max_iters=1",
+        ],
+    )));
+    assert!(names(&d.join("mine")).contains(&"notes.txt".to_string()));
+    // prepare, refused after its --out is made: a record that is not JSON.
+    std::fs::write(
+        d.join("bad.jsonl"),
+        format!("{}{{not json\n", alpaca(1, "x")),
+    )
+    .unwrap();
+    let args = [
+        "prepare",
+        "bad.jsonl",
+        "--out",
+        "new/ds",
+        "--tokenizer",
+        "char",
+    ];
+    refused(&run(&mut command(d, args)));
+    assert!(!d.join("new/ds").exists(), "{:?}", names(&d.join("new")));
 }

@@ -213,14 +213,15 @@ pub fn prepare_source(source: &Source, opts: &PrepareOptions) -> Result<PrepareS
             out_dir.display()
         );
     }
-    let created = !out_dir.exists();
-    std::fs::create_dir_all(out_dir).with_context(|| {
+    let made = crate::fsutil::create_dir_all_noting(out_dir).with_context(|| {
         format!(
             "cannot create output folder {}; check permissions or choose another --out",
             out_dir.display()
         )
     })?;
-    let lock = crate::fsutil::DirLock::acquire(out_dir, "--out", "a prepare run")?;
+    // Nothing prepared (an error): the folder this run created goes too.
+    let _lock = crate::fsutil::DirLock::acquire(out_dir, "--out", "a prepare run")?
+        .created_here(out_dir, made);
     let run = Run {
         source,
         opts,
@@ -228,14 +229,7 @@ pub fn prepare_source(source: &Source, opts: &PrepareOptions) -> Result<PrepareS
         fraction,
         train_chars: (scan.char_count as f64 * (1.0 - fraction)) as u64,
     };
-    let written = run.write();
-    if written.is_err() && created {
-        // Nothing was prepared: the folder this run created goes too.
-        drop(lock);
-        let _ = std::fs::remove_file(out_dir.join(crate::fsutil::LOCK_FILE));
-        let _ = std::fs::remove_dir(out_dir);
-    }
-    written
+    run.write()
 }
 
 /// What one `prepare` writes, and from what.

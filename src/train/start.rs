@@ -321,13 +321,14 @@ fn prepare_out_dir(cfg: &TrainConfig) -> Result<(DirLock, Vec<PathBuf>)> {
             dir.display()
         );
     }
-    std::fs::create_dir_all(dir).with_context(|| {
+    let made = crate::fsutil::create_dir_all_noting(dir).with_context(|| {
         format!(
             "cannot create out_dir {}; check permissions or choose another out_dir",
             dir.display()
         )
     })?;
-    let lock = DirLock::acquire(dir, "out_dir", "a training run")?;
+    // A run refused from here on removes the folder it created.
+    let lock = DirLock::acquire(dir, "out_dir", "a training run")?.created_here(dir, made);
     let replace = match cfg.init() {
         InitFrom::Resume => Vec::new(),
         _ => check_fresh_start(dir)?,
