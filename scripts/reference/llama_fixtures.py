@@ -43,7 +43,10 @@ and one PEFT LoRA adapter on a Llama base, for the adapters in and out:
                                                A and B random (PEFT's B = 0 would hide it)
     tests/fixtures/llama/lora_gqa.expected.safetensors
         ids, targets, logits, loss as above, with the adapter; KEY.grad for every
-        adapter tensor KEY of adapter_model.safetensors
+        adapter tensor KEY of adapter_model.safetensors; computed in float64 from
+        the saved float32 weights and adapter (stored as float32), so that the
+        test measures nanogpt's own error, not the difference between two float32
+        summation orders
 
 Weights are transformers' initialisation with a larger `initializer_range` (0.1) and
 every norm weight and bias drawn around its default (1 or 0), so that each path of
@@ -222,6 +225,9 @@ def write_lora(out_dir):
     peft.save_pretrained(adapter)
     os.remove(os.path.join(adapter, "README.md"))  # a generated model card
 
+    # The reference in float64 (the saved f32 weights, exactly): nanogpt's f32 result
+    # is then compared with the exact one, not with another f32 summation order.
+    peft = peft.double()
     v = model.config.vocab_size
     _, inputs, targets = batch(v)
     logits = peft(input_ids=inputs).logits
@@ -229,13 +235,15 @@ def write_lora(out_dir):
     loss.backward()
     tensors = {
         "ids": inputs.to(torch.int32), "targets": targets.to(torch.int32),
-        "logits": logits.detach().contiguous(), "loss": loss.detach().reshape(1),
+        "logits": logits.detach().float().contiguous(),
+        "loss": loss.detach().float().reshape(1),
     }
     grads = 0
     for name, p in peft.named_parameters():
         if p.requires_grad:
             # PEFT's in-memory names carry the adapter's name; the saved keys do not.
-            tensors[name.replace(".default", "") + ".grad"] = p.grad.detach().contiguous()
+            grad = p.grad.detach().float().contiguous()
+            tensors[name.replace(".default", "") + ".grad"] = grad
             grads += 1
     save_file(tensors, os.path.join(out_dir, f"{LORA_NAME}.expected.safetensors"))
     print(f"{LORA_NAME}: loss {loss.item():.6f}, {grads} adapter gradients")
