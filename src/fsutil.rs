@@ -128,9 +128,11 @@ pub const LOCK_FILE: &str = ".nanogpt.lock";
 #[derive(Debug)]
 pub struct DirLock {
     _file: File,
-    /// The locked folder and the outermost folder this process created for it (the
-    /// folder itself, or a missing parent), when it created any.
-    created: Option<(PathBuf, PathBuf)>,
+    /// The locked folder.
+    dir: PathBuf,
+    /// The outermost folder this process created for it (the folder itself, or a
+    /// missing parent), when it created any.
+    created: Option<PathBuf>,
 }
 
 /// Creates `dir` and any missing parents, as `create_dir_all` does; returns the
@@ -200,21 +202,22 @@ impl DirLock {
         });
         Ok(DirLock {
             _file: file,
+            dir: dir.to_path_buf(),
             created: None,
         })
     }
 
-    /// Records that this process created `dir` (the locked folder), `outermost`
-    /// being what [`create_dir_all_noting`] returned.
-    pub fn created_here(mut self, dir: &Path, outermost: Option<PathBuf>) -> DirLock {
-        self.created = outermost.map(|top| (dir.to_path_buf(), top));
+    /// Records that this process created the locked folder, `outermost` being what
+    /// [`create_dir_all_noting`] returned for it.
+    pub fn created_here(mut self, outermost: Option<PathBuf>) -> DirLock {
+        self.created = outermost;
         self
     }
 }
 
 impl Drop for DirLock {
     fn drop(&mut self) {
-        let Some((dir, outermost)) = &self.created else {
+        let (dir, Some(outermost)) = (&self.dir, &self.created) else {
             return;
         };
         let only_the_lock = std::fs::read_dir(dir).is_ok_and(|entries| {
@@ -451,7 +454,7 @@ mod tests {
         let made = create_dir_all_noting(&dir).unwrap();
         assert_eq!(made.as_deref(), Some(root.path().join("a").as_path()));
         let lock = DirLock::acquire(&dir, "out_dir", "a run").unwrap();
-        drop(lock.created_here(&dir, made.clone()));
+        drop(lock.created_here(made.clone()));
         assert_eq!(
             names(root.path()),
             Vec::<String>::new(),
@@ -461,13 +464,13 @@ mod tests {
         let made = create_dir_all_noting(&dir).unwrap();
         let lock = DirLock::acquire(&dir, "out_dir", "a run").unwrap();
         std::fs::write(dir.join("ckpt.json"), "{}").unwrap();
-        drop(lock.created_here(&dir, made));
+        drop(lock.created_here(made));
         assert_eq!(names(&dir), [LOCK_FILE, "ckpt.json"]);
         // A folder that existed is never removed.
         std::fs::remove_file(dir.join("ckpt.json")).unwrap();
         assert_eq!(create_dir_all_noting(&dir).unwrap(), None);
         let lock = DirLock::acquire(&dir, "out_dir", "a run").unwrap();
-        drop(lock.created_here(&dir, None));
+        drop(lock.created_here(None));
         assert_eq!(names(&dir), [LOCK_FILE]);
     }
 

@@ -220,8 +220,8 @@ pub fn prepare_source(source: &Source, opts: &PrepareOptions) -> Result<PrepareS
         )
     })?;
     // Nothing prepared (an error): the folder this run created goes too.
-    let _lock = crate::fsutil::DirLock::acquire(out_dir, "--out", "a prepare run")?
-        .created_here(out_dir, made);
+    let _lock =
+        crate::fsutil::DirLock::acquire(out_dir, "--out", "a prepare run")?.created_here(made);
     let run = Run {
         source,
         opts,

@@ -328,7 +328,7 @@ fn prepare_out_dir(cfg: &TrainConfig) -> Result<(DirLock, Vec<PathBuf>)> {
         )
     })?;
     // A run refused from here on removes the folder it created.
-    let lock = DirLock::acquire(dir, "out_dir", "a training run")?.created_here(dir, made);
+    let lock = DirLock::acquire(dir, "out_dir", "a training run")?.created_here(made);
     let replace = match cfg.init() {
         InitFrom::Resume => Vec::new(),
         _ => check_fresh_start(dir)?,
