@@ -761,6 +761,24 @@ fn bench_mfu_is_against_the_peak_of_the_precision_that_runs() {
     let r = bench_json(d, &["--steps", "1", "--dtype", "bfloat16"]);
     assert_eq!(r["peak_gflops"], 100.0);
     assert!(r["peak_gflops_f32"].is_null() && r["peak_gflops_bf16"].is_null());
+    // A step above its peak is not printed as if it were plausible.
+    let mut args = vec![
+        "bench",
+        "--batch-size",
+        "2",
+        "--block-size",
+        "16",
+        "--steps",
+        "1",
+    ];
+    args.extend(["--peak-gflops", "0.000001"]);
+    args.extend(TINY_MODEL);
+    let (out, err) = succeeds(&mut command(d, &args));
+    assert!(out.contains("MFU of 0.0 GFLOP/s (--peak-gflops)"), "{out}");
+    assert!(
+        err.contains("MFU above 100 %") && err.contains("--peak-gflops"),
+        "{err}"
+    );
 }
 
 #[test]

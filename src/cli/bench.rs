@@ -175,6 +175,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             r.peak_rss_mb, r.activation_mb,
             if r.activation_checkpointing { " (checkpointed)" } else { "" }
         );
+        if r.mfu > 1.0 {
+            eprintln!("note: MFU above 100 %: {}", above_peak_cause(&r));
+        }
         print_profile(&r.profile, r.ms_per_step_mean);
     }
     Ok(())
@@ -184,6 +187,14 @@ fn dtype(args: &BenchArgs) -> Dtype {
     match args.dtype.as_str() {
         "bfloat16" => Dtype::Bfloat16,
         _ => Dtype::Float32,
+    }
+}
+
+/// Why a step could beat its peak, for the note under the report line.
+fn above_peak_cause(r: &crate::bench::BenchReport) -> &'static str {
+    match r.peak_gflops_f32 {
+        Some(_) => "other work on the machine slowed both probes of the GEMM peak; rerun on a quiet machine or pass --peak-gflops",
+        None => "the step ran faster than --peak-gflops; pass this machine's peak",
     }
 }
 
