@@ -388,7 +388,14 @@ fn message(i: usize, item: Value) -> Result<Message, ApiError> {
     let content = match fields.take("content") {
         Some(Value::String(s)) => s,
         Some(Value::Array(parts)) => text_parts(&param, parts)?,
-        None => String::new(),
+        // As OpenAI's API: an assistant turn may carry no text, a question must.
+        None | Some(Value::Null) if role == "assistant" => String::new(),
+        None => {
+            return Err(ApiError::invalid(
+                &format!("{param}.content"),
+                format!("'{param}' has no 'content'"),
+            ))
+        }
         Some(other) => {
             return Err(wrong_type(
                 &format!("{param}.content"),
@@ -497,10 +504,18 @@ mod tests {
         .unwrap();
         assert_eq!(m[0].role, "system");
         assert_eq!(m[1].content, "Hi there");
+        let turns = [
+            json!({"role": "user", "content": "a"}),
+            json!({"role": "assistant"}),
+        ];
+        let m = messages(json!([turns[0], turns[1], {"role": "assistant", "content": null}]));
+        assert_eq!(m.unwrap()[2].content, "");
         for bad in [
             json!([]),
             json!([{"role": "tool", "content": "x"}]),
             json!([{"content": "x"}]),
+            json!([{"role": "user"}]),
+            json!([{"role": "system", "content": null}]),
             json!([{"role": "user", "content": [{"type": "image_url"}]}]),
             json!([{"role": "user", "content": "x", "tool_calls": []}]),
             json!("hi"),
