@@ -127,7 +127,10 @@ pub struct Trainer {
     offsets: Vec<usize>,
     /// The B windows of T+1 tokens read for a micro-batch.
     window: Vec<u32>,
+    /// Rank 0: the GEMM peak MFU is against (GFLOP/s of one rank), and how many times
+    /// it was probed again ([`report`]).
     peak_gflops: f64,
+    peak_reprobes: u32,
     /// Steps skipped in a row for a non-finite loss or gradient norm.
     nonfinite_in_row: u64,
     /// The iteration this run's newest checkpoint resumes at (the same on every rank).
@@ -195,6 +198,7 @@ impl Trainer {
             offsets: vec![0; cfg.batch_size],
             window: vec![0; cfg.batch_size * (cfg.block_size + 1)],
             peak_gflops,
+            peak_reprobes: 0,
             nonfinite_in_row: 0,
             saved_at: None,
             grads_zeroed: false,
