@@ -464,7 +464,11 @@ fn train_and_lora_from_a_llama_gguf_and_export_back() {
             "warmup_iters=0",
             "threads=1",
         ];
-        common::ok(root, &[&args[..], extra].concat());
+        let stdout = common::ok(root, &[&args[..], extra].concat());
+        // A chat model's run ends pointing at `chat`, without the quick start's sample.
+        let hint = format!("chat with it: {} chat --out-dir {out}", common::BIN);
+        assert!(stdout.contains(&hint), "{stdout}");
+        assert!(!stdout.contains("A sample from"), "{stdout}");
     };
     train("full", &[]);
     train(

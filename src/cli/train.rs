@@ -103,17 +103,26 @@ pub fn run(args: TrainArgs) -> Result<i32> {
         trainer.wait_for_root();
         return Ok(signal.exit_code());
     }
-    let quick_start = config_path.is_none();
-    trainer.gather_final_weights(quick_start && !trainer.cfg.eval_only);
+    // The quick start (no config file) ends with a sample, but not for a chat model
+    // (its tokenizer has a chat template): it is met through `chat`, and text sampled
+    // from a newline says little about it and takes long at its sizes.
+    let chat_model = trainer.tokenizer().chat_template().is_some();
+    let closing_sample = config_path.is_none() && !trainer.cfg.eval_only && !chat_model;
+    trainer.gather_final_weights(closing_sample);
     if root {
-        report_outcome(&mut trainer, &outcome, quick_start)?;
+        report_outcome(&mut trainer, &outcome, closing_sample)?;
     }
     trainer.wait_for_root();
     Ok(0)
 }
 
-/// Rank 0's closing lines: the last evaluation, the quick start's sample, a hint.
-fn report_outcome(trainer: &mut Trainer, outcome: &TrainOutcome, quick_start: bool) -> Result<()> {
+/// Rank 0's closing lines: the last evaluation, the closing sample, the command to try
+/// the model with.
+fn report_outcome(
+    trainer: &mut Trainer,
+    outcome: &TrainOutcome,
+    closing_sample: bool,
+) -> Result<()> {
     if let Some(losses) = &outcome.last_eval {
         let loss = |x: f32| match x.is_nan() {
             true => "n/a".to_string(),
@@ -128,15 +137,19 @@ fn report_outcome(trainer: &mut Trainer, outcome: &TrainOutcome, quick_start: bo
     for report in &outcome.last_tasks {
         crate::outln!("done: {}", report.summary());
     }
-    if quick_start && !trainer.cfg.eval_only {
+    let chat_model = trainer.tokenizer().chat_template().is_some();
+    if closing_sample {
         crate::outln!("\nA sample from the trained model:\n");
         super::sample::print_sample(trainer, QUICK_START_SAMPLE_TOKENS)?;
     }
-    crate::outln!(
-        "\nsample more with: {} sample --out-dir {}",
-        invoked_as(),
-        outcome.out_dir.display()
-    );
+    let out_dir = outcome.out_dir.display();
+    match chat_model {
+        true => crate::outln!("\nchat with it: {} chat --out-dir {out_dir}", invoked_as()),
+        false => crate::outln!(
+            "\nsample more with: {} sample --out-dir {out_dir}",
+            invoked_as()
+        ),
+    }
     Ok(())
 }
 
