@@ -740,6 +740,95 @@ fn prepare_reads_a_hub_dataset_from_the_cache() {
     );
 }
 
+/// Instruction data as the Hub publishes it, in parquet (a chat dataset's `messages`
+/// column of structs, an Alpaca one's string columns): `prepare` writes the tokens and
+/// masks it writes from the same examples in JSON Lines, from a file, a folder or the
+/// Hub's cache (scripts/fixtures/make_instruct_parquet.py writes both forms).
+#[test]
+fn prepare_reads_instruction_data_from_parquet_as_from_jsonl() {
+    let dir = temp_dir("cli-instruct-parquet");
+    let d = dir.path();
+    let files = fixture("instruct_parquet");
+    let smollm2 = fixture("tokenizers/smollm2");
+    let outputs = ["train.bin", "val.bin", "train.mask", "val.mask"];
+    let prepare = |src: &Path, out: &str, tokenizer: &Path| {
+        let args = ["prepare", src.to_str().unwrap(), "--out", out];
+        let args = [&args[..], &["--tokenizer", tokenizer.to_str().unwrap()]].concat();
+        let err = succeeds(&mut command(
+            d,
+            [&args[..], &["--val-fraction", "0.4"]].concat(),
+        ))
+        .1;
+        assert!(!err.contains("note: --text-column"), "{err}");
+    };
+    let same = |a: &str, b: &str| {
+        for f in outputs {
+            let read = |run: &str| std::fs::read(d.join(run).join(f)).unwrap();
+            assert!(
+                !read(a).is_empty() || f.starts_with("val"),
+                "{a}/{f} is empty"
+            );
+            assert_eq!(read(a), read(b), "{a} and {b} differ in {f}");
+        }
+    };
+    for (kind, tokenizer) in [("chat", &smollm2), ("alpaca", &smollm2)] {
+        let parquet = files.join(format!("{kind}.parquet"));
+        prepare(&parquet, &format!("{kind}-pq"), tokenizer);
+        prepare(
+            &files.join(format!("{kind}.jsonl")),
+            &format!("{kind}-jl"),
+            tokenizer,
+        );
+        same(&format!("{kind}-pq"), &format!("{kind}-jl"));
+        let meta = read_json(&d.join(format!("{kind}-pq/meta.json")));
+        assert!(meta["source"].as_str().unwrap().contains(kind), "{meta}");
+    }
+    // The chat template wrote the conversations (SmolLM2's <|im_start|> turns).
+    let chat = std::fs::read(d.join("chat-pq/train.bin")).unwrap();
+    assert!(chat.len() > 100, "{} bytes", chat.len());
+
+    // From the Hub's cache, as `prepare hf:` finds a dataset.
+    let repo = d.join("hub/datasets--HuggingFaceTB--smol-smoltalk");
+    let snap = repo.join("snapshots/abc123/data");
+    std::fs::create_dir_all(&snap).unwrap();
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), "abc123").unwrap();
+    std::fs::copy(
+        files.join("chat.parquet"),
+        snap.join("train-00000-of-00001.parquet"),
+    )
+    .unwrap();
+    let args = ["prepare", "hf:HuggingFaceTB/smol-smoltalk", "--out", "hub"];
+    let tokenizer = [
+        "--tokenizer",
+        smollm2.to_str().unwrap(),
+        "--val-fraction",
+        "0.4",
+    ];
+    let mut cmd = command(d, [&args[..], &tokenizer[..]].concat());
+    cmd.env("HF_HUB_CACHE", d.join("hub"))
+        .env("HF_HUB_OFFLINE", "1");
+    succeeds(&mut cmd);
+    same("hub", "chat-pq");
+
+    // A row that is not an example names its file, row and field.
+    let err = fails(
+        d,
+        &[
+            "prepare",
+            files.join("alpaca.parquet").to_str().unwrap(),
+            "--out",
+            "x",
+            "--format",
+            "chat",
+        ],
+    );
+    assert!(
+        err.contains("alpaca.parquet row 1") && err.contains("messages"),
+        "{err}"
+    );
+}
+
 #[test]
 fn bench_mfu_is_against_the_peak_of_the_precision_that_runs() {
     let dir = temp_dir("bench-peaks");

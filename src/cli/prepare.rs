@@ -72,8 +72,8 @@ pub fn run(args: PrepareArgs) -> Result<()> {
         true => {
             let env = crate::hub::HubEnv::from_process_env();
             let files = hub::parquet_files(&opts.source, &args.split, &env)?;
-            let column = opts.text_column.clone();
-            prepare_source(&Source::Parquet { files, column }, &opts)?
+            let source = Source::parquet_as(files, &opts.text_column, opts.format)?;
+            prepare_source(&source, &opts)?
         }
         false => prepare(&opts)?,
     };

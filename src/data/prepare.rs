@@ -158,6 +158,11 @@ pub const DATASET: OutputKind = OutputKind {
 /// Tokenizes a text source into `train.bin`, `val.bin` and `meta.json`.
 pub fn prepare(opts: &PrepareOptions) -> Result<PrepareSummary> {
     let source = Source::resolve_as(&opts.source, &opts.text_column, opts.format)?;
+    prepare_source(&source, opts)
+}
+
+/// [`prepare`] for an already resolved source (`opts.source` is not read).
+pub fn prepare_source(source: &Source, opts: &PrepareOptions) -> Result<PrepareSummary> {
     if source.is_instruct() && opts.text_column != PrepareOptions::DEFAULT_TEXT_COLUMN {
         crate::errln!(
             "note: --text-column {} is not used: instruction examples are read from their \
@@ -165,11 +170,6 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareSummary> {
             opts.text_column
         );
     }
-    prepare_source(&source, opts)
-}
-
-/// [`prepare`] for an already resolved source (`opts.source` is not read).
-pub fn prepare_source(source: &Source, opts: &PrepareOptions) -> Result<PrepareSummary> {
     let single = source.is_single_document();
     let fraction = opts.val_fraction.unwrap_or(if single {
         DEFAULT_VAL_FRACTION_SINGLE

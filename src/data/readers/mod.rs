@@ -63,7 +63,8 @@ pub enum Source {
     Jsonl { files: Vec<PathBuf>, field: String },
     /// Parquet files: one document per row, in the string column `column`.
     Parquet { files: Vec<PathBuf>, column: String },
-    /// JSON Lines instruction examples, each file Alpaca or chat.
+    /// Instruction examples, each file Alpaca or chat: JSON Lines (one per line) or
+    /// parquet (one per row, its columns the fields).
     Instruct { files: Vec<(PathBuf, DataFormat)> },
 }
 
@@ -74,16 +75,23 @@ impl Source {
         Self::resolve_as(spec, text_column, None)
     }
 
-    /// [`Source::resolve`] with the format of `.jsonl` files given (`--format`), or
-    /// with `None`, detected per file from the keys of its first line.
+    /// [`Source::resolve`] with the format of `.jsonl` and `.parquet` files given
+    /// (`--format`), or with `None`, detected per file from the keys of its first line
+    /// or its columns.
     pub fn resolve_as(spec: &str, text_column: &str, format: Option<DataFormat>) -> Result<Source> {
         let source = Self::resolve_text(spec, text_column)?;
         match source {
-            Source::Jsonl { files, field } => Self::jsonl_formats(files, field, format),
+            Source::Jsonl { files, field } => {
+                Ok(match Self::formats(&files, format, jsonl::detect_format)? {
+                    Some(formats) => Source::instruct(files, formats),
+                    None => Source::jsonl(files, &field),
+                })
+            }
+            Source::Parquet { files, column } => Self::parquet_as(files, &column, format),
             other => match format {
                 Some(f) if f != DataFormat::Text => bail!(
-                    "--format {f} reads .jsonl files, but the source {} is not; convert the \
-                     examples to JSON Lines or drop --format",
+                    "--format {f} reads .jsonl and .parquet files, but the source {} is \
+                     neither; convert the examples to JSON Lines or drop --format",
                     other.describe()
                 ),
                 _ => Ok(other),
@@ -91,19 +99,35 @@ impl Source {
         }
     }
 
-    /// Plain JSON Lines, or instruction examples when the files' format says so.
-    fn jsonl_formats(
+    /// Parquet files (a Hub dataset's, say) as plain text in `column`, or as
+    /// instruction examples where `format` or their columns say so.
+    pub fn parquet_as(
         files: Vec<PathBuf>,
-        field: String,
+        column: &str,
         format: Option<DataFormat>,
     ) -> Result<Source> {
+        Ok(
+            match Self::formats(&files, format, parquet::detect_format)? {
+                Some(formats) => Source::instruct(files, formats),
+                None => Source::parquet(files, column),
+            },
+        )
+    }
+
+    /// Each file's format (`format`, or `detect`ed), or `None` where all are plain
+    /// text; refused where some are and some are not.
+    fn formats(
+        files: &[PathBuf],
+        format: Option<DataFormat>,
+        detect: fn(&Path) -> Result<DataFormat>,
+    ) -> Result<Option<Vec<DataFormat>>> {
         let formats = files
             .iter()
-            .map(|f| format.map_or_else(|| jsonl::detect_format(f), Ok))
+            .map(|f| format.map_or_else(|| detect(f), Ok))
             .collect::<Result<Vec<_>>>()?;
         let text = formats.iter().filter(|&&f| f == DataFormat::Text).count();
         if text == files.len() {
-            return Ok(Source::jsonl(files, &field));
+            return Ok(None);
         }
         if text > 0 {
             let name = |want: bool| {
@@ -120,9 +144,13 @@ impl Source {
                 name(false)
             );
         }
-        Ok(Source::Instruct {
+        Ok(Some(formats))
+    }
+
+    fn instruct(files: Vec<PathBuf>, formats: Vec<DataFormat>) -> Source {
+        Source::Instruct {
             files: files.into_iter().zip(formats).collect(),
-        })
+        }
     }
 
     fn resolve_text(spec: &str, text_column: &str) -> Result<Source> {
@@ -218,9 +246,28 @@ impl Source {
     /// The instruction examples of an [`Source::Instruct`] (nothing for the others).
     pub fn examples(&self) -> Examples {
         match self {
+            Source::Instruct { files } if self.is_parquet() => {
+                let per_file = (files.clone().into_iter())
+                    .map(|(path, format)| parquet::parquet_examples(path, format));
+                Box::new(per_file.flat_map(|examples| match examples {
+                    Ok(iter) => iter,
+                    Err(e) => Box::new(std::iter::once(Err(e))) as Examples,
+                }))
+            }
             Source::Instruct { files } => Box::new(JsonlExamples::new(files.clone())),
             _ => Box::new(std::iter::empty()),
         }
+    }
+
+    /// Instruction examples from parquet files (one kind per source: a folder mixing
+    /// kinds is refused).
+    fn is_parquet(&self) -> bool {
+        let Source::Instruct { files } = self else {
+            return matches!(self, Source::Parquet { .. });
+        };
+        files
+            .first()
+            .is_some_and(|(f, _)| extension(f) == "parquet")
     }
 
     /// A short description for `meta.json`.
@@ -252,6 +299,9 @@ impl Source {
     /// Total progress the pieces will add up to, for a progress bar.
     pub fn progress_total(&self) -> Result<(u64, ProgressUnit)> {
         let bytes = |files: &[PathBuf]| -> Result<u64> { files.iter().map(|f| file_len(f)).sum() };
+        let rows = |files: &[PathBuf]| -> Result<u64> {
+            files.iter().map(|f| parquet::parquet_rows(f)).sum()
+        };
         Ok(match self {
             Source::Bundled => (SHAKESPEARE_TEXT.len() as u64, ProgressUnit::Bytes),
             Source::TextFile(path) => (file_len(path)?, ProgressUnit::Bytes),
@@ -260,15 +310,12 @@ impl Source {
             }
             Source::Instruct { files } => {
                 let paths: Vec<PathBuf> = files.iter().map(|(p, _)| p.clone()).collect();
-                (bytes(&paths)?, ProgressUnit::Bytes)
+                match self.is_parquet() {
+                    true => (rows(&paths)?, ProgressUnit::Rows),
+                    false => (bytes(&paths)?, ProgressUnit::Bytes),
+                }
             }
-            Source::Parquet { files, .. } => {
-                let rows = files
-                    .iter()
-                    .map(|f| parquet::parquet_rows(f))
-                    .sum::<Result<u64>>()?;
-                (rows, ProgressUnit::Rows)
-            }
+            Source::Parquet { files, .. } => (rows(files)?, ProgressUnit::Rows),
         })
     }
 

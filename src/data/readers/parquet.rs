@@ -12,7 +12,9 @@ use ::parquet::record::{Field, Row};
 use ::parquet::schema::types::Type as SchemaType;
 use anyhow::{bail, Context, Result};
 
-use super::{not_utf8, open, Piece, Pieces};
+use super::{not_utf8, open, Examples, Piece, Pieces};
+use crate::data::instruct::{DataFormat, Example};
+use serde_json::{Map, Value};
 
 fn open_parquet(path: &Path) -> Result<SerializedFileReader<File>> {
     let file = open(path)?;
@@ -59,6 +61,108 @@ pub(super) fn parquet_docs(path: PathBuf, column: &str) -> Result<Pieces> {
         done = !matches!(piece, Some(Ok(_)));
         piece
     })))
+}
+
+/// The format of a parquet file's rows, from its top-level column names as
+/// [`DataFormat::detect`] reads a JSON object's keys.
+pub(super) fn detect_format(path: &Path) -> Result<DataFormat> {
+    let reader = open_parquet(path)?;
+    let schema = reader.metadata().file_metadata().schema();
+    let columns = (schema.get_fields().iter())
+        .map(|f| (f.name().to_string(), Value::Null))
+        .collect();
+    Ok(DataFormat::detect(&columns))
+}
+
+/// The rows of one parquet file as instruction examples of `format`, each row's
+/// columns its fields (a chat dataset's `messages`, a list of `{role, content}`, as
+/// the Hub's parquet holds it); progress counts rows.
+pub(super) fn parquet_examples(path: PathBuf, format: DataFormat) -> Result<Examples> {
+    let reader = open_parquet(&path)?;
+    let name = path.display().to_string();
+    let rows = survive_panic(&name, || {
+        RowIter::from_file_into(Box::new(reader))
+            .project(None)
+            .with_context(|| format!("{name}: cannot read its rows"))
+    })?;
+    let mut rows = rows.enumerate();
+    let mut done = false;
+    // As `parquet_docs`: each row decoded under `survive_panic`, the stream ending at
+    // the first error.
+    Ok(Box::new(std::iter::from_fn(move || {
+        if done {
+            return None;
+        }
+        let example = survive_panic(&name, || Ok(rows.next()))
+            .and_then(|next| {
+                next.map(|(row, result)| row_example(&name, row, result, format))
+                    .transpose()
+            })
+            .transpose();
+        done = !matches!(example, Some(Ok(_)));
+        example
+    })))
+}
+
+/// Row `row` of the parquet file `name` as an example of `format`.
+fn row_example(
+    name: &str,
+    row: usize,
+    result: ParquetResult<Row>,
+    format: DataFormat,
+) -> Result<(Example, u64)> {
+    let at = format!("{name} row {}", row + 1);
+    let row = result.map_err(|e| anyhow::anyhow!("{at}: {}", short(&e.to_string())))?;
+    let mut fields = Map::new();
+    for (column, field) in row.get_column_iter() {
+        fields.insert(
+            column.clone(),
+            json(field).with_context(|| format!("{at}, column `{column}`"))?,
+        );
+    }
+    let mut example = Example::from_json(format, &fields)
+        .with_context(|| format!("{at} ({} example)", format.as_str()))?;
+    example.origin = at;
+    Ok((example, 1))
+}
+
+/// A parquet value as JSON: strings (and UTF-8 bytes) as strings, lists as arrays,
+/// groups and maps as objects, numbers and booleans as themselves, other kinds (dates,
+/// decimals) as their text.
+fn json(field: &Field) -> Result<Value> {
+    Ok(match field {
+        Field::Null => Value::Null,
+        Field::Bool(b) => Value::Bool(*b),
+        Field::Str(s) => Value::String(s.clone()),
+        Field::Bytes(bytes) => match std::str::from_utf8(bytes.data()) {
+            Ok(text) => Value::String(text.to_string()),
+            Err(e) => bail!("not valid UTF-8 at byte offset {}", e.valid_up_to()),
+        },
+        Field::Int(n) => Value::from(*n),
+        Field::Long(n) => Value::from(*n),
+        Field::Double(x) => Value::from(*x),
+        Field::Float(x) => Value::from(*x),
+        Field::Group(row) => {
+            let entries = row
+                .get_column_iter()
+                .map(|(k, v)| Ok((k.clone(), json(v)?)));
+            Value::Object(entries.collect::<Result<_>>()?)
+        }
+        Field::ListInternal(list) => {
+            Value::Array(list.elements().iter().map(json).collect::<Result<_>>()?)
+        }
+        Field::MapInternal(map) => {
+            let key = |k: &Field| -> Result<String> {
+                Ok(match json(k)? {
+                    Value::String(s) => s,
+                    other => other.to_string(),
+                })
+            };
+            let entries = map.entries().iter().map(|(k, v)| Ok((key(k)?, json(v)?)));
+            Value::Object(entries.collect::<Result<_>>()?)
+        }
+        other => Value::String(other.to_string()),
+    })
 }
 
 /// The text of row `row` of the parquet file `name`.
