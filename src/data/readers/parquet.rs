@@ -38,29 +38,8 @@ pub(super) fn parquet_rows(path: &Path) -> Result<u64> {
 pub(super) fn parquet_docs(path: PathBuf, column: &str) -> Result<Pieces> {
     let reader = open_parquet(&path)?;
     let projection = text_projection(&path, reader.metadata().file_metadata().schema(), column)?;
-    let name = path.display().to_string();
-    let rows = survive_panic(&name, || {
-        RowIter::from_file_into(Box::new(reader))
-            .project(Some(projection))
-            .with_context(|| format!("{}: cannot read column `{column}`", path.display()))
-    })?;
-    let mut rows = rows.enumerate();
-    let mut done = false;
-    // Each row is decoded under `survive_panic`; after an error the reader's state
-    // is unknown, so the stream ends there.
-    Ok(Box::new(std::iter::from_fn(move || {
-        if done {
-            return None;
-        }
-        let piece = survive_panic(&name, || Ok(rows.next()))
-            .and_then(|next| {
-                next.map(|(row, result)| row_piece(&name, row, result))
-                    .transpose()
-            })
-            .transpose();
-        done = !matches!(piece, Some(Ok(_)));
-        piece
-    })))
+    let what = format!("{}: cannot read column `{column}`", path.display());
+    rows(path, reader, Some(projection), what, row_piece)
 }
 
 /// The format of a parquet file's rows, from its top-level column names as
@@ -79,28 +58,42 @@ pub(super) fn detect_format(path: &Path) -> Result<DataFormat> {
 /// the Hub's parquet holds it); progress counts rows.
 pub(super) fn parquet_examples(path: PathBuf, format: DataFormat) -> Result<Examples> {
     let reader = open_parquet(&path)?;
+    let what = format!("{}: cannot read its rows", path.display());
+    let example = move |name: &str, row, result| row_example(name, row, result, format);
+    rows(path, reader, None, what, example)
+}
+
+/// The rows of `reader` (the file `path`), of the columns `projection` (all with
+/// `None`), each turned into an item by `item(file name, row index, row)`. Each row
+/// is decoded under `survive_panic`; after an error the reader's state is unknown,
+/// so the stream ends there.
+fn rows<T: 'static>(
+    path: PathBuf,
+    reader: SerializedFileReader<File>,
+    projection: Option<SchemaType>,
+    cannot: String,
+    item: impl Fn(&str, usize, ParquetResult<Row>) -> Result<T> + Send + 'static,
+) -> Result<Box<dyn Iterator<Item = Result<T>> + Send>> {
     let name = path.display().to_string();
     let rows = survive_panic(&name, || {
         RowIter::from_file_into(Box::new(reader))
-            .project(None)
-            .with_context(|| format!("{name}: cannot read its rows"))
+            .project(projection)
+            .context(cannot)
     })?;
     let mut rows = rows.enumerate();
     let mut done = false;
-    // As `parquet_docs`: each row decoded under `survive_panic`, the stream ending at
-    // the first error.
     Ok(Box::new(std::iter::from_fn(move || {
         if done {
             return None;
         }
-        let example = survive_panic(&name, || Ok(rows.next()))
+        let next = survive_panic(&name, || Ok(rows.next()))
             .and_then(|next| {
-                next.map(|(row, result)| row_example(&name, row, result, format))
+                next.map(|(row, result)| item(&name, row, result))
                     .transpose()
             })
             .transpose();
-        done = !matches!(example, Some(Ok(_)));
-        example
+        done = !matches!(next, Some(Ok(_)));
+        next
     })))
 }
 
