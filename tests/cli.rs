@@ -741,9 +741,10 @@ fn prepare_reads_a_hub_dataset_from_the_cache() {
 }
 
 /// Instruction data as the Hub publishes it, in parquet (a chat dataset's `messages`
-/// column of structs, an Alpaca one's string columns): `prepare` writes the tokens and
-/// masks it writes from the same examples in JSON Lines, from a file, a folder or the
-/// Hub's cache (scripts/fixtures/make_instruct_parquet.py writes both forms).
+/// column of structs, ShareGPT's `conversations`, an Alpaca one's string columns):
+/// `prepare` writes the tokens and masks it writes from the same examples in JSON
+/// Lines, from a file or the Hub's cache (scripts/fixtures/make_instruct_parquet.py
+/// writes both forms).
 #[test]
 fn prepare_reads_instruction_data_from_parquet_as_from_jsonl() {
     let dir = temp_dir("cli-instruct-parquet");
@@ -783,6 +784,9 @@ fn prepare_reads_instruction_data_from_parquet_as_from_jsonl() {
         let meta = read_json(&d.join(format!("{kind}-pq/meta.json")));
         assert!(meta["source"].as_str().unwrap().contains(kind), "{meta}");
     }
+    // ShareGPT's `conversations` (`from`, `value`) are the same messages.
+    prepare(&files.join("sharegpt.parquet"), "sharegpt-pq", &smollm2);
+    same("sharegpt-pq", "chat-jl");
     // The chat template wrote the conversations (SmolLM2's <|im_start|> turns).
     let chat = std::fs::read(d.join("chat-pq/train.bin")).unwrap();
     assert!(chat.len() > 100, "{} bytes", chat.len());

@@ -70,10 +70,11 @@ impl DataFormat {
         }
     }
 
-    /// The format of a file whose first record is `object`: `messages` means chat,
-    /// `instruction` and `output` mean Alpaca, anything else plain text.
+    /// The format of a file whose first record is `object`: `messages` (or ShareGPT's
+    /// `conversations`) means chat, `instruction` and `output` mean Alpaca, anything
+    /// else plain text.
     pub fn detect(object: &Map<String, Value>) -> DataFormat {
-        if object.contains_key("messages") {
+        if object.contains_key("messages") || object.contains_key("conversations") {
             DataFormat::Chat
         } else if object.contains_key("instruction") && object.contains_key("output") {
             DataFormat::Alpaca
@@ -340,8 +341,17 @@ fn alpaca(object: &Map<String, Value>) -> Result<Example> {
 }
 
 fn chat(object: &Map<String, Value>) -> Result<Example> {
-    let Some(messages) = object.get("messages") else {
-        bail!("field `messages` is missing (a chat example is {{\"messages\": [{{\"role\", \"content\"}}, ...]}})");
+    let converted;
+    let messages = match (object.get("messages"), object.get("conversations")) {
+        (Some(messages), _) => messages,
+        (None, Some(conversations)) => {
+            converted = sharegpt_messages(conversations)?;
+            &converted
+        }
+        (None, None) => bail!(
+            "field `messages` is missing (a chat example is {{\"messages\": [{{\"role\", \
+             \"content\"}}, ...]}}, or ShareGPT's {{\"conversations\": [{{\"from\", \"value\"}}, ...]}})"
+        ),
     };
     let Value::Array(messages) = messages else {
         bail!("field `messages` holds {}, not a list", kind(messages));
@@ -381,6 +391,40 @@ fn chat(object: &Map<String, Value>) -> Result<Example> {
         unsupported,
         origin: String::new(),
     })
+}
+
+/// ShareGPT's `conversations` (`[{"from": "human"|"gpt"|"system", "value"}]`, the
+/// form of many Hub chat datasets) as `messages` (`[{"role", "content"}]`); `user`,
+/// `assistant` and `chatgpt` are read too, other keys of a turn are dropped.
+fn sharegpt_messages(conversations: &Value) -> Result<Value> {
+    let Value::Array(turns) = conversations else {
+        bail!(
+            "field `conversations` holds {}, not a list",
+            kind(conversations)
+        );
+    };
+    let message = |i: usize, turn: &Value| -> Result<Value> {
+        let Value::Object(turn) = turn else {
+            bail!("conversations[{i}] holds {}, not an object", kind(turn));
+        };
+        let field = |key: &str| {
+            string_field(turn, key)
+                .map_err(|e| anyhow!("conversations[{i}]: {e}"))?
+                .ok_or_else(|| anyhow!("conversations[{i}]: field `{key}` is missing"))
+        };
+        let role = match field("from")? {
+            "system" => "system",
+            "human" | "user" => "user",
+            "gpt" | "assistant" | "chatgpt" => "assistant",
+            other => bail!(
+                "conversations[{i}]: `from` is `{other}`, not one of system, human, gpt \
+                 (tool turns are not read from ShareGPT data)"
+            ),
+        };
+        Ok(serde_json::json!({"role": role, "content": field("value")?}))
+    };
+    let messages = turns.iter().enumerate().map(|(i, t)| message(i, t));
+    Ok(Value::Array(messages.collect::<Result<_>>()?))
 }
 
 /// A chat record's parts in nanogpt's chat template: roles system, user and
@@ -544,9 +588,42 @@ mod tests {
     }
 
     #[test]
+    fn sharegpt_conversations_read_as_the_same_messages() {
+        let messages = object(
+            r#"{"messages": [{"role": "system", "content": "Be kind."},
+                {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}"#,
+        );
+        let sharegpt = object(
+            r#"{"id": "x1", "conversations": [{"from": "system", "value": "Be kind."},
+                {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello.", "weight": 1}]}"#,
+        );
+        let read = |o| Example::from_json(DataFormat::Chat, o).unwrap();
+        assert_eq!(read(&sharegpt), read(&messages));
+        for (json, says) in [
+            (
+                r#"{"conversations": [{"from": "tool", "value": "x"}]}"#,
+                "`from` is `tool`",
+            ),
+            (
+                r#"{"conversations": [{"from": "human"}]}"#,
+                "conversations[0]: field `value`",
+            ),
+            (
+                r#"{"conversations": "hi"}"#,
+                "`conversations` holds a string",
+            ),
+            (r#"{"id": 1}"#, "ShareGPT's"),
+        ] {
+            let err = Example::from_json(DataFormat::Chat, &object(json)).unwrap_err();
+            assert!(err.to_string().contains(says), "{json}: {err}");
+        }
+    }
+
+    #[test]
     fn format_is_detected_from_keys() {
         let d = |json: &str| DataFormat::detect(&object(json));
         assert_eq!(d(r#"{"messages": []}"#), DataFormat::Chat);
+        assert_eq!(d(r#"{"conversations": [], "id": 3}"#), DataFormat::Chat);
         assert_eq!(
             d(r#"{"instruction": "", "output": "", "text": ""}"#),
             DataFormat::Alpaca
