@@ -183,6 +183,33 @@ fn eval_matches_transformers_on_alpaca_and_chat_examples() {
     }
 }
 
+/// `eval --data FILE.parquet` reads the examples of a Hub-style parquet file as it
+/// reads them from JSON Lines: the same tokens, the same loss
+/// (scripts/fixtures/make_instruct_parquet.py writes both forms).
+#[test]
+fn eval_reads_parquet_examples_as_jsonl() {
+    let fixtures = common::fixture("instruct_parquet");
+    let model = common::fixture("instruct/model");
+    let eval = |file: &str| -> serde_json::Value {
+        let data = fixtures.join(file);
+        let args = ["eval", "--init-from", model.to_str().unwrap(), "--json"];
+        let args = [
+            &args[..],
+            &["--data", data.to_str().unwrap(), "--block-size", "16"],
+        ];
+        serde_json::from_str(&ok(&fixtures, &args.concat())).unwrap()
+    };
+    for (parquet, jsonl) in [
+        ("chat.parquet", "chat.jsonl"),
+        ("sharegpt.parquet", "chat.jsonl"),
+        ("alpaca.parquet", "alpaca.jsonl"),
+    ] {
+        let (got, want) = (eval(parquet), eval(jsonl));
+        assert!(want["tokens"].as_u64().unwrap() > 10, "{want}");
+        assert_eq!(got, want, "{parquet} against {jsonl}");
+    }
+}
+
 /// A tiny model that learned the toy task (chat template, char-level), trained once
 /// for the sampling and chat tests.
 fn toy_model() -> &'static Path {

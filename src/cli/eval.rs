@@ -24,10 +24,10 @@ pub struct EvalArgs {
     /// A .bin token file (nanoGPT's format: uint16, or uint32 where the meta.json
     /// beside it or the model's own data says so; with the .mask beside it, the loss
     /// is over the masked tokens, as training's), a .txt file, tokenised with the
-    /// model's tokenizer; a .jsonl of documents (their --text-column field, each
-    /// followed by end-of-text, as `prepare` writes them), or of instruction examples
-    /// (Alpaca or chat), each evaluated on its own, the loss over its response tokens
-    /// only. With --task, the task's questions (.jsonl).
+    /// model's tokenizer; a .jsonl or .parquet of documents (their --text-column
+    /// field, each followed by end-of-text, as `prepare` writes them), or of
+    /// instruction examples (Alpaca or chat), each evaluated on its own, the loss over
+    /// its response tokens only. With --task, the task's questions (.jsonl).
     #[arg(long)]
     pub data: PathBuf,
     /// Score multiple-choice questions instead of the loss: hellaswag (HellaSwag's
@@ -38,7 +38,8 @@ pub struct EvalArgs {
     /// With --task: only the first N questions.
     #[arg(long, requires = "task")]
     pub limit: Option<usize>,
-    /// How a .jsonl is read (alpaca, chat or text); default: detected from its first line.
+    /// How a .jsonl or .parquet is read (alpaca, chat or text); default: detected from
+    /// its first line or its columns.
     #[arg(long)]
     pub format: Option<DataFormat>,
     /// The field of a plain-text .jsonl that holds the text (as `prepare` reads it).
@@ -84,7 +85,7 @@ pub fn run(args: EvalArgs) -> Result<()> {
         );
     }
     let vocab = loaded.config.vocab_size;
-    let (tokens, mask) = match jsonl_source(&args)? {
+    let (tokens, mask) = match record_source(&args)? {
         Some(source) if source.is_instruct() => {
             let vars = args.template_vars.iter().cloned().collect();
             let examples = read_examples(&source, &loaded.tokenizer, &vars, vocab)?;
@@ -118,14 +119,17 @@ fn print_report(args: &EvalArgs, report: &EvalReport, of: &str) -> Result<()> {
     Ok(())
 }
 
-/// The source of a `.jsonl` `--data`: instruction examples, or plain-text documents
-/// in the `--text-column` field; `None` for any other file.
-fn jsonl_source(args: &EvalArgs) -> Result<Option<Source>> {
+/// The source of a `.jsonl` or `.parquet` `--data`: instruction examples, or
+/// plain-text documents in the `--text-column` field; `None` for any other file.
+fn record_source(args: &EvalArgs) -> Result<Option<Source>> {
     let path = &args.data;
-    if path.extension().is_none_or(|e| e != "jsonl") {
+    if path
+        .extension()
+        .is_none_or(|e| e != "jsonl" && e != "parquet")
+    {
         if let Some(f) = args.format.filter(|&f| f != DataFormat::Text) {
             bail!(
-                "--format {f} reads .jsonl files, but --data {} is not one",
+                "--format {f} reads .jsonl and .parquet files, but --data {} is neither",
                 path.display()
             );
         }
@@ -156,6 +160,7 @@ fn read_documents(source: &Source, tokenizer: &Tokenizer, vocab: usize) -> Resul
             source.describe(),
             match source {
                 Source::Jsonl { field, .. } => field.as_str(),
+                Source::Parquet { column, .. } => column.as_str(),
                 _ => "text",
             }
         );
