@@ -59,21 +59,58 @@ pub fn in_split(rel: &str, split: &str) -> bool {
             .is_some_and(|rest| rest.starts_with(['-', '_', '.']))
 }
 
+/// The split a dataset's file `rel` holds: `split` where a folder of its path is named
+/// so, else its file name up to the shard numbering (`train_sft-00000-of-00003.parquet`
+/// holds train_sft, `train_0.parquet` train).
+fn split_of(rel: &str, split: &str) -> String {
+    let mut parts: Vec<&str> = rel.split('/').collect();
+    let file = parts.pop().unwrap_or("");
+    if parts.contains(&split) {
+        return split.to_string();
+    }
+    let stem = file.split(['-', '.']).next().unwrap_or("");
+    let stem = stem.trim_end_matches(|c: char| c.is_ascii_digit());
+    stem.trim_end_matches(['_', '.']).to_string()
+}
+
+/// Of the files [`in_split`] matched (`rels`, relative paths): those of exactly `split`
+/// where there are any; else all of them where they hold one split (`--split train`
+/// for `train_sft-*` files alone); else an error naming the splits to choose from
+/// (`train` matches ultrachat's train_sft and train_gen).
+fn of_split<T>(files: Vec<(String, T)>, split: &str) -> std::result::Result<Vec<T>, String> {
+    let exact = files.iter().any(|(rel, _)| split_of(rel, split) == split);
+    let mut named: Vec<String> = files.iter().map(|(rel, _)| split_of(rel, split)).collect();
+    named.sort();
+    named.dedup();
+    if !exact && named.len() > 1 {
+        return Err(format!(
+            "split `{split}` matches the files of several splits ({}); choose one with --split",
+            named.join(", ")
+        ));
+    }
+    let keep = |rel: &str| !exact || split_of(rel, split) == split;
+    Ok(files
+        .into_iter()
+        .filter(|(rel, _)| keep(rel))
+        .map(|(_, f)| f)
+        .collect())
+}
+
 /// The parquet files of `split` in the newest snapshot of a cached dataset (the one
 /// `refs/main` names, else the most recently modified), sorted by path.
-fn cached_files(folder: &Path, split: &str) -> Vec<PathBuf> {
+fn cached_files(folder: &Path, split: &str) -> std::result::Result<Vec<PathBuf>, String> {
     for rev in hub::snapshots_newest_first(folder) {
         let mut files = Vec::new();
         collect(&rev, &rev, split, &mut files);
         if !files.is_empty() {
             files.sort();
-            return files;
+            return of_split(files, split);
         }
     }
-    Vec::new()
+    Ok(Vec::new())
 }
 
-fn collect(root: &Path, dir: &Path, split: &str, out: &mut Vec<PathBuf>) {
+fn collect(root: &Path, dir: &Path, split: &str, out: &mut Vec<(String, PathBuf)>) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
@@ -82,8 +119,9 @@ fn collect(root: &Path, dir: &Path, split: &str, out: &mut Vec<PathBuf>) {
         if path.is_dir() {
             collect(root, &path, split, out);
         } else if let Ok(rel) = path.strip_prefix(root) {
-            if in_split(&rel.to_string_lossy(), split) {
-                out.push(path);
+            let rel = rel.to_string_lossy().into_owned();
+            if in_split(&rel, split) {
+                out.push((rel, path));
             }
         }
     }
@@ -96,7 +134,7 @@ pub fn parquet_files(spec: &str, split: &str, env: &HubEnv) -> Result<Vec<PathBu
         bail!("{spec}: no Hugging Face cache folder (set HF_HUB_CACHE or HF_HOME)");
     };
     let folder = cache_folder(cache, &id);
-    let files = cached_files(&folder, split);
+    let files = cached_files(&folder, split).map_err(|e| anyhow::anyhow!("{spec}: {e}"))?;
     if !files.is_empty() {
         crate::errln!(
             "{spec}: {} parquet file(s) of split `{split}` from the cache {}",
@@ -133,12 +171,12 @@ fn download(
     let info = repo
         .info()
         .map_err(|e| format!("the Hub did not answer ({e})"))?;
-    let names: Vec<String> = info
-        .siblings
-        .into_iter()
+    let names = (info.siblings.into_iter())
         .map(|s| s.rfilename)
         .filter(|n| in_split(n, split))
+        .map(|n| (n.clone(), n))
         .collect();
+    let names: Vec<String> = of_split(names, split)?;
     crate::errln!(
         "downloading {} parquet file(s) of {id} (split `{split}`) into {}",
         names.len(),
@@ -181,6 +219,38 @@ mod tests {
         assert!(!in_split("plain_text/test/0000.parquet", "train"));
         assert!(!in_split("data/trainer-0.parquet", "train"));
         assert!(!in_split("data/train-0.json", "train"));
+        let pick = |rels: &[&str], split: &str| {
+            let files = rels
+                .iter()
+                .map(|r| (r.to_string(), r.to_string()))
+                .collect();
+            of_split(files, split)
+        };
+        // ultrachat_200k's layout: `train` names no split of its own there.
+        let ultrachat = [
+            "data/train_gen-0.parquet",
+            "data/train_sft-0.parquet",
+            "data/train_sft-1.parquet",
+        ];
+        let err = pick(&ultrachat, "train").unwrap_err();
+        assert!(
+            err.contains("several splits (train_gen, train_sft)"),
+            "{err}"
+        );
+        assert_eq!(pick(&ultrachat, "train_sft").unwrap(), &ultrachat[1..]);
+        // An exact split beats the ones it prefixes; numbered shards are one split.
+        let mixed = [
+            "data/train-00000-of-00002.parquet",
+            "data/train_extra-0.parquet",
+        ];
+        assert_eq!(pick(&mixed, "train").unwrap(), &mixed[..1]);
+        let shards = [
+            "train_0.parquet",
+            "train_1.parquet",
+            "en/train/0000.parquet",
+        ];
+        assert_eq!(pick(&shards, "train").unwrap(), shards);
+        assert_eq!(pick(&ultrachat[1..], "train").unwrap(), &ultrachat[1..]);
         assert_eq!(
             cache_folder(Path::new("/c"), "me/docs"),
             Path::new("/c/datasets--me--docs")
