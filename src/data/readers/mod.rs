@@ -259,8 +259,8 @@ impl Source {
         }
     }
 
-    /// Instruction examples from parquet files (one kind per source: a folder mixing
-    /// kinds is refused).
+    /// Read from parquet files, as text or as instruction examples (a source holds
+    /// one kind of file: a folder mixing kinds is refused).
     fn is_parquet(&self) -> bool {
         let Source::Instruct { files } = self else {
             return matches!(self, Source::Parquet { .. });
