@@ -246,14 +246,10 @@ impl Source {
     /// The instruction examples of an [`Source::Instruct`] (nothing for the others).
     pub fn examples(&self) -> Examples {
         match self {
-            Source::Instruct { files } if self.is_parquet() => {
-                let per_file = (files.clone().into_iter())
-                    .map(|(path, format)| parquet::parquet_examples(path, format));
-                Box::new(per_file.flat_map(|examples| match examples {
-                    Ok(iter) => iter,
-                    Err(e) => Box::new(std::iter::once(Err(e))) as Examples,
-                }))
-            }
+            Source::Instruct { files } if self.is_parquet() => flatten_files(
+                (files.clone().into_iter())
+                    .map(|(path, format)| parquet::parquet_examples(path, format)),
+            ),
             Source::Instruct { files } => Box::new(JsonlExamples::new(files.clone())),
             _ => Box::new(std::iter::empty()),
         }
@@ -347,17 +343,24 @@ impl Source {
             }
             Source::Parquet { files, column } => {
                 let column = column.clone();
-                let per_file = files
-                    .clone()
-                    .into_iter()
-                    .map(move |path| parquet::parquet_docs(path, &column));
-                Box::new(per_file.flat_map(|docs| match docs {
-                    Ok(iter) => iter,
-                    Err(e) => Box::new(std::iter::once(Err(e))) as Pieces,
-                }))
+                flatten_files(
+                    (files.clone().into_iter())
+                        .map(move |path| parquet::parquet_docs(path, &column)),
+                )
             }
         })
     }
+}
+
+/// One stream of the items of several files, opened one after the other as `files`
+/// yields them; a file that cannot be opened is one error in the stream.
+fn flatten_files<T: Send + 'static>(
+    files: impl Iterator<Item = Result<Box<dyn Iterator<Item = Result<T>> + Send>>> + Send + 'static,
+) -> Box<dyn Iterator<Item = Result<T>> + Send> {
+    Box::new(files.flat_map(|items| match items {
+        Ok(items) => items,
+        Err(e) => Box::new(std::iter::once(Err(e))),
+    }))
 }
 
 fn extension(path: &Path) -> String {
