@@ -110,18 +110,19 @@ pub fn run(args: TrainArgs) -> Result<i32> {
     let closing_sample = config_path.is_none() && !trainer.cfg.eval_only && !chat_model;
     trainer.gather_final_weights(closing_sample);
     if root {
-        report_outcome(&mut trainer, &outcome, closing_sample)?;
+        report_outcome(&mut trainer, &outcome, closing_sample, chat_model)?;
     }
     trainer.wait_for_root();
     Ok(0)
 }
 
 /// Rank 0's closing lines: the last evaluation, the closing sample, the command to try
-/// the model with.
+/// the model with (`chat` for a chat model).
 fn report_outcome(
     trainer: &mut Trainer,
     outcome: &TrainOutcome,
     closing_sample: bool,
+    chat_model: bool,
 ) -> Result<()> {
     if let Some(losses) = &outcome.last_eval {
         let loss = |x: f32| match x.is_nan() {
@@ -137,7 +138,6 @@ fn report_outcome(
     for report in &outcome.last_tasks {
         crate::outln!("done: {}", report.summary());
     }
-    let chat_model = trainer.tokenizer().chat_template().is_some();
     if closing_sample {
         crate::outln!("\nA sample from the trained model:\n");
         super::sample::print_sample(trainer, QUICK_START_SAMPLE_TOKENS)?;
