@@ -78,20 +78,22 @@ fn split_of(rel: &str, split: &str) -> String {
 /// for `train_sft-*` files alone); else an error naming the splits to choose from
 /// (`train` matches ultrachat's train_sft and train_gen).
 fn of_split<T>(files: Vec<(String, T)>, split: &str) -> std::result::Result<Vec<T>, String> {
-    let exact = files.iter().any(|(rel, _)| split_of(rel, split) == split);
-    let mut named: Vec<String> = files.iter().map(|(rel, _)| split_of(rel, split)).collect();
-    named.sort();
-    named.dedup();
-    if !exact && named.len() > 1 {
+    let files: Vec<(String, T)> = (files.into_iter())
+        .map(|(rel, f)| (split_of(&rel, split), f))
+        .collect();
+    let exact = files.iter().any(|(named, _)| named == split);
+    let mut names: Vec<&str> = files.iter().map(|(named, _)| named.as_str()).collect();
+    names.sort();
+    names.dedup();
+    if !exact && names.len() > 1 {
         return Err(format!(
             "split `{split}` matches the files of several splits ({}); choose one with --split",
-            named.join(", ")
+            names.join(", ")
         ));
     }
-    let keep = |rel: &str| !exact || split_of(rel, split) == split;
     Ok(files
         .into_iter()
-        .filter(|(rel, _)| keep(rel))
+        .filter(|(named, _)| !exact || named == split)
         .map(|(_, f)| f)
         .collect())
 }
