@@ -673,21 +673,24 @@ fn the_example_configs_load_and_split_over_2_3_and_4_ranks() {
     }
 }
 
+/// A dataset `id` (OWNER/NAME) in the Hugging Face cache `dir/hub`, laid out as
+/// huggingface_hub writes it, holding `source` as the file `rel` of its snapshot.
+fn cache_dataset(dir: &Path, id: &str, rel: &str, source: &Path) {
+    let repo = dir.join(format!("hub/datasets--{}", id.replace('/', "--")));
+    let file = repo.join("snapshots/abc123").join(rel);
+    std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), "abc123").unwrap();
+    std::fs::copy(source, file).unwrap();
+}
+
 #[test]
 fn prepare_reads_a_hub_dataset_from_the_cache() {
     let dir = temp_dir("cli-hub");
     let d = dir.path();
-    // The layout huggingface_hub writes, for hf:openwebtext's repository.
-    let repo = d.join("hub/datasets--Skylion007--openwebtext");
-    let snap = repo.join("snapshots/abc123/plain_text");
-    std::fs::create_dir_all(&snap).unwrap();
-    std::fs::create_dir_all(repo.join("refs")).unwrap();
-    std::fs::write(repo.join("refs/main"), "abc123").unwrap();
-    std::fs::copy(
-        fixture("docs.parquet"),
-        snap.join("train-00000-of-00001.parquet"),
-    )
-    .unwrap();
+    // hf:openwebtext's repository.
+    let file = "plain_text/train-00000-of-00001.parquet";
+    cache_dataset(d, "Skylion007/openwebtext", file, &fixture("docs.parquet"));
     let prepare = |spec: &str, out: &str| {
         let mut cmd = common::command(d, ["prepare", spec, "--out", out, "--tokenizer", "char"]);
         cmd.env("HF_HUB_CACHE", d.join("hub"))
@@ -792,16 +795,13 @@ fn prepare_reads_instruction_data_from_parquet_as_from_jsonl() {
     assert!(chat.len() > 100, "{} bytes", chat.len());
 
     // From the Hub's cache, as `prepare hf:` finds a dataset.
-    let repo = d.join("hub/datasets--HuggingFaceTB--smol-smoltalk");
-    let snap = repo.join("snapshots/abc123/data");
-    std::fs::create_dir_all(&snap).unwrap();
-    std::fs::create_dir_all(repo.join("refs")).unwrap();
-    std::fs::write(repo.join("refs/main"), "abc123").unwrap();
-    std::fs::copy(
-        files.join("chat.parquet"),
-        snap.join("train-00000-of-00001.parquet"),
-    )
-    .unwrap();
+    let file = "data/train-00000-of-00001.parquet";
+    cache_dataset(
+        d,
+        "HuggingFaceTB/smol-smoltalk",
+        file,
+        &files.join("chat.parquet"),
+    );
     let args = ["prepare", "hf:HuggingFaceTB/smol-smoltalk", "--out", "hub"];
     let tokenizer = [
         "--tokenizer",
