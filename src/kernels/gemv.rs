@@ -7,6 +7,9 @@
 //! rows meet each task's rows of W while they are in L2. bf16 weights halve the bytes read;
 //! they are widened to f32 exactly (a bf16 is the top half of an f32), and products and
 //! sums stay f32.
+//!
+//! The dot products run on AVX-512, on AVX2 with FMA, or in portable Rust, picked once
+//! per process from what the CPU offers (the tests run every variant the CPU can).
 
 use super::bf16::Bf16;
 use super::SharedMut;
@@ -58,7 +61,12 @@ pub fn gemv(out: &mut [f32], x: &[f32], w: Weights, c: usize, accumulate: bool) 
     let (oc, n) = (w.len() / c, x.len() / c);
     assert_eq!(out.len(), n * oc, "gemv: out must be (N, OC)");
     CALLS.set(CALLS.get() + 1);
-    let isa = isa();
+    gemv_on(isa(), out, x, w, c, accumulate);
+}
+
+/// [`gemv`] on the kernels of `isa` (shapes checked by the caller).
+fn gemv_on(isa: Isa, out: &mut [f32], x: &[f32], w: Weights, c: usize, accumulate: bool) {
+    let oc = w.len() / c;
     let halves = isa.halves(x, c, w);
     let shared = SharedMut::new(out);
     (0..oc.div_ceil(TASK_ROWS))
@@ -92,26 +100,38 @@ struct Input<'a> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Isa {
     Avx512,
+    /// AVX2 with FMA (AMD Zen 1–3, Intel Haswell to the client cores without AVX-512).
+    Avx2,
     Scalar,
 }
 
 fn isa() -> Isa {
     static ISA: OnceLock<Isa> = OnceLock::new();
-    *ISA.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx512f") {
-            return Isa::Avx512;
-        }
-        Isa::Scalar
-    })
+    *ISA.get_or_init(|| *Isa::available().first().expect("Scalar is always there"))
 }
 
 impl Isa {
-    /// Each row of x (N, C) as the bf16 kernel reads it: its `C / 2` even elements, then
-    /// its `C / 2` odd ones, in C values per row (empty where the kernel is not the
-    /// AVX-512 one on bf16 weights). Made once per call, for every row of W.
+    /// Every variant this CPU can run, fastest first.
+    fn available() -> Vec<Isa> {
+        let mut v = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") {
+                v.push(Isa::Avx512);
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                v.push(Isa::Avx2);
+            }
+        }
+        v.push(Isa::Scalar);
+        v
+    }
+
+    /// Each row of x (N, C) as the bf16 kernels read it: its `C / 2` even elements, then
+    /// its `C / 2` odd ones, in C values per row (empty for f32 weights and the
+    /// portable kernel). Made once per call, for every row of W.
     fn halves(self, x: &[f32], c: usize, w: Weights) -> Vec<f32> {
-        if self != Isa::Avx512 || matches!(w, Weights::F32(_)) {
+        if self == Isa::Scalar || matches!(w, Weights::F32(_)) {
             return Vec::new();
         }
         let h = c / 2;
@@ -147,15 +167,43 @@ impl Isa {
                 let (even, odd) = input.halves.split_at(x.len() / 2);
                 x86::dot_bf16(x, even, odd, &w[row])
             },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: Avx2 is chosen only where the CPU reports avx2 and fma.
+            (Isa::Avx2, Weights::F32(w)) => unsafe { x86_avx2::dot_f32(x, &w[row]) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above; `halves` were made for Avx2 on bf16 weights.
+            (Isa::Avx2, Weights::Bf16(w)) => unsafe {
+                let (even, odd) = input.halves.split_at(x.len() / 2);
+                x86_avx2::dot_bf16(x, even, odd, &w[row])
+            },
             (_, Weights::F32(w)) => dot_scalar(x, &w[row], |v| v),
             (_, Weights::Bf16(w)) => dot_scalar(x, &w[row], Bf16::to_f32),
         }
     }
 }
 
-/// Σ x·w, w widened by `f`.
+/// Lanes of the portable kernel's partial sums: independent chains the compiler keeps
+/// in vector registers of any x86-64 (SSE2) or Arm CPU, where one running sum would
+/// wait on each add in turn.
+const SCALAR_LANES: usize = 8;
+
+/// Σ x·w, w widened by `f`: lane `l` sums the elements `l`, `l + 8`, …, then the lanes
+/// and the tail past the last whole 8 are added.
 fn dot_scalar<T: Copy>(x: &[f32], w: &[T], f: impl Fn(T) -> f32) -> f32 {
-    x.iter().zip(w).map(|(&a, &b)| a * f(b)).sum()
+    let mut lanes = [0.0f32; SCALAR_LANES];
+    let (xs, ws) = (x.chunks_exact(SCALAR_LANES), w.chunks_exact(SCALAR_LANES));
+    let tail: f32 = xs
+        .remainder()
+        .iter()
+        .zip(ws.remainder())
+        .map(|(&a, &b)| a * f(b))
+        .sum();
+    for (xc, wc) in xs.zip(ws) {
+        for l in 0..SCALAR_LANES {
+            lanes[l] += xc[l] * f(wc[l]);
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
 }
 
 /// The dot products, one row of W at a time: each row is one stream from memory,
@@ -253,6 +301,97 @@ mod x86 {
     }
 }
 
+/// The AVX2 + FMA forms of [`x86`]'s kernels: the same streams and the same splitting
+/// of bf16 pairs, 8 lanes to a register.
+#[cfg(target_arch = "x86_64")]
+mod x86_avx2 {
+    use super::Bf16;
+    use std::arch::x86_64::*;
+
+    /// Lanes of one AVX2 register.
+    const L: usize = 8;
+
+    /// The sum of the four accumulators, with the elements past the last whole register
+    /// (`tail`) added.
+    #[target_feature(enable = "avx2,fma")]
+    fn finish(acc: [__m256; 4], tail: f32) -> f32 {
+        let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+        let d = _mm_add_ps(q, _mm_movehl_ps(q, q));
+        _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d))) + tail
+    }
+
+    /// Σ x·w over one row of f32 weights.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_f32(x: &[f32], w: &[f32]) -> f32 {
+        let n = x.len();
+        assert_eq!(w.len(), n);
+        let (xp, wp) = (x.as_ptr(), w.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        // SAFETY: every load reads 8 floats from an offset o with o + 8 ≤ n, of x and
+        // w (both n long, asserted).
+        unsafe {
+            while i + 4 * L <= n {
+                for (u, a) in acc.iter_mut().enumerate() {
+                    let at = i + u * L;
+                    *a = _mm256_fmadd_ps(
+                        _mm256_loadu_ps(xp.add(at)),
+                        _mm256_loadu_ps(wp.add(at)),
+                        *a,
+                    );
+                }
+                i += 4 * L;
+            }
+            while i + L <= n {
+                acc[0] = _mm256_fmadd_ps(
+                    _mm256_loadu_ps(xp.add(i)),
+                    _mm256_loadu_ps(wp.add(i)),
+                    acc[0],
+                );
+                i += L;
+            }
+        }
+        finish(acc, (i..n).map(|j| x[j] * w[j]).sum())
+    }
+
+    /// Σ x·w over one row of bf16 weights, widened exactly to f32; `even` and `odd`
+    /// are x's even and odd elements (n / 2 each). The row is read 16 values (one
+    /// 32-byte load) at a time, as 8 32-bit lanes of an even (low) and an odd (high)
+    /// element, as in [`super::x86::dot_bf16`].
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_bf16(x: &[f32], even: &[f32], odd: &[f32], w: &[Bf16]) -> f32 {
+        let n = x.len();
+        assert!(w.len() == n && even.len() >= n / 2 && odd.len() >= n / 2);
+        let (ep, op, wp) = (even.as_ptr(), odd.as_ptr(), w.as_ptr() as *const __m256i);
+        let high = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        // `acc[2u]` (even) and `acc[2u + 1]` (odd) += the 16 values of w from `at`.
+        // SAFETY (of each call): at + 16 ≤ n, so the load reads 16 values of w (`Bf16`
+        // is a transparent u16: 32 bytes, unaligned) and 8 of `even` and `odd` from
+        // at / 2 (both ≥ n / 2 long, asserted). Shifted into the top half of a 32-bit
+        // lane, a bf16 is its f32 value.
+        let step = |acc: &mut [__m256; 4], u: usize, at: usize| unsafe {
+            let v = _mm256_loadu_si256(wp.byte_add(2 * at));
+            let we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            let wo = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+            acc[2 * u] = _mm256_fmadd_ps(_mm256_loadu_ps(ep.add(at / 2)), we, acc[2 * u]);
+            acc[2 * u + 1] = _mm256_fmadd_ps(_mm256_loadu_ps(op.add(at / 2)), wo, acc[2 * u + 1]);
+        };
+        let mut i = 0;
+        while i + 4 * L <= n {
+            step(&mut acc, 0, i);
+            step(&mut acc, 1, i + 2 * L);
+            i += 4 * L;
+        }
+        while i + 2 * L <= n {
+            step(&mut acc, 0, i);
+            i += 2 * L;
+        }
+        finish(acc, (i..n).map(|j| x[j] * w[j].to_f32()).sum())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -272,7 +411,17 @@ mod tests {
         out
     }
 
+    /// Every variant this CPU runs, against the f64 reference.
     fn check(n: usize, c: usize, oc: usize) {
+        for isa in Isa::available() {
+            check_on(isa, n, c, oc);
+        }
+    }
+
+    fn check_on(isa: Isa, n: usize, c: usize, oc: usize) {
+        let gemv = |out: &mut [f32], x: &[f32], w: Weights, c: usize, acc: bool| {
+            gemv_on(isa, out, x, w, c, acc)
+        };
         let x = rand_vec(n * c, 1);
         let w = rand_vec(oc * c, 2);
         let bias = rand_vec(n * oc, 3);
@@ -282,19 +431,38 @@ mod tests {
         let w64: Vec<f64> = w.iter().map(|&v| v as f64).collect();
         let mut out = vec![f32::NAN; n * oc];
         gemv(&mut out, &x, Weights::F32(&w), c, false);
-        assert_close("f32", &out, &reference(&x, &w64, c, &zero), tol, tol);
+        let what = |kind: &str| format!("{isa:?} {kind}, N {n} C {c} OC {oc}");
+        assert_close(&what("f32"), &out, &reference(&x, &w64, c, &zero), tol, tol);
         let mut out = bias.clone();
         gemv(&mut out, &x, Weights::F32(&w), c, true);
-        assert_close("f32 +=", &out, &reference(&x, &w64, c, &bias), tol, tol);
+        assert_close(
+            &what("f32 +="),
+            &out,
+            &reference(&x, &w64, c, &bias),
+            tol,
+            tol,
+        );
         // bf16 weights: exactly the product with the rounded weights.
         let wb: Vec<Bf16> = w.iter().map(|&v| Bf16::from_f32(v)).collect();
         let wb64: Vec<f64> = w.iter().map(|&v| round(v) as f64).collect();
         let mut out = bias.clone();
         gemv(&mut out, &x, Weights::Bf16(&wb), c, true);
-        assert_close("bf16 +=", &out, &reference(&x, &wb64, c, &bias), tol, tol);
+        assert_close(
+            &what("bf16 +="),
+            &out,
+            &reference(&x, &wb64, c, &bias),
+            tol,
+            tol,
+        );
         let mut out = vec![f32::NAN; n * oc];
         gemv(&mut out, &x, Weights::Bf16(&wb), c, false);
-        assert_close("bf16", &out, &reference(&x, &wb64, c, &zero), tol, tol);
+        assert_close(
+            &what("bf16"),
+            &out,
+            &reference(&x, &wb64, c, &zero),
+            tol,
+            tol,
+        );
     }
 
     #[test]
@@ -309,28 +477,32 @@ mod tests {
             (1, 64, 64),
             (4, 200, 70),
             (1, 768, 131),
+            (2, 95, 33),
+            (1, 896, 17),
         ] {
             check(n, c, oc);
         }
     }
 
     #[test]
-    fn scalar_and_simd_agree() {
+    fn every_variant_agrees_with_the_portable_one() {
         let (c, oc) = (100, 9);
         let x = rand_vec(c, 4);
         let w = rand_vec(oc * c, 5);
         let wb: Vec<Bf16> = w.iter().map(|&v| Bf16::from_f32(v)).collect();
-        for w in [Weights::F32(&w), Weights::Bf16(&wb)] {
-            let (mut a, mut b) = (vec![0.0; oc], vec![0.0; oc]);
-            let halves = isa().halves(&x, c, w);
-            let input = Input {
-                x: &x,
-                halves: &halves,
-            };
-            isa().rows(&mut a, input, w, 0, false);
-            Isa::Scalar.rows(&mut b, Input { x: &x, halves: &[] }, w, 0, false);
-            for (j, (a, b)) in a.iter().zip(&b).enumerate() {
-                assert!((a - b).abs() <= 1e-4, "row {j}: {a} vs {b}");
+        for isa in Isa::available() {
+            for w in [Weights::F32(&w), Weights::Bf16(&wb)] {
+                let (mut a, mut b) = (vec![0.0; oc], vec![0.0; oc]);
+                let halves = isa.halves(&x, c, w);
+                let input = Input {
+                    x: &x,
+                    halves: &halves,
+                };
+                isa.rows(&mut a, input, w, 0, false);
+                Isa::Scalar.rows(&mut b, Input { x: &x, halves: &[] }, w, 0, false);
+                for (j, (a, b)) in a.iter().zip(&b).enumerate() {
+                    assert!((a - b).abs() <= 1e-4, "{isa:?} row {j}: {a} vs {b}");
+                }
             }
         }
     }
