@@ -78,16 +78,24 @@ fn launcher(ranks: usize) -> Command {
         let mut cmd = Command::new(mpirun());
         cmd.args(["-n", &ranks.to_string()]);
         if is_open_mpi() {
-            // Two cores, up to three ranks; root in CI containers.
-            cmd.args(["--oversubscribe", "--bind-to", "none"]);
-            cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-                .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+            open_mpi_on_this_machine(&mut cmd);
         }
         cmd.arg(BIN);
         cmd
     };
     cmd.current_dir(workdir());
     cmd
+}
+
+/// Open MPI's `mpirun` as the tests run it here: up to three ranks on two cores,
+/// root in CI containers, and PMIx's munge plugin left out (where munge is installed
+/// but its daemon is not running, as after the Slurm check, every start retried the
+/// daemon's socket for 2.3 s).
+fn open_mpi_on_this_machine(cmd: &mut Command) {
+    cmd.args(["--oversubscribe", "--bind-to", "none"]);
+    cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("PMIX_MCA_psec", "^munge");
 }
 
 /// Runs with a time limit (the job is terminated past it, and the test fails).
@@ -1005,9 +1013,7 @@ fn a_start_up_that_hangs_ends_with_the_likely_causes() {
     let mut cmd = Command::new(mpirun());
     cmd.args(["-n", "1"]);
     if is_open_mpi() {
-        cmd.args(["--oversubscribe", "--bind-to", "none"]);
-        cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+        open_mpi_on_this_machine(&mut cmd);
     }
     cmd.args(["env", "NANOGPT_START_TIMEOUT_S=2", BIN])
         .args(train_args(&common))
@@ -1076,9 +1082,7 @@ fn the_other_mpis_launcher_is_refused_on_every_rank() {
     let mut cmd = Command::new(other);
     cmd.args(["-n", "2"]);
     if other.contains("openmpi") {
-        cmd.args(["--oversubscribe", "--bind-to", "none"]);
-        cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+        open_mpi_on_this_machine(&mut cmd);
     }
     cmd.arg(BIN)
         .args(train_args(&[
@@ -1117,9 +1121,7 @@ fn another_build_on_one_rank_is_refused_at_start() {
     let args = train_args(&["out_dir=builds", "gradient_accumulation_steps=2"]);
     let mut cmd = Command::new(mpirun());
     if is_open_mpi() {
-        cmd.args(["--oversubscribe", "--bind-to", "none"]);
-        cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+        open_mpi_on_this_machine(&mut cmd);
     }
     cmd.args(["-n", "1", BIN])
         .args(&args)
@@ -1301,9 +1303,7 @@ fn doctor_under_mpirun_reports_every_rank_and_fails_on_other_data() {
         let mut cmd = Command::new(mpirun());
         cmd.args(["-n", "1"]);
         if is_open_mpi() {
-            cmd.args(["--oversubscribe", "--bind-to", "none"]);
-            cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-                .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+            open_mpi_on_this_machine(&mut cmd);
         }
         cmd.arg(BIN)
             .args(doctor)
@@ -1374,9 +1374,7 @@ fn the_rings_sum_and_gather_exactly_as_mpi_does() {
         let mut cmd = Command::new(mpirun());
         cmd.args(["-n", ranks]);
         if is_open_mpi() {
-            cmd.args(["--oversubscribe", "--bind-to", "none"]);
-            cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-                .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+            open_mpi_on_this_machine(&mut cmd);
         }
         cmd.arg(BIN)
             .args(["doctor", "--json", "dataset=tiny", "n_layer=2", "n_embd=32"])
