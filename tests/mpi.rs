@@ -1300,18 +1300,9 @@ fn doctor_under_mpirun_reports_every_rank_and_fails_on_other_data() {
     copy_dataset(other.path(), true);
     let doctor = ["doctor", "--json", "dataset=tiny", "n_layer=2", "n_embd=32"];
     let job = |rank1_dir: &Path| {
-        let mut cmd = Command::new(mpirun());
-        cmd.args(["-n", "1"]);
-        if is_open_mpi() {
-            open_mpi_on_this_machine(&mut cmd);
-        }
-        cmd.arg(BIN)
-            .args(doctor)
-            .args([":", "-n", "1", "env", "-C"]);
-        cmd.arg(rank1_dir)
-            .arg(BIN)
-            .args(doctor)
-            .current_dir(workdir());
+        let mut cmd = launcher(1);
+        cmd.args(doctor).args([":", "-n", "1", "env", "-C"]);
+        cmd.arg(rank1_dir).arg(BIN).args(doctor);
         let out = run_for(cmd, Duration::from_secs(60));
         let json = text(&out.stdout);
         let json = json
@@ -1370,15 +1361,9 @@ fn doctor_under_mpirun_reports_every_rank_and_fails_on_other_data() {
 fn the_rings_sum_and_gather_exactly_as_mpi_does() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     copy_dataset(workdir(), false);
-    for ranks in ["2", "3"] {
-        let mut cmd = Command::new(mpirun());
-        cmd.args(["-n", ranks]);
-        if is_open_mpi() {
-            open_mpi_on_this_machine(&mut cmd);
-        }
-        cmd.arg(BIN)
-            .args(["doctor", "--json", "dataset=tiny", "n_layer=2", "n_embd=32"])
-            .current_dir(workdir());
+    for ranks in [2, 3] {
+        let mut cmd = launcher(ranks);
+        cmd.args(["doctor", "--json", "dataset=tiny", "n_layer=2", "n_embd=32"]);
         let out = run_for(cmd, Duration::from_secs(60));
         let stdout = text(&out.stdout);
         let json = stdout.lines().find(|l| l.starts_with('{'));
