@@ -49,6 +49,12 @@ def main():
     if not os.path.exists(os.path.join(args.out, "model.safetensors")):
         model = AutoModelForCausalLM.from_pretrained(args.gguf_dir, gguf_file=GGUF_FILE,
                                                      dtype=torch.float32)
+        # The weights are dequantized float32 by now, but newer transformers (5.2x) keep
+        # the GGUF quantizer on the model and its save_pretrained refuses to write it.
+        # Dropping the quantizer and its config writes the plain float32 folder.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
         model.save_pretrained(args.out)
         AutoTokenizer.from_pretrained(args.gguf_dir, gguf_file=GGUF_FILE).save_pretrained(args.out)
     model = AutoModelForCausalLM.from_pretrained(args.out, dtype=torch.float32,
