@@ -171,7 +171,7 @@ impl<'a> BlockWeights<'a> {
 }
 
 /// Rows up to which [`BlockWeights::forward`] runs a decoder's linear layers on the GEMV.
-const GEMV_MAX_ROWS: usize = 8;
+pub(super) const GEMV_MAX_ROWS: usize = 8;
 
 /// `out = norm(x)` for the norm at `n` (weights in `params`) of `family`'s kind, over
 /// x's rows (rows, C); `stats` keeps what backward needs (the mean, for layer norms,

@@ -19,7 +19,7 @@
 //! rows on the GEMV, a prompt's rows on the bf16 GEMM that training uses.
 
 use super::activations::{BlockActs, NormStats, Scratch};
-use super::block::{block_forward, norm_forward, Attend, BlockWeights};
+use super::block::{block_forward, norm_forward, Attend, BlockWeights, GEMV_MAX_ROWS};
 use super::config::{Dtype, ModelConfig};
 use super::family::Family;
 use super::layout::ParamLayout;
@@ -224,14 +224,31 @@ impl Decoder {
         tokens: &[u32],
         p: usize,
     ) -> &[f32] {
-        // On one of the pool's threads, not the caller's: a step of a small model is
-        // a few hundred short parallel products, and from outside the pool each would
-        // hand its work over and wait to be woken (SmolLM2-135M decoding: 5-15 % of
-        // the step). From inside, the thread works on them itself.
-        rayon::scope(|_| {
-            self.advance(params, layout, tokens, p);
-            self.final_logits(params, layout, p)
-        })
+        // A decoding step (its products on the GEMV) runs on one of the pool's
+        // threads, not the caller's: for a small model it is a few hundred short
+        // parallel products, and from outside the pool each would hand its work over
+        // and wait to be woken (SmolLM2-135M: 5-20 % of the step). From inside, the
+        // thread works on them itself. A prompt's products are long enough not to
+        // care, and stay on the caller's thread with its per-thread buffers
+        // (`matmul_bf16_wt`'s widened weight), which every pool thread would
+        // otherwise come to hold a copy of.
+        if self.shape.b * p <= GEMV_MAX_ROWS {
+            rayon::scope(|_| self.advance_and_logits(params, layout, tokens, p))
+        } else {
+            self.advance_and_logits(params, layout, tokens, p)
+        }
+    }
+
+    /// [`Decoder::feed`] on the calling thread.
+    fn advance_and_logits(
+        &mut self,
+        params: &[f32],
+        layout: &ParamLayout,
+        tokens: &[u32],
+        p: usize,
+    ) -> &[f32] {
+        self.advance(params, layout, tokens, p);
+        self.final_logits(params, layout, p)
     }
 
     /// [`Decoder::feed`], handing also every new row's logits to `each(row, logits)`
