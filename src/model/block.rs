@@ -96,7 +96,7 @@ impl<'a> BlockWeights<'a> {
     /// rounded to bf16 as operands, the training step's kernel). out: (N, OC);
     /// inp: (N, C).
     fn forward<const BF16: bool>(&self, out: &mut [f32], inp: &[f32], l: LinearSpans) {
-        let few = self.decoding && inp.len() / l.c <= GEMV_MAX_ROWS;
+        let few = self.decoding && runs_on_the_gemv(inp.len() / l.c);
         let weights = match self.matmul_bf16 {
             Some(w16) => GemvWeights::Bf16(&w16[l.weight.start..l.weight.end]),
             None if few => GemvWeights::F32(&self.matmul[l.weight]),
@@ -171,7 +171,13 @@ impl<'a> BlockWeights<'a> {
 }
 
 /// Rows up to which [`BlockWeights::forward`] runs a decoder's linear layers on the GEMV.
-pub(super) const GEMV_MAX_ROWS: usize = 8;
+const GEMV_MAX_ROWS: usize = 8;
+
+/// Whether a decoder's feed of `rows` rows (B·p) runs its linear layers on the GEMV:
+/// a decoding step, not a prompt.
+pub(super) fn runs_on_the_gemv(rows: usize) -> bool {
+    rows <= GEMV_MAX_ROWS
+}
 
 /// `out = norm(x)` for the norm at `n` (weights in `params`) of `family`'s kind, over
 /// x's rows (rows, C); `stats` keeps what backward needs (the mean, for layer norms,

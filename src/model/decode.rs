@@ -19,7 +19,7 @@
 //! rows on the GEMV, a prompt's rows on the bf16 GEMM that training uses.
 
 use super::activations::{BlockActs, NormStats, Scratch};
-use super::block::{block_forward, norm_forward, Attend, BlockWeights, GEMV_MAX_ROWS};
+use super::block::{block_forward, norm_forward, runs_on_the_gemv, Attend, BlockWeights};
 use super::config::{Dtype, ModelConfig};
 use super::family::Family;
 use super::layout::ParamLayout;
@@ -224,29 +224,6 @@ impl Decoder {
         tokens: &[u32],
         p: usize,
     ) -> &[f32] {
-        // A decoding step (its products on the GEMV) runs on one of the pool's
-        // threads, not the caller's: for a small model it is a few hundred short
-        // parallel products, and from outside the pool each would hand its work over
-        // and wait to be woken (SmolLM2-135M: 5-20 % of the step). From inside, the
-        // thread works on them itself. A prompt's products are long enough not to
-        // care, and stay on the caller's thread with its per-thread buffers
-        // (`matmul_bf16_wt`'s widened weight), which every pool thread would
-        // otherwise come to hold a copy of.
-        if self.shape.b * p <= GEMV_MAX_ROWS {
-            rayon::scope(|_| self.advance_and_logits(params, layout, tokens, p))
-        } else {
-            self.advance_and_logits(params, layout, tokens, p)
-        }
-    }
-
-    /// [`Decoder::feed`] on the calling thread.
-    fn advance_and_logits(
-        &mut self,
-        params: &[f32],
-        layout: &ParamLayout,
-        tokens: &[u32],
-        p: usize,
-    ) -> &[f32] {
         self.advance(params, layout, tokens, p);
         self.final_logits(params, layout, p)
     }
@@ -351,8 +328,25 @@ impl Decoder {
 
     /// The transformer blocks over `p` new tokens per sequence: appends their keys
     /// and values to the cache and leaves their output rows in `x`.
+    ///
+    /// A decoding step (its products on the GEMV) runs on one of the pool's threads,
+    /// not the caller's: for a small model it is a few hundred short parallel
+    /// products, and from outside the pool each would hand its work over and wait to
+    /// be woken (SmolLM2-135M: 5-20 % of the step). From inside, the thread works on
+    /// them itself. A prompt's products are long enough not to care, and stay on the
+    /// caller's thread with its per-thread buffers (`matmul_bf16_wt`'s widened
+    /// weight), which every pool thread would otherwise come to hold a copy of.
     fn advance(&mut self, params: &[f32], layout: &ParamLayout, tokens: &[u32], p: usize) {
         self.check(params, layout, tokens, p);
+        if runs_on_the_gemv(self.shape.b * p) {
+            rayon::scope(|_| self.run_blocks(params, layout, tokens, p));
+        } else {
+            self.run_blocks(params, layout, tokens, p);
+        }
+    }
+
+    /// [`Decoder::advance`] on the calling thread (inputs checked).
+    fn run_blocks(&mut self, params: &[f32], layout: &ParamLayout, tokens: &[u32], p: usize) {
         let s = self.shape;
         let (n, c, start) = (s.b * p, s.c, self.len);
         let d = Dims::new(s.b, p, c, s.nh).with_heads(s.kv, s.hs);
