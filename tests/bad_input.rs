@@ -14,8 +14,8 @@ use nanogpt::model::{ModelConfig, ParamLayout};
 
 mod common;
 use common::{
-    command, fails, fixture, ok, refused, refused_multiline, run, succeeds, temp_dir, TINY_BATCH,
-    TINY_MODEL,
+    command, fails, fixture, ok, process_temp_dir, refused, refused_multiline, run, succeeds,
+    temp_dir, TINY_BATCH, TINY_MODEL,
 };
 
 /// The characters of the test dataset's vocabulary (ids 0..9).
@@ -164,18 +164,17 @@ fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
 
 /// A tiny run trained once for all tests (its out_dir holds ckpt.safetensors).
 fn trained_run() -> &'static Path {
-    static RUN: OnceLock<tempfile::TempDir> = OnceLock::new();
+    static RUN: OnceLock<PathBuf> = OnceLock::new();
     RUN.get_or_init(|| {
         let scene = Scene::new("trained");
         succeeds(&mut command(scene.path(), train_args(&[])));
-        let keep = temp_dir("bad-trained-run");
+        let keep = process_temp_dir("bad-trained-run");
         for entry in std::fs::read_dir(scene.file("run")).unwrap() {
             let entry = entry.unwrap();
-            std::fs::copy(entry.path(), keep.path().join(entry.file_name())).unwrap();
+            std::fs::copy(entry.path(), keep.join(entry.file_name())).unwrap();
         }
         keep
     })
-    .path()
 }
 
 fn tiny_hf_model() -> PathBuf {

@@ -5,7 +5,7 @@
 use std::path::Path;
 
 mod common;
-use common::{fails, metric, ok, temp_dir, TINY_MODEL};
+use common::{fails, metric, ok, process_temp_dir, temp_dir, TINY_MODEL};
 
 /// Chat examples of a toy task, "is there an `a` in this word?" (answers `yes` or
 /// `no`, which a tiny model learns in seconds): `n` lines, deterministic.
@@ -213,10 +213,10 @@ fn eval_reads_parquet_examples_as_jsonl() {
 /// A tiny model that learned the toy task (chat template, char-level), trained once
 /// for the sampling and chat tests.
 fn toy_model() -> &'static Path {
-    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    static DIR: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
     DIR.get_or_init(|| {
-        let tmp = temp_dir("inst-model");
-        let d = tmp.path();
+        let tmp = process_temp_dir("inst-model");
+        let d = tmp.as_path();
         prepare_toy(d, 1000);
         let losses = train_losses(
             d,
@@ -240,7 +240,6 @@ fn toy_model() -> &'static Path {
         eprintln!("toy task: loss {:?} -> {:?}", losses[0], losses.last());
         tmp
     })
-    .path()
 }
 
 #[test]

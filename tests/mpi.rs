@@ -7,13 +7,15 @@
 
 use nanogpt::checkpoint::Checkpoint;
 use nanogpt::model::ParamLayout;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{metric, read_json, succeeds, temp_dir, text, BIN, TINY_SHAKESPEARE};
+use common::{
+    metric, process_temp_dir, read_json, succeeds, temp_dir, text, BIN, TINY_SHAKESPEARE,
+};
 
 /// [`TINY_SHAKESPEARE`] as the jobs here train it: one thread per rank, four
 /// evaluation batches every 5 iterations, a short schedule, a checkpoint at every
@@ -37,14 +39,13 @@ static SERIAL: Mutex<()> = Mutex::new(());
 
 /// The directory every job runs in (the dataset is prepared there once).
 fn workdir() -> &'static Path {
-    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let dir = temp_dir("mpi");
+        let dir = process_temp_dir("mpi");
         let prepare = ["prepare", "shakespeare", "--out", "data/shakespeare_char"];
-        succeeds(common::command(dir.path(), prepare).args(["--tokenizer", "char"]));
+        succeeds(common::command(&dir, prepare).args(["--tokenizer", "char"]));
         dir
     })
-    .path()
 }
 
 fn mpirun() -> String {

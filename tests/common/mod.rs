@@ -6,8 +6,9 @@
 #![allow(dead_code)]
 
 use std::ffi::OsStr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::sync::{Mutex, Once};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_nanogpt");
 
@@ -39,6 +40,34 @@ pub fn temp_dir(tag: &str) -> tempfile::TempDir {
         .prefix(&format!("nanogpt-{tag}-"))
         .tempdir()
         .expect("temp dir")
+}
+
+/// Scratch directories of [`process_temp_dir`], removed when the process exits.
+static AT_EXIT: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+/// A scratch directory like [`temp_dir`] for what a test crate makes once and keeps
+/// in a static (a trained model, a prepared dataset): statics are never dropped, so
+/// a `TempDir` held there would stay behind after every run. This one is removed
+/// when the process exits, however its tests ended (not if it is killed).
+pub fn process_temp_dir(tag: &str) -> PathBuf {
+    static REGISTER: Once = Once::new();
+    extern "C" fn remove_all() {
+        // A thread still holding the lock at exit: leave the directories, not hang.
+        if let Ok(dirs) = AT_EXIT.try_lock() {
+            for dir in dirs.iter() {
+                let _ = std::fs::remove_dir_all(dir);
+            }
+        }
+    }
+    REGISTER.call_once(|| {
+        // SAFETY: `remove_all` is a plain function that neither unwinds nor
+        // registers anything; atexit only records its address.
+        let failed = unsafe { libc::atexit(remove_all) } != 0;
+        assert!(!failed, "atexit refused to register the scratch clean-up");
+    });
+    let dir = temp_dir(tag).keep();
+    AT_EXIT.lock().unwrap().push(dir.clone());
+    dir
 }
 
 /// A process's output stream as text.
