@@ -22,7 +22,7 @@ pub mod packs;
 #[cfg(test)]
 mod tests_bf16;
 #[cfg(test)]
-mod tests_llama;
+pub(crate) mod tests_llama;
 #[cfg(test)]
 mod tests_lora;
 

@@ -13,7 +13,7 @@ use crate::kernels::testutil::rand_vec;
 /// A tiny model of `t`: C 16 over 4 heads of 6 (HS != C / NH) sharing 2 key/value
 /// heads, MLP 20, llama3 RoPE; Qwen2's q/k/v biases, Qwen3's q/k norm, and an untied
 /// head unless `tied`.
-pub(super) fn tiny_llama(t: LlamaType, tied: bool, dropout: f32) -> ModelConfig {
+pub(crate) fn tiny_llama(t: LlamaType, tied: bool, dropout: f32) -> ModelConfig {
     ModelConfig {
         vocab_size: 37,
         block_size: 8,
