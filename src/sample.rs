@@ -94,16 +94,46 @@ pub fn generate_until(
     opts: &SampleOptions,
     on_token: impl FnMut(usize, u32) -> bool,
 ) -> Vec<Vec<u32>> {
-    assert!(!prompt.is_empty(), "generation needs a non-empty prompt");
-    let b = opts.num_samples;
-    if b == 0 || opts.max_new_tokens == 0 {
-        return vec![Vec::new(); b];
-    }
-    let mut dec = decoder_for(config, prompt.len(), opts);
+    let Some(mut dec) = decoder_for_prompt(config, prompt, opts) else {
+        return vec![Vec::new(); opts.num_samples];
+    };
     if let Some(backend) = &opts.bf16_weights {
         dec = dec.with_bf16_weights(params, backend);
     }
     generate_in(&mut dec, params, layout, config, prompt, opts, on_token)
+}
+
+/// [`generate_until`] for `params` that serve this generation alone (`nanogpt
+/// sample`): with bf16 weights, the f32 weights that only the copy is read in place
+/// of are given back as it is made ([`Decoder::bf16_copy_releasing`]), and read as
+/// zeros afterwards.
+pub fn generate_until_releasing(
+    params: &mut [f32],
+    layout: &ParamLayout,
+    config: &ModelConfig,
+    prompt: &[u32],
+    opts: &SampleOptions,
+    on_token: impl FnMut(usize, u32) -> bool,
+) -> Vec<Vec<u32>> {
+    let Some(mut dec) = decoder_for_prompt(config, prompt, opts) else {
+        return vec![Vec::new(); opts.num_samples];
+    };
+    if let Some(backend) = &opts.bf16_weights {
+        dec = dec.with_bf16_weights_releasing(params, layout, backend);
+    }
+    generate_in(&mut dec, params, layout, config, prompt, opts, on_token)
+}
+
+/// The f32 decoder a generation from `prompt` needs; None where it generates
+/// nothing (no samples or no new tokens).
+fn decoder_for_prompt(
+    config: &ModelConfig,
+    prompt: &[u32],
+    opts: &SampleOptions,
+) -> Option<Decoder> {
+    assert!(!prompt.is_empty(), "generation needs a non-empty prompt");
+    let nothing = opts.num_samples == 0 || opts.max_new_tokens == 0;
+    (!nothing).then(|| decoder_for(config, prompt.len(), opts))
 }
 
 /// The positions a generation of `opts` from a `prompt_len`-token prompt feeds at

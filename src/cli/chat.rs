@@ -61,7 +61,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
         );
     }
     let src = args.model.source();
-    let loaded = args.model.load()?;
+    let mut loaded = args.model.load()?;
     let interactive = std::io::stdin().is_terminal();
     if interactive {
         crate::errln!("chatting with {src}; /exit or Ctrl-D ends");
@@ -69,7 +69,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
     let input = std::io::stdin().lock();
     converse(
         &args,
-        &loaded,
+        &mut loaded,
         input,
         &mut std::io::stdout().lock(),
         interactive,
@@ -81,7 +81,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
 /// so its caches and its bf16 weight copy are made once per session.
 fn converse(
     args: &ChatArgs,
-    loaded: &LoadedModel,
+    loaded: &mut LoadedModel,
     input: impl BufRead,
     out: &mut impl Write,
     interactive: bool,
@@ -105,7 +105,8 @@ fn converse(
     let budget = block - args.max_new_tokens.min(block / 2);
     let mut decoder = Decoder::new(&loaded.config, 1, block);
     if let Some(backend) = &args.sampling.options(1, 1, 0).bf16_weights {
-        decoder = decoder.with_bf16_weights(&loaded.params, backend);
+        // This decoder alone reads the weights: the f32 linears are given back.
+        decoder = decoder.with_bf16_weights_releasing(&mut loaded.params, &layout, backend);
     }
     let mut input = input;
     let mut bytes = Vec::new();
@@ -299,11 +300,10 @@ mod tests {
 
     #[test]
     fn a_bf16_session_rounds_the_weights_once_for_every_reply() {
-        let model = chat_model();
         let before = bf16_copies_on_this_thread();
         let mut out = Vec::new();
         let input = "hi\nhi?\nhis\n".as_bytes();
-        converse(&args("bfloat16"), &model, input, &mut out, false).unwrap();
+        converse(&args("bfloat16"), &mut chat_model(), input, &mut out, false).unwrap();
         let replies = String::from_utf8(out).unwrap();
         assert_eq!(replies.matches('\n').count(), 3, "{replies:?}");
         assert_eq!(
@@ -312,7 +312,14 @@ mod tests {
             "one copy per session"
         );
         // f32 makes none.
-        converse(&args("float32"), &model, input, &mut Vec::new(), false).unwrap();
+        converse(
+            &args("float32"),
+            &mut chat_model(),
+            input,
+            &mut Vec::new(),
+            false,
+        )
+        .unwrap();
         assert_eq!(bf16_copies_on_this_thread() - before, 1);
     }
 }

@@ -6,7 +6,7 @@ use crate::data::instruct::{alpaca_prompt, instruct_eot, Role};
 use crate::data::{RenderOptions, Tokenizer};
 use crate::model::{ModelConfig, ParamLayout};
 use crate::model_source::{load_model_with_adapter, LoadedModel};
-use crate::sample::{generate_until, SampleOptions};
+use crate::sample::{generate_until, generate_until_releasing, SampleOptions};
 pub use crate::sample::{StopText, Stops};
 use crate::train::Trainer;
 use anyhow::{bail, Context, Result};
@@ -204,7 +204,7 @@ pub fn run(args: SampleArgs) -> Result<()> {
     if args.num_samples == 0 {
         bail!("--num-samples must be at least 1");
     }
-    let loaded = args.model.load()?;
+    let mut loaded = args.model.load()?;
     let tokenizer = &loaded.tokenizer;
     let variables = args.template_vars.iter().cloned().collect();
     let (prompt, ids) = args
@@ -220,12 +220,14 @@ pub fn run(args: SampleArgs) -> Result<()> {
         strings: sampling.stop.clone(),
     };
     let layout = ParamLayout::new(&loaded.config);
-    let model = Model {
-        params: &loaded.params,
-        layout: &layout,
-        config: &loaded.config,
-    };
-    stream(model, tokenizer, &prompt, &ids, &opts, &stops)
+    let config = &loaded.config;
+    check_prompt(&ids, config)?;
+    // The loaded weights serve this generation alone: in bf16 the f32 linears are
+    // given back as their copy is made.
+    let params = &mut loaded.params;
+    stream(tokenizer, &prompt, &opts, &stops, |on_token| {
+        generate_until_releasing(params, &layout, config, &ids, &opts, on_token)
+    })
 }
 
 /// The ids an instruction-tuned model's reply ends at: the end-of-text of nanogpt's
@@ -237,14 +239,6 @@ pub fn instruction_stops(tokenizer: &Tokenizer) -> Result<Vec<u32>> {
         eots.push(eot);
     }
     Ok(eots)
-}
-
-/// The weights a sample is drawn from.
-#[derive(Clone, Copy)]
-pub struct Model<'a> {
-    pub params: &'a [f32],
-    pub layout: &'a ParamLayout,
-    pub config: &'a ModelConfig,
 }
 
 /// Prints a short sample from the model being trained (the quick start's finale).
@@ -263,12 +257,11 @@ pub fn print_sample(trainer: &mut Trainer, max_new_tokens: usize) -> Result<()> 
     let ids = tokenizer.encode_prompt(&prompt)?;
     // With LoRA, the base with the adapters merged in.
     let params = m.merged_params();
-    let model = Model {
-        params: &params,
-        layout: m.base_layout(),
-        config: m.config(),
-    };
-    stream(model, tokenizer, &prompt, &ids, &opts, &Stops::default())
+    let (layout, config) = (m.base_layout(), m.config());
+    check_prompt(&ids, config)?;
+    stream(tokenizer, &prompt, &opts, &Stops::default(), |on_token| {
+        generate_until(&params, layout, config, &ids, &opts, on_token)
+    })
 }
 
 /// The closing sample's prompt: a newline, as nanoGPT's sample.py starts, or where
@@ -283,18 +276,8 @@ fn closing_prompt(tokenizer: &Tokenizer) -> String {
     tokenizer.decode(&[0])
 }
 
-/// Generates all samples in one batch from `ids` (the prompt's, whose text `prompt`
-/// is echoed first); the first is streamed token by token, the others are printed
-/// when done.
-fn stream(
-    model: Model,
-    tokenizer: &Tokenizer,
-    prompt: &str,
-    ids: &[u32],
-    opts: &SampleOptions,
-    stops: &Stops,
-) -> Result<()> {
-    let (params, layout, config) = (model.params, model.layout, model.config);
+/// Whether `ids` can prompt `config`'s model: not empty, and within its vocabulary.
+fn check_prompt(ids: &[u32], config: &ModelConfig) -> Result<()> {
     if ids.is_empty() {
         bail!("the prompt is empty after tokenisation; pass some text with --start");
     }
@@ -304,6 +287,20 @@ fn stream(
             config.vocab_size
         );
     }
+    Ok(())
+}
+
+/// Prints the samples `generate` draws in one batch (it hands each token to the
+/// callback it is given, which says whether that sample stops), after the prompt's
+/// text `prompt`: the first is streamed token by token, the others are printed when
+/// done.
+fn stream(
+    tokenizer: &Tokenizer,
+    prompt: &str,
+    opts: &SampleOptions,
+    stops: &Stops,
+    generate: impl FnOnce(&mut dyn FnMut(usize, u32) -> bool) -> Vec<Vec<u32>>,
+) -> Result<()> {
     // The samples are this command's product: a reader that has gone (`| head`) ends
     // the command at once, quietly (console::exit_if_closed).
     let mut out = std::io::stdout().lock();
@@ -313,7 +310,7 @@ fn stream(
         .map(|_| StopText::new(tokenizer))
         .collect();
     let mut streamed = Ok(());
-    let samples = generate_until(params, layout, config, ids, opts, |sample, token| {
+    let samples = generate(&mut |sample, token| {
         let text = &mut texts[sample];
         let stop = text.push(token, stops);
         if sample == 0 && streamed.is_ok() {

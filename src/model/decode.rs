@@ -110,6 +110,34 @@ pub fn bf16_copies_on_this_thread() -> usize {
     BF16_COPIES.with(|n| n.get())
 }
 
+/// A bf16 copy of parameters, built in order, piece by piece.
+struct Bf16Copy(Vec<Bf16>);
+
+impl Bf16Copy {
+    fn with_capacity(len: usize) -> Bf16Copy {
+        // Fresh memory, faulted in when first written: a fault per 2 MiB page where
+        // the kernel allows, instead of per 4 KiB (decoding steps read the copy
+        // 0.4–1.4 ms faster per 124M token), so the advice comes before any write.
+        let mut w = Vec::with_capacity(len);
+        crate::resident::prefer_huge_pages(w.spare_capacity_mut());
+        Bf16Copy(w)
+    }
+
+    /// Appends `src` rounded to bf16.
+    fn push(&mut self, src: &[f32]) {
+        let at = self.0.len();
+        // The first writes, and so the faults, on every thread.
+        let w = &mut self.0;
+        w.par_extend(rayon::iter::repeat_n(Bf16::default(), src.len()));
+        bf16::store(&mut w[at..], src);
+    }
+
+    fn finish(self) -> Vec<Bf16> {
+        BF16_COPIES.with(|n| n.set(n.get() + 1));
+        self.0
+    }
+}
+
 impl Decoder {
     /// A cache for `batch` sequences of up to `max_len` (≤ block_size) positions.
     ///
@@ -170,20 +198,52 @@ impl Decoder {
         self.with_bf16_copy(Decoder::bf16_copy(params), backend)
     }
 
+    /// [`Decoder::with_bf16_weights`] for `params` that serve this decoder alone (a
+    /// chat session, the server): see [`Decoder::bf16_copy_releasing`].
+    pub fn with_bf16_weights_releasing(
+        self,
+        params: &mut [f32],
+        layout: &ParamLayout,
+        backend: &Backend,
+    ) -> Decoder {
+        self.with_bf16_copy(Decoder::bf16_copy_releasing(params, layout), backend)
+    }
+
     /// The bf16 copy of `params` that [`Decoder::with_bf16_weights`] makes, to hand
     /// to decoders made later ([`Decoder::with_bf16_copy`]) as a model loaded in
     /// bf16 would be.
     pub fn bf16_copy(params: &[f32]) -> Vec<Bf16> {
-        // Fresh memory, faulted in when first written: a fault per 2 MiB page where
-        // the kernel allows, instead of per 4 KiB (decoding steps read the copy
-        // 0.4–1.4 ms faster per 124M token), so the advice comes before any write.
-        let mut w = Vec::with_capacity(params.len());
-        crate::resident::prefer_huge_pages(w.spare_capacity_mut());
-        // The first writes, and so the faults, on every thread.
-        w.par_extend(rayon::iter::repeat_n(Bf16::default(), params.len()));
-        bf16::store(&mut w, params);
-        BF16_COPIES.with(|n| n.set(n.get() + 1));
-        w
+        let mut copy = Bf16Copy::with_capacity(params.len());
+        copy.push(params);
+        copy.finish()
+    }
+
+    /// [`Decoder::bf16_copy`], giving back the memory of the f32 weights that no
+    /// decoder reading the copy reads: the blocks' linear weights, released
+    /// ([`crate::resident::release`]) each as soon as it is copied. The model is then
+    /// held once, in bf16, with its embeddings, norms and biases also in f32 (which
+    /// the lookups, norms and scoring read), not in f32 and bf16 both; and the peak
+    /// while copying is the f32 model, the copy of what is kept in f32, and one
+    /// linear. Afterwards those weights of `params` read as zeros, so `params` can
+    /// serve only decoders that read this copy.
+    pub fn bf16_copy_releasing(params: &mut [f32], layout: &ParamLayout) -> Vec<Bf16> {
+        assert_eq!(params.len(), layout.len, "params do not match the layout");
+        let mut linears: Vec<_> = layout
+            .layers
+            .iter()
+            .flat_map(|l| l.linears().map(|s| s.weight.range()))
+            .collect();
+        linears.sort_by_key(|r| r.start);
+        let mut copy = Bf16Copy::with_capacity(params.len());
+        let mut at = 0;
+        for r in linears {
+            copy.push(&params[at..r.start]);
+            copy.push(&params[r.clone()]);
+            at = r.end;
+            crate::resident::release(params, r);
+        }
+        copy.push(&params[at..]);
+        copy.finish()
     }
 
     /// [`Decoder::with_bf16_weights`] with a copy made beforehand by
@@ -787,6 +847,69 @@ pub(crate) mod tests {
         for step in rest.chunks_exact(2) {
             let got = half.feed(params, layout, step, 1).to_vec();
             assert_close("step", &got, exact.feed(&rounded, layout, step, 1));
+        }
+    }
+
+    /// A bf16 decoder on parameters whose f32 linears it released gives the same
+    /// bits as one on the whole parameters, prompt (the bf16 GEMM), steps (the GEMV)
+    /// and every row's scoring logits alike: nothing it runs reads what was given
+    /// back, which reads as zeros; nothing else changed. GPT-2 at a width whose
+    /// weights span whole pages (given back to the system), and the Llama families,
+    /// tied and untied, at widths inside a page (zeroed by hand).
+    #[test]
+    fn a_bf16_decoder_reads_nothing_it_released() {
+        use crate::model::family::LlamaType;
+        use crate::model::tests_llama::tiny_llama;
+        let mut configs = vec![("gpt-2".to_string(), medium())];
+        for family in [LlamaType::Llama, LlamaType::Qwen2, LlamaType::Qwen3] {
+            for tied in [false, true] {
+                configs.push((
+                    format!("{family:?}, tied {tied}"),
+                    tiny_llama(family, tied, 0.0),
+                ));
+            }
+        }
+        for (what, cfg) in configs {
+            let gpt = random_gpt(cfg, 2, 12);
+            let (layout, t) = (&gpt.layout, gpt.config().block_size);
+            let seqs = tokens(2 * t, gpt.config().vocab_size, 4);
+            let (prompt, rest) = (prefix(&[seqs[..t].to_vec(), seqs[t..].to_vec()], 5), 5);
+            let run = |params: &mut Vec<f32>, release: bool| {
+                let dec = Decoder::new(gpt.config(), 2, t);
+                let mut dec = match release {
+                    true => dec.with_bf16_weights_releasing(params, layout, &here()),
+                    false => dec.with_bf16_weights(params, &here()),
+                };
+                let mut logits = dec.feed(params, layout, &prompt, 5).to_vec();
+                for i in rest..t - 1 {
+                    let step = [seqs[i], seqs[t + i]];
+                    logits.extend_from_slice(dec.feed(params, layout, &step, 1));
+                }
+                let last = [seqs[t - 1], seqs[2 * t - 1]];
+                dec.feed_all(params, layout, &last, 1, |_, row| {
+                    logits.extend_from_slice(row)
+                });
+                logits
+            };
+            let mut kept = gpt.params.clone();
+            let mut released = gpt.params.clone();
+            let want = run(&mut kept, false);
+            let got = run(&mut released, true);
+            assert!(want.iter().all(|x| x.is_finite()), "{what}");
+            let same = got
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{what}: logits differ from the unreleased decoder's");
+            assert_eq!(kept, gpt.params, "{what}: the plain copy changes nothing");
+            let mut zeroed = gpt.params.clone();
+            for l in &layout.layers {
+                for s in l.linears() {
+                    zeroed[s.weight.range()].fill(0.0);
+                }
+            }
+            assert!(zeroed != gpt.params, "{what}");
+            assert_eq!(released, zeroed, "{what}: exactly the linears are released");
         }
     }
 

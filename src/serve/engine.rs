@@ -126,14 +126,15 @@ impl Engine {
     /// prompt's products on that back-end).
     pub fn new(
         config: ModelConfig,
-        params: Vec<f32>,
+        mut params: Vec<f32>,
         tokenizer: Arc<Tokenizer>,
         bf16: Option<Backend>,
     ) -> Engine {
         let layout = ParamLayout::new(&config);
         let mut decoder = Decoder::new(&config, 1, config.block_size);
+        // The engine's one decoder reads the copy: the f32 linears are given back.
         if let Some(backend) = &bf16 {
-            decoder = decoder.with_bf16_weights(&params, backend);
+            decoder = decoder.with_bf16_weights_releasing(&mut params, &layout, backend);
         }
         Engine {
             adjusted: vec![0.0; config.vocab_size],
