@@ -117,6 +117,17 @@ pub fn interval_checkpoints(out_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     Ok(found)
 }
 
+/// Whether `out_dir` holds a checkpoint for `init_from=resume` to start from:
+/// `ckpt.safetensors` or an interval checkpoint ([`Checkpoint::open_latest`] picks
+/// among them).
+fn holds_checkpoint(out_dir: &Path) -> bool {
+    let dir = match out_dir.as_os_str().is_empty() {
+        true => Path::new("."),
+        false => out_dir,
+    };
+    checkpoint_path(dir).exists() || interval_checkpoints(dir).is_ok_and(|c| !c.is_empty())
+}
+
 /// Deletes all but the newest `keep` interval checkpoints (and their `.json`
 /// copies); returns the deleted checkpoints. Call only once the newest is in place.
 pub fn prune_interval_checkpoints(out_dir: &Path, keep: usize) -> Result<Vec<PathBuf>> {
@@ -295,9 +306,13 @@ pub fn save_streamed(
     let header = header_bytes(layout, &order, &metadata)?;
     let not_saved = || {
         let dir = dest.parent().unwrap_or(Path::new("."));
+        let then = match holds_checkpoint(dir) {
+            true => "then continue with init_from=resume",
+            false => "then start the run again: it has no checkpoint to resume from yet",
+        };
         format!(
             "the checkpoint of iteration {} was not saved (free disk space or fix the \
-             permissions of {}, then continue with init_from=resume)",
+             permissions of {}, {then})",
             state.iter_num,
             dir.display()
         )

@@ -383,13 +383,31 @@ fn persistent_non_finite_steps_stop_the_run() {
         stderr.contains(
             "error: 3 optimizer steps in a row (iterations 5..=7) had a non-finite loss or \
              gradient norm"
-        ) && stderr.contains("max_nonfinite_steps = 3"),
+        ) && stderr.contains("max_nonfinite_steps = 3")
+            && stderr.contains("then continue with init_from=resume"),
         "{stderr}"
     );
     // The checkpoint at 6 (after the skipped step 5) holds the finite weights.
     let state = read_json(&d.join("run/ckpt-000006.json"));
     assert_eq!(state["adam_step"], 5);
     assert!(temp_files(&d.join("run")).is_empty());
+}
+
+/// Stopped before its first checkpoint, a run has nothing to resume from: the
+/// error says to start it again.
+#[test]
+fn non_finite_steps_before_any_checkpoint_say_to_start_again() {
+    let dir = temp_dir("nan-first");
+    let d = dir.path();
+    let extra = ["max_iters=12", "max_nonfinite_steps=2"];
+    let stderr = refused(&run(d, &extra, Some("nan-grad:1:100")));
+    assert!(
+        stderr.contains("(iterations 1..=2) had a non-finite loss")
+            && stderr.contains("then start the run again (it saved no checkpoint yet)")
+            && !stderr.contains("init_from=resume"),
+        "{stderr}"
+    );
+    assert!(snapshot(&d.join("run")).is_empty());
 }
 
 #[test]
@@ -448,25 +466,8 @@ fn a_full_disk_stops_the_run_and_keeps_the_previous_checkpoint() {
     let ckpt_len = std::fs::metadata(run_dir.join("ckpt.safetensors"))
         .unwrap()
         .len();
-    // Files may grow to 60% of a checkpoint (in 512-byte blocks): the metrics and
-    // the plot fit, a checkpoint does not. SIGXFSZ is ignored so that the write
-    // fails with EFBIG ("File too large"), as on a full disk.
-    let blocks = ckpt_len * 6 / 10 / 512;
-    let script = format!(
-        "trap '' XFSZ; ulimit -f {blocks}; exec \"$0\" \"$@\" max_iters=8 ckpt_interval=2 init_from=resume"
-    );
-    let mut cmd = train_command(d, &[], None);
-    let args: Vec<String> = std::iter::once(BIN.to_string())
-        .chain(cmd.get_args().map(|a| a.to_string_lossy().into_owned()))
-        .collect();
-    cmd = Command::new("sh");
-    cmd.arg("-c")
-        .arg(script)
-        .args(args)
-        .current_dir(d)
-        .env("RAYON_NUM_THREADS", "2")
-        .env_remove("NANOGPT_FAULT");
-    let out = cmd.output().unwrap();
+    let extra = ["max_iters=8", "ckpt_interval=2", "init_from=resume"];
+    let out = train_on_a_full_disk(d, ckpt_len, &extra);
     let stderr = refused(&out);
     // The first run's final state resumes at 5; after iteration 5 the interval
     // checkpoint of 6 cannot be written.
@@ -484,6 +485,54 @@ fn a_full_disk_stops_the_run_and_keeps_the_previous_checkpoint() {
     // Without the limit the run continues exactly.
     resume(d, 8);
     assert_eq!(step_losses(&run_dir), reference(8));
+}
+
+/// [`train_command`] where files may grow to 60% of a checkpoint of `ckpt_len`
+/// bytes (in 512-byte blocks): the metrics and the plot fit, a checkpoint does not.
+/// SIGXFSZ is ignored so that the write fails with EFBIG ("File too large"), as on
+/// a full disk.
+fn train_on_a_full_disk(d: &Path, ckpt_len: u64, extra: &[&str]) -> Output {
+    let blocks = ckpt_len * 6 / 10 / 512;
+    let script = format!("trap '' XFSZ; ulimit -f {blocks}; exec \"$0\" \"$@\"");
+    let cmd = train_command(d, extra, None);
+    let args: Vec<String> = std::iter::once(BIN.to_string())
+        .chain(cmd.get_args().map(|a| a.to_string_lossy().into_owned()))
+        .collect();
+    Command::new("sh")
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .current_dir(d)
+        .env("RAYON_NUM_THREADS", "2")
+        .env_remove("NANOGPT_FAULT")
+        .output()
+        .unwrap()
+}
+
+/// A run whose first checkpoint cannot be written has nothing to resume: the error
+/// says to start it again, not to resume, and the run's directory holds no
+/// checkpoint or partial file.
+#[test]
+fn a_full_disk_at_the_first_checkpoint_says_to_start_again() {
+    let dir = temp_dir("full-first");
+    let d = dir.path();
+    train(d, &["max_iters=2", "out_dir=sized"]);
+    let ckpt_len = std::fs::metadata(d.join("sized/ckpt.safetensors"))
+        .unwrap()
+        .len();
+    let out = train_on_a_full_disk(d, ckpt_len, &["max_iters=4", "ckpt_interval=2"]);
+    let stderr = refused(&out);
+    assert!(
+        stderr.contains(
+            "error: the checkpoint of iteration 2 was not saved (free disk space or fix the \
+             permissions of run, then start the run again: it has no checkpoint to resume from \
+             yet): run/ckpt-000002.safetensors was not written"
+        ) && !stderr.contains("init_from=resume"),
+        "{stderr}"
+    );
+    let run_dir = d.join("run");
+    assert!(snapshot(&run_dir).is_empty(), "{:?}", files(&run_dir));
+    assert!(temp_files(&run_dir).is_empty(), "{:?}", files(&run_dir));
 }
 
 /// Whether this process can write into a read-only directory (root can).

@@ -2,6 +2,7 @@
 //! warnings and the error for steps skipped as non-finite, the communication report.
 
 use super::{StepOutcome, Trainer};
+use crate::config::InitFrom;
 use crate::metrics::Row;
 use crate::progress::Progress;
 use anyhow::{bail, Result};
@@ -26,11 +27,16 @@ impl Trainer {
         let (n, max) = (self.nonfinite_in_row, self.cfg.max_nonfinite_steps);
         let what = format!("loss {}, gradient norm {}", step.loss, step.grad_norm);
         if n >= max {
+            // What this run resumed from or saved, known alike on every rank.
+            let resumable = self.saved_at.is_some() || self.cfg.init() == InitFrom::Resume;
+            let then = match resumable {
+                true => "continue with init_from=resume (the checkpoints hold only finite values)",
+                false => "start the run again (it saved no checkpoint yet)",
+            };
             bail!(
                 "{n} optimizer steps in a row (iterations {}..={iter}) had a non-finite loss or \
-                 gradient norm ({what}), so training stopped (max_nonfinite_steps = {max}); the \
-                 checkpoints hold only finite values: lower learning_rate, set grad_clip or check \
-                 the data, then continue with init_from=resume",
+                 gradient norm ({what}), so training stopped (max_nonfinite_steps = {max}): \
+                 lower learning_rate, set grad_clip or check the data, then {then}",
                 iter + 1 - n
             );
         }
