@@ -6,21 +6,24 @@ use rayon::prelude::*;
 
 /// `out[b,t,:] = wte[inp[b,t],:] + wpe[t,:]`, or `wte[inp[b,t],:]` with an empty `wpe`.
 ///
-/// out: (B, T, C) written; inp: (B, T) token ids < Vp; wte: (Vp, C); wpe: (≥T, C) or
-/// empty.
-pub fn encoder_forward(out: &mut [f32], inp: &[u32], wte: &[f32], wpe: &[f32], t: usize, c: usize) {
+/// out: (B, T, C) written; inp: (B, T) token ids < Vp; wte: (Vp, C), f32 or (a bf16
+/// decoder's copy) bf16, widened exactly; wpe: (≥T, C) or empty.
+pub fn encoder_forward<E>(out: &mut [f32], inp: &[u32], wte: &[E], wpe: &[f32], t: usize, c: usize)
+where
+    E: Copy + Sync + Into<f32>,
+{
     let _t = crate::profile::scope(crate::profile::Section::Encoder);
     assert_eq!(out.len(), inp.len() * c);
     out.par_chunks_mut(c).enumerate().for_each(|(row, o)| {
         let tok = inp[row] as usize;
         let e = &wte[tok * c..(tok + 1) * c];
         if wpe.is_empty() {
-            return o.copy_from_slice(e);
+            return o.iter_mut().zip(e).for_each(|(o, &e)| *o = e.into());
         }
         let pos = row % t;
         let p = &wpe[pos * c..(pos + 1) * c];
         for ((o, &e), &p) in o.iter_mut().zip(e).zip(p) {
-            *o = e + p;
+            *o = e.into() + p;
         }
     });
 }
@@ -92,6 +95,26 @@ mod tests {
                 let want = wte[tok as usize * c + ch] + wpe[(row % t) * c + ch];
                 assert_eq!(out[row * c + ch], want);
             }
+        }
+    }
+
+    /// A bf16 table gives its values widened exactly, with or without positions.
+    #[test]
+    fn a_bf16_table_reads_its_exact_values() {
+        use crate::kernels::bf16::Bf16;
+        let (t, c, vp) = (3, 5, 4);
+        let wte16: Vec<Bf16> = rand_vec(vp * c, 4)
+            .into_iter()
+            .map(Bf16::from_f32)
+            .collect();
+        let wte: Vec<f32> = wte16.iter().map(|x| x.to_f32()).collect();
+        let wpe = rand_vec(t * c, 5);
+        let inp = [3u32, 1, 3, 0, 2, 2];
+        for wpe in [&wpe[..], &[]] {
+            let (mut got, mut want) = (vec![0.0; inp.len() * c], vec![1.0; inp.len() * c]);
+            encoder_forward(&mut got, &inp, &wte16, wpe, t, c);
+            encoder_forward(&mut want, &inp, &wte, wpe, t, c);
+            assert_eq!(got, want, "positions: {}", !wpe.is_empty());
         }
     }
 

@@ -185,15 +185,16 @@ impl Decoder {
         }
     }
 
-    /// Decodes with the matmul weights (and the classifier's `wte`) rounded to bf16:
-    /// a copy of `params` in bf16 is made here, once, and [`Decoder::feed`] streams
-    /// half the bytes per token. Feeds of up to 8 rows (decoding steps) run the GEMV
-    /// on the bf16 weights with f32 activations (weight-only bf16); longer feeds (a
-    /// prompt) run the bf16 GEMM of `dtype = "bfloat16"` training on them
+    /// Decodes with the weight matrices (the linears, the token embedding and the
+    /// classifier) rounded to bf16: a copy of `params` in bf16 is made here, once,
+    /// and [`Decoder::feed`] streams half the bytes per token. Feeds of up to 8 rows
+    /// (decoding steps) and the classifier run the GEMV on the bf16 weights with f32
+    /// activations (weight-only bf16); longer feeds (a prompt) run the blocks' linears
+    /// on the bf16 GEMM of `dtype = "bfloat16"` training
     /// ([`bf16::gemm::matmul_bf16_wt`] on `backend`'s kernel, activations rounded to
-    /// bf16 as operands). Layer norms, biases, softmax, the residual stream and
-    /// accumulation stay f32, and the embedding lookups read the f32 tables. `feed`
-    /// must then be given the same `params`.
+    /// bf16 as operands). The token lookup reads the bf16 table, widened exactly.
+    /// Layer norms, biases, learned positions, softmax, the residual stream and
+    /// accumulation stay f32. `feed` must then be given the same `params`.
     pub fn with_bf16_weights(self, params: &[f32], backend: &Backend) -> Decoder {
         self.with_bf16_copy(Decoder::bf16_copy(params), backend)
     }
@@ -219,24 +220,26 @@ impl Decoder {
     }
 
     /// [`Decoder::bf16_copy`], giving back the memory of the f32 weights that no
-    /// decoder reading the copy reads: the blocks' linear weights, released
-    /// ([`crate::resident::release`]) each as soon as it is copied. The model is then
-    /// held once, in bf16, with its embeddings, norms and biases also in f32 (which
-    /// the lookups, norms and scoring read), not in f32 and bf16 both; and the peak
-    /// while copying is the f32 model, the copy of what is kept in f32, and one
-    /// linear. Afterwards those weights of `params` read as zeros, so `params` can
-    /// serve only decoders that read this copy.
+    /// decoder reading the copy reads: the weight matrices (the blocks' linears, the
+    /// token embedding, an untied classifier), each released
+    /// ([`crate::resident::release`]) as soon as it is copied. The model is then held
+    /// once, in bf16, with only its norms, biases and learned positions also in f32,
+    /// not in f32 and bf16 both; the peak while copying is the f32 model and one
+    /// matrix more. Afterwards those weights of `params` read as zeros, so `params`
+    /// can serve only decoders that read this copy.
     pub fn bf16_copy_releasing(params: &mut [f32], layout: &ParamLayout) -> Vec<Bf16> {
         assert_eq!(params.len(), layout.len, "params do not match the layout");
-        let mut linears: Vec<_> = layout
+        let mut matrices: Vec<_> = layout
             .layers
             .iter()
             .flat_map(|l| l.linears().map(|s| s.weight.range()))
+            .chain([layout.wte.range(), layout.lm_head.range()])
+            .filter(|r| !r.is_empty())
             .collect();
-        linears.sort_by_key(|r| r.start);
+        matrices.sort_by_key(|r| r.start);
         let mut copy = Bf16Copy::with_capacity(params.len());
         let mut at = 0;
-        for r in linears {
+        for r in matrices {
             copy.push(&params[at..r.start]);
             copy.push(&params[r.clone()]);
             at = r.end;
@@ -291,9 +294,10 @@ impl Decoder {
     /// [`Decoder::feed`], handing also every new row's logits to `each(row, logits)`
     /// first, rows in order (`row = seq·p + i` for the `i`-th new token of sequence
     /// `seq`; logits (V)): what scoring a text needs, where `feed` gives only the
-    /// last row's. The rows go through `ln_f` and the classifier's GEMM on the f32
-    /// `wte`, [`ALL_ROWS_CHUNK`] at a time, so the (B·p, V) matrix never exists
-    /// whole; this allocates those chunks' buffers.
+    /// last row's. The rows go through `ln_f` and the classifier ([`ALL_ROWS_CHUNK`]
+    /// at a time, so the (B·p, V) matrix never exists whole; this allocates those
+    /// chunks' buffers): the GEMM on the f32 weights, or with bf16 weights the GEMV
+    /// on the copy that [`Decoder::feed`]'s last rows run (the same bits for them).
     pub fn feed_all(
         &mut self,
         params: &[f32],
@@ -309,34 +313,34 @@ impl Decoder {
         let mut stats = NormStats::new(chunk);
         let mut logits = vec![0.0; chunk * v];
         let cls = layout.classifier();
-        let weights = &params[cls.start..cls.start + v * c];
-        // The f32 weights give the last rows too; a bf16 decoder's come from its copy.
-        let last_from_rows = self.weights_bf16.is_none();
+        let weights = cls.start..cls.start + v * c;
         for (k, rows) in self.x[..n * c].chunks(chunk * c).enumerate() {
             let m = rows.len() / c;
             let out = &mut normed[..m * c];
             norm_forward::<false>(&self.family, params, layout.ln_f, out, &mut stats, rows);
-            let cls = Classifier {
-                wte: weights,
-                packs: None,
-                c,
-                v,
-                backend: &self.backend,
-            };
-            classifier_logits(&mut logits[..m * v], &normed[..m * c], cls);
+            let (out, normed) = (&mut logits[..m * v], &normed[..m * c]);
+            match &self.weights_bf16 {
+                Some(w16) => gemv(out, normed, Weights::Bf16(&w16[weights.clone()]), c, false),
+                None => {
+                    let cls = Classifier {
+                        wte: &params[weights.clone()],
+                        packs: None,
+                        c,
+                        v,
+                        backend: &self.backend,
+                    };
+                    classifier_logits(out, normed, cls);
+                }
+            }
             for (i, row) in logits[..m * v].chunks_exact(v).enumerate() {
                 let at = k * chunk + i;
                 each(at, row);
-                if last_from_rows && at % p == p - 1 {
+                if at % p == p - 1 {
                     self.logits[at / p * v..][..v].copy_from_slice(row);
                 }
             }
         }
-        if last_from_rows {
-            &self.logits
-        } else {
-            self.final_logits(params, layout, p)
-        }
+        &self.logits
     }
 
     /// Continues `prefix`'s one sequence in each of this decoder's B: its cached
@@ -413,7 +417,11 @@ impl Decoder {
         // Learned positions from `start` on (none where positions are rotary).
         let wpe = &params[layout.wpe];
         let wpe = &wpe[(start * c).min(wpe.len())..];
-        encoder_forward(&mut self.x[..n * c], tokens, &params[layout.wte], wpe, p, c);
+        let x = &mut self.x[..n * c];
+        match &self.weights_bf16 {
+            Some(w16) => encoder_forward(x, tokens, &w16[layout.wte.range()], wpe, p, c),
+            None => encoder_forward(x, tokens, &params[layout.wte], wpe, p, c),
+        }
         let per_layer = s.cache_floats();
         let caches = self
             .keys
@@ -812,28 +820,28 @@ pub(crate) mod tests {
         assert_eq!((dec.len(), dec.max_len(), dec.batch()), (6, 8, 1));
     }
 
-    /// With bf16 weights, the GEMV's rows (a prompt of up to 8 rows, the steps) give
-    /// the f32 decoder's logits on the same parameters with every matmul weight
-    /// rounded to bf16: weight-only bf16. (wte is made
-    /// bf16-exact first: the embedding lookup reads the f32 table, the classifier the
-    /// bf16 copy, and a rounded f32 model cannot tell the two apart.)
+    /// With bf16 weights, the GEMV's rows (a prompt of up to 8 rows, the steps, and
+    /// every row `feed_all` scores) give the f32 decoder's logits on the same
+    /// parameters with every weight matrix (the linears and the token embedding,
+    /// lookup and classifier alike) rounded to bf16: weight-only bf16. `feed_all`'s
+    /// last rows are the bits `feed` gives.
     #[test]
     fn bf16_weights_decode_the_rounded_model() {
-        let mut gpt = random_gpt(small(true), 2, 7);
-        bf16::round_in_place(&mut gpt.params[gpt.layout.wte]);
+        let gpt = random_gpt(small(true), 2, 7);
         let (layout, params) = (&gpt.layout, &gpt.params);
         let mut rounded = params.clone();
         let matmuls = layout.layers.iter().flat_map(|l| {
             let ls = l.linears();
             ls.map(|s| s.weight)
         });
-        for span in matmuls {
+        for span in matmuls.chain([layout.wte]) {
             bf16::round_in_place(&mut rounded[span]);
         }
-        let seq = tokens(2 * 9, gpt.config().vocab_size, 3);
-        let mut half = Decoder::new(gpt.config(), 2, 9).with_bf16_weights(params, &here());
-        let mut exact = Decoder::new(gpt.config(), 2, 9);
-        let mut full = Decoder::new(gpt.config(), 2, 9);
+        let v = gpt.config().vocab_size;
+        let seq = tokens(2 * 9, v, 3);
+        let new = || Decoder::new(gpt.config(), 2, 9);
+        let mut half = new().with_bf16_weights(params, &here());
+        let (mut exact, mut full) = (new(), new());
         let (prompt, rest) = seq.split_at(2 * 4);
         let got = half.feed(params, layout, prompt, 4).to_vec();
         assert_close("prefill", &got, exact.feed(&rounded, layout, prompt, 4));
@@ -844,13 +852,38 @@ pub(crate) mod tests {
             moved > 1e-4,
             "rounding the weights moves the logits ({moved}) past the tolerance"
         );
-        for step in rest.chunks_exact(2) {
+        let (steps, scored) = rest.split_at(2 * 2);
+        for step in steps.chunks_exact(2) {
             let got = half.feed(params, layout, step, 1).to_vec();
             assert_close("step", &got, exact.feed(&rounded, layout, step, 1));
         }
+        // The last 3 positions of each sequence, scored row by row, and fed.
+        let mut fed = Decoder::new(gpt.config(), 2, 9).with_bf16_weights(params, &here());
+        fed.feed(params, layout, prompt, 4);
+        for step in steps.chunks_exact(2) {
+            fed.feed(params, layout, step, 1);
+        }
+        let (mut got, mut want) = (Vec::new(), Vec::new());
+        let last = half.feed_all(params, layout, scored, 3, |_, row| {
+            got.extend_from_slice(row)
+        });
+        let last = last.to_vec();
+        exact.feed_all(&rounded, layout, scored, 3, |_, row| {
+            want.extend_from_slice(row)
+        });
+        assert_close("scored rows", &got, &want);
+        for seq in 0..2 {
+            let row = &got[(seq * 3 + 2) * v..][..v];
+            assert_eq!(&last[seq * v..][..v], row, "feed_all's last row of {seq}");
+        }
+        assert_eq!(
+            fed.feed(params, layout, scored, 3),
+            &last[..],
+            "feed's last rows"
+        );
     }
 
-    /// A bf16 decoder on parameters whose f32 linears it released gives the same
+    /// A bf16 decoder on parameters whose f32 matrices it released gives the same
     /// bits as one on the whole parameters, prompt (the bf16 GEMM), steps (the GEMV)
     /// and every row's scoring logits alike: nothing it runs reads what was given
     /// back, which reads as zeros; nothing else changed. GPT-2 at a width whose
@@ -908,8 +941,13 @@ pub(crate) mod tests {
                     zeroed[s.weight.range()].fill(0.0);
                 }
             }
+            zeroed[layout.wte.range()].fill(0.0);
+            zeroed[layout.lm_head.range()].fill(0.0);
             assert!(zeroed != gpt.params, "{what}");
-            assert_eq!(released, zeroed, "{what}: exactly the linears are released");
+            assert_eq!(
+                released, zeroed,
+                "{what}: exactly the matrices are released"
+            );
         }
     }
 

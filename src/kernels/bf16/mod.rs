@@ -60,6 +60,12 @@ impl Bf16 {
     }
 }
 
+impl From<Bf16> for f32 {
+    fn from(x: Bf16) -> f32 {
+        x.to_f32()
+    }
+}
+
 /// `x` rounded to the nearest bf16, as an f32.
 #[inline(always)]
 pub fn round(x: f32) -> f32 {
