@@ -94,13 +94,8 @@ pub fn generate_until(
     opts: &SampleOptions,
     on_token: impl FnMut(usize, u32) -> bool,
 ) -> Vec<Vec<u32>> {
-    let Some(mut dec) = decoder_for_prompt(config, prompt, opts) else {
-        return vec![Vec::new(); opts.num_samples];
-    };
-    if let Some(backend) = &opts.bf16_weights {
-        dec = dec.with_bf16_weights(params, backend);
-    }
-    generate_in(&mut dec, params, layout, config, prompt, opts, on_token)
+    let held = Held::Shared(params);
+    generate_held(held, layout, config, prompt, opts, on_token)
 }
 
 /// [`generate_until`] for `params` that serve this generation alone (`nanogpt
@@ -115,12 +110,41 @@ pub fn generate_until_releasing(
     opts: &SampleOptions,
     on_token: impl FnMut(usize, u32) -> bool,
 ) -> Vec<Vec<u32>> {
+    let held = Held::Own(params);
+    generate_held(held, layout, config, prompt, opts, on_token)
+}
+
+/// The weights a generation reads: shared with other readers, or its own.
+enum Held<'a> {
+    Shared(&'a [f32]),
+    Own(&'a mut [f32]),
+}
+
+/// [`generate_until`] on `held` weights, whose f32 matrices a bf16 decoder gives
+/// back where they are its own.
+fn generate_held(
+    held: Held,
+    layout: &ParamLayout,
+    config: &ModelConfig,
+    prompt: &[u32],
+    opts: &SampleOptions,
+    on_token: impl FnMut(usize, u32) -> bool,
+) -> Vec<Vec<u32>> {
     let Some(mut dec) = decoder_for_prompt(config, prompt, opts) else {
         return vec![Vec::new(); opts.num_samples];
     };
-    if let Some(backend) = &opts.bf16_weights {
-        dec = dec.with_bf16_weights_releasing(params, layout, backend);
-    }
+    let params: &[f32] = match (held, &opts.bf16_weights) {
+        (Held::Shared(params), Some(backend)) => {
+            dec = dec.with_bf16_weights(params, backend);
+            params
+        }
+        (Held::Own(params), Some(backend)) => {
+            dec = dec.with_bf16_weights_releasing(params, layout, backend);
+            params
+        }
+        (Held::Shared(params), None) => params,
+        (Held::Own(params), None) => params,
+    };
     generate_in(&mut dec, params, layout, config, prompt, opts, on_token)
 }
 
@@ -738,6 +762,32 @@ mod tests {
         }
         assert_eq!(got[0], seq[prompt.len()..]);
         assert_eq!(got[1], got[0]);
+    }
+
+    /// Weights a generation owns draw the same samples as shared ones, in both
+    /// precisions; in bf16 their f32 matrices are given back, in f32 nothing is.
+    #[test]
+    fn owned_weights_sample_as_shared_ones() {
+        use crate::kernels::bf16::Backend;
+        let mut gpt = random_gpt(small(true), 1, 16);
+        gpt.params.iter_mut().for_each(|p| *p *= 4.0);
+        let (layout, cfg) = (&gpt.layout, gpt.config());
+        let prompt: Vec<u32> = (0..4).map(|i| (i * 11 % 53) as u32).collect();
+        for bf16 in [None, Some(Backend::detect(None))] {
+            let o = SampleOptions {
+                bf16_weights: bf16,
+                ..opts(0.9, Some(20), 5)
+            };
+            let want = generate(&gpt.params, layout, cfg, &prompt, &o, |_, _| {});
+            let mut own = gpt.params.clone();
+            let got = generate_until_releasing(&mut own, layout, cfg, &prompt, &o, |_, _| false);
+            assert_eq!(got, want, "bf16: {}", bf16.is_some());
+            let wte = &own[layout.wte.range()];
+            match bf16 {
+                Some(_) => assert!(wte.iter().all(|&x| x == 0.0), "given back"),
+                None => assert_eq!(own, gpt.params, "untouched"),
+            }
+        }
     }
 
     #[test]
