@@ -15,8 +15,9 @@
 //! It runs the same block and kernels as the training forward, in f32, without dropout,
 //! except that a decoding step's few rows take every matmul on the GEMV (which streams
 //! each weight once) and a prompt's attention reads the cache;
-//! [`Decoder::with_bf16_weights`] reads the matmul weights in bf16 instead: the steps'
-//! rows on the GEMV, a prompt's rows on the bf16 GEMM that training uses.
+//! [`Decoder::with_bf16_weights`] reads the weight matrices (the linears, the token
+//! embedding, the classifier) in bf16 instead: the steps' rows and the classifier on
+//! the GEMV, a prompt's rows on the bf16 GEMM that training uses.
 
 use super::activations::{BlockActs, NormStats, Scratch};
 use super::block::{block_forward, norm_forward, runs_on_the_gemv, Attend, BlockWeights};
