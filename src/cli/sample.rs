@@ -94,8 +94,9 @@ pub struct Sampling {
     /// (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,
-    /// Precision of the weights the matmuls read: float32, or bfloat16 (rounded once
-    /// at start; half the bytes per token, activations stay f32).
+    /// Precision of the weight matrices: float32, or bfloat16 (rounded once at start
+    /// and the f32 copies freed: half the bytes per token and half the memory;
+    /// activations stay f32).
     #[arg(long, default_value = "float32", value_parser = clap::builder::PossibleValuesParser::new(crate::model::Dtype::NAMES))]
     pub dtype: String,
     /// With --dtype bfloat16: the kernel of a prompt's bf16 products (auto: the

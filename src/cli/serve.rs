@@ -41,8 +41,8 @@ pub struct ServeArgs {
     /// with).
     #[arg(long, default_value = "chat")]
     pub template: TemplateArg,
-    /// Precision of the weights the matmuls read: float32, or bfloat16 (half the
-    /// bytes per token; activations stay f32).
+    /// Precision of the weight matrices: float32, or bfloat16 (their f32 copies
+    /// freed: half the bytes per token and half the memory; activations stay f32).
     #[arg(long, default_value = "float32", value_parser = clap::builder::PossibleValuesParser::new(crate::model::Dtype::NAMES))]
     pub dtype: String,
     /// With --dtype bfloat16: the kernel of a prompt's bf16 products (auto: the
