@@ -310,6 +310,58 @@ fn completions_chat_streams_and_logprobs() {
     );
 }
 
+/// The echoed prompt's log-probabilities and the greedy text of `server`.
+fn echo_and_greedy(server: &Server, prompt: &str) -> (Vec<f64>, String) {
+    let body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1,
+                      "echo": true});
+    let (status, v) = server.json("/v1/completions", body);
+    assert_eq!(status, 200, "{v}");
+    let lp = &v["choices"][0]["logprobs"];
+    let logprobs = lp["token_logprobs"].as_array().unwrap()[1..]
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    let text = v["choices"][0]["text"].as_str().unwrap();
+    (logprobs, text.strip_prefix(prompt).unwrap().to_string())
+}
+
+/// In bf16 the server (whose f32 weight matrices are freed) scores the prompt within
+/// bf16's rounding of the f32 server's log-probabilities, and its greedy text is
+/// `nanogpt sample --dtype bfloat16`'s.
+#[test]
+fn a_bf16_server_scores_near_f32_and_answers_as_bf16_sample() {
+    let prompt = "To be, or not to be";
+    let (f32_lps, _) = echo_and_greedy(&Server::start(&[]), prompt);
+    let (bf16_lps, text) = echo_and_greedy(&Server::start(&["--dtype", "bfloat16"]), prompt);
+    assert_eq!(bf16_lps.len(), f32_lps.len());
+    for (i, (b, f)) in bf16_lps.iter().zip(&f32_lps).enumerate() {
+        assert!((b - f).abs() < 0.05, "token {}: bf16 {b}, f32 {f}", i + 1);
+    }
+    let dir = temp_dir("serve-bf16-sample");
+    let model = fixture("instruct/model").display().to_string();
+    let args = [
+        "sample",
+        "--init-from",
+        &model,
+        "--start",
+        prompt,
+        "--num-samples",
+        "1",
+    ];
+    let more = [
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "0",
+        "--dtype",
+        "bfloat16",
+    ];
+    let sampled = ok(dir.path(), &[&args[..], &more[..]].concat());
+    let sampled = sampled.strip_prefix(prompt).unwrap().trim_end_matches('\n');
+    let sampled = sampled.split("<|endoftext|>").next().unwrap();
+    assert_eq!(text.split("<|endoftext|>").next().unwrap(), sampled);
+}
+
 #[test]
 fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
     let server = Server::start(&["--api-key", KEY]);
