@@ -223,3 +223,49 @@ impl Pretrained {
         Ok((cfg, params))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Loading a model drops each tensor's pages of the mapped file once copied, so
+    /// the model is held once (in its arena), not also as the file: every byte of
+    /// every tensor is released, for GPT-2 and for each Llama family, tied or not.
+    #[test]
+    fn loading_releases_every_tensor_it_copied() {
+        use crate::model::family::LlamaType;
+        use crate::model::tests_llama::tiny_llama;
+        use crate::model::ModelConfig;
+        let gpt2 = ModelConfig {
+            vocab_size: 61,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            bias: true,
+            dropout: 0.0,
+            llama: None,
+        };
+        let mut configs = vec![gpt2];
+        for family in [LlamaType::Llama, LlamaType::Qwen2, LlamaType::Qwen3] {
+            configs.extend([false, true].map(|tied| tiny_llama(family, tied, 0.0)));
+        }
+        for cfg in configs {
+            let layout = crate::model::ParamLayout::new(&cfg);
+            let params: Vec<f32> = (0..layout.len).map(|i| (i % 97) as f32 * 0.01).collect();
+            let dir = tempfile::tempdir().unwrap();
+            let out = dir.path().join("m");
+            export::export(&params, &cfg, None, &out).unwrap();
+            let file = std::fs::read(out.join("model.safetensors")).unwrap();
+            let st = safetensors::SafeTensors::deserialize(&file).unwrap();
+            let stored: usize = st.tensors().iter().map(|(_, v)| v.data().len()).sum();
+            let before = weights::RELEASED.with(|n| n.get());
+            let pretrained = Pretrained::open_dir(&out).unwrap();
+            let (_, loaded) = pretrained.load(None, 0.0).unwrap();
+            let released = weights::RELEASED.with(|n| n.get()) - before;
+            let what = format!("{:?}", cfg.llama.as_ref().map(|l| l.model_type));
+            assert_eq!(loaded.len(), params.len(), "{what}");
+            assert_eq!(released, stored, "{what}: bytes released of those stored");
+        }
+    }
+}
