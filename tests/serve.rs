@@ -153,26 +153,7 @@ fn completions_chat_streams_and_logprobs() {
     );
 
     // Greedy text is `nanogpt sample`'s (cut where the server stops, at end-of-text).
-    let dir = temp_dir("serve-sample");
-    let model = fixture("instruct/model").display().to_string();
-    let sampled = ok(
-        dir.path(),
-        &[
-            "sample",
-            "--init-from",
-            &model,
-            "--start",
-            prompt,
-            "--num-samples",
-            "1",
-            "--max-new-tokens",
-            "12",
-            "--temperature",
-            "0",
-        ],
-    );
-    let sampled = sampled.strip_prefix(prompt).unwrap().trim_end_matches('\n');
-    let sampled = sampled.split("<|endoftext|>").next().unwrap();
+    let sampled = greedy_sample(prompt, 12, &[]);
     assert_eq!(text, sampled);
 
     // The stream says the same, chunk by chunk, and ends with usage and [DONE].
@@ -310,6 +291,30 @@ fn completions_chat_streams_and_logprobs() {
     );
 }
 
+/// `nanogpt sample`'s greedy continuation of `prompt` (`max_new` tokens, with `extra`
+/// options) by the model the servers run, up to its first end-of-text.
+fn greedy_sample(prompt: &str, max_new: usize, extra: &[&str]) -> String {
+    let dir = temp_dir("serve-sample");
+    let model = fixture("instruct/model").display().to_string();
+    let max_new = max_new.to_string();
+    let args = [
+        "sample",
+        "--init-from",
+        &model,
+        "--start",
+        prompt,
+        "--num-samples",
+        "1",
+        "--max-new-tokens",
+        &max_new,
+        "--temperature",
+        "0",
+    ];
+    let sampled = ok(dir.path(), &[&args[..], extra].concat());
+    let sampled = sampled.strip_prefix(prompt).unwrap().trim_end_matches('\n');
+    sampled.split("<|endoftext|>").next().unwrap().to_string()
+}
+
 /// The echoed prompt's log-probabilities and the greedy text of `server`.
 fn echo_and_greedy(server: &Server, prompt: &str) -> (Vec<f64>, String) {
     let body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1,
@@ -337,29 +342,8 @@ fn a_bf16_server_scores_near_f32_and_answers_as_bf16_sample() {
     for (i, (b, f)) in bf16_lps.iter().zip(&f32_lps).enumerate() {
         assert!((b - f).abs() < 0.05, "token {}: bf16 {b}, f32 {f}", i + 1);
     }
-    let dir = temp_dir("serve-bf16-sample");
-    let model = fixture("instruct/model").display().to_string();
-    let args = [
-        "sample",
-        "--init-from",
-        &model,
-        "--start",
-        prompt,
-        "--num-samples",
-        "1",
-    ];
-    let more = [
-        "--max-new-tokens",
-        "8",
-        "--temperature",
-        "0",
-        "--dtype",
-        "bfloat16",
-    ];
-    let sampled = ok(dir.path(), &[&args[..], &more[..]].concat());
-    let sampled = sampled.strip_prefix(prompt).unwrap().trim_end_matches('\n');
-    let sampled = sampled.split("<|endoftext|>").next().unwrap();
-    assert_eq!(text.split("<|endoftext|>").next().unwrap(), sampled);
+    let greedy = greedy_sample(prompt, 8, &["--dtype", "bfloat16"]);
+    assert_eq!(text.split("<|endoftext|>").next().unwrap(), greedy);
 }
 
 #[test]
