@@ -307,7 +307,7 @@ pub fn run_sample(opts: &SampleBenchOptions) -> anyhow::Result<SampleBenchReport
     let prompt: Vec<u32> = (0..p).map(|i| (i * 7919 % cfg.vocab_size) as u32).collect();
     let bf16 = opts.dtype == Dtype::Bfloat16;
     let made = Instant::now();
-    // As `sample`, `chat` and `serve` make it: the f32 linears given back.
+    // As `sample`, `chat` and `serve` make it: the f32 matrices given back.
     let mut copy = bf16.then(|| Decoder::bf16_copy_releasing(&mut gpt.params, &gpt.layout));
     let copy_secs = match bf16 {
         true => made.elapsed().as_secs_f64(),

@@ -76,53 +76,33 @@ pub fn generate(
     opts: &SampleOptions,
     mut on_token: impl FnMut(usize, u32),
 ) -> Vec<Vec<u32>> {
-    generate_until(params, layout, config, prompt, opts, |i, t| {
-        on_token(i, t);
-        false
-    })
+    generate_until(
+        Held::Shared(params),
+        layout,
+        config,
+        prompt,
+        opts,
+        |i, t| {
+            on_token(i, t);
+            false
+        },
+    )
 }
 
-/// [`generate`], where a sequence stops early when `on_token(sample, id)` returns
-/// true for it (that token is kept as its last); generation ends when every sequence
-/// has stopped or has `max_new_tokens`. Stopped sequences are still decoded with the
-/// batch, but their draws are dropped and not reported.
-pub fn generate_until(
-    params: &[f32],
-    layout: &ParamLayout,
-    config: &ModelConfig,
-    prompt: &[u32],
-    opts: &SampleOptions,
-    on_token: impl FnMut(usize, u32) -> bool,
-) -> Vec<Vec<u32>> {
-    let held = Held::Shared(params);
-    generate_held(held, layout, config, prompt, opts, on_token)
-}
-
-/// [`generate_until`] for `params` that serve this generation alone (`nanogpt
-/// sample`): with bf16 weights, the f32 weights that only the copy is read in place
-/// of are given back as it is made ([`Decoder::bf16_copy_releasing`]), and read as
-/// zeros afterwards.
-pub fn generate_until_releasing(
-    params: &mut [f32],
-    layout: &ParamLayout,
-    config: &ModelConfig,
-    prompt: &[u32],
-    opts: &SampleOptions,
-    on_token: impl FnMut(usize, u32) -> bool,
-) -> Vec<Vec<u32>> {
-    let held = Held::Own(params);
-    generate_held(held, layout, config, prompt, opts, on_token)
-}
-
-/// The weights a generation reads: shared with other readers, or its own.
-enum Held<'a> {
+/// The weights a generation reads: shared with other readers, or its own (`nanogpt
+/// sample`'s), whose f32 matrices a bf16 decoder gives back as its copy is made
+/// ([`Decoder::bf16_copy_releasing`]): they read as zeros afterwards.
+pub enum Held<'a> {
     Shared(&'a [f32]),
     Own(&'a mut [f32]),
 }
 
-/// [`generate_until`] on `held` weights, whose f32 matrices a bf16 decoder gives
-/// back where they are its own.
-fn generate_held(
+/// [`generate`] on `held` weights, where a sequence stops early when
+/// `on_token(sample, id)` returns true for it (that token is kept as its last);
+/// generation ends when every sequence has stopped or has `max_new_tokens`. Stopped
+/// sequences are still decoded with the batch, but their draws are dropped and not
+/// reported.
+pub fn generate_until(
     held: Held,
     layout: &ParamLayout,
     config: &ModelConfig,
@@ -780,7 +760,8 @@ mod tests {
             };
             let want = generate(&gpt.params, layout, cfg, &prompt, &o, |_, _| {});
             let mut own = gpt.params.clone();
-            let got = generate_until_releasing(&mut own, layout, cfg, &prompt, &o, |_, _| false);
+            let held = Held::Own(&mut own);
+            let got = generate_until(held, layout, cfg, &prompt, &o, |_, _| false);
             assert_eq!(got, want, "bf16: {}", bf16.is_some());
             let wte = &own[layout.wte.range()];
             match bf16 {
@@ -914,7 +895,7 @@ mod tests {
         let full = run(&gpt, &[1, 2], &o);
         let mut calls = [0usize; 3];
         let cut = generate_until(
-            &gpt.params,
+            Held::Shared(&gpt.params),
             &gpt.layout,
             gpt.config(),
             &[1, 2],

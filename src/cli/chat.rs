@@ -105,7 +105,7 @@ fn converse(
     let budget = block - args.max_new_tokens.min(block / 2);
     let mut decoder = Decoder::new(&loaded.config, 1, block);
     if let Some(backend) = &args.sampling.options(1, 1, 0).bf16_weights {
-        // This decoder alone reads the weights: the f32 linears are given back.
+        // This decoder alone reads the weights: the f32 matrices are given back.
         decoder = decoder.with_bf16_weights_releasing(&mut loaded.params, &layout, backend);
     }
     let mut input = input;

@@ -6,7 +6,7 @@ use crate::data::instruct::{alpaca_prompt, instruct_eot, Role};
 use crate::data::{RenderOptions, Tokenizer};
 use crate::model::{ModelConfig, ParamLayout};
 use crate::model_source::{load_model_with_adapter, LoadedModel};
-use crate::sample::{generate_until, generate_until_releasing, SampleOptions};
+use crate::sample::{generate_until, Held, SampleOptions};
 pub use crate::sample::{StopText, Stops};
 use crate::train::Trainer;
 use anyhow::{bail, Context, Result};
@@ -223,11 +223,11 @@ pub fn run(args: SampleArgs) -> Result<()> {
     let layout = ParamLayout::new(&loaded.config);
     let config = &loaded.config;
     check_prompt(&ids, config)?;
-    // The loaded weights serve this generation alone: in bf16 the f32 linears are
+    // The loaded weights serve this generation alone: in bf16 the f32 matrices are
     // given back as their copy is made.
     let params = &mut loaded.params;
     stream(tokenizer, &prompt, &opts, &stops, |on_token| {
-        generate_until_releasing(params, &layout, config, &ids, &opts, on_token)
+        generate_until(Held::Own(params), &layout, config, &ids, &opts, on_token)
     })
 }
 
@@ -261,7 +261,7 @@ pub fn print_sample(trainer: &mut Trainer, max_new_tokens: usize) -> Result<()> 
     let (layout, config) = (m.base_layout(), m.config());
     check_prompt(&ids, config)?;
     stream(tokenizer, &prompt, &opts, &Stops::default(), |on_token| {
-        generate_until(&params, layout, config, &ids, &opts, on_token)
+        generate_until(Held::Shared(&params), layout, config, &ids, &opts, on_token)
     })
 }
 

@@ -132,7 +132,7 @@ impl Engine {
     ) -> Engine {
         let layout = ParamLayout::new(&config);
         let mut decoder = Decoder::new(&config, 1, config.block_size);
-        // The engine's one decoder reads the copy: the f32 linears are given back.
+        // The engine's one decoder reads the copy: the f32 matrices are given back.
         if let Some(backend) = &bf16 {
             decoder = decoder.with_bf16_weights_releasing(&mut params, &layout, backend);
         }
