@@ -97,6 +97,8 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     gpt.set_activation_checkpointing(opts.activation_checkpointing);
     // One micro-step per optimizer step, as timed (`Gpt::set_micro_steps`).
     gpt.set_micro_steps(1);
+    // As `train` holds a LoRA base (`Gpt::release_frozen_linears`).
+    gpt.release_frozen_linears();
     gpt.set_dtype(opts.dtype, &opts.backend);
     let mut opt = AdamW::new(&gpt.layout.decay_ranges(), AdamWConfig::default());
     let v = opts.model.vocab_size;

@@ -598,6 +598,44 @@ fn multiple_choice_accuracy_is_the_same_on_any_number_of_ranks() {
     }
 }
 
+/// LoRA in bf16 on the f32 GEMM gives its base's f32 linears back (the rounded copy
+/// holds them). The tasks scored during training then need the base again: rank 0
+/// loads it and sends it to the other ranks, which score the same questions as one
+/// process does (iteration 0: the same weights, the same accuracy).
+#[test]
+fn bf16_lora_scores_tasks_on_the_base_rank_0_loads_again() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    common::write_shakespeare_task(workdir(), 30);
+    let task = [
+        "gradient_accumulation_steps=3",
+        "max_iters=2",
+        "eval_interval=2",
+        "lr_decay_iters=2",
+        "eval_tasks=choice:lines.jsonl",
+        "eval_tasks_limit=25",
+        "dtype=bfloat16",
+        "bf16_kernel=f32",
+        "lora_rank=4",
+        "lora_targets=c_attn,mlp.c_proj",
+    ];
+    train(0, "lora-tasks-1", &task);
+    train(3, "lora-tasks-3", &task);
+    let one = common::task_rows(&workdir().join("lora-tasks-1"));
+    let three = common::task_rows(&workdir().join("lora-tasks-3"));
+    assert_eq!((one.len(), three.len()), (2, 2));
+    for name in ACCURACIES {
+        assert_eq!(one[0][name], three[0][name], "iteration 0: {name}");
+        let (x, y) = (
+            one[1][name].as_f64().unwrap(),
+            three[1][name].as_f64().unwrap(),
+        );
+        assert!(
+            (x - y).abs() <= 1.0 / 25.0 + 1e-9,
+            "iteration 2: {name} {x} vs {y}"
+        );
+    }
+}
+
 #[test]
 fn an_uneven_split_of_micro_steps_is_refused() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());

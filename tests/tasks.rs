@@ -239,6 +239,51 @@ fn accuracy_logged_in_training_is_eval_task_on_the_checkpoint() {
     }
 }
 
+/// LoRA in bf16 on the f32 GEMM keeps its base as the rounded copy and gives the
+/// f32 linears back; the accuracy it logs is still that of the adapted model `eval`
+/// loads (the base loaded again, the adapters merged in, as `eval` does with the
+/// checkpoint), and the closing sample is drawn from it.
+#[test]
+fn bf16_lora_logs_the_accuracy_eval_task_gives() {
+    let dir = temp_dir("train-tasks-lora");
+    let d = dir.path();
+    common::write_shakespeare_task(d, 24);
+    let run = [
+        "max_iters=4",
+        "eval_interval=4",
+        "lr_decay_iters=4",
+        "out_dir=run",
+        "eval_tasks=choice:lines.jsonl",
+        "dtype=bfloat16",
+        "bf16_kernel=f32",
+        "lora_rank=4",
+        "lora_alpha=8",
+        "lora_targets=c_attn,mlp.c_proj",
+    ];
+    let stdout = ok(d, &[&["train"], &TINY_SHAKESPEARE[..], &run].concat());
+    assert!(
+        stdout.contains("A sample from the trained model:"),
+        "{stdout}"
+    );
+    let rows = common::task_rows(&d.join("run"));
+    let iters: Vec<u64> = rows.iter().map(|r| r["iter"].as_u64().unwrap()).collect();
+    assert_eq!(iters, [0, 4]);
+    let args = ["eval", "--init-from", "run", "--task", "choice"];
+    let json = ok(
+        d,
+        &[&args[..], &["--data", "lines.jsonl", "--json"]].concat(),
+    );
+    let eval: Value = serde_json::from_str(json.trim()).unwrap();
+    assert_eq!(eval["examples"], 24);
+    for name in METRICS {
+        assert_eq!(
+            rows[1][name].as_f64(),
+            eval[name]["value"].as_f64(),
+            "{name}"
+        );
+    }
+}
+
 #[test]
 fn eval_tasks_that_cannot_be_read_are_refused_before_training() {
     let dir = temp_dir("train-tasks-bad");

@@ -252,12 +252,12 @@ pub fn print_sample(trainer: &mut Trainer, max_new_tokens: usize) -> Result<()> 
         seed: trainer.cfg.seed,
         ..SampleOptions::default()
     };
-    let m = &trainer.model;
     let tokenizer = trainer.tokenizer();
     let prompt = closing_prompt(tokenizer);
     let ids = tokenizer.encode_prompt(&prompt)?;
     // With LoRA, the base with the adapters merged in.
-    let params = m.merged_params();
+    let params = trainer.merged_params()?;
+    let m = &trainer.model;
     let (layout, config) = (m.base_layout(), m.config());
     check_prompt(&ids, config)?;
     stream(tokenizer, &prompt, &opts, &Stops::default(), |on_token| {

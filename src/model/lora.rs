@@ -32,6 +32,7 @@ use crate::kernels::mat::Mat;
 use anyhow::{bail, Result};
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
+use std::ops::Range;
 
 /// A place for an adapter: part `part` of the block's linear layer `role` (one
 /// Hugging Face tensor: GPT-2's `c_attn`, Llama's `q_proj`, ...), and its `index`
@@ -344,23 +345,116 @@ pub struct Frozen {
     /// The adapters' settings and the base's identity.
     pub state: LoraState,
     pub adapters: LoraLayout,
+    /// Whether the blocks' linear weights of `params` are given back where the bf16
+    /// copy holds them ([`Frozen::release_linears`]), and whether they were: they
+    /// then read as zeros.
+    release: bool,
+    released: bool,
 }
 
 impl Frozen {
+    /// The frozen base `params` (laid out by `layout`) of `adapters`, in f32.
+    pub fn new(
+        layout: ParamLayout,
+        params: Vec<f32>,
+        state: LoraState,
+        adapters: LoraLayout,
+    ) -> Frozen {
+        Frozen {
+            layout,
+            params,
+            params_bf16: Vec::new(),
+            state,
+            adapters,
+            release: false,
+            released: false,
+        }
+    }
+
     /// Makes (or drops) the bf16 copy of the base for `dtype` on `backend`, where the
     /// model keeps one ([`Backend::keeps_bf16_copy`]; the base's weights are never lent).
+    /// After [`Frozen::release_linears`], each f32 linear is given back as soon as
+    /// its copy is made: the base is never held twice.
+    ///
+    /// # Panics
+    /// Once the f32 linears are given back: the weights to round are gone.
     pub fn set_dtype(&mut self, dtype: Dtype, backend: &Backend) {
+        assert!(
+            !self.released,
+            "the frozen base's f32 linears were released"
+        );
         let bf16 = dtype == Dtype::Bfloat16;
         let mut copy = vec![0.0; backend.bf16_copy_len(bf16, false, self.params.len())];
-        if !copy.is_empty() {
-            bf16::round_into(&mut copy, &self.params);
+        if copy.is_empty() {
+            self.params_bf16 = copy;
+            return;
         }
+        let mut at = 0;
+        if self.release {
+            for linear in self.linears() {
+                bf16::round_into(&mut copy[at..linear.end], &self.params[at..linear.end]);
+                crate::resident::release(&mut self.params, linear.clone());
+                at = linear.end;
+            }
+            self.released = true;
+        }
+        bf16::round_into(&mut copy[at..], &self.params[at..]);
         self.params_bf16 = copy;
+    }
+
+    /// The blocks' linear weights, in arena order.
+    fn linears(&self) -> Vec<Range<usize>> {
+        let mut linears: Vec<_> = (self.layout.layers.iter())
+            .flat_map(|l| l.linears().map(|s| s.weight.range()))
+            .collect();
+        linears.sort_by_key(|r| r.start);
+        linears
+    }
+
+    /// Gives back the memory of the blocks' f32 linear weights wherever the bf16
+    /// copy holds them for the products (a bf16 run on a back-end that keeps one):
+    /// now if the copy exists, else as [`Frozen::set_dtype`] makes it. Nothing in
+    /// such a run reads them again, so the base is held once, rounded, with only its
+    /// embeddings, norms and biases also in f32. The weights for [`Frozen::merged`]
+    /// must then come from the base's source again ([`Frozen::released`]). Where the
+    /// products read packs (AMX, AVX512-BF16), which keep the f32 base, and in f32,
+    /// nothing is given back. Returns the bytes given back now.
+    pub fn release_linears(&mut self) -> usize {
+        self.release = true;
+        if self.params_bf16.is_empty() || self.released {
+            return 0;
+        }
+        self.released = true;
+        let linears = self.linears();
+        for linear in &linears {
+            crate::resident::release(&mut self.params, linear.clone());
+        }
+        4 * linears.iter().map(|r| r.len()).sum::<usize>()
+    }
+
+    /// Whether the f32 linears were given back ([`Frozen::release_linears`]).
+    pub fn released(&self) -> bool {
+        self.released
+    }
+
+    /// Floats of the f32 linears [`Frozen::release_linears`] gives back in a model
+    /// laid out by `layout`.
+    pub fn linears_len(layout: &ParamLayout) -> usize {
+        let linears = layout.layers.iter().flat_map(|l| l.linears());
+        linears.map(|l| l.weight.len()).sum()
     }
 
     /// The base weights with every adapter merged in: `W += s · B · A` (the model
     /// the adapted one computes, without dropout).
+    ///
+    /// # Panics
+    /// After [`Frozen::release_linears`]: merge into the base loaded again instead
+    /// ([`merge_into`]).
     pub fn merged(&self, adapters: &[f32]) -> Vec<f32> {
+        assert!(
+            !self.released,
+            "the frozen base's f32 linears were released"
+        );
         let mut params = self.params.clone();
         merge_into(
             &mut params,

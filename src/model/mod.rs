@@ -323,13 +323,12 @@ impl Gpt {
             base_fingerprint: lora::fingerprint(&self.params),
             base_blocks: Some(lora::blocks_fingerprint(&self.params, &self.layout)),
         };
-        let mut frozen = Frozen {
-            layout: std::mem::replace(&mut self.layout, adapters.params.clone()),
-            params: std::mem::replace(&mut self.params, vec![0.0; len]),
-            params_bf16: Vec::new(),
+        let mut frozen = Frozen::new(
+            std::mem::replace(&mut self.layout, adapters.params.clone()),
+            std::mem::replace(&mut self.params, vec![0.0; len]),
             state,
             adapters,
-        };
+        );
         frozen.set_dtype(Dtype::Float32, &self.precision.backend);
         lora::init_adapters(&mut self.params, &frozen.adapters, seed);
         self.grads = vec![0.0; len];
@@ -363,9 +362,21 @@ impl Gpt {
         self.frozen.as_ref().map_or(&self.layout, |f| &f.layout)
     }
 
+    /// LoRA: gives back the frozen base's f32 linears wherever a rounded bf16 copy
+    /// holds them (bf16 on a back-end that keeps one), now or as [`Gpt::set_dtype`]
+    /// makes the copy, matrix by matrix: no pass reads them again
+    /// ([`Frozen::release_linears`]). Returns the bytes given back now.
+    pub fn release_frozen_linears(&mut self) -> usize {
+        self.frozen.as_mut().map_or(0, |f| f.release_linears())
+    }
+
     /// The whole model's parameters as one arena laid out by [`Gpt::base_layout`]:
     /// `params` itself, or with LoRA the base with the adapters merged in
     /// (`W + s·B·A`), for sampling and export.
+    ///
+    /// # Panics
+    /// With LoRA after [`Gpt::release_frozen_linears`] gave memory back: merge into
+    /// the base loaded again instead.
     pub fn merged_params(&self) -> Cow<'_, [f32]> {
         match &self.frozen {
             None => Cow::Borrowed(&self.params),

@@ -189,3 +189,80 @@ fn lora_flops_count_no_weight_gradients_for_the_frozen_model() {
     assert_eq!(full, 6.0 * n + attention);
     assert_eq!(adapted.flops_per_token(t), 4.0 * n + 6.0 * a + attention);
 }
+
+/// bf16 LoRA where the model keeps a rounded copy of its base (the portable back-end
+/// everywhere; this machine's where it does too): giving the base's f32 linears back,
+/// as the copy is made or after, changes no bit of training or evaluation, as the
+/// products read the copy. Exactly those weights then read as zeros; norms, biases
+/// and embeddings stay. Where the products read packs (AMX, AVX512-BF16) nothing is
+/// given back.
+#[test]
+fn a_bf16_base_without_its_f32_linears_trains_bit_for_bit() {
+    use super::family::LlamaType;
+    use super::tests_llama::tiny_llama;
+    let (b, t) = (2, 8);
+    let cases = [
+        (tiny(true, 0.1), ALL),
+        (
+            tiny_llama(LlamaType::Qwen2, false, 0.1),
+            "q_proj,v_proj,down_proj",
+        ),
+    ];
+    // When the linears are given back: never, before the copy is made, after.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Release {
+        Never,
+        Before,
+        After,
+    }
+    for (cfg, targets) in cases {
+        for backend in [Backend::portable(), Backend::detect(None)] {
+            let run = |release: Release| {
+                let mut gpt = adapted(cfg.clone(), targets, 0.2, b, t);
+                let base = gpt.frozen().unwrap().params.clone();
+                let mut now = 0;
+                if release == Release::Before {
+                    now = gpt.release_frozen_linears();
+                }
+                gpt.set_dtype(Dtype::Bfloat16, &backend);
+                if release == Release::After {
+                    now = gpt.release_frozen_linears();
+                }
+                let (x, y) = batch(b, t, gpt.config().vocab_size);
+                let decay = gpt.layout.decay_ranges();
+                let mut opt = crate::optim::AdamW::new(&decay, Default::default());
+                let mut losses = Vec::new();
+                for step in 0..3 {
+                    gpt.set_dropout_seed(step);
+                    losses.push(gpt.forward(&x, &y, b, t));
+                    gpt.backward();
+                    gpt.step_adamw(&mut opt, 1e-2, 1.0);
+                }
+                gpt.set_training(false);
+                let logits = gpt.logits(&x, b, t);
+                (losses, gpt.params.clone(), logits, base, now, gpt)
+            };
+            let kept = run(Release::Never);
+            for release in [Release::Before, Release::After] {
+                let (losses, adapters, logits, base, now, gpt) = run(release);
+                let family = cfg.llama.as_ref().map_or("gpt2", |l| l.model_type.name());
+                let case = format!("{family} on {}, {release:?}", backend.kernel().name());
+                let got = (&losses, &adapters, &logits);
+                assert_eq!(got, (&kept.0, &kept.1, &kept.2), "{case}");
+                let frozen = gpt.frozen().unwrap();
+                let copied = backend.keeps_bf16_copy(true, false);
+                assert_eq!(frozen.released(), copied, "{case}");
+                let linears: Vec<_> = (frozen.layout.layers.iter())
+                    .flat_map(|l| l.linears().map(|s| s.weight.range()))
+                    .collect();
+                let floats: usize = linears.iter().map(|r| r.len()).sum();
+                let after = copied && release == Release::After;
+                assert_eq!(now, if after { 4 * floats } else { 0 }, "{case}");
+                for (i, (&got, &was)) in frozen.params.iter().zip(&base).enumerate() {
+                    let gone = copied && linears.iter().any(|r| r.contains(&i));
+                    assert_eq!(got, if gone { 0.0 } else { was }, "{case}: float {i}");
+                }
+            }
+        }
+    }
+}

@@ -41,11 +41,12 @@ use crate::fault;
 use crate::kernels::bf16::Backend;
 use crate::kernels::dropout::mix64;
 use crate::metrics::MetricsLog;
-use crate::model::Gpt;
+use crate::model::{lora, Gpt};
 use crate::optim::{AdamW, LrSchedule};
 use crate::progress::Progress;
 use crate::shutdown::{self, StopSignal};
 use anyhow::Result;
+use std::borrow::Cow;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -141,6 +142,73 @@ pub struct Trainer {
 }
 
 impl Trainer {
+    /// The trained model as one arena laid out by its base's layout, for sampling
+    /// on this rank: [`Gpt::merged_params`] (with LoRA the base with the adapters
+    /// merged in). Where the run gave the base's f32 linears back (LoRA in bf16:
+    /// [`Gpt::release_frozen_linears`]), the base is loaded again from its source
+    /// (which rank 0 always has) and checked against its fingerprint.
+    pub fn merged_params(&self) -> Result<Cow<'_, [f32]>> {
+        if !self.model.frozen().is_some_and(|f| f.released()) {
+            return Ok(self.model.merged_params());
+        }
+        let base = self.base_again()?;
+        Ok(Cow::Owned(self.merge_into(base)))
+    }
+
+    /// [`Trainer::merged_params`] on every rank (collective): a base given back is
+    /// loaded again by rank 0 only and sent to the others, which may not have its
+    /// files (they received it from rank 0 at start); rank 0's error on every rank.
+    pub(super) fn merged_params_everywhere(&self) -> Result<Cow<'_, [f32]>> {
+        if !self.model.frozen().is_some_and(|f| f.released()) {
+            return Ok(self.model.merged_params());
+        }
+        let comm = &*self.comm;
+        let (mut base, mut status) = (Vec::new(), Vec::new());
+        if comm.rank() == 0 {
+            status = match self.base_again() {
+                Ok(loaded) => {
+                    base = loaded;
+                    vec![0u8]
+                }
+                Err(e) => [&[1u8][..], format!("{e:#}").as_bytes()].concat(),
+            };
+        }
+        comm.broadcast_bytes(&mut status, 0);
+        match status.split_first() {
+            Some((0, _)) => {}
+            Some((_, error)) => anyhow::bail!("{}", String::from_utf8_lossy(error)),
+            None => anyhow::bail!("internal error: no LoRA base from rank 0"),
+        }
+        if comm.rank() != 0 {
+            base = vec![0.0; self.model.base_layout().len];
+        }
+        comm.broadcast(&mut base, 0);
+        Ok(Cow::Owned(self.merge_into(base)))
+    }
+
+    /// The frozen base of this LoRA run, loaded again from its source and checked
+    /// against its fingerprint.
+    fn base_again(&self) -> Result<Vec<f32>> {
+        let state = &self.model.frozen().expect("a LoRA run").state;
+        let base = crate::model_source::load_lora_base(state, self.model.config())?;
+        crate::model_source::check_lora_base(state, &base, "this run")?;
+        Ok(base)
+    }
+
+    /// `base` with this LoRA run's adapters merged in.
+    fn merge_into(&self, mut base: Vec<f32>) -> Vec<f32> {
+        let f = self.model.frozen().expect("a LoRA run");
+        let config = &f.state.config;
+        lora::merge_into(
+            &mut base,
+            &f.layout,
+            &f.adapters,
+            &self.model.params,
+            config,
+        );
+        base
+    }
+
     /// Resolves the data, builds or loads the model and opens the output directory.
     pub fn new(cfg: TrainConfig) -> Result<Trainer> {
         Trainer::with_collective(cfg, Box::new(Single))

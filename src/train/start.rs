@@ -109,10 +109,14 @@ impl Start {
         start.out_dir_lock = out_dir_lock;
         start.replace_at_first_save = replace;
         // Master weights and optimizer state stay f32; with bfloat16 the model makes
-        // its bf16 weight copy here and after every optimizer step.
+        // its bf16 weight copy here and after every optimizer step. A LoRA base kept
+        // as a rounded copy is then held once: its f32 linears are given back (the
+        // merged weights that tasks and the closing sample need are loaded again:
+        // `Trainer::merged_params`).
         let model = &mut start.state.model;
         model.set_activation_checkpointing(cfg.activation_checkpointing);
         model.set_micro_steps(cfg.gradient_accumulation_steps / comm.world_size());
+        model.release_frozen_linears();
         model.set_dtype(cfg.dtype, backend);
         Ok(start)
     }

@@ -103,7 +103,7 @@ impl Trainer {
         self.params_whole();
         let (rank, world) = (self.rank(), self.world_size());
         // With LoRA, the base with the adapters merged in: the model `eval` loads.
-        let params = self.model.merged_params();
+        let params = self.merged_params_everywhere()?;
         let (config, layout) = (self.model.config(), self.model.base_layout());
         let mut reports = Vec::with_capacity(self.tasks.tasks.len());
         for task in &self.tasks.tasks {
