@@ -354,7 +354,7 @@ impl Decoder {
     pub fn fork_from(&mut self, prefix: &Decoder) {
         let (s, from) = (self.shape, prefix.shape);
         assert!(
-            from.b == 1 && (from.c, from.nh, from.n_layer) == (s.c, s.nh, s.n_layer),
+            from.b == 1 && (from.c, from.kv, from.hs, from.n_layer) == (s.c, s.kv, s.hs, s.n_layer),
             "fork_from needs a one-sequence decoder of the same model"
         );
         assert!(
@@ -367,12 +367,12 @@ impl Decoder {
             (&mut self.keys, &prefix.keys),
             (&mut self.values, &prefix.values),
         ] {
-            // (L, 1, NH, from.max_len, HS) into (L, B, NH, max_len, HS).
+            // (L, 1, KV, from.max_len, HS) into (L, B, KV, max_len, HS).
             for l in 0..s.n_layer {
                 for seq in 0..s.b {
-                    for h in 0..s.nh {
-                        let at = ((l * s.b + seq) * s.nh + h) * dst_head;
-                        let from = (l * s.nh + h) * src_head;
+                    for h in 0..s.kv {
+                        let at = ((l * s.b + seq) * s.kv + h) * dst_head;
+                        let from = (l * s.kv + h) * src_head;
                         dst[at..at + used].copy_from_slice(&src[from..from + used]);
                     }
                 }
@@ -784,26 +784,39 @@ pub(crate) mod tests {
     }
 
     /// Three continuations of one prefix, forked from a one-sequence decoder, give
-    /// what three whole sequences give; truncating returns to the prefix.
+    /// what three whole sequences give; truncating returns to the prefix. GPT-2, and
+    /// a Llama with 4 query heads over 2 key/value heads and over one (the cache
+    /// holds KV heads: forking once indexed it by query heads).
     #[test]
     fn forked_continuations_match_whole_sequences() {
-        let mut gpt = random_gpt(small(false), 3, 9);
-        let v = gpt.config().vocab_size;
-        let head = tokens(5, v, 1);
-        let tails: Vec<Vec<u32>> = (0..3).map(|i| tokens(4, v, 10 + i)).collect();
-        let mut prefix_dec = Decoder::new(gpt.config(), 1, 8);
-        prefix_dec.feed(&gpt.params, &gpt.layout, &head, 5);
-        let mut forks = Decoder::new(gpt.config(), 3, 12);
-        for round in 0..2 {
-            forks.fork_from(&prefix_dec);
-            assert_eq!(forks.len(), 5);
-            let fed: Vec<u32> = tails.iter().flatten().copied().collect();
-            let got = forks.feed(&gpt.params, &gpt.layout, &fed, 4).to_vec();
-            let whole: Vec<Vec<u32>> = tails.iter().map(|t| [&head[..], t].concat()).collect();
-            let want = last_logits(&mut gpt, &prefix(&whole, 9), 3, 9);
-            assert_close(&format!("round {round}"), &got, &want);
-            forks.truncate(2);
-            assert_eq!(forks.len(), 2);
+        use crate::model::family::LlamaType;
+        use crate::model::tests_llama::tiny_llama;
+        let llama = |kv: usize| {
+            let mut cfg = tiny_llama(LlamaType::Llama, true, 0.0);
+            cfg.block_size = 12;
+            cfg.llama.as_mut().unwrap().n_kv_head = kv;
+            cfg
+        };
+        for cfg in [small(false), llama(2), llama(1)] {
+            let what = format!("{} KV heads", cfg.kv_heads());
+            let mut gpt = random_gpt(cfg, 3, 9);
+            let v = gpt.config().vocab_size;
+            let head = tokens(5, v, 1);
+            let tails: Vec<Vec<u32>> = (0..3).map(|i| tokens(4, v, 10 + i)).collect();
+            let mut prefix_dec = Decoder::new(gpt.config(), 1, 8);
+            prefix_dec.feed(&gpt.params, &gpt.layout, &head, 5);
+            let mut forks = Decoder::new(gpt.config(), 3, 12);
+            for round in 0..2 {
+                forks.fork_from(&prefix_dec);
+                assert_eq!(forks.len(), 5);
+                let fed: Vec<u32> = tails.iter().flatten().copied().collect();
+                let got = forks.feed(&gpt.params, &gpt.layout, &fed, 4).to_vec();
+                let whole: Vec<Vec<u32>> = tails.iter().map(|t| [&head[..], t].concat()).collect();
+                let want = last_logits(&mut gpt, &prefix(&whole, 9), 3, 9);
+                assert_close(&format!("{what}, round {round}"), &got, &want);
+                forks.truncate(2);
+                assert_eq!(forks.len(), 2);
+            }
         }
     }
 
