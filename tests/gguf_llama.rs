@@ -498,11 +498,18 @@ fn train_and_lora_from_a_llama_gguf_and_export_back() {
     let base = eval("base.gguf");
     for run in ["full", "lora"] {
         let file = format!("{run}.gguf");
-        common::ok(
+        let said = common::ok(
             root,
             &["export", "--from", run, "--to", &file, "--outtype", "f32"],
         );
         let f = GgufFile::open(&root.join(&file)).unwrap();
+        // The context the file records, the base's (the run trained 12-token blocks),
+        // is the one the summary line names.
+        let context = f.get("llama.context_length").unwrap().as_u64().unwrap();
+        let base_file = GgufFile::open(&root.join("base.gguf")).unwrap();
+        let base_context = base_file.get("llama.context_length").unwrap().as_u64();
+        assert_eq!((Some(context), context > 12), (base_context, true), "{run}");
+        assert!(said.contains(&format!("context {context})")), "{said}");
         assert_eq!(
             f.get("general.architecture").unwrap().as_str(),
             Some("llama")

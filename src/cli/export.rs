@@ -67,7 +67,7 @@ pub fn run(args: ExportArgs) -> Result<()> {
         c.n_head,
         c.n_embd,
         c.vocab_size,
-        c.block_size,
+        c.context_length(),
         summary.dir.display(),
         summary.files.join(", ")
     );
@@ -185,7 +185,7 @@ fn export_gguf(args: &ExportArgs, loaded: &LoadedModel) -> Result<()> {
         c.n_head,
         c.n_embd,
         c.vocab_size,
-        c.block_size,
+        c.context_length(),
         out.path.display(),
         out.bytes as f64 / 1e6,
         out.tensors,

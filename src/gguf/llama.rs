@@ -173,7 +173,7 @@ pub fn metadata(cfg: &ModelConfig, l: &LlamaConfig) -> Result<Vec<(String, Value
     }
     let n = |v: usize| Value::U32(v as u32);
     let mut m = vec![
-        ("context_length", n(context_length(cfg, l))),
+        ("context_length", n(cfg.context_length())),
         ("embedding_length", n(cfg.n_embd)),
         ("block_count", n(cfg.n_layer)),
         ("feed_forward_length", n(l.intermediate_size)),
@@ -198,16 +198,6 @@ pub fn metadata(cfg: &ModelConfig, l: &LlamaConfig) -> Result<Vec<(String, Value
     Ok(m.into_iter()
         .map(|(k, v)| (format!("{arch}.{k}"), v))
         .collect())
-}
-
-/// The context the model was made for: the source's `max_position_embeddings`,
-/// else the block size.
-fn context_length(cfg: &ModelConfig, l: &LlamaConfig) -> usize {
-    l.source_config
-        .as_ref()
-        .and_then(|c| c.get("max_position_embeddings"))
-        .and_then(serde_json::Value::as_u64)
-        .map_or(cfg.block_size, |n| n as usize)
 }
 
 /// A Llama-architecture GGUF's shape and settings, read and checked: the engine's

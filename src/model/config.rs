@@ -128,6 +128,17 @@ impl ModelConfig {
         }
     }
 
+    /// The context the model was made for, as its exports record it: a Llama
+    /// family's source `max_position_embeddings` (training may use a shorter block:
+    /// the rotary positions go on), else the block size (GPT-2's learned positions).
+    pub fn context_length(&self) -> usize {
+        let source = self.llama.as_ref().and_then(|l| l.source_config.as_ref());
+        source
+            .and_then(|c| c.get("max_position_embeddings"))
+            .and_then(serde_json::Value::as_u64)
+            .map_or(self.block_size, |n| n as usize)
+    }
+
     /// Key/value heads (KV: NH for GPT-2).
     pub fn kv_heads(&self) -> usize {
         self.llama.as_ref().map_or(self.n_head, |l| l.n_kv_head)
