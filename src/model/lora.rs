@@ -346,10 +346,8 @@ pub struct Frozen {
     pub state: LoraState,
     pub adapters: LoraLayout,
     /// Whether the blocks' linear weights of `params` are given back where the bf16
-    /// copy holds them ([`Frozen::release_linears`]), and whether they were: they
-    /// then read as zeros.
+    /// copy holds them ([`Frozen::release_linears`]): they then read as zeros.
     release: bool,
-    released: bool,
 }
 
 impl Frozen {
@@ -367,7 +365,6 @@ impl Frozen {
             state,
             adapters,
             release: false,
-            released: false,
         }
     }
 
@@ -380,7 +377,7 @@ impl Frozen {
     /// Once the f32 linears are given back: the weights to round are gone.
     pub fn set_dtype(&mut self, dtype: Dtype, backend: &Backend) {
         assert!(
-            !self.released,
+            !self.released(),
             "the frozen base's f32 linears were released"
         );
         let bf16 = dtype == Dtype::Bfloat16;
@@ -391,24 +388,14 @@ impl Frozen {
         }
         let mut at = 0;
         if self.release {
-            for linear in self.linears() {
+            for linear in linear_weights(&self.layout) {
                 bf16::round_into(&mut copy[at..linear.end], &self.params[at..linear.end]);
-                crate::resident::release(&mut self.params, linear.clone());
                 at = linear.end;
+                crate::resident::release(&mut self.params, linear);
             }
-            self.released = true;
         }
         bf16::round_into(&mut copy[at..], &self.params[at..]);
         self.params_bf16 = copy;
-    }
-
-    /// The blocks' linear weights, in arena order.
-    fn linears(&self) -> Vec<Range<usize>> {
-        let mut linears: Vec<_> = (self.layout.layers.iter())
-            .flat_map(|l| l.linears().map(|s| s.weight.range()))
-            .collect();
-        linears.sort_by_key(|r| r.start);
-        linears
     }
 
     /// Gives back the memory of the blocks' f32 linear weights wherever the bf16
@@ -420,28 +407,28 @@ impl Frozen {
     /// products read packs (AMX, AVX512-BF16), which keep the f32 base, and in f32,
     /// nothing is given back. Returns the bytes given back now.
     pub fn release_linears(&mut self) -> usize {
+        // Without a copy yet, `set_dtype` gives them back as it makes one.
+        let given = self.released() || self.params_bf16.is_empty();
         self.release = true;
-        if self.params_bf16.is_empty() || self.released {
+        if given {
             return 0;
         }
-        self.released = true;
-        let linears = self.linears();
-        for linear in &linears {
-            crate::resident::release(&mut self.params, linear.clone());
+        for linear in linear_weights(&self.layout) {
+            crate::resident::release(&mut self.params, linear);
         }
-        4 * linears.iter().map(|r| r.len()).sum::<usize>()
+        4 * Frozen::linears_len(&self.layout)
     }
 
-    /// Whether the f32 linears were given back ([`Frozen::release_linears`]).
+    /// Whether the f32 linears were given back ([`Frozen::release_linears`]): asked
+    /// for, and a copy holds them.
     pub fn released(&self) -> bool {
-        self.released
+        self.release && !self.params_bf16.is_empty()
     }
 
     /// Floats of the f32 linears [`Frozen::release_linears`] gives back in a model
     /// laid out by `layout`.
     pub fn linears_len(layout: &ParamLayout) -> usize {
-        let linears = layout.layers.iter().flat_map(|l| l.linears());
-        linears.map(|l| l.weight.len()).sum()
+        linear_weights(layout).iter().map(|r| r.len()).sum()
     }
 
     /// The base weights with every adapter merged in: `W += s · B · A` (the model
@@ -452,7 +439,7 @@ impl Frozen {
     /// ([`merge_into`]).
     pub fn merged(&self, adapters: &[f32]) -> Vec<f32> {
         assert!(
-            !self.released,
+            !self.released(),
             "the frozen base's f32 linears were released"
         );
         let mut params = self.params.clone();
@@ -465,6 +452,15 @@ impl Frozen {
         );
         params
     }
+}
+
+/// The blocks' linear weights of a model laid out by `layout`, in arena order.
+fn linear_weights(layout: &ParamLayout) -> Vec<Range<usize>> {
+    let mut linears: Vec<_> = (layout.layers.iter())
+        .flat_map(|l| l.linears().map(|s| s.weight.range()))
+        .collect();
+    linears.sort_by_key(|r| r.start);
+    linears
 }
 
 /// `W += s · B · A` for every adapter of `lora` (weights `adapters`) into the base
