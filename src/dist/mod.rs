@@ -409,6 +409,23 @@ impl Collective for Single {
     }
 }
 
+/// Rank 0's outcome on every rank (collective): `outcome` is rank 0's (None
+/// elsewhere). Its value stays where it is (`Some` on rank 0, `None` elsewhere);
+/// its error, as one line, becomes every rank's error, rank 0's included.
+pub fn root_outcome<T>(comm: &dyn Collective, outcome: Option<Result<T>>) -> Result<Option<T>> {
+    let (value, mut status) = match outcome {
+        Some(Ok(value)) => (Some(value), vec![0u8]),
+        Some(Err(e)) => (None, [&[1u8][..], format!("{e:#}").as_bytes()].concat()),
+        None => (None, Vec::new()),
+    };
+    comm.broadcast_bytes(&mut status, 0);
+    match status.split_first() {
+        Some((0, _)) => Ok(value),
+        Some((_, error)) => anyhow::bail!("{}", String::from_utf8_lossy(error)),
+        None => anyhow::bail!("internal error: nothing from rank 0"),
+    }
+}
+
 /// Whether ZeRO 1-3 reduce gradients with our ring reduce-scatter (the default)
 /// rather than MPI's collective (`NANOGPT_RING_REDUCE=0`, for A/B measurements:
 /// [`crate::tuning`]).

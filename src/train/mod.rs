@@ -163,25 +163,9 @@ impl Trainer {
             return Ok(self.model.merged_params());
         }
         let comm = &*self.comm;
-        let (mut base, mut status) = (Vec::new(), Vec::new());
-        if comm.rank() == 0 {
-            status = match self.base_again() {
-                Ok(loaded) => {
-                    base = loaded;
-                    vec![0u8]
-                }
-                Err(e) => [&[1u8][..], format!("{e:#}").as_bytes()].concat(),
-            };
-        }
-        comm.broadcast_bytes(&mut status, 0);
-        match status.split_first() {
-            Some((0, _)) => {}
-            Some((_, error)) => anyhow::bail!("{}", String::from_utf8_lossy(error)),
-            None => anyhow::bail!("internal error: no LoRA base from rank 0"),
-        }
-        if comm.rank() != 0 {
-            base = vec![0.0; self.model.base_layout().len];
-        }
+        let loaded = (comm.rank() == 0).then(|| self.base_again());
+        let mut base = dist::root_outcome(comm, loaded)?
+            .unwrap_or_else(|| vec![0.0; self.model.base_layout().len]);
         comm.broadcast(&mut base, 0);
         Ok(Cow::Owned(self.merge_into(base)))
     }

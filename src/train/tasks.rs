@@ -18,7 +18,7 @@ use crate::dist::Collective;
 use crate::metrics::{plot_loss, Row};
 use crate::progress::Progress;
 use crate::tasks::{self, Encoded, Scorer, Tally, TaskReport};
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, Context, Result};
 use std::path::Path;
 
 /// The tasks of a run, encoded once.
@@ -73,23 +73,18 @@ impl Tasks {
 
 /// Rank 0's bytes of the file at `path`, on every rank; rank 0's error on every rank.
 fn read_on_root(path: &Path, comm: &dyn Collective) -> Result<Vec<u8>> {
-    let mut message = Vec::new();
-    if comm.rank() == 0 {
-        let read = crate::fsutil::check_regular_file(path, "the task file").and_then(|()| {
+    let read = (comm.rank() == 0).then(|| {
+        crate::fsutil::check_regular_file(path, "the task file").and_then(|()| {
             std::fs::read(path)
                 .with_context(|| format!("cannot read the task file {}", path.display()))
-        });
-        message = match read {
-            Ok(bytes) => [&[0u8][..], &bytes].concat(),
-            Err(e) => [&[1u8][..], format!("{e:#}").as_bytes()].concat(),
-        };
-    }
-    comm.broadcast_bytes(&mut message, 0);
-    match message.split_first() {
-        Some((0, bytes)) => Ok(bytes.to_vec()),
-        Some((_, error)) => bail!("`eval_tasks`: {}", String::from_utf8_lossy(error)),
-        None => bail!("internal error: no task file from rank 0"),
-    }
+        })
+    });
+    let outcome = crate::dist::root_outcome(comm, read);
+    let mut bytes = outcome
+        .map_err(|e| anyhow!("`eval_tasks`: {e}"))?
+        .unwrap_or_default();
+    comm.broadcast_bytes(&mut bytes, 0);
+    Ok(bytes)
 }
 
 impl Trainer {
