@@ -204,14 +204,12 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
         .as_ref()
         .map_or(0, |g| reduction_buffers_len(g, ring));
     let bf16 = p.dtype == Dtype::Bfloat16;
-    let packs = match p.backend.packs_weights(bf16, sharded.is_some()) {
-        true => {
-            let (ckpt, frozen) = (p.activation_checkpointing, p.lora.is_some());
-            let linears = Packs::linears_pay(Some(p.micro_steps), ckpt, frozen);
-            Packs::bytes_for(&p.model, linears)
-        }
-        false => 0,
-    };
+    // Whether the products read packs, and whether the linears are among them.
+    let packed_linears = p.backend.packs_weights(bf16, sharded.is_some()).then(|| {
+        let (ckpt, frozen) = (p.activation_checkpointing, p.lora.is_some());
+        Packs::linears_pay(Some(p.micro_steps), ckpt, frozen)
+    });
+    let packs = packed_linears.map_or(0, |linears| Packs::bytes_for(&layout, &p.model, linears));
     // ZeRO 1-3: rank 0 receives a checkpoint's sharded tensors one at a time into a
     // buffer of the largest tensor's size while it writes the file; at stage 3 no
     // layer is gathered and no gradient held then, so the save adds to the step's
@@ -761,6 +759,8 @@ pub fn refusal(plan: &MemoryPlan, p: &PlanInput, grad_accum: usize) -> Option<St
 mod tests {
     use super::*;
     use crate::dist::{Bucket, DataParallel};
+    use crate::model::family::LlamaType;
+    use crate::model::tests_llama::tiny_llama;
     use crate::model::Gpt;
     use crate::optim::AdamW;
 
@@ -789,23 +789,29 @@ mod tests {
     fn linear_packs_are_planned_where_a_step_reads_them_more_than_once() {
         // One micro-step without recompute packs the linear weights per product
         // (no packs held); two micro-steps or checkpointing pack them once per step.
-        for ckpt in [false, true] {
-            for micro_steps in [1, 2] {
-                let p = PlanInput {
-                    micro_steps,
-                    ..input(Dtype::Bfloat16, ckpt, 0, 1)
-                };
-                let plan = rank_plan(&p, 0);
-                let mut gpt = Gpt::new(tiny(), 3, 8).unwrap();
-                gpt.set_activation_checkpointing(ckpt);
-                gpt.set_micro_steps(micro_steps);
-                gpt.set_dtype(Dtype::Bfloat16, &Backend::detect(None));
-                let case = format!("checkpointing {ckpt}, {micro_steps} micro-steps");
-                assert_eq!(plan.part(PACKS), gpt.packs_bytes() as u64, "{case}");
-                let wte_only = Packs::bytes_for(&tiny(), false) as u64;
-                let linears = micro_steps > 1 || ckpt;
-                if Backend::detect(None).reads_packs() && Packs::linears_pay(None, false, false) {
-                    assert_eq!(plan.part(PACKS) > wte_only, linears, "{case}");
+        // Llama's linears have shapes of their own (grouped K/V, SwiGLU's width).
+        for model in [tiny(), tiny_llama(LlamaType::Qwen2, false, 0.1)] {
+            for ckpt in [false, true] {
+                for micro_steps in [1, 2] {
+                    let p = PlanInput {
+                        model: model.clone(),
+                        micro_steps,
+                        ..input(Dtype::Bfloat16, ckpt, 0, 1)
+                    };
+                    let plan = rank_plan(&p, 0);
+                    let mut gpt = Gpt::new(model.clone(), 3, 8).unwrap();
+                    gpt.set_activation_checkpointing(ckpt);
+                    gpt.set_micro_steps(micro_steps);
+                    gpt.set_dtype(Dtype::Bfloat16, &Backend::detect(None));
+                    let case = format!("checkpointing {ckpt}, {micro_steps} micro-steps");
+                    assert_eq!(plan.part(PACKS), gpt.packs_bytes() as u64, "{case}");
+                    let layout = ParamLayout::new(&model);
+                    let wte_only = Packs::bytes_for(&layout, &model, false) as u64;
+                    let linears = micro_steps > 1 || ckpt;
+                    let here = Backend::detect(None);
+                    if here.reads_packs() && Packs::linears_pay(None, false, false) {
+                        assert_eq!(plan.part(PACKS) > wte_only, linears, "{case}");
+                    }
                 }
             }
         }
@@ -835,16 +841,27 @@ mod tests {
 
     #[test]
     fn lora_plan_parts_are_the_allocated_buffers() {
-        for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+        let models = [
+            (tiny(), "c_attn,mlp.c_proj"),
+            (
+                tiny_llama(LlamaType::Qwen2, false, 0.1),
+                "q_proj,v_proj,down_proj",
+            ),
+        ];
+        for ((model, targets), dtype) in models
+            .iter()
+            .flat_map(|m| [Dtype::Float32, Dtype::Bfloat16].map(|d| (m, d)))
+        {
             for ckpt in [false, true] {
                 for dropout in [0.0, 0.1] {
-                    let lora = LoraConfig::new(3, 8.0, dropout, "c_attn,mlp.c_proj").unwrap();
+                    let lora = LoraConfig::new(3, 8.0, dropout, targets).unwrap();
                     let p = PlanInput {
+                        model: model.clone(),
                         lora: Some(lora.clone()),
                         ..input(dtype, ckpt, 0, 1)
                     };
                     let plan = rank_plan(&p, 0);
-                    let mut gpt = Gpt::new(tiny(), 3, 8).unwrap();
+                    let mut gpt = Gpt::new(model.clone(), 3, 8).unwrap();
                     gpt.set_activation_checkpointing(ckpt);
                     let backend = Backend::detect(None);
                     gpt.set_dtype(dtype, &backend);
@@ -856,7 +873,8 @@ mod tests {
                     let opt = AdamW::new(&gpt.layout.decay_ranges(), Default::default());
                     let frozen = gpt.frozen().unwrap();
                     let bytes = |n: usize| n as u64 * 4;
-                    let case = format!("{dtype:?} checkpointing {ckpt} dropout {dropout}");
+                    let case =
+                        format!("{targets} {dtype:?} checkpointing {ckpt} dropout {dropout}");
                     assert_eq!(plan.part(WEIGHTS), bytes(gpt.params.len()), "{case}");
                     let resident = bytes(frozen.params.len()) - released;
                     assert_eq!(plan.part(FROZEN), resident, "{case}");

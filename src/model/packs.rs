@@ -72,16 +72,15 @@ impl Packs {
         }
     }
 
-    /// Bytes the packs of a model of `config` hold once made (the memory plan's line;
-    /// [`Packs::bytes`] measures the same).
-    pub fn bytes_for(config: &ModelConfig, linears: bool) -> usize {
+    /// Bytes the packs of a model of `config` laid out by `layout` hold once made
+    /// (the memory plan's line; [`Packs::bytes`] measures the same): `wte`'s, and with
+    /// `linears` each block's linear weights in the shapes its family gives them.
+    pub fn bytes_for(layout: &ParamLayout, config: &ModelConfig, linears: bool) -> usize {
         let (c, v) = (config.n_embd, config.vocab_size);
-        let block = WeightPacks::bytes_for(3 * c, c)
-            + WeightPacks::bytes_for(c, c)
-            + WeightPacks::bytes_for(4 * c, c)
-            + WeightPacks::bytes_for(c, 4 * c);
-        let layers = if linears { config.n_layer } else { 0 };
-        WeightPacks::bytes_for(v, c) + layers * block
+        let blocks = layout.layers.iter().filter(|_| linears);
+        let weights = blocks.flat_map(|at| at.linears());
+        let block_bytes: usize = weights.map(|s| WeightPacks::bytes_for(s.oc, s.c)).sum();
+        WeightPacks::bytes_for(v, c) + block_bytes
     }
 
     /// Whether the linear weights are packed ([`Packs::linears_pay`]).
