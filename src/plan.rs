@@ -227,10 +227,11 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
         Activations::lora_bytes_for(&p.model, b, t, ckpt, l.rank, l.dropout > 0.0)
     });
     let acts = Activations::num_bytes_for(&p.model, b, t, p.dtype, ckpt) + lora_acts;
-    // LoRA: the base's bf16 copy, where the model keeps one, replaces its f32 linears
-    // (`Frozen::release_linears`).
+    // LoRA: the base's bf16 copy, where the model keeps one, or its packs replace its
+    // f32 linears (`Frozen::release_linears`).
     let frozen_copy = p.backend.bf16_copy_len(bf16, false, frozen);
-    let frozen_released = match frozen_copy > 0 {
+    let held = frozen_copy > 0 || packed_linears == Some(true);
+    let frozen_released = match p.lora.is_some() && held {
         true => Frozen::linears_len(&layout),
         false => 0,
     };
@@ -866,10 +867,12 @@ mod tests {
                     let backend = Backend::detect(None);
                     gpt.set_dtype(dtype, &backend);
                     let mut gpt = gpt.with_lora(lora, ("test", 0), 1);
-                    // As `train` holds the base: a bf16 copy replaces its f32 linears.
+                    // As `train` holds the base: a bf16 copy or the packs replace its
+                    // f32 linears.
                     let released = gpt.release_frozen_linears() as u64;
-                    let copied = dtype == Dtype::Bfloat16 && backend.keeps_bf16_copy(true, false);
-                    assert_eq!(released > 0, copied);
+                    let held = backend.keeps_bf16_copy(true, false)
+                        || (backend.reads_packs() && Packs::linears_pay(None, false, true));
+                    assert_eq!(released > 0, dtype == Dtype::Bfloat16 && held);
                     let opt = AdamW::new(&gpt.layout.decay_ranges(), Default::default());
                     let frozen = gpt.frozen().unwrap();
                     let bytes = |n: usize| n as u64 * 4;

@@ -25,6 +25,7 @@
 use super::config::{Dtype, ModelConfig};
 use super::family::{known_lora_targets, Family, Role};
 use super::layout::{BlockLayout, ParamLayout, Span, TensorInfo};
+use super::packs::Packs;
 use crate::kernels::bf16::gemm::product;
 use crate::kernels::bf16::{self, Backend};
 use crate::kernels::dropout::{self, Dropout};
@@ -346,8 +347,12 @@ pub struct Frozen {
     pub state: LoraState,
     pub adapters: LoraLayout,
     /// Whether the blocks' linear weights of `params` are given back where the bf16
-    /// copy holds them ([`Frozen::release_linears`]): they then read as zeros.
+    /// copy or the packs hold them ([`Frozen::release_linears`]): they then read as
+    /// zeros.
     release: bool,
+    /// Whether packs hold the blocks' linear weights for the products
+    /// ([`Frozen::pack_into`]).
+    packed: bool,
 }
 
 impl Frozen {
@@ -365,13 +370,15 @@ impl Frozen {
             state,
             adapters,
             release: false,
+            packed: false,
         }
     }
 
     /// Makes (or drops) the bf16 copy of the base for `dtype` on `backend`, where the
-    /// model keeps one ([`Backend::keeps_bf16_copy`]; the base's weights are never lent).
-    /// After [`Frozen::release_linears`], each f32 linear is given back as soon as
-    /// its copy is made: the base is never held twice.
+    /// model keeps one ([`Backend::keeps_bf16_copy`]; the base's weights are never lent),
+    /// and forgets any packs ([`Frozen::pack_into`] packs again). After
+    /// [`Frozen::release_linears`], each f32 linear is given back as soon as its copy
+    /// is made: the base is never held twice.
     ///
     /// # Panics
     /// Once the f32 linears are given back: the weights to round are gone.
@@ -380,6 +387,7 @@ impl Frozen {
             !self.released(),
             "the frozen base's f32 linears were released"
         );
+        self.packed = false;
         let bf16 = dtype == Dtype::Bfloat16;
         let mut copy = vec![0.0; backend.bf16_copy_len(bf16, false, self.params.len())];
         if copy.is_empty() {
@@ -398,19 +406,47 @@ impl Frozen {
         self.params_bf16 = copy;
     }
 
-    /// Gives back the memory of the blocks' f32 linear weights wherever the bf16
-    /// copy holds them for the products (a bf16 run on a back-end that keeps one):
-    /// now if the copy exists, else as [`Frozen::set_dtype`] makes it. Nothing in
+    /// Packs the base into `packs` (made for this model) for the products that read
+    /// packs (AMX, AVX512-BF16), rounding: `wte`, then block by block. After
+    /// [`Frozen::release_linears`], each block's f32 linears are given back as soon
+    /// as they are packed, where the packs hold them ([`Packs::has_linears`]): the
+    /// base is never held twice.
+    ///
+    /// # Panics
+    /// Once the f32 linears are given back: the weights to pack are gone.
+    pub fn pack_into(&mut self, packs: &mut Packs, config: &ModelConfig) {
+        assert!(
+            !self.released(),
+            "the frozen base's f32 linears were released"
+        );
+        self.packed = packs.has_linears();
+        let starts = std::iter::once(self.layout.classifier().start)
+            .chain(self.layout.layers.iter().map(|at| at.span.start));
+        for (i, start) in starts.enumerate() {
+            packs.pack_range(start..start + 1, &self.params, &self.layout, config);
+            if let Some(at) = i.checked_sub(1).map(|l| &self.layout.layers[l]) {
+                if self.released() {
+                    for s in at.linears() {
+                        crate::resident::release(&mut self.params, s.weight.range());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Gives back the memory of the blocks' f32 linear weights wherever something
+    /// else holds them for the products in a bf16 run: a rounded copy (the f32 GEMM,
+    /// oneDNN) or the packs (AMX, AVX512-BF16). Now if the copy or the packs exist,
+    /// else as [`Frozen::set_dtype`] or [`Frozen::pack_into`] makes them. Nothing in
     /// such a run reads them again, so the base is held once, rounded, with only its
     /// embeddings, norms and biases also in f32. The weights for [`Frozen::merged`]
-    /// must then come from the base's source again ([`Frozen::released`]). Where the
-    /// products read packs (AMX, AVX512-BF16), which keep the f32 base, and in f32,
+    /// must then come from the base's source again ([`Frozen::released`]). In f32,
+    /// and with `NANOGPT_BF16_PACKS=0` (the products then read the f32 base),
     /// nothing is given back. Returns the bytes given back now.
     pub fn release_linears(&mut self) -> usize {
-        // Without a copy yet, `set_dtype` gives them back as it makes one.
-        let given = self.released() || self.params_bf16.is_empty();
+        let now = !self.release && self.held_elsewhere();
         self.release = true;
-        if given {
+        if !now {
             return 0;
         }
         for linear in linear_weights(&self.layout) {
@@ -420,9 +456,15 @@ impl Frozen {
     }
 
     /// Whether the f32 linears were given back ([`Frozen::release_linears`]): asked
-    /// for, and a copy holds them.
+    /// for, and a copy or the packs hold them.
     pub fn released(&self) -> bool {
-        self.release && !self.params_bf16.is_empty()
+        self.release && self.held_elsewhere()
+    }
+
+    /// Whether the products read the blocks' linear weights from somewhere other
+    /// than `params`: the rounded copy or the packs.
+    fn held_elsewhere(&self) -> bool {
+        !self.params_bf16.is_empty() || self.packed
     }
 
     /// Floats of the f32 linears [`Frozen::release_linears`] gives back in a model

@@ -363,8 +363,8 @@ impl Gpt {
     }
 
     /// LoRA: gives back the frozen base's f32 linears wherever a rounded bf16 copy
-    /// holds them (bf16 on a back-end that keeps one), now or as [`Gpt::set_dtype`]
-    /// makes the copy, matrix by matrix: no pass reads them again
+    /// or the packs hold them (bf16), now or as [`Gpt::set_dtype`] makes them,
+    /// matrix by matrix or block by block: no pass reads them again
     /// ([`Frozen::release_linears`]). Returns the bytes given back now.
     pub fn release_frozen_linears(&mut self) -> usize {
         self.frozen.as_mut().map_or(0, |f| f.release_linears())
@@ -471,8 +471,7 @@ impl Gpt {
         if let Some(f) = self.frozen.as_mut() {
             f.set_dtype(dtype, &self.precision.backend);
             if let Some(packs) = self.precision.packs.as_mut() {
-                let base = matmul_weights(true, &f.params, &f.params_bf16);
-                packs.pack_all(base, &f.layout, &self.config);
+                f.pack_into(packs, &self.config);
             }
         }
         self.sync_bf16_weights();
