@@ -26,8 +26,7 @@ fn check_task(kind: TaskKind, file: &str, key: &str) {
         path: fixture(file),
     };
     let bytes = std::fs::read(&spec.path).unwrap();
-    let vocab = loaded.config.vocab_size;
-    let questions = load_task(&spec, &bytes, None, &tokenizer, vocab).unwrap();
+    let questions = load_task(&spec, &bytes, None, &tokenizer, &loaded.config).unwrap();
     let want = expected["loglikelihoods"].as_array().unwrap();
     assert_eq!(questions.len(), want.len());
     let layout = ParamLayout::new(&loaded.config);
@@ -293,6 +292,10 @@ fn eval_tasks_that_cannot_be_read_are_refused_before_training() {
         "{\"context\": \"x\", \"choices\": [\"a\"], \"label\": 0}\n",
     )
     .unwrap();
+    // A choice longer than the block (the tiny model's, 16) cannot be scored.
+    let long = "word ".repeat(10);
+    let line = format!("{{\"context\": \"x\", \"choices\": [\"a\", \"{long}\"], \"label\": 0}}\n");
+    std::fs::write(d.join("long.jsonl"), line.repeat(2)).unwrap();
     let base = [
         &["train"],
         &TINY_SHAKESPEARE[..],
@@ -303,6 +306,10 @@ fn eval_tasks_that_cannot_be_read_are_refused_before_training() {
         ("eval_tasks=choice:missing.jsonl", "missing.jsonl"),
         ("eval_tasks=hellaswag:h.jsonl", "h.jsonl line 1"),
         ("eval_tasks=hellaswag", "is not KIND:PATH"),
+        (
+            "eval_tasks=choice:long.jsonl",
+            "long.jsonl: question 1: choice 1 encodes to 51 tokens, more than the block of 16",
+        ),
     ] {
         let err = fails(d, &[&base[..], &[task]].concat());
         assert!(

@@ -38,8 +38,7 @@ pub fn run(args: &TaskArgs, kind: TaskKind) -> Result<()> {
     }
     comm.broadcast_bytes(&mut bytes, 0);
     let tokenizer = &loaded.tokenizer;
-    let vocab = loaded.config.vocab_size;
-    let questions = tasks::load_task(&spec, &bytes, args.limit, tokenizer, vocab)?;
+    let questions = tasks::load_task(&spec, &bytes, args.limit, tokenizer, &loaded.config)?;
     let layout = ParamLayout::new(&loaded.config);
     let mut scorer = Scorer::new(&loaded.config, &questions);
     let mine = questions.len().saturating_sub(rank).div_ceil(world);

@@ -24,6 +24,7 @@ pub mod hellaswag;
 pub mod score;
 
 use crate::data::Tokenizer;
+use crate::model::ModelConfig;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use std::fmt;
@@ -309,22 +310,33 @@ pub(crate) fn is_python_space(c: char) -> bool {
     c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
 }
 
-/// Reads and encodes a task's questions for a model with `tokenizer` and `vocab`.
+/// Reads and encodes a task's questions for a model of `config` with `tokenizer`.
+/// Fails where a choice has more tokens than the model's block: it cannot be scored.
 pub fn load_task(
     spec: &TaskSpec,
     bytes: &[u8],
     limit: Option<usize>,
     tokenizer: &Tokenizer,
-    vocab: usize,
+    config: &ModelConfig,
 ) -> Result<Vec<Encoded>> {
     let origin = spec.path.display().to_string();
     let questions = parse_questions(spec.kind, bytes, &origin, limit)?;
+    let block = config.block_size;
+    let encode_one = |q: &Question| {
+        let encoded = encode(q, tokenizer, config.vocab_size)?;
+        let mut lengths = encoded.choices.iter().map(Vec::len).enumerate();
+        if let Some((k, m)) = lengths.find(|&(_, m)| m > block) {
+            bail!(
+                "choice {k} encodes to {m} tokens, more than the block of {block} the model \
+                 scores it in (`block_size`): raise block_size or shorten the choice"
+            );
+        }
+        Ok(encoded)
+    };
     questions
         .iter()
         .enumerate()
-        .map(|(i, q)| {
-            encode(q, tokenizer, vocab).with_context(|| format!("{origin}: question {}", i + 1))
-        })
+        .map(|(i, q)| encode_one(q).with_context(|| format!("{origin}: question {}", i + 1)))
         .collect()
 }
 

@@ -217,8 +217,7 @@ impl Trainer {
             // before its fields (`comm`, the model) are dropped.
             unsafe { dp.keep_gathers_in_flight(&state.model) };
         }
-        let vocab = state.model.config().vocab_size;
-        let tasks = Tasks::load(&cfg, &*comm, &data.tokenizer, vocab)?;
+        let tasks = Tasks::load(&cfg, &*comm, &data.tokenizer, state.model.config())?;
         let root = comm.rank() == 0;
         // A resumed run drops the rows logged past its checkpoint (it runs them again);
         // an evaluation-only run changes nothing logged: every row stays, and its

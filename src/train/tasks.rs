@@ -16,6 +16,7 @@ use crate::config::TrainConfig;
 use crate::data::Tokenizer;
 use crate::dist::Collective;
 use crate::metrics::{plot_loss, Row};
+use crate::model::ModelConfig;
 use crate::progress::Progress;
 use crate::tasks::{self, Encoded, Scorer, Tally, TaskReport};
 use anyhow::{anyhow, Context, Result};
@@ -37,19 +38,19 @@ struct Task {
 
 impl Tasks {
     /// Reads and encodes `cfg.eval_tasks` (their first `eval_tasks_limit` questions)
-    /// for a model of `vocab` tokens.
+    /// for a model of `config`.
     pub(super) fn load(
         cfg: &TrainConfig,
         comm: &dyn Collective,
         tokenizer: &Tokenizer,
-        vocab: usize,
+        config: &ModelConfig,
     ) -> Result<Tasks> {
         let limit = (cfg.eval_tasks_limit > 0).then_some(cfg.eval_tasks_limit as usize);
         let mut tasks = Vec::new();
         for spec in cfg.tasks()? {
             let bytes = read_on_root(&spec.path, comm)?;
-            let questions =
-                tasks::load_task(&spec, &bytes, limit, tokenizer, vocab).context("`eval_tasks`")?;
+            let questions = tasks::load_task(&spec, &bytes, limit, tokenizer, config)
+                .context("`eval_tasks`")?;
             tasks.push(Task {
                 name: spec.name(),
                 questions,
