@@ -316,6 +316,7 @@ impl Gpt {
         let adapters = LoraLayout::new(&self.config, &lora);
         let len = adapters.params.len;
         let dtype = self.precision.dtype;
+        let (rank, dropout) = (lora.rank, lora.dropout > 0.0);
         let state = lora::LoraState {
             config: lora,
             base: base.0.to_string(),
@@ -333,12 +334,16 @@ impl Gpt {
         lora::init_adapters(&mut self.params, &frozen.adapters, seed);
         self.grads = vec![0.0; len];
         self.frozen = Some(Box::new(frozen));
-        // Rebuild the activations and the bf16 copies for the adapted model.
+        // The bf16 copies for the adapted model, and the adapters' buffers beside the
+        // arena, which stays: made again, its pages could all be touched at once
+        // (the allocator zeroes reused memory), beside the whole f32 base.
         self.precision.dtype = Dtype::Float32;
         self.precision.params_bf16 = Vec::new();
         self.precision.packs = None;
-        self.pass.acts = Activations::new(&self.config, 0, 0, Dtype::Float32, false);
-        self.set_dtype_rebuild(dtype);
+        self.rebuild_weights(dtype);
+        let (b, t) = (self.pass.max_b, self.pass.max_t);
+        self.pass.acts.add_lora(&self.config, b * t, rank, dropout);
+        self.sync_bf16_weights();
         self
     }
 
@@ -455,10 +460,19 @@ impl Gpt {
         }
     }
 
-    /// [`Gpt::set_dtype`] once the old activations are freed: the arena, the bf16
-    /// copies (with LoRA, the frozen base's, made once, and its packs).
+    /// [`Gpt::set_dtype`] once the old activations are freed: the bf16 copies (with
+    /// LoRA, the frozen base's, made once, and its packs), then the arena, so that a
+    /// LoRA base whose f32 linears are given back as it is rounded or packed
+    /// ([`Gpt::release_frozen_linears`]) never coexists whole with the activations.
     fn set_dtype_rebuild(&mut self, dtype: Dtype) {
+        self.rebuild_weights(dtype);
         self.rebuild_activations(dtype, self.pass.checkpointing);
+        self.sync_bf16_weights();
+    }
+
+    /// The bf16 copies and packs for `dtype` (with LoRA, the frozen base's, made
+    /// once), before [`Gpt::sync_bf16_weights`] fills the trained arena's.
+    fn rebuild_weights(&mut self, dtype: Dtype) {
         let bf16 = dtype == Dtype::Bfloat16;
         let len =
             self.precision
@@ -474,7 +488,6 @@ impl Gpt {
                 f.pack_into(packs, &self.config);
             }
         }
-        self.sync_bf16_weights();
     }
 
     /// Empty (stale) packs where the bf16 products read packs
