@@ -175,6 +175,11 @@ fn params(out: &str) -> (ParamLayout, Vec<f32>, u64) {
 /// Every step's loss and every evaluation of `b` within 1e-5 (relative) of `a`'s,
 /// row for row; returns the largest relative difference.
 fn assert_same_losses(a: &str, b: &str) -> f64 {
+    assert_close_losses(a, b, 1e-5)
+}
+
+/// [`assert_same_losses`] within `tolerance` (relative).
+fn assert_close_losses(a: &str, b: &str, tolerance: f64) -> f64 {
     let ((sa, ea), (sb, eb)) = (losses(a), losses(b));
     assert_eq!(sa.len(), sb.len(), "{a} vs {b}: step rows");
     assert_eq!(ea.len(), eb.len(), "{a} vs {b}: eval rows");
@@ -183,7 +188,7 @@ fn assert_same_losses(a: &str, b: &str) -> f64 {
         assert_eq!(ia, ib);
         let rel = (la - lb).abs() / la.abs().max(1e-6);
         assert!(
-            rel <= 1e-5,
+            rel <= tolerance,
             "{a} vs {b} at iteration {ia}: loss {la} vs {lb}"
         );
         worst = worst.max(rel);
@@ -445,7 +450,12 @@ fn llama_with_gqa_follows_the_one_process_run_at_every_zero_stage() {
     let bf16 = ["dtype=bfloat16", "zero_stage=3"];
     llama(0, "llama-bf16-1", &bf16[..1]);
     llama(3, "llama-bf16-3", &bf16);
-    let worst = assert_same_losses("llama-bf16-1", "llama-bf16-3");
+    // Ranks sum their micro-steps' gradients in another order than one process
+    // does: the weights then differ by an f32 ulp (1.2e-7 above), and in bf16 such
+    // an ulp can carry a weight across a rounding boundary of its bf16 copy. On
+    // AVX512-BF16 that moved the loss by 2.6e-5 (relative) by iteration 5; a
+    // missed or stale micro-step moves it by 1e-3 and more.
+    let worst = assert_close_losses("llama-bf16-1", "llama-bf16-3", 2e-4);
     eprintln!("llama-bf16-1 vs llama-bf16-3: largest relative loss difference {worst:e}");
     let lora = [
         "lora_rank=4",
