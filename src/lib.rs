@@ -1,4 +1,4 @@
-//! nanogpt: train and fine-tune GPT-2-class language models on CPUs.
+//! nanogpt: train and fine-tune GPT-2 and Llama-family language models on CPUs.
 //!
 //! The numerical core is llm.c-style: hand-written forward/backward kernels
 //! ([`kernels`]) over flat parameter, gradient and activation buffers ([`model`]),

@@ -19,7 +19,8 @@ use clap::{Parser, Subcommand};
 #[command(
     name = "nanogpt",
     version,
-    about = "Train and fine-tune GPT-2-class models on CPUs"
+    about = "Train and fine-tune GPT-2 and Llama-family models (Llama 3, SmolLM2, Qwen2.5, \
+             Qwen3) on CPUs"
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -41,7 +42,8 @@ pub enum Command {
     /// Serve a model over an OpenAI-compatible HTTP API (completions, chat,
     /// streaming, logprobs), on loopback unless told otherwise.
     Serve(serve::ServeArgs),
-    /// Write a trained model as a Hugging Face GPT-2 directory (transformers opens it).
+    /// Write a trained model as a Hugging Face model directory (transformers opens
+    /// it) or a GGUF file (llama.cpp, Ollama).
     Export(export::ExportArgs),
     /// Time training steps on synthetic tokens: ms/step, tokens/s, MFU, peak RSS.
     Bench(bench::BenchArgs),
