@@ -204,12 +204,14 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
         .as_ref()
         .map_or(0, |g| reduction_buffers_len(g, ring));
     let bf16 = p.dtype == Dtype::Bfloat16;
-    // Whether the products read packs, and whether the linears are among them.
-    let packed_linears = p.backend.packs_weights(bf16, sharded.is_some()).then(|| {
-        let (ckpt, frozen) = (p.activation_checkpointing, p.lora.is_some());
-        Packs::linears_pay(Some(p.micro_steps), ckpt, frozen)
-    });
-    let packs = packed_linears.map_or(0, |linears| Packs::bytes_for(&layout, &p.model, linears));
+    let packs = match p.backend.packs_weights(bf16, sharded.is_some()) {
+        true => {
+            let (ckpt, frozen) = (p.activation_checkpointing, p.lora.is_some());
+            let linears = Packs::linears_pay(Some(p.micro_steps), ckpt, frozen);
+            Packs::bytes_for(&layout, &p.model, linears)
+        }
+        false => 0,
+    };
     // ZeRO 1-3: rank 0 receives a checkpoint's sharded tensors one at a time into a
     // buffer of the largest tensor's size while it writes the file; at stage 3 no
     // layer is gathered and no gradient held then, so the save adds to the step's
@@ -230,8 +232,7 @@ pub fn rank_plan(p: &PlanInput, rank: usize) -> RankPlan {
     // LoRA: the base's bf16 copy, where the model keeps one, or its packs replace its
     // f32 linears (`Frozen::release_linears`).
     let frozen_copy = p.backend.bf16_copy_len(bf16, false, frozen);
-    let held = frozen_copy > 0 || packed_linears == Some(true);
-    let frozen_released = match p.lora.is_some() && held {
+    let frozen_released = match p.lora.is_some() && Frozen::gives_back_linears(bf16, &p.backend) {
         true => Frozen::linears_len(&layout),
         false => 0,
     };
@@ -870,9 +871,8 @@ mod tests {
                     // As `train` holds the base: a bf16 copy or the packs replace its
                     // f32 linears.
                     let released = gpt.release_frozen_linears() as u64;
-                    let held = backend.keeps_bf16_copy(true, false)
-                        || (backend.reads_packs() && Packs::linears_pay(None, false, true));
-                    assert_eq!(released > 0, dtype == Dtype::Bfloat16 && held);
+                    let bf16 = dtype == Dtype::Bfloat16;
+                    assert_eq!(released > 0, Frozen::gives_back_linears(bf16, &backend));
                     let opt = AdamW::new(&gpt.layout.decay_ranges(), Default::default());
                     let frozen = gpt.frozen().unwrap();
                     let bytes = |n: usize| n as u64 * 4;

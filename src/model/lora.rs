@@ -420,18 +420,31 @@ impl Frozen {
             "the frozen base's f32 linears were released"
         );
         self.packed = packs.has_linears();
-        let starts = std::iter::once(self.layout.classifier().start)
-            .chain(self.layout.layers.iter().map(|at| at.span.start));
-        for (i, start) in starts.enumerate() {
+        let release = self.released();
+        let classifier = self.layout.classifier().start;
+        packs.pack_range(
+            classifier..classifier + 1,
+            &self.params,
+            &self.layout,
+            config,
+        );
+        for at in &self.layout.layers {
+            let start = at.span.start;
             packs.pack_range(start..start + 1, &self.params, &self.layout, config);
-            if let Some(at) = i.checked_sub(1).map(|l| &self.layout.layers[l]) {
-                if self.released() {
-                    for s in at.linears() {
-                        crate::resident::release(&mut self.params, s.weight.range());
-                    }
+            if release {
+                for s in at.linears() {
+                    crate::resident::release(&mut self.params, s.weight.range());
                 }
             }
         }
+    }
+
+    /// Whether a bf16 run on `backend` gives the base's f32 linears back after
+    /// [`Frozen::release_linears`]: where its products read a rounded copy or packs
+    /// of them ([`Frozen::released`] then says so of the model itself).
+    pub fn gives_back_linears(bf16: bool, backend: &Backend) -> bool {
+        let packed = backend.packs_weights(bf16, false) && Packs::linears_pay(None, false, true);
+        backend.keeps_bf16_copy(bf16, false) || packed
     }
 
     /// Gives back the memory of the blocks' f32 linear weights wherever something

@@ -250,8 +250,7 @@ fn a_bf16_base_without_its_f32_linears_trains_bit_for_bit() {
                 let got = (&losses, &adapters, &logits);
                 assert_eq!(got, (&kept.0, &kept.1, &kept.2), "{case}");
                 let frozen = gpt.frozen().unwrap();
-                let copied = backend.keeps_bf16_copy(true, false)
-                    || (backend.reads_packs() && Packs::linears_pay(None, false, true));
+                let copied = Frozen::gives_back_linears(true, &backend);
                 assert_eq!(frozen.released(), copied, "{case}");
                 let linears: Vec<_> = (frozen.layout.layers.iter())
                     .flat_map(|l| l.linears().map(|s| s.weight.range()))
